@@ -1,0 +1,85 @@
+"""The attention seam: the model calls a backend; backends differ only in kernels.
+
+Token order inside a step: the ``num_decodes`` decode sequences come first (one token each), then
+the prefill chunks. ``block_tables``, ``seq_lens`` and ``query_start_loc`` cover all sequences in
+that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.kv_write import write_kv_ref
+from kernels.prefill_attention import paged_prefill_attention_ref
+
+
+@dataclass
+class AttentionMetadata:
+    num_decodes: int  # decode sequences, first in the batch; one token each
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset per new token
+    block_tables: torch.Tensor  # [B, M] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32: token offsets of each sequence
+    max_seq_len: int
+    max_query_len: int
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store this step's K/V ([T, Hkv, D]) at ``meta.slot_mapping`` in one layer's cache views."""
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q ([T, Hq, D]) over the cache, which already holds this step's K/V.
+        Returns [T, Hq, D]; causal within each sequence."""
+
+
+class TorchAttentionBackend:
+    """Plain-torch reference kernels; the CPU path and the oracle for the Triton kernels."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, meta):
+        write_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(paged_decode_attention_ref(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale))
+        if q.shape[0] > nd:
+            qsl = meta.query_start_loc[nd:] - nd
+            parts.append(paged_prefill_attention_ref(
+                q[nd:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:], scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        try:
+            from kernels.backend import TritonAttentionBackend
+        except ImportError as exc:
+            raise ValueError(f"attention backend 'triton' is not available: {exc}") from exc
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")

@@ -1,0 +1,20 @@
+"""Wire types (pydantic v2, JSON) and the one module forming subject names (``subjects``)."""
+
+from shared.protocol.admission import AdmissionDecision
+from shared.protocol.base import WireModel
+from shared.protocol.errors import ErrorReply
+from shared.protocol.generate import (CancelRequest, GenerateRequest, SamplingParams, TokenChunk,
+                                      TokenLogprob, TopLogprob)
+from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
+                                KvEventBatch, KvMatchRequest, KvMatchResult, WorkerOverlap)
+from shared.protocol.subjects import Endpoint, Subjects
+from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
+                                     ControlResult, WorkerInfo, WorkerLoad, WorkerStatus)
+
+__all__ = [
+    "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
+    "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
+    "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
+    "KvMatchResult", "SamplingParams", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",
+]

@@ -1,0 +1,79 @@
+"""Generation: gateway → admission → decode worker, and the token stream back."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.protocol.base import BlockHash, RequestId, WireModel, WorkerId
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(WireModel):
+    """Mirrors the engine's sampling parameters; ranges are checked again by the engine."""
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class GenerateRequest(WireModel):
+    """One request, tokenized and hashed by the gateway.
+
+    ``block_hashes`` are the chained hashes of the prompt's full blocks (``hash_blocks`` with the
+    worker's block size and namespace); admission uses them for the prefix-overlap lookup.
+    """
+
+    request_id: RequestId
+    model: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+    block_hashes: list[BlockHash] = Field(default_factory=list)
+    priority: int = 0
+    tier: str = "default"
+    created_at: float = 0.0
+
+
+class TopLogprob(WireModel):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(WireModel):
+    """The sampled token's log-probability and the ``n`` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class TokenChunk(WireModel):
+    """One step of a request's output stream. ``index`` counts chunks from 0 so a consumer sees gaps;
+    the last chunk of a stream has ``finish_reason`` set."""
+
+    request_id: RequestId
+    index: int = Field(ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = Field(0, ge=0)
+    num_cached_tokens: int = Field(0, ge=0)
+    worker_id: WorkerId | None = None
+
+
+class CancelRequest(WireModel):
+    """Published (no reply) to a worker's cancel subject when the client went away."""
+
+    request_id: RequestId
+    reason: str = "client disconnected"

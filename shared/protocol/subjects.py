@@ -1,0 +1,91 @@
+"""The one module that forms NATS subject, stream and bucket names, each paired with its payload.
+
+Every name starts with ``<namespace>.v1.`` (``tandem.v1.`` by default). The namespace lets several
+clusters, or several tests, share one nats-server without seeing each other's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from shared.protocol.admission import AdmissionDecision
+from shared.protocol.base import WireModel
+from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
+from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
+from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
+                                     ControlResult, Role, WorkerLoad)
+
+VERSION = "v1"
+DEFAULT_NAMESPACE = "tandem"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+Req = TypeVar("Req", bound=WireModel)
+Rep = TypeVar("Rep", bound=WireModel)
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[Req, Rep]):
+    """A subject with the type sent on it and the type replied (``None``: publish, no reply)."""
+
+    subject: str
+    request_type: type[Req]
+    reply_type: type[Rep] | None = None
+
+
+def _token(value: str, what: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match {_TOKEN.pattern} to be a subject token")
+    return value
+
+
+class Subjects:
+    def __init__(self, namespace: str = DEFAULT_NAMESPACE) -> None:
+        self.namespace = _token(namespace, "namespace")
+        self._root = f"{namespace}.{VERSION}"
+
+    # --- request/reply and streams -------------------------------------------------------------
+    def admission_submit(self) -> Endpoint[GenerateRequest, AdmissionDecision]:
+        return Endpoint(f"{self._root}.admission.submit", GenerateRequest, AdmissionDecision)
+
+    def decode_generate(self, worker_id: str) -> Endpoint[GenerateRequest, TokenChunk]:
+        """Streamed replies: TokenChunk after TokenChunk to the request's reply subject."""
+        return Endpoint(f"{self._root}.decode.{_token(worker_id, 'worker_id')}.generate",
+                        GenerateRequest, TokenChunk)
+
+    def decode_cancel(self, worker_id: str) -> Endpoint[CancelRequest, WireModel]:
+        return Endpoint(f"{self._root}.decode.{_token(worker_id, 'worker_id')}.cancel", CancelRequest)
+
+    def control(self, worker_id: str) -> Endpoint[ControlRequest, ControlResult]:
+        return Endpoint(f"{self._root}.control.{_token(worker_id, 'worker_id')}",
+                        ControlRequest, ControlResult)
+
+    def kvindex_match(self) -> Endpoint[KvMatchRequest, KvMatchResult]:
+        return Endpoint(f"{self._root}.kvindex.match", KvMatchRequest, KvMatchResult)
+
+    def cluster_status(self) -> Endpoint[ClusterStatusRequest, ClusterStatusResult]:
+        return Endpoint(f"{self._root}.autoscaler.status", ClusterStatusRequest, ClusterStatusResult)
+
+    # --- publish-only ----------------------------------------------------------------------------
+    def kv_events(self, worker_id: str) -> Endpoint[KvEventBatch, WireModel]:
+        return Endpoint(f"{self._root}.kv.events.{_token(worker_id, 'worker_id')}", KvEventBatch)
+
+    def kv_events_all(self) -> Endpoint[KvEventBatch, WireModel]:
+        return Endpoint(f"{self._root}.kv.events.*", KvEventBatch)
+
+    def load(self, role: Role, worker_id: str) -> Endpoint[WorkerLoad, WireModel]:
+        return Endpoint(f"{self._root}.load.{_token(role, 'role')}.{_token(worker_id, 'worker_id')}",
+                        WorkerLoad)
+
+    def load_all(self) -> Endpoint[WorkerLoad, WireModel]:
+        return Endpoint(f"{self._root}.load.*.*", WorkerLoad)
+
+    # --- JetStream objects (names may not contain dots) -------------------------------------------
+    @property
+    def kv_events_stream(self) -> str:
+        return f"{self.namespace.upper()}_KV_EVENTS"
+
+    @property
+    def workers_bucket(self) -> str:
+        return f"{self.namespace}-workers"

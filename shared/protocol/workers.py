@@ -1,0 +1,79 @@
+"""Workers: registry entries, load reports, control, and the cluster view built from them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.protocol.base import WireModel, WorkerId
+
+Role = Literal["decode", "prefill"]
+WorkerState = Literal["starting", "ready", "draining"]
+
+
+class WorkerInfo(WireModel):
+    """A worker's entry in the ``<ns>-workers`` KV bucket, refreshed by its heartbeat."""
+
+    worker_id: WorkerId
+    role: Role
+    state: WorkerState = "ready"
+    model: str
+    block_size: int = Field(ge=1)
+    max_model_len: int = Field(ge=1)
+    num_blocks_total: int = Field(0, ge=0)
+    max_num_seqs: int = Field(1, ge=1)
+    generate_subject: str
+    cancel_subject: str
+    control_subject: str | None = None
+    kv_namespace_hex: str = ""
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+
+
+class WorkerLoad(WireModel):
+    """Published about once a second on ``<ns>.v1.load.<role>.<worker>``."""
+
+    worker_id: WorkerId
+    role: Role
+    seq: int = Field(ge=0)
+    timestamp: float
+    num_running: int = Field(0, ge=0)
+    num_waiting: int = Field(0, ge=0)
+    num_blocks_used: int = Field(0, ge=0)
+    num_blocks_total: int = Field(0, ge=0)
+    num_cached_blocks: int = Field(0, ge=0)
+    max_num_seqs: int = Field(1, ge=1)
+    ttft_recent_s: float | None = None
+    itl_recent_s: float | None = None
+    num_requests_total: int = Field(0, ge=0)
+    num_requests_aborted: int = Field(0, ge=0)
+    num_prompt_tokens_total: int = Field(0, ge=0)
+    num_generated_tokens_total: int = Field(0, ge=0)
+
+
+class ControlRequest(WireModel):
+    action: Literal["drain", "stop"]
+
+
+class ControlResult(WireModel):
+    worker_id: WorkerId
+    state: WorkerState
+    num_in_flight: int = Field(0, ge=0)
+
+
+class ClusterStatusRequest(WireModel):
+    pass
+
+
+class WorkerStatus(WireModel):
+    info: WorkerInfo
+    load: WorkerLoad | None = None
+    load_age_s: float | None = None
+
+
+class ClusterStatusResult(WireModel):
+    timestamp: float
+    workers: list[WorkerStatus] = Field(default_factory=list)

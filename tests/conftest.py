@@ -1,0 +1,21 @@
+"""Session-wide fixtures shared by every test directory. Keep it small: fixtures that only one
+area needs belong in that directory's own conftest.py.
+
+The ``slow`` marker (declared in pyproject.toml) tags tests that load the real default model or
+start processes; deselect them with ``-m "not slow"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.model.registry import DEFAULT_MODEL, resolve_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF, fetched once into the default cache
+    (``TANDEM_CACHE_DIR`` or ``~/.cache/tandem``) and reused by later runs."""
+    return resolve_model(DEFAULT_MODEL).path

@@ -1,0 +1,270 @@
+"""The only code that talks to NATS: connect, request/reply, streamed replies, serving with one
+error wrapper per handler, JetStream streams.
+
+Every handler runs in its own task, so one slow request never holds up a subscription, and the
+wrapper turns any failure into an error reply: a malformed message gets ``bad_request``, a
+``ServiceError`` its own code, anything else ``internal`` plus a logged traceback. The
+subscription keeps running in every case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+from pydantic import ValidationError
+
+from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.protocol.base import WireModel
+from shared.protocol.errors import ErrorReply
+from shared.protocol.subjects import Endpoint
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req", bound=WireModel)
+Rep = TypeVar("Rep", bound=WireModel)
+
+ERROR_HEADER = "Tandem-Error-Code"
+STREAM_HEADER = "Tandem-Stream"  # "end" on the empty message that closes a streamed reply
+_STATUS = "Status"
+
+
+def _error_from_msg(msg: Msg, subject: str) -> ServiceError | None:
+    headers = msg.headers or {}
+    if headers.get(_STATUS) == "503":
+        return NoResponders(subject)
+    if ERROR_HEADER not in headers:
+        return None
+    try:
+        body = ErrorReply.from_bytes(msg.data)
+        return RemoteError(body.code, body.message, body.field)
+    except ValidationError:
+        return RemoteError("internal", msg.data.decode(errors="replace")[:500])
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first.get("loc", ())) or None
+    return f"{first['msg']}" + (f" (field {field})" if field else ""), field
+
+
+class Bus:
+    """A NATS connection plus the handler tasks it runs. Create with ``await Bus.connect(...)``."""
+
+    def __init__(self, nc: Client, name: str) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.name = name
+        self.num_handler_errors = 0
+        self._served: list[Subscription] = []
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0) -> "Bus":
+        """Connect, retrying with exponential backoff for up to ``timeout_s``; afterwards nats-py
+        reconnects forever (a server restart is survived, subscriptions are replayed)."""
+        delay, deadline = 0.05, time.monotonic() + timeout_s
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats %s: %s", name, exc)
+
+        async def on_disconnect() -> None:
+            log.warning("nats %s: disconnected from %s", name, url)
+
+        async def on_reconnect() -> None:
+            log.info("nats %s: reconnected", name)
+
+        while True:
+            try:
+                nc = await nats.connect(
+                    servers=[url], name=name, connect_timeout=2, allow_reconnect=True,
+                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                    error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+                return cls(nc, name)
+            except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionError(f"cannot reach NATS at {url}: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # --- caller side ------------------------------------------------------------------------------
+    async def request(self, endpoint: Endpoint[Req, Rep], payload: Req, *, timeout_s: float) -> Rep:
+        assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
+        try:
+            msg = await self.nc.request(endpoint.subject, payload.to_bytes(), timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise NoResponders(endpoint.subject) from None
+        except nats.errors.TimeoutError:
+            raise BusTimeout(endpoint.subject, timeout_s) from None
+        if (err := _error_from_msg(msg, endpoint.subject)) is not None:
+            raise err
+        return endpoint.reply_type.from_bytes(msg.data)
+
+    async def publish(self, endpoint: Endpoint[Req, WireModel], payload: Req) -> None:
+        await self.nc.publish(endpoint.subject, payload.to_bytes())
+
+    async def js_publish(self, endpoint: Endpoint[Req, WireModel], payload: Req, *,
+                         timeout_s: float = 5.0) -> int:
+        """Publish into a JetStream stream and wait for its ack; returns the stream sequence."""
+        ack = await self.js.publish(endpoint.subject, payload.to_bytes(), timeout=timeout_s)
+        return ack.seq
+
+    async def stream(self, endpoint: Endpoint[Req, Rep], payload: Req, *, first_timeout_s: float,
+                     idle_timeout_s: float) -> AsyncIterator[Rep]:
+        """Send one request and yield its streamed replies until the server closes the stream.
+
+        ``first_timeout_s`` bounds the wait for the first reply (queueing), ``idle_timeout_s`` each
+        gap after it. Closing the iterator early unsubscribes; cancelling the work at the server is
+        the caller's business (its cancel subject)."""
+        assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, pending_msgs_limit=1 << 20)
+        try:
+            await self.nc.publish(endpoint.subject, payload.to_bytes(), reply=inbox)
+            timeout = first_timeout_s
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout)
+                except nats.errors.TimeoutError:
+                    raise BusTimeout(endpoint.subject, timeout) from None
+                if (err := _error_from_msg(msg, endpoint.subject)) is not None:
+                    raise err
+                if (msg.headers or {}).get(STREAM_HEADER) == "end":
+                    return
+                yield endpoint.reply_type.from_bytes(msg.data)
+                timeout = idle_timeout_s
+        finally:
+            await sub.unsubscribe()
+
+    # --- server side ------------------------------------------------------------------------------
+    async def serve(self, endpoint: Endpoint[Req, Rep], handler: Callable[[Req], Awaitable[Rep]],
+                    *, queue: str = "") -> None:
+        """Answer requests on ``endpoint`` with ``handler``; ``queue`` spreads them over replicas."""
+
+        async def run(msg: Msg, request: Req) -> None:
+            reply = await handler(request)
+            if msg.reply:
+                await self.nc.publish(msg.reply, reply.to_bytes())
+
+        await self._serve(endpoint, run, queue)
+
+    async def serve_stream(self, endpoint: Endpoint[Req, Rep],
+                           handler: Callable[[Req], AsyncIterator[Rep]], *, queue: str = "") -> None:
+        """Answer each request with the items ``handler`` yields, then an end-of-stream marker."""
+
+        async def run(msg: Msg, request: Req) -> None:
+            if not msg.reply:
+                raise ServiceError("bad_request", f"{endpoint.subject} needs a reply subject")
+            async for item in handler(request):
+                await self.nc.publish(msg.reply, item.to_bytes())
+            await self.nc.publish(msg.reply, b"", headers={STREAM_HEADER: "end"})
+
+        await self._serve(endpoint, run, queue)
+
+    async def subscribe(self, endpoint: Endpoint[Req, WireModel],
+                        handler: Callable[[Req], Awaitable[None]]) -> None:
+        """Consume publish-only messages (no reply): a bad message is logged and dropped."""
+        await self._serve(endpoint, lambda msg, request: handler(request), "", track=False)
+
+    async def _serve(self, endpoint: Endpoint, run: Callable[[Msg, WireModel], Awaitable[None]],
+                     queue: str, *, track: bool = True) -> None:
+        async def on_msg(msg: Msg) -> None:
+            task = asyncio.create_task(self._handle(endpoint, msg, run))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        sub = await self.nc.subscribe(endpoint.subject, queue=queue, cb=on_msg)
+        (self._served if track else self._subs).append(sub)
+
+    async def _handle(self, endpoint: Endpoint, msg: Msg, run) -> None:
+        try:
+            request = endpoint.request_type.from_bytes(msg.data)
+        except ValidationError as exc:
+            message, field = _validation_message(exc)
+            log.warning("bad message on %s: %s", msg.subject, message)
+            await self._reply_error(msg, ErrorReply(code="bad_request", message=message, field=field))
+            return
+        try:
+            await run(msg, request)
+        except asyncio.CancelledError:
+            raise
+        except ServiceError as exc:
+            log.info("%s: %s: %s", msg.subject, exc.code, exc.message)
+            await self._reply_error(msg, ErrorReply(code=exc.code, message=exc.message, field=exc.field))
+        except Exception as exc:  # noqa: BLE001 — the wrapper's whole point: log, count, keep serving
+            self.num_handler_errors += 1
+            log.exception("handler for %s failed", msg.subject)
+            await self._reply_error(msg, ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}"))
+
+    async def _reply_error(self, msg: Msg, error: ErrorReply) -> None:
+        if msg.reply and not self.nc.is_closed:
+            await self.nc.publish(msg.reply, error.to_bytes(), headers={ERROR_HEADER: error.code})
+
+    async def stop_serving(self, timeout_s: float) -> int:
+        """Stop taking requests, wait up to ``timeout_s`` for the ones in flight; returns how many
+        were still running (and got cancelled)."""
+        for sub in self._served:
+            await sub.unsubscribe()
+        self._served.clear()
+        pending = set(self._tasks)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+        return len(pending)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._tasks)
+
+    # --- JetStream ------------------------------------------------------------------------------
+    async def ensure_stream(self, name: str, subjects: list[str], *, max_age_s: float,
+                            max_msgs: int) -> None:
+        """Create the stream, or bring an existing one's subjects and bounds up to date."""
+        config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs)
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await self.js.update_stream(config)
+
+    async def replay(self, endpoint: Endpoint[Req, WireModel], stream: str,
+                     handler: Callable[[Req, int], Awaitable[None]], *, start_seq: int = 0) -> None:
+        """Deliver every message of ``stream`` on ``endpoint`` from ``start_seq`` (0: the first
+        still stored) on, then new ones as they come, in order, one at a time, to
+        ``handler(message, stream_seq)``. A malformed message is logged and skipped."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                item = endpoint.request_type.from_bytes(msg.data)
+            except ValidationError as exc:
+                log.warning("skipping bad message %s on %s: %s", msg.metadata.sequence.stream,
+                            msg.subject, _validation_message(exc)[0])
+                return
+            try:
+                await handler(item, msg.metadata.sequence.stream)
+            except Exception:  # noqa: BLE001
+                self.num_handler_errors += 1
+                log.exception("handler for %s failed", msg.subject)
+
+        config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
+                  if start_seq > 0 else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        sub = await self.js.subscribe(endpoint.subject, stream=stream, cb=on_msg, ordered_consumer=True,
+                                      config=config)
+        self._subs.append(sub)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if not self.nc.is_closed:
+            await self.nc.drain()

@@ -1,0 +1,30 @@
+"""Errors that cross the bus. A handler raises ``ServiceError``; the caller gets ``RemoteError``
+with the same code (nats.micro style: the code travels in a header, the body is an ErrorReply)."""
+
+from __future__ import annotations
+
+from shared.protocol.errors import ErrorCode
+
+
+class ServiceError(Exception):
+    """A domain failure a handler reports to its caller (not a bug: logged without traceback)."""
+
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class RemoteError(ServiceError):
+    """Raised on the caller's side for an error reply."""
+
+
+class BusTimeout(ServiceError):
+    def __init__(self, subject: str, timeout_s: float) -> None:
+        super().__init__("timeout", f"no reply on {subject} within {timeout_s:.3g}s")
+
+
+class NoResponders(ServiceError):
+    def __init__(self, subject: str) -> None:
+        super().__init__("not_found", f"nobody serves {subject}")

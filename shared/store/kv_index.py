@@ -1,0 +1,100 @@
+"""The prefix-hash → owners index in Redis (owned by the kv-index service).
+
+Layout (keys from ``RedisKeys``): one hash per block with a ``worker@tier`` field per holder, one
+set per worker of the ``hash@tier`` it holds, and bookkeeping (last seq per worker, last stream
+seq). Each event batch is applied in one MULTI/EXEC, so a reader never sees half a batch and the
+stream position moves together with the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as redis
+
+from shared.protocol.kv import AllBlocksClearedEvent, BlockRemovedEvent, KvEventBatch
+from shared.store.keys import RedisKeys
+
+_MATCH_CHUNK = 64  # blocks fetched per round trip while walking a prompt
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
+                                health_check_interval=30)
+
+
+class KvIndexStore:
+    def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
+        self._r = client
+        self._keys = keys
+
+    async def apply(self, batch: KvEventBatch, stream_seq: int, now: float) -> None:
+        k, w = self._keys, batch.worker_id
+        for event in batch.events:
+            if isinstance(event, AllBlocksClearedEvent):
+                await self.drop_worker(w)
+        pipe = self._r.pipeline(transaction=True)
+        for event in batch.events:
+            if isinstance(event, AllBlocksClearedEvent):
+                continue
+            owner = f"{w}@{event.tier}"
+            members = [f"{h}@{event.tier}" for h in event.block_hashes]
+            if isinstance(event, BlockRemovedEvent):
+                for h in event.block_hashes:
+                    pipe.hdel(k.block_owners(h), owner)
+                if members:
+                    pipe.srem(k.worker_blocks(w), *members)
+            else:
+                for h in event.block_hashes:
+                    pipe.hset(k.block_owners(h), owner, 1)
+                if members:
+                    pipe.sadd(k.worker_blocks(w), *members)
+        pipe.hset(k.workers(), w, now)
+        pipe.hset(k.worker_seqs(), w, batch.events[-1].seq)
+        pipe.set(k.stream_seq(), stream_seq)
+        await pipe.execute()
+
+    async def drop_worker(self, worker_id: str) -> int:
+        """Remove every entry of ``worker_id``; returns how many blocks it held."""
+        k = self._keys
+        members = await self._r.smembers(k.worker_blocks(worker_id))
+        pipe = self._r.pipeline(transaction=True)
+        for member in members:
+            block_hash, _, tier = member.partition("@")
+            pipe.hdel(k.block_owners(int(block_hash)), f"{worker_id}@{tier}")
+        pipe.delete(k.worker_blocks(worker_id))
+        pipe.hdel(k.workers(), worker_id)
+        pipe.hdel(k.worker_seqs(), worker_id)
+        await pipe.execute()
+        return len(members)
+
+    async def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """For each worker, how many leading blocks of ``block_hashes`` it holds (any tier).
+
+        Walks in pipelined chunks and stops at the first block no still-matching worker holds."""
+        counts: dict[str, int] = {}
+        for start in range(0, len(block_hashes), _MATCH_CHUNK):
+            pipe = self._r.pipeline(transaction=False)
+            for h in block_hashes[start:start + _MATCH_CHUNK]:
+                pipe.hkeys(self._keys.block_owners(h))
+            for i, fields in enumerate(await pipe.execute(), start=start):
+                holders = {f.partition("@")[0] for f in fields}
+                extended = [w for w in holders if counts.get(w, 0) == i]
+                if not extended:
+                    return counts
+                for w in extended:
+                    counts[w] = i + 1
+        return counts
+
+    async def owners(self, block_hash: int) -> set[str]:
+        return {f.partition("@")[0] for f in await self._r.hkeys(self._keys.block_owners(block_hash))}
+
+    async def workers(self) -> dict[str, float]:
+        """Workers with entries → time of their last applied event."""
+        return {w: float(t) for w, t in (await self._r.hgetall(self._keys.workers())).items()}
+
+    async def worker_seqs(self) -> dict[str, int]:
+        return {w: int(s) for w, s in (await self._r.hgetall(self._keys.worker_seqs())).items()}
+
+    async def stream_seq(self) -> int:
+        return int(await self._r.get(self._keys.stream_seq()) or 0)

@@ -1,0 +1,140 @@
+"""The bus against a real nats-server: replies, the error wrapper, streams, JetStream, registry."""
+
+import asyncio
+
+import pytest
+
+from shared.bus import Bus, BusTimeout, NoResponders, RemoteError, ServiceError, WorkerRegistry
+from shared.protocol import (AdmissionDecision, BlockStoredEvent, GenerateRequest, KvEventBatch,
+                             Subjects, TokenChunk, WorkerInfo)
+from shared.runtime.waiting import wait_until
+
+REQ = GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1, 2, 3])
+
+
+async def test_request_reply_and_error_wrapper_keeps_serving(bus, namespace):
+    endpoint = Subjects(namespace).admission_submit()
+
+    async def handle(req: GenerateRequest) -> AdmissionDecision:
+        if req.request_id == "boom":
+            raise KeyError("bug")
+        if req.request_id == "reject":
+            raise ServiceError("rejected", "draining")
+        return AdmissionDecision(request_id=req.request_id, is_admitted=True, worker_id="w")
+
+    await bus.serve(endpoint, handle)
+    reply = await bus.request(endpoint, REQ, timeout_s=2)
+    assert reply.worker_id == "w"
+
+    # A malformed message: an error reply naming the problem, and the service keeps serving.
+    msg = await bus.nc.request(endpoint.subject, b'{"request_id": 5}', timeout=2)
+    assert msg.headers["Tandem-Error-Code"] == "bad_request"
+    assert b"request_id" in msg.data
+    with pytest.raises(RemoteError) as info:
+        await bus.request(endpoint, REQ.model_copy(update={"request_id": "boom"}), timeout_s=2)
+    assert info.value.code == "internal"
+    with pytest.raises(RemoteError) as info:
+        await bus.request(endpoint, REQ.model_copy(update={"request_id": "reject"}), timeout_s=2)
+    assert (info.value.code, info.value.message) == ("rejected", "draining")
+    assert (await bus.request(endpoint, REQ, timeout_s=2)).is_admitted
+    assert bus.num_handler_errors == 1
+
+
+async def test_no_responders_and_timeout(bus, namespace):
+    subjects = Subjects(namespace)
+    with pytest.raises(NoResponders):
+        await bus.request(subjects.admission_submit(), REQ, timeout_s=2)
+
+    async def slow(req):
+        await asyncio.sleep(5)
+
+    await bus.serve(subjects.kvindex_match(), slow)
+    from shared.protocol import KvMatchRequest
+    with pytest.raises(BusTimeout):
+        await bus.request(subjects.kvindex_match(), KvMatchRequest(block_hashes=[1]), timeout_s=0.2)
+
+
+async def test_streamed_replies_end_and_errors(bus, namespace):
+    endpoint = Subjects(namespace).decode_generate("w1")
+
+    async def generate(req: GenerateRequest):
+        for i in range(3):
+            yield TokenChunk(request_id=req.request_id, index=i, token_ids=[i],
+                             finish_reason="length" if i == 2 else None)
+        if req.request_id == "fail":
+            raise ServiceError("rejected", "late failure")
+
+    await bus.serve_stream(endpoint, generate)
+    chunks = [c async for c in bus.stream(endpoint, REQ, first_timeout_s=2, idle_timeout_s=2)]
+    assert [c.token_ids for c in chunks] == [[0], [1], [2]]
+    with pytest.raises(RemoteError, match="late failure"):
+        async for _ in bus.stream(endpoint, REQ.model_copy(update={"request_id": "fail"}),
+                                  first_timeout_s=2, idle_timeout_s=2):
+            pass
+    with pytest.raises(NoResponders):
+        async for _ in bus.stream(Subjects(namespace).decode_generate("nobody"), REQ,
+                                  first_timeout_s=2, idle_timeout_s=2):
+            pass
+
+
+async def test_jetstream_replay_from_start_and_from_seq(bus, namespace):
+    subjects = Subjects(namespace)
+    await bus.ensure_stream(subjects.kv_events_stream, [subjects.kv_events_all().subject],
+                            max_age_s=60, max_msgs=1000)
+    await bus.ensure_stream(subjects.kv_events_stream, [subjects.kv_events_all().subject],
+                            max_age_s=60, max_msgs=1000)  # idempotent
+    info = await bus.js.stream_info(subjects.kv_events_stream)
+    assert (info.config.max_age, info.config.max_msgs) == (60, 1000)
+    for seq in (1, 2, 3):
+        batch = KvEventBatch(worker_id="w1", events=[
+            BlockStoredEvent(seq=seq, timestamp=0.0, block_hashes=[seq])])
+        await bus.js_publish(subjects.kv_events("w1"), batch)
+    await bus.nc.publish(subjects.kv_events("w1").subject, b"garbage")
+
+    seen: list[tuple[int, int]] = []
+    done = asyncio.Event()
+
+    async def on_batch(batch: KvEventBatch, stream_seq: int) -> None:
+        seen.append((batch.events[0].seq, stream_seq))
+        if len(seen) == 3:
+            done.set()
+
+    await bus.replay(subjects.kv_events_all(), subjects.kv_events_stream, on_batch)
+    await asyncio.wait_for(done.wait(), 5)
+    assert [s for s, _ in seen] == [1, 2, 3]
+
+    later: list[int] = []
+    got = asyncio.Event()
+
+    async def on_later(batch: KvEventBatch, stream_seq: int) -> None:
+        later.append(batch.events[0].seq)
+        got.set()
+
+    other = await Bus.connect(bus.nc.connected_url.geturl(), "replayer")
+    try:
+        await other.replay(subjects.kv_events_all(), subjects.kv_events_stream, on_later,
+                           start_seq=seen[-1][1])
+        await asyncio.wait_for(got.wait(), 5)
+        assert later == [3]
+    finally:
+        await other.close()
+
+
+async def test_registry_entries_expire_without_heartbeat(bus, namespace):
+    subjects = Subjects(namespace)
+    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=1.0)
+    info = WorkerInfo(worker_id="w1", role="decode", model="m", block_size=16, max_model_len=64,
+                      generate_subject="g", cancel_subject="c")
+    beating = asyncio.create_task(registry.heartbeat(lambda: info.model_copy(
+        update={"worker_id": "w2"})))
+    await registry.put(info)
+    assert {w.worker_id for w in await wait_until(registry.list, timeout_s=5)} >= {"w1"}
+
+    async def only_w2():
+        return [w.worker_id for w in await registry.list()] == ["w2"]
+
+    await wait_until(only_w2, timeout_s=6, what="w1 to expire")
+    beating.cancel()
+    await asyncio.gather(beating, return_exceptions=True)
+    await registry.delete("w2")
+    assert [w.worker_id for w in await registry.list()] == []

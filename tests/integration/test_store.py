@@ -43,5 +43,6 @@ async def test_removed_cleared_and_dropped_workers_leave_no_keys(store, namespac
     assert await s.match([1, 2]) == {"b": 1}
     assert await s.drop_worker("b") == 1
     assert await s.match([1]) == {}
+    assert await s.drop_worker("a") == 0  # cleared: only its bookkeeping is left
     keys = await client.keys(RedisKeys(namespace).all_prefix() + "*")
     assert sorted(keys) == [RedisKeys(namespace).stream_seq()]

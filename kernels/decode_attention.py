@@ -19,13 +19,21 @@ def paged_decode_attention_ref(
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long()
+    # Entries past a sequence's own blocks may hold anything (padding, stale ids): point them at
+    # block 0 so that the gather stays in range.
+    block_starts = torch.arange(num_blocks, device=table.device) * block_size
+    used = block_starts[None, :] < seq_lens[:, None].to(table.device)  # [B, num_blocks]
+    table = torch.where(used, table, 0)
     # k, v: [B, L, Hkv, D] with L = num_blocks * block_size
     k = k_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     v = v_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale  # [B, Hkv, G, L]
     positions = torch.arange(k.shape[1], device=q.device)
     invalid = positions[None, :] >= seq_lens[:, None].to(q.device)  # [B, L]
+    # Slots past seq_len are not K/V of this sequence (stale or never written, possibly non-finite):
+    # a zero probability times a NaN would still poison the output, so zero them.
+    v = v.masked_fill(invalid[:, :, None, None], 0)
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale  # [B, Hkv, G, L]
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())

@@ -1,0 +1,197 @@
+"""Paged decode attention in Triton: split-K (flash-decoding) plus a reduce kernel.
+
+Same contract as ``paged_decode_attention_ref``. One program handles one (sequence, KV head,
+split): it loads the ``G = Hq / Hkv`` query heads that share the KV head as one ``[G, D]`` tile, so
+each K/V byte is read once per group, and walks its slice of the context in ``BLOCK_N``-token tiles,
+looking every token's page up in the block table (a tile may span several pages, so the tile size
+does not depend on the block size). With more than one split, each program writes a partial output
+normalised by its own softmax sum plus its log-sum-exp (base 2), and the reduce kernel merges the
+splits. Splitting the context is what fills the GPU when the batch is small and contexts are long.
+
+Invariants the kernels rely on: ``seq_lens >= 1``; page ids come only from table entries that cover
+``[0, seq_len)`` (entries past a sequence's blocks are never read, whatever they hold); the last
+dimension of q and of the cache views is contiguous; other strides are arbitrary (the cache views
+are per-layer slices of the pool, see shared/kvcache/layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_util import attention_dot, dot_args, round_to
+
+_LOG2E = 1.4426950408889634
+_BLOCK_N = 64
+_MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in the reduce than it saves
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_bt,
+    split_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g  # the query heads of this KV head (ref: q.view(B, Hkv, G, D))
+
+    # q: [BLOCK_G, BLOCK_D]; rows past GROUP are zero and never stored
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+
+    # Every tile holds at least one valid token (the loop stops at split_end <= seq_len), so the
+    # running max is finite after the first tile and exp2(m_i - m_new) never sees -inf - -inf.
+    for start in range(split_start, split_end, BLOCK_N):
+        tokens = start + offs_n
+        t_mask = tokens < split_end
+        pages = tl.load(table_row + tokens // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slots = tokens % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (pages * stride_kn + slots * stride_kt + kv_head * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        scores = attention_dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, EMULATE_BF16)
+        scores *= scale_log2
+        scores = tl.where(t_mask[None, :], scores, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (pages * stride_vn + slots * stride_vt + kv_head * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        p = round_to(p, q.dtype, EMULATE_BF16)
+        acc = acc * alpha[:, None] + attention_dot(p, v, DOT_PRECISION, EMULATE_BF16)
+        m_i = m_new
+
+    has_tokens = l_i > 0.0  # false only for a split that starts past seq_len
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # out_ptr is the final [B, Hq, D] output (contiguous)
+        tl.store(out_ptr + (seq * num_q_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :],
+                 round_to(out, out_ptr.dtype.element_ty, EMULATE_BF16), mask=out_mask)
+    else:
+        # out_ptr: partial outputs [B, Hq, NUM_SPLITS, D] f32; lse_ptr: [B, Hq, NUM_SPLITS] f32
+        row = (seq * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_ptr, lse_ptr, out_ptr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    row = tl.program_id(0)  # seq * Hq + q_head
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)  # finite: split 0 always holds token 0
+    weights = tl.exp2(lse - lse_max)  # 0 for empty splits and padding
+    partial = tl.load(partial_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    out = round_to(out, out_ptr.dtype.element_ty, EMULATE_BF16)
+    tl.store(out_ptr + row * HEAD_DIM + offs_d, out, mask=d_mask)
+
+
+def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough splits to put about two programs on every SM, never splits under
+    ``_MIN_TILES_PER_SPLIT`` tiles long. On CPU (the interpreter) one split."""
+    if device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
+    most = max(1, triton.cdiv(max_seq_len, _BLOCK_N * _MIN_TILES_PER_SPLIT))
+    return max(1, min(wanted, most))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
+    block_tables: torch.Tensor,  # [B, M] int32
+    seq_lens: torch.Tensor,  # [B] int32, each >= 1
+    scale: float,
+    *,
+    max_seq_len: int | None = None,  # upper bound on seq_lens; default M * bs (no host sync)
+    num_splits: int | None = None,  # default: plan_num_splits
+    out: torch.Tensor | None = None,  # [B, Hq, D] contiguous, q's dtype
+) -> torch.Tensor:  # [B, Hq, D]
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache views need a contiguous head_dim"
+    assert block_size & (block_size - 1) == 0, f"block_size {block_size} must be a power of two"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.is_contiguous() and out.shape == q.shape
+    if num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _BLOCK_N) * _BLOCK_N
+    num_splits = max(1, triton.cdiv(max_seq_len, split_len))  # drop splits that are always empty
+
+    if num_splits == 1:
+        partial, lse = out, out  # the split kernel writes the final output directly
+    else:
+        partial = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
+                              device=q.device)
+        lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial, lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        split_len,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        **dot_args(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs * num_q_heads,)](
+            partial, lse, out,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            EMULATE_BF16=dot_args(q.dtype)["EMULATE_BF16"],
+        )
+    return out

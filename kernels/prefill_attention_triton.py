@@ -1,0 +1,134 @@
+"""Paged prefill/extend attention in Triton: ragged query lengths over a cached prefix, causal.
+
+Same contract as ``paged_prefill_attention_ref``: sequence ``i``'s queries are the last
+``q_len = query_start_loc[i+1] - query_start_loc[i]`` positions of its ``seq_lens[i]``-token
+context, whose K/V (the new tokens' included) is already in the cache. One program handles
+``BLOCK_M`` queries of one sequence and one query head (flash-attention forward with online
+softmax); it reads K/V through the block table one ``BLOCK_N``-token tile at a time and stops at
+the last key its queries can see.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_util import attention_dot, dot_args, round_to
+
+_LOG2E = 1.4426950408889634
+_BLOCK_M = 64
+_BLOCK_N = 64
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len  # tokens cached before this step's queries
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_pos = prefix_len + offs_m  # [BLOCK_M] absolute positions of the queries
+
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+
+    # The last key any query of this tile sees. Key 0 is visible to every query, so each row has a
+    # finite max after the first tile (no -inf - -inf in the rescale).
+    kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        tokens = start + offs_n
+        t_mask = tokens < kv_end
+        pages = tl.load(table_row + tokens // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slots = tokens % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (pages * stride_kn + slots * stride_kt + kv_head * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        scores = attention_dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, EMULATE_BF16)
+        scores *= scale_log2
+        visible = t_mask[None, :] & (tokens[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (pages * stride_vn + slots * stride_vt + kv_head * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        p = round_to(p, q.dtype, EMULATE_BF16)
+        acc = acc * alpha[:, None] + attention_dot(p, v, DOT_PRECISION, EMULATE_BF16)
+        m_i = m_new
+
+    out = round_to(acc / l_i[:, None], out_ptr.dtype.element_ty, EMULATE_BF16)
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out, mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
+    block_tables: torch.Tensor,  # [B, M] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,  # upper bound on query lengths; default: read from the device
+    out: torch.Tensor | None = None,  # [T, Hq, D], q's dtype, head_dim contiguous
+) -> torch.Tensor:  # [T, Hq, D]
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    assert num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache views need a contiguous head_dim"
+    assert block_size & (block_size - 1) == 0, f"block_size {block_size} must be a power of two"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (triton.cdiv(max_query_len, _BLOCK_M), num_seqs, num_q_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=_BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=_BLOCK_N,
+        **dot_args(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out

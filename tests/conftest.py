@@ -2,7 +2,8 @@
 area needs belong in that directory's own conftest.py.
 
 The ``slow`` marker (declared in pyproject.toml) tags tests that load the real default model or
-start processes; deselect them with ``-m "not slow"``.
+start processes; deselect them with ``-m "not slow"``. Every test that uses ``smollm2_gguf``
+(directly or through another fixture) is marked ``slow`` automatically.
 """
 
 from __future__ import annotations
@@ -19,3 +20,10 @@ def smollm2_gguf() -> Path:
     """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF, fetched once into the default cache
     (``TANDEM_CACHE_DIR`` or ``~/.cache/tandem``) and reused by later runs."""
     return resolve_model(DEFAULT_MODEL).path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        # fixturenames is the transitive closure, so indirect users are caught too
+        if "smollm2_gguf" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -1,0 +1,42 @@
+"""Engine flags shared by every command that runs an engine; each has a TANDEM_* env default."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"TANDEM_{name}", default)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine (env: TANDEM_<FLAG>, e.g. TANDEM_MODEL)")
+    g.add_argument("--model", default=_env("MODEL", "smollm2-135m"),
+                   help="model alias, .gguf file or Hugging Face directory (default: %(default)s)")
+    g.add_argument("--device", default=_env("DEVICE", "auto"), help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    g.add_argument("--dtype", default=_env("DTYPE"), help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)), help="KV block size in tokens (default: %(default)s)")
+    g.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"),
+                   help="KV pool budget, e.g. 2GiB (default: 1GiB on CPU, --gpu-memory-utilization of the GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)),
+                   help="share of GPU memory for weights + KV when --kv-cache-memory is not given (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN"), help="context limit (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)), help="max concurrent sequences (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", 512)),
+                   help="token budget per step; longer prompts are prefilled in chunks (default: %(default)s)")
+    g.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "auto"), choices=["auto", "torch", "triton"],
+                   help="attention kernels (default: auto = triton on CUDA, torch elsewhere)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+
+def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
+    from shared.engine import EngineConfig, parse_size
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=int(args.max_model_len) if args.max_model_len else None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed)

@@ -1,0 +1,172 @@
+"""`tandem complete`, `tandem chat` and `tandem model fetch`: the engine in-process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.cli.engine_args import add_engine_args, engine_config_from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("complete", help="complete one prompt in-process; prints only the completion",
+                              description="Run the engine in this process and print the completion of PROMPT "
+                                          "on stdout (logs go to stderr). PROMPT '-' reads stdin.")
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the chat template")
+    p.add_argument("--system", help="system message (with --chat)")
+    _add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_complete)
+
+    c = subparsers.add_parser("chat", help="interactive chat with the model in-process",
+                              description="Chat in the terminal; /reset clears the history, /exit or Ctrl-D quits.")
+    c.add_argument("--system", help="system message")
+    _add_sampling_args(c)
+    add_engine_args(c)
+    c.set_defaults(func=run_chat)
+
+    m = subparsers.add_parser("model", help="manage models", description="Manage the model cache.")
+    msub = m.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    f = msub.add_parser("fetch", help="download a model alias into the cache ahead of time",
+                        description="Resolve an alias (downloading it into TANDEM_CACHE_DIR) or check a path.")
+    f.add_argument("model", nargs="?", default="smollm2-135m", help="alias or path (default: %(default)s)")
+    f.set_defaults(func=run_fetch)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="default: %(default)s")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _sampling_params(args):
+    from shared.engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def _checked_sampling_params(args):
+    """Validate sampling flags before the (slow) model load."""
+    from shared.cli.main import CliError
+    from shared.engine import InvalidRequestError
+
+    params = _sampling_params(args)
+    try:
+        params.validate(vocab_size=2**31)
+    except InvalidRequestError as exc:
+        raise CliError(str(exc)) from None
+    return params
+
+
+def _load_engine(args):
+    from shared.cli.main import CliError
+    from shared.engine import LLMEngine
+    from shared.telemetry.logs import configure_logging
+
+    configure_logging("tandem")
+    try:
+        return LLMEngine.from_config(engine_config_from_args(args))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise CliError(str(exc)) from None
+
+
+def _stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> list[int]:
+    """Generate and print text as it completes; returns the generated ids."""
+    from shared.cli.main import CliError
+    from shared.engine import InvalidRequestError
+    from shared.tokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids)
+    request_id = f"cli-{id(prompt_ids)}"
+    try:
+        engine.add_request(request_id, prompt_ids, params)
+    except InvalidRequestError as exc:
+        raise CliError(str(exc)) from None
+    generated: list[int] = []
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                generated.extend(o.new_token_ids)
+                out.write(detok.push(o.new_token_ids))
+                out.flush()
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        raise
+    out.write(detok.flush())
+    return generated
+
+
+def run_complete(args) -> int:
+    from shared.cli.main import CliError
+
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = _checked_sampling_params(args)
+    engine = _load_engine(args)
+    tok = engine.tokenizer
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": text})
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    ids = tok.encode(text)
+    _stream(engine, ids, params)
+    sys.stdout.write("\n")
+    return 0
+
+
+def run_chat(args) -> int:
+    from shared.cli.main import CliError
+
+    params = _checked_sampling_params(args)
+    engine = _load_engine(args)
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    print("Chatting with %s. /reset clears the history, /exit quits." % engine.model_id, file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = list(base)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(history, add_generation_prompt=True))
+        try:
+            reply_ids = _stream(engine, ids, params)
+        except CliError as exc:
+            print(f"error: {exc} (try /reset)", file=sys.stderr)
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": engine.tokenizer.decode(reply_ids)})
+
+
+def run_fetch(args) -> int:
+    from shared.cli.main import CliError
+    from shared.model.registry import resolve_model
+    from shared.telemetry.logs import configure_logging
+
+    configure_logging("tandem")
+    try:
+        source = resolve_model(args.model)
+    except (ValueError, RuntimeError) as exc:
+        raise CliError(str(exc)) from None
+    print(source.path)
+    return 0

@@ -1,0 +1,81 @@
+"""Engine configuration and the derived KV cache size."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from shared.kvcache.layout import KvCacheSpec
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MB', '1.5G' or a plain byte count → bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r} (examples: 2GiB, 512MiB, 1073741824)")
+    scale = 1024 ** " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    device: str = "auto"  # auto: cuda if available, else cpu
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU, a fraction of free GPU memory
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        try:
+            dtype = getattr(torch, self.dtype)
+        except AttributeError:
+            dtype = None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r} (choose float32, bfloat16 or float16)")
+        return dtype
+
+
+def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+    """The KV pool's memory budget: explicit, else 1 GiB on CPU or a share of free GPU memory."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(0, int(total * config.gpu_memory_utilization) - used)
+    return DEFAULT_CPU_KV_BYTES
+
+
+def num_kv_blocks(spec: KvCacheSpec, budget_bytes: int) -> int:
+    num_blocks = spec.num_blocks_for_budget(budget_bytes)
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache memory {budget_bytes} B holds no block of {spec.bytes_per_block} B: raise --kv-cache-memory")
+    return num_blocks

@@ -1,0 +1,215 @@
+"""LLMEngine: schedule → run → update, one step at a time (synchronous core)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks
+from shared.engine.errors import InvalidRequestError
+from shared.engine.request import Request, SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.kvcache.events import KvEventEmitter, KvEventSink
+from shared.kvcache.hashing import make_namespace
+from shared.kvcache.layout import KvCacheSpec
+from shared.kvcache.manager import KVCacheManager
+from shared.model.attention import get_attention_backend
+from shared.model.llama import LlamaModel
+from shared.model.runner import ModelRunner
+from shared.model.sampler import SampledToken, Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_cached_blocks: int
+    max_num_seqs: int
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, config: EngineConfig, *, tokenizer=None,
+                 model_id: str = "model", eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.eos_token_ids = eos_token_ids
+        self.device = model.device
+        cfg = model.cfg
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.kv_namespace = make_namespace(model_id)
+        self.kv_spec = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, model.dtype)
+        self.num_blocks = num_kv_blocks(self.kv_spec, kv_cache_bytes(config, self.device))
+        self.events = KvEventEmitter()
+        self.kv = KVCacheManager(self.num_blocks, config.block_size,
+                                 enable_caching=config.enable_prefix_caching, events=self.events)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv, self.kv_namespace)
+        self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(model, self.kv_cache, self.backend, config.block_size,
+                                  Sampler(self.device, config.seed))
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_cached_prompt_tokens = 0
+        self._num_generated = 0
+        self._log_capacity()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """Resolve the model name (fetching the default model if needed) and load it."""
+        from shared.model.loader import load_model
+        from shared.model.registry import resolve_model
+        from shared.tokenizer import Tokenizer
+
+        source = resolve_model(config.model)
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(device)
+        t0 = time.perf_counter()
+        tokenizer = Tokenizer.from_gguf(source.path) if source.format == "gguf" else Tokenizer.from_hf_dir(source.path)
+        model = load_model(source.path, source.format, device, dtype)
+        log.info("loaded %s (%s, %.0fM parameters) on %s as %s in %.1fs", source.name, source.format,
+                 model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."), time.perf_counter() - t0)
+        return cls(model, config, tokenizer=tokenizer, model_id=source.name,
+                   eos_token_ids=frozenset(tokenizer.stop_token_ids))
+
+    def _log_capacity(self) -> None:
+        tokens = self.num_blocks * self.block_size
+        gib = self.num_blocks * self.kv_spec.bytes_per_block / 2**30
+        per_req = self.kv_spec.bytes_per_token * self.max_model_len / 2**20
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d KiB/token); a %d-token request "
+                 "needs %.1f MiB, so at most %d such sequences run at once (max_num_seqs=%d); %s attention",
+                 self.num_blocks, self.block_size, tokens, gib, self.kv_spec.bytes_per_token // 1024,
+                 self.max_model_len, per_req, tokens // self.max_model_len, self.config.max_num_seqs,
+                 self.backend.name)
+
+    # -- requests -------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise an InvalidRequestError subclass naming the field; safe from any thread."""
+        vocab = self.model.cfg.vocab_size
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty", field="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", field="prompt")
+        params.validate(vocab)
+        self.scheduler.check_fits(len(prompt_token_ids))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        self.validate(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self.runner.sampler.forget(request_id)
+        return self._output(request, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled = self.runner.execute(out)
+        self._num_steps += 1
+        for s in out.scheduled:
+            if s.start == s.request.num_cached_tokens and s.request.num_preemptions == 0:
+                self._num_prompt_tokens += s.request.num_prompt_tokens
+                self._num_cached_prompt_tokens += s.request.num_cached_tokens
+        finished = {r.request_id for r in self.scheduler.update_from_output(
+            out, {rid: t.token_id for rid, t in sampled.items()})}
+        outputs = []
+        for s in out.scheduled:
+            token = sampled.get(s.request.request_id)
+            if token is None:
+                continue
+            self._num_generated += 1
+            if s.request.request_id in finished:
+                self.runner.sampler.forget(s.request.request_id)
+            outputs.append(self._output(s.request, [token.token_id], token))
+        return outputs
+
+    def _output(self, request: Request, new_ids: list[int], token: SampledToken | None) -> EngineOutput:
+        logprobs = None
+        if token is not None and token.logprob is not None:
+            logprobs = [TokenLogprobs(token.token_id, token.logprob, token.top_logprobs or ())]
+        finish = request.status.value if request.status.is_finished else None
+        return EngineOutput(request.request_id, new_ids, logprobs, finish, request.num_prompt_tokens,
+                            request.num_cached_tokens, len(request.output_token_ids))
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
+            num_cached_blocks=pool.num_cached_blocks, max_num_seqs=self.config.max_num_seqs,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self._num_steps,
+            num_prompt_tokens=self._num_prompt_tokens, num_cached_prompt_tokens=self._num_cached_prompt_tokens,
+            num_generated_tokens=self._num_generated)
+
+    def add_kv_event_sink(self, sink: KvEventSink) -> None:
+        self.events.add_sink(sink)
+
+    def request_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table: ids into ``kv_cache``'s first dimension (see kvcache.layout)."""
+        return self.kv.block_ids(request_id)
+
+    # -- convenience ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 *, priorities: list[int] | None = None) -> list[list[int]]:
+        """Run prompts to completion together (continuous batching); returns output token ids."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+            self.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0)
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                if o.request_id in outputs:
+                    outputs[o.request_id].extend(o.new_token_ids)
+        return [outputs[rid] for rid in ids]
+
+
+def warmup(engine: LLMEngine, num_tokens: int = 64) -> None:
+    """Run a throwaway request so the first user request pays no first-run costs."""
+    prompt = [i % engine.model.cfg.vocab_size for i in range(1, min(num_tokens, engine.max_model_len - 4))]
+    with torch.inference_mode():
+        engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))

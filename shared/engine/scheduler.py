@@ -1,0 +1,184 @@
+"""Continuous batching with chunked prefill under a token budget (SARATHI-style mixed steps).
+
+Pure Python: the scheduler never touches tensors. Each step:
+1. running requests, in priority order, each get their next tokens (one for a decode, a chunk for
+   an unfinished prefill) until the token budget is spent; when blocks run out the lowest-priority
+   running request is preempted (its blocks freed, it will recompute from its prefix cache);
+2. if nothing was preempted, waiting requests are admitted in (priority, arrival) order, reusing
+   their cached prefix blocks, while budget, sequence slots and blocks last.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from shared.engine.errors import PromptTooLongError
+from shared.engine.request import Request, RequestStatus
+from shared.kvcache.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be positive")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+    start: int  # num_computed_tokens when scheduled: first position computed this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token, so it yields a new one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # one-token entries first
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, namespace: bytes) -> None:
+        self.config = config
+        self.kv = kv
+        self.namespace = namespace
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- intake ---------------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Raise PromptTooLongError if a prompt could never run (context or the whole pool)."""
+        limit = self.config.max_model_len - 1
+        if num_prompt_tokens > limit:
+            raise PromptTooLongError(num_prompt_tokens, limit)
+        pool_tokens = self.kv.pool.num_blocks * self.kv.block_size - 1
+        if num_prompt_tokens > pool_tokens:
+            raise PromptTooLongError(num_prompt_tokens, pool_tokens, "the KV cache")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        self.check_fits(request.num_prompt_tokens)
+        request.update_block_hashes(self.kv.block_size, self.namespace)
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._remove(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            table = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out)
+            if table is None:
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new, table, request.num_computed_tokens))
+            budget -= num_new
+        if not out.preempted:
+            budget = self._admit_waiting(budget, out)
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[int] | None:
+        while True:
+            table = self.kv.allocate_slots(request.request_id, num_tokens)
+            if table is not None:
+                return table
+            victim = self.running[-1]  # lowest priority, latest arrival
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return None
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+            num_new = min(request.num_tokens - num_hit, budget)
+            table = self.kv.allocate_slots(request.request_id, num_hit + num_new, hits)
+            if table is None:
+                break
+            self.waiting.pop(0)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            out.scheduled.append(ScheduledRequest(request, num_new, table, num_hit))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    # -- results --------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, record sampled tokens, cache full blocks; return finished."""
+        finished = []
+        for s in out.scheduled:
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.append_token(token, self.config.max_model_len)
+                request.update_block_hashes(self.kv.block_size, self.namespace)
+            self.kv.cache_computed(request.request_id, request.all_token_ids, request.block_hashes,
+                                   request.num_computed_tokens)
+            if request.status.is_finished:
+                self._remove(request, request.status)
+                finished.append(request)
+        return finished
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        request.status = status
+        self.requests.pop(request.request_id, None)

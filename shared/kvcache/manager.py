@@ -1,0 +1,106 @@
+"""Per-request KV block bookkeeping on top of the block pool (vLLM v1's KVCacheManager, slimmed).
+
+Pure Python. A request is known by its id; callers pass its token ids and block hashes.
+``allocate_slots`` returns None when the pool cannot serve the request now, never raises for that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.kvcache.block_pool import Block, BlockPool
+from shared.kvcache.events import KvEventEmitter
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 events: KvEventEmitter | None = None) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, events=events)
+        self._blocks: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of the request already cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> tuple[list[Block], int]:
+        """Longest run of leading cached blocks, and the tokens it covers.
+
+        At least one token is always left to compute (its logits give the next token), so a fully
+        cached prompt reuses all but its last block.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        max_blocks = (num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request_id: str, num_tokens: int,
+                       cached_blocks: Sequence[Block] = ()) -> list[int] | None:
+        """Make the request own enough blocks for ``num_tokens`` tokens in total.
+
+        ``cached_blocks`` (from ``find_cached_prefix``) are adopted on the first allocation.
+        Returns the request's full block table, or None (and changes nothing) if short of blocks.
+        """
+        owned = self._blocks.get(request_id)
+        if owned is None:
+            owned = []
+        elif cached_blocks:
+            raise RuntimeError(f"request {request_id} already owns blocks; cached prefix must come first")
+        have = len(owned) + len(cached_blocks)
+        need = max(0, self.blocks_for(num_tokens) - have)
+        # cached hits sitting in the free queue leave it when adopted
+        num_evictable_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
+        if need > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            owned.extend(cached_blocks)
+            self._num_cached[request_id] = len(cached_blocks)
+        owned.extend(self.pool.allocate(need))
+        self._blocks[request_id] = owned
+        return [b.block_id for b in owned]
+
+    def cache_computed(self, request_id: str, token_ids: Sequence[int], block_hashes: Sequence[int],
+                       num_computed_tokens: int) -> None:
+        """Register the request's full blocks whose KV is now written as cached content."""
+        num_full = min(num_computed_tokens // self.block_size, len(block_hashes))
+        start = self._num_cached.get(request_id, 0)
+        if num_full <= start:
+            return
+        blocks = self._blocks[request_id][start:num_full]
+        bs = self.block_size
+        self.pool.cache_blocks(
+            blocks, block_hashes[start:num_full], block_hashes[start - 1] if start else None,
+            token_ids[start * bs:num_full * bs], bs)
+        self._num_cached[request_id] = num_full
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def free(self, request_id: str) -> None:
+        """Release all of the request's blocks, tail first (the tail is evicted before the head)."""
+        blocks = self._blocks.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        if blocks:
+            self.pool.free(list(reversed(blocks)))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            if refs.get(b.block_id, 0) != b.ref_count:
+                raise RuntimeError(
+                    f"block {b.block_id}: ref_count {b.ref_count} but {refs.get(b.block_id, 0)} owners")

@@ -1,0 +1,128 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention goes through
+an ``AttentionBackend`` so the same model runs on the torch reference or on Triton kernels.
+All sequences of a step are flattened into one token dimension ``T``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from shared.kvcache.layout import layer_views
+from shared.model.attention import AttentionBackend, AttentionMetadata
+from shared.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3 scaling or GGUF freq factors applied."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if cfg.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
+    elif cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        mid = (1 - smooth) * scaled / s.factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (NeoX) rotary embedding. x: [T, H, D]; cos, sin: [T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class LlamaLayer:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.attn_norm = weights["attn_norm"]
+        self.qkv = weights["qkv"]  # [(Hq + 2 Hkv) * D, hidden]
+        self.qkv_bias = weights.get("qkv_bias")
+        self.o_proj = weights["o_proj"]
+        self.mlp_norm = weights["mlp_norm"]
+        self.gate_up = weights["gate_up"]  # [2 * intermediate, hidden]
+        self.down = weights["down"]
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def forward(self, layer_idx, hidden, residual, cos, sin, kv_cache, meta, backend):
+        cfg = self.cfg
+        if residual is None:
+            residual = hidden
+        else:
+            residual = hidden + residual
+        x = rms_norm(residual, self.attn_norm, cfg.rms_norm_eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        k_cache, v_cache = layer_views(kv_cache, layer_idx)
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        attn = backend.attend(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+        hidden = F.linear(attn.reshape(-1, self.q_size), self.o_proj)
+        residual = hidden + residual
+        x = rms_norm(residual, self.mlp_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down), residual
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers_weights: list[dict]):
+        self.cfg = cfg
+        self.embed = weights["embed"]  # [V, hidden]
+        self.norm = weights["norm"]
+        self.lm_head = weights.get("lm_head", self.embed)
+        self.layers = [LlamaLayer(cfg, w) for w in num_layers_weights]
+        self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [N, L, 2, bs, Hkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope_cos_sin(positions)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer.forward(i, hidden, residual, cos, sin, kv_cache, meta, backend)
+        return rms_norm(hidden + residual, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,67 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.scheduler import SchedulerOutput
+from shared.model.attention import AttentionBackend, AttentionMetadata
+from shared.model.llama import LlamaModel
+from shared.model.sampler import SampledToken, Sampler
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, backend: AttentionBackend,
+                 block_size: int, sampler: Sampler) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = model.device
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        logits_rows: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = []
+        for s in out.scheduled:
+            tokens = s.request.all_token_ids
+            end = s.start + s.num_new_tokens
+            input_ids.extend(tokens[s.start:end])
+            positions.extend(range(s.start, end))
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + s.num_new_tokens)
+            if s.samples:
+                logits_rows.append(query_start[-1] - 1)
+            tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=out.num_decodes,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            max_seq_len=max(seq_lens),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta, logits_rows
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step; returns the sampled token of every request that reached its last token."""
+        ids, pos, meta, rows = self.prepare(out)
+        hidden = self.model.forward(ids, pos, self.kv_cache, meta, self.backend)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = self.sampler.sample(logits, sampling)
+        return {r.request_id: t for r, t in zip(sampling, tokens)}

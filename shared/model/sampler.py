@@ -1,0 +1,106 @@
+"""Token sampling for a batch of requests, each with its own parameters.
+
+Per-request seeds give reproducible samples regardless of batch-mates: a seeded request draws its
+noise from its own ``torch.Generator``, one draw per sampled token. Logprobs are those of the raw
+model distribution (before penalties and temperature), as OpenAI-compatible servers report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """Repetition penalty over prompt+output tokens; presence/frequency over output tokens."""
+    params = request.sampling_params
+    device = logits.device
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if request.output_token_ids and (params.presence_penalty or params.frequency_penalty):
+        out_ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+        counts = torch.zeros_like(logits).scatter_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on one row of logits; returns probabilities."""
+    params = request.sampling_params
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self._default = torch.Generator(device=device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._default
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return gen
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """logits: [S, V] float32, one row per request (in order)."""
+        want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        greedy_ids = logits.argmax(dim=-1).tolist()
+        results = []
+        for i, request in enumerate(requests):
+            params = request.sampling_params
+            if params.is_greedy and not params.has_penalties:
+                token = greedy_ids[i]
+            else:
+                row = apply_penalties(logits[i].clone(), request) if params.has_penalties else logits[i]
+                if params.is_greedy:
+                    token = int(row.argmax())
+                else:
+                    probs = filter_probs(row, request)
+                    # exponential race (Gumbel-max in disguise): one noise draw per token
+                    noise = torch.empty_like(probs).exponential_(generator=self._generator(request))
+                    token = int((probs / noise).argmax())
+            results.append(self._with_logprobs(token, raw_logprobs, i, params.logprobs))
+        return results
+
+    @staticmethod
+    def _with_logprobs(token: int, raw: torch.Tensor | None, row: int, top_n: int | None) -> SampledToken:
+        if raw is None or top_n is None:
+            return SampledToken(token)
+        top = ()
+        if top_n:
+            vals, ids = raw[row].topk(top_n)
+            top = tuple(zip(ids.tolist(), vals.tolist()))
+        return SampledToken(token, float(raw[row, token]), top)

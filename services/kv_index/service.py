@@ -1,0 +1,105 @@
+"""kv-index: KV event streams in, the prefix-hash → owners index in Redis, match queries answered.
+
+On start it resumes the event stream after the last batch it applied (kept in Redis with the
+data), or replays it from the beginning when Redis is empty or the stream was recreated, so a
+restart rebuilds the index. Every ``sweep_interval_s`` it drops workers that are no longer in the
+registry and have sent nothing for a registry TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from shared.bus import Bus, WorkerRegistry
+from shared.protocol import KvEventBatch, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
+from shared.store import KvIndexStore, RedisKeys, connect
+from services.kv_index.config import KvIndexSettings
+
+log = logging.getLogger(__name__)
+
+
+class KvIndexService:
+    def __init__(self, settings: KvIndexSettings, bus: Bus, store: KvIndexStore,
+                 registry: WorkerRegistry) -> None:
+        self._settings = settings
+        self._subjects = Subjects(settings.namespace)
+        self._bus = bus
+        self._store = store
+        self._registry = registry
+        self._last_seq: dict[str, int] = {}
+
+    async def start(self) -> None:
+        s = self._subjects
+        await self._bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
+                                      max_age_s=self._settings.events_max_age_s,
+                                      max_msgs=self._settings.events_max_msgs)
+        applied = await self._store.stream_seq()
+        stream_last = (await self._bus.js.stream_info(s.kv_events_stream)).state.last_seq
+        if applied > stream_last:  # the stream was recreated: our position means nothing now
+            log.warning("index at stream seq %d but stream ends at %d: rebuilding", applied, stream_last)
+            for worker_id in await self._store.workers():
+                await self._store.drop_worker(worker_id)
+            applied = 0
+        self._last_seq = await self._store.worker_seqs()
+        log.info("replaying KV events from stream seq %d", applied + 1)
+        await self._bus.replay(s.kv_events_all(), s.kv_events_stream, self.on_batch,
+                               start_seq=applied + 1 if applied else 0)
+        await self._bus.serve(s.kvindex_match(), self.match, queue="kv-index")
+
+    async def on_batch(self, batch: KvEventBatch, stream_seq: int) -> None:
+        w, first = batch.worker_id, batch.events[0].seq
+        last = self._last_seq.get(w, 0)
+        if first == 1 and last > 0:
+            log.info("worker %s restarted (seq back to 1): dropping its old entries", w)
+            await self._store.drop_worker(w)
+        elif last and first != last + 1:
+            log.warning("worker %s: KV event gap, expected seq %d, got %d", w, last + 1, first)
+        await self._store.apply(batch, stream_seq, now=time.time())
+        self._last_seq[w] = batch.events[-1].seq
+
+    async def match(self, request: KvMatchRequest) -> KvMatchResult:
+        counts = await self._store.match(request.block_hashes)
+        return KvMatchResult(overlaps=[WorkerOverlap(worker_id=w, num_blocks=n)
+                                       for w, n in sorted(counts.items()) if n > 0])
+
+    async def sweep(self) -> list[str]:
+        """Drop every worker that left the registry and has been silent for a TTL."""
+        alive = {w.worker_id for w in await self._registry.list()}
+        now, dropped = time.time(), []
+        for worker_id, last_event_at in (await self._store.workers()).items():
+            if worker_id not in alive and now - last_event_at > self._registry.ttl_s:
+                num_blocks = await self._store.drop_worker(worker_id)
+                self._last_seq.pop(worker_id, None)
+                log.info("worker %s left the registry: dropped its %d blocks", worker_id, num_blocks)
+                dropped.append(worker_id)
+        return dropped
+
+    async def sweep_forever(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001 — Redis/NATS hiccup: try again next round
+                log.exception("sweep failed")
+            await asyncio.sleep(self._settings.sweep_interval_s)
+
+
+async def run(settings: KvIndexSettings, stop: asyncio.Event) -> None:
+    bus = await Bus.connect(settings.nats_url, "kv-index")
+    redis = connect(settings.redis_url)
+    try:
+        await redis.ping()
+        subjects = Subjects(settings.namespace)
+        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s)
+        service = KvIndexService(settings, bus, KvIndexStore(redis, RedisKeys(settings.namespace)),
+                                 registry)
+        await service.start()
+        sweeper = asyncio.create_task(service.sweep_forever())
+        log.info("kv-index ready (namespace %s)", settings.namespace)
+        await stop.wait()
+        sweeper.cancel()
+        await bus.stop_serving(timeout_s=2)
+    finally:
+        await bus.close()
+        await redis.aclose()

@@ -1,0 +1,72 @@
+"""The cluster as admission and the autoscaler see it: registry entries plus the latest load report
+of each worker, plus what was admitted since that report (so a burst between two ~1 Hz reports
+does not all land on the same worker). Pure: callers pass ``now`` and the observations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.policy.kv_routing import WorkerLoadView
+from shared.protocol.workers import ClusterStatusResult, WorkerInfo, WorkerLoad, WorkerStatus
+
+
+@dataclass
+class _Admitted:
+    at: float
+    num_blocks: int
+
+
+@dataclass
+class WorkerEntry:
+    info: WorkerInfo
+    load: WorkerLoad | None = None
+    load_received_at: float | None = None
+    admitted: list[_Admitted] = field(default_factory=list)
+
+    def load_view(self) -> WorkerLoadView:
+        used = self.load.num_blocks_used if self.load else 0
+        waiting = self.load.num_waiting if self.load else 0
+        return WorkerLoadView(self.info.worker_id,
+                              num_active_blocks=used + sum(a.num_blocks for a in self.admitted),
+                              num_waiting=waiting + len(self.admitted))
+
+
+class ClusterView:
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerEntry] = {}
+
+    def set_workers(self, infos: list[WorkerInfo]) -> None:
+        """Replace the registry snapshot; a worker that left is forgotten with its load."""
+        entries = {}
+        for info in infos:
+            entry = self._workers.get(info.worker_id) or WorkerEntry(info)
+            entry.info = info
+            entries[info.worker_id] = entry
+        self._workers = entries
+
+    def update_load(self, load: WorkerLoad, now: float) -> None:
+        entry = self._workers.get(load.worker_id)
+        if entry is None or (entry.load is not None and load.seq <= entry.load.seq):
+            return  # unknown (not registered yet / gone) or out of order
+        entry.load, entry.load_received_at = load, now
+        # Admissions before the report's timestamp are counted in it now.
+        entry.admitted = [a for a in entry.admitted if a.at > load.timestamp]
+
+    def note_admitted(self, worker_id: str, num_blocks: int, now: float) -> None:
+        if entry := self._workers.get(worker_id):
+            entry.admitted.append(_Admitted(now, num_blocks))
+
+    def ready_workers(self, role: str, model: str | None = None) -> list[WorkerEntry]:
+        return [e for e in self._workers.values()
+                if e.info.role == role and e.info.state == "ready"
+                and (model is None or e.info.model == model)]
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self._workers.get(worker_id)
+
+    def status(self, now: float) -> ClusterStatusResult:
+        return ClusterStatusResult(timestamp=now, workers=[
+            WorkerStatus(info=e.info, load=e.load,
+                         load_age_s=None if e.load_received_at is None else now - e.load_received_at)
+            for e in sorted(self._workers.values(), key=lambda e: e.info.worker_id)])

@@ -1,0 +1,63 @@
+"""Settings shared by every service, and the bridge from a settings class to argparse flags.
+
+Each service has one settings class (pydantic-settings, ``TANDEM_`` env prefix). Every field is
+also a ``--flag``; precedence: flag, then environment, then default. The compose test checks its
+files against exactly these flags and variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL")
+    namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                           description="first token of every subject, bucket and Redis key")
+    registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL (heartbeat: TTL/3)")
+    log_level: str = Field("INFO", description="logging level")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    """One ``--flag`` per field; defaults stay None so that unset flags fall back to the env."""
+    for name, info in cls.model_fields.items():
+        env = f"TANDEM_{name.upper()}"
+        default = info.get_default(call_default_factory=True)
+        help_text = f"{info.description or name} (env {env}, default {default!r})"
+        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
+        annotation = info.annotation
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) is Literal:
+            kwargs["choices"] = list(get_args(annotation))
+        parser.add_argument(_flag(name), **kwargs)
+
+
+def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
+    """Build the settings from flags given on the command line plus the environment."""
+    from shared.cli.main import CliError  # noqa: PLC0415 — avoid a cycle at import time
+
+    given = {name: getattr(args, name) for name in cls.model_fields
+             if getattr(args, name, None) is not None}
+    try:
+        return cls(**given)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+                             for e in exc.errors())
+        raise CliError(f"invalid settings: {problems}") from None
+
+
+def settings_env_names(cls: type[BaseSettings]) -> set[str]:
+    return {f"TANDEM_{name.upper()}" for name in cls.model_fields}

@@ -1,0 +1,62 @@
+"""Routing cost, queue-limit admission and the cluster view's optimistic load accounting."""
+
+from shared.cluster.view import ClusterView
+from shared.policy.kv_routing import RoutingWeights, WorkerLoadView, choose_worker, routing_cost
+from shared.protocol import WorkerInfo, WorkerLoad
+
+
+def view(worker_id, active=0, waiting=0):
+    return WorkerLoadView(worker_id, num_active_blocks=active, num_waiting=waiting)
+
+
+def test_overlap_beats_equal_load_and_load_beats_small_overlap():
+    workers = [view("a", active=10), view("b", active=10)]
+    assert choose_worker(workers, {"b": 6}, num_request_blocks=8).worker_id == "b"
+    busy = [view("a", active=0), view("b", active=100)]
+    assert choose_worker(busy, {"b": 2}, num_request_blocks=8).worker_id == "a"
+
+
+def test_least_loaded_fallback_and_deterministic_ties():
+    workers = [view("b", active=3), view("a", active=3), view("c", active=1)]
+    assert choose_worker(workers, {}, 4).worker_id == "c"
+    assert choose_worker(workers[:2], {}, 4).worker_id == "a"
+
+
+def test_queue_limit_rejects_only_when_every_worker_is_full():
+    weights = RoutingWeights(max_waiting_per_worker=2)
+    assert choose_worker([view("a", waiting=2), view("b", waiting=1)], {}, 1, weights).worker_id == "b"
+    rejected = choose_worker([view("a", waiting=2), view("b", waiting=5)], {"a": 1}, 1, weights)
+    assert rejected.worker_id is None
+
+
+def test_cost_arithmetic():
+    w = view("a", active=5, waiting=1)
+    assert routing_cost(w, 4, 1, RoutingWeights(overlap_weight=2.0, queue_weight=3.0)) == 2 * 3 + 5 + 4 + 3
+
+
+def info(worker_id, state="ready"):
+    return WorkerInfo(worker_id=worker_id, role="decode", state=state, model="m", block_size=16,
+                      max_model_len=64, generate_subject="g", cancel_subject="c")
+
+
+def load(worker_id, seq, at, used=0, waiting=0):
+    return WorkerLoad(worker_id=worker_id, role="decode", seq=seq, timestamp=at,
+                      num_blocks_used=used, num_waiting=waiting)
+
+
+def test_view_counts_admissions_until_a_later_report_includes_them():
+    v = ClusterView()
+    v.set_workers([info("a"), info("b", state="draining")])
+    assert [e.info.worker_id for e in v.ready_workers("decode", "m")] == ["a"]
+    v.update_load(load("a", 1, at=10.0, used=4), now=10.0)
+    v.note_admitted("a", 3, now=11.0)
+    assert v.get("a").load_view() == view("a", active=7, waiting=1)
+    v.update_load(load("a", 1, at=12.0, used=9), now=12.0)  # stale seq: ignored
+    assert v.get("a").load_view().num_active_blocks == 7
+    v.update_load(load("a", 2, at=12.0, used=7), now=12.0)
+    assert v.get("a").load_view() == view("a", active=7, waiting=0)
+    v.update_load(load("zzz", 1, at=12.0), now=12.0)  # unregistered: ignored
+    v.set_workers([info("b")])
+    assert v.get("a") is None
+    status = v.status(now=13.0)
+    assert [w.info.worker_id for w in status.workers] == ["b"]

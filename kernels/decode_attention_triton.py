@@ -16,6 +16,8 @@ are per-layer slices of the pool, see shared/kvcache/layout.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -123,12 +125,17 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + row * HEAD_DIM + offs_d, out, mask=d_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough splits to put about two programs on every SM, never splits under
     ``_MIN_TILES_PER_SPLIT`` tiles long. On CPU (the interpreter) one split."""
     if device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     wanted = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
     most = max(1, triton.cdiv(max_seq_len, _BLOCK_N * _MIN_TILES_PER_SPLIT))
     return max(1, min(wanted, most))

@@ -1,0 +1,48 @@
+"""TritonAttentionBackend against TorchAttentionBackend on one mixed decode + prefill step."""
+
+import pytest
+import torch
+
+from kernel_cases import REL_TOL, make_paged_kv, max_rel_err, query_start_loc
+from shared.model.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_agree_on_mixed_batch(device, dtype):
+    # two decodes, then a whole prompt, a chunk over a cached prefix and a one-token chunk
+    q_lens = [1, 1, 20, 9, 1]
+    seq_lens = [33, 16, 20, 41, 5]
+    block_size, num_kv_heads, group, head_dim = 16, 2, 3, 64
+    pool, k_cache, v_cache, table = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    num_tokens = sum(q_lens)
+    # the step's new K/V: written by the backend before attending, at each sequence's last q_len slots
+    slots = []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(table[i, pos // block_size]) * block_size + pos % block_size)
+    meta = AttentionMetadata(
+        num_decodes=2,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc(q_lens, device),
+        max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens),
+    )
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim).to(dtype=dtype, device=device)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype=dtype, device=device)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype=dtype, device=device)
+
+    triton_backend = get_attention_backend("triton", torch.device(device))
+    torch_backend = TorchAttentionBackend()
+    assert triton_backend.name == "triton"
+    torch_pool = pool.clone()
+    triton_backend.write_kv(key, value, k_cache, v_cache, meta)
+    torch_backend.write_kv(key, value, torch_pool[:, 1, 0], torch_pool[:, 1, 1], meta)
+    assert torch.equal(pool.nan_to_num(7.0), torch_pool.nan_to_num(7.0))
+
+    out = triton_backend.attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    expected = torch_backend.attend(q, torch_pool[:, 1, 0], torch_pool[:, 1, 1], meta, head_dim ** -0.5)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.isfinite(out).all()
+    assert max_rel_err(out, expected) < 2 * REL_TOL[dtype]

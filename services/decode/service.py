@@ -1,0 +1,213 @@
+"""decode: one engine behind ``<ns>.v1.decode.<worker>.generate``.
+
+Lifecycle: load the model → warm up (so no user request pays first-run costs) → serve, then
+register as ``ready`` and heartbeat → on SIGTERM (or a ``drain`` control request) mark itself
+``draining`` in the registry, stop taking requests, finish the ones in flight, deregister.
+Meanwhile it publishes WorkerLoad about once a second and batches the engine's KV events into
+the JetStream-backed ``kv.events.<worker>`` subject for kv-index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+
+from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.engine import AsyncEngine, EngineError, InvalidRequestError, SamplingParams
+from shared.kvcache.events import SequencedEvent
+from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest,
+                             KvEventBatch, Subjects, TokenChunk, WorkerInfo, WorkerLoad)
+from shared.telemetry.metrics import RecentMean
+from services.decode.config import DecodeSettings
+from services.decode.translate import engine_params, kv_event, token_chunk
+
+log = logging.getLogger(__name__)
+
+_MAX_EVENTS_PER_BATCH = 512
+
+
+class DecodeWorker:
+    def __init__(self, settings: DecodeSettings, bus: Bus, registry: WorkerRegistry,
+                 engine: AsyncEngine) -> None:
+        self._settings = settings
+        self._subjects = Subjects(settings.namespace)
+        self._bus = bus
+        self._registry = registry
+        self.engine = engine
+        self.worker_id = settings.worker_id
+        self.state = "starting"
+        self.drain_requested = asyncio.Event()
+        self._events: asyncio.Queue[SequencedEvent] = asyncio.Queue()
+        self._started_at = time.time()
+        self._load_seq = 0
+        self._ttft = RecentMean(10.0)
+        self._itl = RecentMean(10.0)
+        self.num_requests_total = 0
+        self.num_requests_aborted = 0
+
+    def info(self) -> WorkerInfo:
+        stats = self.engine.stats()
+        return WorkerInfo(
+            worker_id=self.worker_id, role="decode", state=self.state, model=self._settings.model,
+            block_size=self.engine.block_size, max_model_len=self.engine.max_model_len,
+            num_blocks_total=stats.num_blocks_total, max_num_seqs=stats.max_num_seqs,
+            generate_subject=self._subjects.decode_generate(self.worker_id).subject,
+            cancel_subject=self._subjects.decode_cancel(self.worker_id).subject,
+            control_subject=self._subjects.control(self.worker_id).subject,
+            kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
+            pid=os.getpid(), started_at=self._started_at)
+
+    async def warm_up(self) -> None:
+        """Concurrent throwaway requests of a few lengths: compiles/allocates every path once."""
+        n = self._settings.num_warmup_requests
+        if n == 0:
+            return
+        vocab = self.engine.tokenizer.vocab_size
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+        async def one(i: int) -> None:
+            length = min(8 + 24 * i, self.engine.max_model_len - 8)
+            prompt = [(7 + 31 * i + j) % vocab for j in range(length)]
+            async for _ in self.engine.generate(f"warmup-{self.worker_id}-{i}", prompt, params):
+                pass
+
+        started = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        log.info("warm-up: %d requests in %.2fs", n, time.monotonic() - started)
+
+    async def start(self) -> None:
+        """Serve, then register as ready (serving first: once listed, requests may come)."""
+        s = self._subjects
+        await self._bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
+                                      max_age_s=self._settings.events_max_age_s,
+                                      max_msgs=self._settings.events_max_msgs)
+        loop = asyncio.get_running_loop()
+        self.engine.add_kv_event_sink(_LoopSink(loop, self._events))
+        await self._bus.subscribe(s.decode_cancel(self.worker_id), self.cancel)
+        await self._bus.serve(s.control(self.worker_id), self.control)
+        await self._bus.serve_stream(s.decode_generate(self.worker_id), self.generate)
+        self.state = "ready"
+        await self._registry.put(self.info())
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        if self.state != "ready":
+            raise ServiceError("rejected", f"worker {self.worker_id} is {self.state}")
+        self.num_requests_total += 1
+        started = last = time.monotonic()
+        index = 0
+        try:
+            async for out in self.engine.generate(request.request_id, request.prompt_token_ids,
+                                                  engine_params(request.sampling), request.priority):
+                now = time.monotonic()
+                (self._ttft if index == 0 else self._itl).observe(now - last)
+                last = now
+                if out.finish_reason == "abort":
+                    self.num_requests_aborted += 1
+                yield token_chunk(out, index, self.worker_id)
+                index += 1
+        except InvalidRequestError as exc:
+            raise ServiceError("bad_request", str(exc), getattr(exc, "field", None)) from None
+        except (EngineError, ValueError) as exc:
+            raise ServiceError("rejected", str(exc)) from None
+        log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
+
+    async def cancel(self, request: CancelRequest) -> None:
+        log.info("cancel %s: %s", request.request_id, request.reason)
+        self.engine.abort(request.request_id)
+
+    async def control(self, request: ControlRequest) -> ControlResult:
+        if request.action in ("drain", "stop"):
+            self.drain_requested.set()
+        return ControlResult(worker_id=self.worker_id, state="draining",
+                             num_in_flight=self._bus.num_in_flight)
+
+    def load(self) -> WorkerLoad:
+        stats = self.engine.stats()
+        self._load_seq += 1
+        return WorkerLoad(
+            worker_id=self.worker_id, role="decode", seq=self._load_seq, timestamp=time.time(),
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
+            num_cached_blocks=stats.num_cached_blocks, max_num_seqs=stats.max_num_seqs,
+            ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
+            num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
+            num_prompt_tokens_total=stats.num_prompt_tokens,
+            num_generated_tokens_total=stats.num_generated_tokens)
+
+    async def publish_load_forever(self) -> None:
+        endpoint = self._subjects.load("decode", self.worker_id)
+        while True:
+            try:
+                await self._bus.publish(endpoint, self.load())
+            except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
+                log.warning("load report failed: %s", exc)
+            await asyncio.sleep(self._settings.load_interval_s)
+
+    async def publish_kv_events_forever(self) -> None:
+        endpoint = self._subjects.kv_events(self.worker_id)
+        while True:
+            events = [await self._events.get()]
+            while not self._events.empty() and len(events) < _MAX_EVENTS_PER_BATCH:
+                events.append(self._events.get_nowait())
+            batch = KvEventBatch(worker_id=self.worker_id, events=[kv_event(e) for e in events])
+            for attempt in range(5):
+                try:
+                    await self._bus.js_publish(endpoint, batch)
+                    break
+                except Exception as exc:  # noqa: BLE001 — kv-index sees the gap if we give up
+                    log.warning("KV event publish failed (attempt %d): %s", attempt + 1, exc)
+                    await asyncio.sleep(0.2 * (attempt + 1))
+
+    async def drain(self, heartbeat: asyncio.Task) -> None:
+        """Stay listed as ``draining`` (admission skips it) while in-flight requests finish."""
+        self.state = "draining"
+        await self._registry.put(self.info())
+        num_left = await self._bus.stop_serving(self._settings.drain_timeout_s)
+        if num_left:
+            log.warning("drain timeout: %d requests cut off", num_left)
+        heartbeat.cancel()  # no beat may re-register us after the delete
+        await asyncio.gather(heartbeat, return_exceptions=True)
+        await self._registry.delete(self.worker_id)
+
+
+class _LoopSink:
+    """KvEventSink handing events from the engine thread to the event loop (never blocks)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self._loop, self._queue = loop, queue
+
+    def emit(self, event: SequencedEvent) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+
+async def run(settings: DecodeSettings, stop: asyncio.Event) -> None:
+    log.info("loading %s", settings.model)
+    engine = await asyncio.to_thread(AsyncEngine.start, settings.engine_config())
+    bus = await Bus.connect(settings.nats_url, settings.worker_id)
+    tasks: list[asyncio.Task] = []
+    try:
+        registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
+                                             ttl_s=settings.registry_ttl_s)
+        worker = DecodeWorker(settings, bus, registry, engine)
+        await worker.warm_up()
+        await worker.start()
+        tasks = [asyncio.create_task(c) for c in (
+            registry.heartbeat(worker.info), worker.publish_load_forever(),
+            worker.publish_kv_events_forever())]
+        log.info("decode worker %s ready (model %s, %d KV blocks)", worker.worker_id,
+                 settings.model, engine.stats().num_blocks_total)
+        drain = asyncio.create_task(worker.drain_requested.wait())
+        await asyncio.wait([asyncio.create_task(stop.wait()), drain],
+                           return_when=asyncio.FIRST_COMPLETED)
+        log.info("draining %d in-flight requests", bus.num_in_flight)
+        await worker.drain(heartbeat=tasks[0])
+    finally:
+        for task in tasks:
+            task.cancel()
+        await bus.close()
+        await asyncio.to_thread(engine.shutdown)
+        log.info("stopped")

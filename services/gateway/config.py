@@ -1,0 +1,21 @@
+from pydantic import Field
+
+from shared.runtime.settings import ServiceSettings
+
+
+class GatewaySettings(ServiceSettings):
+    host: str = Field("127.0.0.1", description="HTTP listen address")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: any free port)")
+    model: str = Field("smollm2-135m", description="served model (its tokenizer is loaded here)")
+    api_keys: str | None = Field(None, description="comma-separated key:tier pairs; unset: no auth")
+    default_max_tokens: int = Field(1024, ge=1, description="max_tokens when the request gives none")
+    admission_timeout_s: float = Field(2.0, gt=0, description="wait for admission's answer")
+    request_timeout_s: float = Field(600.0, gt=0, description="wait for a request's first token")
+    token_idle_timeout_s: float = Field(60.0, gt=0, description="max gap between two tokens")
+    status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")
+    refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+
+    def api_key_tiers(self) -> dict[str, str]:
+        pairs = [p.strip() for p in (self.api_keys or "").split(",") if p.strip()]
+        return {key: tier or "default" for key, _, tier in (p.partition(":") for p in pairs)}

@@ -1,0 +1,29 @@
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_state_dir() -> Path:
+    from shared.model.registry import cache_dir
+
+    return cache_dir() / "up"
+
+
+class UpSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
+
+    decode: int = Field(1, ge=1, le=64, description="number of decode workers")
+    model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
+    host: str = Field("127.0.0.1", description="gateway listen address")
+    port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
+    nats_url: str | None = Field(None, description="use this NATS server instead of an embedded one")
+    redis_url: str | None = Field(None, description="use this Redis instead of an embedded one")
+    namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
+    registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
+    kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
+    device: str = Field("auto", description="decode workers' device: cpu, cuda, cuda:N or auto")
+    drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
+    state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
+    ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")
+    log_level: str = Field("INFO", description="services' logging level")

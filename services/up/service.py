@@ -1,0 +1,51 @@
+"""``tandem up``: the whole stack on this machine until Ctrl-C, which stops every process."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from shared.runtime.stack import Stack, StackSpec, print_line
+from services.up.config import UpSettings
+
+
+def spec_from_settings(s: UpSettings) -> StackSpec:
+    return StackSpec(
+        state_dir=s.state_dir / s.namespace, num_decode=s.decode, model=s.model, host=s.host,
+        port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
+        registry_ttl_s=s.registry_ttl_s, log_level=s.log_level,
+        decode_flags={"kv_cache_memory": s.kv_cache_memory, "device": s.device,
+                      "drain_timeout_s": s.drain_timeout_s})
+
+
+def run(settings: UpSettings) -> int:
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stack = Stack(spec_from_settings(settings))
+    try:
+        stack.start()
+        print_line("up", f"starting {settings.decode} decode worker(s) of {settings.model}; "
+                         f"waiting for {stack.base_url}/ready")
+        waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop), daemon=True)
+        waiter.start()
+        while not stop.wait(0.5):
+            dead = [n for n, c in stack.children.items() if not c.is_running()]
+            if dead:
+                print_line("up", f"exited: {', '.join(dead)}; stopping the stack")
+                return 1
+        return 0
+    finally:
+        print_line("up", "stopping")
+        stack.stop()
+        print_line("up", "stopped")
+
+
+def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event) -> None:
+    try:
+        stack.wait_ready(settings.ready_timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        print_line("up", f"not ready: {exc}")
+        stop.set()
+        return
+    print_line("up", f"ready: {stack.base_url}  (OpenAI base URL {stack.base_url}/v1; Ctrl-C stops)")

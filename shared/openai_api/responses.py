@@ -1,0 +1,71 @@
+"""OpenAI response bodies (chat and text completions, streamed chunks, usage, logprobs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from shared.protocol.generate import TokenLogprob
+
+TokenText = Callable[[int], str]
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def _entry(token_id: int, logprob: float, text: TokenText) -> dict:
+    token = text(token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> dict:
+    return {"content": [{**_entry(e.token_id, e.logprob, text),
+                         "top_logprobs": [_entry(t.token_id, t.logprob, text) for t in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int) -> dict:
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(text(e.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t.token_id): t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_chunk(request_id: str, created: int, model: str, delta: dict, *,
+               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+
+
+def completion_chunk(request_id: str, created: int, model: str, text: str, *,
+                     finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+
+
+def usage_chunk(request_id: str, created: int, model: str, object_name: str, usage_body: dict) -> dict:
+    return {"id": request_id, "object": object_name, "created": created, "model": model,
+            "choices": [], "usage": usage_body}
+
+
+def chat_completion(request_id: str, created: int, model: str, text: str, finish_reason: str,
+                    logprobs: dict | None, usage_body: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_body}
+
+
+def completion(request_id: str, created: int, model: str, text: str, finish_reason: str,
+               logprobs: dict | None, usage_body: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_body}

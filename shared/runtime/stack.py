@@ -1,0 +1,129 @@
+"""The whole stack on one machine: embedded nats-server and redis-server (unless URLs are given)
+and every service as its own process. Used by ``tandem up`` and the integration tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.runtime.children import Child, child_env, service_argv
+from shared.runtime.servers import ServerProcess, free_port, start_nats_server, start_redis_server
+
+
+@dataclass
+class StackSpec:
+    state_dir: Path
+    num_decode: int = 1
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 8000                  # 0: a free port
+    namespace: str = "tandem"
+    nats_url: str | None = None       # None: start an embedded nats-server
+    redis_url: str | None = None      # None: start an embedded redis-server
+    registry_ttl_s: float = 6.0
+    log_level: str = "INFO"
+    decode_flags: dict[str, object] = field(default_factory=dict)
+    gateway_flags: dict[str, object] = field(default_factory=dict)
+    admission_flags: dict[str, object] = field(default_factory=dict)
+
+
+def print_line(name: str, line: str) -> None:
+    sys.stdout.write(f"{name:<12}| {line}\n")
+    sys.stdout.flush()
+
+
+class Stack:
+    def __init__(self, spec: StackSpec, on_line: Callable[[str, str], None] = print_line) -> None:
+        self.spec = spec
+        self._on_line = on_line
+        self._lock = threading.Lock()
+        self.servers: list[ServerProcess] = []
+        self.children: dict[str, Child] = {}
+        self.nats_url = spec.nats_url or ""
+        self.redis_url = spec.redis_url or ""
+        self.port = spec.port or free_port()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    def _line(self, name: str, line: str) -> None:
+        with self._lock:
+            self._on_line(name, line)
+
+    def start(self) -> None:
+        spec = self.spec
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        if not spec.nats_url:
+            server = start_nats_server(spec.state_dir / "nats", on_line=lambda l: self._line("nats", l))
+            self.servers.append(server)
+            self.nats_url = server.url
+        if not spec.redis_url:
+            (spec.state_dir / "redis").mkdir(exist_ok=True)
+            server = start_redis_server(spec.state_dir / "redis", on_line=lambda l: self._line("redis", l))
+            self.servers.append(server)
+            self.redis_url = server.url
+        common = {"nats_url": self.nats_url, "namespace": spec.namespace,
+                  "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level}
+        self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
+        self.spawn("admission", "admission", {**common, **spec.admission_flags})
+        self.spawn("autoscaler", "autoscaler", common)
+        for i in range(spec.num_decode):
+            self.spawn_decode(f"decode-{i + 1}")
+        self.spawn("gateway", "gateway", {**common, "model": spec.model, "host": spec.host,
+                                          "port": self.port, **spec.gateway_flags})
+
+    def spawn_decode(self, name: str) -> Child:
+        spec = self.spec
+        worker_id = f"{spec.namespace}-{name}"[:64]
+        return self.spawn(name, "decode", {
+            "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
+            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **spec.decode_flags})
+
+    def spawn(self, name: str, service: str, flags: dict[str, object]) -> Child:
+        child = Child(name, service_argv(service, flags), child_env(), self._line)
+        self.children[name] = child
+        return child
+
+    def ready_status(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
+                return json.load(resp)
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None) -> None:
+        """Until /ready is 200 with ``num_decode`` (default: all) ready decode workers."""
+        want = self.spec.num_decode if num_decode is None else num_decode
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [n for n, c in self.children.items() if not c.is_running()]
+            if dead:
+                raise RuntimeError(f"service(s) exited during start-up: {', '.join(dead)}")
+            status = self.ready_status()
+            if status and status.get("num_ready_decode_workers", 0) >= want:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.base_url}/ready not 200 with {want} decode workers in {timeout_s}s")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
+        order = sorted(self.children.values(), key=lambda c: c.name != "gateway")
+        for child in order:
+            child.terminate()
+        deadline = time.monotonic() + timeout_s
+        for child in order:
+            if not child.wait(max(0.1, deadline - time.monotonic())):
+                self._line("up", f"{child.name} did not stop in {timeout_s:g}s: killing it")
+                child.kill()
+                child.wait(5)
+        for server in reversed(self.servers):
+            server.stop()
+        self.servers.clear()

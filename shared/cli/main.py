@@ -15,6 +15,12 @@ from shared import __version__
 
 COMMAND_MODULES = [
     "shared.cli.model_cmds",  # complete, chat, model fetch
+    "services.up.__main__",  # up
+    "services.gateway.__main__",  # gateway, status
+    "services.admission.__main__",
+    "services.decode.__main__",
+    "services.kv_index.__main__",
+    "services.autoscaler.__main__",
 ]
 
 

@@ -1,0 +1,45 @@
+"""Every service starts alone as ``tandem <service>`` with ``--help``, flags mirroring its settings."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shared.cli.main import build_parser, main
+from shared.runtime.settings import settings_from_args
+
+SERVICES = ["gateway", "admission", "decode", "kv-index", "autoscaler", "up"]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_every_settings_field_is_a_flag(service):
+    args = build_parser().parse_args([service])
+    for name in args.settings_class.model_fields:
+        flag = "--" + name.replace("_", "-")
+        parsed = build_parser().parse_args([service, flag, "1"])
+        assert getattr(parsed, name) == "1", flag
+
+
+def test_flags_override_env_and_env_overrides_defaults(monkeypatch):
+    monkeypatch.setenv("TANDEM_NAMESPACE", "fromenv")
+    monkeypatch.setenv("TANDEM_MAX_WAITING_PER_WORKER", "7")
+    args = build_parser().parse_args(["admission", "--namespace", "fromflag"])
+    settings = settings_from_args(args.settings_class, args)
+    assert (settings.namespace, settings.max_waiting_per_worker) == ("fromflag", 7)
+
+
+def test_bad_setting_is_a_one_line_user_error(capsys):
+    assert main(["admission", "--max-waiting-per-worker", "0"]) == 2
+    assert "max_waiting_per_worker" in capsys.readouterr().err
+
+
+def test_help_runs_without_heavy_imports():
+    code = ("import sys; from shared.cli.main import main\n"
+            "for s in %r:\n"
+            "    try: main([s, '--help'])\n"
+            "    except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules and 'nats' not in sys.modules, 'heavy import at --help'\n"
+            % SERVICES)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage: tandem decode" in out.stdout and "--worker-id" in out.stdout

@@ -1,16 +1,19 @@
 """Kernel tests run every Triton kernel on the CPU through the Triton interpreter.
 
-``triton.jit`` picks interpreted or compiled when a kernel is *defined* (module import), so the
-variable must be set before any ``kernels.*_triton`` module is imported. Pytest imports this file
-before the test modules of this directory; a Triton module that something else imported earlier
-(outside tests/kernels) is reloaded so that its kernels are defined again, interpreted.
+Triton decides between interpreter and compiler when modules are *imported*: its own standard
+library (``tl.zeros``, ``tl.max``, ...) as well as our kernels are decorated with ``triton.jit`` at
+import time, and an interpreted kernel cannot call a compiled helper. So ``TRITON_INTERPRET=1`` must
+be in the environment before the first ``import triton`` of the process. Pytest imports this file
+before the test modules of this directory, and nothing outside kernels/ and loadtest/ imports
+triton (``import torch`` does not), so setting it here is early enough; if something did import
+triton first, the tests fail with that explanation instead of an obscure interpreter error.
 Run with ``TRITON_INTERPRET=0`` on a machine with CUDA to test the compiled kernels on the GPU.
 """
 
-import importlib
 import os
 import sys
 
+_TRITON_PRELOADED = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -19,12 +22,12 @@ import triton  # noqa: E402
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 
-if _INTERPRET:
-    for _name in sorted(sys.modules):
-        if _name.startswith("kernels.") and (_name.endswith("_triton") or _name == "kernels._triton_util"):
-            importlib.reload(sys.modules[_name])
-    if "kernels.backend" in sys.modules:
-        importlib.reload(sys.modules["kernels.backend"])
+
+@pytest.fixture(autouse=True)
+def _triton_mode_is_consistent():
+    if _INTERPRET and _TRITON_PRELOADED:
+        pytest.fail("triton was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1, so its "
+                    "kernels are compiled, not interpreted; run pytest with TRITON_INTERPRET=1 exported")
 
 
 @pytest.fixture(scope="session")

@@ -130,15 +130,20 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits to put about two programs on every SM, never splits under
-    ``_MIN_TILES_PER_SPLIT`` tiles long. On CPU (the interpreter) one split."""
+def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough splits to put about two programs on every SM, but no split shorter than
+    ``_MIN_TILES_PER_SPLIT`` tiles: a long context at a small batch is spread over the GPU, a
+    large batch is not split at all."""
+    wanted = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
+    most = max_seq_len // (_BLOCK_N * _MIN_TILES_PER_SPLIT)
+    return max(1, min(wanted, most))
+
+
+def _device_num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 elsewhere (the interpreter gains nothing from splitting)."""
     if device.type != "cuda":
         return 1
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    wanted = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
-    most = max(1, triton.cdiv(max_seq_len, _BLOCK_N * _MIN_TILES_PER_SPLIT))
-    return max(1, min(wanted, most))
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def paged_decode_attention_triton(
@@ -150,7 +155,7 @@ def paged_decode_attention_triton(
     scale: float,
     *,
     max_seq_len: int | None = None,  # upper bound on seq_lens; default M * bs (no host sync)
-    num_splits: int | None = None,  # default: plan_num_splits
+    num_splits: int | None = None,  # default: plan_num_splits on this device
     out: torch.Tensor | None = None,  # [B, Hq, D] contiguous, q's dtype
 ) -> torch.Tensor:  # [B, Hq, D]
     num_seqs, num_q_heads, head_dim = q.shape
@@ -169,7 +174,7 @@ def paged_decode_attention_triton(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        num_splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, _device_num_sms(q.device))
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _BLOCK_N) * _BLOCK_N
     num_splits = max(1, triton.cdiv(max_seq_len, split_len))  # drop splits that are always empty
 

@@ -77,8 +77,9 @@ def bench_decode_shape(batch: int, context: int, block_size: int, dtype: torch.d
     def run_triton():
         paged_decode_attention_triton(q, k_cache, v_cache, table, seq_lens, scale, max_seq_len=context, out=out)
 
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     row = {"batch": batch, "context": context, "block_size": block_size, "dtype": str(dtype),
-           "num_splits": plan_num_splits(batch, NUM_KV_HEADS, context, q.device)}
+           "num_splits": plan_num_splits(batch, NUM_KV_HEADS, context, num_sms)}
     row["triton_ms"] = time_ms(run_triton)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * pool.element_size()
     row["bytes"] = kv_bytes + 2 * q.numel() * q.element_size()

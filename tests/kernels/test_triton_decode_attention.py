@@ -5,7 +5,7 @@ import torch
 
 from kernel_cases import REL_TOL, attention_oracle, make_paged_kv, max_rel_err
 from kernels.decode_attention import paged_decode_attention_ref
-from kernels.decode_attention_triton import paged_decode_attention_triton
+from kernels.decode_attention_triton import paged_decode_attention_triton, plan_num_splits
 
 # (block_size, head_dim, group, num_kv_heads, seq_lens, dtype, num_splits): each axis value of the
 # issue's grid appears at least once; lengths cover 1, block boundaries (bs - 1, bs, bs + 1) and
@@ -62,3 +62,14 @@ def test_decode_writes_into_out_and_handles_empty_batch(device):
     assert paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125, out=out) is out
     empty = paged_decode_attention_triton(q[:0], k_cache, v_cache, table[:0], lens[:0], 0.125)
     assert empty.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("num_seqs,max_seq_len,expected", [
+    (1, 32768, 33),  # 8 KV-head programs, 132 SMs: split to ~2 programs per SM
+    (32, 8192, 2),
+    (128, 32768, 1),  # the batch alone fills the GPU
+    (1, 100, 1),  # too short to split
+    (1, 1024, 4),  # capped: no split under 4 tiles of 64 tokens
+])
+def test_plan_num_splits(num_seqs, max_seq_len, expected):
+    assert plan_num_splits(num_seqs, 8, max_seq_len, num_sms=132) == expected

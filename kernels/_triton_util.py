@@ -38,7 +38,7 @@ def attention_dot(a, b, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr)
 @triton.jit
 def round_to(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """``x.to(dtype)`` with round-to-nearest-even also under the interpreter; see ``dot_args``."""
-    if EMULATE_BF16:
+    if EMULATE_BF16 and dtype == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True).to(dtype)  # exact: the low 16 bits are zero

@@ -1,0 +1,22 @@
+"""RMSNorm with the residual add fused in front (the pre-norm of every Llama sublayer).
+
+Numerics follow shared/model/llama.py's ``rms_norm``: the residual sum is rounded to the
+activation dtype, the norm is computed in float32, rounded to the activation dtype, then scaled by
+the weight (in the promoted dtype of weight and activations).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor | None,  # [T, H], x's dtype; None for the first layer
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual = x + residual [T, H])
+    summed = x if residual is None else x + residual
+    xf = summed.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), summed

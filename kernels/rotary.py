@@ -1,0 +1,26 @@
+"""Rotary position embedding (rotate-half / NeoX form) of a step's queries and keys.
+
+Numerics follow shared/model/llama.py's ``apply_rope``: products and sums are computed in the
+promoted dtype of x and cos/sin, rounding after each operation as torch does, then cast to x's
+dtype. ``cos``/``sin`` are per token (``[T, D/2]``), so positions may be arbitrary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rotary_embedding_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, D/2]
+    sin: torch.Tensor,  # [T, D/2]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (q rotated [T, Hq, D], k rotated [T, Hkv, D])
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,208 @@
+"""The cost model: how long prefill, a decode step and a KV transfer take on a group of GPUs.
+
+Everything the planner and the simulator predict comes from the functions here, so the model is
+stated once:
+
+* **Prefill is compute-bound.** A prompt of ``T`` tokens costs ``2·P·T`` FLOPs for the weights plus
+  ``2·L·h·T²`` for causal attention. It runs at ``tp · TFLOP/s · eff.compute`` (the slowest GPU of a
+  mixed group sets the pace), plus two ring all-reduces per layer over the slowest link inside the
+  tensor-parallel group, plus one activation hop per pipeline boundary. With ``pp`` stages, requests
+  overlap across stages, so throughput is ``pp / latency`` discounted by the pipeline bubble.
+* **Decode is memory-bound.** One step reads the group's share of the weights and of every running
+  sequence's KV at ``HBM GB/s · eff.hbm``; it is never faster than its FLOPs allow; TP adds the same
+  all-reduces per layer (with the batch's activations), PP adds hops and a bubble.
+* **KV transfer** moves ``kv_bytes_per_token · T`` bytes over the slowest link of the route,
+  striped over as many parallel lanes as the smaller group has GPUs.
+* **Capacity** of a group in a phase is the request rate it sustains *while meeting the SLOs*:
+  prefill is loaded only up to the utilisation at which an M/D/1 queue still meets TTFT; decode
+  runs the largest batch whose step time meets TPOT and whose KV fits in HBM.
+
+Efficiency factors live in :class:`Efficiency` and are parameters; :func:`calibrate` fits
+``compute`` and ``hbm`` from measured prefill and decode step times.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from shared.planner.config import GpuType, ModelSpec, Slo
+
+GB = 1e9
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    compute: float = 0.55          # achieved fraction of dense bf16 FLOP/s in prefill
+    hbm: float = 0.75              # achieved fraction of HBM bandwidth in decode
+    link: float = 0.7              # achieved fraction of link bandwidth (collectives, KV transfer)
+    comm_latency_s: float = 15e-6  # fixed cost of one collective or hop
+    pp_bubble: float = 0.15        # throughput lost per extra pipeline stage (fraction of 1/pp)
+    mem_fraction: float = 0.9      # share of HBM usable for weights + KV
+    max_decode_batch: int = 512
+
+
+@dataclass(frozen=True)
+class GroupHardware:
+    """What the cost model needs to know about a group: its slowest GPU and slowest links."""
+
+    gpu: GpuType                 # per-GPU figures, the minimum over the group's GPUs
+    tp_link_gbps: float          # slowest link inside a tensor-parallel subgroup
+    pp_link_gbps: float          # slowest link between pipeline stages
+    price_per_hour: float        # whole group
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int
+    pp: int
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp
+
+
+def _allreduce_s(num_bytes: float, tp: int, link_gbps: float, eff: Efficiency) -> float:
+    if tp == 1:
+        return 0.0
+    return eff.comm_latency_s + 2 * (tp - 1) / tp * num_bytes / (link_gbps * GB * eff.link)
+
+
+def _hops_s(num_bytes: float, pp: int, link_gbps: float, eff: Efficiency) -> float:
+    return (pp - 1) * (eff.comm_latency_s + num_bytes / (link_gbps * GB * eff.link))
+
+
+def _bubble(pp: int, eff: Efficiency) -> float:
+    return 1.0 + eff.pp_bubble * (pp - 1) / pp
+
+
+def kv_capacity_tokens(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency) -> float:
+    """Tokens of KV the group can hold after the weights; <= 0 means the weights do not fit."""
+    per_gpu = hw.gpu.hbm_gib * GIB * eff.mem_fraction - model.weight_bytes / par.num_gpus
+    # KV heads shard over TP only up to the number of KV heads; beyond that they are replicated.
+    kv_shards = min(par.tp, model.num_kv_heads) * par.pp
+    return per_gpu * kv_shards / model.kv_bytes_per_token()
+
+
+def prefill_latency_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency,
+                      num_tokens: float) -> float:
+    """Time for one prompt of ``num_tokens`` uncached tokens to pass through the whole group."""
+    flops = 2 * model.num_params * num_tokens + 2 * model.num_layers * model.hidden_size * num_tokens**2
+    compute = flops / (par.tp * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
+    act_bytes = num_tokens * model.hidden_size * 2
+    comm = 2 * model.num_layers * _allreduce_s(act_bytes, par.tp, hw.tp_link_gbps, eff)
+    return compute + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff)
+
+
+def prefill_service_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency,
+                      num_tokens: float) -> float:
+    """Mean time between prefill completions when busy (pipeline stages overlap requests)."""
+    return prefill_latency_s(model, hw, par, eff, num_tokens) / par.pp * _bubble(par.pp, eff)
+
+
+def decode_step_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency,
+                  batch: float, context_len: float) -> float:
+    """Time per decode step for ``batch`` sequences of mean ``context_len`` tokens (= TPOT)."""
+    kv_shards = min(par.tp, model.num_kv_heads) * par.pp
+    # Per step each stage reads its weights once per micro-batch (pp micro-batches): W/tp in all.
+    read_bytes = model.weight_bytes / par.tp + batch * context_len * model.kv_bytes_per_token() / kv_shards
+    memory = read_bytes / (hw.gpu.hbm_gbps * GB * eff.hbm)
+    compute = 2 * model.num_params * batch / (par.num_gpus * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
+    act_bytes = batch * model.hidden_size * 2
+    comm = 2 * model.num_layers * _allreduce_s(act_bytes / par.pp, par.tp, hw.tp_link_gbps, eff)
+    return (max(memory, compute) + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff)) * _bubble(par.pp, eff)
+
+
+def kv_transfer_s(model: ModelSpec, num_tokens: float, route_gbps: float, eff: Efficiency) -> float:
+    """KV of ``num_tokens`` over a route whose total (all lanes) bandwidth is ``route_gbps``."""
+    return eff.comm_latency_s + num_tokens * model.kv_bytes_per_token() / (route_gbps * GB * eff.link)
+
+
+@dataclass(frozen=True)
+class PhaseCapacity:
+    rate: float          # requests/s the group sustains within SLO; 0 when it cannot serve the phase
+    latency_s: float     # prefill latency (TTFT share) or decode step time (TPOT)
+    batch: int = 1       # decode batch at that rate
+
+
+NO_CAPACITY = PhaseCapacity(rate=0.0, latency_s=math.inf, batch=0)
+
+
+def prefill_capacity(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency,
+                     input_len: float, slo: Slo, transfer_s: float = 0.0) -> PhaseCapacity:
+    """Rate at which an M/D/1 prefill queue still meets TTFT: L + ρ/(2μ(1-ρ)) + transfer <= TTFT."""
+    if kv_capacity_tokens(model, hw, par, eff) < input_len:
+        return NO_CAPACITY
+    latency = prefill_latency_s(model, hw, par, eff, input_len)
+    slack = slo.ttft_s - latency - transfer_s
+    if slack <= 0:
+        return NO_CAPACITY
+    mu = 1.0 / prefill_service_s(model, hw, par, eff, input_len)
+    rho = 2 * mu * slack / (1 + 2 * mu * slack)
+    return PhaseCapacity(rate=rho * mu, latency_s=latency)
+
+
+def decode_capacity(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency,
+                    input_len: float, output_len: float, slo: Slo) -> PhaseCapacity:
+    """Largest batch meeting TPOT whose KV (input + output per sequence) fits; rate = B / (TPOT·out)."""
+    kv_tokens = kv_capacity_tokens(model, hw, par, eff)
+    max_batch = min(eff.max_decode_batch, int(kv_tokens // (input_len + output_len)))
+    ctx = input_len + output_len / 2
+    if max_batch < 1 or decode_step_s(model, hw, par, eff, 1, ctx) > slo.tpot_s:
+        return NO_CAPACITY
+    lo, hi = 1, max_batch  # decode_step_s is increasing in batch: binary search the largest feasible
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if decode_step_s(model, hw, par, eff, mid, ctx) <= slo.tpot_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    step = decode_step_s(model, hw, par, eff, lo, ctx)
+    return PhaseCapacity(rate=lo / (step * output_len), latency_s=step, batch=lo)
+
+
+def parallel_options(num_gpus: int, gpus_per_node: int) -> list[Parallel]:
+    """TP x PP factorisations of a group; TP stays within a node (power-of-two degrees)."""
+    opts = []
+    tp = 1
+    while tp <= num_gpus:
+        if num_gpus % tp == 0 and tp <= gpus_per_node:
+            opts.append(Parallel(tp=tp, pp=num_gpus // tp))
+        tp *= 2
+    return opts
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    num_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    batch: int
+    context_len: int
+    seconds: float
+
+
+def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
+              decode: Sequence[DecodeSample], base: Efficiency = Efficiency()) -> Efficiency:
+    """Fit ``compute`` and ``hbm`` so single-GPU predictions match measured step times (median ratio).
+
+    The measurements come from running the real engine on one device (e.g. SmolLM2 on this
+    machine); communication factors are left as given since one device cannot measure them.
+    """
+    hw = GroupHardware(gpu=gpu, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=gpu.price_per_hour)
+    one = Parallel(1, 1)
+    ideal = replace(base, compute=1.0, hbm=1.0)
+    eff = base
+    if prefill:
+        ratios = sorted(prefill_latency_s(model, hw, one, ideal, s.num_tokens) / s.seconds for s in prefill)
+        eff = replace(eff, compute=min(1.0, ratios[len(ratios) // 2]))
+    if decode:
+        ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / s.seconds
+                        for s in decode)
+        eff = replace(eff, hbm=min(1.0, ratios[len(ratios) // 2]))
+    return eff

@@ -1,0 +1,70 @@
+"""Autoscaling: how many workers should prefill and how many decode (a fixed fleet that flips roles).
+
+Each tick compares demand with per-worker capacity in both phases: prefill demand is uncached
+prompt tokens per second, decode demand is output tokens per second. The fleet is split in the
+ratio of the workers each phase needs; a change is made only when it moves at least one worker,
+the imbalance exceeds ``hysteresis``, and ``cooldown_s`` has passed since the last change (flips
+are expensive: the worker drains first). Like Dynamo's planner: ``tick`` takes observations and
+returns a decision; the caller drains and flips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    cooldown_s: float = 60.0
+    hysteresis: float = 0.15      # relative change of the prefill share needed to act
+    min_prefill: int = 1
+    min_decode: int = 1
+    max_flips_per_tick: int = 4
+
+
+@dataclass(frozen=True)
+class TickInput:
+    now_s: float
+    num_prefill: int
+    num_decode: int
+    prefill_tokens_per_s: float               # uncached prompt tokens arriving per second
+    decode_tokens_per_s: float                # output tokens produced (or demanded) per second
+    prefill_capacity_tokens_per_s: float      # one prefill worker, within SLO
+    decode_capacity_tokens_per_s: float       # one decode worker, at its SLO batch
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    target_prefill: int
+    target_decode: int
+    flips: int          # > 0: decode workers to turn into prefill; < 0: prefill into decode
+    reason: str
+
+
+class RatioAutoscaler:
+    def __init__(self, cfg: AutoscaleConfig = AutoscaleConfig()):
+        self.cfg = cfg
+        self._last_change_s: float | None = None
+
+    def tick(self, inp: TickInput) -> ScalingDecision:
+        total = inp.num_prefill + inp.num_decode
+        keep = ScalingDecision(inp.num_prefill, inp.num_decode, 0, "")
+        if self._last_change_s is not None and inp.now_s - self._last_change_s < self.cfg.cooldown_s:
+            return _why(keep, "cooling down")
+        need_p = inp.prefill_tokens_per_s / max(inp.prefill_capacity_tokens_per_s, 1e-9)
+        need_d = inp.decode_tokens_per_s / max(inp.decode_capacity_tokens_per_s, 1e-9)
+        if need_p + need_d <= 0:
+            return _why(keep, "no load")
+        share = need_p / (need_p + need_d)
+        target_p = min(max(round(share * total), self.cfg.min_prefill), total - self.cfg.min_decode)
+        current_share = inp.num_prefill / max(total, 1)
+        if target_p == inp.num_prefill or abs(share - current_share) < self.cfg.hysteresis * max(current_share, 1 / total):
+            return _why(keep, f"balanced (prefill share {share:.2f} vs {current_share:.2f})")
+        flips = max(min(target_p - inp.num_prefill, self.cfg.max_flips_per_tick), -self.cfg.max_flips_per_tick)
+        self._last_change_s = inp.now_s
+        return ScalingDecision(inp.num_prefill + flips, inp.num_decode - flips, flips,
+                               f"prefill share {share:.2f} wanted, have {current_share:.2f}")
+
+
+def _why(d: ScalingDecision, reason: str) -> ScalingDecision:
+    return ScalingDecision(d.target_prefill, d.target_decode, 0, reason)

@@ -1,0 +1,343 @@
+"""Discrete-event simulation of a prefill/decode cluster serving a trace.
+
+A request arrives, is routed to a decode worker (routing policy: KV overlap + load), admitted or
+rejected (admission policy: predicted TTFT against its tier's budget), reserves KV on the decode
+worker (or waits for memory), and is prefilled locally or remotely (conditional-disaggregation
+policy). Remote prefills wait in one global FIFO that idle prefill workers pull from; their KV
+then crosses the modelled route to the decode worker. The first token counts when the KV is on
+the decode worker; decoding runs on the worker's virtual step counter (see ``workers.py``). A
+periodic tick samples utilisation and, if enabled, asks the autoscaling policy to flip roles.
+
+Events live in one heap of ``(time, seq, kind, a, b)`` tuples; arrivals are read from the trace's
+sorted arrays instead of being pushed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.planner.costmodel import kv_transfer_s
+from shared.planner.flow import Evaluator
+from shared.planner.plan import Plan
+from shared.policy.admission import AdmissionConfig, AdmissionInput, admit
+from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
+from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
+from shared.policy.routing import RoutingInput, RoutingWeights, choose_worker
+from shared.sim.traces import Trace
+from shared.sim.workers import DECODE, PREFILL, Worker
+
+PREFILL_FREE, PREFILL_DONE, KV_ARRIVED, DECODE_FINISH, TICK = range(5)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    disagg: DisaggConfig = DisaggConfig()
+    routing: RoutingWeights = RoutingWeights()
+    admission: AdmissionConfig | None = None      # None: the workload's TTFT SLO, default tiers
+    autoscale: AutoscaleConfig | None = None      # None: roles stay as planned
+    tier: str = "standard"
+    num_ticks: int = 200                           # utilisation samples over the arrival span
+
+
+@dataclass
+class SimResult:
+    arrival_s: np.ndarray
+    ttft_s: np.ndarray          # nan where rejected
+    tpot_s: np.ndarray          # nan where rejected; 0 for one-token outputs
+    finish_s: np.ndarray
+    output_len: np.ndarray
+    rejected: np.ndarray        # bool
+    remote_prefill: np.ndarray  # bool
+    cached_tokens: np.ndarray
+    tick_s: list[float] = field(default_factory=list)
+    prefill_util: list[float] = field(default_factory=list)
+    decode_kv_util: list[float] = field(default_factory=list)
+    num_prefill: list[int] = field(default_factory=list)
+    num_decode: list[int] = field(default_factory=list)
+    flips: int = 0
+    price_per_hour: float = 0.0
+    num_events: int = 0
+
+
+def build_workers(ev: Evaluator, plan: Plan, cache_block_size: int) -> list[Worker]:
+    label_to_index = {d.label(ev.cluster.spec): d.index for d in ev.cluster.devices}
+    workers = []
+    for w in plan.workers:
+        if w.role == "idle":
+            continue
+        try:
+            group = [label_to_index[g] for g in w.gpus]
+        except KeyError as exc:
+            raise ValueError(f"plan worker {w.worker_id} names GPU {exc.args[0]} not in the cluster") from exc
+        e = ev.evaluate(group)
+        workers.append(Worker(len(workers), w.worker_id, w.role, group, ev.cluster.hardware(group),
+                              e.prefill_par if e.prefill.rate > 0 else None,
+                              e.decode_par if e.decode.rate > 0 else None, ev.model, ev.eff, cache_block_size))
+    return workers
+
+
+class Simulator:
+    def __init__(self, ev: Evaluator, plan: Plan, cfg: SimConfig = SimConfig(), block_size: int = 512):
+        self.ev, self.cfg, self.block_size = ev, cfg, block_size
+        self.workers = build_workers(ev, plan, block_size)
+        if not any(w.role == DECODE for w in self.workers):
+            raise ValueError("the plan has no decode workers")
+        self.admission = cfg.admission or AdmissionConfig(ttft_slo_s=ev.workload.slo.ttft_s)
+        self.autoscaler = RatioAutoscaler(cfg.autoscale) if cfg.autoscale else None
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.prefill_queue: deque[int] = deque()
+        self.queued_tokens = 0.0
+        self.idle_prefill = [w.index for w in self.workers if w.role == PREFILL]
+        self.active_blocks = np.zeros(len(self.workers))
+        self.eligible = np.array([w.role == DECODE for w in self.workers])
+        self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
+        self._routes: dict[tuple[int, int], float] = {}
+        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0, "busy": 0.0}
+        # Planned per-worker capacity in tokens/s (within SLO), for admission and autoscaling.
+        self.cap_tps = {w.index: (ev.evaluate(w.group).prefill.rate * ev.input_len,
+                                  ev.evaluate(w.group).decode.rate * ev.output_len) for w in self.workers}
+
+    def _pool_capacity_tps(self, role: str) -> float:
+        k = 0 if role == PREFILL else 1
+        return sum(self.cap_tps[w.index][k] for w in self.workers if w.role == role and not w.draining)
+
+    # --- event plumbing --------------------------------------------------------------------
+    def push(self, t: float, kind: int, a: int, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def run(self, trace: Trace) -> SimResult:
+        n = len(trace)
+        self.arrival = trace.arrival_s.tolist()
+        self.inp, self.out = trace.input_len.tolist(), trace.output_len.tolist()
+        self.hashes = trace.hash_ids
+        self.ttft, self.tpot = [math.nan] * n, [math.nan] * n
+        self.finish, self.join_t = [math.nan] * n, [0.0] * n
+        self.rejected, self.remote = [False] * n, [False] * n
+        self.cached, self.uncached, self.dest = [0] * n, [0] * n, [0] * n
+        self.res = SimResult(trace.arrival_s, np.array([]), np.array([]), np.array([]), trace.output_len,
+                             np.array([]), np.array([]), np.array([]),
+                             price_per_hour=self.ev.cluster.spec.price_per_hour())
+        span = (self.arrival[-1] - self.arrival[0]) if n > 1 else 1.0
+        self.tick_every = max(span / self.cfg.num_ticks, 1e-3)
+        self.pending = n
+        self.push(self.arrival[0] if n else 0.0, TICK, 0)
+        handlers = (self._prefill_free, self._prefill_done, self._kv_arrived, self._decode_finish, self._tick)
+        heap, arrival, i, events = self.heap, self.arrival, 0, 0
+        while i < n or heap:
+            if heap and (i >= n or heap[0][0] <= arrival[i]):
+                t, _, kind, a, b = heapq.heappop(heap)
+                self.now = t
+                handlers[kind](a, b)
+            else:
+                self.now = arrival[i]
+                self._arrive(i)
+                i += 1
+            events += 1
+        r = self.res
+        r.ttft_s, r.tpot_s, r.finish_s = np.array(self.ttft), np.array(self.tpot), np.array(self.finish)
+        r.rejected, r.remote_prefill = np.array(self.rejected), np.array(self.remote)
+        r.cached_tokens, r.num_events = np.array(self.cached), events
+        return r
+
+    # --- arrival: route, admit, reserve ----------------------------------------------------
+    def _overlap(self, hashes: list[int]) -> dict[int, int]:
+        """Per worker, how many leading prompt blocks it holds (walk stops where nobody does)."""
+        owners = self.index.get(hashes[0]) if hashes else None
+        overlap: dict[int, int] = {}
+        k = 0
+        while owners:
+            k += 1
+            for w in owners:
+                overlap[w] = k
+            if k >= len(hashes):
+                break
+            nxt = self.index.get(hashes[k])
+            owners = owners & nxt if nxt else None
+        return overlap
+
+    def _arrive(self, i: int) -> None:
+        inp, hashes = self.inp[i], (self.hashes[i] if self.hashes is not None else [])
+        overlap = self._overlap(hashes) if hashes else {}
+        choice = choose_worker(RoutingInput(self.now, -(-inp // self.block_size), overlap,
+                                            self.active_blocks, self.eligible), self.cfg.routing)
+        if choice.worker is None:
+            return self._reject(i)
+        w = self.workers[choice.worker]
+        cached = min(choice.overlap_blocks * self.block_size, inp - 1)
+        remote = decide_prefill(DisaggInput(self.now, inp, cached, len(self.prefill_queue),
+                                            bool(self.idle_prefill) or self._num_role(PREFILL) > 0),
+                                self.cfg.disagg).remote
+        if remote:
+            queued, rate = self.queued_tokens, self._pool_capacity_tps(PREFILL)
+        else:
+            queued, rate = 0.0, (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
+        decision = admit(AdmissionInput(self.now, self.cfg.tier, inp, cached, queued, rate,
+                                        len(self.prefill_queue) if remote else len(w.waiting),
+                                        decode_wait_s=self._memory_wait_s(w, inp + self.out[i])), self.admission)
+        if not decision.admitted:
+            return self._reject(i)
+        self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
+        self._window["prefill_tokens"] += inp - cached
+        self._window["decode_tokens"] += self.out[i]
+        if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0:
+            w.waiting.append(i)
+        else:
+            self._start(i, w)
+
+    def _memory_wait_s(self, w: Worker, tokens: int) -> float:
+        """Until enough sequences finish to make room: each step of the batch frees about
+        batch / mean-output sequences."""
+        if w.kv_used + tokens <= w.kv_capacity or not w.finish_heap:
+            return 0.0
+        batch = len(w.finish_heap)
+        return (len(w.waiting) + 1) * self.ev.output_len * w.step_time / batch
+
+    def _reject(self, i: int) -> None:
+        self.rejected[i] = True
+        self.pending -= 1
+
+    def _start(self, i: int, w: Worker) -> None:
+        w.kv_used += self.inp[i] + self.out[i]
+        self.active_blocks[w.index] = w.kv_used / self.block_size
+        if self.remote[i]:
+            self.prefill_queue.append(i)
+            self.queued_tokens += self.uncached[i]
+            self._dispatch()
+        else:
+            end = w.stall(self.now, w.prefill_times(self.uncached[i])[0])
+            self._reschedule(w)
+            self.push(end, KV_ARRIVED, i, w.index)
+
+    def _num_role(self, role: str) -> int:
+        return sum(1 for w in self.workers if w.role == role and not w.draining)
+
+    # --- prefill pool ----------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while self.prefill_queue and self.idle_prefill:
+            p = self.workers[self.idle_prefill.pop()]
+            i = self.prefill_queue.popleft()
+            latency, service = p.prefill_times(self.uncached[i])
+            p.busy_s += service
+            self._window["busy"] += service
+            self.push(self.now + service, PREFILL_FREE, p.index)
+            self.push(self.now + latency, PREFILL_DONE, i, p.index)
+
+    def _prefill_free(self, p_index: int, _: int) -> None:
+        p = self.workers[p_index]
+        if p.draining:
+            self._flip(p, DECODE)
+        else:
+            self.idle_prefill.append(p_index)
+            self._dispatch()
+
+    def _prefill_done(self, i: int, p_index: int) -> None:
+        self.queued_tokens -= self.uncached[i]
+        d = self.workers[self.dest[i]]
+        key = (p_index, d.index)
+        if key not in self._routes:
+            self._routes[key] = self.ev.cluster.route_gbps(self.workers[p_index].group, d.group)
+        xfer = kv_transfer_s(self.ev.model, self.uncached[i], self._routes[key], self.ev.eff)
+        start = max(self.now, d.ingress_free)
+        d.ingress_free = start + xfer
+        self.push(start + xfer, KV_ARRIVED, i, d.index)
+
+    # --- decode pool -----------------------------------------------------------------------
+    def _kv_arrived(self, i: int, d_index: int) -> None:
+        d = self.workers[d_index]
+        self.ttft[i] = self.now - self.arrival[i]
+        self.join_t[i] = self.now
+        if self.hashes is not None:
+            d.cache_insert(self.hashes[i], self.index)
+        if self.out[i] <= 1:
+            self._complete(i, d)
+            self._admit_waiting(d)
+        else:
+            d.join(self.now, i, self.out[i] - 1, self.inp[i] + self.out[i] / 2)
+        self._reschedule(d)
+
+    def _reschedule(self, d: Worker) -> None:
+        t = d.next_finish(self.now)
+        if t is not None:
+            self.push(t, DECODE_FINISH, d.index, d.version)
+
+    def _decode_finish(self, d_index: int, version: int) -> None:
+        d = self.workers[d_index]
+        if version != d.version:
+            return
+        for i in d.pop_finished(self.now):
+            d.sum_ctx -= self.inp[i] + self.out[i] / 2
+            self._complete(i, d)
+        self._admit_waiting(d)
+        self._reschedule(d)
+        if d.draining and not d.finish_heap and d.kv_used == 0:
+            self._flip(d, PREFILL)
+
+    def _complete(self, i: int, d: Worker) -> None:
+        self.finish[i] = self.now
+        self.tpot[i] = (self.now - self.join_t[i]) / (self.out[i] - 1) if self.out[i] > 1 else 0.0
+        d.kv_used -= self.inp[i] + self.out[i]
+        self.active_blocks[d.index] = d.kv_used / self.block_size
+        self.pending -= 1
+
+    def _admit_waiting(self, d: Worker) -> None:
+        while d.waiting and (d.kv_used == 0 or
+                             d.kv_used + self.inp[d.waiting[0]] + self.out[d.waiting[0]] <= d.kv_capacity):
+            self._start(d.waiting.popleft(), d)
+
+    # --- ticks: utilisation samples and autoscaling ----------------------------------------
+    def _tick(self, _a: int, _b: int) -> None:
+        r, dt = self.res, self.tick_every
+        num_p, num_d = self._num_role(PREFILL), self._num_role(DECODE)
+        dec = [w for w in self.workers if w.role == DECODE]
+        r.tick_s.append(self.now)
+        r.prefill_util.append(min(self._window["busy"] / (dt * max(num_p, 1)), 1.0) if num_p else 0.0)
+        r.decode_kv_util.append(sum(w.kv_used for w in dec) / max(sum(w.kv_capacity for w in dec), 1.0))
+        r.num_prefill.append(num_p)
+        r.num_decode.append(num_d)
+        if self.autoscaler:
+            self._autoscale(num_p, num_d, dt)
+        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0, "busy": 0.0}
+        if self.pending > 0:
+            self.push(self.now + dt, TICK, 0)
+
+    def _autoscale(self, num_p: int, num_d: int, dt: float) -> None:
+        decision = self.autoscaler.tick(TickInput(
+            self.now, num_p, num_d, self._window["prefill_tokens"] / dt, self._window["decode_tokens"] / dt,
+            self._pool_capacity_tps(PREFILL) / max(num_p, 1), self._pool_capacity_tps(DECODE) / max(num_d, 1)))
+        role, count = (DECODE, decision.flips) if decision.flips > 0 else (PREFILL, -decision.flips)
+        # Flip the workers that are relatively best at the other phase (then the least loaded).
+        gain = (lambda w: self.cap_tps[w.index][0] / max(self.cap_tps[w.index][1], 1e-9)) if role == DECODE \
+            else (lambda w: self.cap_tps[w.index][1] / max(self.cap_tps[w.index][0], 1e-9))
+        candidates = sorted((w for w in self.workers if w.role == role and not w.draining
+                             and (w.prefill_par if role == DECODE else w.decode_par)),
+                            key=lambda w: (-gain(w), w.kv_used, w.index))
+        for w in candidates[:count]:
+            w.draining = True
+            self.res.flips += 1
+            if role == DECODE:
+                self.eligible[w.index] = False
+                if not w.finish_heap and w.kv_used == 0:
+                    self._flip(w, PREFILL)
+            elif w.index in self.idle_prefill:
+                self.idle_prefill.remove(w.index)
+                self._flip(w, DECODE)
+
+    def _flip(self, w: Worker, role: str) -> None:
+        w.role, w.draining = role, False
+        if role == PREFILL:
+            self.eligible[w.index] = False
+            w.cache.clear()
+            for owners in self.index.values():
+                owners.discard(w.index)
+            self.idle_prefill.append(w.index)
+            self._dispatch()
+        else:
+            self.eligible[w.index] = True

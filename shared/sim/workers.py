@@ -1,0 +1,109 @@
+"""Simulated workers: one GPU group each, prefilling or decoding, timed by the cost model.
+
+A decode worker is not stepped token by token: between batch changes every running sequence
+advances one token per step, so the worker keeps a *virtual step counter* and each sequence the
+counter value at which it finishes. Events happen only when a sequence joins or leaves (then the
+step time is recomputed for the new batch), which keeps a million-request run to a few events
+per request.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+
+from shared.planner.config import ModelSpec
+from shared.planner.costmodel import (Efficiency, GroupHardware, Parallel, decode_step_s,
+                                      kv_capacity_tokens, prefill_latency_s, prefill_service_s)
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+class Worker:
+    __slots__ = ("index", "name", "role", "group", "hw", "prefill_par", "decode_par", "kv_capacity",
+                 "kv_used", "finish_heap", "steps_done", "last_t", "stall_until", "step_time", "version",
+                 "sum_ctx", "waiting", "ingress_free", "cache", "cache_blocks", "draining", "busy_s",
+                 "_model", "_eff")
+
+    def __init__(self, index: int, name: str, role: str, group: list[int], hw: GroupHardware,
+                 prefill_par: Parallel | None, decode_par: Parallel | None, model: ModelSpec,
+                 eff: Efficiency, cache_block_size: int):
+        self.index, self.name, self.role, self.group, self.hw = index, name, role, group, hw
+        self.prefill_par, self.decode_par = prefill_par, decode_par
+        self._model, self._eff = model, eff
+        par = decode_par or prefill_par
+        self.kv_capacity = max(kv_capacity_tokens(model, hw, par, eff), 0.0)
+        self.kv_used = 0
+        self.finish_heap: list[tuple[float, int]] = []   # (virtual step at which it finishes, request)
+        self.steps_done = 0.0
+        self.last_t = 0.0
+        self.stall_until = 0.0      # local prefills pause decoding until then
+        self.step_time = 0.0
+        self.version = 0            # bumps on every reschedule; stale finish events are ignored
+        self.sum_ctx = 0.0
+        self.waiting: deque[int] = deque()                 # admitted, waiting for KV memory
+        self.ingress_free = 0.0     # KV transfers into this worker are serialised on its link
+        self.cache: OrderedDict[int, None] = OrderedDict()  # prefix-cache block hashes, LRU order
+        self.cache_blocks = int(self.kv_capacity // cache_block_size)
+        self.draining = False
+        self.busy_s = 0.0
+
+    # --- prefill ---------------------------------------------------------------------------
+    def prefill_times(self, tokens: int) -> tuple[float, float]:
+        """(latency until the KV is ready, time until the worker can take the next prompt)."""
+        par = self.prefill_par if self.role == PREFILL else self.decode_par
+        return (prefill_latency_s(self._model, self.hw, par, self._eff, tokens),
+                prefill_service_s(self._model, self.hw, par, self._eff, tokens))
+
+    # --- decode timeline -------------------------------------------------------------------
+    def advance(self, now: float) -> None:
+        start = max(self.last_t, self.stall_until)
+        if self.finish_heap and now > start and self.step_time > 0:
+            self.steps_done += (now - start) / self.step_time
+        self.last_t = max(self.last_t, now)
+
+    def join(self, now: float, request: int, steps: int, ctx: float) -> None:
+        self.advance(now)
+        heapq.heappush(self.finish_heap, (self.steps_done + steps, request))
+        self.sum_ctx += ctx
+
+    def pop_finished(self, now: float) -> list[int]:
+        self.advance(now)
+        done = []
+        while self.finish_heap and self.finish_heap[0][0] <= self.steps_done + 1e-6:
+            done.append(heapq.heappop(self.finish_heap)[1])
+        return done
+
+    def stall(self, now: float, seconds: float) -> float:
+        """Pause decoding for a local prefill; returns when the prefill ends."""
+        self.advance(now)
+        self.stall_until = max(self.stall_until, now) + seconds
+        return self.stall_until
+
+    def next_finish(self, now: float) -> float | None:
+        """Recompute the step time for the current batch; the time the next sequence finishes."""
+        self.version += 1
+        if not self.finish_heap:
+            self.step_time = 0.0
+            self.steps_done = 0.0
+            return None
+        batch = len(self.finish_heap)
+        self.step_time = decode_step_s(self._model, self.hw, self.decode_par, self._eff, batch,
+                                       self.sum_ctx / batch)
+        return max(now, self.stall_until) + (self.finish_heap[0][0] - self.steps_done) * self.step_time
+
+    # --- prefix cache ----------------------------------------------------------------------
+    def cache_insert(self, block_hashes: list[int], index: dict[int, set[int]]) -> None:
+        for h in block_hashes:
+            if h in self.cache:
+                self.cache.move_to_end(h)
+                continue
+            self.cache[h] = None
+            index.setdefault(h, set()).add(self.index)
+            if len(self.cache) > self.cache_blocks:
+                old, _ = self.cache.popitem(last=False)
+                owners = index.get(old)
+                if owners is not None:
+                    owners.discard(self.index)
+                    if not owners:
+                        del index[old]

@@ -15,6 +15,7 @@ from shared import __version__
 
 COMMAND_MODULES = [
     "shared.cli.model_cmds",  # complete, chat, model fetch
+    "shared.cli.plan_cmds",
     "services.up.__main__",  # up
     "services.gateway.__main__",  # gateway, status
     "services.admission.__main__",

@@ -22,9 +22,9 @@ class InvalidSamplingParamsError(InvalidRequestError):
 class PromptTooLongError(InvalidRequestError):
     code = "prompt_too_long"
 
-    def __init__(self, num_tokens: int, max_tokens: int, what: str = "the model's context") -> None:
+    def __init__(self, num_tokens: int, max_tokens: int, what: str) -> None:
         super().__init__(
-            f"prompt has {num_tokens} tokens, more than {what} allows ({max_tokens})", field="prompt")
+            f"prompt has {num_tokens} tokens; at most {max_tokens} fit {what}", field="prompt")
         self.num_tokens = num_tokens
         self.max_tokens = max_tokens
 

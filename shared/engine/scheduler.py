@@ -36,11 +36,10 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     start: int  # num_computed_tokens when scheduled: first position computed this step
+    samples: bool = False  # this step reaches the request's last known token, so it yields a new one
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so it yields a new one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -72,10 +71,11 @@ class Scheduler:
         """Raise PromptTooLongError if a prompt could never run (context or the whole pool)."""
         limit = self.config.max_model_len - 1
         if num_prompt_tokens > limit:
-            raise PromptTooLongError(num_prompt_tokens, limit)
+            raise PromptTooLongError(num_prompt_tokens, limit,
+                                     f"the context of {self.config.max_model_len} tokens with room to generate")
         pool_tokens = self.kv.pool.num_blocks * self.kv.block_size - 1
         if num_prompt_tokens > pool_tokens:
-            raise PromptTooLongError(num_prompt_tokens, pool_tokens, "the KV cache")
+            raise PromptTooLongError(num_prompt_tokens, pool_tokens, f"the KV cache of {pool_tokens + 1} tokens")
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -52,7 +52,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        scaling = cfg.get("rope_scaling") or None
+        # transformers < 5 writes rope_theta + rope_scaling; >= 5 one rope_parameters dict
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
         rope = None
         if scaling and (scaling.get("rope_type") or scaling.get("type")) == "llama3":
             rope = RopeScaling(

@@ -1,0 +1,58 @@
+"""`tandem plan` / `tandem simulate` through their own parsers (no other command modules loaded)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.cli import plan_cmds
+from shared.cli.main import CliError
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "clusters"
+
+
+def run(*argv):
+    parser = argparse.ArgumentParser(prog="tandem")
+    plan_cmds.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([str(a) for a in argv])
+    return args.func(args)
+
+
+def test_plan_prints_a_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert run("plan", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--workload",
+               EXAMPLES / "workload-mixed.yaml", "--json", out) == 0
+    assert "capacity" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert {w["role"] for w in plan["workers"]} >= {"prefill", "decode"}
+    assert all(w["tp"] * w["pp"] == len(w["gpus"]) for w in plan["workers"])
+
+
+def test_plan_reads_model_and_workload_from_env(monkeypatch, capsys):
+    monkeypatch.setenv("TANDEM_PLAN_MODEL", "opt-30b")
+    monkeypatch.setenv("TANDEM_PLAN_WORKLOAD", "spld")
+    assert run("plan", EXAMPLES / "small-8gpu.yaml", "--format", "json") == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "opt-30b"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", EXAMPLES / "nope.yaml", "--model", "opt-30b"], "cannot read"),
+    (["plan", EXAMPLES / "small-8gpu.yaml", "--model", "gpt-9"], "neither a preset"),
+    (["plan", EXAMPLES / "small-8gpu.yaml", "--model", "opt-30b", "--hbm-eff", "1.5"], "--hbm-eff"),
+    (["simulate", EXAMPLES / "small-8gpu.yaml", "--model", "opt-30b", "--trace", "nope.jsonl"], "--trace"),
+])
+def test_user_errors_are_cli_errors(argv, message, monkeypatch):
+    monkeypatch.delenv("TANDEM_PLAN_MODEL", raising=False)
+    with pytest.raises(CliError, match=message):
+        run(*argv)
+
+
+def test_simulate_writes_summary_and_png(tmp_path, capsys):
+    assert run("simulate", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--workload",
+               EXAMPLES / "workload-chat.yaml", "--rate", "5", "--trace", "gamma", "--num-requests", "500",
+               "--out", tmp_path) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_requests"] == 500 and 0 <= summary["slo_attainment"] <= 1
+    assert (tmp_path / "utilisation.png").stat().st_size > 1000
+    assert "goodput" in capsys.readouterr().out

@@ -1,0 +1,103 @@
+import numpy as np
+import pytest
+
+from shared.planner.config import MODEL_PRESETS, ClusterSpec, GpuType, Node, Slo, WorkloadSpec
+from shared.planner.costmodel import decode_step_s, kv_transfer_s, prefill_latency_s
+from shared.planner.devices import Cluster
+from shared.planner.flow import Evaluator
+from shared.planner.plan import make_plan
+from shared.policy.admission import AdmissionConfig, QosTier
+from shared.policy.autoscale import AutoscaleConfig
+from shared.policy.disagg import DisaggConfig
+from shared.policy.routing import RoutingWeights
+from shared.sim.report import plot_utilisation, summarize
+from shared.sim.simulator import SimConfig, Simulator
+from shared.sim.traces import Trace, poisson, synthetic_mooncake
+
+A100 = GpuType(tflops_bf16=312, hbm_gib=80, hbm_gbps=2039, price_per_hour=2.0)
+SPEC = ClusterSpec(gpu_types={"a100": A100}, inter_node_gbps=12.5,
+                   nodes=[Node(name=f"n{i}", gpu_type="a100", num_gpus=4, intra_gbps=300) for i in range(2)])
+MODEL = MODEL_PRESETS["llama-2-7b"]
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+
+
+def workload(rate, inp=1024, out=128, cv=0.5):
+    return WorkloadSpec(request_rate=rate, input_len=inp, output_len=out, length_cv=cv, slo=SLO)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan(SPEC, MODEL, workload(10.0))
+
+
+def sim(plan, w, cfg=SimConfig(), block_size=512):
+    return Simulator(Evaluator(Cluster(SPEC), MODEL, w, ), plan, cfg, block_size)
+
+
+def test_one_request_takes_exactly_the_cost_model_times(plan):
+    w = workload(1.0)
+    s = sim(plan, w)
+    trace = Trace(np.array([0.0]), np.array([2048]), np.array([11]))
+    r = s.run(trace)
+    d = s.workers[int(np.argmax(s.eligible))]            # first decode worker (routing ties go low)
+    p = s.workers[max(x.index for x in s.workers if x.role == "prefill")]   # idle list pops the last
+    expected_ttft = (prefill_latency_s(MODEL, p.hw, p.prefill_par, s.ev.eff, 2048)
+                     + kv_transfer_s(MODEL, 2048, s.ev.cluster.route_gbps(p.group, d.group), s.ev.eff))
+    assert r.remote_prefill[0]
+    assert r.ttft_s[0] == pytest.approx(expected_ttft, rel=1e-9)
+    step = decode_step_s(MODEL, d.hw, d.decode_par, s.ev.eff, 1, 2048 + 11 / 2)
+    assert r.tpot_s[0] == pytest.approx(step, rel=1e-9)
+
+
+def test_every_request_is_served_or_rejected_and_runs_are_deterministic(plan):
+    w = workload(plan.capacity_rps * 0.7)
+    trace = poisson(w, 3000, seed=5)
+    a, b = sim(plan, w).run(trace), sim(plan, w).run(trace)
+    assert np.all(a.rejected | ~np.isnan(a.finish_s))
+    assert np.all(np.isnan(a.ttft_s) == a.rejected)
+    assert np.array_equal(a.finish_s, b.finish_s, equal_nan=True)
+    assert np.all(a.finish_s[~a.rejected] >= a.arrival_s[~a.rejected] + a.ttft_s[~a.rejected])
+    s = summarize(a, SLO)
+    assert s["num_served"] + s["num_rejected"] == 3000
+    assert s["slo_attainment"] > 0.8      # below capacity, most requests meet the SLOs
+
+
+def test_local_prefill_for_short_prompts(plan):
+    w = workload(2.0, inp=200, cv=0.0)
+    r = sim(plan, w, SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=512))).run(poisson(w, 300, seed=6))
+    assert not r.remote_prefill[~r.rejected].any()
+    r = sim(plan, w, SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=0))).run(poisson(w, 300, seed=6))
+    assert r.remote_prefill[~r.rejected].all()
+
+
+def test_admission_bounds_ttft_under_overload(plan):
+    w = workload(plan.capacity_rps * 4)
+    trace = poisson(w, 4000, seed=7)
+    lenient = AdmissionConfig(ttft_slo_s=SLO.ttft_s, tiers={"standard": QosTier("standard", ttft_slack=1e6)})
+    strict = sim(plan, w).run(trace)
+    loose = sim(plan, w, SimConfig(admission=lenient)).run(trace)
+    assert strict.rejected.sum() > 1000 and loose.rejected.sum() == 0
+    p90 = lambda r: np.percentile(r.ttft_s[~r.rejected], 90)  # noqa: E731
+    assert p90(strict) < 3 * SLO.ttft_s < p90(loose)
+
+
+def test_kv_aware_routing_finds_shared_prefixes():
+    # Three decode workers and more shared prefixes than one worker's cache holds: only routing
+    # by overlap keeps each prefix on the worker that has it.
+    decode_heavy = make_plan(SPEC, MODEL, workload(10.0, inp=512, out=1024))
+    w = workload(decode_heavy.capacity_rps * 0.5, inp=2048, out=256)
+    trace = synthetic_mooncake(w, 2000, num_prefixes=200, shared_fraction=0.75, seed=8)
+    aware = sim(decode_heavy, w, SimConfig(routing=RoutingWeights(overlap_weight=10.0))).run(trace)
+    blind = sim(decode_heavy, w, SimConfig(routing=RoutingWeights(overlap_weight=0.0))).run(trace)
+    assert aware.cached_tokens.sum() > 1.15 * blind.cached_tokens.sum() > 0
+
+
+def test_autoscaler_flips_roles_when_the_mix_changes(tmp_path):
+    prefill_heavy = make_plan(SPEC, MODEL, workload(10.0, inp=4096, out=16))
+    w = workload(prefill_heavy.capacity_rps, inp=128, out=1024)     # now decode dominates
+    trace = poisson(w, 4000, seed=9)
+    cfg = SimConfig(autoscale=AutoscaleConfig(cooldown_s=5.0), disagg=DisaggConfig(max_local_prefill_tokens=0))
+    r = sim(prefill_heavy, w, cfg).run(trace)
+    assert r.flips > 0 and r.num_decode[-1] > r.num_decode[0]
+    plot_utilisation(r, tmp_path / "u.png")
+    assert (tmp_path / "u.png").stat().st_size > 1000

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from shared import __version__
+from shared.cli.errors import CliError  # noqa: F401  (re-exported: commands raise it)
 
 COMMAND_MODULES = [
     "shared.cli.model_cmds",  # complete, chat, model fetch
@@ -34,10 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line on stderr, exit code 2, no traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,52 @@
+"""`tandem complete` / `model fetch` as a user runs them: stdout holds only the completion."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TANDEM = [str(Path(sys.executable).with_name("tandem"))]  # the installed console script
+
+
+def tandem(*args, stdin=None):
+    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, input=stdin, timeout=300)
+
+
+def test_complete_prints_only_the_completion(smollm2_gguf):
+    r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "16", "--model", str(smollm2_gguf),
+               "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "The capital of France is Paris.\n"
+    assert "KV cache:" in r.stderr  # logs go to stderr
+
+
+def test_complete_reads_stdin_and_honours_seed(smollm2_gguf):
+    args = ("complete", "--temperature", "1.0", "--seed", "3", "--max-tokens", "12", "--model", str(smollm2_gguf), "-")
+    a, b = tandem(*args, stdin="Once upon a time"), tandem(*args, stdin="Once upon a time")
+    assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--model", "no-such-model", "hi"), "no-such-model"),
+    (("--temperature", "-1", "hi"), "temperature"),
+    (("--top-p", "0", "hi"), "top_p"),
+    (("--max-model-len", "8", "a b c d e f g h i j k l m n o p"), "prompt has"),
+    (("--kv-cache-memory", "lots", "hi"), "cannot parse size"),
+])
+def test_bad_input_is_one_clear_line_without_traceback(args, needle, smollm2_gguf):
+    r = tandem("complete", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_model_fetch_prints_the_cached_path(smollm2_gguf):
+    r = tandem("model", "fetch")
+    assert r.returncode == 0 and r.stdout.strip() == str(smollm2_gguf)
+
+
+@pytest.mark.parametrize("cmd", [(), ("complete",), ("chat",), ("model", "fetch")])
+def test_every_command_has_help(cmd):
+    r = tandem(*cmd, "--help")
+    assert r.returncode == 0 and "usage: tandem" in r.stdout

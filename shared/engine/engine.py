@@ -14,7 +14,7 @@ from shared.engine.request import Request, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kvcache.events import KvEventEmitter, KvEventSink
 from shared.kvcache.hashing import make_namespace
-from shared.kvcache.layout import KvCacheSpec
+from shared.kvcache.layout import KvCacheSpec, block_regions
 from shared.kvcache.manager import KVCacheManager
 from shared.model.attention import get_attention_backend
 from shared.model.llama import LlamaModel
@@ -192,6 +192,23 @@ class LLMEngine:
         """The request's block table: ids into ``kv_cache``'s first dimension (see kvcache.layout)."""
         return self.kv.block_ids(request_id)
 
+    def kv_block_regions(self, block_ids: list[int]) -> list[tuple[int, int]]:
+        """(address, nbytes) of the memory behind ``block_ids``, consecutive ids merged: what a
+        transfer engine registers and moves (a block holds every layer's K and V)."""
+        return block_regions(self.kv_cache, block_ids)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Gather blocks into one contiguous slab ``[n, num_layers, 2, block_size, Hkv, D]``."""
+        return _kv_gather(self.device)(self.kv_cache, block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], slab: torch.Tensor) -> None:
+        """Scatter a slab from ``read_kv_blocks`` (possibly another engine's) into ``block_ids``.
+        The caller owns those blocks and guarantees no step reads them meanwhile."""
+        expected = (len(block_ids), *self.kv_cache.shape[1:])
+        if tuple(slab.shape) != expected:
+            raise ValueError(f"KV slab shape {tuple(slab.shape)} does not match {expected}")
+        _kv_scatter(self.device)(slab.to(self.device), self.kv_cache, block_ids)
+
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  *, priorities: list[int] | None = None) -> list[list[int]]:
@@ -206,6 +223,22 @@ class LLMEngine:
                 if o.request_id in outputs:
                     outputs[o.request_id].extend(o.new_token_ids)
         return [outputs[rid] for rid in ids]
+
+
+def _kv_gather(device: torch.device):
+    if device.type == "cuda":
+        from kernels.kv_gather_triton import gather_kv_blocks_triton
+        return gather_kv_blocks_triton
+    from kernels.kv_gather import gather_kv_blocks_ref
+    return gather_kv_blocks_ref
+
+
+def _kv_scatter(device: torch.device):
+    if device.type == "cuda":
+        from kernels.kv_gather_triton import scatter_kv_blocks_triton
+        return scatter_kv_blocks_triton
+    from kernels.kv_gather import scatter_kv_blocks_ref
+    return scatter_kv_blocks_ref
 
 
 def warmup(engine: LLMEngine, num_tokens: int = 64) -> None:

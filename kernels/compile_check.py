@@ -77,12 +77,13 @@ def _cases() -> list[KernelCase]:
         "quantize_fp8", fp8._quantize_kernel, {"x_ptr": "bf16", "out_ptr": "fp8e4nv", "scales_ptr": "fp32"},
         {"FP8_MAX": fp8.FP8_MAX, "BLOCK": fp8._BLOCK, "EMULATE_FP8": False}))
     cases.append(KernelCase(
-        "dequantize_fp8", fp8._dequantize_kernel, {"x_ptr": "fp8e4nv", "scales_ptr": "fp32", "out_ptr": "bf16"},
+        "dequantize_fp8", fp8._dequantize_kernel,
+        {"x_ptr": "fp8e4nv", "scales_ptr": "fp32", "out_ptr": "bf16"},
         {"BLOCK": fp8._BLOCK, "EMULATE_BF16": False}))
     for has_residual in (True, False):
         cases.append(KernelCase(
             f"add_rms_norm[residual={has_residual}]", norm._add_rms_norm_kernel,
-            {"x_ptr": "bf16", "residual_ptr": "bf16", "weight_ptr": "bf16", "out_ptr": "bf16", "sum_ptr": "bf16"},
+            {name: "bf16" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr")},
             {"HAS_RESIDUAL": has_residual, "BLOCK": 4096, "EMULATE_BF16": False},
             {"num_warps": 8, "num_stages": 2}))
     cases.append(KernelCase(

@@ -43,7 +43,8 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
 def _copy_rows(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
     assert src.dtype == dst.dtype, f"dtype mismatch: {src.dtype} vs {dst.dtype}"
     assert src.shape[1:] == dst.shape[1:], f"row shape mismatch: {tuple(src.shape)} vs {tuple(dst.shape)}"
-    assert src[:1].flatten(1).is_contiguous() and dst[:1].flatten(1).is_contiguous(), "rows must be contiguous"
+    assert src[:1].flatten(1).is_contiguous() and dst[:1].flatten(1).is_contiguous(), \
+        "rows must be contiguous"
     num_rows = ids.shape[0]
     row_numel = math.prod(src.shape[1:])
     if num_rows == 0 or row_numel == 0:
@@ -62,7 +63,8 @@ def gather_kv_blocks_triton(
     ids = block_ids_tensor(block_ids, kv_cache.device)
     if out is None:
         out = torch.empty((ids.shape[0], *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
-    assert out.shape == (ids.shape[0], *kv_cache.shape[1:]), f"out {tuple(out.shape)} for {ids.shape[0]} blocks"
+    assert out.shape == (ids.shape[0], *kv_cache.shape[1:]), \
+        f"out {tuple(out.shape)} for {ids.shape[0]} blocks"
     _copy_rows(kv_cache, out, ids, gather=True)
     return out
 

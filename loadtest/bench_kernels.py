@@ -75,7 +75,8 @@ def bench_decode_shape(batch: int, context: int, block_size: int, dtype: torch.d
     out = torch.empty_like(q)
 
     def run_triton():
-        paged_decode_attention_triton(q, k_cache, v_cache, table, seq_lens, scale, max_seq_len=context, out=out)
+        paged_decode_attention_triton(q, k_cache, v_cache, table, seq_lens, scale,
+                                      max_seq_len=context, out=out)
 
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     row = {"batch": batch, "context": context, "block_size": block_size, "dtype": str(dtype),
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hbm-gbps", type=float, help="peak HBM bandwidth, if the device is not known")
     parser.add_argument("--no-flex", action="store_true")
-    parser.add_argument("--out", type=Path, help="JSON path (default: loadtest/results/bench_kernels_<device>.json)")
+    parser.add_argument("--out", type=Path,
+                        help="JSON path (default: loadtest/results/bench_kernels_<device>.json)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device here, so nothing was measured. The kernels' correctness "

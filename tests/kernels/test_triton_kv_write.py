@@ -18,10 +18,12 @@ CASES = [
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,key_dtype,cache_dtype", CASES)
 def test_write_kv_matches_reference(device, block_size, num_kv_heads, head_dim, key_dtype, cache_dtype):
     num_blocks = 6
-    pool = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim).to(dtype=cache_dtype, device=device)
+    pool = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    pool = pool.to(dtype=cache_dtype, device=device)
     expected = pool.clone()
     # first and last slot of a block, the next block's first, the pool's last slot, a few in the middle
-    slots = [0, block_size - 1, block_size, num_blocks * block_size - 1, 2 * block_size + 5, 4 * block_size + 1]
+    slots = [0, block_size - 1, block_size, num_blocks * block_size - 1, 2 * block_size + 5,
+             4 * block_size + 1]
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
     # key and value as slices of a fused [T, 3, Hkv, D] projection: strided, like the model's
     qkv = torch.randn(len(slots), 3, num_kv_heads, head_dim).to(dtype=key_dtype, device=device)
@@ -36,5 +38,6 @@ def test_write_kv_empty_step_is_a_no_op(device):
     pool = torch.randn(2, 1, 2, 16, 1, 64, device=device)
     before = pool.clone()
     empty = torch.empty(0, 1, 64, device=device)
-    write_kv_triton(empty, empty, pool[:, 0, 0], pool[:, 0, 1], torch.empty(0, dtype=torch.int64, device=device))
+    no_slots = torch.empty(0, dtype=torch.int64, device=device)
+    write_kv_triton(empty, empty, pool[:, 0, 0], pool[:, 0, 1], no_slots)
     assert torch.equal(pool, before)

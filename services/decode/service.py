@@ -48,6 +48,9 @@ class DecodeWorker:
         self._itl = RecentMean(10.0)
         self.num_requests_total = 0
         self.num_requests_aborted = 0
+        # Set when a request finishes: admission counts what it admitted on top of the last report
+        # until a newer one arrives, so an early report keeps it from counting finished work.
+        self._load_changed = asyncio.Event()
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()
@@ -113,6 +116,8 @@ class DecodeWorker:
             raise ServiceError("bad_request", str(exc), getattr(exc, "field", None)) from None
         except (EngineError, ValueError) as exc:
             raise ServiceError("rejected", str(exc)) from None
+        finally:
+            self._load_changed.set()
         log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
 
     async def cancel(self, request: CancelRequest) -> None:
@@ -138,14 +143,20 @@ class DecodeWorker:
             num_prompt_tokens_total=stats.num_prompt_tokens,
             num_generated_tokens_total=stats.num_generated_tokens)
 
-    async def publish_load_forever(self) -> None:
+    async def publish_load_forever(self, min_interval_s: float = 0.05) -> None:
+        """Every ``load_interval_s``, and soon after a request finishes (at most every 50 ms)."""
         endpoint = self._subjects.load("decode", self.worker_id)
         while True:
             try:
                 await self._bus.publish(endpoint, self.load())
             except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
                 log.warning("load report failed: %s", exc)
-            await asyncio.sleep(self._settings.load_interval_s)
+            await asyncio.sleep(min_interval_s)
+            try:
+                await asyncio.wait_for(self._load_changed.wait(), self._settings.load_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._load_changed.clear()
 
     async def publish_kv_events_forever(self) -> None:
         endpoint = self._subjects.kv_events(self.worker_id)

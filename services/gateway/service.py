@@ -179,11 +179,11 @@ class Gateway:
             logprobs = (responses.completion_logprobs(entries, token_text, 0)
                         if body.logprobs is not None else None)
             out = responses.completion(rid, created, body.model, text, finish, logprobs, usage)
-        return web.json_response(out)
+        return web.json_response(out, headers=_ids(gen))
 
     async def _stream(self, request: web.Request, body, gen: Generation, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", "X-Request-Id": gen.request.request_id})
+                                           "Cache-Control": "no-cache", **_ids(gen)})
         try:
             await resp.prepare(request)
             await self._write_events(resp, body, gen, chat)
@@ -254,6 +254,11 @@ class Gateway:
                                 for w in self.workers]}
         body["gateway"] = {"in_flight": self.in_flight.value(), "models": self.served_models()}
         return web.json_response(body)
+
+
+def _ids(gen: Generation) -> dict[str, str]:
+    """Which request and which worker: for logs, debugging and the routing tests."""
+    return {"X-Request-Id": gen.request.request_id, "X-Tandem-Worker": gen.worker_id or ""}
 
 
 async def _parse(request: web.Request, model):

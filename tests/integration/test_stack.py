@@ -1,0 +1,321 @@
+"""The whole stack as separate processes (two decode workers on the real SmolLM2) against real
+nats-server and redis-server, driven through the official ``openai`` client and raw HTTP.
+
+One stack per module (model loads dominate the time). Tests run in file order; the last two take
+decode workers away (SIGKILL, then SIGTERM drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import openai
+import pytest
+
+from shared.kvcache.hashing import hash_blocks, make_namespace
+from shared.protocol import Subjects
+from shared.runtime.stack import Stack, StackSpec
+from shared.store import KvIndexStore, RedisKeys, connect
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+MAX_MODEL_LEN = 1024
+TTL_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, redis_server, tmp_path_factory):
+    lines: list[str] = []
+    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=2, model=MODEL, port=0,
+                     namespace=f"s{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
+                     redis_url=redis_server.url, registry_ttl_s=TTL_S,
+                     decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
+                                   "device": "cpu", "num_warmup_requests": 2, "drain_timeout_s": 60})
+    s = Stack(spec, on_line=lambda name, line: lines.append(f"{name}| {line}"))
+    s.lines = lines
+    try:
+        s.start()
+        s.wait_ready(timeout_s=180)
+        yield s
+    finally:
+        s.stop()
+        if os.environ.get("TANDEM_TEST_STACK_LOG"):
+            print("\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from shared.engine import AsyncEngine, EngineConfig
+
+    e = AsyncEngine.start(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
+                                       kv_cache_memory=128 << 20))
+    yield e
+    e.shutdown()
+
+
+def http(stack, method, path, body: bytes | None = None, headers=None):
+    req = urllib.request.Request(stack.base_url + path, data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def status(stack) -> dict:
+    return json.loads(http(stack, "GET", "/status")[2])
+
+
+def in_process_greedy(engine, prompt_ids, max_tokens):
+    from shared.engine import SamplingParams
+
+    async def run():
+        ids = []
+        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt_ids,
+                                         SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+            ids += out.new_token_ids
+        return engine.tokenizer.decode(ids)
+
+    return asyncio.run(run())
+
+
+MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def test_openai_client_gets_the_in_process_greedy_text(client, engine):
+    tok = engine.tokenizer
+    chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    expected_chat = in_process_greedy(engine, chat_ids, 24)
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content == expected_chat
+    assert reply.usage.prompt_tokens == len(chat_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_chat
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+    prompt = "The three primary colours are"
+    expected_text = in_process_greedy(engine, tok.encode(prompt), 16)
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                     temperature=0).choices[0].text == expected_text
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected_text
+
+
+def test_stop_strings_logprobs_models_and_metrics(client, stack):
+    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    stop = text.strip()[:2]
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                    stop=[stop], logprobs=2)
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert len(cut.choices[0].logprobs.top_logprobs[0]) == 2
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    entry = chat.choices[0].logprobs.content[0]
+    assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+    assert [m.id for m in client.models.list()] == [MODEL]
+    code, _, body = http(stack, "GET", "/metrics")
+    metrics = body.decode()
+    assert code == 200 and 'tandem_gateway_requests_total{status="200"}' in metrics
+    assert "tandem_gateway_ttft_seconds_count" in metrics and "tandem_gateway_itl_seconds_bucket" in metrics
+    assert http(stack, "GET", "/health")[0] == 200
+
+
+def test_status_view_and_cli(stack, capsys):
+    from shared.cli.main import main
+
+    view = status(stack)
+    assert sorted(w["info"]["state"] for w in view["workers"]) == ["ready", "ready"]
+    assert main(["status", "--url", stack.base_url]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" decode ") == 2 and "KV USED" in out
+
+
+def test_prefix_goes_to_the_worker_that_holds_it(stack, client, engine):
+    tok = engine.tokenizer
+    prefix = "Here is a long shared document about routing. " * 20
+    ids = tok.encode(prefix + "Question one?")
+    first = client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "Question one?",
+                                                        max_tokens=2, temperature=0)
+    owner = first.headers["x-tandem-worker"]
+    hashes = hash_blocks(ids, 16, make_namespace(engine.model_id))
+    assert len(hashes) >= 8
+
+    async def owners_in_redis():
+        redis = connect(stack.redis_url)
+        store = KvIndexStore(redis, RedisKeys(stack.spec.namespace))
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                found = [await store.owners(h) for h in hashes[:8]]
+                if all(found):
+                    return found
+                await asyncio.sleep(0.05)
+            return found
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(owners_in_redis()) == [{owner}] * 8
+    for question in ("Question two?", "Question three?", "Question four?"):
+        again = client.completions.with_raw_response.create(model=MODEL, prompt=prefix + question,
+                                                            max_tokens=2, temperature=0)
+        assert again.headers["x-tandem-worker"] == owner
+        assert again.parse().usage.prompt_tokens_details.cached_tokens >= 8 * 16
+
+
+def test_client_disconnect_frees_the_workers_blocks(stack):
+    from http.client import HTTPConnection
+
+    conn = HTTPConnection("127.0.0.1", stack.port, timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 900,
+                       "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    worker = resp.getheader("X-Tandem-Worker")
+    for _ in range(5):
+        assert resp.readline()  # a few SSE lines: the request is running
+    conn.sock.shutdown(2)
+    conn.close()
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        load = next(w["load"] for w in status(stack)["workers"] if w["info"]["worker_id"] == worker)
+        if load and load["num_running"] == 0 and load["num_blocks_used"] == 0 and load["num_requests_aborted"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"worker {worker} still holds the request: {load}")
+    assert load["num_generated_tokens_total"] < 900 + 200
+
+
+BAD_INPUT = [
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [', 400, None),
+    ("not an object", "/v1/chat/completions", b"[1, 2]", 400, None),
+    ("invalid UTF-8", "/v1/completions", b'{"model": "smollm2-135m", "prompt": "\xff\xfe"}', 400, None),
+    ("empty body", "/v1/chat/completions", b"", 400, None),
+    ("missing messages", "/v1/chat/completions", b'{"model": "smollm2-135m"}', 400, "messages"),
+    ("empty messages", "/v1/chat/completions", b'{"model": "smollm2-135m", "messages": []}', 400, "messages"),
+    ("wrong type", "/v1/chat/completions",
+     b'{"model": "smollm2-135m", "messages": "hello"}', 400, "messages"),
+    ("unknown role", "/v1/chat/completions",
+     b'{"model": "smollm2-135m", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),
+    ("unknown model", "/v1/chat/completions",
+     b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+    ("prompt over the context", "/v1/completions",
+     json.dumps({"model": MODEL, "prompt": "word " * 1500}).encode(), 400, "messages"),
+    ("absurd max_tokens", "/v1/completions",
+     b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 10000000}', 400, "max_tokens"),
+    ("negative max_tokens", "/v1/completions",
+     b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
+    ("temperature out of range", "/v1/chat/completions",
+     b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}',
+     400, "temperature"),
+    ("top_p out of range", "/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "top_p": 1.5}',
+     400, "top_p"),
+    ("n > 1", "/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "n": 3}', 400, "n"),
+    ("token id out of vocab", "/v1/completions",
+     b'{"model": "smollm2-135m", "prompt": [1, 99999999]}', 400, "prompt"),
+    ("empty prompt", "/v1/completions", b'{"model": "smollm2-135m", "prompt": ""}', 400, "prompt"),
+    ("unknown route", "/v1/embeddings", b"{}", 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,code,param", [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT])
+def test_bad_input_is_a_4xx_in_openai_format(stack, path, body, code, param):
+    got, _, raw = http(stack, "POST", path, body)
+    assert got == code, raw
+    error = json.loads(raw)["error"]
+    assert error["message"] and error["type"]
+    if param:
+        assert error["param"] == param, error
+
+
+def test_bad_messages_on_subjects_get_error_replies(stack):
+    async def probe():
+        from shared.bus import Bus
+
+        bus = await Bus.connect(stack.nats_url, "probe")
+        try:
+            subjects = Subjects(stack.spec.namespace)
+            worker = status(stack)["workers"][0]["info"]["worker_id"]
+            for subject in (subjects.decode_generate(worker).subject, subjects.admission_submit().subject,
+                            subjects.kvindex_match().subject):
+                msg = await bus.nc.request(subject, b'{"nonsense": true', timeout=5)
+                assert msg.headers["Tandem-Error-Code"] == "bad_request", subject
+            await bus.nc.publish(subjects.kv_events(worker).subject, b"garbage")
+            await bus.nc.publish(subjects.decode_cancel(worker).subject, b"{}")
+        finally:
+            await bus.close()
+
+    asyncio.run(probe())
+    assert http(stack, "GET", "/ready")[0] == 200
+    assert all(c.is_running() for c in stack.children.values())
+
+
+def test_sigkilled_worker_leaves_registry_and_index_and_is_avoided(stack, client):
+    victim = stack.children["decode-1"]
+    victim_id = f"{stack.spec.namespace}-decode-1"
+    client.completions.create(model=MODEL, prompt="warm the index " * 20, max_tokens=1)
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    async def index_workers():
+        redis = connect(stack.redis_url)
+        try:
+            return set(await KvIndexStore(redis, RedisKeys(stack.spec.namespace)).workers())
+        finally:
+            await redis.aclose()
+
+    while time.monotonic() - killed_at < 4 * TTL_S:
+        ids = {w["info"]["worker_id"] for w in status(stack)["workers"]}
+        if victim_id not in ids and victim_id not in asyncio.run(index_workers()):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"{victim_id} still listed {time.monotonic() - killed_at:.1f}s after SIGKILL")
+    for _ in range(3):
+        reply = client.completions.with_raw_response.create(model=MODEL, prompt="warm the index " * 20,
+                                                            max_tokens=1)
+        assert reply.headers["x-tandem-worker"] == f"{stack.spec.namespace}-decode-2"
+
+
+def test_sigterm_drains_in_flight_work_then_deregisters(stack):
+    from http.client import HTTPConnection
+
+    conn = HTTPConnection("127.0.0.1", stack.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": "Tell a story:", "max_tokens": 40, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.readline()
+    stack.children["decode-2"].terminate()
+    events = [line for line in resp.read().decode().splitlines() if line.startswith("data: {")]
+    assert json.loads(events[-1][6:])["choices"][0]["finish_reason"] == "length"
+    assert stack.children["decode-2"].wait(30)
+    assert http(stack, "GET", "/ready")[0] in (200, 503)
+    deadline = time.monotonic() + 5
+    while http(stack, "GET", "/ready")[0] != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert http(stack, "GET", "/ready")[0] == 503
+    code, headers, raw = http(stack, "POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())
+    assert code == 503 and "Retry-After" in headers, raw

@@ -282,7 +282,7 @@ async def _sse(resp: web.StreamResponse, payload: dict) -> None:
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     """Every error as an OpenAI error body; count every response by status."""
-    gateway: Gateway = request.app["gateway"]
+    gateway = request.app[GATEWAY_KEY]
     try:
         resp = await handler(request)
     except ApiError as exc:
@@ -303,9 +303,12 @@ async def errors_middleware(request: web.Request, handler):
     return resp
 
 
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+
+
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=gateway.settings.max_request_bytes)
-    app["gateway"] = gateway
+    app[GATEWAY_KEY] = gateway
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_get("/v1/models", gateway.models)

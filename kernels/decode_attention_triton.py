@@ -8,10 +8,10 @@ does not depend on the block size). With more than one split, each program write
 normalised by its own softmax sum plus its log-sum-exp (base 2), and the reduce kernel merges the
 splits. Splitting the context is what fills the GPU when the batch is small and contexts are long.
 
-Invariants the kernels rely on: ``seq_lens >= 1``; page ids come only from table entries that cover
-``[0, seq_len)`` (entries past a sequence's blocks are never read, whatever they hold); the last
-dimension of q and of the cache views is contiguous; other strides are arbitrary (the cache views
-are per-layer slices of the pool, see shared/kvcache/layout.py).
+Page ids are read only from table entries that cover ``[0, seq_len)``: entries past a sequence's
+blocks are never read, whatever they hold. A padding row with ``seq_len == 0`` gets a zero output
+(the reference's is NaN). The cache views need a contiguous head_dim; other strides are arbitrary
+(they are per-layer slices of the pool, see shared/kvcache/layout.py).
 """
 
 from __future__ import annotations
@@ -116,11 +116,12 @@ def _decode_reduce_kernel(
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)  # finite: split 0 always holds token 0
+    lse_max = tl.max(lse, axis=0)  # finite unless seq_len == 0 (split 0 holds token 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # seq_len 0: all weights 0, output 0
     weights = tl.exp2(lse - lse_max)  # 0 for empty splits and padding
     partial = tl.load(partial_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.maximum(tl.sum(weights, axis=0), 1e-30)
     out = round_to(out, out_ptr.dtype.element_ty, EMULATE_BF16)
     tl.store(out_ptr + row * HEAD_DIM + offs_d, out, mask=d_mask)
 
@@ -154,7 +155,7 @@ def paged_decode_attention_triton(
     seq_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
     *,
-    max_seq_len: int | None = None,  # upper bound on seq_lens; default M * bs (no host sync)
+    max_seq_len: int | None = None,  # >= every seq_len (longer ones are cut); default M * bs, no sync
     num_splits: int | None = None,  # default: plan_num_splits on this device
     out: torch.Tensor | None = None,  # [B, Hq, D] contiguous, q's dtype
 ) -> torch.Tensor:  # [B, Hq, D]

@@ -29,9 +29,10 @@ def test_backends_agree_on_mixed_batch(device, dtype):
         max_seq_len=max(seq_lens),
         max_query_len=max(q_lens),
     )
-    q = torch.randn(num_tokens, num_kv_heads * group, head_dim).to(dtype=dtype, device=device)
-    key = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype=dtype, device=device)
-    value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype=dtype, device=device)
+    # q, key, value as the model makes them: strided views of one fused projection
+    num_q_heads = num_kv_heads * group
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim).to(dtype=dtype, device=device)
+    q, key, value = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
 
     triton_backend = get_attention_backend("triton", torch.device(device))
     torch_backend = TorchAttentionBackend()

@@ -73,3 +73,15 @@ def test_decode_writes_into_out_and_handles_empty_batch(device):
 ])
 def test_plan_num_splits(num_seqs, max_seq_len, expected):
     assert plan_num_splits(num_seqs, 8, max_seq_len, num_sms=132) == expected
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padding_row_with_no_context_gets_zeros(device, num_splits):
+    """Batch padding (seq_len 0, say for a fixed-size captured batch) must not produce NaN."""
+    _, k_cache, v_cache, table = make_paged_kv([40, 1], 16, 1, 64, torch.float32, device)
+    q = torch.randn(2, 2, 64, device=device)
+    lens = torch.tensor([40, 0], dtype=torch.int32, device=device)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.125, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert max_rel_err(out[:1], attention_oracle(q[:1], k_cache, v_cache, table, [1], [40], 0.125)) \
+        < REL_TOL[torch.float32]

@@ -32,3 +32,19 @@ def dequantize_kv_fp8_ref(
 ) -> torch.Tensor:  # [G, *row] dtype
     rows = x_fp8.float().flatten(1) * scales[:, None]
     return rows.to(dtype).view(x_fp8.shape)
+
+
+def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_kv_fp8_ref``'s contract: the Triton kernel on CUDA, the reference elsewhere."""
+    if x.is_cuda:
+        from kernels.kv_fp8_triton import quantize_kv_fp8_triton
+        return quantize_kv_fp8_triton(x)
+    return quantize_kv_fp8_ref(x)
+
+
+def dequantize_kv_fp8(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_kv_fp8_ref``'s contract: the Triton kernel on CUDA, the reference elsewhere."""
+    if x_fp8.is_cuda:
+        from kernels.kv_fp8_triton import dequantize_kv_fp8_triton
+        return dequantize_kv_fp8_triton(x_fp8, scales, dtype)
+    return dequantize_kv_fp8_ref(x_fp8, scales, dtype)

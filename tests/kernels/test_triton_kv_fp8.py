@@ -78,3 +78,14 @@ def test_reference_error_is_within_e4m3_half_ulp(device):
     bound = torch.maximum(x.abs() * 2**-4, s * 2**-10) * (1 + 1e-6)
     assert ((back - x).abs() <= bound).all()
     assert (x.abs().flatten(1).amax(1) <= scales * FP8_MAX * (1 + 1e-6)).all()
+
+
+def test_device_dispatch_uses_the_reference_off_cuda():
+    from kernels.kv_fp8 import dequantize_kv_fp8, quantize_kv_fp8
+
+    x = _blocks(2, 16, torch.bfloat16, "cpu")
+    q, scales = quantize_kv_fp8(x)
+    q_ref, scales_ref = quantize_kv_fp8_ref(x)
+    _assert_fp8_equal(q, q_ref)
+    assert torch.equal(dequantize_kv_fp8(q, scales, torch.bfloat16),
+                       dequantize_kv_fp8_ref(q_ref, scales_ref, torch.bfloat16))

@@ -47,3 +47,13 @@ def test_gather_into_out_and_empty(device):
     before = src.clone()
     scatter_kv_blocks_triton(out[:0], src, [])
     assert torch.equal(src, before)
+
+
+def test_device_dispatch_uses_the_reference_off_cuda():
+    from kernels.kv_gather import gather_kv_blocks, scatter_kv_blocks
+
+    pool = torch.randn(4, 1, 2, 16, 1, 64)
+    slab = gather_kv_blocks(pool, [2, 0])
+    assert torch.equal(slab, pool[[2, 0]])
+    scatter_kv_blocks(slab, pool, [1, 3])
+    assert torch.equal(pool[[1, 3]], slab)

@@ -1,0 +1,89 @@
+"""A custom decode worker in under 100 lines, using nothing of Tandem: only NATS and JSON.
+
+It "generates" by echoing the prompt's token ids back, one per message. Any process that does
+what this one does (in any language) is a decode worker the gateway and admission will use:
+
+1. serve  <ns>.v1.decode.<id>.generate : one JSON TokenChunk per message to the request's reply
+   subject, then an empty message with header ``Tandem-Stream: end``;
+2. listen <ns>.v1.decode.<id>.cancel   : {"request_id": ...} → stop that request;
+3. put its WorkerInfo into the KV bucket ``<ns>-workers`` under its id, again every TTL/3 seconds;
+4. (optional) publish WorkerLoad on <ns>.v1.load.decode.<id> and KV events on <ns>.v1.kv.events.<id>.
+
+    python docs/examples/echo_worker.py --nats-url nats://127.0.0.1:4222 --model smollm2-135m
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+import nats
+
+
+async def main(args: argparse.Namespace) -> None:
+    nc = await nats.connect(args.nats_url)
+    js = nc.jetstream()
+    root, wid = f"{args.namespace}.v1", args.worker_id
+    generate, cancel = f"{root}.decode.{wid}.generate", f"{root}.decode.{wid}.cancel"
+    cancelled: set[str] = set()
+    running: set[asyncio.Task] = set()
+
+    async def serve(msg) -> None:
+        try:
+            req = json.loads(msg.data)
+            rid, ids = req["request_id"], req["prompt_token_ids"]
+            max_tokens = req.get("sampling", {}).get("max_tokens", 16)
+        except (ValueError, KeyError, TypeError) as exc:  # the error reply every service gives
+            body = {"code": "bad_request", "message": f"bad GenerateRequest: {exc}"}
+            await nc.publish(msg.reply, json.dumps(body).encode(), headers={"Tandem-Error-Code": "bad_request"})
+            return
+        out = (ids * max_tokens)[:max_tokens]
+        for i, token in enumerate(out):
+            done = rid in cancelled or i == len(out) - 1
+            finish = ("abort" if rid in cancelled else "length") if done else None
+            chunk = {"request_id": rid, "index": i, "token_ids": [token], "finish_reason": finish,
+                     "num_prompt_tokens": len(ids), "worker_id": wid}
+            await nc.publish(msg.reply, json.dumps(chunk).encode())
+            if done:
+                break
+            await asyncio.sleep(0.01)
+        await nc.publish(msg.reply, b"", headers={"Tandem-Stream": "end"})
+
+    async def on_generate(msg) -> None:  # one task per request: never block the subscription
+        task = asyncio.create_task(serve(msg))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    async def on_cancel(msg) -> None:
+        cancelled.add(json.loads(msg.data)["request_id"])
+
+    await nc.subscribe(generate, cb=on_generate)
+    await nc.subscribe(cancel, cb=on_cancel)
+    try:
+        kv = await js.key_value(f"{args.namespace}-workers")
+    except nats.js.errors.BucketNotFoundError:
+        kv = await js.create_key_value(bucket=f"{args.namespace}-workers", ttl=args.ttl)
+    info = {"worker_id": wid, "role": "decode", "state": "ready", "model": args.model,
+            "block_size": 16, "max_model_len": 2048, "max_num_seqs": 64,
+            "generate_subject": generate, "cancel_subject": cancel,
+            "kv_namespace_hex": args.model.encode().hex(), "pid": os.getpid(), "started_at": time.time()}
+    print(f"echo worker {wid} serving {generate}", flush=True)
+    seq = 0
+    while True:  # heartbeat: the entry expires TTL seconds after the last put
+        seq += 1
+        await kv.put(wid, json.dumps({**info, "heartbeat_at": time.time()}).encode())
+        load = {"worker_id": wid, "role": "decode", "seq": seq, "timestamp": time.time(),
+                "num_running": len(running)}
+        await nc.publish(f"{root}.load.decode.{wid}", json.dumps(load).encode())
+        await asyncio.sleep(args.ttl / 3)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="an echo decode worker speaking Tandem's protocol")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--namespace", default="tandem")
+    p.add_argument("--worker-id", default=f"echo-{os.getpid()}")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--ttl", type=float, default=6.0, help="must match the bucket's TTL")
+    asyncio.run(main(p.parse_args()))

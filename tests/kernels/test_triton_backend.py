@@ -1,9 +1,11 @@
-"""TritonAttentionBackend against TorchAttentionBackend on one mixed decode + prefill step."""
+"""TritonAttentionBackend against TorchAttentionBackend on mixed decode + prefill steps."""
+
+import random
 
 import pytest
 import torch
 
-from kernel_cases import REL_TOL, make_paged_kv, max_rel_err, query_start_loc
+from kernel_cases import REL_TOL, attention_oracle, make_paged_kv, max_rel_err, query_start_loc
 from shared.model.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
 
 
@@ -46,4 +48,33 @@ def test_backends_agree_on_mixed_batch(device, dtype):
     expected = torch_backend.attend(q, torch_pool[:, 1, 0], torch_pool[:, 1, 1], meta, head_dim ** -0.5)
     assert out.shape == expected.shape and out.dtype == expected.dtype
     assert torch.isfinite(out).all()
+    assert max_rel_err(out, expected) < 2 * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches_match_oracle(device, seed):
+    """Random draws over the grid's axes and ragged lengths: decodes and prefill chunks together."""
+    rng = random.Random(seed)
+    block_size = rng.choice([16, 32, 128])
+    head_dim = rng.choice([64, 128])
+    group = rng.choice([1, 3, 8])
+    num_kv_heads = rng.choice([1, 2])
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    num_decodes, num_prefills = rng.randint(0, 3), rng.randint(1 if seed % 2 else 0, 2)
+    num_decodes = max(num_decodes, 1 - num_prefills)  # never an empty step
+    seq_lens = [rng.randint(1, 300) for _ in range(num_decodes + num_prefills)]
+    q_lens = [1] * num_decodes + [rng.choice([n, rng.randint(1, n)]) for n in seq_lens[num_decodes:]]
+    pool, k_cache, v_cache, table = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device,
+                                                  seed=seed)
+    meta = AttentionMetadata(
+        num_decodes=num_decodes, slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        block_tables=table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc(q_lens, device), max_seq_len=max(seq_lens), max_query_len=max(q_lens))
+    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim).to(dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+
+    out = get_attention_backend("triton", torch.device(device)).attend(q, k_cache, v_cache, meta, scale)
+    expected = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale)
+    oracle = attention_oracle(q, k_cache, v_cache, table, q_lens, seq_lens, scale)
+    assert max_rel_err(out, oracle) < REL_TOL[dtype]
     assert max_rel_err(out, expected) < 2 * REL_TOL[dtype]

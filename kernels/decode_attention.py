@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def paged_decode_attention_ref(
@@ -15,26 +16,27 @@ def paged_decode_attention_ref(
 ) -> torch.Tensor:  # [B, Hq, D]
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long()
     # Entries past a sequence's own blocks may hold anything (padding, stale ids): point them at
     # block 0 so that the gather stays in range.
     block_starts = torch.arange(num_blocks, device=table.device) * block_size
-    used = block_starts[None, :] < seq_lens[:, None].to(table.device)  # [B, num_blocks]
-    table = torch.where(used, table, 0)
-    # k, v: [B, L, Hkv, D] with L = num_blocks * block_size
-    k = k_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    positions = torch.arange(k.shape[1], device=q.device)
-    invalid = positions[None, :] >= seq_lens[:, None].to(q.device)  # [B, L]
-    # Slots past seq_len are not K/V of this sequence (stale or never written, possibly non-finite):
-    # a zero probability times a NaN would still poison the output, so zero them.
-    v = v.masked_fill(invalid[:, :, None, None], 0)
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale  # [B, Hkv, G, L]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    table = torch.where(block_starts[None, :] < seq_lens[:, None].to(table.device), table, 0)
+    length = num_blocks * block_size
+    # index_select copies whole [bs, Hkv, D] pages (contiguous even in the strided pool view)
+    ids = table.reshape(-1)
+    k = k_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads * head_dim)
+    v = v_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads * head_dim)
+    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].to(q.device)  # [B, L]
+    # Slots past seq_len are not this sequence's K/V (stale or never written, possibly non-finite):
+    # the mask is additive and a zero probability times a NaN is NaN, so zero them (in place: the
+    # gathered copies are ours).
+    k.masked_fill_(~valid[:, :, None], 0)
+    v.masked_fill_(~valid[:, :, None], 0)
+    k = k.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :], k.float(), v.float(), attn_mask=valid[:, None, None, :],
+        scale=scale, enable_gqa=num_kv_heads != num_q_heads)  # [B, Hq, 1, D]
+    return out[:, :, 0].to(q.dtype)

@@ -83,7 +83,7 @@ def test_invalid_sampling_values_name_the_field(field, value):
 
 @pytest.fixture(scope="module")
 def tiny_engine_model(tmp_path_factory):
-    from conftest import save_tiny
+    from tiny_hf_models import save_tiny
 
     path = tmp_path_factory.mktemp("tiny")
     save_tiny("llama", path)

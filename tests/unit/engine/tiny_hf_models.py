@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -27,7 +26,3 @@ def save_tiny(kind: str, path) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3"])
-def tiny_hf(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, path, save_tiny(request.param, path)

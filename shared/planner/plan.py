@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from shared.planner.config import ClusterSpec, ModelSpec, Slo, WorkloadSpec
 from shared.planner.costmodel import Efficiency, decode_step_s, kv_transfer_s, prefill_service_s
 from shared.planner.devices import Cluster
-from shared.planner.flow import DECODE, PREFILL, Evaluator
+from shared.planner.flow import DECODE, IDLE, PREFILL, Evaluator
 from shared.planner.search import State, search
 
 
@@ -94,12 +94,15 @@ def _decode_at_load(ev: Evaluator, group: list[int], par, rate: float, cap_batch
 
 
 def build_plan(ev: Evaluator, state: State, planning_time_s: float) -> Plan:
+    # A group labelled with a phase it cannot serve (zero capacity) is idle in the output.
+    phases = [ph if ev.evaluate(g).rate(ph) > 0 else IDLE for g, ph in zip(state.groups, state.phases)]
+    state = State(state.groups, phases, state.value, state.history)
     flow = ev.max_flow(state.groups, state.phases)
     capacity = flow.value
     served = min(ev.workload.request_rate, capacity)
     scale = served / capacity if capacity > 0 else 0.0
     names = {}
-    for kind in (PREFILL, DECODE, "idle"):
+    for kind in (PREFILL, DECODE, IDLE):
         for i, ph in enumerate(state.phases):
             if ph == kind:
                 names[i] = f"{kind}-{sum(1 for n in names.values() if n.startswith(kind))}"

@@ -3,8 +3,9 @@
 1. Partition the device graph into groups of each candidate size (spectral + Kernighan-Lin).
 2. Give each group its best parallel strategy per phase (cost model) and split the groups into
    prefill and decode where the max-flow bound min(sum prefill, sum decode) is largest.
-3. Refine: flip a group's phase, split a group in two, merge two groups of one node, or swap
-   devices of different types between groups, keeping a move while the max-flow improves.
+3. Refine: flip a group's phase, exchange two groups' phases, split a group in two, merge two
+   groups, swap devices of different types between groups, or move one device to another group,
+   keeping the best move while the max-flow improves.
 
 Every candidate move is ranked by the upper bound min(sum prefill, sum decode), which no flow can
 exceed; the solver only runs on candidates whose bound beats the current plan, best first.
@@ -167,6 +168,7 @@ def _moves(ev: Evaluator, s: State, split: _Splitter, rng: random.Random, max_sw
                 if rephase:
                     yield Move(f"merge g{i}+g{j}, rephase", (i, j), ((merged, IDLE),), rephase=True)
     yield from _swaps(ev, s, rng, max_swaps, rephase)
+    yield from _transfers(ev, s, rng, max_swaps, rephase)
 
 
 def _swaps(ev: Evaluator, s: State, rng: random.Random, max_swaps: int, rephase: bool) -> Iterator[Move]:
@@ -189,6 +191,27 @@ def _swaps(ev: Evaluator, s: State, rng: random.Random, max_swaps: int, rephase:
         if rephase:
             yield Move(f"swap g{i}:{di}<->g{j}:{dj}, rephase", (i, j), ((new_i, IDLE), (new_j, IDLE)),
                        rephase=True)
+
+
+def _transfers(ev: Evaluator, s: State, rng: random.Random, max_moves: int, rephase: bool) -> Iterator[Move]:
+    """Move one device (one of each GPU type present) from one group to another: group sizes
+    change, e.g. 4+4 becomes 3+5."""
+    n = len(s.groups)
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j and len(s.groups[i]) > 1]
+    if len(pairs) > max_moves:
+        pairs = rng.sample(pairs, max_moves)
+    for i, j in pairs:
+        one_per_type = {ev.cluster.devices[d].gpu_type: d for d in s.groups[i]}
+        for d in sorted(one_per_type.values()):
+            yield from _transfer(s, i, j, d, rephase)
+
+
+def _transfer(s: State, i: int, j: int, d: int, rephase: bool) -> Iterator[Move]:
+    new_i = tuple(x for x in s.groups[i] if x != d)
+    new_j = tuple(sorted(s.groups[j] + [d]))
+    yield Move(f"move {d} g{i}->g{j}", (i, j), ((new_i, s.phases[i]), (new_j, s.phases[j])))
+    if rephase:
+        yield Move(f"move {d} g{i}->g{j}, rephase", (i, j), ((new_i, IDLE), (new_j, IDLE)), rephase=True)
 
 
 def refine(ev: Evaluator, s: State, parts: Partitioner, max_rounds: int = 50, max_swaps: int = 64,

@@ -1,10 +1,10 @@
-"""Routing cost for choosing a decode worker (Dynamo's KV router).
+"""Vectorised form of the decode-worker routing policy in :mod:`shared.policy.kv_routing`.
 
-cost(w) = overlap_weight · (prompt blocks w would have to prefill) + (KV blocks active on w)
-
-The first term rewards prefix-cache hits, the second balances load; the cheapest eligible worker
-wins, ties to the lowest index so the choice is deterministic. Inputs are arrays indexed by
-worker position so a caller with a thousand workers pays one vectorised pass.
+The admission service calls ``kv_routing.choose_worker`` with one view object per worker; the
+simulator routes a million requests over hundreds of workers, so it calls this array form of the
+same rule instead: the same cost (overlap_weight · blocks to prefill + active blocks + request
+blocks + queue_weight · waiting), the same queue limit, the same ties (fewer active blocks, then
+lower worker index — the index order must match the id order). A test checks that the two agree.
 """
 
 from __future__ import annotations
@@ -14,43 +14,45 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class RoutingWeights:
-    overlap_weight: float = 1.0
+from shared.policy.kv_routing import RoutingWeights
 
 
 @dataclass(frozen=True)
 class RoutingInput:
     now_s: float
-    num_prompt_blocks: int
+    num_request_blocks: int
     overlap_blocks: Mapping[int, int]   # worker index -> leading prompt blocks it holds (sparse)
     active_blocks: np.ndarray           # [num_workers] KV blocks in use (running + reserved)
-    eligible: np.ndarray | None = None  # [num_workers] bool; False = draining or full
+    num_waiting: np.ndarray             # [num_workers] requests queued at the worker
+    eligible: np.ndarray | None = None  # [num_workers] bool; False = not a decode worker / draining
 
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    worker: int | None                  # None when no worker is eligible
+    worker: int | None                  # None: no eligible worker under its queue limit
     cost: float
     overlap_blocks: int
 
 
 def route_costs(inp: RoutingInput, w: RoutingWeights = RoutingWeights()) -> np.ndarray:
-    """[num_workers] cost of sending the request to each worker (inf where ineligible)."""
-    costs = inp.active_blocks.astype(float) + w.overlap_weight * inp.num_prompt_blocks
+    """[num_workers] cost of each worker (inf where ineligible or at the queue limit)."""
+    n = inp.num_request_blocks
+    prefill = np.full(len(inp.active_blocks), float(n))
     for worker, blocks in inp.overlap_blocks.items():
-        costs[worker] -= w.overlap_weight * min(blocks, inp.num_prompt_blocks)
+        prefill[worker] = n - min(blocks, n)
+    # Same operation order as kv_routing.routing_cost, so equal inputs give bit-equal costs.
+    costs = w.overlap_weight * prefill + inp.active_blocks + n + w.queue_weight * inp.num_waiting
+    usable = inp.num_waiting < w.max_waiting_per_worker
     if inp.eligible is not None:
-        costs = np.where(inp.eligible, costs, np.inf)
-    return costs
+        usable &= inp.eligible
+    return np.where(usable, costs, np.inf)
 
 
 def choose_worker(inp: RoutingInput, w: RoutingWeights = RoutingWeights()) -> RoutingDecision:
     costs = route_costs(inp, w)
-    if costs.size == 0:
+    if costs.size == 0 or not np.isfinite(costs.min()):
         return RoutingDecision(None, float("inf"), 0)
-    best = int(np.argmin(costs))
-    if not np.isfinite(costs[best]):
-        return RoutingDecision(None, float("inf"), 0)
-    return RoutingDecision(best, float(costs[best]), int(inp.overlap_blocks.get(best, 0)))
+    tied = np.flatnonzero(costs == costs.min())
+    best = int(tied[np.argmin(inp.active_blocks[tied])]) if len(tied) > 1 else int(tied[0])
+    return RoutingDecision(best, float(costs[best]),
+                           min(int(inp.overlap_blocks.get(best, 0)), inp.num_request_blocks))

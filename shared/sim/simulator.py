@@ -1,6 +1,7 @@
 """Discrete-event simulation of a prefill/decode cluster serving a trace.
 
-A request arrives, is routed to a decode worker (routing policy: KV overlap + load), admitted or
+A request arrives, is routed to a decode worker (routing policy: KV overlap + load + queue, the
+rule of ``shared.policy.kv_routing`` in array form), admitted or
 rejected (admission policy: predicted TTFT against its tier's budget), reserves KV on the decode
 worker (or waits for memory), and is prefilled locally or remotely (conditional-disaggregation
 policy). Remote prefills wait in one global FIFO that idle prefill workers pull from; their KV
@@ -27,7 +28,8 @@ from shared.planner.plan import Plan
 from shared.policy.admission import AdmissionConfig, AdmissionInput, admit
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
-from shared.policy.routing import RoutingInput, RoutingWeights, choose_worker
+from shared.policy.kv_routing import RoutingWeights
+from shared.policy.routing import RoutingInput, choose_worker
 from shared.sim.traces import Trace
 from shared.sim.workers import DECODE, PREFILL, Worker
 
@@ -96,6 +98,7 @@ class Simulator:
         self.queued_tokens = 0.0
         self.idle_prefill = [w.index for w in self.workers if w.role == PREFILL]
         self.active_blocks = np.zeros(len(self.workers))
+        self.num_waiting = np.zeros(len(self.workers))
         self.eligible = np.array([w.role == DECODE for w in self.workers])
         self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
         self._routes: dict[tuple[int, int], float] = {}
@@ -166,8 +169,8 @@ class Simulator:
     def _arrive(self, i: int) -> None:
         inp, hashes = self.inp[i], (self.hashes[i] if self.hashes is not None else [])
         overlap = self._overlap(hashes) if hashes else {}
-        choice = choose_worker(RoutingInput(self.now, -(-inp // self.block_size), overlap,
-                                            self.active_blocks, self.eligible), self.cfg.routing)
+        choice = choose_worker(RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
+                                            self.num_waiting, self.eligible), self.cfg.routing)
         if choice.worker is None:
             return self._reject(i)
         w = self.workers[choice.worker]
@@ -189,6 +192,7 @@ class Simulator:
         self._window["decode_tokens"] += self.out[i]
         if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0:
             w.waiting.append(i)
+            self.num_waiting[w.index] = len(w.waiting)
         else:
             self._start(i, w)
 
@@ -291,6 +295,7 @@ class Simulator:
         while d.waiting and (d.kv_used == 0 or
                              d.kv_used + self.inp[d.waiting[0]] + self.out[d.waiting[0]] <= d.kv_capacity):
             self._start(d.waiting.popleft(), d)
+        self.num_waiting[d.index] = len(d.waiting)
 
     # --- ticks: utilisation samples and autoscaling ----------------------------------------
     def _tick(self, _a: int, _b: int) -> None:

@@ -4,7 +4,9 @@ import pytest
 from shared.policy.admission import AdmissionConfig, AdmissionInput, admit, predict_ttft_s
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
-from shared.policy.routing import RoutingInput, RoutingWeights, choose_worker, route_costs
+from shared.policy.kv_routing import RoutingWeights, WorkerLoadView
+from shared.policy.kv_routing import choose_worker as kv_choose_worker
+from shared.policy.routing import RoutingInput, choose_worker, route_costs
 
 # --- conditional disaggregation -----------------------------------------------------------------
 
@@ -24,25 +26,48 @@ def test_long_prefill_queue_or_no_prefill_workers_keeps_it_local():
     assert decide_prefill(DisaggInput(0.0, 4000, 0, 9), cfg).remote
     assert not decide_prefill(DisaggInput(0.0, 4000, 0, 0, has_prefill_workers=False), cfg).remote
 
-# --- routing -------------------------------------------------------------------------------------
+# --- routing (array form of shared.policy.kv_routing) ---------------------------------------------
+
+
+def _route(active, waiting, overlap, n=64, eligible=None, w=RoutingWeights()):
+    return choose_worker(RoutingInput(0.0, n, overlap, np.array(active, float), np.array(waiting, float),
+                                      eligible), w)
 
 
 def test_routing_trades_overlap_against_load():
-    active = np.array([100.0, 10.0, 50.0])
-    inp = RoutingInput(0.0, num_prompt_blocks=64, overlap_blocks={2: 60}, active_blocks=active)
-    # costs: 100+64, 10+64, 50+4 -> worker 2 (its cache saves more than its load costs)
-    assert list(route_costs(inp)) == [164.0, 74.0, 54.0]
-    assert choose_worker(inp).worker == 2
+    inp = RoutingInput(0.0, 64, {2: 60}, np.array([100.0, 10.0, 50.0]), np.zeros(3))
+    # overlap_weight·(64 - overlap) + active + 64: 228, 138, 118 -> worker 2 (its cache saves more)
+    assert list(route_costs(inp)) == [228.0, 138.0, 118.0]
+    assert choose_worker(inp).worker == 2 and choose_worker(inp).overlap_blocks == 60
     assert choose_worker(inp, RoutingWeights(overlap_weight=0.1)).worker == 1
 
 
-def test_routing_skips_ineligible_and_breaks_ties_low():
-    active = np.array([5.0, 5.0, 5.0])
-    assert choose_worker(RoutingInput(0.0, 4, {}, active)).worker == 0
-    eligible = np.array([False, True, True])
-    assert choose_worker(RoutingInput(0.0, 4, {}, active, eligible)).worker == 1
-    none = choose_worker(RoutingInput(0.0, 4, {}, active, np.zeros(3, dtype=bool)))
-    assert none.worker is None
+def test_routing_queue_limit_eligibility_and_ties():
+    assert _route([5, 5, 5], [0, 0, 0], {}).worker == 0
+    assert _route([5, 5, 5], [32, 0, 0], {}).worker == 1                 # at the queue limit
+    assert _route([5, 5, 5], [0, 0, 0], {}, eligible=np.array([False, True, True])).worker == 1
+    assert _route([5, 5, 5], [32, 32, 32], {}).worker is None
+    # equal cost: fewer active blocks wins (worker 1: 4 + 4·waiting 1 = worker 0: 8)
+    assert _route([8, 4], [0, 1], {}, w=RoutingWeights(queue_weight=4.0)).worker == 1
+
+
+def test_array_routing_agrees_with_the_service_policy():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        k = int(rng.integers(1, 12))
+        active = rng.integers(0, 20, size=k).astype(float)
+        waiting = rng.integers(0, 4, size=k).astype(float)
+        n = int(rng.integers(1, 10))
+        overlap = {int(i): int(rng.integers(0, 12)) for i in rng.choice(k, size=int(rng.integers(0, k + 1)),
+                                                                       replace=False)}
+        weights = RoutingWeights(overlap_weight=float(rng.choice([0.0, 1.0, 2.5])), queue_weight=4.0,
+                                 max_waiting_per_worker=3)
+        views = [WorkerLoadView(f"w{i:03d}", int(active[i]), int(waiting[i])) for i in range(k)]
+        expected = kv_choose_worker(views, {f"w{i:03d}": b for i, b in overlap.items()}, n, weights)
+        got = _route(active, waiting, overlap, n=n, w=weights)
+        assert (f"w{got.worker:03d}" if got.worker is not None else None) == expected.worker_id
+        if got.worker is not None:
+            assert got.cost == expected.cost and got.overlap_blocks == expected.num_overlap_blocks
 
 # --- admission ------------------------------------------------------------------------------------
 

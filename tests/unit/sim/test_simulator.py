@@ -9,7 +9,7 @@ from shared.planner.plan import make_plan
 from shared.policy.admission import AdmissionConfig, QosTier
 from shared.policy.autoscale import AutoscaleConfig
 from shared.policy.disagg import DisaggConfig
-from shared.policy.routing import RoutingWeights
+from shared.policy.kv_routing import RoutingWeights
 from shared.sim.report import plot_utilisation, summarize
 from shared.sim.simulator import SimConfig, Simulator
 from shared.sim.traces import Trace, poisson, synthetic_mooncake
@@ -75,7 +75,8 @@ def test_admission_bounds_ttft_under_overload(plan):
     trace = poisson(w, 4000, seed=7)
     lenient = AdmissionConfig(ttft_slo_s=SLO.ttft_s, tiers={"standard": QosTier("standard", ttft_slack=1e6)})
     strict = sim(plan, w).run(trace)
-    loose = sim(plan, w, SimConfig(admission=lenient)).run(trace)
+    no_queue_limit = RoutingWeights(max_waiting_per_worker=10**9)
+    loose = sim(plan, w, SimConfig(admission=lenient, routing=no_queue_limit)).run(trace)
     assert strict.rejected.sum() > 1000 and loose.rejected.sum() == 0
     p90 = lambda r: np.percentile(r.ttft_s[~r.rejected], 90)  # noqa: E731
     assert p90(strict) < 3 * SLO.ttft_s < p90(loose)

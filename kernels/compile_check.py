@@ -33,6 +33,8 @@ class KernelCase:
 
 
 def _cases() -> list[KernelCase]:
+    import torch
+
     from kernels import (
         decode_attention_triton as decode, kv_fp8_triton as fp8, kv_gather_triton as gather,
         kv_write_triton as write, prefill_attention_triton as prefill, rms_norm_triton as norm,
@@ -41,8 +43,8 @@ def _cases() -> list[KernelCase]:
 
     attention_ptrs = {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "block_tables_ptr": "i32",
                       "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"}
-    attention_consts = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_D": 128, "BLOCK_N": 64,
-                        "DOT_PRECISION": "tf32", "EMULATE_BF16": False}
+    attention_consts = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_D": 128,
+                        "BLOCK_N": decode._BLOCK_N, "DOT_PRECISION": "tf32", "EMULATE_BF16": False}
     cases = []
     for num_splits in (1, 8):
         out = "bf16" if num_splits == 1 else "fp32"
@@ -59,9 +61,14 @@ def _cases() -> list[KernelCase]:
         "decode_reduce", decode._decode_reduce_kernel,
         {"partial_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16"},
         {"HEAD_DIM": 128, "NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": 128, "EMULATE_BF16": False}))
-    cases.append(KernelCase(
-        "prefill", prefill._prefill_kernel, {**attention_ptrs, "out_ptr": "bf16"},
-        {**attention_consts, "BLOCK_M": 64}))
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        tiles = prefill.tile_config(dtype)
+        cases.append(KernelCase(
+            f"prefill[{name}]", prefill._prefill_kernel,
+            {**attention_ptrs, **{k: name for k in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}},
+            {**attention_consts, "BLOCK_M": tiles["BLOCK_M"], "BLOCK_N": tiles["BLOCK_N"],
+             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"},
+            {"num_warps": tiles["num_warps"], "num_stages": 2}))
     cases.append(KernelCase(
         "write_kv", write._write_kv_kernel,
         {"key_ptr": "bf16", "value_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16",

@@ -17,8 +17,15 @@ import triton.language as tl
 from kernels._triton_util import attention_dot, dot_args, round_to
 
 _LOG2E = 1.4426950408889634
-_BLOCK_M = 64
-_BLOCK_N = 64
+
+
+def tile_config(dtype: torch.dtype) -> dict:
+    """Tile sizes and warps per dtype, chosen so that nothing spills registers on sm_90 (see
+    kernels/compile_check.py). float32 runs exact (ieee) dots, which need far more registers
+    than bf16 tensor-core dots, hence smaller tiles."""
+    if dtype == torch.float32:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
 @triton.jit
@@ -117,7 +124,8 @@ def paged_prefill_attention_triton(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    grid = (triton.cdiv(max_query_len, _BLOCK_M), num_seqs, num_q_heads)
+    tiles = tile_config(q.dtype)
+    grid = (triton.cdiv(max_query_len, tiles["BLOCK_M"]), num_seqs, num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E,
@@ -127,8 +135,8 @@ def paged_prefill_attention_triton(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=_BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=_BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(head_dim), **tiles,
         **dot_args(q.dtype),
-        num_warps=4, num_stages=2,
+        num_stages=2,
     )
     return out

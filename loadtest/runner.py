@@ -1,0 +1,95 @@
+"""Open-loop runners: send each request at its arrival time whether or not earlier ones finished.
+
+``run_openai`` drives any OpenAI-compatible endpoint (``/v1/completions``, streaming, usage);
+``run_in_process`` drives an ``AsyncEngine`` directly with the same schedule (the baseline the
+service path is measured against).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import aiohttp
+from tqdm import tqdm
+
+from loadtest.stats import RequestResult
+from loadtest.workload import RequestSpec
+
+
+async def _open_loop(specs: list[RequestSpec], one: Callable, progress: bool, label: str) -> list[RequestResult]:
+    bar = tqdm(total=len(specs), desc=label, unit="req", disable=not progress, leave=False)
+    start = time.perf_counter()
+
+    async def scheduled(spec: RequestSpec) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + spec.at_s - time.perf_counter()))
+        result = RequestResult(spec.index, spec.at_s, time.perf_counter() - start)
+        try:
+            await one(spec, result, lambda: time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 — recorded per request, the run goes on
+            result.error = f"{type(exc).__name__}: {exc}"[:200]
+        bar.update(1)
+        return result
+
+    try:
+        return list(await asyncio.gather(*(scheduled(s) for s in specs)))
+    finally:
+        bar.close()
+
+
+async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api_key: str | None = None,
+                     timeout_s: float = 600.0, progress: bool = True, ignore_eos: bool = True) -> list[RequestResult]:
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+
+        async def one(spec: RequestSpec, result: RequestResult, now: Callable[[], float]) -> None:
+            body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "stream": True,
+                    "temperature": 0.0, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+            async with session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    result.error = f"HTTP {resp.status}"
+                    await resp.read()
+                    return
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        result.error = event["error"].get("message", "stream error")
+                        return
+                    if event.get("usage"):
+                        result.num_output_tokens = event["usage"]["completion_tokens"]
+                    if event.get("choices") and event["choices"][0].get("text"):
+                        t = now()
+                        result.first_token_s = result.first_token_s or t
+                        result.token_times_s.append(t)
+            result.finished_s = now()
+
+        return await _open_loop(specs, one, progress, "openai")
+
+
+async def run_in_process(engine, specs: list[RequestSpec], *, progress: bool = True,
+                         ignore_eos: bool = True) -> list[RequestResult]:
+    from shared.engine import SamplingParams  # noqa: PLC0415 — torch only for this runner
+
+    tokenizer = engine.tokenizer
+
+    async def one(spec: RequestSpec, result: RequestResult, now: Callable[[], float]) -> None:
+        # Same work as the gateway does before it admits: tokenization.
+        ids = tokenizer.encode(spec.prompt)
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        async for out in engine.generate(f"load-{spec.index}-{time.monotonic_ns()}", ids, params):
+            if out.new_token_ids:
+                t = now()
+                result.first_token_s = result.first_token_s or t
+                result.token_times_s.append(t)
+                result.num_output_tokens += len(out.new_token_ids)
+        result.finished_s = now()
+
+    return await _open_loop(specs, one, progress, "in-process")

@@ -1,0 +1,39 @@
+import random
+
+from loadtest.stats import RequestResult, percentile, summarize
+from loadtest.workload import WorkloadConfig, arrival_times, build_workload
+
+
+def test_gamma_arrivals_keep_the_mean_rate_and_burstiness_widens_gaps():
+    rng = random.Random(1)
+    poisson = arrival_times(4000, rate=10, burstiness=1.0, rng=rng)
+    bursty = arrival_times(4000, rate=10, burstiness=0.25, rng=rng)
+    assert abs(poisson[-1] / 4000 - 0.1) < 0.01 and abs(bursty[-1] / 4000 - 0.1) < 0.02
+
+    def cv(times):
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        mean = sum(gaps) / len(gaps)
+        return (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+
+    assert 0.9 < cv(poisson) < 1.1 and cv(bursty) > 1.7
+
+
+def test_workload_is_seeded_and_shares_prefixes():
+    cfg = WorkloadConfig(num_requests=20, shared_prefix_words=30, num_prefixes=2, seed=3)
+    a, b = build_workload(cfg), build_workload(cfg)
+    assert a == b
+    assert len({" ".join(s.prompt.split()[:30]) for s in a}) == 2
+    assert all(s.max_tokens >= 1 for s in a)
+
+
+def test_summary():
+    results = [RequestResult(i, 0.0, float(i), first_token_s=i + 0.1, finished_s=i + 1.1,
+                             token_times_s=[i + 0.1, i + 0.6, i + 1.1], num_output_tokens=3)
+               for i in range(4)]
+    results.append(RequestResult(4, 0.0, 4.0, error="HTTP 429"))
+    s = summarize(results, slo_ttft_s=0.2, slo_tpot_s=0.4)
+    assert (s["num_ok"], s["num_errors"], s["errors"]) == (4, 1, ["HTTP 429"])
+    assert abs(s["ttft_s"]["p50"] - 0.1) < 1e-9 and abs(s["itl_s"]["p99"] - 0.5) < 1e-9
+    assert s["num_good"] == 0  # tpot 0.5 > 0.4
+    assert abs(s["output_token_throughput"] - 12 / 4.1) < 1e-9
+    assert percentile([1, 2, 3, 4], 50) == 2.5

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.engine import SamplingParams
+
 TANDEM = [str(Path(sys.executable).with_name("tandem"))]  # the installed console script
 
 
@@ -50,3 +52,18 @@ def test_model_fetch_prints_the_cached_path(smollm2_gguf):
 def test_every_command_has_help(cmd):
     r = tandem(*cmd, "--help")
     assert r.returncode == 0 and "usage: tandem" in r.stdout
+
+
+def test_chat_keeps_history_and_exits_on_eof(smollm2_gguf, make_engine, smol_tokenizer):
+    turns = ["My name is Ada.", "What is my name?"]
+    r = tandem("chat", "--temperature", "0", "--max-tokens", "24", "--model", str(smollm2_gguf),
+               stdin="\n".join(turns) + "\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    replies = [part.strip() for part in r.stdout.split("> ") if part.strip()]
+    assert len(replies) == 2
+    # the second reply is the greedy continuation of the whole two-turn conversation
+    history = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": replies[0]},
+               {"role": "user", "content": turns[1]}]
+    prompt = smol_tokenizer.encode(smol_tokenizer.apply_chat_template(history))
+    (expected,) = make_engine().generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    assert replies[1] == smol_tokenizer.decode(expected).strip()

@@ -51,16 +51,16 @@ def _cases() -> list[KernelCase]:
         cases.append(KernelCase(
             f"decode_split[splits={num_splits}]", decode._decode_split_kernel,
             {**attention_ptrs, "out_ptr": out, "lse_ptr": "fp32" if num_splits > 1 else "bf16"},
-            {**attention_consts, "NUM_SPLITS": num_splits, "BLOCK_G": 16}))
+            {**attention_consts, "WRITE_PARTIAL": num_splits > 1, "BLOCK_G": 16}))
     cases.append(KernelCase(
         "decode_split[fp32]", decode._decode_split_kernel,
         {**{k: "fp32" for k in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "lse_ptr")},
          "block_tables_ptr": "i32", "seq_lens_ptr": "i32"},
-        {**attention_consts, "NUM_SPLITS": 1, "BLOCK_G": 16, "DOT_PRECISION": "ieee"}))
+        {**attention_consts, "WRITE_PARTIAL": False, "BLOCK_G": 16, "DOT_PRECISION": "ieee"}))
     cases.append(KernelCase(
         "decode_reduce", decode._decode_reduce_kernel,
         {"partial_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16"},
-        {"HEAD_DIM": 128, "NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": 128, "EMULATE_BF16": False}))
+        {"HEAD_DIM": 128, "BLOCK_S": 16, "BLOCK_D": 128, "EMULATE_BF16": False}))
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         tiles = prefill.tile_config(dtype)
         cases.append(KernelCase(

@@ -39,13 +39,14 @@ def _decode_split_kernel(
     stride_bt,
     split_len,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
+    num_splits = tl.num_programs(2)  # a launch dimension, not a constexpr: no recompiles as it grows
 
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * split_len
@@ -92,34 +93,33 @@ def _decode_split_kernel(
     has_tokens = l_i > 0.0  # false only for a split that starts past seq_len
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        # out_ptr is the final [B, Hq, D] output (contiguous)
-        tl.store(out_ptr + (seq * num_q_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :],
-                 round_to(out, out_ptr.dtype.element_ty, EMULATE_BF16), mask=out_mask)
-    else:
-        # out_ptr: partial outputs [B, Hq, NUM_SPLITS, D] f32; lse_ptr: [B, Hq, NUM_SPLITS] f32
-        row = (seq * num_q_heads + heads) * NUM_SPLITS + split
+    if WRITE_PARTIAL:
+        # out_ptr: partial outputs [B, Hq, num_splits, D] f32; lse_ptr: [B, Hq, num_splits] f32
+        row = (seq * num_q_heads + heads) * num_splits + split
         tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=g_mask)
+    else:
+        # a single split: out_ptr is the final [B, Hq, D] output (contiguous)
+        tl.store(out_ptr + (seq * num_q_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :],
+                 round_to(out, out_ptr.dtype.element_ty, EMULATE_BF16), mask=out_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    partial_ptr, lse_ptr, out_ptr,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    partial_ptr, lse_ptr, out_ptr, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     row = tl.program_id(0)  # seq * Hq + q_head
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)  # finite unless seq_len == 0 (split 0 holds token 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # seq_len 0: all weights 0, output 0
     weights = tl.exp2(lse - lse_max)  # 0 for empty splits and padding
-    partial = tl.load(partial_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    partial = tl.load(partial_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(partial * weights[:, None], axis=0) / tl.maximum(tl.sum(weights, axis=0), 1e-30)
     out = round_to(out, out_ptr.dtype.element_ty, EMULATE_BF16)
@@ -152,7 +152,7 @@ def paged_decode_attention_triton(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
     v_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
     block_tables: torch.Tensor,  # [B, M] int32
-    seq_lens: torch.Tensor,  # [B] int32, each >= 1
+    seq_lens: torch.Tensor,  # [B] int32 (0: a padding row, zero output)
     scale: float,
     *,
     max_seq_len: int | None = None,  # >= every seq_len (longer ones are cut); default M * bs, no sync
@@ -194,7 +194,7 @@ def paged_decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         split_len,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, WRITE_PARTIAL=num_splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
         **dot_args(q.dtype),
@@ -202,9 +202,8 @@ def paged_decode_attention_triton(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs * num_q_heads,)](
-            partial, lse, out,
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            partial, lse, out, num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=max(16, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
             EMULATE_BF16=dot_args(q.dtype)["EMULATE_BF16"],
         )
     return out

@@ -57,7 +57,7 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g  # the query heads of this KV head (ref: q.view(B, Hkv, G, D))
+    heads = kv_head * GROUP + offs_g  # query head h reads KV head h // GROUP, as in the reference
 
     # q: [BLOCK_G, BLOCK_D]; rows past GROUP are zero and never stored
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],

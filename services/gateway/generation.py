@@ -1,11 +1,17 @@
 """One request's life in the gateway: admission, the worker's token stream, incremental
-detokenization and stop strings. Errors come out as ``ApiError`` with the HTTP status to send."""
+detokenization and stop strings. Errors come out as ``ApiError`` with the HTTP status to send.
+
+If the worker is lost mid-stream (it leaves the registry, stops answering, or refuses), the
+request is admitted again with the tokens generated so far appended to the prompt and the
+remaining ``max_tokens``: the client sees one uninterrupted stream.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from shared.bus import Bus, BusTimeout, NoResponders, RemoteError, ServiceError
@@ -18,7 +24,9 @@ from services.gateway.config import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-_MAX_ATTEMPTS = 2  # a worker that drains or dies between admission and our request: admit again
+_MAX_ATTEMPTS = 3     # admissions per start: a worker may drain or die between admission and us
+_MAX_MIGRATIONS = 2   # worker losses survived per request
+_WATCH_INTERVAL_S = 0.5
 
 
 @dataclass
@@ -34,31 +42,48 @@ class GatewayMetrics:
     rejected: Counter
     ttft: Histogram
     itl: Histogram
+    migrations: Counter
+
+
+class WorkerLost(Exception):
+    pass
 
 
 class Generation:
     def __init__(self, bus: Bus, subjects: Subjects, settings: GatewaySettings, tokenizer: Tokenizer,
-                 metrics: GatewayMetrics, request: GenerateRequest, stops: list[str]) -> None:
+                 metrics: GatewayMetrics, request: GenerateRequest, stops: list[str], *,
+                 is_worker_alive: Callable[[str], bool], rehash: Callable[[list[int]], list[int]]) -> None:
         self._bus, self._subjects, self._settings = bus, subjects, settings
         self._metrics = metrics
-        self.request = request
+        self._is_alive, self._rehash = is_worker_alive, rehash
+        self.request = request          # what the client asked for
+        self._current = request         # what the current worker runs (differs after a migration)
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
         self._stop = StopStringMatcher(stops)
         self._stream: AsyncIterator[TokenChunk] | None = None
         self._first: TokenChunk | None = None
+        self._generated: list[int] = []
+        self._num_migrations = 0
         self.worker_id: str | None = None
         self.is_finished = False
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0
-        self.num_completion_tokens = 0
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self._generated)
 
     async def start(self) -> None:
         """Admit the request and wait for its first token (so errors can still be a plain 4xx/5xx)."""
         started = time.monotonic()
+        await self._open(self.request)
+        self._metrics.ttft.observe(time.monotonic() - started)
+
+    async def _open(self, request: GenerateRequest) -> None:
         for attempt in range(_MAX_ATTEMPTS):
-            worker_id = await self._admit()
+            worker_id = await self._admit(request)
             self._stream = self._bus.stream(
-                self._subjects.decode_generate(worker_id), self.request,
+                self._subjects.decode_generate(worker_id), request,
                 first_timeout_s=self._settings.request_timeout_s,
                 idle_timeout_s=self._settings.token_idle_timeout_s)
             try:
@@ -69,19 +94,19 @@ class Generation:
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, f"decode worker {worker_id} failed: {exc.message}",
                                    code="worker_unavailable", retry_after_s=1.0) from None
-                log.info("%s: worker %s: %s; admitting again", self.request.request_id, worker_id, exc.message)
+                log.info("%s: worker %s: %s; admitting again", request.request_id, worker_id, exc.message)
+                await asyncio.sleep(self._settings.refresh_interval_s)  # let views drop the worker
                 continue
             except BusTimeout:
-                await self._cancel(worker_id)
+                await self._cancel(worker_id, request.request_id)
                 raise ApiError(504, f"no token within {self._settings.request_timeout_s:g}s",
                                code="timeout") from None
-            self.worker_id = worker_id
-            self._metrics.ttft.observe(time.monotonic() - started)
+            self.worker_id, self._current = worker_id, request
             return
 
-    async def _admit(self) -> str:
+    async def _admit(self, request: GenerateRequest) -> str:
         try:
-            decision = await self._bus.request(self._subjects.admission_submit(), self.request,
+            decision = await self._bus.request(self._subjects.admission_submit(), request,
                                                timeout_s=self._settings.admission_timeout_s)
         except ServiceError as exc:
             raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
@@ -102,24 +127,61 @@ class Generation:
             yield self._to_delta(chunk)
             if self.is_finished:
                 if chunk.finish_reason is None:  # a stop string ended it: free the worker now
-                    await self._cancel(self.worker_id)
+                    await self._cancel(self.worker_id, self._current.request_id)
                 return
-            try:
-                chunk = await anext(self._stream)
-            except StopAsyncIteration:
-                raise ApiError(502, "worker ended the stream without a finish reason") from None
-            except BusTimeout:
-                raise ApiError(504, f"no token for {self._settings.token_idle_timeout_s:g}s",
-                               code="timeout") from None
-            except ServiceError as exc:
-                raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None
+            chunk = await self._next()
             now = time.monotonic()
             self._metrics.itl.observe(now - last)
             last = now
 
+    async def _next(self) -> TokenChunk:
+        try:
+            return await self._next_from_worker()
+        except WorkerLost as exc:
+            if self._num_migrations >= _MAX_MIGRATIONS:
+                raise ApiError(502, f"lost {self._num_migrations + 1} workers: {exc}") from None
+            return await self._migrate(str(exc))
+
+    async def _next_from_worker(self) -> TokenChunk:
+        """The next chunk, watching that the worker is still registered while waiting."""
+        next_chunk = asyncio.ensure_future(anext(self._stream))
+        try:
+            while True:
+                done, _ = await asyncio.wait({next_chunk}, timeout=_WATCH_INTERVAL_S)
+                if done:
+                    return next_chunk.result()
+                if not self._is_alive(self.worker_id):
+                    raise WorkerLost(f"worker {self.worker_id} left the registry")
+        except StopAsyncIteration:
+            raise WorkerLost(f"worker {self.worker_id} ended the stream early") from None
+        except (BusTimeout, NoResponders) as exc:
+            raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
+        except RemoteError as exc:
+            if exc.code == "rejected":
+                raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
+            raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None
+        finally:
+            next_chunk.cancel()
+
+    async def _migrate(self, why: str) -> TokenChunk:
+        self._num_migrations += 1
+        self._metrics.migrations.inc()
+        await self._cancel(self.worker_id, self._current.request_id)
+        prompt = self.request.prompt_token_ids + self._generated
+        remaining = self.request.sampling.max_tokens - len(self._generated)
+        request = self.request.model_copy(update={
+            "request_id": f"{self.request.request_id}-m{self._num_migrations}",
+            "prompt_token_ids": prompt, "block_hashes": self._rehash(prompt),
+            "sampling": self.request.sampling.model_copy(update={"max_tokens": remaining})})
+        log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
+                    len(self._generated))
+        await self._open(request)
+        return self._first
+
     def _to_delta(self, chunk: TokenChunk) -> Delta:
-        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
-        self.num_completion_tokens += len(chunk.token_ids)
+        if self._num_migrations == 0:
+            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        self._generated.extend(chunk.token_ids)
         text = self._stop.push(self._detok.push(chunk.token_ids))
         finish = chunk.finish_reason
         if finish is not None and not self._stop.is_stopped:
@@ -133,15 +195,15 @@ class Generation:
     async def close(self) -> None:
         """End the request: if it is still running (client gone, error), cancel it at the worker."""
         if self.worker_id is not None and not self.is_finished:
-            await self._cancel(self.worker_id)
+            await self._cancel(self.worker_id, self._current.request_id)
         if self._stream is not None:
             await self._stream.aclose()
 
-    async def _cancel(self, worker_id: str | None) -> None:
+    async def _cancel(self, worker_id: str | None, request_id: str) -> None:
         if worker_id is None:
             return
         try:
             await self._bus.publish(self._subjects.decode_cancel(worker_id),
-                                    CancelRequest(request_id=self.request.request_id))
+                                    CancelRequest(request_id=request_id))
         except Exception as exc:  # noqa: BLE001 — the worker finishes on its own at max_tokens
-            log.warning("cancel of %s at %s failed: %s", self.request.request_id, worker_id, exc)
+            log.warning("cancel of %s at %s failed: %s", request_id, worker_id, exc)

@@ -55,7 +55,9 @@ class Gateway:
             requests=self.requests,
             rejected=m.add(Counter("tandem_gateway_rejected_total", "requests rejected by admission")),
             ttft=m.add(Histogram("tandem_gateway_ttft_seconds", "time to first token", LATENCY_BUCKETS_S)),
-            itl=m.add(Histogram("tandem_gateway_itl_seconds", "inter-token latency", LATENCY_BUCKETS_S)))
+            itl=m.add(Histogram("tandem_gateway_itl_seconds", "inter-token latency", LATENCY_BUCKETS_S)),
+            migrations=m.add(Counter("tandem_gateway_migrations_total",
+                                     "requests continued on another worker after losing theirs")))
         self.generated = m.add(Counter("tandem_gateway_generated_tokens_total", "completion tokens"))
 
     # --- cluster view ----------------------------------------------------------------------------
@@ -101,9 +103,7 @@ class Gateway:
                                code="context_length_exceeded")
             if max_tokens is None:
                 max_tokens = min(self.settings.default_max_tokens, max_len - len(prompt_ids))
-        hashes = []
-        if workers:
-            hashes = hash_blocks(prompt_ids, workers[0].block_size, bytes.fromhex(workers[0].kv_namespace_hex))
+        hashes = self._block_hashes(body.model, prompt_ids)
         sampling = SamplingParams(
             max_tokens=max_tokens or self.settings.default_max_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
@@ -113,6 +113,17 @@ class Gateway:
         return GenerateRequest(request_id=f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-"
                                f"{uuid.uuid4().hex}", model=body.model, prompt_token_ids=prompt_ids,
                                sampling=sampling, block_hashes=hashes, tier=tier, created_at=time.time())
+
+    def _block_hashes(self, model: str, prompt_ids: list[int]) -> list[int]:
+        """The prompt's chained block hashes as the model's workers compute them (admission
+        looks them up in kv-index)."""
+        workers = self.ready_workers(model)
+        if not workers:
+            return []
+        return hash_blocks(prompt_ids, workers[0].block_size, bytes.fromhex(workers[0].kv_namespace_hex))
+
+    def _is_registered(self, worker_id: str) -> bool:
+        return any(w.worker_id == worker_id for w in self.workers)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -151,7 +162,8 @@ class Gateway:
     async def _run(self, request: web.Request, body, gen_request: GenerateRequest, *,
                    chat: bool) -> web.StreamResponse:
         gen = Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
-                         gen_request, body.stop_strings())
+                         gen_request, body.stop_strings(), is_worker_alive=self._is_registered,
+                         rehash=lambda ids: self._block_hashes(gen_request.model, ids))
         self.in_flight.inc()
         try:
             await gen.start()

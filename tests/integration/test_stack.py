@@ -80,13 +80,13 @@ def status(stack) -> dict:
     return json.loads(http(stack, "GET", "/status")[2])
 
 
-def in_process_greedy(engine, prompt_ids, max_tokens):
+def in_process_greedy(engine, prompt_ids, max_tokens, ignore_eos=False):
     from shared.engine import SamplingParams
 
     async def run():
         ids = []
-        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt_ids,
-                                         SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt_ids, params):
             ids += out.new_token_ids
         return engine.tokenizer.decode(ids)
 
@@ -271,12 +271,31 @@ def test_bad_messages_on_subjects_get_error_replies(stack):
     assert all(c.is_running() for c in stack.children.values())
 
 
-def test_sigkilled_worker_leaves_registry_and_index_and_is_avoided(stack, client):
-    victim = stack.children["decode-1"]
-    victim_id = f"{stack.spec.namespace}-decode-1"
-    client.completions.create(model=MODEL, prompt="warm the index " * 20, max_tokens=1)
+def test_sigkilled_worker_mid_stream_is_replaced_and_leaves_registry_and_index(stack, client, engine):
+    from http.client import HTTPConnection
+
+    prompt = "Here is a long list of fruits and vegetables:"
+    expected = in_process_greedy(engine, engine.tokenizer.encode(prompt), 40, ignore_eos=True)
+    conn = HTTPConnection("127.0.0.1", stack.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    victim_id = resp.getheader("X-Tandem-Worker")
+    victim = stack.children[victim_id.removeprefix(f"{stack.spec.namespace}-")]
+    events = []
+    while len(events) < 3:
+        line = resp.readline().decode()
+        if line.startswith("data: {"):
+            events.append(json.loads(line[6:]))
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
+    events += [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+               if line.startswith("data: {")]
+    # One uninterrupted stream: the survivor continued from the tokens already generated.
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
+    assert events[-1]["usage"]["completion_tokens"] == 40
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
 
     async def index_workers():
         redis = connect(stack.redis_url)
@@ -295,7 +314,8 @@ def test_sigkilled_worker_leaves_registry_and_index_and_is_avoided(stack, client
     for _ in range(3):
         reply = client.completions.with_raw_response.create(model=MODEL, prompt="warm the index " * 20,
                                                             max_tokens=1)
-        assert reply.headers["x-tandem-worker"] == f"{stack.spec.namespace}-decode-2"
+        assert reply.headers["x-tandem-worker"] not in ("", victim_id)
+    assert "tandem_gateway_migrations_total 1" in http(stack, "GET", "/metrics")[2].decode()
 
 
 def test_sigterm_drains_in_flight_work_then_deregisters(stack):
@@ -307,10 +327,11 @@ def test_sigterm_drains_in_flight_work_then_deregisters(stack):
         {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.readline()
-    stack.children["decode-2"].terminate()
+    survivor = next(c for n, c in stack.children.items() if n.startswith("decode") and c.is_running())
+    survivor.terminate()
     events = [line for line in resp.read().decode().splitlines() if line.startswith("data: {")]
     assert json.loads(events[-1][6:])["choices"][0]["finish_reason"] == "length"
-    assert stack.children["decode-2"].wait(30)
+    assert survivor.wait(30)
     assert http(stack, "GET", "/ready")[0] in (200, 503)
     deadline = time.monotonic() + 5
     while http(stack, "GET", "/ready")[0] != 503 and time.monotonic() < deadline:

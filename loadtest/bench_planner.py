@@ -92,15 +92,19 @@ def bench_hexgen2(models: list[str], workloads: list[str]) -> dict:
                 homo = {t: make_plan(c, MODEL_PRESETS[model], w).capacity_rps for t, c in homos.items()}
                 best_t = max(homo, key=homo.get)
                 ratio = het_plan.capacity_rps / homo[best_t] if homo[best_t] > 0 else float("inf")
+                vs_h100 = het_plan.capacity_rps / homo["h100"] if homo["h100"] > 0 else float("inf")
                 rows.append({"setting": het, "model": model, "workload": wl, "budget_per_hour": budget,
                              "het_rps": het_plan.capacity_rps, "homogeneous_rps": homo,
                              "best_homogeneous": f"{best_t}x{homos[best_t].num_gpus}",
-                             "best_homogeneous_price": homos[best_t].price_per_hour(), "ratio": ratio})
+                             "best_homogeneous_price": homos[best_t].price_per_hour(), "ratio": ratio,
+                             "ratio_vs_h100": vs_h100})
     summary = {}
     for model in models:
-        r = [x["ratio"] for x in rows if x["model"] == model and math.isfinite(x["ratio"])]
-        summary[model] = {"mean_ratio": float(np.mean(r)), "max_ratio": max(r), "min_ratio": min(r),
-                          "geomean_ratio": float(np.exp(np.mean(np.log(r))))}
+        for key in ("ratio", "ratio_vs_h100"):
+            r = [x[key] for x in rows if x["model"] == model and math.isfinite(x[key])]
+            summary.setdefault(model, {})[key] = {
+                "mean": float(np.mean(r)), "max": max(r), "min": min(r),
+                "geomean": float(np.exp(np.mean(np.log(r))))}
     return {"rows": rows, "summary": summary}
 
 
@@ -136,6 +140,30 @@ def bench_simulator(num_requests: int, out: Path) -> dict:
             "request_rate": w.request_rate, "planned_capacity_rps": plan.capacity_rps,
             "planned_ttft_s": plan.predicted_ttft_s, "planned_tpot_s": plan.predicted_tpot_s,
             "wall_s": wall, "summary": summarize(result, SLO)}
+
+
+def bench_local_prefill(num_requests: int) -> list[dict]:
+    """The simulator as a policy test bench: conditional disaggregation thresholds on one plan."""
+    from shared.policy.disagg import DisaggConfig
+    from shared.sim.report import summarize
+    from shared.sim.simulator import SimConfig, Simulator
+    from shared.sim.traces import poisson
+
+    spec = cluster_of([(TYPES[i % 4], 8) for i in range(32)], inter_gbps=25)   # 256 GPUs
+    model, w = MODEL_PRESETS["llama-2-70b"], preset_workload("mixed", slo=SLO)
+    plan = make_plan(spec, model, w)
+    rows = []
+    for load in (0.5, 0.8):
+        wl = w.model_copy(update={"request_rate": load * plan.capacity_rps})
+        trace = poisson(wl, num_requests, seed=0)
+        for max_local in (0, 512):
+            cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=max_local))
+            s = summarize(Simulator(Evaluator(Cluster(spec), model, wl), plan, cfg).run(trace), SLO)
+            rows.append({"load_of_planned_capacity": load, "max_local_prefill_tokens": max_local,
+                         "offered_rps": wl.request_rate, "goodput_rps": s["goodput_rps"],
+                         "slo_attainment": s["slo_attainment"], "ttft_p90_s": s["ttft_s"]["p90"],
+                         "tpot_p90_s": s["tpot_s"]["p90"], "rejections": s["rejections"]})
+    return rows
 
 
 def plot(results: dict, out: Path) -> None:
@@ -191,6 +219,8 @@ def main() -> None:
     print("  " + json.dumps(results["hexgen2"]["summary"]))
     print("planning time ...", flush=True)
     results["planning_time"] = bench_planning_time([16, 64] if args.quick else [16, 64, 256, 1024])
+    print("conditional disaggregation on a 256-GPU plan ...", flush=True)
+    results["local_prefill"] = bench_local_prefill(5_000 if args.quick else 50_000)
     print("simulator at 1,000 GPUs ...", flush=True)
     results["simulator"] = bench_simulator(10_000 if args.quick else args.sim_requests, out)
     print(f"  {results['simulator']['summary']['num_requests']:,} requests in {results['simulator']['wall_s']:.1f} s")

@@ -56,7 +56,8 @@ def register(subparsers) -> None:
     s.add_argument("--burstiness", type=float, default=3.0, help="gamma trace: inter-arrival CV (default 3)")
     s.add_argument("--autoscale", action="store_true", help="let the autoscaling policy flip roles")
     s.add_argument("--max-local-prefill", type=int, default=None,
-                   help="disaggregation: uncached prompts up to this many tokens prefill locally")
+                   help="disaggregation: uncached prompts up to this many tokens prefill on the decode "
+                        "worker (default 0: all go to the prefill pool unless its queue is long)")
     s.add_argument("--out", metavar="DIR", default=_env("SIM_OUT"),
                    help="write summary.json and utilisation.png here [env TANDEM_SIM_OUT]")
     s.set_defaults(func=_simulate_cmd)

@@ -4,6 +4,9 @@ The flow network (rates in requests/s)::
 
     source --prefill capacity--> P_i --KV route capacity--> D_j --decode capacity--> sink
 
+where a route between nodes also passes each group's NICs (P_i -> PN_i and DN_j -> D_j, capacity
+the group's inter-node bandwidth), which all of that group's inter-node routes share.
+
 Its maximum is the plan's throughput. networkx's preflow-push computes it; the search calls
 :meth:`Evaluator.flow_value`, which skips the solver when every route is provably non-binding.
 """
@@ -83,30 +86,53 @@ class Evaluator:
         gbps = self.cluster.route_gbps(a, b)
         return gbps * GB * self.eff.link / (self.model.kv_bytes_per_token() * self.input_len)
 
+    def nic_rate(self, group: Sequence[int]) -> float:
+        """Requests/s of KV a group's NICs carry in (or out) over the inter-node fabric."""
+        gbps = self.cluster.spec.inter_node_gbps * len(group)
+        return gbps * GB * self.eff.link / (self.model.kv_bytes_per_token() * self.input_len)
+
+    def _same_node(self, a: Sequence[int], b: Sequence[int]) -> bool:
+        nodes = {self.cluster.devices[d].node for d in a}
+        return len(nodes) == 1 and nodes == {self.cluster.devices[d].node for d in b}
+
     def max_flow(self, groups: Sequence[Sequence[int]], phases: Sequence[str]) -> FlowResult:
-        """Exact max-flow with networkx preflow-push, with the per-route flow rates."""
-        g = nx.DiGraph()
-        src, sink = "source", "sink"
+        """Exact max-flow with networkx preflow-push, with the per-route flow rates.
+
+        KV between groups on one node goes over the node's links; between nodes it leaves through
+        the prefill group's NICs and enters through the decode group's, so each group's NIC
+        bandwidth is shared by all its inter-node routes (node-split: p -> pn, dn -> d).
+        """
         pre = [i for i, ph in enumerate(phases) if ph == PREFILL]
         dec = [j for j, ph in enumerate(phases) if ph == DECODE]
-        for i in pre:
-            g.add_edge(src, ("p", i), capacity=self.evaluate(groups[i]).prefill.rate)
-        for j in dec:
-            g.add_edge(("d", j), sink, capacity=self.evaluate(groups[j]).decode.rate)
-        for i in pre:
-            for j in dec:
-                g.add_edge(("p", i), ("d", j), capacity=self.route_rate(groups[i], groups[j]))
         if not pre or not dec:
             return FlowResult(0.0, {})
+        g = nx.DiGraph()
+        src, sink = "source", "sink"
+        for i in pre:
+            g.add_edge(src, ("p", i), capacity=self.evaluate(groups[i]).prefill.rate)
+            g.add_edge(("p", i), ("pn", i), capacity=self.nic_rate(groups[i]))
+        for j in dec:
+            g.add_edge(("d", j), sink, capacity=self.evaluate(groups[j]).decode.rate)
+            g.add_edge(("dn", j), ("d", j), capacity=self.nic_rate(groups[j]))
+        for i in pre:
+            for j in dec:
+                near = self._same_node(groups[i], groups[j])
+                g.add_edge(("p", i) if near else ("pn", i), ("d", j) if near else ("dn", j),
+                           capacity=self.route_rate(groups[i], groups[j]))
         residual = preflow_push(g, src, sink)
-        routes = {(i, j): residual[("p", i)][("d", j)]["flow"] for i in pre for j in dec
-                  if residual[("p", i)][("d", j)]["flow"] > 1e-12}
+        routes = {}
+        for i in pre:
+            for j in dec:
+                u, v = (("p", i), ("d", j)) if self._same_node(groups[i], groups[j]) else (("pn", i), ("dn", j))
+                if residual[u][v]["flow"] > 1e-12:
+                    routes[(i, j)] = residual[u][v]["flow"]
         return FlowResult(residual.graph["flow_value"], routes)
 
     def flow_value(self, groups: Sequence[Sequence[int]], phases: Sequence[str]) -> float:
-        """Max-flow value. If every route carries at least min(its two end capacities), the min cut
-        is min(sum prefill, sum decode) (any cut through routes costs at least that much), so the
-        solver is skipped; otherwise preflow-push runs."""
+        """Max-flow value. If every route carries at least min(its two end capacities) and every
+        group's NICs carry at least its own capacity, the min cut is min(sum prefill, sum decode)
+        (any cut through routes or NICs costs at least that much), so the solver is skipped;
+        otherwise preflow-push runs."""
         pcap = [(len(groups[i]), self.evaluate(groups[i]).prefill.rate)
                 for i, ph in enumerate(phases) if ph == PREFILL]
         dcap = [(len(groups[j]), self.evaluate(groups[j]).decode.rate)
@@ -114,6 +140,9 @@ class Evaluator:
         bound = min(sum(c for _, c in pcap), sum(c for _, c in dcap))
         # Slowest possible route between groups of sizes a and b: the worst link times min(a, b) lanes.
         per_lane = self._worst_link * GB * self.eff.link / (self.model.kv_bytes_per_token() * self.input_len)
-        if all(per_lane * min(si, sj) >= min(ci, cj) for si, ci in pcap for sj, cj in dcap):
+        nic_lane = self.cluster.spec.inter_node_gbps * GB * self.eff.link / (
+            self.model.kv_bytes_per_token() * self.input_len)
+        nics_wide = len(self.cluster.spec.nodes) == 1 or all(nic_lane * s >= c for s, c in pcap + dcap)
+        if nics_wide and all(per_lane * min(si, sj) >= min(ci, cj) for si, ci in pcap for sj, cj in dcap):
             return bound
         return self.max_flow(groups, phases).value

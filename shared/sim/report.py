@@ -41,6 +41,7 @@ def summarize(r: SimResult, slo: Slo) -> dict:
         "mean_prefill_util": float(np.mean(r.prefill_util)) if r.prefill_util else 0.0,
         "mean_decode_kv_util": float(np.mean(r.decode_kv_util)) if r.decode_kv_util else 0.0,
         "role_flips": r.flips,
+        "rejections": dict(r.rejections),
         "cost_usd": cost,
         "cost_per_million_output_tokens": cost / out_tokens * 1e6 if out_tokens else float("inf"),
         "num_events": r.num_events,

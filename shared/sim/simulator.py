@@ -38,7 +38,10 @@ PREFILL_FREE, PREFILL_DONE, KV_ARRIVED, DECODE_FINISH, TICK = range(5)
 
 @dataclass(frozen=True)
 class SimConfig:
-    disagg: DisaggConfig = DisaggConfig()
+    # The planner sizes the pools for full disaggregation, so by default every prompt goes to the
+    # prefill pool unless its queue is long; prefilling short prompts on the decode worker is
+    # opt-in (it takes decode time the plan did not budget for).
+    disagg: DisaggConfig = DisaggConfig(max_local_prefill_tokens=0)
     routing: RoutingWeights = RoutingWeights()
     admission: AdmissionConfig | None = None      # None: the workload's TTFT SLO, default tiers
     autoscale: AutoscaleConfig | None = None      # None: roles stay as planned
@@ -62,6 +65,7 @@ class SimResult:
     num_prefill: list[int] = field(default_factory=list)
     num_decode: list[int] = field(default_factory=list)
     flips: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)   # by cause
     price_per_hour: float = 0.0
     num_events: int = 0
 
@@ -103,13 +107,19 @@ class Simulator:
         self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
         self._routes: dict[tuple[int, int], float] = {}
         self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0, "busy": 0.0}
-        # Planned per-worker capacity in tokens/s (within SLO), for admission and autoscaling.
+        # Planned per-worker capacity in tokens/s (within SLO), for autoscaling; and the prefill
+        # drain rate when busy (no SLO headroom), for admission's TTFT prediction.
         self.cap_tps = {w.index: (ev.evaluate(w.group).prefill.rate * ev.input_len,
                                   ev.evaluate(w.group).decode.rate * ev.output_len) for w in self.workers}
+        self.drain_tps = {w.index: ev.input_len / w.prefill_times(int(ev.input_len))[1]
+                          for w in self.workers if w.prefill_par}
 
     def _pool_capacity_tps(self, role: str) -> float:
         k = 0 if role == PREFILL else 1
         return sum(self.cap_tps[w.index][k] for w in self.workers if w.role == role and not w.draining)
+
+    def _prefill_drain_tps(self) -> float:
+        return sum(self.drain_tps[w.index] for w in self.workers if w.role == PREFILL and not w.draining)
 
     # --- event plumbing --------------------------------------------------------------------
     def push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -172,21 +182,23 @@ class Simulator:
         choice = choose_worker(RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
                                             self.num_waiting, self.eligible), self.cfg.routing)
         if choice.worker is None:
-            return self._reject(i)
+            return self._reject(i, "no decode worker under its queue limit")
         w = self.workers[choice.worker]
         cached = min(choice.overlap_blocks * self.block_size, inp - 1)
         remote = decide_prefill(DisaggInput(self.now, inp, cached, len(self.prefill_queue),
                                             bool(self.idle_prefill) or self._num_role(PREFILL) > 0),
                                 self.cfg.disagg).remote
         if remote:
-            queued, rate = self.queued_tokens, self._pool_capacity_tps(PREFILL)
+            queued, rate = self.queued_tokens, self._prefill_drain_tps()
         else:
             queued, rate = 0.0, (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
+        backlog = max(w.ingress_free - self.now, 0.0) if remote else 0.0   # KV transfers queued at w
         decision = admit(AdmissionInput(self.now, self.cfg.tier, inp, cached, queued, rate,
                                         len(self.prefill_queue) if remote else len(w.waiting),
+                                        transfer_s=backlog,
                                         decode_wait_s=self._memory_wait_s(w, inp + self.out[i])), self.admission)
         if not decision.admitted:
-            return self._reject(i)
+            return self._reject(i, "predicted TTFT over budget" if decision.retry_after_s else decision.reason)
         self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
         self._window["prefill_tokens"] += inp - cached
         self._window["decode_tokens"] += self.out[i]
@@ -204,7 +216,8 @@ class Simulator:
         batch = len(w.finish_heap)
         return (len(w.waiting) + 1) * self.ev.output_len * w.step_time / batch
 
-    def _reject(self, i: int) -> None:
+    def _reject(self, i: int, cause: str) -> None:
+        self.res.rejections[cause] = self.res.rejections.get(cause, 0) + 1
         self.rejected[i] = True
         self.pending -= 1
 
@@ -243,14 +256,23 @@ class Simulator:
             self._dispatch()
 
     def _prefill_done(self, i: int, p_index: int) -> None:
+        """Ship the KV. Between nodes a transfer occupies the prefill group's NICs and the decode
+        group's NICs (each at its aggregate bandwidth; transfers queue on both), and arrives after
+        the route's transfer time; within a node it uses the node's links without queueing."""
         self.queued_tokens -= self.uncached[i]
-        d = self.workers[self.dest[i]]
+        p, d = self.workers[p_index], self.workers[self.dest[i]]
         key = (p_index, d.index)
         if key not in self._routes:
-            self._routes[key] = self.ev.cluster.route_gbps(self.workers[p_index].group, d.group)
-        xfer = kv_transfer_s(self.ev.model, self.uncached[i], self._routes[key], self.ev.eff)
-        start = max(self.now, d.ingress_free)
-        d.ingress_free = start + xfer
+            near = {self.ev.cluster.devices[x].node for x in p.group + d.group}
+            self._routes[key] = (self.ev.cluster.route_gbps(p.group, d.group), len(near) == 1)
+        gbps, same_node = self._routes[key]
+        xfer = kv_transfer_s(self.ev.model, self.uncached[i], gbps, self.ev.eff)
+        start = self.now
+        if not same_node:
+            nic = self.ev.cluster.spec.inter_node_gbps
+            start = max(self.now, p.egress_free, d.ingress_free)
+            p.egress_free = start + kv_transfer_s(self.ev.model, self.uncached[i], nic * len(p.group), self.ev.eff)
+            d.ingress_free = start + kv_transfer_s(self.ev.model, self.uncached[i], nic * len(d.group), self.ev.eff)
         self.push(start + xfer, KV_ARRIVED, i, d.index)
 
     # --- decode pool -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ PREFILL, DECODE = "prefill", "decode"
 class Worker:
     __slots__ = ("index", "name", "role", "group", "hw", "prefill_par", "decode_par", "kv_capacity",
                  "kv_used", "finish_heap", "steps_done", "last_t", "stall_until", "step_time", "version",
-                 "sum_ctx", "waiting", "ingress_free", "cache", "cache_blocks", "draining", "busy_s",
+                 "sum_ctx", "waiting", "ingress_free", "egress_free", "cache", "cache_blocks", "draining", "busy_s",
                  "_model", "_eff")
 
     def __init__(self, index: int, name: str, role: str, group: list[int], hw: GroupHardware,
@@ -42,7 +42,8 @@ class Worker:
         self.version = 0            # bumps on every reschedule; stale finish events are ignored
         self.sum_ctx = 0.0
         self.waiting: deque[int] = deque()                 # admitted, waiting for KV memory
-        self.ingress_free = 0.0     # KV transfers into this worker are serialised on its link
+        self.ingress_free = 0.0     # inter-node KV transfers queue on this worker's NICs, inbound
+        self.egress_free = 0.0      # ... and outbound
         self.cache: OrderedDict[int, None] = OrderedDict()  # prefix-cache block hashes, LRU order
         self.cache_blocks = int(self.kv_capacity // cache_block_size)
         self.draining = False

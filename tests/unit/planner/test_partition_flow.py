@@ -71,3 +71,18 @@ def test_flow_value_shortcut_matches_preflow_push(inter):
         groups = [[0], [1], [2, 3], [4], [5]]
         phases = [rng.choice([PREFILL, DECODE]) for _ in groups]
         assert ev.flow_value(groups, phases) == pytest.approx(ev.max_flow(groups, phases).value)
+
+
+def test_a_groups_nics_are_shared_by_all_its_inter_node_routes():
+    # One prefill GPU on one node feeding four decode GPUs on another: four 1-lane routes, but all
+    # of them leave through the same single NIC.
+    ev = _ev(("h100", 1), ("h100", 4), inter=1.0)
+    groups, phases = [[0], [1], [2], [3], [4]], [PREFILL, DECODE, DECODE, DECODE, DECODE]
+    assert 4 * ev.route_rate([0], [1]) < ev.evaluate([0]).prefill.rate   # routes alone would allow 4 lanes
+    result = ev.max_flow(groups, phases)
+    assert result.value == pytest.approx(ev.nic_rate([0]))
+    assert ev.flow_value(groups, phases) == pytest.approx(result.value)
+    # on one node the same KV moves over the node's links, not the NICs
+    local = _ev(("h100", 5), inter=1.0)
+    assert local.max_flow(groups, phases).value == pytest.approx(
+        min(local.evaluate([0]).prefill.rate, 4 * local.evaluate([1]).decode.rate))

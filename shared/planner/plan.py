@@ -31,7 +31,7 @@ class WorkerPlan(_Out):
     pp: int
     capacity_rps: float           # within SLO
     assigned_rps: float           # at the offered rate
-    latency_s: float              # prefill latency of a mean prompt, or decode step time at load
+    latency_s: float              # at load: prefill latency + queueing of a mean prompt, or decode step
     batch: float = 0.0            # mean decode batch at load
     price_per_hour: float
 
@@ -57,10 +57,10 @@ class Plan(_Out):
     capacity_rps: float           # max-flow: the most the plan serves within SLO
     throughput_rps: float         # min(offered rate, capacity)
     output_tokens_per_s: float
-    predicted_ttft_s: float       # flow-weighted mean over prefill workers, at the offered rate
-    predicted_tpot_s: float
+    predicted_ttft_s: float | None   # flow-weighted mean, at the offered rate (None: serves nothing)
+    predicted_tpot_s: float | None
     cost_per_hour: float          # every GPU of the cluster, used or not
-    cost_per_million_output_tokens: float
+    cost_per_million_output_tokens: float | None
     planning_time_s: float
     search_history: list[str]
 
@@ -77,10 +77,15 @@ class Plan(_Out):
             + (" ..." if len(self.routes) > 12 else ""))
         lines.append(f"capacity {self.capacity_rps:.2f} req/s within SLO; serving {self.throughput_rps:.2f} "
                      f"of {self.request_rate:.2f} offered ({self.output_tokens_per_s:,.0f} output tok/s)")
-        lines.append(f"predicted TTFT {self.predicted_ttft_s * 1e3:.0f} ms (SLO {self.slo.ttft_s * 1e3:.0f}), "
-                     f"TPOT {self.predicted_tpot_s * 1e3:.1f} ms (SLO {self.slo.tpot_s * 1e3:.0f})")
-        lines.append(f"cost ${self.cost_per_hour:.2f}/h, ${self.cost_per_million_output_tokens:.3f} per 1M output "
-                     f"tokens; planned in {self.planning_time_s:.2f} s")
+        if self.predicted_ttft_s is None or self.predicted_tpot_s is None:
+            lines.append("nothing can be served within the SLOs on this cluster")
+        else:
+            lines.append(f"predicted TTFT {self.predicted_ttft_s * 1e3:.0f} ms (SLO {self.slo.ttft_s * 1e3:.0f}), "
+                         f"TPOT {self.predicted_tpot_s * 1e3:.1f} ms (SLO {self.slo.tpot_s * 1e3:.0f})")
+        per_token = ("n/a" if self.cost_per_million_output_tokens is None
+                     else f"${self.cost_per_million_output_tokens:.3f}")
+        lines.append(f"cost ${self.cost_per_hour:.2f}/h, {per_token} per 1M output tokens; "
+                     f"planned in {self.planning_time_s:.2f} s")
         return "\n".join(lines)
 
 
@@ -93,59 +98,61 @@ def _decode_at_load(ev: Evaluator, group: list[int], par, rate: float, cap_batch
     return batch, decode_step_s(ev.model, hw, par, ev.eff, batch, ctx)
 
 
+def _worker_names(phases: list[str]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for kind in (PREFILL, DECODE, IDLE):
+        for i, ph in enumerate(phases):
+            if ph == kind:
+                names[i] = f"{kind}-{sum(1 for n in names.values() if n.startswith(kind))}"
+    return names
+
+
+def _worker(ev: Evaluator, group: list[int], phase: str, name: str, load: float) -> WorkerPlan:
+    """One worker's entry, with its latency at ``load``: prefill latency of a mean prompt plus
+    M/D/1 queueing, or the decode step time at the Little's-law batch."""
+    e, hw = ev.evaluate(group), ev.cluster.hardware(group)
+    par = e.prefill_par if phase == PREFILL else e.decode_par
+    latency, batch = 0.0, 0.0
+    if phase == PREFILL:
+        mu = 1.0 / prefill_service_s(ev.model, hw, par, ev.eff, ev.input_len)
+        rho = min(load / mu, 0.999)
+        latency = e.prefill.latency_s + rho / (2 * mu * (1 - rho))
+    elif phase == DECODE:
+        batch, latency = _decode_at_load(ev, group, par, load, e.decode.batch)
+    slowest = min({ev.cluster.devices[d].gpu_type for d in group}, key=lambda t: ev.cluster.gpu_type(t).tflops_bf16)
+    return WorkerPlan(worker_id=name, role=phase, gpu_type=slowest,
+                      gpus=[ev.cluster.devices[d].label(ev.cluster.spec) for d in group],
+                      tp=par.tp if par else 1, pp=par.pp if par else len(group), capacity_rps=e.rate(phase),
+                      assigned_rps=load, latency_s=latency, batch=batch, price_per_hour=hw.price_per_hour)
+
+
 def build_plan(ev: Evaluator, state: State, planning_time_s: float) -> Plan:
     # A group labelled with a phase it cannot serve (zero capacity) is idle in the output.
     phases = [ph if ev.evaluate(g).rate(ph) > 0 else IDLE for g, ph in zip(state.groups, state.phases)]
-    state = State(state.groups, phases, state.value, state.history)
-    flow = ev.max_flow(state.groups, state.phases)
-    capacity = flow.value
-    served = min(ev.workload.request_rate, capacity)
-    scale = served / capacity if capacity > 0 else 0.0
-    names = {}
-    for kind in (PREFILL, DECODE, IDLE):
-        for i, ph in enumerate(state.phases):
-            if ph == kind:
-                names[i] = f"{kind}-{sum(1 for n in names.values() if n.startswith(kind))}"
+    flow = ev.max_flow(state.groups, phases)
+    served = min(ev.workload.request_rate, flow.value)
+    scale = served / flow.value if flow.value > 0 else 0.0   # routes carry the offered load
+    names = _worker_names(phases)
     load = {i: 0.0 for i in range(len(state.groups))}
-    routes, ttft_num = [], 0.0
+    routes = []
     for (i, j), rate in sorted(flow.routes.items()):
         load[i] += rate * scale
         load[j] += rate * scale
         gbps = ev.cluster.route_gbps(state.groups[i], state.groups[j])
-        xfer = kv_transfer_s(ev.model, ev.input_len, gbps, ev.eff)
         routes.append(RoutePlan(prefill_worker=names[i], decode_worker=names[j], rate_rps=rate * scale,
-                                route_gbps=gbps, transfer_s=xfer))
-        ttft_num += rate * scale * xfer
-    workers, tpot_num = [], 0.0
-    for i in sorted(names, key=lambda k: names[k]):
-        group, phase, e = state.groups[i], state.phases[i], ev.evaluate(state.groups[i])
-        par = e.prefill_par if phase == PREFILL else e.decode_par
-        hw = ev.cluster.hardware(group)
-        latency, batch = 0.0, 0.0
-        if phase == PREFILL:
-            mu = 1.0 / prefill_service_s(ev.model, hw, par, ev.eff, ev.input_len)
-            rho = min(load[i] / mu, 0.999)
-            latency = e.prefill.latency_s
-            ttft_num += load[i] * (latency + rho / (2 * mu * (1 - rho)))
-        elif phase == DECODE:
-            batch, latency = _decode_at_load(ev, group, par, load[i], e.decode.batch)
-            tpot_num += load[i] * latency
-        workers.append(WorkerPlan(
-            worker_id=names[i], role=phase, gpu_type=min(
-                {ev.cluster.devices[d].gpu_type for d in group},
-                key=lambda t: ev.cluster.gpu_type(t).tflops_bf16),
-            gpus=[ev.cluster.devices[d].label(ev.cluster.spec) for d in group],
-            tp=par.tp if par else 1, pp=par.pp if par else len(group), capacity_rps=e.rate(phase),
-            assigned_rps=load[i], latency_s=latency, batch=batch, price_per_hour=hw.price_per_hour))
-    cost = ev.cluster.spec.price_per_hour()
-    out_tps = served * ev.output_len
+                                route_gbps=gbps, transfer_s=kv_transfer_s(ev.model, ev.input_len, gbps, ev.eff)))
+    workers = [_worker(ev, state.groups[i], phases[i], names[i], load[i]) for i in sorted(names, key=names.get)]
+    ttft = sum(r.rate_rps * r.transfer_s for r in routes) + sum(
+        w.assigned_rps * w.latency_s for w in workers if w.role == PREFILL)
+    tpot = sum(w.assigned_rps * w.latency_s for w in workers if w.role == DECODE)
+    cost, out_tps = ev.cluster.spec.price_per_hour(), served * ev.output_len
     return Plan(
         model=ev.model.name, num_gpus=len(ev.cluster), request_rate=ev.workload.request_rate,
         mean_input_len=ev.input_len, mean_output_len=ev.output_len, slo=ev.workload.slo,
-        workers=workers, routes=routes, capacity_rps=capacity, throughput_rps=served,
-        output_tokens_per_s=out_tps, predicted_ttft_s=ttft_num / served if served else float("inf"),
-        predicted_tpot_s=tpot_num / served if served else float("inf"), cost_per_hour=cost,
-        cost_per_million_output_tokens=cost / (out_tps * 3600) * 1e6 if out_tps else float("inf"),
+        workers=workers, routes=routes, capacity_rps=flow.value, throughput_rps=served,
+        output_tokens_per_s=out_tps, predicted_ttft_s=ttft / served if served else None,
+        predicted_tpot_s=tpot / served if served else None, cost_per_hour=cost,
+        cost_per_million_output_tokens=cost / (out_tps * 3600) * 1e6 if out_tps else None,
         planning_time_s=planning_time_s, search_history=state.history)
 
 

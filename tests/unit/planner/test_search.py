@@ -66,3 +66,5 @@ def test_nothing_fits_gives_an_empty_plan():
     assert state.value == 0
     plan = build_plan(ev, state, 0.0)
     assert plan.capacity_rps == 0 and all(w.role == "idle" for w in plan.workers)
+    assert plan.predicted_ttft_s is None and Plan.model_validate_json(plan.model_dump_json()) == plan
+    assert "nothing can be served" in plan.table()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_gather import gather_kv_blocks, scatter_kv_blocks
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks
 from shared.engine.errors import InvalidRequestError
 from shared.engine.request import Request, SamplingParams
@@ -199,7 +200,7 @@ class LLMEngine:
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Gather blocks into one contiguous slab ``[n, num_layers, 2, block_size, Hkv, D]``."""
-        return _kv_gather(self.device)(self.kv_cache, block_ids)
+        return gather_kv_blocks(self.kv_cache, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], slab: torch.Tensor) -> None:
         """Scatter a slab from ``read_kv_blocks`` (possibly another engine's) into ``block_ids``.
@@ -207,7 +208,7 @@ class LLMEngine:
         expected = (len(block_ids), *self.kv_cache.shape[1:])
         if tuple(slab.shape) != expected:
             raise ValueError(f"KV slab shape {tuple(slab.shape)} does not match {expected}")
-        _kv_scatter(self.device)(slab.to(self.device), self.kv_cache, block_ids)
+        scatter_kv_blocks(slab.to(self.device), self.kv_cache, block_ids)
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -223,22 +224,6 @@ class LLMEngine:
                 if o.request_id in outputs:
                     outputs[o.request_id].extend(o.new_token_ids)
         return [outputs[rid] for rid in ids]
-
-
-def _kv_gather(device: torch.device):
-    if device.type == "cuda":
-        from kernels.kv_gather_triton import gather_kv_blocks_triton
-        return gather_kv_blocks_triton
-    from kernels.kv_gather import gather_kv_blocks_ref
-    return gather_kv_blocks_ref
-
-
-def _kv_scatter(device: torch.device):
-    if device.type == "cuda":
-        from kernels.kv_gather_triton import scatter_kv_blocks_triton
-        return scatter_kv_blocks_triton
-    from kernels.kv_gather import scatter_kv_blocks_ref
-    return scatter_kv_blocks_ref
 
 
 def warmup(engine: LLMEngine, num_tokens: int = 64) -> None:

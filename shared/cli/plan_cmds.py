@@ -26,6 +26,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-s", type=float, default=None, help="override the TPOT SLO (seconds)")
     p.add_argument("--compute-eff", type=float, default=None, help="cost model: achieved fraction of FLOP/s")
     p.add_argument("--hbm-eff", type=float, default=None, help="cost model: achieved fraction of HBM bandwidth")
+    p.add_argument("--calibration", metavar="YAML", default=_env("PLAN_CALIBRATION"),
+                   help="measured prefill/decode step times to fit the cost model's efficiencies "
+                        "[env TANDEM_PLAN_CALIBRATION]")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -67,8 +70,9 @@ def _inputs(args):
     from dataclasses import replace
 
     from shared.cli.main import CliError
-    from shared.planner.config import ConfigError, Slo, load_cluster, load_model, load_workload
-    from shared.planner.costmodel import Efficiency
+    from shared.planner.config import (ConfigError, Slo, load_calibration, load_cluster, load_model,
+                                       load_workload)
+    from shared.planner.costmodel import DecodeSample, Efficiency, PrefillSample, calibrate
 
     if not args.model:
         raise CliError("--model is required (a preset name or a model YAML; or set TANDEM_PLAN_MODEL)")
@@ -82,6 +86,15 @@ def _inputs(args):
         slo = Slo(ttft_s=args.ttft_s or workload.slo.ttft_s, tpot_s=args.tpot_s or workload.slo.tpot_s)
         workload = workload.model_copy(update={"slo": slo})
     eff = Efficiency()
+    if args.calibration:
+        try:
+            cal = load_calibration(args.calibration)
+            eff = calibrate(load_model(cal.model), cal.gpu,
+                            [PrefillSample(m.num_tokens, m.seconds) for m in cal.prefill],
+                            [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode])
+        except ConfigError as exc:
+            raise CliError(str(exc)) from exc
+        print(f"calibrated: compute efficiency {eff.compute:.3f}, HBM efficiency {eff.hbm:.3f}")
     for flag, field in ((args.compute_eff, "compute"), (args.hbm_eff, "hbm")):
         if flag is not None:
             if not 0 < flag <= 1:

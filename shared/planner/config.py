@@ -155,6 +155,27 @@ def preset_workload(name: str, request_rate: float = 10.0, slo: Slo | None = Non
     raise ValueError(f"unknown workload preset {name!r}; presets: {sorted(_CLASS_LENGTHS) + ['mixed']}")
 
 
+class PrefillMeasurement(_Strict):
+    num_tokens: int = Field(ge=1)
+    seconds: float = Field(gt=0)
+
+
+class DecodeMeasurement(_Strict):
+    batch: int = Field(ge=1)
+    context_len: int = Field(ge=1)
+    seconds: float = Field(gt=0)
+
+
+class CalibrationSpec(_Strict):
+    """Measured step times of ``model`` on one ``gpu`` (e.g. the engine on this machine); the cost
+    model's compute and HBM efficiencies are fitted to them (costmodel.calibrate)."""
+
+    model: str
+    gpu: GpuType
+    prefill: list[PrefillMeasurement] = Field(default_factory=list)
+    decode: list[DecodeMeasurement] = Field(default_factory=list)
+
+
 class ConfigError(ValueError):
     """A config file is missing, unreadable or invalid; the message is one line naming the file."""
 
@@ -206,3 +227,7 @@ def load_workload(name_or_path: str, request_rate: float | None = None) -> Workl
     data = _load_yaml(name_or_path)
     spec = _validate(WorkloadSpec, data.get("workload", data), name_or_path)
     return spec.model_copy(update={"request_rate": request_rate}) if request_rate else spec
+
+
+def load_calibration(path: str | Path) -> CalibrationSpec:
+    return _validate(CalibrationSpec, _load_yaml(path), str(path))

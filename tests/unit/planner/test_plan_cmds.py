@@ -56,3 +56,14 @@ def test_simulate_writes_summary_and_png(tmp_path, capsys):
     assert summary["num_requests"] == 500 and 0 <= summary["slo_attainment"] <= 1
     assert (tmp_path / "utilisation.png").stat().st_size > 1000
     assert "goodput" in capsys.readouterr().out
+
+
+def test_calibration_file_sets_the_efficiencies(capsys, tmp_path):
+    assert run("plan", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b",
+               "--calibration", EXAMPLES / "calibration-example.yaml") == 0
+    assert "calibrated: compute efficiency 0.4" in capsys.readouterr().out
+    bad = tmp_path / "cal.yaml"
+    bad.write_text("model: llama-2-7b\ngpu: {tflops_bf16: 1, hbm_gib: 1, hbm_gbps: 1, price_per_hour: 0}\n"
+                   "prefill: [{num_tokens: 0, seconds: 1}]\n")
+    with pytest.raises(CliError, match=r"prefill.0.num_tokens"):
+        run("plan", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--calibration", bad)

@@ -65,6 +65,9 @@ class AdmissionService:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "
                                 f"{self._settings.max_waiting_per_worker}+ queued requests")
+        log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; overlaps %s; loads %s)", request.request_id,
+                  choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks, overlaps,
+                  [w.load_view() for w in workers])
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time())
         info = self.view.get(choice.worker_id).info
         return AdmissionDecision(request_id=request.request_id, is_admitted=True,

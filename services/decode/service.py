@@ -48,9 +48,6 @@ class DecodeWorker:
         self._itl = RecentMean(10.0)
         self.num_requests_total = 0
         self.num_requests_aborted = 0
-        # Set when a request finishes: admission counts what it admitted on top of the last report
-        # until a newer one arrives, so an early report keeps it from counting finished work.
-        self._load_changed = asyncio.Event()
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()
@@ -110,14 +107,16 @@ class DecodeWorker:
                 last = now
                 if out.finish_reason == "abort":
                     self.num_requests_aborted += 1
+                if out.finish_reason is not None:
+                    # Admission counts what it admitted on top of the last report until a newer
+                    # one arrives: report the freed capacity before the caller can send more.
+                    await self._publish_load()
                 yield token_chunk(out, index, self.worker_id)
                 index += 1
         except InvalidRequestError as exc:
             raise ServiceError("bad_request", str(exc), getattr(exc, "field", None)) from None
         except (EngineError, ValueError) as exc:
             raise ServiceError("rejected", str(exc)) from None
-        finally:
-            self._load_changed.set()
         log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
 
     async def cancel(self, request: CancelRequest) -> None:
@@ -143,20 +142,17 @@ class DecodeWorker:
             num_prompt_tokens_total=stats.num_prompt_tokens,
             num_generated_tokens_total=stats.num_generated_tokens)
 
-    async def publish_load_forever(self, min_interval_s: float = 0.05) -> None:
-        """Every ``load_interval_s``, and soon after a request finishes (at most every 50 ms)."""
-        endpoint = self._subjects.load("decode", self.worker_id)
+    async def _publish_load(self) -> None:
+        try:
+            await self._bus.publish(self._subjects.load("decode", self.worker_id), self.load())
+        except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
+            log.warning("load report failed: %s", exc)
+
+    async def publish_load_forever(self) -> None:
+        """Every ``load_interval_s`` (and ``generate`` reports whenever a request finishes)."""
         while True:
-            try:
-                await self._bus.publish(endpoint, self.load())
-            except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
-                log.warning("load report failed: %s", exc)
-            await asyncio.sleep(min_interval_s)
-            try:
-                await asyncio.wait_for(self._load_changed.wait(), self._settings.load_interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._load_changed.clear()
+            await self._publish_load()
+            await asyncio.sleep(self._settings.load_interval_s)
 
     async def publish_kv_events_forever(self) -> None:
         endpoint = self._subjects.kv_events(self.worker_id)

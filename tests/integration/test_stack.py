@@ -38,7 +38,8 @@ def stack(nats_server, redis_server, tmp_path_factory):
                      namespace=f"s{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
                      redis_url=redis_server.url, registry_ttl_s=TTL_S,
                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
-                                   "device": "cpu", "num_warmup_requests": 2, "drain_timeout_s": 60})
+                                   "device": "cpu", "num_warmup_requests": 2, "drain_timeout_s": 60},
+                     admission_flags={"log_level": "DEBUG"})
     s = Stack(spec, on_line=lambda name, line: lines.append(f"{name}| {line}"))
     s.lines = lines
     try:

@@ -8,13 +8,15 @@ path blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine import EngineOutput, EngineStats, LLMEngine
+from shared.engine.engine import EngineOutput, EngineStats, LLMEngine, RemotePrefillSlot
 from shared.engine.errors import EngineDeadError
 from shared.engine.request import SamplingParams
 from shared.kvcache.events import KvEventSink
@@ -28,13 +30,22 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    keep_kv: bool = False
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` in the engine thread between steps; its result resolves ``future``."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cv = threading.Condition()
-        self._inbox: list[_Add | str] = []  # adds, and request ids to abort
+        self._inbox: list[_Add | _Call | str] = []  # adds, calls, and request ids to abort
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._dead: BaseException | None = None
@@ -75,17 +86,55 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[EngineOutput]:
+                       priority: int = 0, *, keep_kv: bool = False) -> AsyncIterator[EngineOutput]:
         """Yield one EngineOutput per generated token; the last has ``finish_reason`` set.
-        Invalid input raises before anything is queued; leaving the loop early aborts the request."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped: {self._dead}")
+        Invalid input raises before anything is queued; leaving the loop early aborts the request.
+        ``keep_kv`` holds the finished request's blocks until ``release_kv`` (prefill side)."""
+        self._check_alive()
         self.engine.validate(prompt_token_ids, params)
-        if request_id in self._streams:
-            raise ValueError(f"duplicate request_id {request_id!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._post(_Add(request_id, list(prompt_token_ids), params, priority))
+        self._open_stream(request_id)
+        self._post(_Add(request_id, list(prompt_token_ids), params, priority, keep_kv))
+        async for out in self.stream(request_id):
+            yield out
+
+    async def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
+                                     params: SamplingParams, priority: int = 0) -> RemotePrefillSlot | None:
+        """Decode side of remote prefill: reserve the prompt's blocks (see LLMEngine). On a slot,
+        read the request's tokens with ``stream(request_id)`` after ``finish_remote_prefill``."""
+        self._check_alive()
+        self.engine.validate(prompt_token_ids, params)
+        self._open_stream(request_id)
+        try:
+            slot = await self.call(lambda e: e.reserve_remote_prefill(
+                request_id, list(prompt_token_ids), params, priority))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        if slot is None:
+            self._streams.pop(request_id, None)
+        return slot
+
+    def finish_remote_prefill(self, request_id: str, kv_written: bool) -> None:
+        """The transfer into a reserved request's blocks completed (``kv_written``) or was given up
+        on (prefill locally). Safe to call for an aborted or unknown request."""
+        self._post(_Call(lambda e: self._deliver(
+            [o] if (o := e.finish_remote_prefill(request_id, kv_written)) else []),
+            concurrent.futures.Future()))
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the blocks a finished ``keep_kv`` request holds."""
+        self._post(_Call(lambda e: e.release_kv(request_id), concurrent.futures.Future()))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread between two steps and return its result."""
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
+        """The outputs of a request whose stream is open (``generate`` / ``reserve_remote_prefill``)."""
+        queue = self._streams[request_id][1]
         finished = False
         try:
             while True:
@@ -101,6 +150,15 @@ class AsyncEngine:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+
+    def _open_stream(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (idempotent; unknown ids are ignored)."""
         self._post(request_id)
@@ -111,7 +169,7 @@ class AsyncEngine:
             self._cv.notify()
         self._thread.join(timeout)
 
-    def _post(self, item: _Add | str) -> None:
+    def _post(self, item: _Add | _Call | str) -> None:
         with self._cv:
             self._inbox.append(item)
             self._cv.notify()
@@ -137,18 +195,24 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._deliver_one(rid, err)
 
-    def _apply(self, inbox: list[_Add | str]) -> list[EngineOutput]:
+    def _apply(self, inbox: list[_Add | _Call | str]) -> list[EngineOutput]:
         outputs = []
         for item in inbox:
             if isinstance(item, str):
                 out = self.engine.abort_request(item)
                 if out is not None:
                     outputs.append(out)
-                continue
-            try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority)
-            except Exception as exc:  # validated by the caller already; report rather than crash
-                self._deliver_one(item.request_id, exc)
+            elif isinstance(item, _Call):
+                try:
+                    item.future.set_result(item.fn(self.engine))
+                except Exception as exc:
+                    item.future.set_exception(exc)
+            else:
+                try:
+                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
+                                            item.priority, keep_kv=item.keep_kv)
+                except Exception as exc:  # validated by the caller already; report rather than crash
+                    self._deliver_one(item.request_id, exc)
         return outputs
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:

@@ -44,6 +44,20 @@ class EngineOutput:
 
 
 @dataclass(frozen=True)
+class RemotePrefillSlot:
+    """Where a prefill worker writes a prompt's KV: the request's blocks, of which the first
+    ``num_cached_tokens // block_size`` already hold the locally cached prefix."""
+
+    block_ids: list[int]
+    num_cached_tokens: int
+    block_size: int
+
+    @property
+    def uncached_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_cached_tokens // self.block_size:]
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -56,6 +70,8 @@ class EngineStats:
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
     num_generated_tokens: int
+    num_remote_pending: int = 0  # reserved for remote prefill, KV not yet in place
+    num_held: int = 0  # finished keep_kv requests whose blocks a transfer still reads
 
 
 class LLMEngine:
@@ -129,10 +145,37 @@ class LLMEngine:
         self.scheduler.check_fits(len(prompt_token_ids))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, *, keep_kv: bool = False) -> None:
+        """Queue a request. ``keep_kv``: when it finishes, hold its blocks (``request_block_ids``
+        stays valid) until ``release_kv`` — the prefill side of a KV transfer."""
+        self.validate(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
+                          keep_kv=keep_kv)
+        self.scheduler.add_request(request)
+
+    def release_kv(self, request_id: str) -> bool:
+        return self.scheduler.release(request_id)
+
+    def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                               priority: int = 0) -> RemotePrefillSlot | None:
+        """Decode side of remote prefill: reserve blocks for the prompt (reusing the local prefix
+        cache) that a prefill worker will write. None when the pool cannot hold it now."""
         self.validate(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority)
-        self.scheduler.add_request(request)
+        reserved = self.scheduler.reserve_remote(request)
+        if reserved is None:
+            return None
+        block_ids, num_cached = reserved
+        return RemotePrefillSlot(block_ids, num_cached, self.block_size)
+
+    def finish_remote_prefill(self, request_id: str, kv_written: bool) -> EngineOutput | None:
+        """The transfer for a reserved request is over: with ``kv_written`` it joins the decode
+        batch, otherwise it prefills locally. An aborted request's blocks are freed (and its abort
+        output returned)."""
+        request = self.scheduler.finish_remote(request_id, kv_written)
+        if request is not None and request.status.is_finished:
+            return self._output(request, [], None)
+        return None
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)
@@ -142,6 +185,7 @@ class LLMEngine:
         return self._output(request, [], None)
 
     def has_unfinished_requests(self) -> bool:
+        """Requests that need steps (waiting or running; not those waiting for remote KV)."""
         return self.scheduler.has_unfinished
 
     # -- stepping -------------------------------------------------------------------------------
@@ -184,7 +228,8 @@ class LLMEngine:
             num_cached_blocks=pool.num_cached_blocks, max_num_seqs=self.config.max_num_seqs,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens, num_cached_prompt_tokens=self._num_cached_prompt_tokens,
-            num_generated_tokens=self._num_generated)
+            num_generated_tokens=self._num_generated, num_remote_pending=len(self.scheduler.remote),
+            num_held=len(self.scheduler.held))
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         self.events.add_sink(sink)

@@ -69,13 +69,14 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved; a prefill worker writes them
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV)
 
 
 _arrival_counter = itertools.count()
@@ -95,6 +96,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[int] = field(default_factory=list)
+    keep_kv: bool = False  # when finished, hold the blocks until released (a transfer reads them)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
 
     @property

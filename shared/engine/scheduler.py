@@ -64,6 +64,10 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
         self.requests: dict[str, Request] = {}
+        # decode side of remote prefill: blocks reserved, a prefill worker may be writing them
+        self.remote: dict[str, Request] = {}
+        # prefill side: finished with keep_kv, blocks held until a transfer has read them
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # -- intake ---------------------------------------------------------------------------------
@@ -89,8 +93,60 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if request_id in self.remote:
+            # a transfer may still be writing its blocks: they are freed by finish_remote
+            request.status = RequestStatus.FINISHED_ABORTED
+            del self.requests[request_id]
+            return request
         self._remove(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    # -- remote prefill -------------------------------------------------------------------------
+    def reserve_remote(self, request: Request) -> tuple[list[int], int] | None:
+        """Take a request whose prompt KV another worker will write: allocate blocks for the whole
+        prompt now, reusing the local cached prefix. Returns (block table, cached prompt tokens),
+        or None (nothing changed) when the pool cannot hold the prompt now."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        self.check_fits(request.num_prompt_tokens)
+        request.update_block_hashes(self.kv.block_size, self.namespace)
+        hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+        table = self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, hits)
+        if table is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = request.num_computed_tokens = num_hit
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return table, num_hit
+
+    def finish_remote(self, request_id: str, kv_written: bool) -> Request | None:
+        """The transfer into a reserved request's blocks is over (or given up on).
+
+        ``kv_written``: the prompt's KV is in place, so all prompt tokens but the last count as
+        computed (the last is recomputed for its logits); otherwise the request prefills locally
+        from its cached prefix. An aborted request's blocks are freed now. None if unknown."""
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            self.kv.free(request_id)
+            return request
+        if kv_written:
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+            # the received blocks are reusable (and announced) from now on, like computed ones
+            self.kv.cache_computed(request_id, request.all_token_ids, request.block_hashes,
+                                   request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+        return request
+
+    def release(self, request_id: str) -> bool:
+        """Free a finished keep_kv request's blocks (its cached ones stay in the prefix cache)."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
 
     @property
     def has_unfinished(self) -> bool:
@@ -179,6 +235,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        if request.keep_kv and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request.request_id)
         request.status = status
         self.requests.pop(request.request_id, None)

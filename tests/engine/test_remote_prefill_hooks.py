@@ -102,7 +102,8 @@ async def test_async_engine_reserve_write_finish_stream(make_engine, chat_prompt
     decode = AsyncEngine(make_engine())
     try:
         slot = await decode.reserve_remote_prefill("d", prompt, GREEDY)
-        assert decode.stats().num_remote_pending == 1 or slot is not None
+        assert slot is not None and slot.num_cached_tokens == 0
+        assert await decode.call(lambda e: e.stats().num_remote_pending) == 1
         await decode.call(lambda e: e.write_kv_blocks(slot.block_ids, slab))
         decode.finish_remote_prefill("d", kv_written=True)
         got = [t async for o in decode.stream("d") for t in o.new_token_ids]

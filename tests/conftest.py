@@ -8,9 +8,14 @@ start processes; deselect them with ``-m "not slow"``. Every test that uses ``sm
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# transformers (the reference implementation in some tests) must not look for a model hub:
+# every model here is a local file
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from shared.model.registry import DEFAULT_MODEL, resolve_model
 

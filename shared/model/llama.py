@@ -87,12 +87,12 @@ class LlamaLayer:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers_weights: list[dict]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_weights: list[dict]):
         self.cfg = cfg
         self.embed = weights["embed"]  # [V, hidden]
         self.norm = weights["norm"]
         self.lm_head = weights.get("lm_head", self.embed)
-        self.layers = [LlamaLayer(cfg, w) for w in num_layers_weights]
+        self.layers = [LlamaLayer(cfg, w) for w in layer_weights]
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
 
     @property

@@ -45,6 +45,10 @@ class SimConfig:
     routing: RoutingWeights = RoutingWeights()
     admission: AdmissionConfig | None = None      # None: the workload's TTFT SLO, default tiers
     autoscale: AutoscaleConfig | None = None      # None: roles stay as planned
+    # kv_routing weighs load in absolute KV blocks, as the admission service does. With decode
+    # workers of different sizes that sends as much work to a small worker as to a big one; with
+    # this on, the simulator reports load in blocks scaled to the mean worker size instead.
+    capacity_aware_routing: bool = False
     tier: str = "standard"
     num_ticks: int = 200                           # utilisation samples over the arrival span
 
@@ -104,6 +108,10 @@ class Simulator:
         self.active_blocks = np.zeros(len(self.workers))
         self.num_waiting = np.zeros(len(self.workers))
         self.eligible = np.array([w.role == DECODE for w in self.workers])
+        caps = np.array([w.kv_capacity for w in self.workers])
+        mean_cap = caps[self.eligible].mean() if self.eligible.any() else 1.0
+        self.load_scale = (mean_cap / np.maximum(caps, 1.0) if cfg.capacity_aware_routing
+                           else np.ones(len(self.workers))) / block_size
         self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
         self._routes: dict[tuple[int, int], float] = {}
         self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0, "busy": 0.0}
@@ -223,7 +231,7 @@ class Simulator:
 
     def _start(self, i: int, w: Worker) -> None:
         w.kv_used += self.inp[i] + self.out[i]
-        self.active_blocks[w.index] = w.kv_used / self.block_size
+        self.active_blocks[w.index] = w.kv_used * self.load_scale[w.index]
         if self.remote[i]:
             self.prefill_queue.append(i)
             self.queued_tokens += self.uncached[i]
@@ -310,7 +318,7 @@ class Simulator:
         self.finish[i] = self.now
         self.tpot[i] = (self.now - self.join_t[i]) / (self.out[i] - 1) if self.out[i] > 1 else 0.0
         d.kv_used -= self.inp[i] + self.out[i]
-        self.active_blocks[d.index] = d.kv_used / self.block_size
+        self.active_blocks[d.index] = d.kv_used * self.load_scale[d.index]
         self.pending -= 1
 
     def _admit_waiting(self, d: Worker) -> None:

@@ -102,3 +102,19 @@ def test_autoscaler_flips_roles_when_the_mix_changes(tmp_path):
     assert r.flips > 0 and r.num_decode[-1] > r.num_decode[0]
     plot_utilisation(r, tmp_path / "u.png")
     assert (tmp_path / "u.png").stat().st_size > 1000
+
+
+def test_capacity_aware_routing_spares_a_small_decode_worker():
+    # kv_routing weighs absolute KV blocks: a small decode worker gets as much as a big one, fills
+    # up, and requests routed to it wait for memory (admission then rejects them).
+    from planner_free_plan import hand_plan
+    spec, plan, model = hand_plan()
+    w = WorkloadSpec(request_rate=10.0, input_len=2048, output_len=512, length_cv=0.3,
+                     slo=Slo(ttft_s=3.0, tpot_s=0.1))
+    trace = poisson(w, 3000, seed=11)
+    ev = Evaluator(Cluster(spec), model, w)
+    blind = Simulator(ev, plan, SimConfig()).run(trace)
+    aware = Simulator(ev, plan, SimConfig(capacity_aware_routing=True)).run(trace)
+    assert blind.rejected.sum() > 300
+    assert aware.rejected.sum() < blind.rejected.sum() / 4
+    assert summarize(aware, w.slo)["goodput_rps"] > 1.3 * summarize(blind, w.slo)["goodput_rps"]

@@ -114,7 +114,9 @@ class Simulator:
                            else np.ones(len(self.workers))) / block_size
         self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
         self._routes: dict[tuple[int, int], float] = {}
-        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0, "busy": 0.0}
+        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0}
+        self._busy_start: list[float] = []    # prefill busy intervals, for utilisation per tick
+        self._busy_end: list[float] = []
         # Planned per-worker capacity in tokens/s (within SLO), for autoscaling; and the prefill
         # drain rate when busy (no SLO headroom), for admission's TTFT prediction.
         self.cap_tps = {w.index: (ev.evaluate(w.group).prefill.rate * ev.input_len,
@@ -166,7 +168,24 @@ class Simulator:
         r.ttft_s, r.tpot_s, r.finish_s = np.array(self.ttft), np.array(self.tpot), np.array(self.finish)
         r.rejected, r.remote_prefill = np.array(self.rejected), np.array(self.remote)
         r.cached_tokens, r.num_events = np.array(self.cached), events
+        r.prefill_util = self._prefill_util(r.tick_s, r.num_prefill)
         return r
+
+    def _prefill_util(self, ticks: list[float], num_prefill: list[int]) -> list[float]:
+        """Busy fraction of the prefill pool in each tick interval [t_k, t_k + dt), from the busy
+        intervals: integrate the number of busy workers (a step function) over each interval."""
+        if not ticks:
+            return []
+        times = np.concatenate([self._busy_start, self._busy_end])
+        steps = np.concatenate([np.ones(len(self._busy_start)), -np.ones(len(self._busy_end))])
+        order = np.argsort(times, kind="stable")
+        times, level = times[order], np.cumsum(steps[order])
+        busy_integral = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(times))]) if len(times) else None
+        edges = np.array(ticks + [ticks[-1] + self.tick_every])
+        if busy_integral is None:
+            return [0.0] * len(ticks)
+        busy = np.diff(np.interp(edges, times, busy_integral))
+        return [float(min(b / (self.tick_every * n), 1.0)) if n else 0.0 for b, n in zip(busy, num_prefill)]
 
     # --- arrival: route, admit, reserve ----------------------------------------------------
     def _overlap(self, hashes: list[int]) -> dict[int, int]:
@@ -251,7 +270,8 @@ class Simulator:
             i = self.prefill_queue.popleft()
             latency, service = p.prefill_times(self.uncached[i])
             p.busy_s += service
-            self._window["busy"] += service
+            self._busy_start.append(self.now)
+            self._busy_end.append(self.now + service)
             self.push(self.now + service, PREFILL_FREE, p.index)
             self.push(self.now + latency, PREFILL_DONE, i, p.index)
 
@@ -333,13 +353,12 @@ class Simulator:
         num_p, num_d = self._num_role(PREFILL), self._num_role(DECODE)
         dec = [w for w in self.workers if w.role == DECODE]
         r.tick_s.append(self.now)
-        r.prefill_util.append(min(self._window["busy"] / (dt * max(num_p, 1)), 1.0) if num_p else 0.0)
         r.decode_kv_util.append(sum(w.kv_used for w in dec) / max(sum(w.kv_capacity for w in dec), 1.0))
         r.num_prefill.append(num_p)
         r.num_decode.append(num_d)
         if self.autoscaler:
             self._autoscale(num_p, num_d, dt)
-        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0, "busy": 0.0}
+        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0}
         if self.pending > 0:
             self.push(self.now + dt, TICK, 0)
 

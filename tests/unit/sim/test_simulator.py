@@ -80,6 +80,9 @@ def test_admission_bounds_ttft_under_overload(plan):
     assert strict.rejected.sum() > 1000 and loose.rejected.sum() == 0
     p90 = lambda r: np.percentile(r.ttft_s[~r.rejected], 90)  # noqa: E731
     assert p90(strict) < 3 * SLO.ttft_s < p90(loose)
+    # overloaded: the prefill pool is busy most of the time while requests arrive
+    busy = np.array(loose.prefill_util)[np.array(loose.tick_s) < trace.arrival_s[-1]]
+    assert np.median(busy) > 0.7 and busy.max() <= 1.0
 
 
 def test_kv_aware_routing_finds_shared_prefixes():

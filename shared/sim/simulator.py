@@ -174,16 +174,14 @@ class Simulator:
     def _prefill_util(self, ticks: list[float], num_prefill: list[int]) -> list[float]:
         """Busy fraction of the prefill pool in each tick interval [t_k, t_k + dt), from the busy
         intervals: integrate the number of busy workers (a step function) over each interval."""
-        if not ticks:
-            return []
+        if not self._busy_start:
+            return [0.0] * len(ticks)
         times = np.concatenate([self._busy_start, self._busy_end])
         steps = np.concatenate([np.ones(len(self._busy_start)), -np.ones(len(self._busy_end))])
         order = np.argsort(times, kind="stable")
-        times, level = times[order], np.cumsum(steps[order])
-        busy_integral = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(times))]) if len(times) else None
+        times, level = times[order], np.cumsum(steps[order])   # level: busy workers after each event
+        busy_integral = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(times))])
         edges = np.array(ticks + [ticks[-1] + self.tick_every])
-        if busy_integral is None:
-            return [0.0] * len(ticks)
         busy = np.diff(np.interp(edges, times, busy_integral))
         return [float(min(b / (self.tick_every * n), 1.0)) if n else 0.0 for b, n in zip(busy, num_prefill)]
 

@@ -7,6 +7,7 @@ Models and workloads are either YAML files or one of the presets below.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -122,6 +123,16 @@ class WorkloadSpec(_Strict):
                                  output_len=self.output_len)]
         total = sum(c.fraction for c in self.classes)
         return [c.model_copy(update={"fraction": c.fraction / total}) for c in self.classes]
+
+    def tail_input_len(self) -> float:
+        """A long prompt the TTFT SLO must still hold for: the longest class, or the lognormal's
+        90th percentile."""
+        if self.classes:
+            return float(max(c.input_len for c in self.classes))
+        if self.length_cv == 0:
+            return float(self.input_len)
+        sigma = math.sqrt(math.log1p(self.length_cv**2))
+        return self.input_len * math.exp(1.2816 * sigma - sigma**2 / 2)
 
     def mean_lengths(self) -> tuple[float, float]:
         mix = self.class_mix()

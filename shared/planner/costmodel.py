@@ -14,7 +14,8 @@ stated once:
 * **KV transfer** moves ``kv_bytes_per_token · T`` bytes over the slowest link of the route,
   striped over as many parallel lanes as the smaller group has GPUs.
 * **Capacity** of a group in a phase is the request rate it sustains *while meeting the SLOs*:
-  prefill is loaded only up to the utilisation at which an M/D/1 queue still meets TTFT; decode
+  prefill is loaded only up to the utilisation at which an M/D/1 queue (mean prompt) still meets
+  TTFT for a long prompt (the workload's longest class or 90th percentile); decode
   runs the largest batch whose step time meets TPOT and whose KV fits in HBM.
 
 Efficiency factors live in :class:`Efficiency` and are parameters; :func:`calibrate` fits
@@ -131,12 +132,15 @@ NO_CAPACITY = PhaseCapacity(rate=0.0, latency_s=math.inf, batch=0)
 
 
 def prefill_capacity(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency,
-                     input_len: float, slo: Slo, transfer_s: float = 0.0) -> PhaseCapacity:
-    """Rate at which an M/D/1 prefill queue still meets TTFT: L + ρ/(2μ(1-ρ)) + transfer <= TTFT."""
-    if kv_capacity_tokens(model, hw, par, eff) < input_len:
+                     input_len: float, slo: Slo, transfer_s: float = 0.0,
+                     tail_input_len: float | None = None, tail_transfer_s: float | None = None) -> PhaseCapacity:
+    """Rate at which an M/D/1 prefill queue still meets TTFT for a long prompt:
+    L(tail) + transfer(tail) + ρ/(2μ(1-ρ)) <= TTFT, with μ from the mean prompt."""
+    tail = max(tail_input_len or input_len, input_len)
+    if kv_capacity_tokens(model, hw, par, eff) < tail:
         return NO_CAPACITY
     latency = prefill_latency_s(model, hw, par, eff, input_len)
-    slack = slo.ttft_s - latency - transfer_s
+    slack = slo.ttft_s - prefill_latency_s(model, hw, par, eff, tail) - max(tail_transfer_s or 0.0, transfer_s)
     if slack <= 0:
         return NO_CAPACITY
     mu = 1.0 / prefill_service_s(model, hw, par, eff, input_len)

@@ -52,6 +52,7 @@ class Evaluator:
                  eff: Efficiency = Efficiency()):
         self.cluster, self.model, self.workload, self.eff = cluster, model, workload, eff
         self.input_len, self.output_len = workload.mean_lengths()
+        self.tail_input_len = workload.tail_input_len()
         self._cache: dict[tuple, GroupEval] = {}
         self._by_group: dict[tuple[int, ...], GroupEval] = {}
         # A request's KV leaves over the slowest fabric the cluster has (conservative for TTFT).
@@ -70,9 +71,11 @@ class Evaluator:
     def _evaluate(self, group: Sequence[int]) -> GroupEval:
         hw = self.cluster.hardware(group)
         transfer = kv_transfer_s(self.model, self.input_len, self._worst_link * len(group), self.eff)
+        tail_transfer = kv_transfer_s(self.model, self.tail_input_len, self._worst_link * len(group), self.eff)
         best_p, best_d = (None, NO_CAPACITY), (None, NO_CAPACITY)
         for par in parallel_options(len(group), self.cluster.max_tp(group)):
-            p = prefill_capacity(self.model, hw, par, self.eff, self.input_len, self.workload.slo, transfer)
+            p = prefill_capacity(self.model, hw, par, self.eff, self.input_len, self.workload.slo, transfer,
+                                 self.tail_input_len, tail_transfer)
             d = decode_capacity(self.model, hw, par, self.eff, self.input_len, self.output_len,
                                 self.workload.slo)
             if p.rate > best_p[1].rate:

@@ -80,3 +80,19 @@ def test_calibrate_recovers_efficiencies():
     fitted = calibrate(LLAMA7, GPU_TYPES["a100"], pre, dec)
     assert fitted.compute == pytest.approx(0.4, rel=1e-6)
     assert fitted.hbm == pytest.approx(0.6, rel=1e-6)
+
+
+def test_ttft_must_hold_for_the_long_prompts_not_just_the_mean():
+    from shared.planner.config import preset_workload
+    assert preset_workload("mixed").tail_input_len() == 2048
+    h, par = hw("a100"), Parallel(1, 1)
+    mean_only = prefill_capacity(LLAMA7, h, par, EFF, 1152, SLO)
+    with_tail = prefill_capacity(LLAMA7, h, par, EFF, 1152, SLO, tail_input_len=2048)
+    assert 0 < with_tail.rate < mean_only.rate
+    mu = 1 / prefill_latency_s(LLAMA7, h, par, EFF, 1152)
+    rho = with_tail.rate / mu
+    tail_latency = prefill_latency_s(LLAMA7, h, par, EFF, 2048)
+    assert tail_latency + rho / (2 * mu * (1 - rho)) == pytest.approx(SLO.ttft_s)
+    slow = prefill_capacity(LLAMA7, h, par, EFF, 1152, Slo(ttft_s=tail_latency * 0.99, tpot_s=0.1),
+                            tail_input_len=2048)
+    assert slow.rate == 0

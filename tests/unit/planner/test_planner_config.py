@@ -52,3 +52,11 @@ def test_unknown_presets_are_config_errors():
     with pytest.raises(ConfigError, match="unknown workload preset"):
         load_workload("nope")
     assert preset_workload("lpsd").mean_lengths() == (2048, 64)
+
+
+def test_tail_input_len_is_the_lognormal_p90():
+    import numpy as np
+    w = WorkloadSpec(request_rate=1, input_len=1000, output_len=10, length_cv=0.6, slo={"ttft_s": 1, "tpot_s": 0.1})
+    sigma2 = np.log1p(0.36)
+    samples = np.random.default_rng(0).lognormal(np.log(1000) - sigma2 / 2, np.sqrt(sigma2), 200_000)
+    assert w.tail_input_len() == pytest.approx(np.percentile(samples, 90), rel=0.01)

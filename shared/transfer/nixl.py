@@ -64,16 +64,26 @@ class NixlTransfer:
     """See ``KvTransfer``. One NIXL agent per process (per worker)."""
 
     def __init__(self, agent_name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False,
-                 capture_telemetry: bool = False) -> None:
+                 capture_telemetry: bool = False, backend_params: dict[str, str] | None = None) -> None:
         """``progress_thread``: NIXL's own progress thread polls without pause and keeps a core busy
         even when idle (measured: 3 idle agents took 0.7 of a core here), which a 2-core CPU host
         cannot spare. Without it, ``poll``/``wait`` and ``get_notifications`` drive progress, which
-        is all a one-sided write needs. Turn it on where cores are plentiful (GPU servers)."""
+        is all a one-sided write needs. Turn it on where cores are plentiful (GPU servers).
+
+        ``backend_params``: init parameters for every backend, e.g. UCX's
+        ``{"ucx_error_handling_mode": "none"}``. NIXL's default ("peer") detects a dead peer; no
+        shared-memory transport supports that, so on one host UCX sends its active messages
+        (connection setup, notifications) over TCP loopback while the DRAM writes themselves go
+        through CMA. "none" allows shared memory for both but loses the detection; on this project's
+        2-core host both move KV at the same speed (loadtest/bench_kv_transfer.py --error-modes)."""
         api = load_nixl()
         try:
-            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends),
+            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
                                            capture_telemetry=capture_telemetry)
             self._agent = api.nixl_agent(agent_name, config)
+            for backend in backends:
+                if backend in self._agent.plugin_list:
+                    self._agent.create_backend(backend, dict(backend_params or {}))
         except Exception as exc:  # noqa: BLE001
             raise TransferUnavailable(f"cannot start NIXL agent {agent_name!r} with {list(backends)}: {exc}") from exc
         missing = [b for b in backends if b not in self._agent.backends]

@@ -9,6 +9,7 @@ remaining ``max_tokens``: the client sees one uninterrupted stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -161,7 +162,9 @@ class Generation:
                 raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
             raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None
         finally:
-            next_chunk.cancel()
+            if not next_chunk.done():  # let the stream unsubscribe before anyone closes it
+                next_chunk.cancel()
+                await asyncio.wait({next_chunk})
 
     async def _migrate(self, why: str) -> TokenChunk:
         self._num_migrations += 1
@@ -197,7 +200,8 @@ class Generation:
         if self.worker_id is not None and not self.is_finished:
             await self._cancel(self.worker_id, self._current.request_id)
         if self._stream is not None:
-            await self._stream.aclose()
+            with contextlib.suppress(RuntimeError):  # already closed by a cancelled read
+                await self._stream.aclose()
 
     async def _cancel(self, worker_id: str | None, request_id: str) -> None:
         if worker_id is None:

@@ -96,7 +96,8 @@ class Gateway:
         if max_len is not None:
             if len(prompt_ids) >= max_len:
                 raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; this model's maximum "
-                               f"context length is {max_len}", param="messages", code="context_length_exceeded")
+                               f"context length is {max_len}", code="context_length_exceeded",
+                               param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
             if max_tokens is not None and len(prompt_ids) + max_tokens > max_len:
                 raise ApiError(400, f"max_tokens {max_tokens} + prompt {len(prompt_ids)} tokens exceeds "
                                f"the maximum context length {max_len}", param="max_tokens",
@@ -148,14 +149,14 @@ class Gateway:
 
     # --- handlers --------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _parse(request, ChatCompletionRequest)
         tier = self._tier(request)
+        body = await _parse(request, ChatCompletionRequest)
         gen_request = self._generate_request(body, self._chat_prompt(body), tier)
         return await self._run(request, body, gen_request, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _parse(request, CompletionRequest)
         tier = self._tier(request)
+        body = await _parse(request, CompletionRequest)
         gen_request = self._generate_request(body, self._completion_prompt(body), tier)
         return await self._run(request, body, gen_request, chat=False)
 

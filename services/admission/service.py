@@ -60,14 +60,16 @@ class AdmissionService:
         block_size = workers[0].info.block_size
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
         overlaps = await self._overlaps(request)
-        choice = choose_worker([w.load_view() for w in workers], overlaps, num_blocks, self._weights)
+        now = time.time()
+        views = [w.load_view(now) for w in workers]
+        choice = choose_worker(views, overlaps, num_blocks, self._weights)
         if choice.worker_id is None:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "
                                 f"{self._settings.max_waiting_per_worker}+ queued requests")
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; overlaps %s; loads %s)", request.request_id,
                   choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks, overlaps,
-                  [w.load_view() for w in workers])
+                  views)
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time())
         info = self.view.get(choice.worker_id).info
         return AdmissionDecision(request_id=request.request_id, is_admitted=True,

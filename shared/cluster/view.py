@@ -11,6 +11,9 @@ from shared.policy.kv_routing import WorkerLoadView
 from shared.protocol.workers import ClusterStatusResult, WorkerInfo, WorkerLoad, WorkerStatus
 
 
+MAX_UNREPORTED_AGE_S = 5.0  # decode workers report about once a second and after each request
+
+
 @dataclass
 class _Admitted:
     at: float
@@ -24,12 +27,14 @@ class WorkerEntry:
     load_received_at: float | None = None
     admitted: list[_Admitted] = field(default_factory=list)
 
-    def load_view(self) -> WorkerLoadView:
+    def load_view(self, now: float) -> WorkerLoadView:
+        # A worker that reports rarely (or never) must not accumulate admissions forever.
+        self.admitted = [a for a in self.admitted if now - a.at <= MAX_UNREPORTED_AGE_S]
         used = self.load.num_blocks_used if self.load else 0
         waiting = self.load.num_waiting if self.load else 0
         return WorkerLoadView(self.info.worker_id,
                               num_active_blocks=used + sum(a.num_blocks for a in self.admitted),
-                              num_waiting=waiting + len(self.admitted))
+                              num_waiting=waiting, num_admitted_unreported=len(self.admitted))
 
 
 class ClusterView:

@@ -5,9 +5,11 @@ all of the request's blocks active, so
 
     cost = overlap_weight * (num_request_blocks - num_overlap_blocks)      # new prefill work
            + num_active_blocks + num_request_blocks                        # decode memory after
-           + queue_weight * num_waiting                                    # requests ahead of it
+           + queue_weight * (num_waiting + num_admitted_unreported)        # requests ahead of it
 
-Lowest cost wins; ties go to the fewer active blocks, then the worker id (deterministic).
+Lowest cost wins; ties go to the fewer active blocks, then the worker id (deterministic). The
+queue limit applies to the queue the worker reported: requests admitted since its last report
+steer the choice but never cause a rejection on their own (they may well have finished).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 class WorkerLoadView:
     worker_id: str
     num_active_blocks: int   # KV blocks in use, plus ones admitted but not yet reported
-    num_waiting: int         # queued requests, plus ones admitted but not yet reported
+    num_waiting: int         # queued requests, as last reported by the worker
+    num_admitted_unreported: int = 0  # admitted here since that report
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ def routing_cost(worker: WorkerLoadView, num_request_blocks: int, num_overlap_bl
     assert 0 <= num_overlap_blocks <= num_request_blocks, (num_overlap_blocks, num_request_blocks)
     prefill = num_request_blocks - num_overlap_blocks
     return (weights.overlap_weight * prefill + worker.num_active_blocks + num_request_blocks
-            + weights.queue_weight * worker.num_waiting)
+            + weights.queue_weight * (worker.num_waiting + worker.num_admitted_unreported))
 
 
 def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, int],

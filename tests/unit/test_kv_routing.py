@@ -5,8 +5,9 @@ from shared.policy.kv_routing import RoutingWeights, WorkerLoadView, choose_work
 from shared.protocol import WorkerInfo, WorkerLoad
 
 
-def view(worker_id, active=0, waiting=0):
-    return WorkerLoadView(worker_id, num_active_blocks=active, num_waiting=waiting)
+def view(worker_id, active=0, waiting=0, unreported=0):
+    return WorkerLoadView(worker_id, num_active_blocks=active, num_waiting=waiting,
+                          num_admitted_unreported=unreported)
 
 
 def test_overlap_beats_equal_load_and_load_beats_small_overlap():
@@ -30,8 +31,14 @@ def test_queue_limit_rejects_only_when_every_worker_is_full():
 
 
 def test_cost_arithmetic():
-    w = view("a", active=5, waiting=1)
-    assert routing_cost(w, 4, 1, RoutingWeights(overlap_weight=2.0, queue_weight=3.0)) == 2 * 3 + 5 + 4 + 3
+    w = view("a", active=5, waiting=1, unreported=2)
+    assert routing_cost(w, 4, 1, RoutingWeights(overlap_weight=2.0, queue_weight=3.0)) == 2 * 3 + 5 + 4 + 9
+
+
+def test_unreported_admissions_steer_but_never_reject():
+    weights = RoutingWeights(max_waiting_per_worker=2)
+    assert choose_worker([view("a", unreported=50)], {}, 1, weights).worker_id == "a"
+    assert choose_worker([view("a", unreported=3), view("b", unreported=1)], {}, 1, weights).worker_id == "b"
 
 
 def info(worker_id, state="ready"):
@@ -50,11 +57,13 @@ def test_view_counts_admissions_until_a_later_report_includes_them():
     assert [e.info.worker_id for e in v.ready_workers("decode", "m")] == ["a"]
     v.update_load(load("a", 1, at=10.0, used=4), now=10.0)
     v.note_admitted("a", 3, now=11.0)
-    assert v.get("a").load_view() == view("a", active=7, waiting=1)
+    assert v.get("a").load_view(now=11.0) == view("a", active=7, unreported=1)
     v.update_load(load("a", 1, at=12.0, used=9), now=12.0)  # stale seq: ignored
-    assert v.get("a").load_view().num_active_blocks == 7
-    v.update_load(load("a", 2, at=12.0, used=7), now=12.0)
-    assert v.get("a").load_view() == view("a", active=7, waiting=0)
+    assert v.get("a").load_view(now=12.0).num_active_blocks == 7
+    v.update_load(load("a", 2, at=12.0, used=7, waiting=1), now=12.0)
+    assert v.get("a").load_view(now=12.0) == view("a", active=7, waiting=1)
+    v.note_admitted("a", 3, now=13.0)
+    assert v.get("a").load_view(now=13.0 + 60).num_admitted_unreported == 0  # never reported: expires
     v.update_load(load("zzz", 1, at=12.0), now=12.0)  # unregistered: ignored
     v.set_workers([info("b")])
     assert v.get("a") is None

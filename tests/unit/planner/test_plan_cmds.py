@@ -67,3 +67,10 @@ def test_calibration_file_sets_the_efficiencies(capsys, tmp_path):
                    "prefill: [{num_tokens: 0, seconds: 1}]\n")
     with pytest.raises(CliError, match=r"prefill.0.num_tokens"):
         run("plan", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--calibration", bad)
+
+
+def test_simulate_replays_a_mooncake_trace(capsys):
+    assert run("simulate", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--workload",
+               EXAMPLES / "workload-chat.yaml", "--trace", EXAMPLES / "mooncake-format-synthetic.jsonl") == 0
+    out = capsys.readouterr().out
+    assert "requests 1,000" in out and "prefix-hit tokens 0," not in out

@@ -68,3 +68,10 @@ def test_nothing_fits_gives_an_empty_plan():
     assert plan.capacity_rps == 0 and all(w.role == "idle" for w in plan.workers)
     assert plan.predicted_ttft_s is None and Plan.model_validate_json(plan.model_dump_json()) == plan
     assert "nothing can be served" in plan.table()
+
+
+def test_exhaustive_refuses_big_clusters():
+    ev = Evaluator(Cluster(make_cluster(("a100", 8), ("a100", 1))), MODEL_PRESETS["llama-2-7b"],
+                   preset_workload("mixed"))
+    with pytest.raises(ValueError, match="<= 8 GPUs"):
+        exhaustive(ev)

@@ -127,3 +127,22 @@ async def test_malformed_messages_get_error_replies_and_services_keep_running(bu
         msg = await bus.nc.request(endpoint.subject, payload, timeout=2)
         assert msg.headers["Tandem-Error-Code"] == "bad_request", (endpoint.subject, msg.data)
     await bus.request(subjects.kvindex_match(), KvMatchRequest(block_hashes=[1]), timeout_s=2)
+
+
+async def test_without_kv_index_admission_routes_to_the_least_loaded(bus, nats_url, namespace):
+    subjects = Subjects(namespace)
+    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=5.0)
+    for w in ("w1", "w2"):
+        await registry.put(worker(subjects, w))
+    admission = AdmissionService(AdmissionSettings(nats_url=nats_url, namespace=namespace,
+                                                   kv_match_timeout_s=0.1), bus, registry)
+    await admission.start()
+    await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
+        worker_id="w1", role="decode", seq=1, timestamp=time.time(), num_blocks_used=50))
+
+    async def loaded():
+        return admission.view.get("w1").load is not None
+
+    await wait_until(loaded, timeout_s=5, what="w1's load at admission")
+    decision = await bus.request(subjects.admission_submit(), request("r1", [1, 2, 3, 4]), timeout_s=2)
+    assert (decision.is_admitted, decision.worker_id, decision.num_overlap_blocks) == (True, "w2", 0)

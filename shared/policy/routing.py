@@ -5,6 +5,8 @@ simulator routes a million requests over hundreds of workers, so it calls this a
 same rule instead: the same cost (overlap_weight · blocks to prefill + active blocks + request
 blocks + queue_weight · waiting), the same queue limit, the same ties (fewer active blocks, then
 lower worker index — the index order must match the id order). A test checks that the two agree.
+The simulator knows every worker's state exactly, so there are no admitted-but-unreported requests
+(``WorkerLoadView.num_admitted_unreported`` is 0) and ``num_waiting`` is the true queue.
 """
 
 from __future__ import annotations

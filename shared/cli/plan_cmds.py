@@ -58,6 +58,8 @@ def register(subparsers) -> None:
                    help="synthetic trace length [env TANDEM_SIM_NUM_REQUESTS; default 10000]")
     s.add_argument("--burstiness", type=float, default=3.0, help="gamma trace: inter-arrival CV (default 3)")
     s.add_argument("--autoscale", action="store_true", help="let the autoscaling policy flip roles")
+    s.add_argument("--tiers", default=_env("SIM_TIERS", "standard=1"),
+                   help="QoS tier mix, e.g. premium=0.2,standard=0.5,batch=0.3 [env TANDEM_SIM_TIERS]")
     s.add_argument("--max-local-prefill", type=int, default=None,
                    help="disaggregation: uncached prompts up to this many tokens prefill on the decode "
                         "worker (default 0: all go to the prefill pool unless its queue is long)")
@@ -130,6 +132,24 @@ def _load_trace(args, workload):
         raise CliError(str(exc)) from exc
 
 
+def _tier_mix(text: str) -> tuple[tuple[str, float], ...]:
+    from shared.cli.main import CliError
+    from shared.policy.admission import AdmissionConfig
+
+    known = AdmissionConfig(ttft_slo_s=1.0).tiers
+    mix = []
+    for part in text.split(","):
+        name, _, share = part.partition("=")
+        try:
+            value = float(share)
+        except ValueError:
+            raise CliError(f"--tiers: {part!r} is not tier=share") from None
+        if name.strip() not in known or value <= 0:
+            raise CliError(f"--tiers: {part!r}: tiers are {sorted(known)} with shares > 0")
+        mix.append((name.strip(), value))
+    return tuple(mix)
+
+
 def _simulate_cmd(args) -> int:
     import json
     import time
@@ -156,7 +176,8 @@ def _simulate_cmd(args) -> int:
         print(f"planned {len(plan.workers)} workers, capacity {plan.capacity_rps:.2f} req/s "
               f"in {plan.planning_time_s:.1f} s")
     trace = _load_trace(args, workload)
-    cfg = SimConfig(autoscale=AutoscaleConfig() if args.autoscale else None)
+    cfg = SimConfig(autoscale=AutoscaleConfig() if args.autoscale else None, tier_mix=_tier_mix(args.tiers),
+                    seed=args.seed)
     if args.max_local_prefill is not None:
         cfg = replace(cfg, disagg=replace(cfg.disagg, max_local_prefill_tokens=args.max_local_prefill))
     try:

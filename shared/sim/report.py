@@ -42,6 +42,10 @@ def summarize(r: SimResult, slo: Slo) -> dict:
         "mean_decode_kv_util": float(np.mean(r.decode_kv_util)) if r.decode_kv_util else 0.0,
         "role_flips": r.flips,
         "rejections": dict(r.rejections),
+        "by_tier": {str(t): {"num_requests": int((r.tier == t).sum()),
+                             "rejected_fraction": float(r.rejected[r.tier == t].mean()),
+                             "slo_attainment": float(good[r.tier == t].mean())}
+                    for t in sorted(set(r.tier.tolist()))},
         "cost_usd": cost,
         "cost_per_million_output_tokens": cost / out_tokens * 1e6 if out_tokens else float("inf"),
         "num_events": r.num_events,
@@ -61,7 +65,8 @@ def format_summary(s: dict) -> str:
         f"utilisation prefill {s['mean_prefill_util'] * 100:.0f}% / decode KV {s['mean_decode_kv_util'] * 100:.0f}%, "
         f"role flips {s['role_flips']}",
         f"cost ${s['cost_usd']:.2f} (${s['cost_per_million_output_tokens']:.3f} per 1M output tokens)",
-    ])
+    ] + ([", ".join(f"{t}: {v['rejected_fraction'] * 100:.0f}% rejected, {v['slo_attainment'] * 100:.0f}% in SLO"
+                    for t, v in s["by_tier"].items())] if len(s["by_tier"]) > 1 else []))
 
 
 def plot_utilisation(r: SimResult, path: str | Path, title: str = "") -> None:

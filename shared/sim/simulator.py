@@ -49,7 +49,9 @@ class SimConfig:
     # workers of different sizes that sends as much work to a small worker as to a big one; with
     # this on, the simulator reports load in blocks scaled to the mean worker size instead.
     capacity_aware_routing: bool = False
-    tier: str = "standard"
+    # QoS tiers of the requests: (tier, share) pairs, drawn per request with ``seed``.
+    tier_mix: tuple[tuple[str, float], ...] = (("standard", 1.0),)
+    seed: int = 0
     num_ticks: int = 200                           # utilisation samples over the arrival span
 
 
@@ -63,6 +65,7 @@ class SimResult:
     rejected: np.ndarray        # bool
     remote_prefill: np.ndarray  # bool
     cached_tokens: np.ndarray
+    tier: np.ndarray = field(default_factory=lambda: np.array([], dtype=object))   # per request
     tick_s: list[float] = field(default_factory=list)
     prefill_util: list[float] = field(default_factory=list)
     decode_kv_util: list[float] = field(default_factory=list)
@@ -145,6 +148,10 @@ class Simulator:
         self.finish, self.join_t = [math.nan] * n, [0.0] * n
         self.rejected, self.remote = [False] * n, [False] * n
         self.cached, self.uncached, self.dest = [0] * n, [0] * n, [0] * n
+        names = [t for t, _ in self.cfg.tier_mix]
+        shares = np.array([f for _, f in self.cfg.tier_mix], dtype=float)
+        tiers = np.random.default_rng(self.cfg.seed).choice(len(names), size=n, p=shares / shares.sum())
+        self.tier = [names[k] for k in tiers]
         self.res = SimResult(trace.arrival_s, np.array([]), np.array([]), np.array([]), trace.output_len,
                              np.array([]), np.array([]), np.array([]),
                              price_per_hour=self.ev.cluster.spec.price_per_hour())
@@ -168,6 +175,7 @@ class Simulator:
         r.ttft_s, r.tpot_s, r.finish_s = np.array(self.ttft), np.array(self.tpot), np.array(self.finish)
         r.rejected, r.remote_prefill = np.array(self.rejected), np.array(self.remote)
         r.cached_tokens, r.num_events = np.array(self.cached), events
+        r.tier = np.array(self.tier, dtype=object)
         r.prefill_util = self._prefill_util(r.tick_s, r.num_prefill)
         return r
 
@@ -218,7 +226,7 @@ class Simulator:
         else:
             queued, rate = 0.0, (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
         backlog = max(w.ingress_free - self.now, 0.0) if remote else 0.0   # KV transfers queued at w
-        decision = admit(AdmissionInput(self.now, self.cfg.tier, inp, cached, queued, rate,
+        decision = admit(AdmissionInput(self.now, self.tier[i], inp, cached, queued, rate,
                                         len(self.prefill_queue) if remote else len(w.waiting),
                                         transfer_s=backlog,
                                         decode_wait_s=self._memory_wait_s(w, inp + self.out[i])), self.admission)

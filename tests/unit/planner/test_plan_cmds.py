@@ -74,3 +74,13 @@ def test_simulate_replays_a_mooncake_trace(capsys):
                EXAMPLES / "workload-chat.yaml", "--trace", EXAMPLES / "mooncake-format-synthetic.jsonl") == 0
     out = capsys.readouterr().out
     assert "requests 1,000" in out and "prefix-hit tokens 0," not in out
+
+
+def test_simulate_with_a_tier_mix(capsys):
+    assert run("simulate", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--workload",
+               EXAMPLES / "workload-chat.yaml", "--rate", "30", "--num-requests", "2000",
+               "--tiers", "premium=0.3,batch=0.7") == 0
+    out = capsys.readouterr().out
+    assert "premium:" in out and "batch:" in out
+    with pytest.raises(CliError, match="--tiers"):
+        run("simulate", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--tiers", "gold=1")

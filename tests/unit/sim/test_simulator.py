@@ -121,3 +121,13 @@ def test_capacity_aware_routing_spares_a_small_decode_worker():
     assert blind.rejected.sum() > 300
     assert aware.rejected.sum() < blind.rejected.sum() / 4
     assert summarize(aware, w.slo)["goodput_rps"] > 1.3 * summarize(blind, w.slo)["goodput_rps"]
+
+
+def test_qos_tiers_shed_batch_before_premium_under_overload(plan):
+    w = workload(plan.capacity_rps * 3)
+    cfg = SimConfig(tier_mix=(("premium", 0.2), ("standard", 0.5), ("batch", 0.3)), seed=3)
+    r = sim(plan, w, cfg).run(poisson(w, 4000, seed=12))
+    by_tier = summarize(r, SLO)["by_tier"]
+    assert sum(t["num_requests"] for t in by_tier.values()) == 4000
+    shed = {t: by_tier[t]["rejected_fraction"] for t in by_tier}
+    assert shed["batch"] > shed["standard"] > shed["premium"]

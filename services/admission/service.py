@@ -100,7 +100,7 @@ async def run(settings: AdmissionSettings, stop: asyncio.Event) -> None:
     bus = await Bus.connect(settings.nats_url, "admission")
     try:
         registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
-                                             ttl_s=settings.registry_ttl_s)
+                                             ttl_s=settings.registry_ttl_s, watch=True)
         service = AdmissionService(settings, bus, registry)
         await service.start()
         refresher = asyncio.create_task(service.refresh_forever())

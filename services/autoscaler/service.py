@@ -47,7 +47,7 @@ async def run(settings: AutoscalerSettings, stop: asyncio.Event) -> None:
     bus = await Bus.connect(settings.nats_url, "autoscaler")
     try:
         registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
-                                             ttl_s=settings.registry_ttl_s)
+                                             ttl_s=settings.registry_ttl_s, watch=True)
         service = AutoscalerService(settings, bus, registry)
         await service.start()
         refresher = asyncio.create_task(service.refresh_forever())

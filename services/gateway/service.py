@@ -339,7 +339,7 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
     refresher = None
     try:
         registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
-                                             ttl_s=settings.registry_ttl_s)
+                                             ttl_s=settings.registry_ttl_s, watch=True)
         gateway = Gateway(settings, bus, registry, tokenizer)
         refresher = asyncio.create_task(gateway.refresh_forever())
         runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)

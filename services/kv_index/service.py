@@ -91,7 +91,7 @@ async def run(settings: KvIndexSettings, stop: asyncio.Event) -> None:
     try:
         await redis.ping()
         subjects = Subjects(settings.namespace)
-        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s)
+        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s, watch=True)
         service = KvIndexService(settings, bus, KvIndexStore(redis, RedisKeys(settings.namespace)),
                                  registry)
         await service.start()

@@ -2,8 +2,11 @@
 
 A worker puts its ``WorkerInfo`` under its id every ``ttl/3`` seconds; the bucket's ``ttl``
 (JetStream ``max_age``) removes the entry of a worker that stops heartbeating (killed, hung,
-partitioned) without anyone having to notice. Readers list the bucket; they never cache an entry
-longer than one listing.
+partitioned) without anyone having to notice.
+
+Readers either list the bucket (one KV scan per call), or, opened with ``watch=True``, keep a live
+copy from a KV watch and answer ``list()`` from memory. Expiry by ``max_age`` sends watchers
+nothing, so the copy drops an entry itself once its last put is older than the TTL.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 
 import nats.js.errors
 from nats.js.api import KeyValueConfig
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from shared.bus.bus import Bus
@@ -28,11 +31,15 @@ class WorkerRegistry:
     def __init__(self, kv: KeyValue, ttl_s: float) -> None:
         self._kv = kv
         self.ttl_s = ttl_s
+        self._copy: dict[str, tuple[WorkerInfo, float]] | None = None  # id → (info, put at)
+        self._watch_task: asyncio.Task | None = None
 
     @classmethod
-    async def open(cls, bus: Bus, bucket: str, *, ttl_s: float = 6.0) -> "WorkerRegistry":
+    async def open(cls, bus: Bus, bucket: str, *, ttl_s: float = 6.0,
+                   watch: bool = False) -> "WorkerRegistry":
         """Bind to the bucket, creating it with ``ttl_s`` if it does not exist (an existing
-        bucket keeps the TTL it was created with)."""
+        bucket keeps the TTL it was created with). ``watch``: keep a live copy (see module doc);
+        returns once the copy holds the bucket's current entries."""
         try:
             kv = await bus.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
@@ -41,7 +48,36 @@ class WorkerRegistry:
             except nats.js.errors.BadRequestError:  # created concurrently by another process
                 kv = await bus.js.key_value(bucket)
         status = await kv.status()
-        return cls(kv, status.ttl or ttl_s)
+        registry = cls(kv, status.ttl or ttl_s)
+        if watch:
+            await registry._start_watch()
+        return registry
+
+    async def _start_watch(self) -> None:
+        watcher = await self._kv.watchall()
+        self._copy = {}
+        while (entry := await watcher.updates(timeout=10)) is not None:  # None: initial values done
+            self._apply(entry)
+        self._watch_task = asyncio.create_task(self._follow(watcher))
+
+    async def _follow(self, watcher) -> None:
+        async for entry in watcher:
+            if entry is not None:
+                self._apply(entry)
+
+    def _apply(self, entry) -> None:
+        assert self._copy is not None
+        if entry.operation in (KV_DEL, KV_PURGE):
+            self._copy.pop(entry.key, None)
+            return
+        try:
+            info = WorkerInfo.from_bytes(entry.value or b"")
+        except ValidationError:
+            log.warning("ignoring malformed registry entry %r", entry.key)
+            return
+        # The server's timestamp of the put: entries replayed at start keep their real age.
+        put_at = entry.created.timestamp() if entry.created else time.time()
+        self._copy[entry.key] = (info, put_at)
 
     async def put(self, info: WorkerInfo) -> None:
         info = info.model_copy(update={"heartbeat_at": time.time()})
@@ -54,6 +90,9 @@ class WorkerRegistry:
             pass
 
     async def list(self) -> list[WorkerInfo]:
+        if self._copy is not None:
+            now = time.time()
+            return [info for info, put_at in self._copy.values() if now - put_at <= self.ttl_s]
         try:
             keys = await self._kv.keys()
         except nats.js.errors.NoKeysError:

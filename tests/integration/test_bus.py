@@ -138,3 +138,33 @@ async def test_registry_entries_expire_without_heartbeat(bus, namespace):
     await asyncio.gather(beating, return_exceptions=True)
     await registry.delete("w2")
     assert [w.worker_id for w in await registry.list()] == []
+
+
+async def test_watched_registry_follows_puts_deletes_and_expiry(bus, namespace):
+    bucket = Subjects(namespace).workers_bucket
+    writer = await WorkerRegistry.open(bus, bucket, ttl_s=1.0)
+    info = WorkerInfo(worker_id="w1", role="decode", model="m", block_size=16, max_model_len=64,
+                      generate_subject="g", cancel_subject="c")
+    await writer.put(info)
+    watched = await WorkerRegistry.open(bus, bucket, watch=True)
+    assert [w.worker_id for w in await watched.list()] == ["w1"]  # entries present at start
+    await writer.put(info.model_copy(update={"worker_id": "w2", "state": "draining"}))
+
+    async def ids():
+        return sorted(w.worker_id for w in await watched.list())
+
+    async def both():
+        return await ids() == ["w1", "w2"]
+
+    await wait_until(both, timeout_s=5, what="w2 in the watched copy")
+    await writer.delete("w2")
+
+    async def only_w1_or_none():
+        return await ids() in (["w1"], [])
+
+    await wait_until(only_w1_or_none, timeout_s=5, what="w2's delete in the watched copy")
+
+    async def expired():
+        return await ids() == []
+
+    await wait_until(expired, timeout_s=5, what="w1 to expire from the watched copy")  # no heartbeat

@@ -10,6 +10,7 @@ subscription keeps running in every case.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -145,7 +146,8 @@ class Bus:
                 yield endpoint.reply_type.from_bytes(msg.data)
                 timeout = idle_timeout_s
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):  # already closed or unsubscribed
+                await sub.unsubscribe()
 
     # --- server side ------------------------------------------------------------------------------
     async def serve(self, endpoint: Endpoint[Req, Rep], handler: Callable[[Req], Awaitable[Rep]],
@@ -267,4 +269,8 @@ class Bus:
         for task in list(self._tasks):
             task.cancel()
         if not self.nc.is_closed:
-            await self.nc.drain()
+            try:
+                await self.nc.drain()
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:  # server gone: just close
+                log.warning("nats %s: drain failed (%s); closing", self.name, exc)
+                await self.nc.close()

@@ -15,7 +15,8 @@ spawned child with its own NIXL agent). Per prompt length and model shape, in on
   one descriptor.
 - ``memcpy``: ``torch`` copy of the same bytes inside process A (no second process involved).
 
-Times are medians over ``--reps`` after a warm-up, from creating the transfer request to its
+Times are medians over ``--reps`` rounds after a warm-up round (the modes take turns within a
+round, so background load on a shared host hits them alike), from creating the transfer request to its
 completion as seen by the initiator (polled without pause). B polls its notifications in a loop
 meanwhile, as a decode worker does (UCX needs the target to make progress; see NixlTransfer), and
 checks the bytes and the number of notifications afterwards. Results: JSON and a PNG in
@@ -78,7 +79,13 @@ def _target_main(conn) -> None:
                 received.extend(transfer.get_notifications())
             conn.send((len(received), transfer.stats.num_bytes_received))
         elif method == "checksum":
-            conn.send(float(pool[args[0]].double().sum()))
+            conn.send(checksum(pool, args[0]))
+
+
+def checksum(pool: torch.Tensor, block_ids: list[int]) -> float:
+    """Position-weighted sum of the blocks: a block moved to the wrong place changes it."""
+    sums = pool[block_ids].double().flatten(1).sum(1)
+    return float((sums * torch.arange(1, len(block_ids) + 1, dtype=torch.float64)).sum())
 
 
 class Target:
@@ -159,14 +166,18 @@ def _scattered_runs(num_blocks: int, pool_blocks: int, seed: int) -> list[int]:
     raise ValueError(f"pool of {pool_blocks} blocks too small for {num_blocks}")
 
 
-def _median_ms(fn, reps: int) -> tuple[float, list[float]]:
-    fn()  # warm-up: connection, registration caches, page faults on the destination
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
+def _interleaved_ms(runs: dict, reps: int) -> dict[str, list[float]]:
+    """ms per call of each mode, the modes taking turns within every repetition so that all of them
+    see the same background load (this host is shared); one warm-up round first (connections,
+    registration caches, first touch of the destination pages)."""
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    for rep in range(reps + 1):
+        for mode, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep:
+                times[mode].append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def bench_shape(shape: str, error_mode: str, tokens_list: list[int], reps: int, target: Target) -> list[dict]:
@@ -223,16 +234,17 @@ def bench_shape(shape: str, error_mode: str, tokens_list: list[int], reps: int, 
         runs = {"pages": paged, "collated_runs8": collated("collated_runs8"), "collated": collated("collated"),
                 "memcpy": lambda: dst.copy_(src)}
         received_before = target.call("collect", 0, 0.0)[0]
-        result = {"shape": shape, "ucx_error_handling_mode": error_mode, "tokens": num_tokens, "blocks": num_blocks, "bytes": nbytes}
-        for mode in MODES:
-            ms, times = _median_ms(runs[mode], reps)
+        result = {"shape": shape, "ucx_error_handling_mode": error_mode, "tokens": num_tokens,
+                  "blocks": num_blocks, "bytes": nbytes}
+        for mode, times in _interleaved_ms(runs, reps).items():
+            ms = statistics.median(times)
             result[mode] = {"ms": ms, "gb_per_s": nbytes / ms / 1e6, "times_ms": times,
                             "descriptors": descriptors.get(mode, 0)}
-            if mode != "memcpy":
-                expected = float(pool[local_ids].double().sum())
-                got = target.call("checksum", dest[mode])
-                assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), f"{mode}: B holds other bytes"
-        num_writes = 3 * (reps + 1)
+        for mode in ("pages", "collated_runs8", "collated"):  # the modes' destinations overlap: write, then check
+            runs[mode]()
+            got, expected = target.call("checksum", dest[mode]), checksum(pool, local_ids)
+            assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), f"{mode}: B holds other bytes"
+        num_writes = 3 * (reps + 2)
         received, bytes_received = target.call("collect", received_before + num_writes, 60.0)
         result["notifications_received"] = received - received_before
         result["speedup_collated_vs_pages"] = result["pages"]["ms"] / result["collated"]["ms"]
@@ -249,7 +261,8 @@ def bench_shape(shape: str, error_mode: str, tokens_list: list[int], reps: int, 
 def _line(r: dict) -> str:
     cells = "  ".join(f"{m} {r[m]['ms']:8.2f} ms {r[m]['gb_per_s']:6.2f} GB/s ({r[m]['descriptors']} d)"
                       for m in MODES)
-    return (f"{r['shape']:9s} {r['ucx_error_handling_mode']:4s} {r['tokens']:6d} tok {r['bytes'] / 2**20:7.1f} MiB  {cells}  "
+    return (f"{r['shape']:9s} {r['ucx_error_handling_mode']:4s} {r['tokens']:6d} tok "
+            f"{r['bytes'] / 2**20:7.1f} MiB  {cells}  "
             f"collated/pages x{r['speedup_collated_vs_pages']:.1f}  "
             f"collated/memcpy {100 * r['collated_fraction_of_memcpy']:.0f}%")
 
@@ -267,7 +280,8 @@ def plot(rows: list[dict], path: Path) -> None:
         width = 0.8 / len(MODES)
         for i, mode in enumerate(MODES):
             ax.bar(x + i * width, [r[mode]["gb_per_s"] for r in sub], width, label=mode)
-        ax.set_xticks(x + width * (len(MODES) - 1) / 2, [f"{r['tokens']} tok\n{r['bytes'] / 2**20:.0f} MiB" for r in sub])
+        labels = [f"{r['tokens']} tok\n{r['bytes'] / 2**20:.0f} MiB" for r in sub]
+        ax.set_xticks(x + width * (len(MODES) - 1) / 2, labels)
         ax.set_ylabel("GB/s")
         ax.set_title(f"{shape} KV, process A -> B over NIXL/UCX")
         ax.legend(fontsize=8)
@@ -286,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
+    load_before = os.getloadavg()
     target = Target()
     rows: list[dict] = []
     try:
@@ -295,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         target.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "load_average": os.getloadavg(), "reps": args.reps, "modes": list(MODES), "run_blocks": RUN_BLOCKS}
+    meta = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "reps": args.reps,
+            "load_average_before": load_before, "load_average_after": os.getloadavg(), "modes": list(MODES),
+            "run_blocks": RUN_BLOCKS}
     (args.out / "kv_transfer.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     plot(rows, args.out / "kv_transfer.png")
     print(f"wrote {args.out / 'kv_transfer.json'} and kv_transfer.png")

@@ -214,3 +214,15 @@ def test_engine_kv_written_into_another_engine_equals_its_own(smollm2_gguf):
     finally:
         writer.close()
         peer.close()
+
+
+def test_nixl_not_importable_is_a_clear_startup_error(monkeypatch):
+    import sys
+
+    from shared.transfer import TransferUnavailable
+    from shared.transfer.nixl import NixlTransfer
+
+    monkeypatch.setitem(sys.modules, "nixl_cu12._api", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    with pytest.raises(TransferUnavailable, match="NIXL is not importable.*remote prefill is unavailable"):
+        NixlTransfer("no-nixl")

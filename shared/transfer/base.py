@@ -194,7 +194,9 @@ class KvTransfer(Protocol):
         ``KVTransferFailed`` if it failed."""
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
-        """Poll until done; raises ``KVTransferFailed`` on failure or after ``timeout_s``."""
+        """Poll until done; raises ``KVTransferFailed`` on failure or after ``timeout_s``. After a
+        timeout the write is cancelled if the backend can; the target must treat the destination
+        blocks as possibly written (it never counts them as filled without the notification)."""
 
     def get_notifications(self) -> list[TransferNotification]:
         """Notifications that arrived since the last call, each once, in arrival order per peer.

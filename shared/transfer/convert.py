@@ -7,10 +7,10 @@ heads and head_dim must match (a tensor-parallel split would change heads: not c
 
 from __future__ import annotations
 
+import torch
+
 from shared.kvcache.layout import KvCacheSpec
 from shared.transfer.base import KvLayoutMismatch, describe_spec
-
-import torch
 
 
 def check_convertible(local: KvCacheSpec, remote: KvCacheSpec) -> None:

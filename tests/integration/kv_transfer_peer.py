@@ -42,6 +42,12 @@ class _Child:
         self.agents[agent_name], self.pools[agent_name], self.notes[agent_name] = transfer, pool, []
         return transfer.local_metadata().to_bytes()
 
+    def close_agent(self, agent_name: str) -> None:
+        """A worker going away: its agent and pool are released (a restart may reuse the name)."""
+        self.agents.pop(agent_name).close()
+        self.pools.pop(agent_name)
+        self.notes.pop(agent_name)
+
     def init_engine(self, agent_name: str, model, prompt: list[int]) -> tuple[bytes, list[int]]:
         """An engine of its own around ``model`` (the parent's weights, shared through torch's
         multiprocessing reductions instead of a second 13 s load), prefill ``prompt`` (its KV stays

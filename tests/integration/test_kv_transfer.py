@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from shared.kvcache.layout import KvCacheSpec
-from shared.transfer import AgentMetadata, InMemoryMetadataStore, KVTransferFailed, KvLayoutMismatch, joint_runs
+from shared.transfer import (AgentMetadata, InMemoryMetadataStore, KVTransferFailed, KvLayoutMismatch, KvTransfer,
+                             joint_runs)
 from shared.transfer.convert import convert_slab
 from kv_transfer_peer import PeerProcess, fill_pool, prefill_blocks
 
@@ -132,6 +133,19 @@ def test_a_write_to_a_dead_peer_fails(writer):
         transfer.remove_peer(name)
 
 
+def test_a_restarted_peer_under_the_same_name_is_replaced(peer, writer):
+    transfer, pool = writer
+    agent, name = _target(peer, writer)
+    transfer.wait(transfer.write_blocks(name, [1], [1], b"first life"), DEADLINE_S)
+    assert peer.call("wait_notifications", agent, 1, DEADLINE_S)[0][1] == b"first life"
+    peer.call("close_agent", agent)
+    metadata = AgentMetadata.from_bytes(peer.call("init_pool", agent, SPEC, NUM_BLOCKS, None))
+    assert transfer.add_peer(metadata) == name
+    transfer.wait(transfer.write_blocks(name, [2, 3], [4, 5], b"second life"), DEADLINE_S)
+    assert peer.call("wait_notifications", agent, 1, DEADLINE_S)[0][1] == b"second life"
+    assert torch.equal(peer.call("read_blocks", agent, [4, 5]), pool[[2, 3]])
+
+
 def test_dtype_and_block_size_conversion(peer, writer):
     transfer, pool = writer
     remote_spec = KvCacheSpec(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, 32, torch.bfloat16)
@@ -176,6 +190,7 @@ async def test_metadata_through_nats_kv(peer, writer, bus, nats_url, namespace):
 
 
 async def test_in_memory_store_round_trip(writer):
+    assert isinstance(writer[0], KvTransfer)
     store = InMemoryMetadataStore()
     metadata = writer[0].local_metadata()
     await store.put("w", metadata.to_bytes())

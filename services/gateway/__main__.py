@@ -5,28 +5,18 @@ import json
 import sys
 
 from services.gateway.config import GatewaySettings
-from shared.runtime.settings import add_settings_arguments, settings_from_args
+from shared.runtime.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
 STATUS_HELP = "print the cluster view (workers, role, state, load) from a running gateway"
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("gateway", help=HELP, description=HELP)
-    add_settings_arguments(parser, GatewaySettings)
-    parser.set_defaults(func=main, settings_class=GatewaySettings)
+    register_service(subparsers, "gateway", HELP, GatewaySettings, "services.gateway.service:run")
     status = subparsers.add_parser("status", help=STATUS_HELP, description=STATUS_HELP)
     status.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL (default: %(default)s)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.set_defaults(func=status_main)
-
-
-def main(args: argparse.Namespace) -> int:
-    from services.gateway.service import run
-    from shared.runtime.service import run_service
-
-    settings = settings_from_args(GatewaySettings, args)
-    return run_service("gateway", settings.log_level, lambda stop: run(settings, stop))
 
 
 def status_main(args: argparse.Namespace) -> int:
@@ -70,6 +60,6 @@ def format_status(view: dict) -> str:
 
 
 if __name__ == "__main__":
-    from shared.cli.main import main as cli_main
+    from shared.runtime.command import run_as_main
 
-    sys.exit(cli_main(["gateway", *sys.argv[1:]]))
+    sys.exit(run_as_main("gateway"))

@@ -22,6 +22,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from shared.cli.main import main as cli_main
+    from shared.runtime.command import run_as_main
 
-    sys.exit(cli_main(["up", *sys.argv[1:]]))
+    sys.exit(run_as_main("up"))

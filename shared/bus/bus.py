@@ -22,7 +22,8 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig, StreamConfig
+from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceError
@@ -239,6 +240,19 @@ class Bus:
             await self.js.add_stream(config)
         except nats.js.errors.BadRequestError:
             await self.js.update_stream(config)
+
+    async def key_value(self, bucket: str, *, ttl_s: float | None = None) -> KeyValue:
+        """Bind to a KV bucket, creating it (history 1, entries expiring after ``ttl_s`` if given)
+        when it does not exist; an existing bucket keeps the settings it was created with."""
+        try:
+            return await self.js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s)
+        try:
+            return await self.js.create_key_value(config)
+        except nats.js.errors.BadRequestError:  # created concurrently by another process
+            return await self.js.key_value(bucket)
 
     async def replay(self, endpoint: Endpoint[Req, WireModel], stream: str,
                      handler: Callable[[Req, int], Awaitable[None]], *, start_seq: int = 0) -> None:

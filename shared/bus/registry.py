@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 
 import nats.js.errors
-from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
@@ -40,13 +39,7 @@ class WorkerRegistry:
         """Bind to the bucket, creating it with ``ttl_s`` if it does not exist (an existing
         bucket keeps the TTL it was created with). ``watch``: keep a live copy (see module doc);
         returns once the copy holds the bucket's current entries."""
-        try:
-            kv = await bus.js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            try:
-                kv = await bus.js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1))
-            except nats.js.errors.BadRequestError:  # created concurrently by another process
-                kv = await bus.js.key_value(bucket)
+        kv = await bus.key_value(bucket, ttl_s=ttl_s)
         status = await kv.status()
         registry = cls(kv, status.ttl or ttl_s)
         if watch:

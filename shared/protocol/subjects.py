@@ -89,3 +89,8 @@ class Subjects:
     @property
     def workers_bucket(self) -> str:
         return f"{self.namespace}-workers"
+
+    @property
+    def nixl_bucket(self) -> str:
+        """NIXL agent metadata per worker (KV bytes never travel over NATS, only this)."""
+        return f"{self.namespace}-nixl"

@@ -1,7 +1,5 @@
-"""``MetadataStore`` on a NATS KV bucket (``<namespace>-nixl``; ``tandem-nixl`` by default).
-
-shared/bus has no general KV-bucket helper (``WorkerRegistry`` is specific to WorkerInfo), so this
-module binds the bucket through the Bus's JetStream context itself. Entries carry no TTL: a
+"""``MetadataStore`` on a NATS KV bucket (``Subjects(namespace).nixl_bucket``, ``tandem-nixl`` by
+default). Entries carry no TTL: a
 worker deletes its entry on clean shutdown, and a stale entry only costs a failed transfer
 (``KVTransferFailed``), after which the writer drops the peer.
 """
@@ -9,18 +7,13 @@ worker deletes its entry on clean shutdown, and a stale entry only costs a faile
 from __future__ import annotations
 
 import nats.js.errors
-from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from shared.bus import Bus
+from shared.protocol.subjects import Subjects
 from shared.transfer.metadata import MetadataStore
 
-DEFAULT_BUCKET = "tandem-nixl"
-
-
-def nixl_bucket(namespace: str) -> str:
-    """The bucket of a namespace, alongside ``<namespace>-workers``."""
-    return f"{namespace}-nixl"
+DEFAULT_BUCKET = Subjects().nixl_bucket
 
 
 class NatsMetadataStore(MetadataStore):
@@ -30,14 +23,7 @@ class NatsMetadataStore(MetadataStore):
     @classmethod
     async def open(cls, bus: Bus, bucket: str = DEFAULT_BUCKET) -> "NatsMetadataStore":
         """Bind to the bucket, creating it if it does not exist."""
-        try:
-            kv = await bus.js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            try:
-                kv = await bus.js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
-            except nats.js.errors.BadRequestError:  # created concurrently by another process
-                kv = await bus.js.key_value(bucket)
-        return cls(kv)
+        return cls(await bus.key_value(bucket))
 
     async def put(self, worker_id: str, metadata: bytes) -> None:
         await self._kv.put(worker_id, metadata)

@@ -171,13 +171,14 @@ def test_layouts_that_cannot_be_converted_are_named(peer, writer):
 
 async def test_metadata_through_nats_kv(peer, writer, bus, nats_url, namespace):
     from shared.transfer import connect_peer
-    from shared.transfer.nats_metadata import NatsMetadataStore, nixl_bucket
+    from shared.protocol.subjects import Subjects
+    from shared.transfer.nats_metadata import NatsMetadataStore
 
     transfer, pool = writer
     agent = _name("nats-target")
     peer.call("init_pool", agent, SPEC, NUM_BLOCKS, None)
-    peer.call("publish_nats", agent, nats_url, nixl_bucket(namespace), "decode-7")
-    store = await NatsMetadataStore.open(bus, nixl_bucket(namespace))
+    peer.call("publish_nats", agent, nats_url, Subjects(namespace).nixl_bucket, "decode-7")
+    store = await NatsMetadataStore.open(bus, Subjects(namespace).nixl_bucket)
     name = await connect_peer(store, "decode-7", transfer, timeout_s=DEADLINE_S)
     assert name == agent
     transfer.wait(transfer.write_blocks(name, [3, 4], [0, 1], b"via-nats"), DEADLINE_S)

@@ -25,6 +25,7 @@ class DecodeSettings(ServiceSettings):
     max_num_batched_tokens: int = Field(512, ge=16, description="token budget per engine step")
     attention_backend: str = Field("auto", description="auto, torch or triton")
     seed: int = Field(0, description="engine seed")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
@@ -46,4 +47,4 @@ class DecodeSettings(ServiceSettings):
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            attention_backend=self.attention_backend, seed=self.seed)
+            attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads)

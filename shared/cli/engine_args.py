@@ -28,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "auto"), choices=["auto", "torch", "triton"],
                    help="attention kernels (default: auto = triton on CUDA, torch elsewhere)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--num-threads", type=int, default=_env("NUM_THREADS"),
+                   help="torch CPU threads (default: torch's, usually one per core)")
 
 
 def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
@@ -39,4 +41,5 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=int(args.max_model_len) if args.max_model_len else None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed)
+        attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed,
+        num_threads=int(args.num_threads) if args.num_threads else None)

@@ -38,6 +38,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
+    num_threads: int | None = None  # torch CPU threads for this process (default: torch's choice)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -113,6 +113,8 @@ class LLMEngine:
         from shared.tokenizer import Tokenizer
 
         source = resolve_model(config.model)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
         t0 = time.perf_counter()

@@ -4,6 +4,7 @@ and every service as its own process. Used by ``tandem up`` and the integration 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -83,9 +84,12 @@ class Stack:
     def spawn_decode(self, name: str) -> Child:
         spec = self.spec
         worker_id = f"{spec.namespace}-{name}"[:64]
+        # workers sharing one machine split its cores rather than each spinning a thread per core
+        threads = {"num_threads": max(1, (os.cpu_count() or 1) // spec.num_decode)} if spec.num_decode > 1 else {}
         return self.spawn(name, "decode", {
             "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
-            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **spec.decode_flags})
+            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **threads,
+            **spec.decode_flags})
 
     def spawn(self, name: str, service: str, flags: dict[str, object]) -> Child:
         child = Child(name, service_argv(service, flags), child_env(), self._line)

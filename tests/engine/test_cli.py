@@ -67,3 +67,12 @@ def test_chat_keeps_history_and_exits_on_eof(smollm2_gguf, make_engine, smol_tok
     prompt = smol_tokenizer.encode(smol_tokenizer.apply_chat_template(history))
     (expected,) = make_engine().generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
     assert replies[1] == smol_tokenizer.decode(expected).strip()
+
+
+def test_num_threads_sets_torch_threads_for_the_engine_process(smollm2_gguf):
+    code = ("import torch; from shared.engine import EngineConfig, LLMEngine;"
+            f"LLMEngine.from_config(EngineConfig(model={str(smollm2_gguf)!r}, num_threads=1, kv_cache_memory=1 << 24));"
+            "print(torch.get_num_threads())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "1"

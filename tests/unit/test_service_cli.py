@@ -43,3 +43,10 @@ def test_help_runs_without_heavy_imports():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "usage: tandem decode" in out.stdout and "--worker-id" in out.stdout
+
+
+def test_decode_num_threads_reaches_the_engine_config():
+    from services.decode.config import DecodeSettings
+
+    assert DecodeSettings(num_threads=1).engine_config().num_threads == 1
+    assert DecodeSettings().engine_config().num_threads is None

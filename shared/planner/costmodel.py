@@ -20,6 +20,13 @@ stated once:
 
 Efficiency factors live in :class:`Efficiency` and are parameters; :func:`calibrate` fits
 ``compute`` and ``hbm`` from measured prefill and decode step times.
+
+Two optional terms (0 by default, so GPU plans are unchanged) cover what a roofline leaves out
+on a small model or a CPU, where the fixed and per-sequence costs of a step are not hidden:
+``prefill_overhead_s`` is added to every prefill (framework overhead and, for short prompts,
+reading the weights once), and ``decode_seq_s`` is added per running sequence to every decode
+step (sampling, per-sequence attention and bookkeeping). ``calibrate(..., fit_overheads=True)``
+fits them together with the efficiencies by least squares on relative error.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ class Efficiency:
     pp_bubble: float = 0.15        # throughput lost per extra pipeline stage (fraction of 1/pp)
     mem_fraction: float = 0.9      # share of HBM usable for weights + KV
     max_decode_batch: int = 512
+    prefill_overhead_s: float = 0.0  # fixed seconds added to every prefill (calibrated; see above)
+    decode_seq_s: float = 0.0        # seconds per running sequence added to every decode step
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ def prefill_latency_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: E
     compute = flops / (par.tp * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
     act_bytes = num_tokens * model.hidden_size * 2
     comm = 2 * model.num_layers * _allreduce_s(act_bytes, par.tp, hw.tp_link_gbps, eff)
-    return compute + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff)
+    return compute + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff) + eff.prefill_overhead_s
 
 
 def prefill_service_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency,
@@ -113,7 +122,8 @@ def decode_step_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Effic
     compute = 2 * model.num_params * batch / (par.num_gpus * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
     act_bytes = batch * model.hidden_size * 2
     comm = 2 * model.num_layers * _allreduce_s(act_bytes / par.pp, par.tp, hw.tp_link_gbps, eff)
-    return (max(memory, compute) + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff)) * _bubble(par.pp, eff)
+    return ((max(memory, compute) + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff)) * _bubble(par.pp, eff)
+            + eff.decode_seq_s * batch)
 
 
 def kv_transfer_s(model: ModelSpec, num_tokens: float, route_gbps: float, eff: Efficiency) -> float:
@@ -191,22 +201,62 @@ class DecodeSample:
     seconds: float
 
 
+def _weighted_lstsq(features: list[list[float]], seconds: list[float]) -> list[float]:
+    """Coefficients x minimising sum(((features_i . x) - t_i) / t_i)^2 (relative error)."""
+    import numpy as np  # noqa: PLC0415 — only calibration needs it
+
+    a = np.array(features, dtype=float) / np.array(seconds, dtype=float)[:, None]
+    x, *_ = np.linalg.lstsq(a, np.ones(len(seconds)), rcond=None)
+    return [float(v) for v in x]
+
+
 def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
-              decode: Sequence[DecodeSample], base: Efficiency = Efficiency()) -> Efficiency:
+              decode: Sequence[DecodeSample], base: Efficiency = Efficiency(),
+              fit_overheads: bool = False) -> Efficiency:
     """Fit ``compute`` and ``hbm`` so single-GPU predictions match measured step times (median ratio).
 
     The measurements come from running the real engine on one device (e.g. SmolLM2 on this
     machine); communication factors are left as given since one device cannot measure them.
+
+    With ``fit_overheads`` (and at least two distinct prompt lengths / batch sizes), fit instead
+    ``prefill = prefill_overhead_s + ideal_prefill / compute`` and
+    ``decode = ideal_weights_and_kv_read / hbm + decode_seq_s * batch`` by least squares on
+    relative error (the decode intercept is the weight read, so it sets ``hbm``). Efficiencies
+    are capped at 1 and the added terms at >= 0, refitting the rest when a cap binds.
     """
     hw = GroupHardware(gpu=gpu, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=gpu.price_per_hour)
     one = Parallel(1, 1)
-    ideal = replace(base, compute=1.0, hbm=1.0)
+    ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0)
     eff = base
     if prefill:
-        ratios = sorted(prefill_latency_s(model, hw, one, ideal, s.num_tokens) / s.seconds for s in prefill)
-        eff = replace(eff, compute=min(1.0, ratios[len(ratios) // 2]))
+        flops_s = [prefill_latency_s(model, hw, one, ideal, s.num_tokens) for s in prefill]
+        secs = [s.seconds for s in prefill]
+        if fit_overheads and len({s.num_tokens for s in prefill}) >= 2:
+            overhead, slope = _weighted_lstsq([[1.0, f] for f in flops_s], secs)
+            if slope < 1.0:      # faster than the nominal peak: cap the efficiency, refit the overhead
+                slope = 1.0
+                overhead = _weighted_lstsq([[1.0] for _ in secs], [t - f for t, f in zip(secs, flops_s)])[0]
+            if overhead < 0:     # no fixed cost: the plain ratio fit through the origin
+                overhead, slope = 0.0, max(1.0, _weighted_lstsq([[f] for f in flops_s], secs)[0])
+            eff = replace(eff, compute=1.0 / slope, prefill_overhead_s=overhead)
+        else:
+            ratios = sorted(f / t for f, t in zip(flops_s, secs))
+            eff = replace(eff, compute=min(1.0, ratios[len(ratios) // 2]))
     if decode:
-        ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / s.seconds
-                        for s in decode)
-        eff = replace(eff, hbm=min(1.0, ratios[len(ratios) // 2]))
+        mem_s = [decode_step_s(model, hw, one, replace(ideal, compute=math.inf), s.batch, s.context_len)
+                 for s in decode]
+        secs = [s.seconds for s in decode]
+        if fit_overheads and len({s.batch for s in decode}) >= 2:
+            inv_hbm, per_seq = _weighted_lstsq([[m, s.batch] for m, s in zip(mem_s, decode)], secs)
+            if per_seq < 0:
+                per_seq, inv_hbm = 0.0, _weighted_lstsq([[m] for m in mem_s], secs)[0]
+            if inv_hbm < 1.0:
+                inv_hbm = 1.0
+                per_seq = max(0.0, _weighted_lstsq([[s.batch] for s in decode],
+                                                   [t - m for t, m in zip(secs, mem_s)])[0])
+            eff = replace(eff, hbm=1.0 / inv_hbm, decode_seq_s=per_seq)
+        else:
+            ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / s.seconds
+                            for s in decode)
+            eff = replace(eff, hbm=min(1.0, ratios[len(ratios) // 2]))
     return eff

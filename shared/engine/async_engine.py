@@ -98,15 +98,17 @@ class AsyncEngine:
             yield out
 
     async def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
-                                     params: SamplingParams, priority: int = 0) -> RemotePrefillSlot | None:
-        """Decode side of remote prefill: reserve the prompt's blocks (see LLMEngine). On a slot,
-        read the request's tokens with ``stream(request_id)`` after ``finish_remote_prefill``."""
+                                     params: SamplingParams, priority: int = 0, *, keep_kv: bool = False,
+                                     decide: Callable[[int], bool] | None = None) -> RemotePrefillSlot | None:
+        """Decode side of remote prefill: reserve the prompt's blocks (see LLMEngine; ``decide``
+        runs in the engine thread). On a slot, read the request's tokens with
+        ``stream(request_id)`` after ``finish_remote_prefill``."""
         self._check_alive()
         self.engine.validate(prompt_token_ids, params)
         self._open_stream(request_id)
         try:
             slot = await self.call(lambda e: e.reserve_remote_prefill(
-                request_id, list(prompt_token_ids), params, priority))
+                request_id, list(prompt_token_ids), params, priority, keep_kv=keep_kv, decide=decide))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -120,6 +122,10 @@ class AsyncEngine:
         self._post(_Call(lambda e: self._deliver(
             [o] if (o := e.finish_remote_prefill(request_id, kv_written)) else []),
             concurrent.futures.Future()))
+
+    def discard_stream(self, request_id: str) -> None:
+        """Forget a request's output stream that nobody will read (it was aborted)."""
+        self._streams.pop(request_id, None)
 
     def release_kv(self, request_id: str) -> None:
         """Free the blocks a finished ``keep_kv`` request holds."""

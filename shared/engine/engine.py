@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +47,23 @@ class EngineOutput:
 @dataclass(frozen=True)
 class RemotePrefillSlot:
     """Where a prefill worker writes a prompt's KV: the request's blocks, of which the first
-    ``num_cached_tokens // block_size`` already hold the locally cached prefix."""
+    ``num_cached_tokens // block_size`` already hold the locally cached prefix. Only full prompt
+    blocks are written (``transfer_block_ids``); the partial tail, which generated tokens will
+    share, is recomputed locally, so a repeated write can only rewrite identical prompt KV."""
 
     block_ids: list[int]
     num_cached_tokens: int
     block_size: int
+    num_prompt_tokens: int = 0
 
     @property
     def uncached_block_ids(self) -> list[int]:
         return self.block_ids[self.num_cached_tokens // self.block_size:]
+
+    @property
+    def transfer_block_ids(self) -> list[int]:
+        """Full prompt blocks past the cached prefix: what a prefill worker writes."""
+        return self.block_ids[self.num_cached_tokens // self.block_size:self.num_prompt_tokens // self.block_size]
 
 
 @dataclass(frozen=True)
@@ -159,16 +168,21 @@ class LLMEngine:
         return self.scheduler.release(request_id)
 
     def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                               priority: int = 0) -> RemotePrefillSlot | None:
+                               priority: int = 0, *, keep_kv: bool = False,
+                               decide: Callable[[int], bool] | None = None) -> RemotePrefillSlot | None:
         """Decode side of remote prefill: reserve blocks for the prompt (reusing the local prefix
-        cache) that a prefill worker will write. None when the pool cannot hold it now."""
+        cache) that a prefill worker will write. None when the pool cannot hold it now, or when
+        ``decide(num_cached_tokens)`` — asked first, with the locally cached prefix — says no; in
+        both cases nothing changed. ``keep_kv``: hold the blocks after the request ends (for any
+        reason) until ``release_kv``, so a late write can never land in reused blocks."""
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority)
-        reserved = self.scheduler.reserve_remote(request)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
+                          keep_kv=keep_kv)
+        reserved = self.scheduler.reserve_remote(request, decide)
         if reserved is None:
             return None
         block_ids, num_cached = reserved
-        return RemotePrefillSlot(block_ids, num_cached, self.block_size)
+        return RemotePrefillSlot(block_ids, num_cached, self.block_size, len(prompt_token_ids))
 
     def finish_remote_prefill(self, request_id: str, kv_written: bool) -> EngineOutput | None:
         """The transfer for a reserved request is over: with ``kv_written`` it joins the decode

@@ -11,6 +11,7 @@ Pure Python: the scheduler never touches tensors. Each step:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.engine.errors import PromptTooLongError
@@ -82,7 +83,7 @@ class Scheduler:
             raise PromptTooLongError(num_prompt_tokens, pool_tokens, f"the KV cache of {pool_tokens + 1} tokens")
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.check_fits(request.num_prompt_tokens)
         request.update_block_hashes(self.kv.block_size, self.namespace)
@@ -102,15 +103,19 @@ class Scheduler:
         return request
 
     # -- remote prefill -------------------------------------------------------------------------
-    def reserve_remote(self, request: Request) -> tuple[list[int], int] | None:
+    def reserve_remote(self, request: Request,
+                       decide: Callable[[int], bool] | None = None) -> tuple[list[int], int] | None:
         """Take a request whose prompt KV another worker will write: allocate blocks for the whole
         prompt now, reusing the local cached prefix. Returns (block table, cached prompt tokens),
-        or None (nothing changed) when the pool cannot hold the prompt now."""
-        if request.request_id in self.requests:
+        or None (nothing changed) when ``decide(cached prompt tokens)`` is false or the pool
+        cannot hold the prompt now."""
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.check_fits(request.num_prompt_tokens)
         request.update_block_hashes(self.kv.block_size, self.namespace)
         hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+        if decide is not None and not decide(num_hit):
+            return None
         table = self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, hits)
         if table is None:
             return None
@@ -123,17 +128,19 @@ class Scheduler:
     def finish_remote(self, request_id: str, kv_written: bool) -> Request | None:
         """The transfer into a reserved request's blocks is over (or given up on).
 
-        ``kv_written``: the prompt's KV is in place, so all prompt tokens but the last count as
-        computed (the last is recomputed for its logits); otherwise the request prefills locally
-        from its cached prefix. An aborted request's blocks are freed now. None if unknown."""
+        ``kv_written``: the KV of the prompt's full blocks is in place, so their tokens count as
+        computed; the partial tail block (and at least the last token, for its logits) is computed
+        here. Otherwise the request prefills locally from its cached prefix. An aborted request's
+        blocks are freed now (held, with ``keep_kv``). None if unknown."""
         request = self.remote.pop(request_id, None)
         if request is None:
             return None
         if request.status is RequestStatus.FINISHED_ABORTED:
-            self.kv.free(request_id)
+            self._release_or_hold(request, request.status)
             return request
         if kv_written:
-            request.num_computed_tokens = request.num_prompt_tokens - 1
+            full = request.num_prompt_tokens // self.kv.block_size * self.kv.block_size
+            request.num_computed_tokens = max(request.num_computed_tokens, min(full, request.num_prompt_tokens - 1))
             # the received blocks are reusable (and announced) from now on, like computed ones
             self.kv.cache_computed(request_id, request.all_token_ids, request.block_hashes,
                                    request.num_computed_tokens)
@@ -235,9 +242,14 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.keep_kv and status is not RequestStatus.FINISHED_ABORTED:
+        self._release_or_hold(request, status)
+        self.requests.pop(request.request_id, None)
+
+    def _release_or_hold(self, request: Request, status: RequestStatus) -> None:
+        """A finished request's blocks go back to the pool, or, with ``keep_kv``, stay owned by it
+        (whatever the reason it ended) until ``release``."""
+        if request.keep_kv:
             self.held[request.request_id] = request
         else:
             self.kv.free(request.request_id)
         request.status = status
-        self.requests.pop(request.request_id, None)

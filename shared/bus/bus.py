@@ -22,7 +22,8 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig, StreamConfig
+from nats.js.api import (AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, KeyValueConfig,
+                         RetentionPolicy, StreamConfig)
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
@@ -233,13 +234,37 @@ class Bus:
 
     # --- JetStream ------------------------------------------------------------------------------
     async def ensure_stream(self, name: str, subjects: list[str], *, max_age_s: float,
-                            max_msgs: int) -> None:
-        """Create the stream, or bring an existing one's subjects and bounds up to date."""
+                            max_msgs: int, work_queue: bool = False) -> None:
+        """Create the stream, or bring an existing one's subjects and bounds up to date.
+
+        ``work_queue``: a message is removed once acknowledged, and a full stream refuses new
+        messages (the publisher gets an error) instead of silently dropping the oldest."""
         config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs)
+        if work_queue:
+            config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs,
+                                  retention=RetentionPolicy.WORK_QUEUE, discard=DiscardPolicy.NEW)
         try:
             await self.js.add_stream(config)
         except nats.js.errors.BadRequestError:
             await self.js.update_stream(config)
+
+    async def pull_consumer(self, endpoint: Endpoint[Req, WireModel], stream: str, durable: str, *,
+                            ack_wait_s: float, max_deliver: int, max_ack_pending: int = 1000):
+        """Bind to (creating if needed) the durable pull consumer ``durable`` on ``stream``:
+        explicit acks, redelivery ``ack_wait_s`` after the last ack or ``in_progress``, at most
+        ``max_deliver`` deliveries. Returns the nats-py pull subscription (``fetch``)."""
+        config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+                                max_deliver=max_deliver, max_ack_pending=max_ack_pending,
+                                filter_subject=endpoint.subject)
+        return await self.js.pull_subscribe(endpoint.subject, durable=durable, stream=stream, config=config)
+
+    async def consumer_info(self, stream: str, durable: str):
+        """The consumer's info (``num_pending``, ``num_ack_pending``, ...), or None if it or its
+        stream does not exist."""
+        try:
+            return await self.js.consumer_info(stream, durable)
+        except nats.js.errors.NotFoundError:
+            return None
 
     async def key_value(self, bucket: str, *, ttl_s: float | None = None) -> KeyValue:
         """Bind to a KV bucket, creating it (history 1, entries expiring after ``ttl_s`` if given)

@@ -7,6 +7,7 @@ from shared.protocol.generate import (CancelRequest, GenerateRequest, SamplingPa
                                       TokenLogprob, TopLogprob)
 from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                                 KvEventBatch, KvMatchRequest, KvMatchResult, WorkerOverlap)
+from shared.protocol.prefill import PrefillNotification, PrefillQueueStatus, RemotePrefillRequest
 from shared.protocol.subjects import Endpoint, Subjects
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
                                      ControlResult, WorkerInfo, WorkerLoad, WorkerStatus)
@@ -15,6 +16,6 @@ __all__ = [
     "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
-    "KvMatchResult", "SamplingParams", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "KvMatchResult", "PrefillNotification", "PrefillQueueStatus", "RemotePrefillRequest", "SamplingParams", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",
 ]

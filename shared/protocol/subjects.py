@@ -14,6 +14,7 @@ from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
+from shared.protocol.prefill import RemotePrefillRequest
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
                                      ControlResult, Role, WorkerLoad)
 
@@ -67,6 +68,11 @@ class Subjects:
     def cluster_status(self) -> Endpoint[ClusterStatusRequest, ClusterStatusResult]:
         return Endpoint(f"{self._root}.autoscaler.status", ClusterStatusRequest, ClusterStatusResult)
 
+    def prefill_queue(self) -> Endpoint[RemotePrefillRequest, WireModel]:
+        """The global prefill queue: JetStream stream ``prefill_stream``, pulled by every prefill
+        worker through the one durable consumer ``prefill_consumer``."""
+        return Endpoint(f"{self._root}.prefill.queue", RemotePrefillRequest)
+
     # --- publish-only ----------------------------------------------------------------------------
     def kv_events(self, worker_id: str) -> Endpoint[KvEventBatch, WireModel]:
         return Endpoint(f"{self._root}.kv.events.{_token(worker_id, 'worker_id')}", KvEventBatch)
@@ -85,6 +91,15 @@ class Subjects:
     @property
     def kv_events_stream(self) -> str:
         return f"{self.namespace.upper()}_KV_EVENTS"
+
+    @property
+    def prefill_stream(self) -> str:
+        return f"{self.namespace.upper()}_PREFILL"
+
+    @property
+    def prefill_consumer(self) -> str:
+        """The durable pull consumer all prefill workers share (a work queue has only one)."""
+        return "prefill-workers"
 
     @property
     def workers_bucket(self) -> str:

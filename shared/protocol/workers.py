@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from shared.protocol.base import WireModel, WorkerId
+from shared.protocol.prefill import PrefillQueueStatus
 
 Role = Literal["decode", "prefill"]
 WorkerState = Literal["starting", "ready", "draining"]
@@ -24,7 +25,7 @@ class WorkerInfo(WireModel):
     num_blocks_total: int = Field(0, ge=0)
     max_num_seqs: int = Field(1, ge=1)
     generate_subject: str
-    cancel_subject: str
+    cancel_subject: str = ""  # empty for prefill workers (their work comes from the queue)
     control_subject: str | None = None
     kv_namespace_hex: str = ""
     host: str = ""
@@ -52,16 +53,32 @@ class WorkerLoad(WireModel):
     num_requests_aborted: int = Field(0, ge=0)
     num_prompt_tokens_total: int = Field(0, ge=0)
     num_generated_tokens_total: int = Field(0, ge=0)
+    # disaggregated prefill (decode: requests whose prompt was prefilled remotely / locally, remote
+    # attempts that fell back to a local prefill; prefill: requests written / dropped)
+    num_remote_prefills: int = Field(0, ge=0)
+    num_local_prefills: int = Field(0, ge=0)
+    num_prefill_fallbacks: int = Field(0, ge=0)
+    num_prefills_dropped: int = Field(0, ge=0)
+    kv_bytes_sent: int = Field(0, ge=0)
+    kv_bytes_received: int = Field(0, ge=0)
 
 
 class ControlRequest(WireModel):
-    action: Literal["drain", "stop"]
+    """``drain``/``stop``: finish in-flight work and leave. ``configure``: change the decode
+    worker's conditional-disaggregation thresholds (fields left None keep their value).
+    ``status``: change nothing, report."""
+
+    action: Literal["drain", "stop", "configure", "status"]
+    max_local_prefill_tokens: int | None = Field(None, ge=0)
+    max_prefill_queue: int | None = Field(None, ge=0)
 
 
 class ControlResult(WireModel):
     worker_id: WorkerId
     state: WorkerState
     num_in_flight: int = Field(0, ge=0)
+    max_local_prefill_tokens: int | None = None
+    max_prefill_queue: int | None = None
 
 
 class ClusterStatusRequest(WireModel):
@@ -77,3 +94,4 @@ class WorkerStatus(WireModel):
 class ClusterStatusResult(WireModel):
     timestamp: float
     workers: list[WorkerStatus] = Field(default_factory=list)
+    prefill_queue: PrefillQueueStatus | None = None  # None: no prefill queue exists (yet)

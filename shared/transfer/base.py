@@ -198,6 +198,10 @@ class KvTransfer(Protocol):
         timeout the write is cancelled if the backend can; the target must treat the destination
         blocks as possibly written (it never counts them as filled without the notification)."""
 
+    def cancel(self, handle: TransferHandle) -> None:
+        """Give up on a write not yet done: cancel it if the backend can and count it failed. As
+        after a ``wait`` timeout, the target treats the destination blocks as possibly written."""
+
     def get_notifications(self) -> list[TransferNotification]:
         """Notifications that arrived since the last call, each once, in arrival order per peer.
         A target calls this regularly (every loop iteration or few ms) while it expects writes: it

@@ -254,14 +254,19 @@ class NixlTransfer:
         pause = 0.0
         while not self.poll(handle):
             if time.monotonic() > deadline:
-                self._release(handle)
-                self.stats.num_failed += 1
+                self.cancel(handle)
                 raise KVTransferFailed(f"write of {handle.num_bytes} B to {handle.peer!r} not done after "
                                        f"{timeout_s:.3g}s")
             # spin briefly (small writes finish in microseconds), then back off to spare the cores
             if pause:
                 time.sleep(pause)
             pause = min(max(pause * 2, 1e-5), 1e-3)
+
+    def cancel(self, handle: TransferHandle) -> None:
+        if handle.done:
+            return
+        self._release(handle)
+        self.stats.num_failed += 1
 
     def _count_done(self, handle: TransferHandle) -> None:
         self.stats.num_transfers += 1

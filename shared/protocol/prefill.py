@@ -1,0 +1,87 @@
+"""Remote prefill: a decode worker's request on the JetStream prefill queue, and what the prefill
+worker tells the decode worker through the NIXL notification that follows its write."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from shared.protocol.base import RequestId, WireModel, WorkerId
+
+NotificationStatus = Literal["ok", "failed"]
+
+
+class RemotePrefillRequest(WireModel):
+    """Compute ``prompt_token_ids``' KV and write it into the decode worker's ``block_ids``.
+
+    ``block_ids`` is the decode worker's block table for the whole prompt (``block_size`` tokens
+    per block). Its first ``num_cached_tokens // block_size`` blocks already hold the decode
+    worker's cached prefix and are not written. Only *full* prompt blocks are written: the partial
+    tail block, where the decode worker will also put generated tokens, is recomputed there, so a
+    repeated (redelivered) write can never overwrite anything but identical prompt KV.
+
+    No write may *start* after ``write_deadline`` (epoch seconds) and none may take longer than
+    ``write_timeout_s``: after ``write_deadline + write_timeout_s`` the decode worker knows no
+    transfer into the blocks is in flight and may reuse them.
+    """
+
+    request_id: RequestId
+    transfer_id: str = Field(min_length=1, max_length=64)  # one reservation: the notification names it
+    model: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    decode_worker_id: WorkerId  # its NIXL metadata is under this key in the ``<ns>-nixl`` bucket
+    block_ids: list[int]
+    block_size: int = Field(ge=1)
+    num_cached_tokens: int = Field(0, ge=0)
+    write_deadline: float
+    write_timeout_s: float = Field(gt=0)
+    priority: int = 0
+    created_at: float = 0.0
+
+    @model_validator(mode="after")
+    def _blocks_cover_the_prompt(self) -> "RemotePrefillRequest":
+        need = -(-len(self.prompt_token_ids) // self.block_size)
+        if len(self.block_ids) != need:
+            raise ValueError(f"{len(self.block_ids)} block ids for a {len(self.prompt_token_ids)}-token prompt "
+                             f"in {self.block_size}-token blocks (need {need})")
+        if self.num_cached_tokens % self.block_size or self.num_cached_tokens >= len(self.prompt_token_ids):
+            raise ValueError(f"num_cached_tokens {self.num_cached_tokens} must be a multiple of block_size "
+                             f"below the prompt length")
+        return self
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.prompt_token_ids) // self.block_size
+
+    @property
+    def first_block(self) -> int:
+        """Index (into ``block_ids``) of the first block to write."""
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def write_block_ids(self) -> list[int]:
+        """The decode worker's blocks this request writes: full, uncached prompt blocks."""
+        return self.block_ids[self.first_block:self.num_full_blocks]
+
+
+class PrefillNotification(WireModel):
+    """The message of the NIXL notification a prefill worker sends after its write (``ok``), or
+    instead of one when it gives up on the request (``failed``: the decode worker prefills locally
+    at once instead of waiting for its timeout)."""
+
+    transfer_id: str
+    request_id: RequestId
+    status: NotificationStatus = "ok"
+    num_blocks: int = Field(0, ge=0)
+    prefill_worker_id: WorkerId | None = None
+    message: str = ""
+
+
+class PrefillQueueStatus(WireModel):
+    """The prefill queue as ``/status`` shows it (the durable consumer's counters)."""
+
+    num_pending: int = Field(0, ge=0)  # queued, not yet taken by a prefill worker
+    num_ack_pending: int = Field(0, ge=0)  # taken, not yet acknowledged (being prefilled)
+    num_redelivered: int = Field(0, ge=0)
+    num_waiting_pulls: int = Field(0, ge=0)

@@ -9,7 +9,7 @@ import time
 
 from shared.bus import Bus, WorkerRegistry
 from shared.cluster.view import ClusterView
-from shared.protocol import ClusterStatusRequest, ClusterStatusResult, Subjects, WorkerLoad
+from shared.protocol import ClusterStatusRequest, ClusterStatusResult, PrefillQueueStatus, Subjects, WorkerLoad
 from services.autoscaler.config import AutoscalerSettings
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,14 @@ class AutoscalerService:
         self.view.update_load(load, time.time())
 
     async def status(self, request: ClusterStatusRequest) -> ClusterStatusResult:
-        return self.view.status(time.time())
+        result = self.view.status(time.time())
+        info = await self._bus.consumer_info(self._subjects.prefill_stream, self._subjects.prefill_consumer)
+        if info is None:
+            return result
+        queue = PrefillQueueStatus(num_pending=info.num_pending or 0, num_ack_pending=info.num_ack_pending or 0,
+                                   num_redelivered=info.num_redelivered or 0,
+                                   num_waiting_pulls=info.num_waiting or 0)
+        return result.model_copy(update={"prefill_queue": queue})
 
     async def refresh_forever(self) -> None:
         while True:

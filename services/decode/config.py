@@ -1,50 +1,30 @@
-import os
-import re
-import socket
-
 from pydantic import Field, model_validator
 
-from shared.runtime.settings import ServiceSettings
+from shared.runtime.engine_settings import EngineWorkerSettings, default_worker_id
 
 
-def default_worker_id() -> str:
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40]
-    return f"decode-{host}-{os.getpid()}"
-
-
-class DecodeSettings(ServiceSettings):
-    worker_id: str = Field(default_factory=default_worker_id, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+class DecodeSettings(EngineWorkerSettings):
+    worker_id: str = Field(default_factory=lambda: default_worker_id("decode"), pattern=r"^[A-Za-z0-9_-]{1,64}$",
                            description="unique worker id (a subject token)")
-    model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
-    device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
-    dtype: str | None = Field(None, description="float32, bfloat16, float16 (default by device)")
-    block_size: int = Field(16, ge=1, description="KV block size in tokens")
-    kv_cache_memory: str | None = Field(None, description="KV pool budget, e.g. 512MiB")
-    max_model_len: int | None = Field(None, ge=16, description="context limit (default: the model's)")
-    max_num_seqs: int = Field(64, ge=1, description="max concurrent sequences")
-    max_num_batched_tokens: int = Field(512, ge=16, description="token budget per engine step")
-    attention_backend: str = Field("auto", description="auto, torch or triton")
-    seed: int = Field(0, description="engine seed")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
-    num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
-    load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
-    drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
-    events_max_age_s: float = Field(3600.0, gt=0, description="KV event stream retention (seconds)")
-    events_max_msgs: int = Field(1_000_000, gt=0, description="KV event stream retention (messages)")
+    remote_prefill: bool = Field(True, description="send long uncached prompts to prefill workers when any "
+                                 "are registered (needs NIXL)")
+    max_local_prefill_tokens: int = Field(512, ge=0, description="prefill locally when the uncached part of "
+                                          "the prompt is at most this long (0: every uncached prompt goes remote)")
+    max_prefill_queue: int = Field(128, ge=0, description="prefill locally while the prefill queue holds this "
+                                   "many requests or more")
+    remote_prefill_timeout_s: float = Field(30.0, gt=1, description="prefill locally if a prefill worker has not "
+                                            "delivered the KV within this")
+    kv_write_timeout_s: float = Field(5.0, gt=0, description="longest a prefill worker's KV write into this "
+                                      "worker may take (sets its write deadline)")
 
     @model_validator(mode="after")
-    def _batch_covers_a_block(self) -> "DecodeSettings":
-        if self.max_num_batched_tokens < self.block_size:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"block_size ({self.block_size})")
+    def _window_covers_a_write(self) -> "DecodeSettings":
+        if self.remote_prefill_timeout_s <= self.kv_write_timeout_s + 1:
+            raise ValueError(f"remote_prefill_timeout_s ({self.remote_prefill_timeout_s}) must exceed "
+                             f"kv_write_timeout_s ({self.kv_write_timeout_s}) by more than 1s")
         return self
 
-    def engine_config(self):
-        from shared.engine import EngineConfig, parse_size
+    def disagg_config(self):
+        from shared.policy.disagg import DisaggConfig
 
-        return EngineConfig(
-            model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
-            kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
-            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads)
+        return DisaggConfig(self.max_local_prefill_tokens, self.max_prefill_queue)

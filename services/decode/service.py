@@ -10,6 +10,7 @@ the JetStream-backed ``kv.events.<worker>`` subject for kv-index.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -17,22 +18,24 @@ import time
 from collections.abc import AsyncIterator
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
-from shared.engine import AsyncEngine, EngineError, InvalidRequestError, SamplingParams
+from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.kvcache.events import SequencedEvent
-from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest,
-                             KvEventBatch, Subjects, TokenChunk, WorkerInfo, WorkerLoad)
+from shared.policy.disagg import DisaggConfig
+from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, Subjects, TokenChunk,
+                             WorkerInfo, WorkerLoad)
+from shared.runtime.worker import LoopSink, publish_kv_events_forever, warm_up
 from shared.telemetry.metrics import RecentMean
+from shared.transfer import TransferUnavailable
 from services.decode.config import DecodeSettings
-from services.decode.translate import engine_params, kv_event, token_chunk
+from services.decode.remote import RemotePrefiller
+from services.decode.translate import engine_params, token_chunk
 
 log = logging.getLogger(__name__)
-
-_MAX_EVENTS_PER_BATCH = 512
 
 
 class DecodeWorker:
     def __init__(self, settings: DecodeSettings, bus: Bus, registry: WorkerRegistry,
-                 engine: AsyncEngine) -> None:
+                 engine: AsyncEngine, remote: RemotePrefiller | None = None) -> None:
         self._settings = settings
         self._subjects = Subjects(settings.namespace)
         self._bus = bus
@@ -48,6 +51,8 @@ class DecodeWorker:
         self._itl = RecentMean(10.0)
         self.num_requests_total = 0
         self.num_requests_aborted = 0
+        self.num_local_prefills = 0
+        self.remote = remote  # None: remote prefill off (disabled, or no KV transfer here)
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()
@@ -62,22 +67,7 @@ class DecodeWorker:
             pid=os.getpid(), started_at=self._started_at)
 
     async def warm_up(self) -> None:
-        """Concurrent throwaway requests of a few lengths: compiles/allocates every path once."""
-        n = self._settings.num_warmup_requests
-        if n == 0:
-            return
-        vocab = self.engine.tokenizer.vocab_size
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-        async def one(i: int) -> None:
-            length = min(8 + 24 * i, self.engine.max_model_len - 8)
-            prompt = [(7 + 31 * i + j) % vocab for j in range(length)]
-            async for _ in self.engine.generate(f"warmup-{self.worker_id}-{i}", prompt, params):
-                pass
-
-        started = time.monotonic()
-        await asyncio.gather(*(one(i) for i in range(n)))
-        log.info("warm-up: %d requests in %.2fs", n, time.monotonic() - started)
+        await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests)
 
     async def start(self) -> None:
         """Serve, then register as ready (serving first: once listed, requests may come)."""
@@ -86,7 +76,7 @@ class DecodeWorker:
                                       max_age_s=self._settings.events_max_age_s,
                                       max_msgs=self._settings.events_max_msgs)
         loop = asyncio.get_running_loop()
-        self.engine.add_kv_event_sink(_LoopSink(loop, self._events))
+        self.engine.add_kv_event_sink(LoopSink(loop, self._events))
         await self._bus.subscribe(s.decode_cancel(self.worker_id), self.cancel)
         await self._bus.serve(s.control(self.worker_id), self.control)
         await self._bus.serve_stream(s.decode_generate(self.worker_id), self.generate)
@@ -99,9 +89,16 @@ class DecodeWorker:
         self.num_requests_total += 1
         started = last = time.monotonic()
         index = 0
+        params = engine_params(request.sampling)
         try:
-            async for out in self.engine.generate(request.request_id, request.prompt_token_ids,
-                                                  engine_params(request.sampling), request.priority):
+            handle = await self.remote.start(request, params) if self.remote is not None else None
+            if handle is None:
+                self.num_local_prefills += 1
+                outputs = self.engine.generate(request.request_id, request.prompt_token_ids, params,
+                                               request.priority)
+            else:
+                outputs = handle.outputs()
+            async for out in outputs:
                 now = time.monotonic()
                 (self._ttft if index == 0 else self._itl).observe(now - last)
                 last = now
@@ -122,12 +119,28 @@ class DecodeWorker:
     async def cancel(self, request: CancelRequest) -> None:
         log.info("cancel %s: %s", request.request_id, request.reason)
         self.engine.abort(request.request_id)
+        if self.remote is not None:
+            self.remote.cancel(request.request_id)
+
+    @property
+    def disagg(self) -> DisaggConfig:
+        return self.remote.config if self.remote is not None else self._settings.disagg_config()
 
     async def control(self, request: ControlRequest) -> ControlResult:
         if request.action in ("drain", "stop"):
             self.drain_requested.set()
-        return ControlResult(worker_id=self.worker_id, state="draining",
-                             num_in_flight=self._bus.num_in_flight)
+        elif request.action == "configure":
+            changes = {k: v for k in ("max_local_prefill_tokens", "max_prefill_queue")
+                       if (v := getattr(request, k)) is not None}
+            if changes and self.remote is None:
+                raise ServiceError("bad_request", f"worker {self.worker_id} has remote prefill off")
+            if changes:
+                self.remote.config = dataclasses.replace(self.remote.config, **changes)
+                log.info("disaggregation thresholds now %s", self.remote.config)
+        state = "draining" if self.drain_requested.is_set() else self.state
+        return ControlResult(worker_id=self.worker_id, state=state, num_in_flight=self._bus.num_in_flight,
+                             max_local_prefill_tokens=self.disagg.max_local_prefill_tokens if self.remote else None,
+                             max_prefill_queue=self.disagg.max_prefill_queue if self.remote else None)
 
     def load(self) -> WorkerLoad:
         stats = self.engine.stats()
@@ -140,7 +153,11 @@ class DecodeWorker:
             ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
             num_prompt_tokens_total=stats.num_prompt_tokens,
-            num_generated_tokens_total=stats.num_generated_tokens)
+            num_generated_tokens_total=stats.num_generated_tokens,
+            num_local_prefills=self.num_local_prefills,
+            num_remote_prefills=self.remote.num_remote if self.remote else 0,
+            num_prefill_fallbacks=self.remote.num_fallbacks if self.remote else 0,
+            kv_bytes_received=self.remote.transfer.stats.num_bytes_received if self.remote else 0)
 
     async def _publish_load(self) -> None:
         try:
@@ -155,19 +172,8 @@ class DecodeWorker:
             await asyncio.sleep(self._settings.load_interval_s)
 
     async def publish_kv_events_forever(self) -> None:
-        endpoint = self._subjects.kv_events(self.worker_id)
-        while True:
-            events = [await self._events.get()]
-            while not self._events.empty() and len(events) < _MAX_EVENTS_PER_BATCH:
-                events.append(self._events.get_nowait())
-            batch = KvEventBatch(worker_id=self.worker_id, events=[kv_event(e) for e in events])
-            for attempt in range(5):
-                try:
-                    await self._bus.js_publish(endpoint, batch)
-                    break
-                except Exception as exc:  # noqa: BLE001 — kv-index sees the gap if we give up
-                    log.warning("KV event publish failed (attempt %d): %s", attempt + 1, exc)
-                    await asyncio.sleep(0.2 * (attempt + 1))
+        await publish_kv_events_forever(self._bus, self._subjects.kv_events(self.worker_id), self.worker_id,
+                                        self._events)
 
     async def drain(self, heartbeat: asyncio.Task) -> None:
         """Stay listed as ``draining`` (admission skips it) while in-flight requests finish."""
@@ -181,32 +187,35 @@ class DecodeWorker:
         await self._registry.delete(self.worker_id)
 
 
-class _LoopSink:
-    """KvEventSink handing events from the engine thread to the event loop (never blocks)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        self._loop, self._queue = loop, queue
-
-    def emit(self, event: SequencedEvent) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-
 async def run(settings: DecodeSettings, stop: asyncio.Event) -> None:
     log.info("loading %s", settings.model)
     engine = await asyncio.to_thread(AsyncEngine.start, settings.engine_config())
     bus = await Bus.connect(settings.nats_url, settings.worker_id)
+    subjects = Subjects(settings.namespace)
     tasks: list[asyncio.Task] = []
+    transfer = store = None
     try:
-        registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
-                                             ttl_s=settings.registry_ttl_s)
-        worker = DecodeWorker(settings, bus, registry, engine)
+        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s,
+                                             watch=settings.remote_prefill)
+        remote = None
+        if settings.remote_prefill:
+            transfer, store = await _open_transfer(settings, bus, engine)
+        if transfer is not None:
+            remote = RemotePrefiller(
+                worker_id=settings.worker_id, model=settings.model, bus=bus, registry=registry, engine=engine,
+                transfer=transfer, subjects=subjects, config=settings.disagg_config(),
+                timeout_s=settings.remote_prefill_timeout_s, write_timeout_s=settings.kv_write_timeout_s)
+        worker = DecodeWorker(settings, bus, registry, engine, remote)
         await worker.warm_up()
         await worker.start()
         tasks = [asyncio.create_task(c) for c in (
             registry.heartbeat(worker.info), worker.publish_load_forever(),
             worker.publish_kv_events_forever())]
-        log.info("decode worker %s ready (model %s, %d KV blocks)", worker.worker_id,
-                 settings.model, engine.stats().num_blocks_total)
+        if remote is not None:
+            tasks.append(asyncio.create_task(remote.receive_forever()))
+        log.info("decode worker %s ready (model %s, %d KV blocks; remote prefill %s)", worker.worker_id,
+                 settings.model, engine.stats().num_blocks_total,
+                 f"on above {remote.config.max_local_prefill_tokens} uncached tokens" if remote else "off")
         drain = asyncio.create_task(worker.drain_requested.wait())
         await asyncio.wait([asyncio.create_task(stop.wait()), drain],
                            return_when=asyncio.FIRST_COMPLETED)
@@ -215,6 +224,31 @@ async def run(settings: DecodeSettings, stop: asyncio.Event) -> None:
     finally:
         for task in tasks:
             task.cancel()
+        if store is not None:
+            try:
+                await store.delete(settings.worker_id)
+            except Exception as exc:  # noqa: BLE001 — a stale entry only costs a failed write
+                log.warning("withdrawing NIXL metadata failed: %s", exc)
         await bus.close()
         await asyncio.to_thread(engine.shutdown)
+        if transfer is not None:
+            transfer.close()
         log.info("stopped")
+
+
+async def _open_transfer(settings: DecodeSettings, bus: Bus, engine: AsyncEngine):
+    """A NIXL agent over this worker's KV pool, its metadata published for prefill workers; or
+    (None, None) with the reason logged where NIXL cannot run (remote prefill is then off)."""
+    from shared.transfer.nats_metadata import NatsMetadataStore
+    from shared.transfer.nixl import NixlTransfer
+    from shared.transfer import publish_metadata
+
+    try:
+        transfer = NixlTransfer(settings.worker_id)
+    except TransferUnavailable as exc:
+        log.warning("remote prefill OFF: %s", exc)
+        return None, None
+    transfer.register_kv_pool(engine.engine.kv_cache, engine.engine.kv_spec)
+    store = await NatsMetadataStore.open(bus, Subjects(settings.namespace).nixl_bucket)
+    await publish_metadata(store, settings.worker_id, transfer)
+    return transfer, store

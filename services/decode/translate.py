@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from shared.engine import EngineOutput, SamplingParams as EngineSamplingParams
-from shared.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, SequencedEvent
-from shared.protocol import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
-                             SamplingParams, TokenChunk, TokenLogprob, TopLogprob)
+from shared.protocol import SamplingParams, TokenChunk, TokenLogprob, TopLogprob
 
 
 def engine_params(p: SamplingParams) -> EngineSamplingParams:
@@ -26,15 +24,3 @@ def token_chunk(out: EngineOutput, index: int, worker_id: str) -> TokenChunk:
                       logprobs=logprobs, finish_reason=out.finish_reason,
                       num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                       worker_id=worker_id)
-
-
-def kv_event(ev: SequencedEvent):
-    e = ev.event
-    if isinstance(e, BlockStored):
-        return BlockStoredEvent(seq=ev.seq, timestamp=ev.timestamp, block_hashes=list(e.block_hashes),
-                                parent_hash=e.parent_hash, tier=e.tier)
-    if isinstance(e, BlockRemoved):
-        return BlockRemovedEvent(seq=ev.seq, timestamp=ev.timestamp, block_hashes=list(e.block_hashes),
-                                 tier=e.tier)
-    assert isinstance(e, AllBlocksCleared), f"unknown KV event {e!r}"
-    return AllBlocksClearedEvent(seq=ev.seq, timestamp=ev.timestamp)

@@ -249,8 +249,9 @@ class Gateway:
     async def ready(self, request: web.Request) -> web.Response:
         workers = self.ready_workers()
         status = 200 if workers else 503
-        return web.json_response({"ready": bool(workers), "num_ready_decode_workers": len(workers)},
-                                 status=status)
+        num_prefill = sum(1 for w in self.workers if w.role == "prefill" and w.state == "ready")
+        return web.json_response({"ready": bool(workers), "num_ready_decode_workers": len(workers),
+                                  "num_ready_prefill_workers": num_prefill}, status=status)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics_registry.render(), content_type="text/plain",

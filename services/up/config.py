@@ -14,6 +14,12 @@ class UpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
     decode: int = Field(1, ge=1, le=64, description="number of decode workers")
+    prefill: int = Field(0, ge=0, le=64, description="number of prefill workers (0: every prompt prefills "
+                         "on its decode worker)")
+    max_local_prefill_tokens: int | None = Field(None, ge=0, description="decode workers prefill locally up to "
+                                                 "this many uncached prompt tokens (default: decode's)")
+    max_prefill_queue: int | None = Field(None, ge=0, description="decode workers prefill locally while the "
+                                          "prefill queue is this long (default: decode's)")
     model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
     host: str = Field("127.0.0.1", description="gateway listen address")
     port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
@@ -22,7 +28,7 @@ class UpSettings(BaseSettings):
     namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
-    device: str = Field("auto", description="decode workers' device: cpu, cuda, cuda:N or auto")
+    device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
     drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")

@@ -10,12 +10,13 @@ from services.up.config import UpSettings
 
 
 def spec_from_settings(s: UpSettings) -> StackSpec:
+    engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s}
+    disagg = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue}
     return StackSpec(
-        state_dir=s.state_dir / s.namespace, num_decode=s.decode, model=s.model, host=s.host,
-        port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
+        state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill, model=s.model,
+        host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level,
-        decode_flags={"kv_cache_memory": s.kv_cache_memory, "device": s.device,
-                      "drain_timeout_s": s.drain_timeout_s})
+        decode_flags={**engine, **{k: v for k, v in disagg.items() if v is not None}}, prefill_flags=engine)
 
 
 def run(settings: UpSettings) -> int:
@@ -25,7 +26,8 @@ def run(settings: UpSettings) -> int:
     stack = Stack(spec_from_settings(settings))
     try:
         stack.start()
-        print_line("up", f"starting {settings.decode} decode worker(s) of {settings.model}; "
+        print_line("up", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
+                         f"{settings.model}; "
                          f"waiting for {stack.base_url}/ready")
         waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop), daemon=True)
         waiter.start()

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "services.gateway.__main__",  # gateway, status
     "services.admission.__main__",
     "services.decode.__main__",
+    "services.prefill.__main__",
     "services.kv_index.__main__",
     "services.autoscaler.__main__",
 ]

@@ -23,6 +23,7 @@ class DisaggInput:
     cached_tokens: int            # leading tokens already in this decode worker's KV cache
     prefill_queue_len: int        # remote prefill requests waiting (JetStream pending count)
     has_prefill_workers: bool = True
+    block_size: int = 1           # KV moves in whole blocks: the partial tail is always computed locally
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ def decide_prefill(inp: DisaggInput, cfg: DisaggConfig = DisaggConfig()) -> Disa
     uncached = max(inp.prompt_tokens - inp.cached_tokens, 0)
     if not inp.has_prefill_workers:
         return DisaggDecision(False, uncached, "no prefill workers")
+    movable = inp.prompt_tokens // inp.block_size - inp.cached_tokens // inp.block_size
+    if movable <= 0:
+        return DisaggDecision(False, uncached, f"uncached {uncached} tokens fill no whole {inp.block_size}-token block")
     if uncached <= cfg.max_local_prefill_tokens:
         return DisaggDecision(False, uncached, f"uncached {uncached} <= {cfg.max_local_prefill_tokens} tokens")
     if inp.prefill_queue_len >= cfg.max_prefill_queue:

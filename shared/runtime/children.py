@@ -69,8 +69,11 @@ class Child:
 def service_argv(service: str, flags: dict[str, object]) -> list[str]:
     argv = [sys.executable, "-m", "shared.cli.main", service]
     for name, value in flags.items():
-        if value is not None:
-            argv += ["--" + name.replace("_", "-"), str(value)]
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # BooleanOptionalAction: --flag / --no-flag
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
     return argv
 
 

@@ -22,6 +22,7 @@ from shared.runtime.servers import ServerProcess, free_port, start_nats_server, 
 class StackSpec:
     state_dir: Path
     num_decode: int = 1
+    num_prefill: int = 0
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = 8000                  # 0: a free port
@@ -31,6 +32,7 @@ class StackSpec:
     registry_ttl_s: float = 6.0
     log_level: str = "INFO"
     decode_flags: dict[str, object] = field(default_factory=dict)
+    prefill_flags: dict[str, object] = field(default_factory=dict)
     gateway_flags: dict[str, object] = field(default_factory=dict)
     admission_flags: dict[str, object] = field(default_factory=dict)
 
@@ -78,18 +80,26 @@ class Stack:
         self.spawn("autoscaler", "autoscaler", common)
         for i in range(spec.num_decode):
             self.spawn_decode(f"decode-{i + 1}")
+        for i in range(spec.num_prefill):
+            self.spawn_prefill(f"prefill-{i + 1}")
         self.spawn("gateway", "gateway", {**common, "model": spec.model, "host": spec.host,
                                           "port": self.port, **spec.gateway_flags})
 
     def spawn_decode(self, name: str) -> Child:
+        return self._spawn_worker(name, "decode", self.spec.decode_flags)
+
+    def spawn_prefill(self, name: str) -> Child:
+        return self._spawn_worker(name, "prefill", self.spec.prefill_flags)
+
+    def _spawn_worker(self, name: str, service: str, flags: dict[str, object]) -> Child:
         spec = self.spec
         worker_id = f"{spec.namespace}-{name}"[:64]
         # workers sharing one machine split its cores rather than each spinning a thread per core
-        threads = {"num_threads": max(1, (os.cpu_count() or 1) // spec.num_decode)} if spec.num_decode > 1 else {}
-        return self.spawn(name, "decode", {
+        num_workers = spec.num_decode + spec.num_prefill
+        threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_workers)} if num_workers > 1 else {}
+        return self.spawn(name, service, {
             "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
-            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **threads,
-            **spec.decode_flags})
+            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **threads, **flags})
 
     def spawn(self, name: str, service: str, flags: dict[str, object]) -> Child:
         child = Child(name, service_argv(service, flags), child_env(), self._line)
@@ -103,19 +113,24 @@ class Stack:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
-    def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None) -> None:
-        """Until /ready is 200 with ``num_decode`` (default: all) ready decode workers."""
+    def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None,
+                   num_prefill: int | None = None) -> None:
+        """Until /ready is 200 with ``num_decode`` ready decode workers and ``num_prefill`` ready
+        prefill workers (default: all the stack started)."""
         want = self.spec.num_decode if num_decode is None else num_decode
+        want_prefill = self.spec.num_prefill if num_prefill is None else num_prefill
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = [n for n, c in self.children.items() if not c.is_running()]
             if dead:
                 raise RuntimeError(f"service(s) exited during start-up: {', '.join(dead)}")
             status = self.ready_status()
-            if status and status.get("num_ready_decode_workers", 0) >= want:
+            if (status and status.get("num_ready_decode_workers", 0) >= want
+                    and status.get("num_ready_prefill_workers", 0) >= want_prefill):
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"{self.base_url}/ready not 200 with {want} decode workers in {timeout_s}s")
+        raise TimeoutError(f"{self.base_url}/ready not 200 with {want} decode and {want_prefill} prefill "
+                           f"workers in {timeout_s}s")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""

@@ -8,14 +8,18 @@ import pytest
 from shared.cli.main import build_parser, main
 from shared.runtime.settings import settings_from_args
 
-SERVICES = ["gateway", "admission", "decode", "kv-index", "autoscaler", "up"]
+SERVICES = ["gateway", "admission", "decode", "prefill", "kv-index", "autoscaler", "up"]
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_every_settings_field_is_a_flag(service):
     args = build_parser().parse_args([service])
-    for name in args.settings_class.model_fields:
+    for name, field in args.settings_class.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            assert getattr(build_parser().parse_args([service, flag]), name) is True, flag
+            assert getattr(build_parser().parse_args([service, "--no-" + flag[2:]]), name) is False, flag
+            continue
         parsed = build_parser().parse_args([service, flag, "1"])
         assert getattr(parsed, name) == "1", flag
 
@@ -50,3 +54,8 @@ def test_decode_num_threads_reaches_the_engine_config():
 
     assert DecodeSettings(num_threads=1).engine_config().num_threads == 1
     assert DecodeSettings().engine_config().num_threads is None
+
+
+def test_remote_prefill_window_must_cover_a_kv_write(capsys):
+    assert main(["decode", "--remote-prefill-timeout-s", "4", "--kv-write-timeout-s", "5"]) == 2
+    assert "remote_prefill_timeout_s" in capsys.readouterr().err

@@ -26,6 +26,14 @@ def test_long_prefill_queue_or_no_prefill_workers_keeps_it_local():
     assert decide_prefill(DisaggInput(0.0, 4000, 0, 9), cfg).remote
     assert not decide_prefill(DisaggInput(0.0, 4000, 0, 0, has_prefill_workers=False), cfg).remote
 
+
+def test_disagg_moves_only_whole_blocks():
+    cfg = DisaggConfig(max_local_prefill_tokens=0)
+    assert decide_prefill(DisaggInput(0.0, 40, 16, 0, block_size=16), cfg).remote  # block 1 is whole
+    d = decide_prefill(DisaggInput(0.0, 40, 32, 0, block_size=16), cfg)  # 8 uncached: no whole block
+    assert not d.remote and "no whole 16-token block" in d.reason
+    assert not decide_prefill(DisaggInput(0.0, 6, 0, 0, block_size=16), cfg).remote
+
 # --- routing (array form of shared.policy.kv_routing) ---------------------------------------------
 
 

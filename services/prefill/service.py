@@ -1,0 +1,320 @@
+"""prefill: pulls the global prefill queue, computes each prompt's KV and writes it with NIXL into
+the decode worker's reserved blocks, then acknowledges the message.
+
+The ack comes only after the write completed and its notification was sent: a worker that dies
+before it leaves the message unacknowledged, and JetStream redelivers it to another prefill worker
+``ack_wait_s`` after the last ``in_progress`` (sent every third of that while prefilling). Writes
+are idempotent (full prompt blocks only, same bytes), and the decode worker takes the first
+notification and ignores the rest, so a redelivery after a completed write is harmless.
+
+A request whose decode worker is gone (no NIXL metadata, or the write fails) is dropped and acked;
+the worker keeps serving. A request past its ``write_deadline`` is dropped unwritten: the decode
+worker has already prefilled it locally, or is about to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+import nats.errors
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from shared.bus import Bus, WorkerRegistry
+from shared.engine import AsyncEngine, EngineError, SamplingParams
+from shared.kvcache.events import SequencedEvent
+from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest, Subjects,
+                             WorkerInfo, WorkerLoad)
+from shared.runtime.worker import LoopSink, publish_kv_events_forever, warm_up
+from shared.telemetry.metrics import RecentMean
+from shared.transfer import KvTransfer, KVTransferFailed, MetadataStore, connect_peer, wait_written
+from services.prefill.config import PrefillSettings
+
+log = logging.getLogger(__name__)
+
+_PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+class _Dropped(Exception):
+    """The request cannot be served; ``notify``: tell the decode worker (it prefills locally now)."""
+
+    def __init__(self, reason: str, *, notify: bool) -> None:
+        super().__init__(reason)
+        self.notify = notify
+
+
+class PrefillWorker:
+    def __init__(self, settings: PrefillSettings, bus: Bus, registry: WorkerRegistry, engine: AsyncEngine,
+                 transfer: KvTransfer, store: MetadataStore) -> None:
+        self._settings = settings
+        self._subjects = Subjects(settings.namespace)
+        self._bus = bus
+        self._registry = registry
+        self.engine = engine
+        self.transfer = transfer
+        self._store = store
+        self.worker_id = settings.worker_id
+        self.state = "starting"
+        self.drain_requested = asyncio.Event()
+        self._events: asyncio.Queue[SequencedEvent] = asyncio.Queue()
+        self._started_at = time.time()
+        self._load_seq = 0
+        self._prefill_time = RecentMean(10.0)
+        self._slots = asyncio.Semaphore(settings.max_concurrent_prefills)
+        self._tasks: set[asyncio.Task] = set()
+        self._sub = None
+        self.num_requests_total = 0
+        self.num_written = 0
+        self.num_dropped = 0
+
+    def info(self) -> WorkerInfo:
+        stats = self.engine.stats()
+        return WorkerInfo(
+            worker_id=self.worker_id, role="prefill", state=self.state, model=self._settings.model,
+            block_size=self.engine.block_size, max_model_len=self.engine.max_model_len,
+            num_blocks_total=stats.num_blocks_total, max_num_seqs=stats.max_num_seqs,
+            generate_subject=self._subjects.prefill_queue().subject,
+            control_subject=self._subjects.control(self.worker_id).subject,
+            kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
+            pid=os.getpid(), started_at=self._started_at)
+
+    def load(self) -> WorkerLoad:
+        stats = self.engine.stats()
+        self._load_seq += 1
+        return WorkerLoad(
+            worker_id=self.worker_id, role="prefill", seq=self._load_seq, timestamp=time.time(),
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
+            num_cached_blocks=stats.num_cached_blocks, max_num_seqs=stats.max_num_seqs,
+            ttft_recent_s=self._prefill_time.mean(), num_requests_total=self.num_requests_total,
+            num_prompt_tokens_total=stats.num_prompt_tokens, num_remote_prefills=self.num_written,
+            num_prefills_dropped=self.num_dropped, kv_bytes_sent=self.transfer.stats.num_bytes_sent)
+
+    async def start(self) -> None:
+        s, cfg = self._subjects, self._settings
+        await self._bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
+                                      max_age_s=cfg.events_max_age_s, max_msgs=cfg.events_max_msgs)
+        await self._bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=cfg.queue_max_age_s,
+                                      max_msgs=cfg.queue_max_msgs, work_queue=True)
+        self._sub = await self._bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer,
+                                                  ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver)
+        self.engine.add_kv_event_sink(LoopSink(asyncio.get_running_loop(), self._events))
+        await self._bus.serve(s.control(self.worker_id), self.control)
+        self.state = "ready"
+        await self._registry.put(self.info())
+
+    async def control(self, request: ControlRequest) -> ControlResult:
+        if request.action in ("drain", "stop"):
+            self.drain_requested.set()
+        state = "draining" if self.drain_requested.is_set() else self.state
+        return ControlResult(worker_id=self.worker_id, state=state, num_in_flight=len(self._tasks))
+
+    # -- the queue --------------------------------------------------------------------------------
+    async def pull_forever(self) -> None:
+        """Fetch as many messages as there are free prefill slots; each runs in its own task, so
+        the engine batches concurrent prompts together."""
+        while self.state == "ready":
+            await self._slots.acquire()
+            free = 1
+            while free < self._settings.max_concurrent_prefills and not self._slots.locked():
+                await self._slots.acquire()
+                free += 1
+            try:
+                msgs = await self._sub.fetch(batch=free, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                msgs = []
+            except Exception as exc:  # noqa: BLE001 — reconnecting: try again shortly
+                log.warning("prefill queue fetch failed: %s", exc)
+                msgs = []
+                await asyncio.sleep(0.5)
+            for _ in range(free - len(msgs)):
+                self._slots.release()
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            try:
+                request = RemotePrefillRequest.from_bytes(msg.data)
+            except ValidationError as exc:
+                log.warning("dropping a malformed prefill request: %s", exc.errors()[0]["msg"])
+                await msg.term()  # never redeliver it
+                return
+            progress = asyncio.create_task(self._report_progress(msg))
+            try:
+                await self.serve(request, msg.metadata.num_delivered, msg.metadata.sequence.stream)
+            finally:
+                progress.cancel()
+            await msg.ack()
+        except asyncio.CancelledError:
+            raise  # shutdown mid-prefill: unacknowledged, so redelivered to another worker
+        except Exception:  # noqa: BLE001 — never let one message stop the worker
+            log.exception("prefill request failed; it will be redelivered")
+        finally:
+            self._slots.release()
+
+    async def _report_progress(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(self._settings.ack_wait_s / 3)
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("in_progress report failed: %s", exc)
+
+    async def serve(self, request: RemotePrefillRequest, delivery: int = 1, seq: int = 0) -> None:
+        """Prefill and write one request (or drop it): afterwards the message may be acked.
+        ``delivery``: how often the queue has delivered it; ``seq``: its stream sequence."""
+        self.num_requests_total += 1
+        rid = request.request_id
+        if delivery > 1:
+            log.info("%s: delivery %d (a prefill worker died or was slow)", rid, delivery)
+        peer = None
+        try:
+            peer = await self._peer(request)
+            num_blocks = await self._prefill_and_write(request, peer, f"{seq}-{delivery}")
+        except _Dropped as exc:
+            self.num_dropped += 1
+            log.warning("%s: dropped: %s", rid, exc)
+            if exc.notify and peer is not None:
+                await self._notify_failed(peer, request, str(exc))
+            return
+        self.num_written += 1
+        log.info("%s: wrote %d KV blocks into %s", rid, num_blocks, request.decode_worker_id)
+
+    async def _peer(self, request: RemotePrefillRequest) -> str:
+        if time.time() > request.write_deadline:
+            raise _Dropped("past its write deadline (the decode worker prefills it itself)", notify=False)
+        try:
+            return await connect_peer(self._store, request.decode_worker_id, self.transfer)
+        except KVTransferFailed as exc:
+            raise _Dropped(f"decode worker {request.decode_worker_id} unreachable: {exc}", notify=False) from None
+
+    async def _prefill_and_write(self, request: RemotePrefillRequest, peer: str, attempt: str) -> int:
+        rid = request.request_id
+        if request.model != self._settings.model:
+            raise _Dropped(f"model {request.model!r} is not this worker's {self._settings.model!r}", notify=True)
+        local_bs = self.engine.block_size
+        start, end = request.num_cached_tokens, request.num_full_blocks * request.block_size
+        if start % local_bs:
+            raise _Dropped(f"cached prefix of {start} tokens does not start a {local_bs}-token block here",
+                           notify=True)
+        engine_id = f"prefill-{request.transfer_id}-{attempt}"  # a duplicate message is its own request
+        log.info("%s: prefilling %d tokens (%d cached at %s)", rid, len(request.prompt_token_ids), start,
+                 request.decode_worker_id)
+        started = time.monotonic()
+        try:
+            async for _ in self.engine.generate(engine_id, request.prompt_token_ids, _PREFILL_PARAMS,
+                                                request.priority, keep_kv=True):
+                pass
+            self._prefill_time.observe(time.monotonic() - started)
+            block_ids = await self.engine.call(lambda e: e.request_block_ids(engine_id))
+            if time.time() > request.write_deadline:
+                raise _Dropped("prefilled after its write deadline (the decode worker prefills it itself)",
+                               notify=False)
+            local = block_ids[start // local_bs:-(-end // local_bs)] if end > start else []
+            note = PrefillNotification(transfer_id=request.transfer_id, request_id=rid,
+                                       num_blocks=len(request.write_block_ids), prefill_worker_id=self.worker_id)
+            try:
+                handle = self.transfer.write_blocks(peer, local, request.write_block_ids, note.to_bytes())
+                await wait_written(self.transfer, handle, request.write_timeout_s)
+            except KVTransferFailed as exc:
+                self.transfer.remove_peer(peer)  # reconnect from fresh metadata next time
+                raise _Dropped(f"KV write into {request.decode_worker_id} failed: {exc}", notify=False) from None
+            return len(local)
+        except (EngineError, ValueError) as exc:
+            raise _Dropped(f"prefill failed: {exc}", notify=True) from None
+        finally:
+            self.engine.release_kv(engine_id)
+
+    async def _notify_failed(self, peer: str, request: RemotePrefillRequest, reason: str) -> None:
+        note = PrefillNotification(transfer_id=request.transfer_id, request_id=request.request_id, status="failed",
+                                   prefill_worker_id=self.worker_id, message=reason[:500])
+        try:
+            await wait_written(self.transfer, self.transfer.write_blocks(peer, [], [], note.to_bytes()), 5.0)
+        except KVTransferFailed as exc:
+            log.warning("%s: could not tell the decode worker: %s", request.request_id, exc)
+
+    async def progress_forever(self) -> None:
+        """Drive NIXL's progress between writes: without a progress thread, a notification sent on
+        its own (``failed``) only leaves this process while the agent is polled."""
+        while True:
+            for note in self.transfer.get_notifications():
+                log.debug("unexpected KV notification from %s ignored", note.peer)
+            await asyncio.sleep(0.01)
+
+    # -- reporting --------------------------------------------------------------------------------
+    async def _publish_load(self) -> None:
+        try:
+            await self._bus.publish(self._subjects.load("prefill", self.worker_id), self.load())
+        except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
+            log.warning("load report failed: %s", exc)
+
+    async def publish_load_forever(self) -> None:
+        while True:
+            await self._publish_load()
+            await asyncio.sleep(self._settings.load_interval_s)
+
+    async def publish_kv_events_forever(self) -> None:
+        await publish_kv_events_forever(self._bus, self._subjects.kv_events(self.worker_id), self.worker_id,
+                                        self._events)
+
+    async def drain(self, heartbeat: asyncio.Task, puller: asyncio.Task) -> None:
+        """Take no new messages, finish the prefills in flight (unfinished ones are redelivered)."""
+        self.state = "draining"
+        await self._registry.put(self.info())
+        puller.cancel()
+        await asyncio.gather(puller, return_exceptions=True)
+        try:  # a pull subscription left with a cancelled fetch would hold up the connection's drain
+            await self._sub.unsubscribe()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("leaving the prefill queue: %s", exc)
+        if self._tasks:
+            _, left = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_s)
+            for task in left:
+                task.cancel()
+            if left:
+                log.warning("drain timeout: %d prefills cut off (they will be redelivered)", len(left))
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, return_exceptions=True)
+        await self._registry.delete(self.worker_id)
+
+
+async def run(settings: PrefillSettings, stop: asyncio.Event) -> None:
+    from shared.transfer.nats_metadata import NatsMetadataStore
+    from shared.transfer.nixl import NixlTransfer
+
+    transfer = NixlTransfer(settings.worker_id)  # TransferUnavailable: a prefill worker is useless without it
+    log.info("loading %s", settings.model)
+    engine = await asyncio.to_thread(AsyncEngine.start, settings.engine_config())
+    transfer.register_kv_pool(engine.engine.kv_cache, engine.engine.kv_spec)
+    bus = await Bus.connect(settings.nats_url, settings.worker_id)
+    subjects = Subjects(settings.namespace)
+    tasks: list[asyncio.Task] = []
+    try:
+        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s)
+        store = await NatsMetadataStore.open(bus, subjects.nixl_bucket)
+        worker = PrefillWorker(settings, bus, registry, engine, transfer, store)
+        await warm_up(engine, worker.worker_id, settings.num_warmup_requests)
+        await worker.start()
+        tasks = [asyncio.create_task(c) for c in (
+            registry.heartbeat(worker.info), worker.pull_forever(), worker.publish_load_forever(),
+            worker.publish_kv_events_forever(), worker.progress_forever())]
+        log.info("prefill worker %s ready (model %s, %d KV blocks, up to %d prompts at once)", worker.worker_id,
+                 settings.model, engine.stats().num_blocks_total, settings.max_concurrent_prefills)
+        drain = asyncio.create_task(worker.drain_requested.wait())
+        await asyncio.wait([asyncio.create_task(stop.wait()), drain], return_when=asyncio.FIRST_COMPLETED)
+        log.info("draining %d in-flight prefills", len(worker._tasks))
+        await worker.drain(heartbeat=tasks[0], puller=tasks[1])
+    finally:
+        for task in tasks:
+            task.cancel()
+        await bus.close()
+        await asyncio.to_thread(engine.shutdown)
+        transfer.close()
+        log.info("stopped")

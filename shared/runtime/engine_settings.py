@@ -1,0 +1,52 @@
+"""Settings of every service that runs an engine (decode and prefill workers)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+from pydantic import Field, model_validator
+
+from shared.runtime.settings import ServiceSettings
+
+
+def default_worker_id(role: str) -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40]
+    return f"{role}-{host}-{os.getpid()}"
+
+
+class EngineWorkerSettings(ServiceSettings):
+    model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
+    device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
+    dtype: str | None = Field(None, description="float32, bfloat16, float16 (default by device)")
+    block_size: int = Field(16, ge=1, description="KV block size in tokens")
+    kv_cache_memory: str | None = Field(None, description="KV pool budget, e.g. 512MiB")
+    max_model_len: int | None = Field(None, ge=16, description="context limit (default: the model's)")
+    max_num_seqs: int = Field(64, ge=1, description="max concurrent sequences")
+    max_num_batched_tokens: int = Field(512, ge=16, description="token budget per engine step")
+    attention_backend: str = Field("auto", description="auto, torch or triton")
+    seed: int = Field(0, description="engine seed")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
+    num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
+    load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
+    drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
+    events_max_age_s: float = Field(3600.0, gt=0, description="KV event stream retention (seconds)")
+    events_max_msgs: int = Field(1_000_000, gt=0, description="KV event stream retention (messages)")
+
+    @model_validator(mode="after")
+    def _batch_covers_a_block(self):
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"block_size ({self.block_size})")
+        return self
+
+    def engine_config(self):
+        from shared.engine import EngineConfig, parse_size
+
+        return EngineConfig(
+            model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads)

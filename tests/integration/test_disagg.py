@@ -1,0 +1,286 @@
+"""Disaggregated prefill end to end: gateway → admission → decode worker → JetStream prefill queue →
+prefill worker → NIXL write into the decode worker's blocks → tokens, all as separate processes on
+the real SmolLM2 with real nats-server, redis-server and NIXL (UCX over DRAM).
+
+Every prompt with an uncached part goes remote (``--max-local-prefill-tokens 0``). Tests run in file
+order: the fault tests at the end kill a prefill worker and start another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+
+import openai
+import pytest
+
+from shared.protocol import RemotePrefillRequest, Subjects
+from shared.runtime.stack import Stack, StackSpec
+
+pytest.importorskip("nixl_cu12._api")
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+MAX_MODEL_LEN = 2048
+BLOCK = 16
+FALLBACK_S = 25.0
+ENGINE = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "160MiB", "device": "cpu", "num_warmup_requests": 1}
+LONG_DOC = ("Tandem moves the KV cache of long prompts from prefill workers to decode workers. "
+            "Each block of sixteen tokens holds every layer's keys and values. ") * 14  # ~420 tokens
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, redis_server, tmp_path_factory):
+    lines: list[str] = []
+    spec = StackSpec(
+        state_dir=tmp_path_factory.mktemp("disagg"), num_decode=1, num_prefill=1, model=MODEL, port=0,
+        namespace=f"d{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
+        registry_ttl_s=3.0,
+        decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": FALLBACK_S,
+                      "drain_timeout_s": 10},
+        prefill_flags={**ENGINE, "ack_wait_s": 3.0, "drain_timeout_s": 10})
+    s = Stack(spec, on_line=lambda name, line: lines.append(f"{name}| {line}"))
+    s.lines = lines
+    try:
+        s.start()
+        s.wait_ready(timeout_s=240)
+        yield s
+    finally:
+        s.stop()
+        if os.environ.get("TANDEM_TEST_STACK_LOG"):
+            print("\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The aggregated path's reference: the same engine in this process, prefilling locally."""
+    from shared.engine import AsyncEngine, EngineConfig
+
+    e = AsyncEngine.start(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
+                                       kv_cache_memory=160 << 20))
+    yield e
+    e.shutdown()
+
+
+def greedy(engine, prompt_ids: list[int], max_tokens: int) -> str:
+    from shared.engine import SamplingParams
+
+    async def run():
+        ids = []
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt_ids, params):
+            ids += out.new_token_ids
+        return engine.tokenizer.decode(ids)
+
+    return asyncio.run(run())
+
+
+def worker_load(stack, role: str) -> dict:
+    from urllib.request import urlopen
+
+    with urlopen(stack.base_url + "/status", timeout=10) as resp:
+        view = json.load(resp)
+    loads = [w["load"] for w in view["workers"] if w["info"]["role"] == role and w["load"]]
+    assert len(loads) == 1, view
+    return {**loads[0], "prefill_queue": view.get("prefill_queue")}
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    """Poll ``predicate`` (load reports arrive about once a second) until it returns a truthy value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def completion(client, prompt: str, max_tokens: int = 24):
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                                      temperature=0)
+    return raw.parse()
+
+
+def expected_bytes(stack, engine, num_prompt: int, num_cached: int) -> int:
+    """The KV of the uncached part's full blocks (the partial tail is recomputed by the decode)."""
+    return (num_prompt // BLOCK - num_cached // BLOCK) * engine.engine.kv_spec.bytes_per_block
+
+
+def test_remote_prefill_equals_the_aggregated_path(stack, client, engine):
+    tok = engine.tokenizer
+    before = worker_load(stack, "decode")
+    prompts = ["In one short paragraph, explain to a curious child why the sky looks blue at noon:",  # 1 block
+               LONG_DOC + "Summarise the text above in one sentence:"]
+    received = before["kv_bytes_received"]
+    for i, prompt in enumerate(prompts):
+        ids = tok.encode(prompt)
+        reply = completion(client, prompt)
+        assert reply.choices[0].text == greedy(engine, ids, 24), prompt[:40]
+        assert reply.usage.prompt_tokens == len(ids)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        received += expected_bytes(stack, engine, len(ids), cached)
+        load = wait_for(lambda: (l := worker_load(stack, "decode"))["num_remote_prefills"]
+                        >= before["num_remote_prefills"] + i + 1 and l, what="the decode load report")
+        # the bytes NIXL moved are exactly the KV of the uncached part's full blocks
+        assert load["kv_bytes_received"] == received
+    assert load["num_local_prefills"] == before["num_local_prefills"]
+    assert load["num_prefill_fallbacks"] == before["num_prefill_fallbacks"]
+    prefill = worker_load(stack, "prefill")
+    assert prefill["kv_bytes_sent"] >= received > 0
+    assert prefill["prefill_queue"] == {"num_pending": 0, "num_ack_pending": 0, "num_redelivered": 0,
+                                        "num_waiting_pulls": prefill["prefill_queue"]["num_waiting_pulls"]}
+
+
+def test_a_cached_prefix_is_not_moved_again(stack, client, engine):
+    tok = engine.tokenizer
+    first = LONG_DOC + "Question: what moves the KV cache?"
+    completion(client, first, max_tokens=4)
+    before = wait_for(lambda: worker_load(stack, "decode"), what="a load report")
+    second = LONG_DOC + "Question: how many tokens does a block hold? Answer briefly."
+    ids = tok.encode(second)
+    reply = completion(client, second)
+    assert reply.choices[0].text == greedy(engine, ids, 24)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached >= (len(tok.encode(LONG_DOC)) // BLOCK - 1) * BLOCK  # the shared document stayed put
+    want = before["kv_bytes_received"] + expected_bytes(stack, engine, len(ids), cached)
+    wait_for(lambda: worker_load(stack, "decode")["kv_bytes_received"] == want, what=f"{want} bytes received")
+    assert expected_bytes(stack, engine, len(ids), cached) < expected_bytes(stack, engine, len(ids), 0) // 4
+
+
+def test_thresholds_change_at_run_time_through_the_control_subject(stack, client, engine):
+    from shared.bus import Bus
+    from shared.protocol import ControlRequest
+
+    worker_id = f"{stack.spec.namespace}-decode-1"
+
+    async def configure(**kw):
+        bus = await Bus.connect(stack.nats_url, "test-control")
+        try:
+            return await bus.request(Subjects(stack.spec.namespace).control(worker_id),
+                                     ControlRequest(action="configure", **kw), timeout_s=10)
+        finally:
+            await bus.close()
+
+    result = asyncio.run(configure(max_local_prefill_tokens=100_000))
+    assert result.max_local_prefill_tokens == 100_000 and result.state == "ready"
+    try:
+        before = worker_load(stack, "decode")
+        prompt = "Kyoto was the capital of Japan for more than a thousand years because"
+        assert completion(client, prompt).choices[0].text == greedy(engine, engine.tokenizer.encode(prompt), 24)
+        after = wait_for(lambda: (l := worker_load(stack, "decode"))["num_local_prefills"]
+                         > before["num_local_prefills"] and l, what="a local prefill")
+        assert after["num_remote_prefills"] == before["num_remote_prefills"]
+    finally:
+        assert asyncio.run(configure(max_local_prefill_tokens=0)).max_local_prefill_tokens == 0
+
+
+def test_a_duplicate_delivery_is_harmless(stack, client, engine):
+    """The same RemotePrefillRequest twice on the queue: two writes, two notifications; the decode
+    worker takes the first and streams every token once."""
+    tok = engine.tokenizer
+    subjects = Subjects(stack.spec.namespace)
+    prompt = LONG_DOC[:600] + "Write one more sentence about decode workers:"
+    ids = tok.encode(prompt)
+    copied = threading.Event()
+
+    async def duplicate_the_next_request(ready: threading.Event, done: threading.Event):
+        from shared.bus import Bus
+
+        bus = await Bus.connect(stack.nats_url, "test-duplicator")
+        try:
+            sub = await bus.nc.subscribe(subjects.prefill_queue().subject)
+            ready.set()
+            msg = await sub.next_msg(timeout=60)
+            await bus.js.publish(msg.subject, msg.data)  # a second copy in the work queue
+            done.set()
+            return RemotePrefillRequest.from_bytes(msg.data)
+        finally:
+            await bus.close()
+
+    ready, result = threading.Event(), {}
+    thread = threading.Thread(target=lambda: result.update(req=asyncio.run(duplicate_the_next_request(ready, copied))))
+    thread.start()
+    assert ready.wait(30)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in stream)
+    thread.join(60)
+    assert copied.is_set() and result["req"].prompt_token_ids == ids
+    assert text == greedy(engine, ids, 24)
+    transfer_id = result["req"].transfer_id
+    # both copies were served by the prefill worker, and the decode worker ignored the second notification
+    wait_for(lambda: sum(f"wrote" in l and result["req"].request_id in l for l in stack.lines) == 2,
+             what="two writes")
+    wait_for(lambda: any("repeated KV notification" in l and result["req"].request_id in l for l in stack.lines),
+             what="the ignored notification")
+    assert transfer_id
+    queue = wait_for(lambda: (q := worker_load(stack, "prefill")["prefill_queue"])["num_ack_pending"] == 0 and q,
+                     what="an empty queue")
+    assert queue["num_pending"] == 0
+
+
+def test_a_request_for_a_gone_decode_worker_is_dropped_and_the_worker_keeps_serving(stack, client, engine):
+    subjects = Subjects(stack.spec.namespace)
+    before = worker_load(stack, "prefill")
+    ghost = RemotePrefillRequest(
+        request_id="ghost-1", transfer_id=uuid.uuid4().hex, model=MODEL, prompt_token_ids=list(range(100, 180)),
+        decode_worker_id="decode-that-left", block_ids=list(range(5)), block_size=BLOCK,
+        write_deadline=time.time() + 60, write_timeout_s=5.0)
+
+    async def publish():
+        from shared.bus import Bus
+
+        bus = await Bus.connect(stack.nats_url, "test-ghost")
+        try:
+            await bus.js_publish(subjects.prefill_queue(), ghost)
+        finally:
+            await bus.close()
+
+    asyncio.run(publish())
+    after = wait_for(lambda: (l := worker_load(stack, "prefill"))["num_prefills_dropped"]
+                     > before["num_prefills_dropped"] and l, what="the drop")
+    assert after["prefill_queue"]["num_pending"] == 0 and after["prefill_queue"]["num_ack_pending"] == 0
+    prompt = "Decode workers stream tokens while prefill workers"
+    assert completion(client, prompt).choices[0].text == greedy(engine, engine.tokenizer.encode(prompt), 24)
+
+
+def test_prefill_worker_killed_mid_prefill_the_request_still_completes(stack, client, engine):
+    """SIGKILL the only prefill worker while it prefills a long prompt, start another: the request
+    completes, by redelivery to the new worker or by the decode worker's local fallback."""
+    tok = engine.tokenizer
+    prompt = (LONG_DOC * 4)[:6000] + "What is this text about?"
+    ids = tok.encode(prompt)
+    assert len(ids) > 1000
+    before = worker_load(stack, "decode")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(reply=completion(client, prompt)))
+    thread.start()
+    victim = stack.children["prefill-1"]
+    wait_for(lambda: any(l.startswith("prefill-1|") and "prefilling" in l and f"{len(ids)} tokens" in l
+                         for l in stack.lines), timeout_s=60, what="the prefill to start")
+    victim.kill()
+    victim.wait(10)
+    del stack.children["prefill-1"]
+    stack.spawn_prefill("prefill-2")
+    thread.join(180)
+    assert not thread.is_alive()
+    assert result["reply"].choices[0].text == greedy(engine, ids, 24)
+    after = wait_for(lambda: (l := worker_load(stack, "decode"))["num_requests_total"]
+                     > before["num_requests_total"] and l, what="a load report")
+    finished_remotely = after["num_remote_prefills"] - before["num_remote_prefills"]
+    fell_back = after["num_prefill_fallbacks"] - before["num_prefill_fallbacks"]
+    assert finished_remotely + fell_back == 1
+    # the replacement serves the next request remotely
+    stack.wait_ready(timeout_s=120, num_prefill=1)
+    again = "After the failure, the new prefill worker"
+    assert completion(client, again).choices[0].text == greedy(engine, tok.encode(again), 24)

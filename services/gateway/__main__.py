@@ -40,9 +40,14 @@ def status_main(args: argparse.Namespace) -> int:
 
 def format_status(view: dict) -> str:
     header = f"{'WORKER':<28} {'ROLE':<8} {'STATE':<9} {'MODEL':<16} {'RUN':>4} {'WAIT':>5} " \
-             f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7}"
+             f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7} " \
+             f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
     lines = [f"source: {view.get('source')}   in flight at gateway: "
-             f"{view.get('gateway', {}).get('in_flight', 0):g}", header]
+             f"{view.get('gateway', {}).get('in_flight', 0):g}"]
+    if queue := view.get("prefill_queue"):
+        lines.append(f"prefill queue: {queue['num_pending']} waiting, {queue['num_ack_pending']} being prefilled, "
+                     f"{queue['num_redelivered']} redelivered")
+    lines.append(header)
     for w in view.get("workers", []):
         info, load = w["info"], w.get("load") or {}
 
@@ -53,10 +58,21 @@ def format_status(view: dict) -> str:
         lines.append(f"{info['worker_id']:<28} {info['role']:<8} {info['state']:<9} {info['model']:<16} "
                      f"{load.get('num_running', 0):>4} {load.get('num_waiting', 0):>5} {kv:>11} "
                      f"{load.get('num_requests_total', 0):>6} {load.get('num_generated_tokens_total', 0):>8} "
-                     f"{ms('ttft_recent_s'):>8} {ms('itl_recent_s'):>7}")
+                     f"{ms('ttft_recent_s'):>8} {ms('itl_recent_s'):>7} {_prefills(load):>14} "
+                     f"{load.get('kv_bytes_received', 0) / 1e6:>6.1f}/{load.get('kv_bytes_sent', 0) / 1e6:<6.1f}")
     if not view.get("workers"):
         lines.append("(no workers registered)")
     return "\n".join(lines)
+
+
+def _prefills(load: dict) -> str:
+    """Decode: remote/local/fallback prefills; prefill: written/-/dropped."""
+    if not load:
+        return "-"
+    if load.get("role") == "prefill":
+        return f"{load.get('num_remote_prefills', 0)}/-/{load.get('num_prefills_dropped', 0)}"
+    return (f"{load.get('num_remote_prefills', 0)}/{load.get('num_local_prefills', 0)}/"
+            f"{load.get('num_prefill_fallbacks', 0)}")
 
 
 if __name__ == "__main__":

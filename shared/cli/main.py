@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "services.prefill.__main__",
     "services.kv_index.__main__",
     "services.autoscaler.__main__",
+    "shared.cli.control_cmds",
 ]
 
 

@@ -83,7 +83,7 @@ class Scheduler:
             raise PromptTooLongError(num_prompt_tokens, pool_tokens, f"the KV cache of {pool_tokens + 1} tokens")
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.held:
+        if request.request_id in self.requests or request.request_id in self.held or request.request_id in self.remote:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.check_fits(request.num_prompt_tokens)
         request.update_block_hashes(self.kv.block_size, self.namespace)
@@ -109,7 +109,7 @@ class Scheduler:
         prompt now, reusing the local cached prefix. Returns (block table, cached prompt tokens),
         or None (nothing changed) when ``decide(cached prompt tokens)`` is false or the pool
         cannot hold the prompt now."""
-        if request.request_id in self.requests or request.request_id in self.held:
+        if request.request_id in self.requests or request.request_id in self.held or request.request_id in self.remote:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.check_fits(request.num_prompt_tokens)
         request.update_block_hashes(self.kv.block_size, self.namespace)

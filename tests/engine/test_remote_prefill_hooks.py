@@ -3,6 +3,7 @@ KV and holds it; a decode engine reserves blocks, receives only the uncached blo
 process, as NIXL will copy them between workers) and decodes exactly what the aggregated path does."""
 
 import pytest
+import torch
 
 from shared.engine import SamplingParams
 
@@ -113,3 +114,152 @@ async def test_async_engine_reserve_write_finish_stream(make_engine, chat_prompt
         assert await decode.call(lambda e: e.kv.pool.num_used_blocks) == 0
     finally:
         decode.shutdown()
+
+
+# -- only full blocks move; the partial tail is recomputed on the decode side ------------------------
+
+def prefill_full_blocks_only(prefill, decode, rid, prompt):
+    """Like ``prefill_remotely``, but write only ``slot.transfer_block_ids`` and fill the partial
+    tail block with garbage first: the decode side must recompute it."""
+    bs = decode.block_size
+    slot = decode.reserve_remote_prefill(rid, prompt, GREEDY)
+    assert slot is not None and slot.num_prompt_tokens == len(prompt)
+    first, num_full = slot.num_cached_tokens // bs, len(prompt) // bs
+    assert slot.transfer_block_ids == slot.block_ids[first:num_full]
+    tail = slot.block_ids[num_full:]
+    assert len(tail) == (1 if len(prompt) % bs else 0)
+    if tail:  # large finite garbage: not read, or the output would change
+        garbage = torch.randn(decode.read_kv_blocks(tail).shape, generator=torch.Generator().manual_seed(0)) * 50
+        decode.write_kv_blocks(tail, garbage.to(decode.kv_cache.dtype))
+    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
+    run(prefill)
+    src = prefill.request_block_ids(rid)
+    if slot.transfer_block_ids:
+        decode.write_kv_blocks(slot.transfer_block_ids, prefill.read_kv_blocks(src[first:num_full]))
+    assert prefill.release_kv(rid)
+    decode.finish_remote_prefill(rid, kv_written=True)
+    return slot
+
+
+def test_only_full_blocks_need_to_be_written(make_engine, chat_prompts):
+    prompts = [chat_prompts[3], chat_prompts[0]]  # 175 and 37 tokens: both end in a partial block
+    assert all(len(p) % 16 for p in prompts)
+    reference = make_engine().generate(prompts, GREEDY)
+    prefill, decode = make_engine(), make_engine()
+    slots = [prefill_full_blocks_only(prefill, decode, f"r{i}", p) for i, p in enumerate(prompts)]
+    assert slots[0].num_cached_tokens == 0 and len(slots[0].transfer_block_ids) == 175 // 16
+    assert slots[1].num_cached_tokens >= 16  # the shared system prompt, from r0's received blocks
+    out = run(decode)
+    assert [out["r0"], out["r1"]] == reference
+    for engine in (prefill, decode):
+        assert engine.kv.pool.num_free_blocks == engine.num_blocks
+        engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize("length", [160, 10], ids=["block-multiple", "under-one-block"])
+def test_full_block_transfer_at_the_edges(make_engine, chat_prompts, length):
+    """A block-multiple prompt moves every block (its last token is recomputed for the logits); a
+    prompt shorter than a block moves nothing and prefills wholly on the decode side."""
+    prompt = chat_prompts[3][:length]
+    reference = make_engine().generate([prompt], GREEDY)[0]
+    prefill, decode = make_engine(), make_engine()
+    slot = prefill_full_blocks_only(prefill, decode, "e", prompt)
+    assert len(slot.transfer_block_ids) == length // 16
+    assert run(decode)["e"] == reference
+    assert decode.kv.pool.num_free_blocks == decode.num_blocks
+    decode.kv.check_integrity()
+
+
+# -- decide: asked first, with the local cache state; no means nothing changes -------------------------
+
+def test_decide_false_reserves_nothing_and_sees_the_cached_prefix(make_engine, chat_prompts):
+    decode = make_engine()
+    seen = []
+
+    def refuse(num_cached):
+        seen.append(num_cached)
+        return False
+
+    assert decode.reserve_remote_prefill("n", chat_prompts[3], GREEDY, decide=refuse) is None
+    assert seen == [0]
+    assert decode.kv.pool.num_used_blocks == 0 and decode.stats().num_remote_pending == 0
+
+    decode.generate([chat_prompts[3]], GREEDY)  # leaves the prompt's full blocks in the prefix cache
+    pool = decode.kv.pool
+    before = (pool.num_used_blocks, pool.num_cached_blocks, pool.eviction_order())
+    assert decode.reserve_remote_prefill("n", chat_prompts[3], GREEDY, decide=refuse) is None
+    assert seen[-1] == 175 // 16 * 16  # every full block of the same prompt is cached
+    assert decode.reserve_remote_prefill("n", chat_prompts[0], GREEDY, decide=refuse) is None
+    assert seen[-1] >= 16 and seen[-1] % 16 == 0  # the shared system prompt
+    assert (pool.num_used_blocks, pool.num_cached_blocks, pool.eviction_order()) == before
+    assert decode.stats().num_remote_pending == 0 and not decode.has_unfinished_requests()
+    decode.kv.check_integrity()
+
+    # nothing was registered: the id is free, and a yes reserves with the count decide saw
+    accepted = []
+    slot = decode.reserve_remote_prefill("n", chat_prompts[0], GREEDY,
+                                         decide=lambda n: accepted.append(n) or True)
+    assert slot is not None and accepted == [seen[-1]] == [slot.num_cached_tokens]
+
+
+# -- keep_kv on the decode side: reserved blocks are held past the request's end ----------------------
+
+def test_keep_kv_holds_an_aborted_reservation_until_released(make_engine, chat_prompts):
+    decode = make_engine()
+    slot = decode.reserve_remote_prefill("k", chat_prompts[3], GREEDY, keep_kv=True)
+    assert decode.abort_request("k").finish_reason == "abort"
+    assert decode.kv.pool.num_used_blocks == len(slot.block_ids)
+    decode.finish_remote_prefill("k", kv_written=True)
+    # a late write may still come until the owner releases: the blocks stay held
+    assert decode.kv.pool.num_used_blocks == len(slot.block_ids)
+    assert decode.request_block_ids("k") == slot.block_ids
+    assert decode.stats().num_held == 1 and decode.stats().num_remote_pending == 0
+    decode.kv.check_integrity()
+    with pytest.raises(ValueError, match="duplicate"):
+        decode.reserve_remote_prefill("k", chat_prompts[0], GREEDY)
+    with pytest.raises(ValueError, match="duplicate"):
+        decode.add_request("k", chat_prompts[0], GREEDY)
+    assert decode.release_kv("k")
+    assert not decode.release_kv("k")
+    assert decode.kv.pool.num_free_blocks == decode.num_blocks and decode.stats().num_held == 0
+    decode.kv.check_integrity()
+    assert decode.reserve_remote_prefill("k", chat_prompts[0], GREEDY) is not None  # the id is free again
+
+
+def test_keep_kv_holds_a_finished_remote_request_until_released(make_engine, chat_prompts):
+    prompt = chat_prompts[3]
+    reference = make_engine().generate([prompt], GREEDY)[0]
+    prefill, decode = make_engine(), make_engine()
+    slot = decode.reserve_remote_prefill("h", prompt, GREEDY, keep_kv=True)
+    prefill.add_request("h", prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
+    run(prefill)
+    first = slot.num_cached_tokens // decode.block_size
+    src = prefill.request_block_ids("h")[first:len(prompt) // decode.block_size]
+    decode.write_kv_blocks(slot.transfer_block_ids, prefill.read_kv_blocks(src))
+    assert prefill.release_kv("h")
+    decode.finish_remote_prefill("h", kv_written=True)
+    assert run(decode)["h"] == reference
+    held = decode.request_block_ids("h")
+    assert held[:len(slot.block_ids)] == slot.block_ids  # the reserved blocks, plus the generated tokens'
+    assert decode.kv.pool.num_used_blocks == len(held) and decode.stats().num_held == 1
+    assert decode.abort_request("h") is None  # finished: nothing to abort, still held
+    assert decode.kv.pool.num_used_blocks == len(held)
+    with pytest.raises(ValueError, match="duplicate"):
+        decode.reserve_remote_prefill("h", prompt, GREEDY, keep_kv=True)
+    assert decode.release_kv("h")
+    assert decode.kv.pool.num_free_blocks == decode.num_blocks
+    decode.kv.check_integrity()
+
+
+def test_an_aborted_reservation_keeps_its_id_until_the_transfer_ends(make_engine, chat_prompts):
+    """Its blocks may still be written: the id may not be reserved or added again meanwhile."""
+    decode = make_engine()
+    decode.reserve_remote_prefill("r", chat_prompts[3], GREEDY)
+    decode.abort_request("r")
+    with pytest.raises(ValueError, match="duplicate"):
+        decode.reserve_remote_prefill("r", chat_prompts[3], GREEDY)
+    with pytest.raises(ValueError, match="duplicate"):
+        decode.add_request("r", chat_prompts[3], GREEDY)
+    decode.finish_remote_prefill("r", kv_written=False)
+    assert decode.kv.pool.num_free_blocks == decode.num_blocks
+    assert decode.reserve_remote_prefill("r", chat_prompts[3], GREEDY) is not None

@@ -158,7 +158,7 @@ def test_a_cached_prefix_is_not_moved_again(stack, client, engine):
     assert expected_bytes(stack, engine, len(ids), cached) < expected_bytes(stack, engine, len(ids), 0) // 4
 
 
-def test_thresholds_change_at_run_time_through_the_control_subject(stack, client, engine):
+def test_thresholds_change_at_run_time_through_the_control_subject(stack, client, engine, capsys):
     from shared.bus import Bus
     from shared.protocol import ControlRequest
 
@@ -168,7 +168,7 @@ def test_thresholds_change_at_run_time_through_the_control_subject(stack, client
         bus = await Bus.connect(stack.nats_url, "test-control")
         try:
             return await bus.request(Subjects(stack.spec.namespace).control(worker_id),
-                                     ControlRequest(action="configure", **kw), timeout_s=10)
+                                     ControlRequest(action="configure" if kw else "status", **kw), timeout_s=10)
         finally:
             await bus.close()
 
@@ -181,8 +181,13 @@ def test_thresholds_change_at_run_time_through_the_control_subject(stack, client
         after = wait_for(lambda: (l := worker_load(stack, "decode"))["num_local_prefills"]
                          > before["num_local_prefills"] and l, what="a local prefill")
         assert after["num_remote_prefills"] == before["num_remote_prefills"]
-    finally:
-        assert asyncio.run(configure(max_local_prefill_tokens=0)).max_local_prefill_tokens == 0
+    finally:  # back to all-remote, through the CLI this time
+        from shared.cli.main import main
+
+        assert main(["control", worker_id, "--nats-url", stack.nats_url, "--namespace", stack.spec.namespace,
+                     "--max-local-prefill-tokens", "0"]) == 0
+        assert json.loads(capsys.readouterr().out)["max_local_prefill_tokens"] == 0
+        assert asyncio.run(configure()).max_local_prefill_tokens == 0
 
 
 def test_a_duplicate_delivery_is_harmless(stack, client, engine):

@@ -19,7 +19,7 @@ SHARED_ENV = {"TANDEM_CACHE_DIR"}
 
 
 def test_every_service_is_in_compose():
-    assert set(TANDEM) == {"gateway", "admission", "decode", "kv-index", "autoscaler"}
+    assert set(TANDEM) == {"gateway", "admission", "decode", "prefill", "kv-index", "autoscaler"}
     assert {"nats", "redis"} <= set(SERVICES)
 
 

@@ -7,7 +7,8 @@ from shared.protocol import (AdmissionDecision, AllBlocksClearedEvent, BlockRemo
                              BlockStoredEvent, CancelRequest, ClusterStatusRequest,
                              ClusterStatusResult, ControlRequest, ControlResult, ErrorReply,
                              GenerateRequest, KvEventBatch, KvMatchRequest, KvMatchResult,
-                             SamplingParams, Subjects, TokenChunk, TokenLogprob, TopLogprob,
+                             PrefillNotification, RemotePrefillRequest, SamplingParams, Subjects,
+                             TokenChunk, TokenLogprob, TopLogprob,
                              WorkerInfo, WorkerLoad, WorkerOverlap, WorkerStatus)
 
 INFO = WorkerInfo(worker_id="decode-1", role="decode", model="smollm2-135m", block_size=16,
@@ -94,3 +95,70 @@ def test_subjects_are_versioned_and_typed():
 def test_subject_tokens_are_validated(bad):
     with pytest.raises(ValueError):
         Subjects().decode_generate(bad)
+
+
+# -- remote prefill ----------------------------------------------------------------------------------
+
+def remote_prefill(**kw):
+    fields = dict(request_id="r1", transfer_id="t" * 32, model="smollm2-135m", prompt_token_ids=list(range(40)),
+                  decode_worker_id="decode-1", block_ids=[7, 3, 9], block_size=16, num_cached_tokens=16,
+                  write_deadline=100.0, write_timeout_s=2.0)
+    fields.update(kw)
+    return RemotePrefillRequest(**fields)
+
+
+def test_remote_prefill_request_round_trip_and_write_blocks():
+    msg = remote_prefill(priority=2, created_at=97.5)
+    assert RemotePrefillRequest.from_bytes(msg.to_bytes()) == msg
+    # 40 tokens = 2 full blocks + a partial one; the first block is cached on the decode worker
+    assert (msg.num_full_blocks, msg.first_block) == (2, 1)
+    assert msg.write_block_ids == msg.block_ids[1:2] == [3]
+    assert remote_prefill(num_cached_tokens=0).write_block_ids == [7, 3]
+    exact = remote_prefill(prompt_token_ids=list(range(32)), block_ids=[7, 3], num_cached_tokens=0)
+    assert exact.write_block_ids == [7, 3]  # a block-multiple prompt: every block is full
+    assert remote_prefill(prompt_token_ids=list(range(10)), block_ids=[7], num_cached_tokens=0).write_block_ids == []
+
+
+@pytest.mark.parametrize("bad", [
+    dict(block_ids=[7, 3]),  # too few for 40 tokens
+    dict(block_ids=[7, 3, 9, 1]),  # too many
+    dict(block_ids=[]),
+    dict(num_cached_tokens=8),  # not a block multiple
+    dict(num_cached_tokens=40),  # the whole prompt: nothing left to compute
+    dict(num_cached_tokens=48),
+    dict(prompt_token_ids=list(range(32)), block_ids=[7, 3], num_cached_tokens=32),
+    dict(num_cached_tokens=-16),
+    dict(block_size=0),
+    dict(prompt_token_ids=[]),
+    dict(transfer_id=""),
+    dict(write_timeout_s=0.0),
+], ids=lambda d: ",".join(f"{k}={v!r}"[:24] for k, v in d.items()))
+def test_remote_prefill_request_validation(bad):
+    with pytest.raises(ValidationError):
+        remote_prefill(**bad)
+
+
+def test_remote_prefill_request_validation_applies_on_the_wire():
+    data = remote_prefill().to_bytes().replace(b'"block_ids":[7,3,9]', b'"block_ids":[7,3]')
+    assert data != remote_prefill().to_bytes()
+    with pytest.raises(ValidationError):
+        RemotePrefillRequest.from_bytes(data)
+
+
+@pytest.mark.parametrize("note", [
+    PrefillNotification(transfer_id="t1", request_id="r1", num_blocks=3, prefill_worker_id="prefill-1"),
+    PrefillNotification(transfer_id="t1", request_id="r1", status="failed", message="out of KV blocks"),
+], ids=["ok", "failed"])
+def test_prefill_notification_round_trip(note):
+    assert PrefillNotification.from_bytes(note.to_bytes()) == note
+
+
+@pytest.mark.parametrize("data", [
+    b"",
+    b'{"request_id": "r1"}',  # no transfer id
+    b'{"transfer_id": "t1", "request_id": "r1", "status": "maybe"}',
+    b'{"transfer_id": "t1", "request_id": "r1", "num_blocks": -1}',
+])
+def test_malformed_prefill_notifications_are_rejected(data):
+    with pytest.raises(ValidationError):
+        PrefillNotification.from_bytes(data)

@@ -1,0 +1,63 @@
+"""``tandem control WORKER``: drain a worker, or change a decode worker's disaggregation thresholds
+at run time, over its control subject."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+HELP = "send a control request to one worker (drain it, or set its remote-prefill thresholds)"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("control", help=HELP, description=HELP)
+    parser.add_argument("worker_id", help="the worker's id (see `tandem status`)")
+    parser.add_argument("--nats-url", default=os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222"),
+                        help="NATS server URL (env TANDEM_NATS_URL, default %(default)s)")
+    parser.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
+                        help="subject namespace (env TANDEM_NAMESPACE, default %(default)s)")
+    parser.add_argument("--drain", action="store_true", help="finish in-flight work and leave")
+    parser.add_argument("--max-local-prefill-tokens", type=int, default=None,
+                        help="prefill locally up to this many uncached prompt tokens (0: all remote)")
+    parser.add_argument("--max-prefill-queue", type=int, default=None,
+                        help="prefill locally while the prefill queue is at least this long")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from shared.bus import Bus, ServiceError
+    from shared.cli.errors import CliError
+    from shared.protocol import ControlRequest, Subjects
+
+    configure = args.max_local_prefill_tokens is not None or args.max_prefill_queue is not None
+    if args.drain and configure:
+        raise CliError("--drain cannot be combined with threshold changes")
+    try:
+        request = ControlRequest(action="drain" if args.drain else "configure" if configure else "status",
+                                 max_local_prefill_tokens=args.max_local_prefill_tokens,
+                                 max_prefill_queue=args.max_prefill_queue)
+        endpoint = Subjects(args.namespace).control(args.worker_id)
+    except (ValidationError, ValueError) as exc:
+        raise CliError(str(exc).splitlines()[0] if isinstance(exc, ValueError) and not isinstance(
+            exc, ValidationError) else f"invalid value: {exc.errors()[0]['msg']} "
+            f"({exc.errors()[0]['loc'][0]})") from None
+
+    async def send():
+        bus = await Bus.connect(args.nats_url, "tandem-control", timeout_s=5)
+        try:
+            return await bus.request(endpoint, request, timeout_s=10)
+        finally:
+            await bus.close()
+
+    try:
+        result = asyncio.run(asyncio.wait_for(send(), timeout=15))
+    except (ConnectionError, asyncio.TimeoutError) as exc:
+        raise CliError(f"no answer from {args.worker_id} through NATS at {args.nats_url}: "
+                       f"{str(exc) or 'timed out'}") from None
+    except ServiceError as exc:
+        raise CliError(f"{args.worker_id}: {exc.message}") from None
+    print(result.model_dump_json(indent=2))
+    return 0

@@ -88,7 +88,13 @@ class Generation:
                 first_timeout_s=self._settings.request_timeout_s,
                 idle_timeout_s=self._settings.token_idle_timeout_s)
             try:
-                self._first = await anext(self._stream)
+                self._first = await self._watched(worker_id)
+            except WorkerLost as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
+                await self._cancel(worker_id, request.request_id)
+                if attempt + 1 == _MAX_ATTEMPTS:
+                    raise ApiError(503, str(exc), code="worker_unavailable", retry_after_s=1.0) from None
+                log.info("%s: %s before the first token; admitting again", request.request_id, exc)
+                continue
             except (NoResponders, RemoteError) as exc:
                 if exc.code == "bad_request":
                     raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None
@@ -143,16 +149,25 @@ class Generation:
                 raise ApiError(502, f"lost {self._num_migrations + 1} workers: {exc}") from None
             return await self._migrate(str(exc))
 
-    async def _next_from_worker(self) -> TokenChunk:
-        """The next chunk, watching that the worker is still registered while waiting."""
+    async def _watched(self, worker_id: str) -> TokenChunk:
+        """The stream's next chunk, raising WorkerLost if the worker leaves the registry meanwhile."""
         next_chunk = asyncio.ensure_future(anext(self._stream))
         try:
             while True:
                 done, _ = await asyncio.wait({next_chunk}, timeout=_WATCH_INTERVAL_S)
                 if done:
                     return next_chunk.result()
-                if not self._is_alive(self.worker_id):
-                    raise WorkerLost(f"worker {self.worker_id} left the registry")
+                if not self._is_alive(worker_id):
+                    raise WorkerLost(f"worker {worker_id} left the registry")
+        finally:
+            if not next_chunk.done():  # let the stream unsubscribe before anyone closes it
+                next_chunk.cancel()
+                await asyncio.wait({next_chunk})
+
+    async def _next_from_worker(self) -> TokenChunk:
+        """The next chunk, watching that the worker is still registered while waiting."""
+        try:
+            return await self._watched(self.worker_id)
         except StopAsyncIteration:
             raise WorkerLost(f"worker {self.worker_id} ended the stream early") from None
         except (BusTimeout, NoResponders) as exc:
@@ -161,10 +176,6 @@ class Generation:
             if exc.code == "rejected":
                 raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
             raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None
-        finally:
-            if not next_chunk.done():  # let the stream unsubscribe before anyone closes it
-                next_chunk.cancel()
-                await asyncio.wait({next_chunk})
 
     async def _migrate(self, why: str) -> TokenChunk:
         self._num_migrations += 1

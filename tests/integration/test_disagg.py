@@ -289,3 +289,54 @@ def test_prefill_worker_killed_mid_prefill_the_request_still_completes(stack, cl
     stack.wait_ready(timeout_s=120, num_prefill=1)
     again = "After the failure, the new prefill worker"
     assert completion(client, again).choices[0].text == greedy(engine, tok.encode(again), 24)
+
+
+def test_decode_worker_killed_before_the_transfer_the_prefill_worker_drops_it_and_keeps_serving(
+        stack, client, engine):
+    """Two decode workers; SIGKILL the one whose request a prefill worker is computing. Its NIXL
+    metadata is still published, so the write is attempted and fails: the prefill worker drops the
+    request and keeps serving, and the gateway admits the request again (no token was sent yet) to
+    the other decode worker, where it completes."""
+    tok = engine.tokenizer
+    stack.spawn_decode("decode-2")
+    stack.wait_ready(timeout_s=180, num_decode=2)
+    prompt = (LONG_DOC * 4)[:6400] + "Which workers are named in this text?"
+    ids = tok.encode(prompt)
+    thread = threading.Thread(target=lambda: setattr(thread, "result", _ignore_errors(
+        lambda: completion(client, prompt))), daemon=True)
+    thread.result = None
+    thread.start()
+    started = wait_for(lambda: next((l for l in stack.lines if l.startswith("prefill-")
+                                     and f"prefilling {len(ids)} tokens" in l), None),
+                       timeout_s=60, what="the prefill to start")
+    request_id = started.split(": ")[1]
+    victim_id = started.rsplit(" at ", 1)[1].rstrip(")")
+    victim = stack.children.pop(victim_id.removeprefix(f"{stack.spec.namespace}-"))
+    victim.kill()
+    victim.wait(10)
+    wait_for(lambda: any("dropped" in l and request_id in l for l in stack.lines), timeout_s=60,
+             what="the prefill worker to drop the request")
+    thread.join(180)
+    assert not thread.is_alive() and thread.result is not None
+    assert thread.result.choices[0].text == greedy(engine, ids, 24)
+    wait_for(lambda: not any(w["info"]["worker_id"] == victim_id for w in _workers(stack)),
+             what="the killed worker to leave the registry")
+    before = worker_load(stack, "decode")
+    prompt = "Once the other decode worker takes over, the prefill worker writes the KV of long prompts into it:"
+    assert completion(client, prompt).choices[0].text == greedy(engine, tok.encode(prompt), 24)
+    wait_for(lambda: worker_load(stack, "decode")["num_remote_prefills"] > before["num_remote_prefills"],
+             what="a remote prefill on the surviving worker")
+
+
+def _ignore_errors(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 — the assertion on the result says what went wrong
+        return None
+
+
+def _workers(stack) -> list[dict]:
+    from urllib.request import urlopen
+
+    with urlopen(stack.base_url + "/status", timeout=10) as resp:
+        return json.load(resp)["workers"]

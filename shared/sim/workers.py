@@ -10,6 +10,7 @@ per request.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict, deque
 
 from shared.planner.config import ModelSpec
@@ -76,9 +77,17 @@ class Worker:
         return done
 
     def stall(self, now: float, seconds: float) -> float:
-        """Pause decoding for a local prefill; returns when the prefill ends."""
+        """Pause decoding for a local prefill; returns when the prefill ends. A decode step that is
+        running when the prompt arrives finishes first (the engine schedules between steps), so the
+        prefill starts at the next step boundary."""
         self.advance(now)
-        self.stall_until = max(self.stall_until, now) + seconds
+        start = max(self.stall_until, now)
+        if self.finish_heap and self.step_time > 0 and now >= self.stall_until:
+            done = math.floor(self.steps_done + 1e-9)
+            if self.steps_done - done > 1e-9:
+                start = now + (done + 1 - self.steps_done) * self.step_time
+                self.steps_done = done + 1
+        self.stall_until = start + seconds
         return self.stall_until
 
     def next_finish(self, now: float) -> float | None:

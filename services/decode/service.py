@@ -12,18 +12,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import socket
 import time
 from collections.abc import AsyncIterator
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.engine import AsyncEngine, EngineError, InvalidRequestError
-from shared.kvcache.events import SequencedEvent
 from shared.policy.disagg import DisaggConfig
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, Subjects, TokenChunk,
                              WorkerInfo, WorkerLoad)
-from shared.runtime.worker import LoopSink, publish_kv_events_forever, warm_up
+from shared.runtime.worker import EngineWorker
 from shared.telemetry.metrics import RecentMean
 from shared.transfer import TransferUnavailable
 from services.decode.config import DecodeSettings
@@ -33,20 +30,12 @@ from services.decode.translate import engine_params, token_chunk
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
     def __init__(self, settings: DecodeSettings, bus: Bus, registry: WorkerRegistry,
                  engine: AsyncEngine, remote: RemotePrefiller | None = None) -> None:
-        self._settings = settings
-        self._subjects = Subjects(settings.namespace)
-        self._bus = bus
-        self._registry = registry
-        self.engine = engine
-        self.worker_id = settings.worker_id
-        self.state = "starting"
-        self.drain_requested = asyncio.Event()
-        self._events: asyncio.Queue[SequencedEvent] = asyncio.Queue()
-        self._started_at = time.time()
-        self._load_seq = 0
+        super().__init__(settings, bus, registry, engine)
         self._ttft = RecentMean(10.0)
         self._itl = RecentMean(10.0)
         self.num_requests_total = 0
@@ -55,28 +44,13 @@ class DecodeWorker:
         self.remote = remote  # None: remote prefill off (disabled, or no KV transfer here)
 
     def info(self) -> WorkerInfo:
-        stats = self.engine.stats()
-        return WorkerInfo(
-            worker_id=self.worker_id, role="decode", state=self.state, model=self._settings.model,
-            block_size=self.engine.block_size, max_model_len=self.engine.max_model_len,
-            num_blocks_total=stats.num_blocks_total, max_num_seqs=stats.max_num_seqs,
-            generate_subject=self._subjects.decode_generate(self.worker_id).subject,
-            cancel_subject=self._subjects.decode_cancel(self.worker_id).subject,
-            control_subject=self._subjects.control(self.worker_id).subject,
-            kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
-            pid=os.getpid(), started_at=self._started_at)
-
-    async def warm_up(self) -> None:
-        await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests)
+        return self._info(generate_subject=self._subjects.decode_generate(self.worker_id).subject,
+                          cancel_subject=self._subjects.decode_cancel(self.worker_id).subject)
 
     async def start(self) -> None:
         """Serve, then register as ready (serving first: once listed, requests may come)."""
         s = self._subjects
-        await self._bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
-                                      max_age_s=self._settings.events_max_age_s,
-                                      max_msgs=self._settings.events_max_msgs)
-        loop = asyncio.get_running_loop()
-        self.engine.add_kv_event_sink(LoopSink(loop, self._events))
+        await self.start_kv_events()
         await self._bus.subscribe(s.decode_cancel(self.worker_id), self.cancel)
         await self._bus.serve(s.control(self.worker_id), self.control)
         await self._bus.serve_stream(s.decode_generate(self.worker_id), self.generate)
@@ -107,7 +81,7 @@ class DecodeWorker:
                 if out.finish_reason is not None:
                     # Admission counts what it admitted on top of the last report until a newer
                     # one arrives: report the freed capacity before the caller can send more.
-                    await self._publish_load()
+                    await self.publish_load()
                 yield token_chunk(out, index, self.worker_id)
                 index += 1
         except InvalidRequestError as exc:
@@ -143,37 +117,14 @@ class DecodeWorker:
                              max_prefill_queue=self.disagg.max_prefill_queue if self.remote else None)
 
     def load(self) -> WorkerLoad:
-        stats = self.engine.stats()
-        self._load_seq += 1
-        return WorkerLoad(
-            worker_id=self.worker_id, role="decode", seq=self._load_seq, timestamp=time.time(),
-            num_running=stats.num_running, num_waiting=stats.num_waiting,
-            num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
-            num_cached_blocks=stats.num_cached_blocks, max_num_seqs=stats.max_num_seqs,
+        remote = self.remote
+        return self._load(
             ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
-            num_prompt_tokens_total=stats.num_prompt_tokens,
-            num_generated_tokens_total=stats.num_generated_tokens,
             num_local_prefills=self.num_local_prefills,
-            num_remote_prefills=self.remote.num_remote if self.remote else 0,
-            num_prefill_fallbacks=self.remote.num_fallbacks if self.remote else 0,
-            kv_bytes_received=self.remote.transfer.stats.num_bytes_received if self.remote else 0)
-
-    async def _publish_load(self) -> None:
-        try:
-            await self._bus.publish(self._subjects.load("decode", self.worker_id), self.load())
-        except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
-            log.warning("load report failed: %s", exc)
-
-    async def publish_load_forever(self) -> None:
-        """Every ``load_interval_s`` (and ``generate`` reports whenever a request finishes)."""
-        while True:
-            await self._publish_load()
-            await asyncio.sleep(self._settings.load_interval_s)
-
-    async def publish_kv_events_forever(self) -> None:
-        await publish_kv_events_forever(self._bus, self._subjects.kv_events(self.worker_id), self.worker_id,
-                                        self._events)
+            num_remote_prefills=remote.num_remote if remote else 0,
+            num_prefill_fallbacks=remote.num_fallbacks if remote else 0,
+            kv_bytes_received=remote.transfer.stats.num_bytes_received if remote else 0)
 
     async def drain(self, heartbeat: asyncio.Task) -> None:
         """Stay listed as ``draining`` (admission skips it) while in-flight requests finish."""

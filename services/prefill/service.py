@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
 
 import nats.errors
@@ -26,10 +24,9 @@ from pydantic import ValidationError
 
 from shared.bus import Bus, WorkerRegistry
 from shared.engine import AsyncEngine, EngineError, SamplingParams
-from shared.kvcache.events import SequencedEvent
 from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest, Subjects,
                              WorkerInfo, WorkerLoad)
-from shared.runtime.worker import LoopSink, publish_kv_events_forever, warm_up
+from shared.runtime.worker import EngineWorker
 from shared.telemetry.metrics import RecentMean
 from shared.transfer import KvTransfer, KVTransferFailed, MetadataStore, connect_peer, wait_written
 from services.prefill.config import PrefillSettings
@@ -47,22 +44,14 @@ class _Dropped(Exception):
         self.notify = notify
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
     def __init__(self, settings: PrefillSettings, bus: Bus, registry: WorkerRegistry, engine: AsyncEngine,
                  transfer: KvTransfer, store: MetadataStore) -> None:
-        self._settings = settings
-        self._subjects = Subjects(settings.namespace)
-        self._bus = bus
-        self._registry = registry
-        self.engine = engine
+        super().__init__(settings, bus, registry, engine)
         self.transfer = transfer
         self._store = store
-        self.worker_id = settings.worker_id
-        self.state = "starting"
-        self.drain_requested = asyncio.Event()
-        self._events: asyncio.Queue[SequencedEvent] = asyncio.Queue()
-        self._started_at = time.time()
-        self._load_seq = 0
         self._prefill_time = RecentMean(10.0)
         self._slots = asyncio.Semaphore(settings.max_concurrent_prefills)
         self._tasks: set[asyncio.Task] = set()
@@ -72,37 +61,20 @@ class PrefillWorker:
         self.num_dropped = 0
 
     def info(self) -> WorkerInfo:
-        stats = self.engine.stats()
-        return WorkerInfo(
-            worker_id=self.worker_id, role="prefill", state=self.state, model=self._settings.model,
-            block_size=self.engine.block_size, max_model_len=self.engine.max_model_len,
-            num_blocks_total=stats.num_blocks_total, max_num_seqs=stats.max_num_seqs,
-            generate_subject=self._subjects.prefill_queue().subject,
-            control_subject=self._subjects.control(self.worker_id).subject,
-            kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
-            pid=os.getpid(), started_at=self._started_at)
+        return self._info(generate_subject=self._subjects.prefill_queue().subject)
 
     def load(self) -> WorkerLoad:
-        stats = self.engine.stats()
-        self._load_seq += 1
-        return WorkerLoad(
-            worker_id=self.worker_id, role="prefill", seq=self._load_seq, timestamp=time.time(),
-            num_running=stats.num_running, num_waiting=stats.num_waiting,
-            num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
-            num_cached_blocks=stats.num_cached_blocks, max_num_seqs=stats.max_num_seqs,
-            ttft_recent_s=self._prefill_time.mean(), num_requests_total=self.num_requests_total,
-            num_prompt_tokens_total=stats.num_prompt_tokens, num_remote_prefills=self.num_written,
-            num_prefills_dropped=self.num_dropped, kv_bytes_sent=self.transfer.stats.num_bytes_sent)
+        return self._load(ttft_recent_s=self._prefill_time.mean(), num_requests_total=self.num_requests_total,
+                          num_remote_prefills=self.num_written, num_prefills_dropped=self.num_dropped,
+                          kv_bytes_sent=self.transfer.stats.num_bytes_sent)
 
     async def start(self) -> None:
         s, cfg = self._subjects, self._settings
-        await self._bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
-                                      max_age_s=cfg.events_max_age_s, max_msgs=cfg.events_max_msgs)
+        await self.start_kv_events()
         await self._bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=cfg.queue_max_age_s,
                                       max_msgs=cfg.queue_max_msgs, work_queue=True)
         self._sub = await self._bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer,
                                                   ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver)
-        self.engine.add_kv_event_sink(LoopSink(asyncio.get_running_loop(), self._events))
         await self._bus.serve(s.control(self.worker_id), self.control)
         self.state = "ready"
         await self._registry.put(self.info())
@@ -248,22 +220,6 @@ class PrefillWorker:
                 log.debug("unexpected KV notification from %s ignored", note.peer)
             await asyncio.sleep(0.01)
 
-    # -- reporting --------------------------------------------------------------------------------
-    async def _publish_load(self) -> None:
-        try:
-            await self._bus.publish(self._subjects.load("prefill", self.worker_id), self.load())
-        except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
-            log.warning("load report failed: %s", exc)
-
-    async def publish_load_forever(self) -> None:
-        while True:
-            await self._publish_load()
-            await asyncio.sleep(self._settings.load_interval_s)
-
-    async def publish_kv_events_forever(self) -> None:
-        await publish_kv_events_forever(self._bus, self._subjects.kv_events(self.worker_id), self.worker_id,
-                                        self._events)
-
     async def drain(self, heartbeat: asyncio.Task, puller: asyncio.Task) -> None:
         """Take no new messages, finish the prefills in flight (unfinished ones are redelivered)."""
         self.state = "draining"
@@ -300,7 +256,7 @@ async def run(settings: PrefillSettings, stop: asyncio.Event) -> None:
         registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s)
         store = await NatsMetadataStore.open(bus, subjects.nixl_bucket)
         worker = PrefillWorker(settings, bus, registry, engine, transfer, store)
-        await warm_up(engine, worker.worker_id, settings.num_warmup_requests)
+        await worker.warm_up()
         await worker.start()
         tasks = [asyncio.create_task(c) for c in (
             registry.heartbeat(worker.info), worker.pull_forever(), worker.publish_load_forever(),

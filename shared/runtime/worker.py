@@ -1,17 +1,21 @@
 """What every engine-running worker (decode, prefill) does besides its own job: warm up before it
-takes traffic, and hand the engine's KV events to kv-index over JetStream."""
+takes traffic, report its load, hand the engine's KV events to kv-index over JetStream."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 
-from shared.bus import Bus
+from shared.bus import Bus, WorkerRegistry
 from shared.engine import AsyncEngine, SamplingParams
 from shared.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, SequencedEvent
 from shared.protocol import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent, Endpoint,
-                             KvEventBatch)
+                             KvEventBatch, Subjects, WorkerInfo, WorkerLoad)
+from shared.protocol.workers import Role
+from shared.runtime.engine_settings import EngineWorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +77,77 @@ def kv_event(ev: SequencedEvent):
                                  tier=e.tier)
     assert isinstance(e, AllBlocksCleared), f"unknown KV event {e!r}"
     return AllBlocksClearedEvent(seq=ev.seq, timestamp=ev.timestamp)
+
+
+class EngineWorker:
+    """The state and loops decode and prefill workers share. A subclass sets ``role`` and builds
+    its ``info()`` and ``load()`` from ``_info(...)`` and ``_load(...)``."""
+
+    role: Role
+
+    def __init__(self, settings: EngineWorkerSettings, bus: Bus, registry: WorkerRegistry,
+                 engine: AsyncEngine) -> None:
+        self._settings = settings
+        self._subjects = Subjects(settings.namespace)
+        self._bus = bus
+        self._registry = registry
+        self.engine = engine
+        self.worker_id = settings.worker_id
+        self.state = "starting"
+        self.drain_requested = asyncio.Event()
+        self._events: asyncio.Queue[SequencedEvent] = asyncio.Queue()
+        self._started_at = time.time()
+        self._load_seq = 0
+
+    def info(self) -> WorkerInfo:
+        raise NotImplementedError
+
+    def load(self) -> WorkerLoad:
+        raise NotImplementedError
+
+    def _info(self, **subjects: str) -> WorkerInfo:
+        stats = self.engine.stats()
+        return WorkerInfo(
+            worker_id=self.worker_id, role=self.role, state=self.state, model=self._settings.model,
+            block_size=self.engine.block_size, max_model_len=self.engine.max_model_len,
+            num_blocks_total=stats.num_blocks_total, max_num_seqs=stats.max_num_seqs,
+            control_subject=self._subjects.control(self.worker_id).subject,
+            kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
+            pid=os.getpid(), started_at=self._started_at, **subjects)
+
+    def _load(self, **fields) -> WorkerLoad:
+        stats = self.engine.stats()
+        self._load_seq += 1
+        return WorkerLoad(
+            worker_id=self.worker_id, role=self.role, seq=self._load_seq, timestamp=time.time(),
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
+            num_cached_blocks=stats.num_cached_blocks, max_num_seqs=stats.max_num_seqs,
+            num_prompt_tokens_total=stats.num_prompt_tokens,
+            num_generated_tokens_total=stats.num_generated_tokens, **fields)
+
+    async def warm_up(self) -> None:
+        await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests)
+
+    async def start_kv_events(self) -> None:
+        """The KV event stream exists, and the engine's events queue up for it."""
+        s = self._subjects
+        await self._bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
+                                      max_age_s=self._settings.events_max_age_s,
+                                      max_msgs=self._settings.events_max_msgs)
+        self.engine.add_kv_event_sink(LoopSink(asyncio.get_running_loop(), self._events))
+
+    async def publish_load(self) -> None:
+        try:
+            await self._bus.publish(self._subjects.load(self.role, self.worker_id), self.load())
+        except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
+            log.warning("load report failed: %s", exc)
+
+    async def publish_load_forever(self) -> None:
+        while True:
+            await self.publish_load()
+            await asyncio.sleep(self._settings.load_interval_s)
+
+    async def publish_kv_events_forever(self) -> None:
+        await publish_kv_events_forever(self._bus, self._subjects.kv_events(self.worker_id), self.worker_id,
+                                        self._events)

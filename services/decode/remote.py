@@ -73,7 +73,11 @@ class RemotePrefiller:
         """Requests waiting in the prefill queue (not yet taken by a worker); None: no queue."""
         at, value = self._queue_len
         if time.monotonic() - at > _QUEUE_INFO_MAX_AGE_S:
-            info = await self._bus.consumer_info(self._subjects.prefill_stream, self._subjects.prefill_consumer)
+            try:
+                info = await self._bus.consumer_info(self._subjects.prefill_stream, self._subjects.prefill_consumer)
+            except Exception as exc:  # noqa: BLE001 — NATS reconnecting: prefill locally meanwhile
+                log.warning("prefill queue state unavailable (%s): prefilling locally", exc)
+                info = None
             value = None if info is None else info.num_pending
             self._queue_len = (time.monotonic(), value)
         return value

@@ -24,9 +24,11 @@ TIMEOUT_S, WRITE_TIMEOUT_S = 30.0, 5.0  # the window never closes during a test
 
 
 class FakeBus:
-    def __init__(self, *, num_pending: int | None = 0, publish_error: Exception | None = None) -> None:
+    def __init__(self, *, num_pending: int | None = 0, publish_error: Exception | None = None,
+                 info_error: Exception | None = None) -> None:
         self.num_pending = num_pending
         self.publish_error = publish_error
+        self.info_error = info_error
         self.published: list[tuple[str, RemotePrefillRequest]] = []
         self.consumer_info_calls: list[tuple[str, str]] = []
 
@@ -39,6 +41,8 @@ class FakeBus:
 
     async def consumer_info(self, stream, durable):
         self.consumer_info_calls.append((stream, durable))
+        if self.info_error is not None:
+            raise self.info_error
         return None if self.num_pending is None else SimpleNamespace(num_pending=self.num_pending)
 
 
@@ -130,6 +134,12 @@ def note(transfer_id, rid="r1", status="ok", **kw) -> bytes:
 
 
 # -- start: what goes on the prefill queue ------------------------------------------------------------
+
+async def test_an_unreadable_queue_state_means_a_local_prefill():
+    prefiller, bus, engine = make(bus=FakeBus(info_error=ConnectionError("reconnecting")))
+    assert await prefiller.start(request(), PARAMS) is None
+    assert engine.reserved == [] and bus.published == []
+
 
 async def test_start_publishes_the_reservation_with_its_write_window():
     prefiller, bus, engine = make(engine=FakeEngine(num_cached=32))

@@ -79,7 +79,10 @@ class Bus:
         reconnects forever (a server restart is survived, subscriptions are replayed)."""
         delay, deadline = 0.05, time.monotonic() + timeout_s
 
+        last_error: list[Exception] = []
+
         async def on_error(exc: Exception) -> None:
+            last_error[:] = [exc]
             log.warning("nats %s: %s", name, exc)
 
         async def on_disconnect() -> None:
@@ -90,14 +93,18 @@ class Bus:
 
         while True:
             try:
-                nc = await nats.connect(
+                # nats-py itself retries an unreachable server forever (reconnects are unlimited):
+                # the deadline bounds the first connection
+                nc = await asyncio.wait_for(nats.connect(
                     servers=[url], name=name, connect_timeout=2, allow_reconnect=True,
                     max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                    error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+                    error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
+                    timeout=max(deadline - time.monotonic(), 0.1))
                 return cls(nc, name)
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if time.monotonic() + delay > deadline:
-                    raise ConnectionError(f"cannot reach NATS at {url}: {exc}") from exc
+                    why = exc if str(exc) else (last_error[0] if last_error else "timed out")
+                    raise ConnectionError(f"cannot reach NATS at {url} within {timeout_s:g}s: {why}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -168,3 +168,12 @@ async def test_watched_registry_follows_puts_deletes_and_expiry(bus, namespace):
         return await ids() == []
 
     await wait_until(expired, timeout_s=5, what="w1 to expire from the watched copy")  # no heartbeat
+
+
+async def test_connecting_to_an_unreachable_server_fails_by_its_deadline():
+    """nats-py alone would retry forever: the caller gets a ConnectionError naming the URL."""
+    from shared.runtime.servers import free_port
+
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(ConnectionError, match=f"cannot reach NATS at {url} within 1s"):
+        await asyncio.wait_for(Bus.connect(url, "probe", timeout_s=1.0), timeout=60)

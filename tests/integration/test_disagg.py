@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 import uuid
@@ -19,7 +18,8 @@ import openai
 import pytest
 
 from shared.protocol import RemotePrefillRequest, Subjects
-from shared.runtime.stack import Stack, StackSpec
+from shared.runtime.stack import StackSpec
+from stack_helpers import running_stack
 
 pytest.importorskip("nixl_cu12._api")
 
@@ -36,7 +36,6 @@ LONG_DOC = ("Tandem moves the KV cache of long prompts from prefill workers to d
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    lines: list[str] = []
     spec = StackSpec(
         state_dir=tmp_path_factory.mktemp("disagg"), num_decode=1, num_prefill=1, model=MODEL, port=0,
         namespace=f"d{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
@@ -44,16 +43,8 @@ def stack(nats_server, redis_server, tmp_path_factory):
         decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": FALLBACK_S,
                       "drain_timeout_s": 10},
         prefill_flags={**ENGINE, "ack_wait_s": 3.0, "drain_timeout_s": 10})
-    s = Stack(spec, on_line=lambda name, line: lines.append(f"{name}| {line}"))
-    s.lines = lines
-    try:
-        s.start()
-        s.wait_ready(timeout_s=240)
+    with running_stack(spec, ready_timeout_s=240) as s:
         yield s
-    finally:
-        s.stop()
-        if os.environ.get("TANDEM_TEST_STACK_LOG"):
-            print("\n".join(lines))
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +215,7 @@ def test_a_duplicate_delivery_is_harmless(stack, client, engine):
     assert text == greedy(engine, ids, 24)
     transfer_id = result["req"].transfer_id
     # both copies were served by the prefill worker, and the decode worker ignored the second notification
-    wait_for(lambda: sum(f"wrote" in l and result["req"].request_id in l for l in stack.lines) == 2,
+    wait_for(lambda: sum("wrote" in l and result["req"].request_id in l for l in stack.lines) == 2,
              what="two writes")
     wait_for(lambda: any("repeated KV notification" in l and result["req"].request_id in l for l in stack.lines),
              what="the ignored notification")

@@ -21,8 +21,9 @@ import pytest
 
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol import Subjects
-from shared.runtime.stack import Stack, StackSpec
+from shared.runtime.stack import StackSpec
 from shared.store import KvIndexStore, RedisKeys, connect
+from stack_helpers import running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -33,23 +34,14 @@ TTL_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    lines: list[str] = []
     spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=2, model=MODEL, port=0,
                      namespace=f"s{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
                      redis_url=redis_server.url, registry_ttl_s=TTL_S,
                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
                                    "device": "cpu", "num_warmup_requests": 2, "drain_timeout_s": 60},
                      admission_flags={"log_level": "DEBUG"})
-    s = Stack(spec, on_line=lambda name, line: lines.append(f"{name}| {line}"))
-    s.lines = lines
-    try:
-        s.start()
-        s.wait_ready(timeout_s=180)
+    with running_stack(spec, ready_timeout_s=180) as s:
         yield s
-    finally:
-        s.stop()
-        if os.environ.get("TANDEM_TEST_STACK_LOG"):
-            print("\n".join(lines))
 
 
 @pytest.fixture(scope="module")

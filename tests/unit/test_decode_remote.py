@@ -332,3 +332,19 @@ async def test_a_cancelled_wait_aborts_the_request():
         await task
     assert engine.calls == [("abort", "r1"), ("finish", "r1", False), ("discard", "r1")]
     assert prefiller._pending == {} and prefiller._by_request == {}
+
+
+async def test_without_nixl_the_decode_worker_says_so_and_prefills_locally(monkeypatch, caplog):
+    """No NIXL on the platform: no transfer, remote prefill off, and a log line saying why."""
+    import shared.transfer.nixl as nixl
+    from services.decode.config import DecodeSettings
+    from services.decode.service import _open_transfer
+    from shared.transfer import TransferUnavailable
+
+    def unavailable(*args, **kw):
+        raise TransferUnavailable("NIXL is not importable on this platform (test)")
+
+    monkeypatch.setattr(nixl, "NixlTransfer", unavailable)
+    with caplog.at_level("WARNING"):
+        assert await _open_transfer(DecodeSettings(), bus=None, engine=None) == (None, None)
+    assert "remote prefill OFF: NIXL is not importable" in caplog.text

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.engine import AsyncEngine, EngineError, InvalidRequestError
-from shared.policy.disagg import DisaggConfig
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, Subjects, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
@@ -96,10 +95,6 @@ class DecodeWorker(EngineWorker):
         if self.remote is not None:
             self.remote.cancel(request.request_id)
 
-    @property
-    def disagg(self) -> DisaggConfig:
-        return self.remote.config if self.remote is not None else self._settings.disagg_config()
-
     async def control(self, request: ControlRequest) -> ControlResult:
         if request.action in ("drain", "stop"):
             self.drain_requested.set()
@@ -112,9 +107,9 @@ class DecodeWorker(EngineWorker):
                 self.remote.config = dataclasses.replace(self.remote.config, **changes)
                 log.info("disaggregation thresholds now %s", self.remote.config)
         state = "draining" if self.drain_requested.is_set() else self.state
+        thresholds = dataclasses.asdict(self.remote.config) if self.remote is not None else {}
         return ControlResult(worker_id=self.worker_id, state=state, num_in_flight=self._bus.num_in_flight,
-                             max_local_prefill_tokens=self.disagg.max_local_prefill_tokens if self.remote else None,
-                             max_prefill_queue=self.disagg.max_prefill_queue if self.remote else None)
+                             **thresholds)
 
     def load(self) -> WorkerLoad:
         remote = self.remote

@@ -68,7 +68,8 @@ async def test_no_worker_is_503_and_full_queues_are_429_with_retry_after(setup, 
 
     await wait_until(loaded, timeout_s=5, what="w1's load at admission")
     resp = await client.post("/v1/chat/completions", json=BODY, headers=auth)
-    assert resp.status == 429 and resp.headers["Retry-After"] == "3"
+    assert resp.status == 429, await resp.text()  # the body says which 5xx path it took instead
+    assert resp.headers["Retry-After"] == "3"
     assert (await resp.json())["error"]["type"] == "rate_limit_exceeded"
     metrics = await (await client.get("/metrics")).text()
     assert 'tandem_gateway_rejected_total{reason="overloaded"} 1' in metrics

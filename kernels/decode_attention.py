@@ -31,9 +31,12 @@ def paged_decode_attention_ref(
     valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].to(q.device)  # [B, L]
     # Slots past seq_len are not this sequence's K/V (stale or never written, possibly non-finite):
     # the mask is additive and a zero probability times a NaN is NaN, so zero them (in place: the
-    # gathered copies are ours).
-    k.masked_fill_(~valid[:, :, None], 0)
-    v.masked_fill_(~valid[:, :, None], 0)
+    # gathered copies are ours). Only those rows are touched: a masked_fill over the whole copy
+    # cost as much as the attention itself.
+    invalid = (~valid).view(-1).nonzero().view(-1)
+    if invalid.numel():
+        k.view(-1, num_kv_heads * head_dim).index_fill_(0, invalid, 0)
+        v.view(-1, num_kv_heads * head_dim).index_fill_(0, invalid, 0)
     k = k.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     v = v.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(

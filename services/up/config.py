@@ -1,4 +1,5 @@
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,6 +30,8 @@ class UpSettings(BaseSettings):
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
     device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="workers' linear layers: none (model dtype) or int8 (W8A8, CPU only)")
     drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")

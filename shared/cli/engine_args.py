@@ -30,6 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--num-threads", type=int, default=_env("NUM_THREADS"),
                    help="torch CPU threads (default: torch's, usually one per core)")
+    g.add_argument("--quantization", default=_env("QUANTIZATION", "none"), choices=["none", "int8"],
+                   help="int8: int8 weights and per-token int8 activations in every linear layer, CPU only; "
+                        "about 2x the decode throughput, slightly different outputs (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
@@ -42,4 +45,4 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         max_model_len=int(args.max_model_len) if args.max_model_len else None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed,
-        num_threads=int(args.num_threads) if args.num_threads else None)
+        num_threads=int(args.num_threads) if args.num_threads else None, quantization=args.quantization)

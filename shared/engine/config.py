@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kvcache.layout import KvCacheSpec
+from shared.model.quant import QUANTIZATION_METHODS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -39,12 +40,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this process (default: torch's choice)
+    quantization: str = "none"  # "int8": int8 weights and per-token int8 activations (CPU), see shared/model/quant.py
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.quantization = (self.quantization or "none").lower()
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization {self.quantization!r} (choose {', '.join(QUANTIZATION_METHODS)})")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

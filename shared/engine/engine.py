@@ -92,6 +92,9 @@ class LLMEngine:
         self.model_id = model_id
         self.eos_token_ids = eos_token_ids
         self.device = model.device
+        if model.quantization != config.quantization:
+            raise ValueError(f"the model's linear layers are {model.quantization!r} but the config asks for "
+                             f"{config.quantization!r}: call model.quantize() or use LLMEngine.from_config")
         cfg = model.cfg
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -118,6 +121,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         """Resolve the model name (fetching the default model if needed) and load it."""
         from shared.model.loader import load_model
+        from shared.model.quant import calibration_token_ids, check_quantization
         from shared.model.registry import resolve_model
         from shared.tokenizer import Tokenizer
 
@@ -128,9 +132,14 @@ class LLMEngine:
         dtype = config.resolve_dtype(device)
         t0 = time.perf_counter()
         tokenizer = Tokenizer.from_gguf(source.path) if source.format == "gguf" else Tokenizer.from_hf_dir(source.path)
+        quantization = check_quantization(config.quantization, device)
         model = load_model(source.path, source.format, device, dtype)
-        log.info("loaded %s (%s, %.0fM parameters) on %s as %s in %.1fs", source.name, source.format,
-                 model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."), time.perf_counter() - t0)
+        if quantization != "none":
+            model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
+        log.info("loaded %s (%s, %.0fM parameters) on %s as %s%s in %.1fs", source.name, source.format,
+                 model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."),
+                 "" if quantization == "none" else f" with {quantization} linear layers (W8A8)",
+                 time.perf_counter() - t0)
         return cls(model, config, tokenizer=tokenizer, model_id=source.name,
                    eos_token_ids=frozenset(tokenizer.stop_token_ids))
 

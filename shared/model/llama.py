@@ -12,9 +12,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from shared.kvcache.layout import layer_views
-from shared.model.attention import AttentionBackend, AttentionMetadata
+from shared.kvcache.layout import KvCacheSpec, layer_views
+from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
+from shared.model.quant import Int8Weight, ObservedWeight, linear, observe, quantize_int8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,7 +72,7 @@ class LlamaLayer:
         else:
             residual = hidden + residual
         x = rms_norm(residual, self.attn_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = linear(x, self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, Hq, D]
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, Hkv, D]
@@ -79,11 +80,11 @@ class LlamaLayer:
         k_cache, v_cache = layer_views(kv_cache, layer_idx)
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
-        hidden = F.linear(attn.reshape(-1, self.q_size), self.o_proj)
+        hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
         residual = hidden + residual
         x = rms_norm(residual, self.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down), residual
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down), residual
 
 
 class LlamaModel:
@@ -125,4 +126,50 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
+
+    def quantize(self, method: str, calibration_ids: list[int] | None = None, alpha: float = 0.5) -> None:
+        """Replace every linear weight (and the LM head, a copy when tied) by its int8 form.
+
+        With ``calibration_ids`` the float model first runs that text once, recording each linear
+        layer's per-channel input range, and the weights are smoothed with it (SmoothQuant, alpha)."""
+        if method == "none":
+            return
+        assert method == "int8", method
+        names = ("qkv", "o_proj", "gate_up", "down")
+        if calibration_ids:
+            for layer in self.layers:
+                for name in names:
+                    setattr(layer, name, observe(getattr(layer, name)))
+            self.lm_head = observe(self.lm_head)
+            self._run_once(calibration_ids)
+        for layer in self.layers:
+            for name in names:
+                setattr(layer, name, _to_int8(getattr(layer, name), alpha))
+        self.lm_head = _to_int8(self.lm_head, alpha)
+
+    def _run_once(self, token_ids: list[int], block_size: int = 16) -> None:
+        """One prefill of ``token_ids`` over a scratch KV cache (for calibration)."""
+        cfg, n = self.cfg, len(token_ids)
+        num_blocks = -(-n // block_size)
+        kv = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype).allocate(
+            num_blocks, self.device)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=0, slot_mapping=torch.arange(n, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev), max_seq_len=n, max_query_len=n)
+        hidden = self.forward(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev), kv, meta,
+                              TorchAttentionBackend())
+        self.compute_logits(hidden)  # every position: the LM head's calibration sees them all
+
+    @property
+    def quantization(self) -> str:
+        return "int8" if isinstance(self.lm_head, Int8Weight) else "none"
+
+
+def _to_int8(weight: torch.Tensor | ObservedWeight, alpha: float) -> Int8Weight:
+    if isinstance(weight, ObservedWeight):
+        return quantize_int8(weight.weight, weight.act_amax, alpha)
+    return quantize_int8(weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -28,6 +29,8 @@ class EngineWorkerSettings(ServiceSettings):
     attention_backend: str = Field("auto", description="auto, torch or triton")
     seed: int = Field(0, description="engine seed")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only)")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
@@ -49,4 +52,5 @@ class EngineWorkerSettings(ServiceSettings):
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads)
+            attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads,
+            quantization=self.quantization)

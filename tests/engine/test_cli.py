@@ -23,6 +23,14 @@ def test_complete_prints_only_the_completion(smollm2_gguf):
     assert "KV cache:" in r.stderr  # logs go to stderr
 
 
+def test_complete_with_int8_linear_layers(smollm2_gguf):
+    r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "16", "--model", str(smollm2_gguf),
+               "--quantization", "int8", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "with int8 linear layers" in r.stderr
+
+
 def test_complete_reads_stdin_and_honours_seed(smollm2_gguf):
     args = ("complete", "--temperature", "1.0", "--seed", "3", "--max-tokens", "12", "--model", str(smollm2_gguf), "-")
     a, b = tandem(*args, stdin="Once upon a time"), tandem(*args, stdin="Once upon a time")
@@ -35,6 +43,7 @@ def test_complete_reads_stdin_and_honours_seed(smollm2_gguf):
     (("--top-p", "0", "hi"), "top_p"),
     (("--max-model-len", "8", "a b c d e f g h i j k l m n o p"), "prompt has"),
     (("--kv-cache-memory", "lots", "hi"), "cannot parse size"),
+    (("--quantization", "int4", "hi"), "--quantization"),
 ])
 def test_bad_input_is_one_clear_line_without_traceback(args, needle, smollm2_gguf):
     r = tandem("complete", *args)

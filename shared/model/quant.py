@@ -1,0 +1,148 @@
+"""Int8 weight-and-activation (W8A8) linear layers for the CPU.
+
+On a CPU the engine's time goes to matmuls that read fp32 weights. With ``quantization="int8"``
+every linear layer (fused q/k/v, o, fused gate/up, down and the LM head) keeps its weight as int8
+with one scale per output channel, and each step's activations are quantized per token (one scale
+per row) just before the matmul. The int8 x int8 product accumulates exactly in int32
+(``torch._int_mm``, VNNI on x86), so a row's result depends only on that row: the output of a
+request does not change with its batch-mates, as in float32. The embedding lookup, norms,
+attention and the KV cache stay in the model dtype.
+
+The error against float32 is small but not zero; ``tests/engine/test_quantization.py`` measures
+it on the real model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATION_METHODS = ("none", "int8")
+
+# What the float model reads once to measure each linear layer's input range (SmoothQuant
+# calibration): a chat turn, prose, code and numbers, so that the special tokens, punctuation and
+# digits that real traffic has are all seen.
+CALIBRATION_MESSAGES = [
+    {"role": "user", "content": "Explain in a few sentences why the sky is blue, then write a Python function "
+                                "that returns the n-th Fibonacci number, and list three prime numbers above 100."},
+    {"role": "assistant", "content": (
+        "Sunlight is made of many colours. When it passes through the atmosphere, the short blue wavelengths "
+        "are scattered by nitrogen and oxygen molecules far more than the long red ones (Rayleigh scattering, "
+        "which grows as 1/wavelength^4), so blue light reaches our eyes from every direction of the sky.\n\n"
+        "```python\ndef fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+        "    return a\n```\n\nThree primes above 100: 101, 103 and 107. In 2024, about 8.1 billion people lived "
+        "on Earth; the distance to the Moon is roughly 384,400 km.")},
+    {"role": "user", "content": "Merci ! Et en français, quelle est la capitale de l'Italie ? Réponds en JSON: "
+                                "{\"capitale\": ...}"},
+]
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A linear weight [N, K] as int8 with a float32 scale per output channel, after smoothing:
+    w ≈ (qweight * scale) / smooth, where ``smooth`` [K] moved part of the activations' range into
+    the weight (SmoothQuant); the activations are divided by it before they are quantized."""
+
+    qweight: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+    inv_smooth: torch.Tensor | None = None  # [K] float32: activations are multiplied by it
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.qweight.float() * self.scale[:, None]
+        if self.inv_smooth is not None:
+            w = w * self.inv_smooth[None, :]
+        return w.to(dtype)
+
+
+@dataclass
+class ObservedWeight:
+    """A float weight whose inputs' per-channel max |x| is recorded: the calibration pass."""
+
+    weight: torch.Tensor  # [N, K]
+    act_amax: torch.Tensor  # [K] float32, running max over every token seen
+
+
+def observe(weight: torch.Tensor) -> ObservedWeight:
+    return ObservedWeight(weight, torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device))
+
+
+def quantize_int8(weight: torch.Tensor, act_amax: torch.Tensor | None = None, alpha: float = 0.5) -> Int8Weight:
+    """Symmetric per-output-channel quantization: each row's largest |value| maps to 127.
+
+    With ``act_amax`` (per input channel, from calibration), input channel k is first scaled by
+    s_k = act_amax_k^alpha / wmax_k^(1 - alpha) (SmoothQuant), which evens out the outlier
+    channels that per-token activation quantization handles badly."""
+    w = weight.float()
+    inv_smooth = None
+    if act_amax is not None:
+        w_amax = w.abs().amax(dim=0).clamp_min(1e-5)
+        smooth = (act_amax.float().clamp_min(1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp_min(1e-5)
+        w = w * smooth[None, :]
+        inv_smooth = (1.0 / smooth).contiguous()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale.contiguous(), inv_smooth)
+
+
+def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) symmetric int8 quantization of x [M, K] (times ``inv_smooth`` [K] first):
+    returns (int8 [M, K], scale [M, 1])."""
+    xf = x.float() if inv_smooth is None else x.float() * inv_smooth
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w.T with int8 operands and int32 accumulation; returns x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return x.new_zeros(*lead, w.shape[0])
+    xq, xs = quantize_rows(x2, w.inv_smooth)
+    acc = torch._int_mm(xq, w.qweight.t())  # [M, N] int32, exact
+    out = acc.to(torch.float32).mul_(xs).mul_(w.scale)
+    if bias is not None:
+        out.add_(bias.float())
+    return out.to(x.dtype).view(*lead, w.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | ObservedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a plain weight, the int8 path for an ``Int8Weight``; an ``ObservedWeight``
+    records its input's range and computes in float."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
+    if isinstance(weight, ObservedWeight):
+        amax = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        torch.maximum(weight.act_amax, amax, out=weight.act_amax)
+        return F.linear(x, weight.weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def calibration_token_ids(tokenizer, max_tokens: int = 512) -> list[int]:
+    """The calibration text in the model's own chat format (plain text without a template)."""
+    try:
+        text = tokenizer.apply_chat_template(CALIBRATION_MESSAGES, add_generation_prompt=True)
+    except ValueError:  # no chat template: the same words as plain text
+        text = "\n\n".join(m["content"] for m in CALIBRATION_MESSAGES)
+    return tokenizer.encode(text)[:max_tokens]
+
+
+def check_quantization(method: str, device: torch.device) -> str:
+    """Validate a ``--quantization`` value for a device; returns the canonical name."""
+    method = (method or "none").lower()
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {method!r} (choose {', '.join(QUANTIZATION_METHODS)})")
+    if method == "int8" and device.type != "cpu":
+        raise ValueError(f"quantization 'int8' runs on the CPU only, not on {device.type}")
+    return method

@@ -142,19 +142,20 @@ class LlamaModel:
                 for name in names:
                     setattr(layer, name, observe(getattr(layer, name)))
             self.lm_head = observe(self.lm_head)
-            self._run_once(calibration_ids)
+            self.prefill_logits(calibration_ids)  # every position: the LM head's calibration sees them all
         for layer in self.layers:
             for name in names:
                 setattr(layer, name, _to_int8(getattr(layer, name), alpha))
         self.lm_head = _to_int8(self.lm_head, alpha)
 
-    def _run_once(self, token_ids: list[int], block_size: int = 16) -> None:
-        """One prefill of ``token_ids`` over a scratch KV cache (for calibration)."""
-        cfg, n = self.cfg, len(token_ids)
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+        """Float32 logits [n, V] at every position of one prefill of ``token_ids``, over a scratch
+        KV cache: for calibration and for measuring a model against another."""
+        cfg, n, dev = self.cfg, len(token_ids), self.device
         num_blocks = -(-n // block_size)
         kv = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype).allocate(
-            num_blocks, self.device)
-        dev = self.device
+            num_blocks, dev)
         meta = AttentionMetadata(
             num_decodes=0, slot_mapping=torch.arange(n, device=dev),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
@@ -162,7 +163,7 @@ class LlamaModel:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev), max_seq_len=n, max_query_len=n)
         hidden = self.forward(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev), kv, meta,
                               TorchAttentionBackend())
-        self.compute_logits(hidden)  # every position: the LM head's calibration sees them all
+        return self.compute_logits(hidden)
 
     @property
     def quantization(self) -> str:

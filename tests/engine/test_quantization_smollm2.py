@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
-from shared.model.attention import AttentionMetadata
 from shared.model.loader import load_model
 from shared.model.quant import calibration_token_ids
 
@@ -35,24 +34,10 @@ def float_and_int8(smollm2_gguf, smol_tokenizer):
     return fp32, smooth, plain
 
 
-def teacher_forced(model, ids):
-    """Log-probabilities at every position of one prefill of ``ids``."""
-    eng = LLMEngine(model, EngineConfig(kv_cache_memory=64 << 20, quantization=model.quantization))
-    n = len(ids)
-    nb = -(-n // eng.block_size)
-    meta = AttentionMetadata(num_decodes=0, slot_mapping=torch.arange(n),
-                             block_tables=torch.arange(nb, dtype=torch.int32)[None],
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             query_start_loc=torch.tensor([0, n], dtype=torch.int32), max_seq_len=n, max_query_len=n)
-    with torch.no_grad():
-        hidden = model.forward(torch.tensor(ids), torch.arange(n), eng.kv_cache, meta, eng.backend)
-        return model.compute_logits(hidden).log_softmax(-1)
-
-
 def test_int8_stays_close_to_float32(float_and_int8, smol_tokenizer):
     fp32, smooth, plain = float_and_int8
     ids = smol_tokenizer.encode(PASSAGE)
-    ref, got, unsmoothed = (teacher_forced(m, ids) for m in (fp32, smooth, plain))
+    ref, got, unsmoothed = (m.prefill_logits(ids).log_softmax(-1) for m in (fp32, smooth, plain))
     target = torch.tensor(ids[1:])
 
     def ppl(lp):

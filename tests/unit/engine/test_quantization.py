@@ -71,32 +71,16 @@ def test_engine_runs_a_quantized_model(tiny_hf):
     model = load_model(path, "hf", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="call model.quantize"):
         LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, quantization="int8"))
-    reference = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20))
     prompts = [[(5 * i + k) % 256 for i in range(n)] for k, n in ((1, 3), (2, 37), (3, 90))]
-    with torch.no_grad():
-        want = model.compute_logits(reference_hidden(reference, prompts[2]))
+    want = model.prefill_logits(prompts[2])
     model.quantize("int8", calibration_ids=[(3 * i) % 256 for i in range(64)])
     assert model.quantization == "int8"
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=24,
                                            quantization="int8"))
-    with torch.no_grad():
-        got = model.compute_logits(reference_hidden(engine, prompts[2]))
+    got = model.prefill_logits(prompts[2])
     assert rel_err(got, want) < 0.1  # random weights: close to the float model, not equal
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     together = engine.generate(prompts, params)
     alone = [engine.generate([p], params)[0] for p in prompts]
     assert together == alone  # batch-mates do not change a request's tokens
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
-
-
-def reference_hidden(engine, prompt):
-    """The last position's hidden state of one prefill through the engine's runner path."""
-    from shared.model.attention import AttentionMetadata
-
-    n, bs = len(prompt), engine.block_size
-    nb = -(-n // bs)
-    meta = AttentionMetadata(num_decodes=0, slot_mapping=torch.arange(n),
-                             block_tables=torch.arange(nb, dtype=torch.int32)[None],
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             query_start_loc=torch.tensor([0, n], dtype=torch.int32), max_seq_len=n, max_query_len=n)
-    return engine.model.forward(torch.tensor(prompt), torch.arange(n), engine.kv_cache, meta, engine.backend)[-1:]

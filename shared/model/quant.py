@@ -14,6 +14,7 @@ it on the real model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -146,3 +147,32 @@ def check_quantization(method: str, device: torch.device) -> str:
     if method == "int8" and device.type != "cpu":
         raise ValueError(f"quantization 'int8' runs on the CPU only, not on {device.type}")
     return method
+
+
+# A held-out passage (not the calibration text) on which a quantized model is compared with float.
+EVAL_PASSAGE = (
+    "The lighthouse stood at the end of a narrow spit of rock, and for more than a century its keepers had "
+    "climbed the one hundred and twelve steps every evening to light the lamp. In the winter of 1911 the "
+    "storms came early. Ships that had left the harbour in October were still missing in December, and the "
+    "village waited for news that did not come. The keeper's daughter, who was eleven, kept a notebook in "
+    "which she wrote the direction of the wind, the height of the waves and the names of the boats she saw. "
+    "Years later a historian found the notebook in a box of old tide tables and used it to work out where "
+    "the missing ships had most likely gone down. Her careful entries, written in pencil by the light of the "
+    "great lamp, turned out to be more accurate than the official records kept in the harbour office. "
+    "Today the lighthouse is automatic, and the notebook is on display in the small museum beside the pier."
+)
+
+
+def compare_models(reference, model, token_ids: list[int]) -> dict[str, float]:
+    """Teacher-forced on ``token_ids``: how often ``model``'s top token is ``reference``'s, their mean
+    KL divergence (reference || model) per position, and both perplexities."""
+    ref = reference.prefill_logits(token_ids).log_softmax(-1)
+    got = model.prefill_logits(token_ids).log_softmax(-1)
+    target = torch.tensor(token_ids[1:], device=ref.device)
+
+    def ppl(lp: torch.Tensor) -> float:
+        return math.exp(-float(lp[:-1].gather(1, target[:, None]).mean()))
+
+    return {"tokens": len(token_ids), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+            "kl": float((ref.exp() * (ref - got)).sum(-1).mean()),
+            "perplexity_reference": ppl(ref), "perplexity": ppl(got)}

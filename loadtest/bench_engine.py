@@ -1,6 +1,6 @@
 """Engine benchmark: throughput against transformers `generate`, and TTFT with a warm prefix cache.
 
-    python -m loadtest.bench_engine [--batch-sizes 1,8,32] [--variants fp32,int8] [--out loadtest/results/engine]
+    python -m loadtest.bench_engine [--batch-sizes 1,8,32] [--variants fp32,int8,bf16] [--out loadtest/results/engine]
 
 Both sides run the same GGUF weights on this machine, in one run, alternating, best of
 ``--repeats`` runs each. Throughput: N concurrent requests of 128 prompt tokens and 128 output
@@ -10,7 +10,7 @@ transformers in float32 (its CPU default, and ours).
 Variants of the tandem engine (``--variants``):
   fp32  float32, like for like with the baseline
   int8  ``--quantization int8``: int8 weights and per-token int8 activations in the linear layers
-  bf16  ``--dtype bfloat16`` (with ``--transformers-bf16``, transformers in bfloat16 is run too)
+  bf16  ``--dtype bfloat16``; transformers in bfloat16 runs too (``--no-transformers-bf16`` skips it)
 A quantized variant computes something slightly different: the run also measures, on a fixed
 passage, its top-1 agreement with float32 and both perplexities, and prints them beside the speed.
 
@@ -42,8 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3,
                    help="throughput runs per side, alternating tandem/transformers; the best of each is kept "
                         "(robust to other load on the machine)")
-    p.add_argument("--variants", default="fp32,int8", help="tandem variants: fp32, int8, bf16 (first: TTFT)")
-    p.add_argument("--transformers-bf16", action="store_true", help="also run transformers in bfloat16")
+    p.add_argument("--variants", default="fp32,int8,bf16", help="tandem variants: fp32, int8, bf16 (first: TTFT)")
+    p.add_argument("--transformers-bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers in bfloat16, the like-for-like baseline of the bf16 variant")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     p.add_argument("--out", default="loadtest/results/engine")
     return p.parse_args(argv)
@@ -181,9 +182,13 @@ def main(argv=None) -> int:
         best = {name: max(r) for name, r in runs.items()}
         base = best["transformers fp32"]
         ratio = {name: v / base for name, v in best.items()}
-        rows.append({"concurrency": b, "tok_s": best, "ratio": ratio, "runs": runs})
+        # the same precision on both sides: fp32 vs fp32, bf16 vs bf16 (int8 has no transformers twin)
+        same = {f"tandem {d}": best[f"tandem {d}"] / best[f"transformers {d}"] for d in ("fp32", "bf16")
+                if f"tandem {d}" in best and f"transformers {d}" in best}
+        rows.append({"concurrency": b, "tok_s": best, "ratio": ratio, "ratio_same_dtype": same, "runs": runs})
         print(f"concurrency {b:3d}: " + "   ".join(f"{n} {best[n]:7.1f} tok/s ({ratio[n]:.2f}x)" for n in best),
               flush=True)
+        print("    same precision as transformers: " + ", ".join(f"{n} {r:.2f}x" for n, r in same.items()), flush=True)
     fp32_ref = None
     qualities = {}
     for v in variants:

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from typing import Literal, get_args, get_origin
 
 import pytest
 
@@ -20,8 +21,9 @@ def test_every_settings_field_is_a_flag(service):
             assert getattr(build_parser().parse_args([service, flag]), name) is True, flag
             assert getattr(build_parser().parse_args([service, "--no-" + flag[2:]]), name) is False, flag
             continue
-        parsed = build_parser().parse_args([service, flag, "1"])
-        assert getattr(parsed, name) == "1", flag
+        value = get_args(field.annotation)[-1] if get_origin(field.annotation) is Literal else "1"
+        parsed = build_parser().parse_args([service, flag, value])
+        assert getattr(parsed, name) == value, flag
 
 
 def test_flags_override_env_and_env_overrides_defaults(monkeypatch):
@@ -54,6 +56,22 @@ def test_decode_num_threads_reaches_the_engine_config():
 
     assert DecodeSettings(num_threads=1).engine_config().num_threads == 1
     assert DecodeSettings().engine_config().num_threads is None
+
+
+def test_quantization_reaches_the_engine_config_and_the_stack_workers(monkeypatch):
+    from services.decode.config import DecodeSettings
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+
+    assert DecodeSettings(quantization="int8").engine_config().quantization == "int8"
+    assert DecodeSettings().engine_config().quantization == "none"
+    monkeypatch.setenv("TANDEM_QUANTIZATION", "int8")
+    args = build_parser().parse_args(["prefill"])
+    assert settings_from_args(args.settings_class, args).engine_config().quantization == "int8"
+    spec = spec_from_settings(UpSettings(quantization="int8", prefill=1))
+    assert spec.decode_flags["quantization"] == spec.prefill_flags["quantization"] == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--quantization", "int4"])
 
 
 def test_remote_prefill_window_must_cover_a_kv_write(capsys):

@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         print(f"concurrency {b:3d}: " + "   ".join(f"{n} {best[n]:7.1f} tok/s ({ratio[n]:.2f}x)" for n in best),
               flush=True)
         print("    same precision as transformers: " + ", ".join(f"{n} {r:.2f}x" for n, r in same.items()), flush=True)
-    fp32_ref = None
+    fp32_ref = engines["tandem fp32"].model if "tandem fp32" in engines else None
     qualities = {}
     for v in variants:
         if v == "fp32":

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kvcache.layout import KvCacheSpec
-from shared.model.quant import QUANTIZATION_METHODS
+from shared.model.quant import quantization_name
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -47,9 +47,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        self.quantization = (self.quantization or "none").lower()
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"unknown quantization {self.quantization!r} (choose {', '.join(QUANTIZATION_METHODS)})")
+        self.quantization = quantization_name(self.quantization)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -8,7 +8,7 @@ per row) just before the matmul. The int8 x int8 product accumulates exactly in 
 request does not change with its batch-mates, as in float32. The embedding lookup, norms,
 attention and the KV cache stay in the model dtype.
 
-The error against float32 is small but not zero; ``tests/engine/test_quantization.py`` measures
+The error against float32 is small but not zero; ``tests/engine/test_quantization_smollm2.py`` measures
 it on the real model.
 """
 
@@ -53,10 +53,6 @@ class Int8Weight:
     @property
     def shape(self) -> torch.Size:
         return self.qweight.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scale.nbytes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.qweight.float() * self.scale[:, None]
@@ -139,11 +135,17 @@ def calibration_token_ids(tokenizer, max_tokens: int = 512) -> list[int]:
     return tokenizer.encode(text)[:max_tokens]
 
 
-def check_quantization(method: str, device: torch.device) -> str:
-    """Validate a ``--quantization`` value for a device; returns the canonical name."""
+def quantization_name(method: str | None) -> str:
+    """The canonical name of a ``--quantization`` value (None and "" mean none)."""
     method = (method or "none").lower()
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r} (choose {', '.join(QUANTIZATION_METHODS)})")
+    return method
+
+
+def check_quantization(method: str, device: torch.device) -> str:
+    """Validate a ``--quantization`` value for a device; returns the canonical name."""
+    method = quantization_name(method)
     if method == "int8" and device.type != "cpu":
         raise ValueError(f"quantization 'int8' runs on the CPU only, not on {device.type}")
     return method

@@ -9,9 +9,9 @@ from shared.model.loader import load_model
 from shared.model.quant import EVAL_PASSAGE, calibration_token_ids, compare_models
 
 @pytest.fixture(scope="module")
-def float_and_int8(smollm2_gguf, smol_tokenizer):
+def float_and_int8(smollm2_gguf, smol_model, smol_tokenizer):
     cpu = torch.device("cpu")
-    fp32 = load_model(smollm2_gguf, "gguf", cpu, torch.float32)
+    fp32 = smol_model  # the session's float32 model, left as it is
     smooth = load_model(smollm2_gguf, "gguf", cpu, torch.float32)
     smooth.quantize("int8", calibration_token_ids(smol_tokenizer))
     plain = load_model(smollm2_gguf, "gguf", cpu, torch.float32)

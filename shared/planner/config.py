@@ -211,7 +211,7 @@ def validate_spec(cls: type[BaseModel], data: dict, where: str):
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ConfigError(f"{where}: {loc}: {first['msg']}{more}") from exc
+        raise ConfigError(f"{where}: {loc}: {first['msg'].removeprefix('Value error, ')}{more}") from exc
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:

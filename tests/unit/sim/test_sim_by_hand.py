@@ -3,10 +3,7 @@ model: a toy model on one device that decodes and prefills locally (the setup
 ``loadtest/calibrate_sim.py`` compares with the live stack), one or two requests, every event time
 written out below.
 
-Toy model: 1e9 parameters, 10 layers, hidden 1000, 10 KV heads of 100, 2-byte weights and KV:
-weights 2e9 B, KV 2·10·10·100·2 = 40,000 B per token. Device: 1 TFLOP/s and 100 GB/s nominal
-(``cpu_cluster_spec``) at efficiency 0.5 each, plus 0.1 s per prefill and 0.01 s per running
-sequence per decode step.
+Toy model and efficiencies: ``toy_model.py``.
 
 * Prefill of 100 tokens: FLOPs 2·1e9·100 + 2·10·1000·100² = 2e11 + 2e8 = 2.002e11 at 5e11 FLOP/s
   = 0.4004 s, + 0.1 s = **0.5004 s**.
@@ -19,27 +16,22 @@ sequence per decode step.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from loadtest.calibrate_sim import cpu_cluster_spec, simulate
-from shared.planner.config import ModelSpec
-from shared.planner.costmodel import Efficiency
+from toy_model import TOY, TOY_EFF
 
-TOY = ModelSpec(name="toy", num_layers=10, hidden_size=1000, num_heads=10, num_kv_heads=10, vocab_size=1000,
-                num_params=1e9)
-EFF = replace(Efficiency(), compute=0.5, hbm=0.5, prefill_overhead_s=0.1, decode_seq_s=0.01)
-PREFILL_S, STEP1_S, STEP2_S = 0.5004, 0.0500844, 0.0601688
+PREFILL_S, STEP1_S = 0.5004, 0.0500844
 
 
 def run(tmp_path, arrivals: list[float], input_len: int = 100, output_len: int = 11) -> dict:
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(yaml.safe_dump(cpu_cluster_spec(hbm_gib=10.0)))   # room for 2e9 B of weights
     specs = [SimpleNamespace(at_s=t, max_tokens=output_len) for t in arrivals]
-    return simulate(cluster, TOY, EFF, specs, [input_len] * len(arrivals))
+    return simulate(cluster, TOY, TOY_EFF, specs, [input_len] * len(arrivals))
 
 
 def test_one_request(tmp_path):

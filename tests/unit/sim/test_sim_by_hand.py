@@ -55,9 +55,6 @@ def test_a_prompt_arriving_mid_step_waits_for_the_step_then_stalls_decode(tmp_pa
     assert r["tpot_s"] == [pytest.approx(0.10617504, rel=1e-9), pytest.approx(0.05613504, rel=1e-9)]
 
 
-@pytest.mark.xfail(strict=True, reason="shared/sim/workers.py Worker.stall moves the decode counter to the next "
-                   "step boundary but the finish event is then scheduled at stall_until, so a sequence whose "
-                   "last step is the one in progress finishes only after the new prompt's prefill")
 def test_a_sequence_finishing_in_the_interrupted_step_is_not_held_by_the_prefill(tmp_path):
     # A's 10th (last) step runs from 0.5004 + 9·0.0500844 = 0.9511596 to 1.001244. B arrives at 0.98:
     # the engine finishes that step (A's last token streams at 1.001244) and then prefills B.

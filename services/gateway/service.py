@@ -3,7 +3,7 @@
 The handlers are written once for both endpoints against an ``ApiAdapter`` (shared/openai_api):
 API key → tier, body → prompt ids → ``GenerateRequest`` (with the context rules), then a
 ``Generation`` (admission, the worker's stream, detokenization, stop strings) answered as JSON or
-SSE (``http.py``). A client that disconnects cancels its request at the worker (aiohttp cancels
+SSE (``server.py``). A client that disconnects cancels its request at the worker (aiohttp cancels
 the handler; ``Generation.close`` publishes the cancel).
 """
 
@@ -25,7 +25,7 @@ from shared.runtime.service import bus_connection, every, serve_until_stopped
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.generation import Generation
-from services.gateway.http import errors_middleware, http_site, respond
+from services.gateway.server import errors_middleware, http_site, respond
 from services.gateway.metrics import GatewayMetrics
 
 __all__ = ["Gateway", "build_app", "load_tokenizer", "run"]  # load_tokenizer: tests import it here

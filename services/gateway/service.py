@@ -49,7 +49,7 @@ class Gateway:
     def _key_tiers(self) -> dict[str, str]:  # read by tests/integration/test_gateway_rejections.py
         return self.api_keys.key_tiers
 
-    # --- cluster view ----------------------------------------------------------------------------
+    # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
         """Nothing to subscribe to: the HTTP site is the gateway's endpoint."""
 

@@ -10,7 +10,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, Self, TypeVar
 
 from pydantic import ValidationError
 
@@ -69,7 +69,7 @@ class ApiAdapter(ABC, Generic[Body]):
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_json(cls, raw: bytes, tokenizer: Tokenizer) -> ApiAdapter:
+    def from_json(cls, raw: bytes, tokenizer: Tokenizer) -> Self:
         return cls(parse_body(raw, cls.body_type), tokenizer)
 
     @abstractmethod

@@ -15,7 +15,3 @@ class GatewaySettings(ServiceSettings):
     status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
-
-    def api_key_tiers(self) -> dict[str, str]:
-        pairs = [p.strip() for p in (self.api_keys or "").split(",") if p.strip()]
-        return {key: tier or "default" for key, _, tier in (p.partition(":") for p in pairs)}

@@ -13,37 +13,21 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from shared.bus import Bus, BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
-from shared.protocol import CancelRequest, GenerateRequest, Subjects, TokenChunk, TokenLogprob
-from shared.telemetry.metrics import Counter, Histogram
+from shared.protocol import CancelRequest, GenerateRequest, Subjects, TokenChunk
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.config import GatewaySettings
+from services.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
 _MAX_ATTEMPTS = 3     # admissions per start: a worker may drain or die between admission and us
 _MAX_MIGRATIONS = 2   # worker losses survived per request
 _WATCH_INTERVAL_S = 0.5
-
-
-@dataclass
-class Delta:
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class GatewayMetrics:
-    requests: Counter
-    rejected: Counter
-    ttft: Histogram
-    itl: Histogram
-    migrations: Counter
 
 
 class WorkerLost(Exception):

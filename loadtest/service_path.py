@@ -44,8 +44,7 @@ async def measure(base_url: str, model: str, prompts: list[str]) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     from shared.runtime.children import Child, child_env  # noqa: PLC0415
     from shared.runtime.stack import Stack, StackSpec  # noqa: PLC0415
-    from shared.tokenizer import Tokenizer  # noqa: PLC0415
-    from shared.model.registry import resolve_model  # noqa: PLC0415
+    from shared.tokenizer import load_tokenizer  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     prompts = [s.prompt for s in build_workload(WorkloadConfig(num_requests=args.num_requests + 10,
                                                                prompt_words=args.prompt_words))]
-    tokenizer = Tokenizer.from_gguf(resolve_model(args.model).path)
+    tokenizer = load_tokenizer(args.model)
     started = time.perf_counter()
     for prompt in prompts:
         tokenizer.encode(prompt)

@@ -22,6 +22,7 @@ from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter
 from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker
 from shared.policy.qos import load_qos
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, Subjects, WorkerLoad
+from shared.runtime.service import every, run_bus_service
 from services.admission.config import AdmissionSettings
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class AdmissionService:
                                                  shed_hold_s=settings.shed_hold_s))
 
     async def start(self) -> None:
+        log.info("tiers: %s", ", ".join(f"{n} (priority {t.priority}, TTFT SLO {t.ttft_slo_ms or '-'} ms)"
+                                        for n, t in self.qos.tiers.items()))
         await self.refresh()
         await self._bus.subscribe(self._subjects.load_all(), self.on_load)
         await self._bus.serve(self._subjects.admission_submit(), self.submit, queue="admission")
@@ -49,13 +52,8 @@ class AdmissionService:
     async def refresh(self) -> None:
         self.view.set_workers(await self._registry.list())
 
-    async def refresh_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.refresh_interval_s)
-            try:
-                await self.refresh()
-            except Exception as exc:  # noqa: BLE001 — keep the last view until NATS is back
-                log.warning("registry refresh failed: %s", exc)
+    async def run_forever(self) -> None:
+        await every(self._settings.refresh_interval_s, self.refresh, "registry refresh")
 
     async def on_load(self, load: WorkerLoad) -> None:
         self.view.update_load(load, time.time())
@@ -130,18 +128,5 @@ class AdmissionService:
 
 
 async def run(settings: AdmissionSettings, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(settings.nats_url, "admission")
-    try:
-        registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
-                                             ttl_s=settings.registry_ttl_s, watch=True)
-        service = AdmissionService(settings, bus, registry)
-        await service.start()
-        refresher = asyncio.create_task(service.refresh_forever())
-        log.info("admission ready (namespace %s, tiers %s)", settings.namespace,
-                 ", ".join(f"{n} (priority {t.priority}, TTFT SLO {t.ttft_slo_ms or '-'} ms)"
-                           for n, t in service.qos.tiers.items()))
-        await stop.wait()
-        refresher.cancel()
-        await bus.stop_serving(timeout_s=2)
-    finally:
-        await bus.close()
+    await run_bus_service("admission", settings, stop,
+                          lambda bus, registry: AdmissionService(settings, bus, registry))

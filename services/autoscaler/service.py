@@ -10,6 +10,7 @@ import time
 from shared.bus import Bus, WorkerRegistry
 from shared.cluster.view import ClusterView
 from shared.protocol import ClusterStatusRequest, ClusterStatusResult, PrefillQueueStatus, Subjects, WorkerLoad
+from shared.runtime.service import every, run_bus_service
 from services.autoscaler.config import AutoscalerSettings
 
 log = logging.getLogger(__name__)
@@ -41,26 +42,13 @@ class AutoscalerService:
                                    num_waiting_pulls=info.num_waiting or 0)
         return result.model_copy(update={"prefill_queue": queue})
 
-    async def refresh_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.refresh_interval_s)
-            try:
-                self.view.set_workers(await self._registry.list())
-            except Exception as exc:  # noqa: BLE001
-                log.warning("registry refresh failed: %s", exc)
+    async def refresh(self) -> None:
+        self.view.set_workers(await self._registry.list())
+
+    async def run_forever(self) -> None:
+        await every(self._settings.refresh_interval_s, self.refresh, "registry refresh")
 
 
 async def run(settings: AutoscalerSettings, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(settings.nats_url, "autoscaler")
-    try:
-        registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
-                                             ttl_s=settings.registry_ttl_s, watch=True)
-        service = AutoscalerService(settings, bus, registry)
-        await service.start()
-        refresher = asyncio.create_task(service.refresh_forever())
-        log.info("autoscaler ready (namespace %s)", settings.namespace)
-        await stop.wait()
-        refresher.cancel()
-        await bus.stop_serving(timeout_s=2)
-    finally:
-        await bus.close()
+    await run_bus_service("autoscaler", settings, stop,
+                          lambda bus, registry: AutoscalerService(settings, bus, registry))

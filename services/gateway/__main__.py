@@ -4,11 +4,27 @@ import argparse
 import json
 import sys
 
+from pydantic import Field
+
 from services.gateway.config import GatewaySettings
+from shared.protocol.base import WireModel
+from shared.protocol.workers import ClusterStatusResult, WorkerLoad, WorkerStatus
 from shared.runtime.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
 STATUS_HELP = "print the cluster view (workers, role, state, load) from a running gateway"
+
+
+class GatewayState(WireModel):
+    in_flight: float = 0
+    models: list[str] = Field(default_factory=list)
+
+
+class StatusPage(ClusterStatusResult):
+    """The gateway's ``/status``: the cluster view, where it came from, and the gateway's own state."""
+
+    source: str = ""
+    gateway: GatewayState = GatewayState()
 
 
 def register(subparsers) -> None:
@@ -29,50 +45,51 @@ def status_main(args: argparse.Namespace) -> int:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             view = json.load(resp)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        page = StatusPage.model_validate(view)
+    except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: bad JSON or not a status
         raise CliError(f"cannot read {url}: {exc}") from None
-    if args.json:
-        print(json.dumps(view, indent=2))
-        return 0
-    print(format_status(view))
+    print(json.dumps(view, indent=2) if args.json else format_status(page))
     return 0
 
 
-def format_status(view: dict) -> str:
+def format_status(page: StatusPage) -> str:
     header = f"{'WORKER':<28} {'ROLE':<8} {'STATE':<9} {'MODEL':<16} {'RUN':>4} {'WAIT':>5} " \
              f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7} " \
              f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
-    lines = [f"source: {view.get('source')}   in flight at gateway: "
-             f"{view.get('gateway', {}).get('in_flight', 0):g}"]
-    if queue := view.get("prefill_queue"):
-        lines.append(f"prefill queue: {queue['num_pending']} waiting, {queue['num_ack_pending']} being prefilled, "
-                     f"{queue['num_redelivered']} redelivered")
+    lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}"]
+    if queue := page.prefill_queue:
+        lines.append(f"prefill queue: {queue.num_pending} waiting, {queue.num_ack_pending} being prefilled, "
+                     f"{queue.num_redelivered} redelivered")
     lines.append(header)
-    for w in view.get("workers", []):
-        info, load = w["info"], w.get("load") or {}
-
-        def ms(key):
-            return f"{load[key] * 1000:.1f}" if load.get(key) is not None else "-"
-
-        kv = f"{load.get('num_blocks_used', 0)}/{load.get('num_blocks_total', info.get('num_blocks_total', 0))}"
-        lines.append(f"{info['worker_id']:<28} {info['role']:<8} {info['state']:<9} {info['model']:<16} "
-                     f"{load.get('num_running', 0):>4} {load.get('num_waiting', 0):>5} {kv:>11} "
-                     f"{load.get('num_requests_total', 0):>6} {load.get('num_generated_tokens_total', 0):>8} "
-                     f"{ms('ttft_recent_s'):>8} {ms('itl_recent_s'):>7} {_prefills(load):>14} "
-                     f"{load.get('kv_bytes_received', 0) / 1e6:>6.1f}/{load.get('kv_bytes_sent', 0) / 1e6:<6.1f}")
-    if not view.get("workers"):
+    lines.extend(_worker_line(w) for w in page.workers)
+    if not page.workers:
         lines.append("(no workers registered)")
     return "\n".join(lines)
 
 
-def _prefills(load: dict) -> str:
+def _worker_line(status: WorkerStatus) -> str:
+    info = status.info
+    # a worker that has not reported yet shows zeros
+    load = status.load or WorkerLoad(worker_id=info.worker_id, role=info.role, seq=0, timestamp=0.0)
+
+    def ms(value: float | None) -> str:
+        return f"{value * 1000:.1f}" if value is not None else "-"
+
+    kv = f"{load.num_blocks_used}/{load.num_blocks_total if status.load else info.num_blocks_total}"
+    return (f"{info.worker_id:<28} {info.role:<8} {info.state:<9} {info.model:<16} "
+            f"{load.num_running:>4} {load.num_waiting:>5} {kv:>11} "
+            f"{load.num_requests_total:>6} {load.num_generated_tokens_total:>8} "
+            f"{ms(load.ttft_recent_s):>8} {ms(load.itl_recent_s):>7} {_prefills(status.load):>14} "
+            f"{load.kv_bytes_received / 1e6:>6.1f}/{load.kv_bytes_sent / 1e6:<6.1f}")
+
+
+def _prefills(load: WorkerLoad | None) -> str:
     """Decode: remote/local/fallback prefills; prefill: written/-/dropped."""
-    if not load:
+    if load is None:
         return "-"
-    if load.get("role") == "prefill":
-        return f"{load.get('num_remote_prefills', 0)}/-/{load.get('num_prefills_dropped', 0)}"
-    return (f"{load.get('num_remote_prefills', 0)}/{load.get('num_local_prefills', 0)}/"
-            f"{load.get('num_prefill_fallbacks', 0)}")
+    if load.role == "prefill":
+        return f"{load.num_remote_prefills}/-/{load.num_prefills_dropped}"
+    return f"{load.num_remote_prefills}/{load.num_local_prefills}/{load.num_prefill_fallbacks}"
 
 
 if __name__ == "__main__":

@@ -19,10 +19,8 @@ class GatewaySettings(ServiceSettings, QosSettings):
 
     @model_validator(mode="after")
     def _api_key_tiers_exist(self) -> "GatewaySettings":
-        self.api_key_tiers()
+        from shared.openai_api.auth import ApiKeys  # noqa: PLC0415
+        from shared.policy.qos import load_qos  # noqa: PLC0415
+
+        ApiKeys.parse(self.api_keys, load_qos(self.qos))
         return self
-
-    def api_key_tiers(self) -> dict[str, str]:
-        from shared.policy.qos import load_qos, parse_api_keys  # noqa: PLC0415
-
-        return parse_api_keys(self.api_keys, load_qos(self.qos))

@@ -14,6 +14,7 @@ import time
 
 from shared.bus import Bus, WorkerRegistry
 from shared.protocol import KvEventBatch, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
+from shared.runtime.service import every, run_bus_service
 from shared.store import KvIndexStore, RedisKeys, connect
 from services.kv_index.config import KvIndexSettings
 
@@ -76,30 +77,16 @@ class KvIndexService:
                 dropped.append(worker_id)
         return dropped
 
-    async def sweep_forever(self) -> None:
-        while True:
-            try:
-                await self.sweep()
-            except Exception:  # noqa: BLE001 — Redis/NATS hiccup: try again next round
-                log.exception("sweep failed")
-            await asyncio.sleep(self._settings.sweep_interval_s)
+    async def run_forever(self) -> None:
+        await every(self._settings.sweep_interval_s, self.sweep, "sweep")
 
 
 async def run(settings: KvIndexSettings, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(settings.nats_url, "kv-index")
     redis = connect(settings.redis_url)
     try:
         await redis.ping()
-        subjects = Subjects(settings.namespace)
-        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s, watch=True)
-        service = KvIndexService(settings, bus, KvIndexStore(redis, RedisKeys(settings.namespace)),
-                                 registry)
-        await service.start()
-        sweeper = asyncio.create_task(service.sweep_forever())
-        log.info("kv-index ready (namespace %s)", settings.namespace)
-        await stop.wait()
-        sweeper.cancel()
-        await bus.stop_serving(timeout_s=2)
+        store = KvIndexStore(redis, RedisKeys(settings.namespace))
+        await run_bus_service("kv-index", settings, stop,
+                              lambda bus, registry: KvIndexService(settings, bus, store, registry))
     finally:
-        await bus.close()
         await redis.aclose()

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.cluster.workers import is_ready_worker
 from shared.policy.kv_routing import WorkerLoadView
-from shared.protocol.workers import ClusterStatusResult, WorkerInfo, WorkerLoad, WorkerStatus
+from shared.protocol.workers import ClusterStatusResult, Role, WorkerInfo, WorkerLoad, WorkerStatus
 
 
 MAX_UNREPORTED_AGE_S = 5.0  # decode workers report about once a second and after each request
@@ -70,10 +71,8 @@ class ClusterView:
         if entry := self._workers.get(worker_id):
             entry.admitted.append(_Admitted(now, num_blocks))
 
-    def ready_workers(self, role: str, model: str | None = None) -> list[WorkerEntry]:
-        return [e for e in self._workers.values()
-                if e.info.role == role and e.info.state == "ready"
-                and (model is None or e.info.model == model)]
+    def ready_workers(self, role: Role, model: str | None = None) -> list[WorkerEntry]:
+        return [e for e in self._workers.values() if is_ready_worker(e.info, role, model)]
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._workers.get(worker_id)

@@ -153,7 +153,7 @@ class LLMEngine:
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
         t0 = time.perf_counter()
-        tokenizer = Tokenizer.from_gguf(source.path) if source.format == "gguf" else Tokenizer.from_hf_dir(source.path)
+        tokenizer = Tokenizer.from_model_files(source.path, source.format)
         quantization = check_quantization(config.quantization, device)
         model = load_model(source.path, source.format, device, dtype)
         if quantization != "none":

@@ -100,3 +100,7 @@ class CompletionRequest(_Sampling):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+# The body of either endpoint; both answer requested_max_tokens() and num_logprobs().
+ApiRequest = Union[ChatCompletionRequest, CompletionRequest]

@@ -1,12 +1,20 @@
-"""OpenAI response bodies (chat and text completions, streamed chunks, usage, logprobs)."""
+"""OpenAI response bodies (chat and text completions, streamed chunks, usage, logprobs) and their
+server-sent-event framing."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 from shared.protocol.generate import TokenLogprob
 
 TokenText = Callable[[int], str]
+
+SSE_DONE = b"data: [DONE]\n\n"  # the stream's last event, after the finish and usage chunks
+
+
+def sse_event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict:

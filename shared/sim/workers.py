@@ -23,7 +23,7 @@ PREFILL, DECODE = "prefill", "decode"
 class Worker:
     __slots__ = ("index", "name", "role", "group", "hw", "prefill_par", "decode_par", "kv_capacity",
                  "kv_used", "finish_heap", "steps_done", "last_t", "stall_until", "step_time", "version",
-                 "sum_ctx", "waiting", "ingress_free", "egress_free", "cache", "cache_blocks", "draining", "busy_s",
+                 "sum_ctx", "boundary_t", "waiting", "ingress_free", "egress_free", "cache", "cache_blocks", "draining", "busy_s",
                  "_model", "_eff")
 
     def __init__(self, index: int, name: str, role: str, group: list[int], hw: GroupHardware,
@@ -42,6 +42,7 @@ class Worker:
         self.step_time = 0.0
         self.version = 0            # bumps on every reschedule; stale finish events are ignored
         self.sum_ctx = 0.0
+        self.boundary_t = 0.0       # when the step in progress at the last stall ended
         self.waiting: deque[int] = deque()                 # admitted, waiting for KV memory
         self.ingress_free = 0.0     # inter-node KV transfers queue on this worker's NICs, inbound
         self.egress_free = 0.0      # ... and outbound
@@ -87,6 +88,7 @@ class Worker:
             if self.steps_done - done > 1e-9:
                 start = now + (done + 1 - self.steps_done) * self.step_time
                 self.steps_done = done + 1
+        self.boundary_t = start
         self.stall_until = start + seconds
         return self.stall_until
 
@@ -100,7 +102,10 @@ class Worker:
         batch = len(self.finish_heap)
         self.step_time = decode_step_s(self._model, self.hw, self.decode_par, self._eff, batch,
                                        self.sum_ctx / batch)
-        return max(now, self.stall_until) + (self.finish_heap[0][0] - self.steps_done) * self.step_time
+        ahead = self.finish_heap[0][0] - self.steps_done
+        if ahead <= 1e-6:  # its last step was the one a stall let finish: it ends at that boundary
+            return max(now, self.boundary_t)
+        return max(now, self.stall_until) + ahead * self.step_time
 
     # --- prefix cache ----------------------------------------------------------------------
     def cache_insert(self, block_hashes: list[int], index: dict[int, set[int]]) -> None:

@@ -82,6 +82,12 @@ class Tokenizer:
                    special_token_vars={"unk_token": _token_text(config.get("unk_token")),
                                        "pad_token": _token_text(config.get("pad_token"))})
 
+    @classmethod
+    def from_model_files(cls, path: str | Path, model_format: str) -> Tokenizer:
+        """The tokenizer of a resolved model (``ModelSource.path``, ``ModelSource.format``): a
+        ``.gguf`` file for "gguf", a Hugging Face directory otherwise."""
+        return cls.from_gguf(path) if model_format == "gguf" else cls.from_hf_dir(path)
+
     # ----- encode / decode -----
 
     @property
@@ -167,3 +173,12 @@ def _hf_chat_template(path: Path, config: Mapping[str, object]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
     return template if isinstance(template, str) else None
+
+
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of ``model`` (an alias, a ``.gguf`` file or a Hugging Face directory), for a
+    process that needs the tokenizer without the weights."""
+    from shared.model.registry import resolve_model  # noqa: PLC0415 — may fetch the model once
+
+    source = resolve_model(model)
+    return Tokenizer.from_model_files(source.path, source.format)

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from jinja2.exceptions import SecurityError
 
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.tokenizer.chat_template import ChatTemplate
@@ -185,8 +186,9 @@ def test_template_with_syntax_error_is_refused():
 
 def test_template_sandbox_blocks_escapes():
     template = ChatTemplate("{{ messages.__class__.__mro__ }}", {})
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="attribute '__class__' of 'list' object is unsafe") as caught:
         template.render([{"role": "user", "content": "x"}])
+    assert isinstance(caught.value.__cause__, SecurityError)    # the sandbox refused, not some other failure
 
 
 # ----- incremental detokenizer -----

@@ -1,5 +1,6 @@
 """The calibration fit (costmodel.calibrate with fit_overheads) and the pure helpers of
-loadtest/calibrate_sim.py. Synthetic step times only; nothing is timed."""
+loadtest/calibrate_sim.py. Synthetic step times only (from the cost model, or worked out by hand);
+nothing is timed."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from loadtest.calibrate_sim import compare, cpu_cluster_spec, percentiles, relat
 from shared.planner.config import MODEL_PRESETS, ClusterSpec, GpuType
 from shared.planner.costmodel import (DecodeSample, Efficiency, GroupHardware, Parallel, PrefillSample,
                                       calibrate, decode_step_s, prefill_latency_s)
+from toy_model import TOY
 
 MODEL = MODEL_PRESETS["smollm2-135m"].model_copy(update={"bytes_per_param": 4.0, "kv_bytes_per_elem": 4.0})
 CPU = GpuType(tflops_bf16=1.0, hbm_gib=2.0, hbm_gbps=100.0, price_per_hour=0.0)
 HW = GroupHardware(gpu=CPU, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=0.0)
 ONE = Parallel(1, 1)
+CPU_NOMINAL = ClusterSpec.model_validate(cpu_cluster_spec(10.0)).gpu_types["cpu"]   # 1 TFLOP/s, 100 GB/s
 
 
 def samples(truth: Efficiency):
@@ -78,3 +81,22 @@ def test_percentiles_skip_missing_values_and_cluster_spec_validates():
     assert q["p50"] == 2.0
     spec = ClusterSpec.model_validate(cpu_cluster_spec(2.0))
     assert spec.num_gpus == 1 and spec.gpu_types["cpu"].hbm_gib == 2.0
+
+
+def test_fit_of_hand_computed_step_times():
+    # The toy model (toy_model.py) on the nominal CPU device, at compute and HBM efficiency 0.5,
+    # 0.1 s per prefill and 0.01 s per sequence per decode step, worked out by hand:
+    # prefill  100 tokens: (2e11 + 2·10·1000·1e4 = 2.002e11 FLOPs) / 5e11 + 0.1 = 0.5004 s
+    # prefill  200 tokens: (4e11 + 8e8 = 4.008e11) / 5e11 + 0.1 = 0.9016 s
+    # prefill  400 tokens: (8e11 + 3.2e9 = 8.032e11) / 5e11 + 0.1 = 1.7064 s
+    # decode at context 100 (memory-bound; FLOPs 2e9·B / 5e11 stay below the read time):
+    #   B=1: (2e9 + 4e6) / 5e10 + 0.01 = 0.05008 s      B=2: (2e9 + 8e6) / 5e10 + 0.02 = 0.06016 s
+    #   B=4: (2e9 + 1.6e7) / 5e10 + 0.04 = 0.08032 s    B=8: (2e9 + 3.2e7) / 5e10 + 0.08 = 0.12064 s
+    pre = [PrefillSample(100, 0.5004), PrefillSample(200, 0.9016), PrefillSample(400, 1.7064)]
+    dec = [DecodeSample(1, 100, 0.05008), DecodeSample(2, 100, 0.06016), DecodeSample(4, 100, 0.08032),
+           DecodeSample(8, 100, 0.12064)]
+    fitted = calibrate(TOY, CPU_NOMINAL, pre, dec, fit_overheads=True)
+    assert fitted.compute == pytest.approx(0.5, rel=1e-6)
+    assert fitted.hbm == pytest.approx(0.5, rel=1e-6)
+    assert fitted.prefill_overhead_s == pytest.approx(0.1, rel=1e-6)
+    assert fitted.decode_seq_s == pytest.approx(0.01, rel=1e-6)

@@ -1,0 +1,69 @@
+"""From an endpoint's body to the ``GenerateRequest`` admission routes, with the request rules:
+the model must be served, and the prompt plus ``max_tokens`` must fit the context window of the
+model's ready decode workers (the smallest, as any of them may get the request).
+
+Pure: the caller passes the ready workers, the tier and the clock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from shared.kvcache.hashing import hash_blocks
+from shared.openai_api.adapters import ApiAdapter
+from shared.openai_api.errors import ApiError
+from shared.openai_api.models import ApiRequest
+from shared.protocol import GenerateRequest, SamplingParams, WorkerInfo
+
+
+def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str, priority: int = 0,
+                           workers: Sequence[WorkerInfo], served_models: Sequence[str],
+                           default_max_tokens: int, now: float) -> GenerateRequest:
+    """``workers``: the ready decode workers of ``api.body.model``. Raises 404 for a model not in
+    ``served_models`` and 400 for a request that cannot fit the context window."""
+    body = api.body
+    if body.model not in served_models:
+        raise ApiError(404, f"model {body.model!r} does not exist; served: {list(served_models)}",
+                       param="model", code="model_not_found")
+    max_tokens = max_tokens_in_context(len(prompt_ids), body.requested_max_tokens(),
+                                       min((w.max_model_len for w in workers), default=None),
+                                       default_max_tokens, prompt_param=api.prompt_param)
+    return GenerateRequest(request_id=f"{api.id_prefix}-{uuid.uuid4().hex}", model=body.model,
+                           prompt_token_ids=prompt_ids, sampling=sampling_params(body, max_tokens),
+                           block_hashes=prompt_block_hashes(prompt_ids, workers), tier=tier,
+                           priority=priority, created_at=now)
+
+
+def max_tokens_in_context(num_prompt_tokens: int, requested: int | None, max_model_len: int | None,
+                          default_max_tokens: int, *, prompt_param: str) -> int:
+    """The request's ``max_tokens``: as requested, else the default cut to what the context
+    leaves. ``max_model_len`` None (no worker known yet) checks nothing: the worker will."""
+    if max_model_len is None:
+        return requested or default_max_tokens
+    if num_prompt_tokens >= max_model_len:
+        raise ApiError(400, f"prompt has {num_prompt_tokens} tokens; this model's maximum context length "
+                       f"is {max_model_len}", code="context_length_exceeded", param=prompt_param)
+    if requested is None:
+        return min(default_max_tokens, max_model_len - num_prompt_tokens)
+    if num_prompt_tokens + requested > max_model_len:
+        raise ApiError(400, f"max_tokens {requested} + prompt {num_prompt_tokens} tokens exceeds the "
+                       f"maximum context length {max_model_len}", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(body: ApiRequest, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        ignore_eos=body.ignore_eos, logprobs=body.num_logprobs())
+
+
+def prompt_block_hashes(prompt_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> list[int]:
+    """The prompt's chained block hashes as the model's workers compute them (admission looks
+    them up in kv-index); none while no worker is known."""
+    if not workers:
+        return []
+    return hash_blocks(prompt_ids, workers[0].block_size, bytes.fromhex(workers[0].kv_namespace_hex))

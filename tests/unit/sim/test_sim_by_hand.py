@@ -1,0 +1,65 @@
+"""The simulator's timeline checked against numbers worked out by hand, not by calling the cost
+model: a toy model on one device that decodes and prefills locally (the setup
+``loadtest/calibrate_sim.py`` compares with the live stack), one or two requests, every event time
+written out below.
+
+Toy model and efficiencies: ``toy_model.py``.
+
+* Prefill of 100 tokens: FLOPs 2·1e9·100 + 2·10·1000·100² = 2e11 + 2e8 = 2.002e11 at 5e11 FLOP/s
+  = 0.4004 s, + 0.1 s = **0.5004 s**.
+* Decode step, batch 1, context 100 + 11/2 = 105.5 (the simulator's mean context):
+  read 2e9 + 105.5·40,000 = 2.00422e9 B at 5e10 B/s = 0.0400844 s (FLOPs: 2e9 / 5e11 = 0.004 s,
+  less), + 0.01 s = **0.0500844 s**.
+* Decode step, batch 2, context 105.5 each: read 2e9 + 2·105.5·40,000 = 2.00844e9 B -> 0.0401688 s
+  (FLOPs 0.008 s), + 2·0.01 s = **0.0601688 s**.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from loadtest.calibrate_sim import cpu_cluster_spec, simulate
+from toy_model import TOY, TOY_EFF
+
+PREFILL_S, STEP1_S = 0.5004, 0.0500844
+
+
+def run(tmp_path, arrivals: list[float], input_len: int = 100, output_len: int = 11) -> dict:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(cpu_cluster_spec(hbm_gib=10.0)))   # room for 2e9 B of weights
+    specs = [SimpleNamespace(at_s=t, max_tokens=output_len) for t in arrivals]
+    return simulate(cluster, TOY, TOY_EFF, specs, [input_len] * len(arrivals))
+
+
+def test_one_request(tmp_path):
+    r = run(tmp_path, [0.0])
+    assert r["ttft_s"] == [pytest.approx(PREFILL_S, rel=1e-9)]
+    # 10 decode steps after the first token, all at batch 1
+    assert r["tpot_s"] == [pytest.approx(STEP1_S, rel=1e-9)]
+
+
+def test_a_prompt_arriving_mid_step_waits_for_the_step_then_stalls_decode(tmp_path):
+    # A arrives at 0, first token at 0.5004, then decodes alone at 0.0500844 s per step.
+    # B arrives at 0.7: A is (0.7 - 0.5004) / 0.0500844 = 3.985 steps in; step 4 ends at
+    # 0.5004 + 4·0.0500844 = 0.7007376, B's prefill runs until 0.7007376 + 0.5004 = 1.2011376.
+    #   TTFT(B) = 1.2011376 - 0.7 = 0.5011376
+    # Then both decode at 0.0601688 s per step: A's last 6 steps end at 1.2011376 + 6·0.0601688 = 1.5621504.
+    #   TPOT(A) = (1.5621504 - 0.5004) / 10 = 0.10617504
+    # B's last 4 steps run alone: 1.5621504 + 4·0.0500844 = 1.762488.
+    #   TPOT(B) = (1.762488 - 1.2011376) / 10 = 0.05613504
+    r = run(tmp_path, [0.0, 0.7])
+    assert r["ttft_s"] == [pytest.approx(PREFILL_S, rel=1e-9), pytest.approx(0.5011376, rel=1e-9)]
+    assert r["tpot_s"] == [pytest.approx(0.10617504, rel=1e-9), pytest.approx(0.05613504, rel=1e-9)]
+
+
+def test_a_sequence_finishing_in_the_interrupted_step_is_not_held_by_the_prefill(tmp_path):
+    # A's 10th (last) step runs from 0.5004 + 9·0.0500844 = 0.9511596 to 1.001244. B arrives at 0.98:
+    # the engine finishes that step (A's last token streams at 1.001244) and then prefills B.
+    #   TPOT(A) = (1.001244 - 0.5004) / 10 = 0.0500844
+    #   TTFT(B) = 1.001244 + 0.5004 - 0.98 = 0.521644
+    r = run(tmp_path, [0.0, 0.98])
+    assert r["ttft_s"][1] == pytest.approx(0.521644, rel=1e-9)
+    assert r["tpot_s"][0] == pytest.approx(STEP1_S, rel=1e-9)

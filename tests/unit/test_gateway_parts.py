@@ -1,0 +1,205 @@
+"""The gateway's pure parts: API keys → tiers, the context rules of request building, the two
+endpoint adapters, the ready-worker filter and the ``tandem status`` table. No sockets: a tiny
+word-level tokenizer stands in for the model's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from services.gateway.__main__ import StatusPage, format_status
+from shared.cluster.view import ClusterView
+from shared.cluster.workers import ready_workers
+from shared.kvcache.hashing import hash_blocks
+from shared.openai_api.adapters import ChatAdapter, CompletionAdapter, Delta, ResponseHead, parse_body
+from shared.openai_api.auth import ApiKeys
+from shared.planner.config import ConfigError
+from shared.policy.qos import QosConfig, QosTier
+from shared.openai_api.errors import ApiError
+from shared.openai_api.generate_request import build_generate_request, max_tokens_in_context
+from shared.openai_api.models import ChatCompletionRequest
+from shared.protocol import TokenLogprob, WorkerInfo, WorkerLoad
+from shared.runtime.service import every
+from shared.tokenizer import Tokenizer
+
+WORDS = ["<unk>", "user", "assistant", ":", "hello", "world", "a", "b", "c", "d"]
+TEMPLATE = "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}assistant :"
+HEAD = ResponseHead("r-1", 7, "m")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=TEMPLATE)
+
+
+def worker(worker_id: str, *, role="decode", state="ready", model="m", max_model_len=8) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, state=state, model=model, block_size=2,
+                      max_model_len=max_model_len, generate_subject="g", kv_namespace_hex=b"ns".hex())
+
+
+def chat(tok: Tokenizer, **fields) -> ChatAdapter:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello world"}], **fields}
+    return ChatAdapter.from_json(json.dumps(body).encode(), tok)
+
+
+def completion(tok: Tokenizer, **fields) -> CompletionAdapter:
+    return CompletionAdapter.from_json(json.dumps({"model": "m", "prompt": "a b c", **fields}).encode(), tok)
+
+
+def error_of(call) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        call()
+    return info.value
+
+
+def test_api_keys_resolve_tiers_and_refuse_unknown_keys():
+    qos = QosConfig(default_tier="silver", tiers={"gold": QosTier(priority=0), "silver": QosTier(priority=1)})
+    keys = ApiKeys.parse(" k1:gold, k2 ,", qos)
+    assert keys.key_tiers == {"k1": "gold", "k2": "silver"}
+    assert keys.tier("Bearer k1") == "gold" and keys.tier("Bearer k2") == "silver"
+    for header in (None, "", "Bearer nope", "k3"):
+        err = error_of(lambda: keys.tier(header))
+        assert (err.status, err.code) == (401, "invalid_api_key")
+    assert ApiKeys.parse(None, qos).tier(None) == "silver"  # no keys configured: no auth, default tier
+    assert ApiKeys.parse("k1", QosConfig.single()).tier("Bearer k1") == "default"
+    with pytest.raises(ConfigError, match="names tier 'gold'"):
+        ApiKeys.parse("k1:gold", QosConfig.single())
+
+
+@pytest.mark.parametrize("num_prompt,requested,max_len,expected", [
+    (3, None, None, 100),   # no worker known: the default, unchecked
+    (3, 5, None, 5),
+    (3, None, 8, 5),        # the default cut to what the context leaves
+    (3, 5, 8, 5),
+    (1, None, 1000, 100),
+])
+def test_max_tokens_within_the_context(num_prompt, requested, max_len, expected):
+    assert max_tokens_in_context(num_prompt, requested, max_len, 100, prompt_param="prompt") == expected
+
+
+@pytest.mark.parametrize("num_prompt,requested,param", [(8, None, "messages"), (9, 1, "messages"),
+                                                       (3, 6, "max_tokens")])
+def test_requests_past_the_context_are_400_naming_the_parameter(num_prompt, requested, param):
+    err = error_of(lambda: max_tokens_in_context(num_prompt, requested, 8, 100, prompt_param="messages"))
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", param)
+
+
+def test_generate_request_from_a_chat_body(tok):
+    api = chat(tok, temperature=0.5, logprobs=True, top_logprobs=2, max_completion_tokens=3)
+    ids = api.prompt_ids()
+    assert ids == tok.encode("user : hello world assistant :")
+    req = build_generate_request(api, ids, tier="gold", priority=3, workers=[worker("w1", max_model_len=16)],
+                                 served_models=["m"], default_max_tokens=100, now=12.5)
+    assert req.request_id.startswith("chatcmpl-") and req.tier == "gold" and req.created_at == 12.5
+    assert req.priority == 3
+    assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.logprobs) == (3, 0.5, 2)
+    assert req.block_hashes == hash_blocks(ids, 2, b"ns") and len(req.block_hashes) == 3
+
+
+def test_unknown_model_is_404_and_a_long_prompt_names_its_parameter(tok):
+    api = completion(tok)
+    err = error_of(lambda: build_generate_request(api, [1, 2, 3], tier="default", workers=[],
+                                                  served_models=["other"], default_max_tokens=4, now=0))
+    assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
+    err = error_of(lambda: build_generate_request(api, [1] * 9, tier="default", workers=[worker("w1")],
+                                                  served_models=["m"], default_max_tokens=4, now=0))
+    assert err.param == "prompt"
+    req = build_generate_request(api, [1, 2, 3], tier="default", workers=[], served_models=["m"],
+                                 default_max_tokens=4, now=0)
+    assert req.request_id.startswith("cmpl-") and req.block_hashes == []
+    assert req.sampling.max_tokens == 16  # the completions endpoint's own default
+
+
+def test_completion_prompts(tok):
+    assert completion(tok, prompt=[4, 5]).prompt_ids() == [4, 5]
+    assert completion(tok, prompt=["hello"]).prompt_ids() == [4]
+    assert error_of(lambda: completion(tok, prompt=[4, 99]).prompt_ids()).param == "prompt"
+    assert error_of(lambda: completion(tok, prompt="").prompt_ids()).param == "prompt"
+
+
+def test_chat_chunks_and_response(tok):
+    entry = TokenLogprob(token_id=4, logprob=-0.5)
+    api = chat(tok, logprobs=True)
+    assert api.opening_chunks(HEAD)[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunk = api.chunk(HEAD, Delta("hello", [entry]), offset=0)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "hello"}
+    assert chunk["choices"][0]["logprobs"]["content"][0]["token"] == "hello"
+    assert api.chunk(HEAD, Delta("", [], "stop"), offset=5)["choices"][0] == {
+        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    full = api.response(HEAD, "hello", "stop", [entry], {"total_tokens": 1})
+    assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+    assert chat(tok).response(HEAD, "x", "length", [entry], {})["choices"][0]["logprobs"] is None
+    assert api.usage_chunk(HEAD, {"total_tokens": 1})["object"] == "chat.completion.chunk"
+
+
+def test_completion_chunks_and_response(tok):
+    entries = [TokenLogprob(token_id=4, logprob=-0.5), TokenLogprob(token_id=5, logprob=-1.0)]
+    api = completion(tok, logprobs=0)
+    assert api.opening_chunks(HEAD) == []
+    chunk = api.chunk(HEAD, Delta("helloworld", entries), offset=3)
+    assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "helloworld"
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [3, 8]
+    full = api.response(HEAD, "helloworld", "length", entries, {})
+    assert full["choices"][0]["logprobs"]["text_offset"] == [0, 5]
+    assert completion(tok).chunk(HEAD, Delta("a", entries), 0)["choices"][0]["logprobs"] is None
+    assert api.usage_chunk(HEAD, {})["object"] == "text_completion"
+
+
+@pytest.mark.parametrize("raw,code", [(b"{", "invalid_json"), (b"[1]", "invalid_json"),
+                                      (b'{"model": "m"}', "missing_parameter")])
+def test_bad_bodies_are_400(raw, code):
+    err = error_of(lambda: parse_body(raw, ChatCompletionRequest))
+    assert (err.status, err.code) == (400, code)
+
+
+def test_one_ready_worker_filter_for_lists_and_the_cluster_view():
+    infos = [worker("a"), worker("b", state="draining"), worker("c", model="other"),
+             worker("d", role="prefill"), worker("e", state="starting")]
+    assert [w.worker_id for w in ready_workers(infos, "decode")] == ["a", "c"]
+    assert [w.worker_id for w in ready_workers(infos, "decode", "m")] == ["a"]
+    assert [w.worker_id for w in ready_workers(infos, "prefill", "m")] == ["d"]
+    view = ClusterView()
+    view.set_workers(infos)
+    assert [e.info.worker_id for e in view.ready_workers("decode")] == ["a", "c"]
+
+
+def test_status_table_reads_the_typed_page():
+    load = WorkerLoad(worker_id="a", role="decode", seq=1, timestamp=0.0, num_running=2,
+                      num_blocks_used=3, num_blocks_total=10, ttft_recent_s=0.25, num_remote_prefills=1)
+    page = StatusPage.model_validate({
+        "source": "autoscaler", "timestamp": 1.0, "gateway": {"in_flight": 2, "models": ["m"]},
+        "prefill_queue": {"num_pending": 4, "num_ack_pending": 1},
+        "workers": [{"info": worker("a").model_dump(mode="json"), "load": load.model_dump(mode="json")},
+                    {"info": worker("d", role="prefill").model_dump(mode="json"), "load": None}]})
+    lines = format_status(page).splitlines()
+    assert lines[0] == "source: autoscaler   in flight at gateway: 2"
+    assert lines[1] == "prefill queue: 4 waiting, 1 being prefilled, 0 redelivered"
+    a, d = lines[3].split(), lines[4].split()
+    assert a[:8] == ["a", "decode", "ready", "m", "2", "0", "3/10", "0"] and a[9] == "250.0" and a[11] == "1/0/0"
+    assert d[6] == "0/0" and d[11] == "-"
+    empty = format_status(StatusPage(timestamp=0.0))
+    assert empty.endswith("(no workers registered)")
+
+
+async def test_every_keeps_going_after_a_failed_round():
+    rounds: list[int] = []
+    third = asyncio.Event()
+
+    async def work() -> None:
+        rounds.append(len(rounds))
+        if len(rounds) == 3:
+            third.set()
+        if len(rounds) == 1:
+            raise ConnectionError("NATS reconnecting")
+
+    task = asyncio.create_task(every(0.0, work, "test round"))
+    await asyncio.wait_for(third.wait(), timeout=5)
+    task.cancel()
+    assert rounds[:3] == [0, 1, 2]

@@ -12,7 +12,9 @@ import torch
 from kernels.kv_gather import gather_kv_blocks, scatter_kv_blocks
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks
 from shared.engine.errors import InvalidRequestError
+from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request, SamplingParams
+from shared.engine.sampler import SampledToken, Sampler
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kvcache.events import KvEventEmitter, KvEventSink
 from shared.kvcache.hashing import make_namespace
@@ -20,8 +22,6 @@ from shared.kvcache.layout import KvCacheSpec, block_regions
 from shared.kvcache.manager import KVCacheManager
 from shared.model.attention import get_attention_backend
 from shared.model.llama import LlamaModel
-from shared.model.runner import ModelRunner
-from shared.model.sampler import SampledToken, Sampler
 
 log = logging.getLogger(__name__)
 

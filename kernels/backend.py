@@ -1,5 +1,5 @@
-"""The Triton attention backend: the same protocol as ``TorchAttentionBackend``
-(shared/model/attention.py), with the kernels of this package.
+"""The Triton backend: the same protocol as ``TorchAttentionBackend`` (shared/model/attention.py),
+with the kernels of this package.
 
 A step's decode sequences (first in the batch) go through the split-K decode kernel, its prefill
 chunks through the prefill kernel; both write into one output tensor, so there is no concatenation.
@@ -13,6 +13,8 @@ import torch
 from kernels.decode_attention_triton import paged_decode_attention_triton
 from kernels.kv_write_triton import write_kv_triton
 from kernels.prefill_attention_triton import paged_prefill_attention_triton
+from kernels.rms_norm_triton import fused_add_rms_norm_triton
+from kernels.rotary_triton import rotary_embedding_triton
 
 
 class TritonAttentionBackend:
@@ -35,3 +37,9 @@ class TritonAttentionBackend:
                 q[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:], query_start_loc,
                 meta.seq_lens[num_decodes:], scale, max_query_len=meta.max_query_len, out=out[num_decodes:])
         return out
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+
+    def rotary_embedding(self, q, k, cos, sin):
+        return rotary_embedding_triton(q, k, cos, sin)

@@ -27,7 +27,7 @@ _ALIGNED_INTS = {"split_len", "row_numel", "hidden"}  # multiples of 16 at the s
 class KernelCase:
     name: str
     kernel: Callable  # a triton.runtime.jit.JITFunction
-    pointers: dict[str, str]  # pointer argument -> element type ("bf16", "fp32", "i32", "fp8e4nv", ...)
+    pointers: dict[str, str]  # pointer argument -> element type ("bf16", "fp32", "i32", ...)
     constexprs: dict[str, object]
     options: dict[str, int] = field(default_factory=lambda: {"num_warps": 4, "num_stages": 2})
 
@@ -36,7 +36,7 @@ def _cases() -> list[KernelCase]:
     import torch
 
     from kernels import (
-        decode_attention_triton as decode, kv_fp8_triton as fp8, kv_gather_triton as gather,
+        decode_attention_triton as decode, kv_gather_triton as gather,
         kv_write_triton as write, prefill_attention_triton as prefill, rms_norm_triton as norm,
         rotary_triton as rotary,
     )
@@ -80,13 +80,6 @@ def _cases() -> list[KernelCase]:
             f"copy_rows[gather={gathering}]", gather._copy_rows_kernel,
             {"src_ptr": "i16", "dst_ptr": "i16", "block_ids_ptr": "i64"},
             {"GATHER": gathering, "BLOCK": gather._BLOCK}))
-    cases.append(KernelCase(
-        "quantize_fp8", fp8._quantize_kernel, {"x_ptr": "bf16", "out_ptr": "fp8e4nv", "scales_ptr": "fp32"},
-        {"FP8_MAX": fp8.FP8_MAX, "BLOCK": fp8._BLOCK, "EMULATE_FP8": False}))
-    cases.append(KernelCase(
-        "dequantize_fp8", fp8._dequantize_kernel,
-        {"x_ptr": "fp8e4nv", "scales_ptr": "fp32", "out_ptr": "bf16"},
-        {"BLOCK": fp8._BLOCK, "EMULATE_BF16": False}))
     for has_residual in (True, False):
         cases.append(KernelCase(
             f"add_rms_norm[residual={has_residual}]", norm._add_rms_norm_kernel,

@@ -37,21 +37,3 @@ def scatter_kv_blocks_ref(
     # index_put rather than index_copy_, which has no float8 kernel on the CPU
     kv_cache[block_ids_tensor(block_ids, kv_cache.device)] = slab.to(kv_cache.dtype)
 
-
-def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``gather_kv_blocks_ref``'s contract: the Triton kernel on CUDA, the reference elsewhere."""
-    if kv_cache.is_cuda:
-        from kernels.kv_gather_triton import gather_kv_blocks_triton
-        return gather_kv_blocks_triton(kv_cache, block_ids, out)
-    return gather_kv_blocks_ref(kv_cache, block_ids, out)
-
-
-def scatter_kv_blocks(slab: torch.Tensor, kv_cache: torch.Tensor,
-                      block_ids: torch.Tensor | Sequence[int]) -> None:
-    """``scatter_kv_blocks_ref``'s contract: the Triton kernel on CUDA, the reference elsewhere."""
-    if kv_cache.is_cuda:
-        from kernels.kv_gather_triton import scatter_kv_blocks_triton
-        scatter_kv_blocks_triton(slab, kv_cache, block_ids)
-    else:
-        scatter_kv_blocks_ref(slab, kv_cache, block_ids)

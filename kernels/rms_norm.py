@@ -1,8 +1,9 @@
 """RMSNorm with the residual add fused in front (the pre-norm of every Llama sublayer).
 
-Numerics follow shared/model/llama.py's ``rms_norm``: the residual sum is rounded to the
-activation dtype, the norm is computed in float32, rounded to the activation dtype, then scaled by
-the weight (in the promoted dtype of weight and activations).
+The model's norm (through shared/model/attention.py). Numerics follow transformers'
+``LlamaRMSNorm``: the residual sum is rounded to the activation dtype, the norm is computed in
+float32, rounded to the activation dtype, then scaled by the weight (in the promoted dtype of
+weight and activations).
 """
 
 from __future__ import annotations

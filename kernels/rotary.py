@@ -1,6 +1,6 @@
 """Rotary position embedding (rotate-half / NeoX form) of a step's queries and keys.
 
-Numerics follow shared/model/llama.py's ``apply_rope``: products and sums are computed in the
+The model's rotary (through shared/model/attention.py). Products and sums are computed in the
 promoted dtype of x and cos/sin, rounding after each operation as torch does, then cast to x's
 dtype. ``cos``/``sin`` are per token (``[T, D/2]``), so positions may be arbitrary.
 """

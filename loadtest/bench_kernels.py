@@ -117,8 +117,7 @@ def _timed(row: dict, name: str, fn):
 
 
 def bench_kv_movement(block_size: int, dtype: torch.dtype) -> list[dict]:
-    """Gather/scatter of 512 Llama-3-8B blocks (32 layers) and fp8 quantize/dequantize of the slab."""
-    from kernels.kv_fp8_triton import dequantize_kv_fp8_triton, quantize_kv_fp8_triton
+    """Gather/scatter of 512 Llama-3-8B blocks (32 layers)."""
     from kernels.kv_gather_triton import gather_kv_blocks_triton, scatter_kv_blocks_triton
 
     num_blocks, num_moved = 1024, 512
@@ -134,10 +133,6 @@ def bench_kv_movement(block_size: int, dtype: torch.dtype) -> list[dict]:
 
     add("gather_kv_blocks", lambda: gather_kv_blocks_triton(pool, ids, out=slab), 2 * slab_bytes)
     add("scatter_kv_blocks", lambda: scatter_kv_blocks_triton(slab, pool, ids), 2 * slab_bytes)
-    groups = slab.flatten(0, 2)  # one scale per (block, layer, K/V)
-    fp8, scales = quantize_kv_fp8_triton(groups)
-    add("quantize_kv_fp8", lambda: quantize_kv_fp8_triton(groups), 2 * slab_bytes + slab.numel())
-    add("dequantize_kv_fp8", lambda: dequantize_kv_fp8_triton(fp8, scales, dtype), slab_bytes + slab.numel())
     return rows
 
 

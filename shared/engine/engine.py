@@ -9,19 +9,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.kv_gather import gather_kv_blocks, scatter_kv_blocks
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks
 from shared.engine.errors import InvalidRequestError
+from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request, SamplingParams
+from shared.engine.sampler import SampledToken, Sampler
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kvcache.events import KvEventEmitter, KvEventSink
 from shared.kvcache.hashing import make_namespace
-from shared.kvcache.layout import KvCacheSpec, block_regions
+from shared.kvcache.layout import KvCacheSpec
 from shared.kvcache.manager import KVCacheManager
 from shared.model.attention import get_attention_backend
 from shared.model.llama import LlamaModel
-from shared.model.runner import ModelRunner
-from shared.model.sampler import SampledToken, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -288,25 +287,9 @@ class LLMEngine:
         self.events.add_sink(sink)
 
     def request_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table: ids into ``kv_cache``'s first dimension (see kvcache.layout)."""
+        """The request's block table: ids into ``kv_cache``'s first dimension (see kvcache.layout).
+        A KV transfer registers ``kv_cache`` once and moves blocks by these ids (shared/transfer)."""
         return self.kv.block_ids(request_id)
-
-    def kv_block_regions(self, block_ids: list[int]) -> list[tuple[int, int]]:
-        """(address, nbytes) of the memory behind ``block_ids``, consecutive ids merged: what a
-        transfer engine registers and moves (a block holds every layer's K and V)."""
-        return block_regions(self.kv_cache, block_ids)
-
-    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Gather blocks into one contiguous slab ``[n, num_layers, 2, block_size, Hkv, D]``."""
-        return gather_kv_blocks(self.kv_cache, block_ids)
-
-    def write_kv_blocks(self, block_ids: list[int], slab: torch.Tensor) -> None:
-        """Scatter a slab from ``read_kv_blocks`` (possibly another engine's) into ``block_ids``.
-        The caller owns those blocks and guarantees no step reads them meanwhile."""
-        expected = (len(block_ids), *self.kv_cache.shape[1:])
-        if tuple(slab.shape) != expected:
-            raise ValueError(f"KV slab shape {tuple(slab.shape)} does not match {expected}")
-        scatter_kv_blocks(slab.to(self.device), self.kv_cache, block_ids)
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

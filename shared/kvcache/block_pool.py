@@ -14,8 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from shared.kvcache.events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                   KvEventEmitter)
+from shared.kvcache.events import BlockRemoved, BlockStored, KvEventEmitter
 
 
 @dataclass(eq=False)
@@ -121,16 +120,6 @@ class BlockPool:
             # BlockStored carries the whole run so the index can rebuild the chain; consumers
             # treat already-known hashes as no-ops.
             self.events.emit(BlockStored(tuple(block_hashes), parent_hash, tuple(token_ids), block_size))
-
-    def reset_cache(self) -> bool:
-        """Forget all cached content; only possible when no block is in use."""
-        if self.num_used_blocks:
-            return False
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
-        self.events.emit(AllBlocksCleared())
-        return True
 
     def check_integrity(self) -> None:
         """Raise with the arithmetic if the pool's books do not balance."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, Union
 
@@ -83,10 +82,3 @@ class ListSink:
     def emit(self, event: SequencedEvent) -> None:
         self.events.append(event)
 
-
-class CallbackSink:
-    def __init__(self, fn: Callable[[SequencedEvent], None]) -> None:
-        self._fn = fn
-
-    def emit(self, event: SequencedEvent) -> None:
-        self._fn(event)

@@ -55,11 +55,3 @@ def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
             runs.append((block_id, 1))
     return runs
 
-
-def block_regions(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(address, nbytes) of the memory behind ``block_ids``, merged into contiguous regions.
-    This is what a transfer engine registers and moves."""
-    assert kv_cache.is_contiguous(), "the KV pool must be one contiguous tensor"
-    block_bytes = kv_cache[0].numel() * kv_cache.element_size()
-    base = kv_cache.data_ptr()
-    return [(base + first * block_bytes, count * block_bytes) for first, count in contiguous_runs(block_ids)]

@@ -1,4 +1,6 @@
-"""The attention seam: the model calls a backend; backends differ only in kernels.
+"""The model's kernel seam: KV write, attention, the fused residual add + RMSNorm and rotary
+embedding go through a backend; backends differ only in kernels (kernels/: the torch references
+here, their Triton versions in kernels/backend.py).
 
 Token order inside a step: the ``num_decodes`` decode sequences come first (one token each), then
 the prefill chunks. ``block_tables``, ``seq_lens`` and ``query_start_loc`` cover all sequences in
@@ -15,6 +17,8 @@ import torch
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.kv_write import write_kv_ref
 from kernels.prefill_attention import paged_prefill_attention_ref
+from kernels.rms_norm import fused_add_rms_norm_ref
+from kernels.rotary import rotary_embedding_ref
 
 
 @dataclass
@@ -26,10 +30,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: token offsets of each sequence
     max_seq_len: int
     max_query_len: int
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
 
 
 class AttentionBackend(Protocol):
@@ -47,6 +47,18 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Attention of q ([T, Hq, D]) over the cache, which already holds this step's K/V.
         Returns [T, Hq, D]; causal within each sequence."""
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of ``x + residual`` (``x`` alone when ``residual`` is None), x: [T, H].
+        Returns (normed [T, H], the sum, which is the next residual)."""
+
+    def rotary_embedding(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half rotary embedding of q ([T, Hq, D]) and k ([T, Hkv, D]) by per-token
+        cos, sin ([T, D/2]). Returns the rotated (q, k); the inputs are left as they are."""
 
 
 class TorchAttentionBackend:
@@ -68,6 +80,12 @@ class TorchAttentionBackend:
             parts.append(paged_prefill_attention_ref(
                 q[nd:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:], scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+    def rotary_embedding(self, q, k, cos, sin):
+        return rotary_embedding_ref(q, k, cos, sin)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

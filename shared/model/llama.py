@@ -1,7 +1,8 @@
 """A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
-Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention goes through
-an ``AttentionBackend`` so the same model runs on the torch reference or on Triton kernels.
+Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention, the KV
+write, the residual add + RMSNorm and rotary go through an ``AttentionBackend`` (the kernel seam,
+shared/model/attention.py), so the same model runs on the torch references or on Triton kernels.
 All sequences of a step are flattened into one token dimension ``T``.
 """
 
@@ -16,12 +17,6 @@ from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
 from shared.model.quant import Int8Weight, ObservedWeight, linear, observe, quantize_int8
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -44,14 +39,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half (NeoX) rotary embedding. x: [T, H, D]; cos, sin: [T, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-
 class LlamaLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
         self.cfg = cfg
@@ -67,22 +54,18 @@ class LlamaLayer:
 
     def forward(self, layer_idx, hidden, residual, cos, sin, kv_cache, meta, backend):
         cfg = self.cfg
-        if residual is None:
-            residual = hidden
-        else:
-            residual = hidden + residual
-        x = rms_norm(residual, self.attn_norm, cfg.rms_norm_eps)
+        x, residual = backend.fused_add_rms_norm(hidden, residual, self.attn_norm, cfg.rms_norm_eps)
         qkv = linear(x, self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, Hkv, D]
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        q, k = backend.rotary_embedding(q, k, cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = layer_views(kv_cache, layer_idx)
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
         hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
-        residual = hidden + residual
-        x = rms_norm(residual, self.mlp_norm, cfg.rms_norm_eps)
+        x, residual = backend.fused_add_rms_norm(hidden, residual, self.mlp_norm, cfg.rms_norm_eps)
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down), residual
 
@@ -122,7 +105,7 @@ class LlamaModel:
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(i, hidden, residual, cos, sin, kv_cache, meta, backend)
-        return rms_norm(hidden + residual, self.norm, self.cfg.rms_norm_eps)
+        return backend.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.model.config import ModelConfig, RopeScaling
+from shared.model.config import ModelConfig
 from shared.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)

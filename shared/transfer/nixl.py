@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.kv_gather import gather_kv_blocks
+from kernels.dispatch import gather_kv_blocks
 from shared.kvcache.layout import KvCacheSpec, contiguous_runs
 from shared.transfer.base import (AgentMetadata, KVTransferFailed, TransferHandle, TransferNotification,
                                   TransferStats, TransferUnavailable, joint_runs)

@@ -153,26 +153,3 @@ async def test_async_engine_streams_and_abort_frees_blocks(make_engine, chat_pro
         aengine.shutdown()
     assert_all_blocks_free(engine)
 
-
-def test_a_requests_kv_moves_between_engines_as_whole_blocks(make_engine, chat_prompts):
-    """Read one request's blocks from engine A, write them into other block ids of engine B:
-    B's copy is bit-identical and the regions cover exactly the bytes of those blocks."""
-    a, b = make_engine(), make_engine()
-    prompt = chat_prompts[3]
-    a.add_request("src", prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
-    while a.stats().num_generated_tokens == 0:
-        a.step()
-    src_ids = a.request_block_ids("src")
-    assert len(src_ids) == -(-(len(prompt) + 1) // 16)
-    slab = a.read_kv_blocks(src_ids)
-    assert slab.is_contiguous() and slab.abs().sum() > 0
-    regions = a.kv_block_regions(src_ids)
-    assert sum(n for _, n in regions) == slab.numel() * slab.element_size()
-    assert len(regions) == 1  # a fresh pool hands out consecutive blocks: one region, one copy
-    dst_ids = list(range(b.num_blocks - len(src_ids), b.num_blocks))[::-1]  # scattered on purpose
-    b.write_kv_blocks(dst_ids, slab)
-    assert torch.equal(b.read_kv_blocks(dst_ids), slab)
-    assert len(b.kv_block_regions(dst_ids)) == len(dst_ids)  # reversed ids: no region merges
-    with pytest.raises(ValueError, match="shape"):
-        b.write_kv_blocks(dst_ids[:-1], slab)
-    a.abort_request("src")

@@ -18,6 +18,16 @@ def run(engine):
     return tokens
 
 
+def read_blocks(engine, block_ids):
+    return engine.kv_cache[torch.tensor(block_ids, dtype=torch.long)]  # [n, L, 2, bs, Hkv, D], a copy
+
+
+def write_blocks(engine, block_ids, slab):
+    """What a NIXL write does between workers: ``slab`` lands in ``block_ids`` of ``engine``'s pool."""
+    assert slab.shape == (len(block_ids), *engine.kv_cache.shape[1:]), (slab.shape, len(block_ids))
+    engine.kv_cache[torch.tensor(block_ids, dtype=torch.long)] = slab
+
+
 def prefill_remotely(prefill, decode, rid, prompt, *, write=True):
     """Prefill on one engine, move the uncached blocks into the other's reserved blocks."""
     slot = decode.reserve_remote_prefill(rid, prompt, GREEDY)
@@ -28,7 +38,7 @@ def prefill_remotely(prefill, decode, rid, prompt, *, write=True):
     assert len(src) == len(slot.block_ids)  # held after finishing, until released
     first = slot.num_cached_tokens // decode.block_size
     if write:
-        decode.write_kv_blocks(slot.uncached_block_ids, prefill.read_kv_blocks(src[first:]))
+        write_blocks(decode, slot.uncached_block_ids, read_blocks(prefill, src[first:]))
     assert prefill.release_kv(rid)
     decode.finish_remote_prefill(rid, kv_written=True)
     return slot
@@ -99,13 +109,13 @@ async def test_async_engine_reserve_write_finish_stream(make_engine, chat_prompt
     prefill = make_engine()
     prefill.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
     run(prefill)
-    slab = prefill.read_kv_blocks(prefill.request_block_ids("p"))
+    slab = read_blocks(prefill, prefill.request_block_ids("p"))
     decode = AsyncEngine(make_engine())
     try:
         slot = await decode.reserve_remote_prefill("d", prompt, GREEDY)
         assert slot is not None and slot.num_cached_tokens == 0
         assert await decode.call(lambda e: e.stats().num_remote_pending) == 1
-        await decode.call(lambda e: e.write_kv_blocks(slot.block_ids, slab))
+        await decode.call(lambda e: write_blocks(e, slot.block_ids, slab))
         decode.finish_remote_prefill("d", kv_written=True)
         got = [t async for o in decode.stream("d") for t in o.new_token_ids]
         assert got == reference
@@ -129,13 +139,13 @@ def prefill_full_blocks_only(prefill, decode, rid, prompt):
     tail = slot.block_ids[num_full:]
     assert len(tail) == (1 if len(prompt) % bs else 0)
     if tail:  # large finite garbage: not read, or the output would change
-        garbage = torch.randn(decode.read_kv_blocks(tail).shape, generator=torch.Generator().manual_seed(0)) * 50
-        decode.write_kv_blocks(tail, garbage.to(decode.kv_cache.dtype))
+        garbage = torch.randn(read_blocks(decode, tail).shape, generator=torch.Generator().manual_seed(0)) * 50
+        write_blocks(decode, tail, garbage.to(decode.kv_cache.dtype))
     prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
     run(prefill)
     src = prefill.request_block_ids(rid)
     if slot.transfer_block_ids:
-        decode.write_kv_blocks(slot.transfer_block_ids, prefill.read_kv_blocks(src[first:num_full]))
+        write_blocks(decode, slot.transfer_block_ids, read_blocks(prefill, src[first:num_full]))
     assert prefill.release_kv(rid)
     decode.finish_remote_prefill(rid, kv_written=True)
     return slot
@@ -235,7 +245,7 @@ def test_keep_kv_holds_a_finished_remote_request_until_released(make_engine, cha
     run(prefill)
     first = slot.num_cached_tokens // decode.block_size
     src = prefill.request_block_ids("h")[first:len(prompt) // decode.block_size]
-    decode.write_kv_blocks(slot.transfer_block_ids, prefill.read_kv_blocks(src))
+    write_blocks(decode, slot.transfer_block_ids, read_blocks(prefill, src))
     assert prefill.release_kv("h")
     decode.finish_remote_prefill("h", kv_written=True)
     assert run(decode)["h"] == reference

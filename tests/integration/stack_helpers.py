@@ -1,9 +1,13 @@
-"""Running a whole Stack inside a test module (see test_stack.py, test_disagg.py)."""
+"""Running a whole Stack inside a test module (see test_stack.py, test_disagg.py), and waiting on
+it: every wait has a deadline and fails naming what it waited for."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import time
+import urllib.request
 
 
 @contextlib.contextmanager
@@ -23,3 +27,56 @@ def running_stack(spec, ready_timeout_s: float = 180.0):
         stack.stop()
         if os.environ.get("TANDEM_TEST_STACK_LOG"):
             print("\n".join(lines))
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what} (last: {value!r})")
+        time.sleep(0.1)
+
+
+def cluster_status(stack) -> dict:
+    with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
+        return json.load(resp)
+
+
+def decode_states(stack) -> dict[str, str]:
+    """worker id → registry state of every listed decode worker."""
+    return {w["info"]["worker_id"]: w["info"]["state"] for w in cluster_status(stack)["workers"]
+            if w["info"]["role"] == "decode"}
+
+
+def spawn_ready_decode(stack, name: str, timeout_s: float = 180.0):
+    """A new decode worker of the stack, once it is listed as ready; returns (child, worker id)."""
+    child = stack.spawn_decode(name)
+    worker_id = f"{stack.spec.namespace}-{name}"[:64]
+
+    def ready():
+        assert child.is_running(), f"{name} exited during start-up (rc {child.proc.returncode})"
+        return decode_states(stack).get(worker_id) == "ready"
+
+    wait_for(ready, timeout_s, f"{worker_id} ready in /status")
+    return child, worker_id
+
+
+def read_events(resp, num_events: int | None = None, timeout_s: float = 120.0) -> list[dict]:
+    """The stream's ``data: {...}`` events: ``num_events`` of them, or (None) all until it ends.
+    Fails if the stream ends early or the deadline passes (each read is also bounded by the
+    connection's socket timeout)."""
+    events: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while num_events is None or len(events) < num_events:
+        assert time.monotonic() < deadline, f"{len(events)} events in {timeout_s:g}s, wanted {num_events}"
+        line = resp.readline()
+        if not line:
+            assert num_events is None, f"stream ended after {len(events)} events, wanted {num_events}"
+            return events
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+    return events

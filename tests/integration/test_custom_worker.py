@@ -1,5 +1,6 @@
 """The documented custom worker (plain nats-py + JSON, no Tandem imports) joins the cluster:
-admission routes to it and the gateway streams its tokens as text."""
+admission routes to it and the gateway streams its tokens as text. Slow: the gateway loads the
+real tokenizer."""
 
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from shared.model.registry import DEFAULT_MODEL
 from shared.protocol import Subjects
 from shared.runtime.waiting import wait_until
 
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "echo_worker.py"
 
 
@@ -33,7 +36,7 @@ def echo_worker(nats_url, namespace):
 
 async def test_echo_worker_serves_through_admission_and_gateway(echo_worker, bus, nats_url, namespace):
     common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=5.0)
-    registry = await WorkerRegistry.open(bus, Subjects(namespace).workers_bucket, ttl_s=5.0)
+    registry = await WorkerRegistry.open(bus, Subjects(namespace).workers_bucket, ttl_s=5.0, watch=True)
     await AdmissionService(AdmissionSettings(**common), bus, registry).start()
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     gateway = Gateway(GatewaySettings(**common), bus, registry, tokenizer)

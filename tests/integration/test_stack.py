@@ -1,17 +1,15 @@
 """The whole stack as separate processes (two decode workers on the real SmolLM2) against real
 nats-server and redis-server, driven through the official ``openai`` client and raw HTTP.
 
-One stack per module (model loads dominate the time). Tests run in file order; the last two take
-decode workers away (SIGKILL, then SIGTERM drain).
+One stack per module (model loads dominate the time). The tests that take a decode worker away
+(SIGKILL, SIGTERM drain) start their own; only the last one stops the stack's workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import time
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -22,8 +20,9 @@ import pytest
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol import Subjects
 from shared.runtime.stack import StackSpec
+from shared.runtime.waiting import wait_until
 from shared.store import KvIndexStore, RedisKeys, connect
-from stack_helpers import running_stack
+from stack_helpers import decode_states, read_events, running_stack, spawn_ready_decode, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -143,27 +142,57 @@ def test_status_view_and_cli(stack, capsys):
     assert out.count(" decode ") == 2 and "KV USED" in out
 
 
+def plant_prefix(stack, worker_id: str, prompt_ids: list[int]) -> None:
+    """Run one request on ``worker_id`` directly (not through admission), so it holds the prefix."""
+    from shared.bus import Bus
+    from shared.protocol import GenerateRequest, SamplingParams
+
+    async def run():
+        bus = await Bus.connect(stack.nats_url, "test-plant")
+        try:
+            request = GenerateRequest(request_id=f"plant-{uuid.uuid4().hex}", model=MODEL,
+                                      prompt_token_ids=prompt_ids,
+                                      sampling=SamplingParams(max_tokens=2, temperature=0.0))
+            return [c async for c in bus.stream(Subjects(stack.spec.namespace).decode_generate(worker_id),
+                                                request, first_timeout_s=60, idle_timeout_s=60)]
+        finally:
+            await bus.close()
+
+    chunks = asyncio.run(run())
+    assert chunks and chunks[-1].finish_reason == "length", chunks
+
+
+def admission_choice(stack, request_id: str) -> tuple[str, int]:
+    """(worker, overlap blocks) as admission logged its choice for ``request_id`` (at DEBUG)."""
+    pattern = re.compile(rf"{re.escape(request_id)} → (\S+) \(cost [-\d.]+, overlap (\d+)/\d+ blocks")
+
+    def logged():
+        return next((m for line in list(stack.lines) if (m := pattern.search(line))), None)
+
+    match = wait_for(logged, 10, f"admission's log line for {request_id}")
+    return match.group(1), int(match.group(2))
+
+
 def test_prefix_goes_to_the_worker_that_holds_it(stack, client, engine):
+    """The prefix is planted on the worker that would lose a tie (ties go to the lower worker id),
+    so only the overlap admission sees can send the follow-ups there: a wrong hash, block size or
+    namespace anywhere between gateway, kv-index and admission sends them to the other worker."""
     tok = engine.tokenizer
     prefix = "Here is a long shared document about routing. " * 20
     ids = tok.encode(prefix + "Question one?")
-    first = client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "Question one?",
-                                                        max_tokens=2, temperature=0)
-    owner = first.headers["x-tandem-worker"]
     hashes = hash_blocks(ids, 16, make_namespace(engine.model_id))
     assert len(hashes) >= 8
+    ready = sorted(w for w, state in decode_states(stack).items() if state == "ready")
+    assert len(ready) >= 2, f"the routing test needs two ready decode workers: {ready}"
+    owner = ready[-1]
+    plant_prefix(stack, owner, ids)
 
     async def owners_in_redis():
         redis = connect(stack.redis_url)
         store = KvIndexStore(redis, RedisKeys(stack.spec.namespace))
         try:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                found = [await store.owners(h) for h in hashes[:8]]
-                if all(found):
-                    return found
-                await asyncio.sleep(0.05)
-            return found
+            return await wait_until(lambda: _owners(store, hashes[:8]), timeout_s=10,
+                                    what=f"kv-index listing {owner} for the prefix")
         finally:
             await redis.aclose()
 
@@ -171,8 +200,15 @@ def test_prefix_goes_to_the_worker_that_holds_it(stack, client, engine):
     for question in ("Question two?", "Question three?", "Question four?"):
         again = client.completions.with_raw_response.create(model=MODEL, prompt=prefix + question,
                                                             max_tokens=2, temperature=0)
-        assert again.headers["x-tandem-worker"] == owner
+        chosen, num_overlap = admission_choice(stack, again.headers["x-request-id"])
+        assert (again.headers["x-tandem-worker"], chosen) == (owner, owner), f"overlap {num_overlap}"
+        assert num_overlap >= 8
         assert again.parse().usage.prompt_tokens_details.cached_tokens >= 8 * 16
+
+
+async def _owners(store, hashes) -> list[set[str]] | None:
+    found = [await store.owners(h) for h in hashes]
+    return found if all(found) else None
 
 
 def test_client_disconnect_frees_the_workers_blocks(stack):
@@ -189,14 +225,13 @@ def test_client_disconnect_frees_the_workers_blocks(stack):
     conn.sock.shutdown(2)
     conn.close()
 
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+    def freed():
         load = next(w["load"] for w in status(stack)["workers"] if w["info"]["worker_id"] == worker)
         if load and load["num_running"] == 0 and load["num_blocks_used"] == 0 and load["num_requests_aborted"]:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"worker {worker} still holds the request: {load}")
+            return load
+        return None
+
+    load = wait_for(freed, 15, f"worker {worker} to drop the aborted request")
     assert load["num_generated_tokens_total"] < 900 + 200
 
 
@@ -267,27 +302,34 @@ def test_bad_messages_on_subjects_get_error_replies(stack):
     assert all(c.is_running() for c in stack.children.values())
 
 
-def test_sigkilled_worker_mid_stream_is_replaced_and_leaves_registry_and_index(stack, client, engine):
+def metric(stack, line_start: str) -> float:
+    """The value of the gateway's metrics line that starts with ``line_start`` (0 if absent)."""
+    text = http(stack, "GET", "/metrics")[2].decode()
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(line_start + " ")), 0.0)
+
+
+def stream_completion(stack, prompt: str, max_tokens: int):
     from http.client import HTTPConnection
 
-    prompt = "Here is a long list of fruits and vegetables:"
-    expected = in_process_greedy(engine, engine.tokenizer.encode(prompt), 40, ignore_eos=True)
     conn = HTTPConnection("127.0.0.1", stack.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({
-        "model": MODEL, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    victim_id = resp.getheader("X-Tandem-Worker")
-    victim = stack.children[victim_id.removeprefix(f"{stack.spec.namespace}-")]
-    events = []
-    while len(events) < 3:
-        line = resp.readline().decode()
-        if line.startswith("data: {"):
-            events.append(json.loads(line[6:]))
-    os.kill(victim.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    events += [json.loads(line[6:]) for line in resp.read().decode().splitlines()
-               if line.startswith("data: {")]
+    return conn.getresponse()
+
+
+def test_sigkilled_worker_mid_stream_is_replaced_and_leaves_registry_and_index(stack, client, engine):
+    # A worker of its own, named to win the tie among idle workers, so the stream lands on it.
+    victim, victim_id = spawn_ready_decode(stack, "decode-0-victim")
+    migrations = metric(stack, "tandem_gateway_migrations_total")
+    prompt = "Here is a long list of fruits and vegetables:"
+    expected = in_process_greedy(engine, engine.tokenizer.encode(prompt), 40, ignore_eos=True)
+    resp = stream_completion(stack, prompt, 40)
+    assert resp.getheader("X-Tandem-Worker") == victim_id
+    events = read_events(resp, 3)
+    victim.kill()
+    events += read_events(resp)
     # One uninterrupted stream: the survivor continued from the tokens already generated.
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
     assert events[-1]["usage"]["completion_tokens"] == 40
@@ -300,39 +342,39 @@ def test_sigkilled_worker_mid_stream_is_replaced_and_leaves_registry_and_index(s
         finally:
             await redis.aclose()
 
-    while time.monotonic() - killed_at < 4 * TTL_S:
-        ids = {w["info"]["worker_id"] for w in status(stack)["workers"]}
-        if victim_id not in ids and victim_id not in asyncio.run(index_workers()):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"{victim_id} still listed {time.monotonic() - killed_at:.1f}s after SIGKILL")
+    wait_for(lambda: victim_id not in decode_states(stack) and victim_id not in asyncio.run(index_workers()),
+             4 * TTL_S, f"{victim_id} gone from the registry and the index after SIGKILL")
     for _ in range(3):
         reply = client.completions.with_raw_response.create(model=MODEL, prompt="warm the index " * 20,
                                                             max_tokens=1)
         assert reply.headers["x-tandem-worker"] not in ("", victim_id)
-    assert "tandem_gateway_migrations_total 1" in http(stack, "GET", "/metrics")[2].decode()
+    assert metric(stack, "tandem_gateway_migrations_total") == migrations + 1
 
 
-def test_sigterm_drains_in_flight_work_then_deregisters(stack):
-    from http.client import HTTPConnection
+def test_sigterm_drains_in_flight_work_then_deregisters(stack, client):
+    drained, drained_id = spawn_ready_decode(stack, "decode-0-drain")
+    resp = stream_completion(stack, "Tell a story:", 300)
+    assert resp.getheader("X-Tandem-Worker") == drained_id
+    events = read_events(resp, 1)
+    drained.terminate()
+    # Listed as draining while the request runs (the entry goes once in-flight work is done).
+    wait_for(lambda: decode_states(stack).get(drained_id) == "draining", 30, f"{drained_id} draining")
+    other = client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert other.headers["x-tandem-worker"] not in ("", drained_id)
+    events += read_events(resp)
+    assert events[-1]["usage"]["completion_tokens"] == 300
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert drained.wait(30) and drained.proc.returncode == 0
+    assert drained_id not in decode_states(stack)
 
-    conn = HTTPConnection("127.0.0.1", stack.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "model": MODEL, "prompt": "Tell a story:", "max_tokens": 40, "ignore_eos": True, "stream": True}),
-        {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.readline()
-    survivor = next(c for n, c in stack.children.items() if n.startswith("decode") and c.is_running())
-    survivor.terminate()
-    events = [line for line in resp.read().decode().splitlines() if line.startswith("data: {")]
-    assert json.loads(events[-1][6:])["choices"][0]["finish_reason"] == "length"
-    assert survivor.wait(30)
-    assert http(stack, "GET", "/ready")[0] in (200, 503)
-    deadline = time.monotonic() + 5
-    while http(stack, "GET", "/ready")[0] != 503 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert http(stack, "GET", "/ready")[0] == 503
+
+def test_without_decode_workers_the_gateway_answers_503(stack):
+    """Last: it takes the stack's decode workers away."""
+    workers = [c for n, c in stack.children.items() if n.startswith("decode") and c.is_running()]
+    for child in workers:
+        child.terminate()
+    assert all(child.wait(60) for child in workers)
+    wait_for(lambda: http(stack, "GET", "/ready")[0] == 503, 5, "/ready 503 with no decode worker")
     code, headers, raw = http(stack, "POST", "/v1/completions", json.dumps(
         {"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())
     assert code == 503 and "Retry-After" in headers, raw

@@ -4,7 +4,7 @@ import torch
 from shared.engine import EngineConfig, InvalidSamplingParamsError, LLMEngine, SamplingParams
 from shared.engine.request import Request
 from shared.model.loader import load_model
-from shared.model.sampler import Sampler
+from shared.engine.sampler import Sampler
 
 V = 50
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.sampler import SampledToken, Sampler
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.attention import AttentionBackend, AttentionMetadata
 from shared.model.llama import LlamaModel
-from shared.model.sampler import SampledToken, Sampler
 
 
 class ModelRunner:

@@ -47,10 +47,6 @@ class Gateway:
         self.api_keys = ApiKeys.parse(settings.api_keys, self.qos)
         self.metrics = GatewayMetrics.create()
 
-    @property
-    def _key_tiers(self) -> dict[str, str]:  # read by tests/integration/test_gateway_rejections.py
-        return self.api_keys.key_tiers
-
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
         """Nothing to subscribe to: the HTTP site is the gateway's endpoint."""

@@ -184,9 +184,8 @@ def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_t
     from shared.planner.devices import Cluster
     from shared.planner.flow import Evaluator
     from shared.planner.plan import Plan, WorkerPlan
-    from shared.policy.admission import AdmissionConfig
     from shared.policy.disagg import DisaggConfig
-    from shared.sim.simulator import SimConfig, Simulator
+    from shared.sim.simulator import SimConfig, Simulator, workload_admission
     from shared.sim.traces import Trace
 
     spec = load_cluster(cluster_path)
@@ -208,7 +207,7 @@ def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_t
     trace = Trace(np.array([s.at_s for s in specs], dtype=float), np.array(input_lens, dtype=np.int64),
                   np.array([s.max_tokens for s in specs], dtype=np.int64))
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30),
-                    admission=AdmissionConfig(ttft_slo_s=slo_ttft_s, retry_after_s=0.0))
+                    admission=workload_admission(slo_ttft_s))
     result = Simulator(ev, plan, cfg, block_size=trace.block_size).run(trace)
     if result.rejected.any():
         raise RuntimeError(f"the simulator rejected {int(result.rejected.sum())} requests: {result.rejections}")

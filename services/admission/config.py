@@ -1,12 +1,13 @@
 from pydantic import Field
 
-from shared.runtime.settings import ServiceSettings
+from shared.runtime.settings import QosSettings, ServiceSettings
 
 
-class AdmissionSettings(ServiceSettings):
+class AdmissionSettings(ServiceSettings, QosSettings):
     max_waiting_per_worker: int = Field(32, ge=1, description="reject when every worker queues this many")
     overlap_weight: float = Field(1.0, ge=0, description="routing cost per block to prefill")
     queue_weight: float = Field(4.0, ge=0, description="routing cost per queued request, in blocks")
     kv_match_timeout_s: float = Field(0.5, gt=0, description="wait for kv-index, then least-loaded")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After suggested on rejection")
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
+    shed_hold_s: float = Field(2.0, ge=0, description="lower tiers stay shed this long after a higher tier's SLO miss")

@@ -1,19 +1,26 @@
-"""admission: admit a request to a decode worker (KV overlap + load), or reject it.
+"""admission: admit a request to a decode worker (KV overlap + load), or reject it early.
 
+Per request: route (``shared.policy.kv_routing``: the cheapest worker by prefix overlap and load),
+then the tier rules (``shared.policy.admission.Admitter``: tier queue limit, shedding, predicted
+TTFT against the tier's SLO) on that worker's observations: its reported prefill backlog by
+priority and measured prefill rate, plus what was admitted to it since its last report.
 Rejects with ``unavailable`` when no ready decode worker serves the model, ``overloaded`` when
-every one's queue is at the limit. Asks kv-index for the prompt's prefix overlap with a short
-timeout and routes on load alone when it does not answer.
+every one's queue is at the limit, or the Admitter's code. Asks kv-index for the prompt's prefix
+overlap with a short timeout and routes on load alone when it does not answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
-from shared.cluster.view import ClusterView
-from shared.policy.kv_routing import RoutingWeights, choose_worker
+from shared.cluster.view import ClusterView, WorkerEntry
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter
+from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker
+from shared.policy.qos import load_qos
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, Subjects, WorkerLoad
 from shared.runtime.service import every, run_bus_service
 from services.admission.config import AdmissionSettings
@@ -31,8 +38,13 @@ class AdmissionService:
         self._weights = RoutingWeights(overlap_weight=settings.overlap_weight,
                                        queue_weight=settings.queue_weight,
                                        max_waiting_per_worker=settings.max_waiting_per_worker)
+        self.qos = load_qos(settings.qos)
+        self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
+                                                 shed_hold_s=settings.shed_hold_s))
 
     async def start(self) -> None:
+        log.info("tiers: %s", ", ".join(f"{n} (priority {t.priority}, TTFT SLO {t.ttft_slo_ms or '-'} ms)"
+                                        for n, t in self.qos.tiers.items()))
         await self.refresh()
         await self._bus.subscribe(self._subjects.load_all(), self.on_load)
         await self._bus.serve(self._subjects.admission_submit(), self.submit, queue="admission")
@@ -52,26 +64,48 @@ class AdmissionService:
             await self.refresh()  # a worker may have registered since the last refresh
             workers = self.view.ready_workers("decode", request.model)
         if not workers:
-            return self._reject(request, "unavailable", f"no ready decode worker serves {request.model!r}")
+            return self._reject(request, "unavailable", f"no ready decode worker serves {request.model!r}",
+                                self._settings.retry_after_s)
         block_size = workers[0].info.block_size
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
         overlaps = await self._overlaps(request)
         now = time.time()
         views = [w.load_view(now) for w in workers]
-        choice = choose_worker(views, overlaps, num_blocks, self._weights)
+        choice = choose_worker(views, overlaps, num_blocks, self._weights, now)
         if choice.worker_id is None:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "
-                                f"{self._settings.max_waiting_per_worker}+ queued requests")
-        log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; overlaps %s; loads %s)", request.request_id,
-                  choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks, overlaps,
-                  views)
+                                f"{self._settings.max_waiting_per_worker}+ queued requests",
+                                self._settings.retry_after_s)
+        entry = self.view.get(choice.worker_id)
+        verdict = self.admitter.decide(self._observe(request, entry, workers, choice, now))
+        ttft = verdict.predicted_ttft_s if verdict.predicted_ttft_s is not None and \
+            math.isfinite(verdict.predicted_ttft_s) else None
+        if not verdict.admitted:
+            return self._reject(request, verdict.code, verdict.reason, verdict.retry_after_s, ttft)
+        log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
+                  request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
+                  "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time())
-        info = self.view.get(choice.worker_id).info
+        info = entry.info
         return AdmissionDecision(request_id=request.request_id, is_admitted=True,
                                  worker_id=info.worker_id, generate_subject=info.generate_subject,
                                  cancel_subject=info.cancel_subject,
-                                 num_overlap_blocks=choice.num_overlap_blocks)
+                                 num_overlap_blocks=choice.num_overlap_blocks, predicted_ttft_s=ttft)
+
+    def _observe(self, request: GenerateRequest, entry: WorkerEntry, workers: list[WorkerEntry],
+                 choice: RoutingChoice, now: float) -> AdmissionInput:
+        """What the Admitter needs, from the chosen worker's reports and the other workers' queues."""
+        tier = request.tier if request.tier in self.qos.tiers else self.qos.default_tier
+        priority = self.qos.tiers[tier].priority
+        prompt = len(request.prompt_token_ids)
+        block_size = entry.info.block_size
+        return AdmissionInput(
+            now_s=now, tier=tier, prompt_tokens=prompt,
+            cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),
+            queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
+            prefill_tokens_per_s=entry.load.prefill_tokens_per_s if entry.load else None,
+            queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load))
 
     async def _overlaps(self, request: GenerateRequest) -> dict[str, int]:
         if not request.block_hashes:
@@ -85,11 +119,12 @@ class AdmissionService:
             return {}
         return {o.worker_id: o.num_blocks for o in result.overlaps}
 
-    def _reject(self, request: GenerateRequest, reason, message: str) -> AdmissionDecision:
-        log.info("rejecting %s: %s", request.request_id, message)
+    def _reject(self, request: GenerateRequest, reason, message: str, retry_after_s: float,
+                predicted_ttft_s: float | None = None) -> AdmissionDecision:
+        log.info("rejecting %s (tier %s): %s", request.request_id, request.tier, message)
         return AdmissionDecision(request_id=request.request_id, is_admitted=False,
-                                 reject_reason=reason, message=message,
-                                 retry_after_s=self._settings.retry_after_s)
+                                 reject_reason=reason, message=message, retry_after_s=retry_after_s,
+                                 predicted_ttft_s=predicted_ttft_s)
 
 
 async def run(settings: AdmissionSettings, stop: asyncio.Event) -> None:

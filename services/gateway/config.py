@@ -1,13 +1,14 @@
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from shared.runtime.settings import ServiceSettings
+from shared.runtime.settings import QosSettings, ServiceSettings
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(ServiceSettings, QosSettings):
     host: str = Field("127.0.0.1", description="HTTP listen address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: any free port)")
     model: str = Field("smollm2-135m", description="served model (its tokenizer is loaded here)")
-    api_keys: str | None = Field(None, description="comma-separated key:tier pairs; unset: no auth")
+    api_keys: str | None = Field(None, description="comma-separated key:tier pairs (tiers from --qos; a key "
+                                 "without one gets the default tier); unset: no auth")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when the request gives none")
     admission_timeout_s: float = Field(2.0, gt=0, description="wait for admission's answer")
     request_timeout_s: float = Field(600.0, gt=0, description="wait for a request's first token")
@@ -15,3 +16,11 @@ class GatewaySettings(ServiceSettings):
     status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+
+    @model_validator(mode="after")
+    def _api_key_tiers_exist(self) -> "GatewaySettings":
+        from shared.openai_api.auth import ApiKeys  # noqa: PLC0415
+        from shared.policy.qos import load_qos  # noqa: PLC0415
+
+        ApiKeys.parse(self.api_keys, load_qos(self.qos))
+        return self

@@ -50,6 +50,7 @@ class Generation:
         self._generated: list[int] = []
         self._num_migrations = 0
         self.worker_id: str | None = None
+        self.predicted_ttft_s: float | None = None  # admission's prediction for the current worker
         self.is_finished = False
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0
@@ -103,11 +104,14 @@ class Generation:
             raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
                            retry_after_s=1.0) from None
         if not decision.is_admitted:
-            self._metrics.rejected.inc(reason=decision.reject_reason or "unknown")
-            status = 429 if decision.reject_reason == "overloaded" else 503
+            self._metrics.rejected.inc(reason=decision.reject_reason or "unknown", tier=request.tier)
+            # no worker at all is the service being down (503); everything else is load (429)
+            status = 503 if decision.reject_reason in ("unavailable", None) else 429
             raise ApiError(status, decision.message, code=decision.reject_reason,
                            retry_after_s=decision.retry_after_s)
         assert decision.worker_id is not None, "admitted without a worker"
+        self._metrics.admitted.inc(tier=request.tier)
+        self.predicted_ttft_s = decision.predicted_ttft_s
         return decision.worker_id
 
     async def deltas(self) -> AsyncIterator[Delta]:

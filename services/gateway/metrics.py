@@ -13,7 +13,8 @@ class GatewayMetrics:
     requests: Counter     # by HTTP status, /v1/ routes only
     in_flight: Gauge
     generated: Counter
-    rejected: Counter     # by admission's reject reason
+    rejected: Counter     # by admission's reject reason and the request's tier
+    admitted: Counter     # by tier (each admission: a migrated request counts again)
     ttft: Histogram
     itl: Histogram
     migrations: Counter
@@ -26,6 +27,7 @@ class GatewayMetrics:
             requests=m.add(Counter("tandem_gateway_requests_total", "HTTP requests by status")),
             in_flight=m.add(Gauge("tandem_gateway_in_flight", "generation requests in flight")),
             rejected=m.add(Counter("tandem_gateway_rejected_total", "requests rejected by admission")),
+            admitted=m.add(Counter("tandem_gateway_admitted_total", "requests admitted to a decode worker")),
             ttft=m.add(Histogram("tandem_gateway_ttft_seconds", "time to first token", LATENCY_BUCKETS_S)),
             itl=m.add(Histogram("tandem_gateway_itl_seconds", "inter-token latency", LATENCY_BUCKETS_S)),
             migrations=m.add(Counter("tandem_gateway_migrations_total",

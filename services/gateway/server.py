@@ -27,8 +27,13 @@ async def respond(request: web.Request, api: ApiAdapter, gen: Generation) -> web
 
 
 def _ids(gen: Generation) -> dict[str, str]:
-    """Which request and which worker: for logs, debugging and the routing tests."""
-    return {"X-Request-Id": gen.request.request_id, "X-Tandem-Worker": gen.worker_id or ""}
+    """Which request, tier and worker (for logs, debugging and the routing tests), and the TTFT
+    admission predicted for it."""
+    ids = {"X-Request-Id": gen.request.request_id, "X-Tandem-Worker": gen.worker_id or "",
+           "X-Tandem-Tier": gen.request.tier}
+    if gen.predicted_ttft_s is not None:
+        ids["X-Tandem-Predicted-TTFT-Ms"] = f"{gen.predicted_ttft_s * 1000:.0f}"
+    return ids
 
 
 def _head(api: ApiAdapter, gen: Generation) -> ResponseHead:

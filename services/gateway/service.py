@@ -19,6 +19,7 @@ from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.workers import ready_workers
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter
 from shared.openai_api.auth import ApiKeys
+from shared.policy.qos import load_qos
 from shared.openai_api.generate_request import build_generate_request, prompt_block_hashes
 from shared.protocol import ClusterStatusRequest, Subjects, WorkerInfo
 from shared.runtime.service import bus_connection, every, serve_until_stopped
@@ -42,12 +43,9 @@ class Gateway:
         self.registry = registry
         self.tokenizer = tokenizer
         self.workers: list[WorkerInfo] = []
-        self.api_keys = ApiKeys.parse(settings.api_keys)
+        self.qos = load_qos(settings.qos)
+        self.api_keys = ApiKeys.parse(settings.api_keys, self.qos)
         self.metrics = GatewayMetrics.create()
-
-    @property
-    def _key_tiers(self) -> dict[str, str]:  # read by tests/integration/test_gateway_rejections.py
-        return self.api_keys.key_tiers
 
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
@@ -80,7 +78,8 @@ class Gateway:
         api = adapter.from_json(await request.read(), self.tokenizer)
         model = api.body.model
         gen_request = build_generate_request(
-            api, api.prompt_ids(), tier=tier, workers=self.ready_workers(model),
+            api, api.prompt_ids(), tier=tier, priority=self.qos.tiers[tier].priority,
+            workers=self.ready_workers(model),
             served_models=self.served_models(), default_max_tokens=self.settings.default_max_tokens,
             now=time.time())
         gen = Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,

@@ -2,7 +2,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from shared.runtime.settings import QosSettings
 
 
 def default_state_dir() -> Path:
@@ -11,7 +13,7 @@ def default_state_dir() -> Path:
     return cache_dir() / "up"
 
 
-class UpSettings(BaseSettings):
+class UpSettings(QosSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
     decode: int = Field(1, ge=1, le=64, description="number of decode workers")
@@ -36,3 +38,5 @@ class UpSettings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")
     log_level: str = Field("INFO", description="services' logging level")
+    api_keys: str | None = Field(None, description="gateway API keys as key:tier pairs (tiers from --qos); "
+                                 "unset: no auth")

@@ -17,7 +17,12 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level,
-        decode_flags={**engine, **{k: v for k, v in disagg.items() if v is not None}}, prefill_flags=engine)
+        decode_flags={**engine, **_given(**disagg)}, prefill_flags=engine,
+        gateway_flags=_given(qos=s.qos, api_keys=s.api_keys), admission_flags=_given(qos=s.qos))
+
+
+def _given(**flags: object) -> dict[str, object]:
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def run(settings: UpSettings) -> int:

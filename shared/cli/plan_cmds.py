@@ -134,9 +134,9 @@ def _load_trace(args, workload):
 
 def _tier_mix(text: str) -> tuple[tuple[str, float], ...]:
     from shared.cli.main import CliError
-    from shared.policy.admission import AdmissionConfig
+    from shared.sim.simulator import workload_admission
 
-    known = AdmissionConfig(ttft_slo_s=1.0).tiers
+    known = workload_admission(1.0).qos.tiers
     mix = []
     for part in text.split(","):
         name, _, share = part.partition("=")

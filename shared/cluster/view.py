@@ -38,6 +38,14 @@ class WorkerEntry:
                               num_waiting=waiting, num_admitted_unreported=len(self.admitted))
 
 
+    def prefill_tokens_ahead(self, priority: int, block_size: int, now: float) -> int:
+        """Tokens a new request of ``priority`` would wait behind: those the worker reported at its
+        priority or higher, plus everything admitted to it since (of any priority: not yet known
+        to be behind)."""
+        reported = self.load.prefill_tokens_ahead(priority) if self.load else 0
+        return reported + block_size * sum(a.num_blocks for a in self.admitted if now - a.at <= MAX_UNREPORTED_AGE_S)
+
+
 class ClusterView:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerEntry] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,6 +80,27 @@ class EngineStats:
     num_generated_tokens: int
     num_remote_pending: int = 0  # reserved for remote prefill, KV not yet in place
     num_held: int = 0  # finished keep_kv requests whose blocks a transfer still reads
+    # what admission needs to predict a new request's TTFT (see shared.policy.admission)
+    queued_prefill_tokens: dict[int, int] = field(default_factory=dict)  # priority -> tokens not yet prefilled
+    num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    prefill_tokens_per_s: float | None = None  # recent prefill throughput; None until measured
+
+
+class PrefillRate:
+    """Prefill throughput of recent steps (exponential average). A step's time includes the decodes
+    batched with the chunk, so the rate errs low: predictions built on it err late, not early."""
+
+    def __init__(self, min_tokens: int, weight: float = 0.3) -> None:
+        self.min_tokens = min_tokens  # smaller chunks measure per-step overhead, not prefill speed
+        self.weight = weight
+        self.tokens_per_s: float | None = None
+
+    def observe(self, num_tokens: int, elapsed_s: float) -> None:
+        if num_tokens < self.min_tokens or elapsed_s <= 0:
+            return
+        rate = num_tokens / elapsed_s
+        self.tokens_per_s = rate if self.tokens_per_s is None else \
+            self.tokens_per_s + self.weight * (rate - self.tokens_per_s)
 
 
 class LLMEngine:
@@ -114,6 +135,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_cached_prompt_tokens = 0
         self._num_generated = 0
+        self._prefill_rate = PrefillRate(min_tokens=config.block_size)
         self._log_capacity()
 
     @classmethod
@@ -217,7 +239,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        started = time.perf_counter()
         sampled = self.runner.execute(out)
+        self._prefill_rate.observe(sum(s.num_new_tokens for s in out.scheduled
+                                       if s.start < s.request.num_prompt_tokens), time.perf_counter() - started)
         self._num_steps += 1
         for s in out.scheduled:
             if s.start == s.request.num_cached_tokens and s.request.num_preemptions == 0:
@@ -246,6 +271,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
+        backlog = self.scheduler.backlog()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
@@ -253,7 +279,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens, num_cached_prompt_tokens=self._num_cached_prompt_tokens,
             num_generated_tokens=self._num_generated, num_remote_pending=len(self.scheduler.remote),
-            num_held=len(self.scheduler.held))
+            num_held=len(self.scheduler.held), queued_prefill_tokens=backlog.prefill_tokens,
+            num_waiting_by_priority=backlog.num_waiting,
+            prefill_tokens_per_s=self._prefill_rate.tokens_per_s)
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         self.events.add_sink(sink)

@@ -57,6 +57,12 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
 
 
+@dataclass(frozen=True)
+class Backlog:
+    prefill_tokens: dict[int, int]  # priority -> tokens still to prefill
+    num_waiting: dict[int, int]     # priority -> waiting requests
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, namespace: bytes) -> None:
         self.config = config
@@ -101,6 +107,20 @@ class Scheduler:
             return request
         self._remove(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    def backlog(self) -> "Backlog":
+        """By priority: tokens still to prefill (waiting requests, including preempted ones that
+        recompute their output, and running prompts not fully computed; cached prefixes are not
+        known before scheduling, so this errs high) and the number of waiting requests."""
+        tokens: dict[int, int] = {}
+        waiting: dict[int, int] = {}
+        for r in self.waiting:
+            tokens[r.priority] = tokens.get(r.priority, 0) + r.num_tokens - r.num_computed_tokens
+            waiting[r.priority] = waiting.get(r.priority, 0) + 1
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                tokens[r.priority] = tokens.get(r.priority, 0) + r.num_prompt_tokens - r.num_computed_tokens
+        return Backlog(tokens, waiting)
 
     # -- remote prefill -------------------------------------------------------------------------
     def reserve_remote(self, request: Request,

@@ -17,7 +17,7 @@ from shared.openai_api.models import ApiRequest
 from shared.protocol import GenerateRequest, SamplingParams, WorkerInfo
 
 
-def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str,
+def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str, priority: int = 0,
                            workers: Sequence[WorkerInfo], served_models: Sequence[str],
                            default_max_tokens: int, now: float) -> GenerateRequest:
     """``workers``: the ready decode workers of ``api.body.model``. Raises 404 for a model not in
@@ -32,7 +32,7 @@ def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str,
     return GenerateRequest(request_id=f"{api.id_prefix}-{uuid.uuid4().hex}", model=body.model,
                            prompt_token_ids=prompt_ids, sampling=sampling_params(body, max_tokens),
                            block_hashes=prompt_block_hashes(prompt_ids, workers), tier=tier,
-                           created_at=now)
+                           priority=priority, created_at=now)
 
 
 def max_tokens_in_context(num_prompt_tokens: int, requested: int | None, max_model_len: int | None,

@@ -191,7 +191,7 @@ class ConfigError(ValueError):
     """A config file is missing, unreadable or invalid; the message is one line naming the file."""
 
 
-def _load_yaml(path: str | Path) -> dict:
+def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text())
@@ -204,19 +204,19 @@ def _load_yaml(path: str | Path) -> dict:
     return data
 
 
-def _validate(cls: type[BaseModel], data: dict, where: str):
+def validate_spec(cls: type[BaseModel], data: dict, where: str):
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ConfigError(f"{where}: {loc}: {first['msg']}{more}") from exc
+        raise ConfigError(f"{where}: {loc}: {first['msg'].removeprefix('Value error, ')}{more}") from exc
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
-    data = _load_yaml(path)
-    return _validate(ClusterSpec, data.get("cluster", data), str(path))
+    data = load_yaml(path)
+    return validate_spec(ClusterSpec, data.get("cluster", data), str(path))
 
 
 def load_model(name_or_path: str) -> ModelSpec:
@@ -225,8 +225,8 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not Path(name_or_path).exists():
         raise ConfigError(f"model {name_or_path!r} is neither a preset {sorted(MODEL_PRESETS)} "
                           "nor a file")
-    data = _load_yaml(name_or_path)
-    return _validate(ModelSpec, data.get("model", data), name_or_path)
+    data = load_yaml(name_or_path)
+    return validate_spec(ModelSpec, data.get("model", data), name_or_path)
 
 
 def load_workload(name_or_path: str, request_rate: float | None = None) -> WorkloadSpec:
@@ -235,10 +235,10 @@ def load_workload(name_or_path: str, request_rate: float | None = None) -> Workl
             return preset_workload(name_or_path, request_rate or 10.0)
         except ValueError as exc:
             raise ConfigError(f"workload: {exc} (or give a YAML file)") from exc
-    data = _load_yaml(name_or_path)
-    spec = _validate(WorkloadSpec, data.get("workload", data), name_or_path)
+    data = load_yaml(name_or_path)
+    spec = validate_spec(WorkloadSpec, data.get("workload", data), name_or_path)
     return spec.model_copy(update={"request_rate": request_rate}) if request_rate else spec
 
 
 def load_calibration(path: str | Path) -> CalibrationSpec:
-    return _validate(CalibrationSpec, _load_yaml(path), str(path))
+    return validate_spec(CalibrationSpec, load_yaml(path), str(path))

@@ -1,37 +1,33 @@
-"""Admission: accept or reject a request before any work is done (early rejection).
+"""Admission: admit or reject a request before any work is done (early rejection, after Mooncake).
 
-A request is rejected when its predicted TTFT exceeds its tier's budget (SLO x slack), when its
-tier's queue is full, or when the prompt is too long. Predicted TTFT is the time to drain the
-prefill work ahead of it plus its own prefill, at the pool's measured token rate, plus the KV
-transfer, plus any wait for KV memory on the decode worker. Higher tiers get more slack and longer queues, so under overload the lowest tier is
-shed first (QoS). Rejections carry ``retry_after_s`` for the gateway's Retry-After header.
+Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is rejected when
+
+1. its prompt is longer than any worker takes (``prompt_too_long``);
+2. its tier already has ``max_queued`` requests waiting (``tier_queue_full``);
+3. a tier of higher priority was rejected for its SLO within ``shed_hold_s`` (``shedding``): a
+   higher tier is never rejected while a lower one is admitted to the same capacity, so the
+   lowest priority is shed first and the rest stays shed while the higher tier is short;
+4. its predicted TTFT exceeds its tier's SLO (``slo``).
+
+Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens) / the measured
+prefill rate + the KV transfer + any wait for KV memory. Only work of the same or a higher priority
+is ahead: the engine and the prefill queue serve by priority. With no measured rate yet (a worker
+that has not prefilled) there is no prediction and the request is admitted. A rejection carries
+``retry_after_s``: when the backlog ahead would have drained to the SLO.
+
+``Admitter.decide`` is pure apart from the shedding memory; the caller passes ``now_s``. The admission
+service and the simulator call it with their own observations.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
 from dataclasses import dataclass, field
+from typing import Literal
 
+from shared.policy.qos import QosConfig
 
-@dataclass(frozen=True)
-class QosTier:
-    name: str
-    ttft_slack: float = 1.0     # admit while predicted TTFT <= ttft_slo_s * ttft_slack
-    max_queued: int = 10_000    # requests of this tier waiting for prefill
-
-
-def _default_tiers() -> dict[str, QosTier]:
-    return {"premium": QosTier("premium", ttft_slack=2.0, max_queued=100_000),
-            "standard": QosTier("standard", ttft_slack=1.0, max_queued=10_000),
-            "batch": QosTier("batch", ttft_slack=0.5, max_queued=1_000)}
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    ttft_slo_s: float
-    max_prompt_tokens: int = 131_072
-    retry_after_s: float = 1.0
-    tiers: Mapping[str, QosTier] = field(default_factory=_default_tiers)
+RejectCode = Literal["prompt_too_long", "tier_queue_full", "shedding", "slo"]
 
 
 @dataclass(frozen=True)
@@ -40,41 +36,70 @@ class AdmissionInput:
     tier: str
     prompt_tokens: int
     cached_tokens: int
-    queued_prefill_tokens: float    # uncached tokens waiting or in progress ahead of this request
-    prefill_tokens_per_s: float     # the prefill pool's aggregate rate (measured or planned)
-    queued_requests: int            # requests of this tier already waiting
-    transfer_s: float = 0.0         # expected KV transfer time
-    decode_wait_s: float = 0.0      # expected wait for KV memory on the chosen decode worker
+    queued_prefill_tokens: float       # uncached tokens of this priority or higher, waiting or in progress
+    prefill_tokens_per_s: float | None  # rate of the prefill that will serve it; None: not measured yet
+    queued_requests: int = 0           # requests of this tier already waiting
+    transfer_s: float = 0.0            # expected KV transfer time
+    decode_wait_s: float = 0.0         # expected wait for KV memory on the chosen decode worker
 
 
 @dataclass(frozen=True)
 class AdmissionDecision:
     admitted: bool
     reason: str
-    predicted_ttft_s: float
+    predicted_ttft_s: float | None
     retry_after_s: float = 0.0
+    code: RejectCode | None = None     # None when admitted
 
 
-def predict_ttft_s(inp: AdmissionInput) -> float:
+@dataclass(frozen=True)
+class AdmissionConfig:
+    qos: QosConfig = field(default_factory=QosConfig.single)
+    max_prompt_tokens: int = 131_072
+    min_retry_after_s: float = 1.0
+    shed_hold_s: float = 2.0           # lower tiers stay shed this long after a higher tier's SLO miss
+
+
+def predict_ttft_s(inp: AdmissionInput) -> float | None:
+    if inp.prefill_tokens_per_s is None:
+        return None
     if inp.prefill_tokens_per_s <= 0:
-        return float("inf")
+        return math.inf
     own = max(inp.prompt_tokens - inp.cached_tokens, 0)
     return (inp.queued_prefill_tokens + own) / inp.prefill_tokens_per_s + inp.transfer_s + inp.decode_wait_s
 
 
-def admit(inp: AdmissionInput, cfg: AdmissionConfig) -> AdmissionDecision:
-    tier = cfg.tiers.get(inp.tier)
-    if tier is None:
-        raise ValueError(f"unknown tier {inp.tier!r}; tiers: {sorted(cfg.tiers)}")
-    ttft = predict_ttft_s(inp)
-    if inp.prompt_tokens > cfg.max_prompt_tokens:
-        return AdmissionDecision(False, f"prompt {inp.prompt_tokens} > {cfg.max_prompt_tokens} tokens", ttft)
-    if inp.queued_requests >= tier.max_queued:
-        return AdmissionDecision(False, f"tier {tier.name} queue full ({inp.queued_requests})", ttft,
-                                 cfg.retry_after_s)
-    budget = cfg.ttft_slo_s * tier.ttft_slack
-    if ttft > budget:
-        # Retry once the backlog ahead would have drained to the budget.
-        wait = max(ttft - budget, cfg.retry_after_s)
-        return AdmissionDecision(False, f"predicted TTFT {ttft:.2f}s > {budget:.2f}s", ttft, wait)
-    return AdmissionDecision(True, "ok", ttft)
+class Admitter:
+    """The tier rules, plus the memory that makes shedding ordered: the last SLO rejection time of
+    each priority."""
+
+    def __init__(self, cfg: AdmissionConfig = AdmissionConfig()) -> None:
+        self.cfg = cfg
+        self._missed_at: dict[int, float] = {}  # priority -> last SLO rejection
+
+    def decide(self, inp: AdmissionInput) -> AdmissionDecision:
+        cfg = self.cfg
+        tier = cfg.qos.tiers.get(inp.tier)
+        if tier is None:
+            raise ValueError(f"unknown tier {inp.tier!r}; tiers: {sorted(cfg.qos.tiers)}")
+        ttft = predict_ttft_s(inp)
+        if inp.prompt_tokens > cfg.max_prompt_tokens:
+            return AdmissionDecision(False, f"prompt {inp.prompt_tokens} > {cfg.max_prompt_tokens} tokens",
+                                     ttft, code="prompt_too_long")
+        if tier.max_queued is not None and inp.queued_requests >= tier.max_queued:
+            return self._reject(f"tier {inp.tier} has {inp.queued_requests} queued (max {tier.max_queued})",
+                                ttft, cfg.min_retry_after_s, "tier_queue_full")
+        shed_until = max((at + cfg.shed_hold_s for p, at in self._missed_at.items() if p < tier.priority),
+                         default=-math.inf)
+        if inp.now_s < shed_until:
+            return self._reject(f"tier {inp.tier} shed while a higher tier misses its SLO", ttft,
+                                shed_until - inp.now_s, "shedding")
+        slo = tier.ttft_slo_s
+        if slo is not None and ttft is not None and ttft > slo:
+            self._missed_at[tier.priority] = inp.now_s
+            return self._reject(f"predicted TTFT {ttft:.2f}s > {inp.tier} SLO {slo:.2f}s", ttft, ttft - slo, "slo")
+        return AdmissionDecision(True, "ok", ttft)
+
+    def _reject(self, reason: str, ttft: float | None, wait_s: float, code: RejectCode) -> AdmissionDecision:
+        retry = max(wait_s, self.cfg.min_retry_after_s) if math.isfinite(wait_s) else self.cfg.min_retry_after_s
+        return AdmissionDecision(False, reason, ttft, retry, code)

@@ -1,4 +1,4 @@
-"""KV-aware worker choice and queue-limit admission (pure: no I/O, no clock of its own).
+"""KV-aware choice of a decode worker (pure: no I/O, no clock of its own).
 
 Dynamo's KV router cost: a worker must prefill the blocks it does not already hold and then keeps
 all of the request's blocks active, so
@@ -7,15 +7,72 @@ all of the request's blocks active, so
            + num_active_blocks + num_request_blocks                        # decode memory after
            + queue_weight * (num_waiting + num_admitted_unreported)        # requests ahead of it
 
-Lowest cost wins; ties go to the fewer active blocks, then the worker id (deterministic). The
-queue limit applies to the queue the worker reported: requests admitted since its last report
-steer the choice but never cause a rejection on their own (they may well have finished).
+Lowest cost wins; ties go to the fewer active blocks, then the lower worker index. A worker whose
+reported queue is at ``max_waiting_per_worker`` is not chosen. Requests admitted since a worker's
+last report steer the choice but never exclude a worker on their own (they may well have finished).
+
+One implementation, over arrays: the simulator routes a million requests over hundreds of workers
+with it, and the admission service calls it through ``choose_worker`` with one view per worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    overlap_weight: float = 1.0
+    queue_weight: float = 4.0
+    max_waiting_per_worker: int = 32
+
+
+@dataclass(frozen=True)
+class RoutingInput:
+    now_s: float
+    num_request_blocks: int
+    overlap_blocks: Mapping[int, int]   # worker index -> leading prompt blocks it holds (sparse)
+    active_blocks: np.ndarray           # [num_workers] KV blocks in use (running + reserved)
+    num_waiting: np.ndarray             # [num_workers] requests queued at the worker (as reported)
+    eligible: np.ndarray | None = None  # [num_workers] bool; False = not a decode worker / draining
+    num_unreported: np.ndarray | None = None  # [num_workers] admitted since the worker's last report
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    worker: int | None                  # None: no eligible worker under its queue limit
+    cost: float
+    overlap_blocks: int
+
+
+def route_costs(inp: RoutingInput, w: RoutingWeights = RoutingWeights()) -> np.ndarray:
+    """[num_workers] cost of each worker (inf where ineligible or at the queue limit)."""
+    n = inp.num_request_blocks
+    prefill = np.full(len(inp.active_blocks), float(n))
+    for worker, blocks in inp.overlap_blocks.items():
+        prefill[worker] = n - min(blocks, n)
+    queued = inp.num_waiting if inp.num_unreported is None else inp.num_waiting + inp.num_unreported
+    costs = w.overlap_weight * prefill + inp.active_blocks + n + w.queue_weight * queued
+    usable = inp.num_waiting < w.max_waiting_per_worker
+    if inp.eligible is not None:
+        usable &= inp.eligible
+    return np.where(usable, costs, np.inf)
+
+
+def route(inp: RoutingInput, w: RoutingWeights = RoutingWeights()) -> RoutingDecision:
+    costs = route_costs(inp, w)
+    if costs.size == 0 or not np.isfinite(costs.min()):
+        return RoutingDecision(None, float("inf"), 0)
+    tied = np.flatnonzero(costs == costs.min())
+    best = int(tied[np.argmin(inp.active_blocks[tied])]) if len(tied) > 1 else int(tied[0])
+    return RoutingDecision(best, float(costs[best]),
+                           min(int(inp.overlap_blocks.get(best, 0)), inp.num_request_blocks))
+
+
+# --- the same rule over per-worker views (the admission service's form) ---------------------------
 
 
 @dataclass(frozen=True)
@@ -27,42 +84,25 @@ class WorkerLoadView:
 
 
 @dataclass(frozen=True)
-class RoutingWeights:
-    overlap_weight: float = 1.0
-    queue_weight: float = 4.0
-    max_waiting_per_worker: int = 32
-
-
-@dataclass(frozen=True)
 class RoutingChoice:
     worker_id: str | None            # None: rejected, every worker's queue is at its limit
     num_overlap_blocks: int = 0
     cost: float = 0.0
 
 
-def routing_cost(worker: WorkerLoadView, num_request_blocks: int, num_overlap_blocks: int,
-                 weights: RoutingWeights) -> float:
-    assert 0 <= num_overlap_blocks <= num_request_blocks, (num_overlap_blocks, num_request_blocks)
-    prefill = num_request_blocks - num_overlap_blocks
-    return (weights.overlap_weight * prefill + worker.num_active_blocks + num_request_blocks
-            + weights.queue_weight * (worker.num_waiting + worker.num_admitted_unreported))
-
-
 def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, int],
-                  num_request_blocks: int, weights: RoutingWeights = RoutingWeights()) -> RoutingChoice:
-    """Pick the cheapest worker whose queue is under ``max_waiting_per_worker``.
-
-    ``overlaps`` maps worker id → leading prompt blocks it holds (missing: 0; an empty mapping is
-    the least-loaded fallback when the index does not answer)."""
-    best: tuple[float, int, str] | None = None
-    for w in workers:
-        if w.num_waiting >= weights.max_waiting_per_worker:
-            continue
-        overlap = min(overlaps.get(w.worker_id, 0), num_request_blocks)
-        key = (routing_cost(w, num_request_blocks, overlap, weights), w.num_active_blocks, w.worker_id)
-        if best is None or key < best:
-            best = key
-    if best is None:
+                  num_request_blocks: int, weights: RoutingWeights = RoutingWeights(),
+                  now_s: float = 0.0) -> RoutingChoice:
+    """``route`` over views: ``overlaps`` maps worker id → leading prompt blocks it holds (missing:
+    0; an empty mapping is the least-loaded fallback when the index does not answer). Ties between
+    equal costs and active blocks go to the lower worker id."""
+    views = sorted(workers, key=lambda v: v.worker_id)
+    index = {v.worker_id: i for i, v in enumerate(views)}
+    decision = route(RoutingInput(
+        now_s, num_request_blocks, {index[w]: n for w, n in overlaps.items() if w in index},
+        np.array([v.num_active_blocks for v in views], dtype=float),
+        np.array([v.num_waiting for v in views], dtype=float),
+        num_unreported=np.array([v.num_admitted_unreported for v in views], dtype=float)), weights)
+    if decision.worker is None:
         return RoutingChoice(worker_id=None)
-    return RoutingChoice(worker_id=best[2], num_overlap_blocks=min(overlaps.get(best[2], 0),
-                                                                    num_request_blocks), cost=best[0])
+    return RoutingChoice(views[decision.worker].worker_id, decision.overlap_blocks, decision.cost)

@@ -8,9 +8,10 @@ from pydantic import Field
 
 from shared.protocol.base import RequestId, WireModel, WorkerId
 
-# "overloaded": every worker's queue is over its limit (HTTP 429); "unavailable": no ready decode
-# worker serves the model (HTTP 503).
-RejectReason = Literal["overloaded", "unavailable"]
+# HTTP 429: "overloaded" (every worker's queue is at its limit), "slo" (predicted TTFT over the
+# tier's SLO), "shedding" (a higher tier is missing its SLO), "tier_queue_full", "prompt_too_long".
+# HTTP 503: "unavailable" (no ready decode worker serves the model).
+RejectReason = Literal["overloaded", "unavailable", "slo", "shedding", "tier_queue_full", "prompt_too_long"]
 
 
 class AdmissionDecision(WireModel):
@@ -23,3 +24,4 @@ class AdmissionDecision(WireModel):
     reject_reason: RejectReason | None = None
     message: str = ""
     retry_after_s: float = Field(0.0, ge=0.0)
+    predicted_ttft_s: float | None = Field(None, ge=0.0)  # None: no prediction (no measured rate yet)

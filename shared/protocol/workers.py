@@ -61,6 +61,15 @@ class WorkerLoad(WireModel):
     num_prefills_dropped: int = Field(0, ge=0)
     kv_bytes_sent: int = Field(0, ge=0)
     kv_bytes_received: int = Field(0, ge=0)
+    # for admission's TTFT prediction: by request priority (lower runs first), the prompt tokens
+    # still to prefill and the waiting requests; and the recent prefill rate (None: not measured yet)
+    queued_prefill_tokens: dict[int, int] = Field(default_factory=dict)
+    num_waiting_by_priority: dict[int, int] = Field(default_factory=dict)
+    prefill_tokens_per_s: float | None = Field(None, ge=0)
+
+    def prefill_tokens_ahead(self, priority: int) -> int:
+        """Tokens a new request of ``priority`` waits behind: its own priority and higher ones."""
+        return sum(n for p, n in self.queued_prefill_tokens.items() if p <= priority)
 
 
 class ControlRequest(WireModel):

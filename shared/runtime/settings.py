@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 S = TypeVar("S", bound=BaseSettings)
@@ -24,6 +24,24 @@ class ServiceSettings(BaseSettings):
                            description="first token of every subject, bucket and Redis key")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL (heartbeat: TTL/3)")
     log_level: str = Field("INFO", description="logging level")
+
+
+class QosSettings(BaseSettings):
+    """The QoS fields of gateway, admission and ``tandem up``: a tiers file, checked at startup so
+    that a bad file is a one-line error naming the field (``shared.policy.qos``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
+
+    qos: str | None = Field(None, description="QoS tiers YAML file (see examples/qos.yaml); unset: one "
+                            "tier, no SLO")
+
+    @field_validator("qos")
+    @classmethod
+    def _qos_file_loads(cls, path: str | None) -> str | None:
+        from shared.policy.qos import load_qos  # noqa: PLC0415 — pulls in the planner's YAML helpers
+
+        load_qos(path)
+        return path
 
 
 def _flag(name: str) -> str:
@@ -54,9 +72,13 @@ def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
     try:
         return cls(**given)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {_message(e['msg'])}"
                              for e in exc.errors())
         raise CliError(f"invalid settings: {problems}") from None
+
+
+def _message(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
 
 
 def settings_env_names(cls: type[BaseSettings]) -> set[str]:

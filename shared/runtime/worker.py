@@ -124,7 +124,9 @@ class EngineWorker:
             num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
             num_cached_blocks=stats.num_cached_blocks, max_num_seqs=stats.max_num_seqs,
             num_prompt_tokens_total=stats.num_prompt_tokens,
-            num_generated_tokens_total=stats.num_generated_tokens, **fields)
+            num_generated_tokens_total=stats.num_generated_tokens,
+            queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s, **fields)
 
     async def warm_up(self) -> None:
         await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests)

@@ -1,7 +1,7 @@
 """Discrete-event simulation of a prefill/decode cluster serving a trace.
 
 A request arrives, is routed to a decode worker (routing policy: KV overlap + load + queue, the
-rule of ``shared.policy.kv_routing`` in array form), admitted or
+``shared.policy.kv_routing.route``), admitted or
 rejected (admission policy: predicted TTFT against its tier's budget), reserves KV on the decode
 worker (or waits for memory), and is prefilled locally or remotely (conditional-disaggregation
 policy). Remote prefills wait in one global FIFO that idle prefill workers pull from; their KV
@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.kvcache.overlap import leading_overlap
 from shared.planner.costmodel import kv_transfer_s
 from shared.planner.flow import Evaluator
 from shared.planner.plan import Plan
-from shared.policy.admission import AdmissionConfig, AdmissionInput, admit
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
-from shared.policy.kv_routing import RoutingWeights
-from shared.policy.routing import RoutingInput, choose_worker
+from shared.policy.kv_routing import RoutingInput, RoutingWeights, route
+from shared.policy.qos import QosConfig, QosTier
 from shared.sim.traces import Trace
 from shared.sim.workers import DECODE, PREFILL, Worker
 
@@ -43,7 +44,7 @@ class SimConfig:
     # opt-in (it takes decode time the plan did not budget for).
     disagg: DisaggConfig = DisaggConfig(max_local_prefill_tokens=0)
     routing: RoutingWeights = RoutingWeights()
-    admission: AdmissionConfig | None = None      # None: the workload's TTFT SLO, default tiers
+    admission: AdmissionConfig | None = None      # None: workload_admission(the workload's TTFT SLO)
     autoscale: AutoscaleConfig | None = None      # None: roles stay as planned
     # kv_routing weighs load in absolute KV blocks, as the admission service does. With decode
     # workers of different sizes that sends as much work to a small worker as to a big one; with
@@ -77,6 +78,22 @@ class SimResult:
     num_events: int = 0
 
 
+def workload_admission(ttft_slo_s: float) -> AdmissionConfig:
+    """The simulator's default tiers around the workload's TTFT SLO: premium is promised twice the
+    SLO, batch half of it (shed first), in priority order premium, standard, batch. The simulator's
+    queues are FIFO, so priority acts only through the SLOs and shedding."""
+    ms = ttft_slo_s * 1000.0
+    return AdmissionConfig(QosConfig(default_tier="standard", tiers={
+        "premium": QosTier(priority=0, ttft_slo_ms=2 * ms),
+        "standard": QosTier(priority=1, ttft_slo_ms=ms),
+        "batch": QosTier(priority=2, ttft_slo_ms=ms / 2, max_queued=1_000)}), min_retry_after_s=0.0)
+
+
+# SimResult.rejections counts by these causes
+REJECT_CAUSES = {"slo": "predicted TTFT over budget", "shedding": "shed for a higher tier",
+                 "tier_queue_full": "tier queue full", "prompt_too_long": "prompt too long"}
+
+
 def build_workers(ev: Evaluator, plan: Plan, cache_block_size: int) -> list[Worker]:
     label_to_index = {d.label(ev.cluster.spec): d.index for d in ev.cluster.devices}
     workers = []
@@ -100,7 +117,7 @@ class Simulator:
         self.workers = build_workers(ev, plan, block_size)
         if not any(w.role == DECODE for w in self.workers):
             raise ValueError("the plan has no decode workers")
-        self.admission = cfg.admission or AdmissionConfig(ttft_slo_s=ev.workload.slo.ttft_s)
+        self.admitter = Admitter(cfg.admission or workload_admission(ev.workload.slo.ttft_s))
         self.autoscaler = RatioAutoscaler(cfg.autoscale) if cfg.autoscale else None
         self.heap: list[tuple] = []
         self.seq = 0
@@ -194,25 +211,10 @@ class Simulator:
         return [float(min(b / (self.tick_every * n), 1.0)) if n else 0.0 for b, n in zip(busy, num_prefill)]
 
     # --- arrival: route, admit, reserve ----------------------------------------------------
-    def _overlap(self, hashes: list[int]) -> dict[int, int]:
-        """Per worker, how many leading prompt blocks it holds (walk stops where nobody does)."""
-        owners = self.index.get(hashes[0]) if hashes else None
-        overlap: dict[int, int] = {}
-        k = 0
-        while owners:
-            k += 1
-            for w in owners:
-                overlap[w] = k
-            if k >= len(hashes):
-                break
-            nxt = self.index.get(hashes[k])
-            owners = owners & nxt if nxt else None
-        return overlap
-
     def _arrive(self, i: int) -> None:
         inp, hashes = self.inp[i], (self.hashes[i] if self.hashes is not None else [])
-        overlap = self._overlap(hashes) if hashes else {}
-        choice = choose_worker(RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
+        overlap = leading_overlap(self.index.get(h, ()) for h in hashes)
+        choice = route(RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
                                             self.num_waiting, self.eligible), self.cfg.routing)
         if choice.worker is None:
             return self._reject(i, "no decode worker under its queue limit")
@@ -226,12 +228,12 @@ class Simulator:
         else:
             queued, rate = 0.0, (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
         backlog = max(w.ingress_free - self.now, 0.0) if remote else 0.0   # KV transfers queued at w
-        decision = admit(AdmissionInput(self.now, self.tier[i], inp, cached, queued, rate,
-                                        len(self.prefill_queue) if remote else len(w.waiting),
-                                        transfer_s=backlog,
-                                        decode_wait_s=self._memory_wait_s(w, inp + self.out[i])), self.admission)
+        decision = self.admitter.decide(AdmissionInput(
+            self.now, self.tier[i], inp, cached, queued, rate,
+            len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,
+            decode_wait_s=self._memory_wait_s(w, inp + self.out[i])))
         if not decision.admitted:
-            return self._reject(i, "predicted TTFT over budget" if decision.retry_after_s else decision.reason)
+            return self._reject(i, REJECT_CAUSES[decision.code])
         self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
         self._window["prefill_tokens"] += inp - cached
         self._window["decode_tokens"] += self.out[i]

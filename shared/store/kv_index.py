@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as redis
 
+from shared.kvcache.overlap import extend_overlap
 from shared.protocol.kv import AllBlocksClearedEvent, BlockRemovedEvent, KvEventBatch
 from shared.store.keys import RedisKeys
 
@@ -71,19 +72,16 @@ class KvIndexStore:
     async def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """For each worker, how many leading blocks of ``block_hashes`` it holds (any tier).
 
-        Walks in pipelined chunks and stops at the first block no still-matching worker holds."""
+        Walks (``extend_overlap``) in pipelined chunks and stops at the first block no
+        still-matching worker holds."""
         counts: dict[str, int] = {}
         for start in range(0, len(block_hashes), _MATCH_CHUNK):
             pipe = self._r.pipeline(transaction=False)
             for h in block_hashes[start:start + _MATCH_CHUNK]:
                 pipe.hkeys(self._keys.block_owners(h))
             for i, fields in enumerate(await pipe.execute(), start=start):
-                holders = {f.partition("@")[0] for f in fields}
-                extended = [w for w in holders if counts.get(w, 0) == i]
-                if not extended:
+                if not extend_overlap(counts, i, {f.partition("@")[0] for f in fields}):
                     return counts
-                for w in extended:
-                    counts[w] = i + 1
         return counts
 
     async def owners(self, block_hash: int) -> set[str]:

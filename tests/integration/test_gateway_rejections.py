@@ -36,16 +36,18 @@ def tokenizer():
 
 
 @pytest.fixture
-async def setup(bus, nats_url, namespace, tokenizer):
+async def setup(bus, nats_url, namespace, tokenizer, tmp_path):
     """Gateway and admission as the services run them: live registry copies refreshed in the
     background (a registry opened without ``watch`` may list a just-written entry late)."""
-    common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=TTL_S)
+    qos = tmp_path / "qos.yaml"
+    qos.write_text("default_tier: default\ntiers: {gold: {priority: 0}, default: {priority: 1}}\n")
+    common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=TTL_S, qos=str(qos))
     registry = await WorkerRegistry.open(bus, Subjects(namespace).workers_bucket, ttl_s=TTL_S, watch=True)
     admission = AdmissionService(AdmissionSettings(max_waiting_per_worker=1, retry_after_s=3, **common),
                                  bus, registry)
     await admission.start()
     gateway = Gateway(GatewaySettings(api_keys="k1:gold,k2", **common), bus, registry, tokenizer)
-    tasks = [asyncio.create_task(admission.refresh_forever()), asyncio.create_task(gateway.refresh_forever())]
+    tasks = [asyncio.create_task(admission.run_forever()), asyncio.create_task(gateway.run_forever())]
     client = TestClient(TestServer(build_app(gateway)))
     await client.start_server()
     yield client, gateway, admission
@@ -78,7 +80,7 @@ async def test_api_keys(setup):
     assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
     resp = await client.post("/v1/chat/completions", json=BODY, headers={"Authorization": "Bearer nope"})
     assert resp.status == 401
-    assert gateway._key_tiers == {"k1": "gold", "k2": "default"}
+    assert gateway.api_keys.key_tiers == {"k1": "gold", "k2": "default"}
 
 
 async def test_no_worker_is_503_with_retry_after(setup):
@@ -119,7 +121,7 @@ async def test_a_full_queue_on_a_real_worker_is_429_with_retry_after(setup, deco
         assert resp.headers["Retry-After"] == "3"
         assert (await resp.json())["error"]["type"] == "rate_limit_exceeded"
         metrics = await (await client.get("/metrics")).text()
-        assert 'tandem_gateway_rejected_total{reason="overloaded"} 1' in metrics
+        assert 'tandem_gateway_rejected_total{reason="overloaded",tier="gold"} 1' in metrics
         assert 'tandem_gateway_requests_total{status="429"} 1' in metrics
     finally:
         running.close()  # the gateway cancels both at the worker when their clients go

@@ -18,6 +18,8 @@ from shared.cluster.workers import ready_workers
 from shared.kvcache.hashing import hash_blocks
 from shared.openai_api.adapters import ChatAdapter, CompletionAdapter, Delta, ResponseHead, parse_body
 from shared.openai_api.auth import ApiKeys
+from shared.planner.config import ConfigError
+from shared.policy.qos import QosConfig, QosTier
 from shared.openai_api.errors import ApiError
 from shared.openai_api.generate_request import build_generate_request, max_tokens_in_context
 from shared.openai_api.models import ChatCompletionRequest
@@ -58,13 +60,17 @@ def error_of(call) -> ApiError:
 
 
 def test_api_keys_resolve_tiers_and_refuse_unknown_keys():
-    keys = ApiKeys.parse(" k1:gold, k2 ,")
-    assert keys.key_tiers == {"k1": "gold", "k2": "default"}
-    assert keys.tier("Bearer k1") == "gold" and keys.tier("Bearer k2") == "default"
+    qos = QosConfig(default_tier="silver", tiers={"gold": QosTier(priority=0), "silver": QosTier(priority=1)})
+    keys = ApiKeys.parse(" k1:gold, k2 ,", qos)
+    assert keys.key_tiers == {"k1": "gold", "k2": "silver"}
+    assert keys.tier("Bearer k1") == "gold" and keys.tier("Bearer k2") == "silver"
     for header in (None, "", "Bearer nope", "k3"):
         err = error_of(lambda: keys.tier(header))
         assert (err.status, err.code) == (401, "invalid_api_key")
-    assert ApiKeys.parse(None).tier(None) == "default"  # no keys configured: no auth
+    assert ApiKeys.parse(None, qos).tier(None) == "silver"  # no keys configured: no auth, default tier
+    assert ApiKeys.parse("k1", QosConfig.single()).tier("Bearer k1") == "default"
+    with pytest.raises(ConfigError, match="names tier 'gold'"):
+        ApiKeys.parse("k1:gold", QosConfig.single())
 
 
 @pytest.mark.parametrize("num_prompt,requested,max_len,expected", [
@@ -89,9 +95,10 @@ def test_generate_request_from_a_chat_body(tok):
     api = chat(tok, temperature=0.5, logprobs=True, top_logprobs=2, max_completion_tokens=3)
     ids = api.prompt_ids()
     assert ids == tok.encode("user : hello world assistant :")
-    req = build_generate_request(api, ids, tier="gold", workers=[worker("w1", max_model_len=16)],
+    req = build_generate_request(api, ids, tier="gold", priority=3, workers=[worker("w1", max_model_len=16)],
                                  served_models=["m"], default_max_tokens=100, now=12.5)
     assert req.request_id.startswith("chatcmpl-") and req.tier == "gold" and req.created_at == 12.5
+    assert req.priority == 3
     assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.logprobs) == (3, 0.5, 2)
     assert req.block_hashes == hash_blocks(ids, 2, b"ns") and len(req.block_hashes) == 3
 

@@ -1,7 +1,7 @@
 """Routing cost, queue-limit admission and the cluster view's optimistic load accounting."""
 
 from shared.cluster.view import ClusterView
-from shared.policy.kv_routing import RoutingWeights, WorkerLoadView, choose_worker, routing_cost
+from shared.policy.kv_routing import RoutingWeights, WorkerLoadView, choose_worker
 from shared.protocol import WorkerInfo, WorkerLoad
 
 
@@ -32,7 +32,8 @@ def test_queue_limit_rejects_only_when_every_worker_is_full():
 
 def test_cost_arithmetic():
     w = view("a", active=5, waiting=1, unreported=2)
-    assert routing_cost(w, 4, 1, RoutingWeights(overlap_weight=2.0, queue_weight=3.0)) == 2 * 3 + 5 + 4 + 9
+    choice = choose_worker([w], {"a": 1}, 4, RoutingWeights(overlap_weight=2.0, queue_weight=3.0))
+    assert choice.cost == 2 * 3 + 5 + 4 + 3 * (1 + 2)
 
 
 def test_unreported_admissions_steer_but_never_reject():
@@ -69,3 +70,16 @@ def test_view_counts_admissions_until_a_later_report_includes_them():
     assert v.get("a") is None
     status = v.status(now=13.0)
     assert [w.info.worker_id for w in status.workers] == ["b"]
+
+
+def test_prefill_backlog_ahead_counts_own_and_higher_priorities_plus_unreported_admissions():
+    v = ClusterView()
+    v.set_workers([info("a")])
+    v.update_load(WorkerLoad(worker_id="a", role="decode", seq=1, timestamp=10.0,
+                             queued_prefill_tokens={0: 100, 1: 40, 2: 1000}), now=10.0)
+    entry = v.get("a")
+    assert entry.prefill_tokens_ahead(priority=1, block_size=16, now=10.0) == 140
+    assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=10.0) == 100
+    v.note_admitted("a", 3, now=11.0)   # 3 blocks to prefill, priority unknown until reported
+    assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=11.0) == 100 + 48
+    assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=11.0 + 60) == 100  # expired

@@ -1,12 +1,14 @@
 import numpy as np
 import pytest
 
-from shared.policy.admission import AdmissionConfig, AdmissionInput, admit, predict_ttft_s
+from shared.kvcache.overlap import leading_overlap
+from shared.planner.config import ConfigError
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, predict_ttft_s
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
-from shared.policy.kv_routing import RoutingWeights, WorkerLoadView
-from shared.policy.kv_routing import choose_worker as kv_choose_worker
-from shared.policy.routing import RoutingInput, choose_worker, route_costs
+from shared.policy.kv_routing import (RoutingInput, RoutingWeights, WorkerLoadView, choose_worker, route,
+                                      route_costs)
+from shared.policy.qos import QosConfig, QosTier, load_qos, parse_api_keys
 
 # --- conditional disaggregation -----------------------------------------------------------------
 
@@ -34,20 +36,19 @@ def test_disagg_moves_only_whole_blocks():
     assert not d.remote and "no whole 16-token block" in d.reason
     assert not decide_prefill(DisaggInput(0.0, 6, 0, 0, block_size=16), cfg).remote
 
-# --- routing (array form of shared.policy.kv_routing) ---------------------------------------------
+# --- routing ---------------------------------------------------------------------------------------
 
 
 def _route(active, waiting, overlap, n=64, eligible=None, w=RoutingWeights()):
-    return choose_worker(RoutingInput(0.0, n, overlap, np.array(active, float), np.array(waiting, float),
-                                      eligible), w)
+    return route(RoutingInput(0.0, n, overlap, np.array(active, float), np.array(waiting, float), eligible), w)
 
 
 def test_routing_trades_overlap_against_load():
     inp = RoutingInput(0.0, 64, {2: 60}, np.array([100.0, 10.0, 50.0]), np.zeros(3))
     # overlap_weight·(64 - overlap) + active + 64: 228, 138, 118 -> worker 2 (its cache saves more)
     assert list(route_costs(inp)) == [228.0, 138.0, 118.0]
-    assert choose_worker(inp).worker == 2 and choose_worker(inp).overlap_blocks == 60
-    assert choose_worker(inp, RoutingWeights(overlap_weight=0.1)).worker == 1
+    assert route(inp).worker == 2 and route(inp).overlap_blocks == 60
+    assert route(inp, RoutingWeights(overlap_weight=0.1)).worker == 1
 
 
 def test_routing_queue_limit_eligibility_and_ties():
@@ -59,58 +60,120 @@ def test_routing_queue_limit_eligibility_and_ties():
     assert _route([8, 4], [0, 1], {}, w=RoutingWeights(queue_weight=4.0)).worker == 1
 
 
-def test_array_routing_agrees_with_the_service_policy():
-    rng = np.random.default_rng(0)
-    for _ in range(500):
-        k = int(rng.integers(1, 12))
-        active = rng.integers(0, 20, size=k).astype(float)
-        waiting = rng.integers(0, 4, size=k).astype(float)
-        n = int(rng.integers(1, 10))
-        overlap = {int(i): int(rng.integers(0, 12)) for i in rng.choice(k, size=int(rng.integers(0, k + 1)),
-                                                                       replace=False)}
-        weights = RoutingWeights(overlap_weight=float(rng.choice([0.0, 1.0, 2.5])), queue_weight=4.0,
-                                 max_waiting_per_worker=3)
-        views = [WorkerLoadView(f"w{i:03d}", int(active[i]), int(waiting[i])) for i in range(k)]
-        expected = kv_choose_worker(views, {f"w{i:03d}": b for i, b in overlap.items()}, n, weights)
-        got = _route(active, waiting, overlap, n=n, w=weights)
-        assert (f"w{got.worker:03d}" if got.worker is not None else None) == expected.worker_id
-        if got.worker is not None:
-            assert got.cost == expected.cost and got.overlap_blocks == expected.num_overlap_blocks
+def test_views_route_by_id_and_unreported_admissions_steer_but_never_exclude():
+    # ids out of order: the view form sorts them, so an exact tie goes to the lower id
+    views = [WorkerLoadView("w2", 5, 0), WorkerLoadView("w1", 5, 0)]
+    assert choose_worker(views, {}, 4).worker_id == "w1"
+    # hand-computed: w1 = 1·(4-0) + 5 + 4 + 4·(0+2) = 21, w2 = 1·(4-2) + 5 + 4 + 0 = 11
+    views = [WorkerLoadView("w1", 5, 0, num_admitted_unreported=2), WorkerLoadView("w2", 5, 0)]
+    choice = choose_worker(views, {"w2": 2, "gone": 4}, 4)
+    assert (choice.worker_id, choice.cost, choice.num_overlap_blocks) == ("w2", 11.0, 2)
+    # the queue limit reads the reported queue only: 40 unreported admissions do not exclude w1
+    limit = RoutingWeights(max_waiting_per_worker=1)
+    assert choose_worker([WorkerLoadView("w1", 0, 0, num_admitted_unreported=40)], {}, 4, limit).worker_id == "w1"
+    assert choose_worker([WorkerLoadView("w1", 0, 1)], {}, 4, limit).worker_id is None
+
+# --- the prefix walk --------------------------------------------------------------------------------
+
+
+def test_leading_overlap_counts_unbroken_runs_from_the_first_block():
+    blocks = [{"a", "b"}, {"a", "b"}, {"b", "c"}, {"a", "b", "c"}, set(), {"a"}]
+    # a: blocks 0-1 (misses 2); b: 0-3; c never held block 0; the empty block 4 ends the walk
+    assert leading_overlap(blocks) == {"a": 2, "b": 4}
+    assert leading_overlap([]) == {} and leading_overlap([set(), {"a"}]) == {}
+
+    def lazily():
+        yield {"a"}
+        yield set()
+        raise AssertionError("the walk reads past the first block nobody holds")
+
+    assert leading_overlap(lazily()) == {"a": 1}
+
+# --- QoS configuration ------------------------------------------------------------------------------
+
+
+def test_qos_file_the_issue_shape_loads(tmp_path):
+    path = tmp_path / "qos.yaml"
+    path.write_text("default_tier: standard\ntiers:\n"
+                    "  premium:  {priority: 0, ttft_slo_ms: 1500, itl_slo_ms: 200}\n"
+                    "  standard: {priority: 1, ttft_slo_ms: 5000}\n"
+                    "  batch:    {priority: 2, ttft_slo_ms: 30000, max_queued: 200}\n")
+    qos = load_qos(path)
+    assert qos.tier(None).priority == 1 and qos.tier("premium").ttft_slo_s == 1.5
+    assert qos.tier("batch").max_queued == 200 and qos.tier("standard").itl_slo_s is None
+    assert load_qos(None) == QosConfig.single() and QosConfig.single().tier(None).ttft_slo_s is None
+    assert parse_api_keys("k1:premium, k2", qos) == {"k1": "premium", "k2": "standard"}
+
+
+@pytest.mark.parametrize("text,field", [
+    ("tiers: {a: {priority: 0}}", "default_tier: Field required"),
+    ("default_tier: b\ntiers: {a: {priority: 0}}", "default_tier 'b' is not one of the tiers ['a']"),
+    ("default_tier: a\ntiers: {a: {priority: -1}}", "tiers.a.priority"),
+    ("default_tier: a\ntiers: {a: {priority: 0, ttft_slo: 5}}", "tiers.a.ttft_slo"),
+    ("default_tier: a\ntiers: {}", "tiers"),
+    ("default_tier: [a", "not valid YAML"),
+])
+def test_a_bad_qos_file_is_one_line_naming_the_field(tmp_path, text, field):
+    path = tmp_path / "qos.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_qos(path)
+    message = str(info.value)
+    assert field in message and "\n" not in message and str(path) in message
+
+
+def test_an_unknown_tier_in_api_keys_is_named():
+    with pytest.raises(ConfigError, match="key 'k1' names tier 'gold', not one of \\['default'\\]"):
+        parse_api_keys("k1:gold", QosConfig.single())
 
 # --- admission ------------------------------------------------------------------------------------
 
+QOS = QosConfig(default_tier="standard", tiers={
+    "premium": QosTier(priority=0, ttft_slo_ms=2000), "standard": QosTier(priority=1, ttft_slo_ms=1000),
+    "batch": QosTier(priority=2, ttft_slo_ms=500, max_queued=1000)})
 
-def _adm(tier="standard", queued=0.0, prompt=1000, cached=0, queued_requests=0, wait=0.0):
-    return AdmissionInput(now_s=0.0, tier=tier, prompt_tokens=prompt, cached_tokens=cached,
-                          queued_prefill_tokens=queued, prefill_tokens_per_s=10_000.0,
+
+def _adm(tier="standard", queued=0.0, prompt=1000, cached=0, queued_requests=0, wait=0.0, now=0.0, rate=10_000.0):
+    return AdmissionInput(now_s=now, tier=tier, prompt_tokens=prompt, cached_tokens=cached,
+                          queued_prefill_tokens=queued, prefill_tokens_per_s=rate,
                           queued_requests=queued_requests, transfer_s=0.05, decode_wait_s=wait)
 
 
 def test_predicted_ttft_is_backlog_over_rate():
     assert predict_ttft_s(_adm(queued=9000, prompt=1000)) == pytest.approx(1.0 + 0.05)
     assert predict_ttft_s(_adm(queued=0, prompt=1000, cached=500, wait=0.5)) == pytest.approx(0.05 + 0.05 + 0.5)
+    assert predict_ttft_s(_adm(rate=None)) is None   # nothing measured yet: no prediction
 
 
 def test_early_rejection_against_slo_with_retry_after():
-    cfg = AdmissionConfig(ttft_slo_s=1.0)
-    assert admit(_adm(queued=5000), cfg).admitted
-    d = admit(_adm(queued=20_000), cfg)
-    assert not d.admitted and d.retry_after_s >= cfg.retry_after_s and "predicted TTFT" in d.reason
+    admitter = Admitter(AdmissionConfig(QOS, min_retry_after_s=1.0))
+    assert admitter.decide(_adm(queued=5000)).admitted
+    d = admitter.decide(_adm(queued=30_000))   # (30000 + 1000) / 10000 + 0.05 = 3.15 s against 1 s: retry in 2.15 s
+    assert not d.admitted and d.code == "slo" and d.retry_after_s == pytest.approx(2.15)
+    assert "predicted TTFT 3.15s > standard SLO 1.00s" in d.reason
+    assert admitter.decide(_adm(queued=30_000, rate=None)).admitted   # no rate: admitted
 
 
-def test_qos_tiers_shed_batch_first_and_keep_premium_longest():
-    cfg = AdmissionConfig(ttft_slo_s=1.0)
-    load = _adm(queued=12_000)   # predicted TTFT 1.35 s
-    assert [admit(AdmissionInput(**{**load.__dict__, "tier": t}), cfg).admitted
-            for t in ("premium", "standard", "batch")] == [True, False, False]
-    assert not admit(_adm(tier="batch", queued_requests=1_000), cfg).admitted
+def test_a_higher_tier_is_never_rejected_while_a_lower_one_is_admitted():
+    admitter = Admitter(AdmissionConfig(QOS, shed_hold_s=2.0, min_retry_after_s=0.5))
+    assert admitter.decide(_adm("batch", queued=2000, now=0.0)).admitted          # 0.35 s < 0.5 s
+    miss = admitter.decide(_adm("standard", queued=12_000, now=1.0))             # 1.35 s > 1 s
+    assert not miss.admitted and miss.code == "slo"
+    shed = admitter.decide(_adm("batch", queued=0, now=2.0))                      # would fit, but shed
+    assert not shed.admitted and shed.code == "shedding" and shed.retry_after_s == pytest.approx(1.0)
+    assert admitter.decide(_adm("premium", queued=12_000, now=2.0)).admitted      # a higher tier still goes
+    assert admitter.decide(_adm("batch", queued=0, now=3.01)).admitted            # the hold is over
+
+
+def test_tier_queue_limit_unknown_tier_and_too_long_prompts():
+    admitter = Admitter(AdmissionConfig(QOS, max_prompt_tokens=131_072))
+    d = admitter.decide(_adm(tier="batch", queued_requests=1_000))
+    assert not d.admitted and d.code == "tier_queue_full"
+    assert admitter.decide(_adm(tier="batch", queued_requests=999)).admitted
     with pytest.raises(ValueError, match="unknown tier"):
-        admit(_adm(tier="gold"), cfg)
-
-
-def test_too_long_prompt_is_rejected_without_retry():
-    d = admit(_adm(prompt=200_000), AdmissionConfig(ttft_slo_s=100.0, max_prompt_tokens=131_072))
-    assert not d.admitted and d.retry_after_s == 0
+        admitter.decide(_adm(tier="gold"))
+    d = admitter.decide(_adm(prompt=200_000))
+    assert not d.admitted and d.code == "prompt_too_long" and d.retry_after_s == 0
 
 # --- autoscaling ----------------------------------------------------------------------------------
 

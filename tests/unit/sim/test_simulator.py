@@ -6,10 +6,11 @@ from shared.planner.costmodel import decode_step_s, kv_transfer_s, prefill_laten
 from shared.planner.devices import Cluster
 from shared.planner.flow import Evaluator
 from shared.planner.plan import make_plan
-from shared.policy.admission import AdmissionConfig, QosTier
+from shared.policy.admission import AdmissionConfig
 from shared.policy.autoscale import AutoscaleConfig
 from shared.policy.disagg import DisaggConfig
 from shared.policy.kv_routing import RoutingWeights
+from shared.policy.qos import QosConfig, QosTier
 from shared.sim.report import plot_utilisation, summarize
 from shared.sim.simulator import SimConfig, Simulator
 from shared.sim.traces import Trace, poisson, synthetic_mooncake
@@ -73,7 +74,7 @@ def test_local_prefill_for_short_prompts(plan):
 def test_admission_bounds_ttft_under_overload(plan):
     w = workload(plan.capacity_rps * 4)
     trace = poisson(w, 4000, seed=7)
-    lenient = AdmissionConfig(ttft_slo_s=SLO.ttft_s, tiers={"standard": QosTier("standard", ttft_slack=1e6)})
+    lenient = AdmissionConfig(QosConfig(default_tier="standard", tiers={"standard": QosTier(priority=0)}))  # no SLO
     strict = sim(plan, w).run(trace)
     no_queue_limit = RoutingWeights(max_waiting_per_worker=10**9)
     loose = sim(plan, w, SimConfig(admission=lenient, routing=no_queue_limit)).run(trace)

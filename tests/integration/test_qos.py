@@ -1,0 +1,148 @@
+"""QoS tiers on the live stack (real SmolLM2, one decode worker, real NATS and Redis): tier priority
+reaches the engine's scheduler, admission predicts TTFT from the worker's measured prefill rate and
+backlog, rejects with 429 + Retry-After when a tier's SLO cannot be met, and sheds lower tiers while a
+higher one misses.
+
+The tiers (all served by one decode worker that runs one sequence at a time):
+    premium  priority 0, generous SLO        batch  priority 2, generous SLO (the default)
+    tight    priority 3, an SLO no prediction can meet      bulk  priority 4, no SLO
+``tight`` and ``bulk`` sit below the others, so the shedding they cause never touches the
+premium/batch tests.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from shared.runtime.stack import StackSpec
+from stack_helpers import running_stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+KEYS = {"premium": "kp", "batch": "kb", "tight": "kt", "bulk": "kk"}
+QOS = """default_tier: batch
+tiers:
+  premium: {priority: 0, ttft_slo_ms: 600000}
+  batch:   {priority: 2, ttft_slo_ms: 600000}
+  tight:   {priority: 3, ttft_slo_ms: 0.001}
+  bulk:    {priority: 4}
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, redis_server, tmp_path_factory):
+    state = tmp_path_factory.mktemp("qos")
+    (state / "qos.yaml").write_text(QOS)
+    api_keys = ",".join(f"{key}:{tier}" for tier, key in KEYS.items())
+    spec = StackSpec(state_dir=state, num_decode=1, model=MODEL, port=0, namespace=f"q{uuid.uuid4().hex[:8]}",
+                     nats_url=nats_server.url, redis_url=redis_server.url, registry_ttl_s=3.0,
+                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "128MiB", "device": "cpu",
+                                   "num_warmup_requests": 2, "max_num_seqs": 1},
+                     gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys},
+                     admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": 600, "log_level": "DEBUG"})
+    with running_stack(spec, ready_timeout_s=180) as s:
+        wait_for(lambda: decode_load(s).get("prefill_tokens_per_s"), 60, "a measured prefill rate at admission")
+        yield s
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def decode_load(stack) -> dict:
+    with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
+        view = json.load(resp)
+    return next(((w["load"] or {}) for w in view["workers"] if w["info"]["role"] == "decode"), {})
+
+
+def post(stack, tier: str, prompt: str, max_tokens: int, stream: bool = False):
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": stream}).encode()
+    req = urllib.request.Request(stack.base_url + "/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {KEYS[tier]}"})
+    try:
+        return urllib.request.urlopen(req, timeout=300)
+    except urllib.error.HTTPError as err:
+        return err
+
+
+class Streamed(threading.Thread):
+    """A streamed completion in the background, recording when its first token arrived."""
+
+    def __init__(self, stack, tier: str, prompt: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.args = (stack, tier, prompt, max_tokens)
+        self.first_token_at: float | None = None
+        self.status: int | None = None
+        self.text = ""
+
+    def run(self) -> None:
+        resp = post(*self.args, stream=True)
+        self.status = resp.status
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"]
+                if choice and choice[0]["text"] and self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self.text += choice[0]["text"] if choice else ""
+
+
+def test_a_later_premium_request_runs_before_queued_batch_requests(stack):
+    running = Streamed(stack, "batch", "Count the stars, one by one:", 60)
+    running.start()
+    wait_for(lambda: running.first_token_at, 60, "the first batch request to run")
+    queued = [Streamed(stack, "batch", f"Batch request {i} asks about the sea:", 4) for i in range(2)]
+    for t in queued:
+        t.start()
+    wait_for(lambda: decode_load(stack).get("num_waiting_by_priority", {}).get("2") == 2, 60,
+             "two batch requests waiting at the worker (it runs one sequence at a time)")
+    premium = Streamed(stack, "premium", "A premium question about the sky:", 4)
+    premium.start()
+    for t in [running, premium, *queued]:
+        t.join(240)
+        assert not t.is_alive() and t.status == 200, (t.args[1:], t.status)
+    assert premium.first_token_at < min(t.first_token_at for t in queued), \
+        "the premium request arrived last but must be scheduled before the waiting batch requests"
+
+
+def test_admitted_responses_carry_the_prediction_and_tier(stack):
+    resp = post(stack, "premium", "Name a colour:", 2)
+    assert resp.status == 200, resp.read()
+    assert resp.headers["X-Tandem-Tier"] == "premium"
+    assert float(resp.headers["X-Tandem-Predicted-TTFT-Ms"]) >= 0
+
+
+def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(stack):
+    resp = post(stack, "tight", "word " * 200, 2)
+    body = json.loads(resp.read())
+    assert resp.status == 429, body
+    assert body["error"]["code"] == "slo" and "predicted TTFT" in body["error"]["message"]
+    assert int(resp.headers["Retry-After"]) >= 1
+    # bulk (priority 4) would fit (it has no SLO) but is shed while tight (priority 3) misses
+    shed = post(stack, "bulk", "hi", 1)
+    shed_body = json.loads(shed.read())
+    assert shed.status == 429 and shed_body["error"]["code"] == "shedding", shed_body
+    assert int(shed.headers["Retry-After"]) >= 1
+    # higher tiers are untouched
+    for tier in ("premium", "batch"):
+        ok = post(stack, tier, "hi", 1)
+        assert ok.status == 200, (tier, ok.read())
+    with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as m:
+        metrics = m.read().decode()
+    assert 'tandem_gateway_rejected_total{reason="slo",tier="tight"} 1' in metrics
+    assert 'tandem_gateway_rejected_total{reason="shedding",tier="bulk"} 1' in metrics

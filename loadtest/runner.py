@@ -40,7 +40,9 @@ async def _open_loop(specs: list[RequestSpec], one: Callable, progress: bool, la
 
 
 async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api_key: str | None = None,
-                     timeout_s: float = 600.0, progress: bool = True, ignore_eos: bool = True) -> list[RequestResult]:
+                     timeout_s: float = 600.0, progress: bool = True, ignore_eos: bool = True,
+                     key_of: Callable[[RequestSpec], str] | None = None) -> list[RequestResult]:
+    """``key_of``: each request's own API key (e.g. its QoS tier's), instead of ``api_key``."""
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=0)
@@ -50,7 +52,8 @@ async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api
         async def one(spec: RequestSpec, result: RequestResult, now: Callable[[], float]) -> None:
             body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "stream": True,
                     "temperature": 0.0, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
-            async with session.post(url, json=body) as resp:
+            own = {"Authorization": f"Bearer {key_of(spec)}"} if key_of else None
+            async with session.post(url, json=body, headers=own) as resp:
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}"
                     await resp.read()

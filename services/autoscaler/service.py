@@ -37,9 +37,8 @@ class AutoscalerService:
         info = await self._bus.consumer_info(self._subjects.prefill_stream, self._subjects.prefill_consumer)
         if info is None:
             return result
-        queue = PrefillQueueStatus(num_pending=info.num_pending or 0, num_ack_pending=info.num_ack_pending or 0,
-                                   num_redelivered=info.num_redelivered or 0,
-                                   num_waiting_pulls=info.num_waiting or 0)
+        queue = PrefillQueueStatus(num_pending=info.num_pending, num_ack_pending=info.num_ack_pending,
+                                   num_redelivered=info.num_redelivered, num_waiting_pulls=info.num_waiting)
         return result.model_copy(update={"prefill_queue": queue})
 
     async def refresh(self) -> None:

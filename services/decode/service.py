@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.disagg import RemotePrefills
 from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, Subjects, TokenChunk,
                              WorkerInfo, WorkerLoad)
@@ -70,7 +71,7 @@ class DecodeWorker(EngineWorker):
                 outputs = self.engine.generate(request.request_id, request.prompt_token_ids, params,
                                                request.priority)
             else:
-                outputs = handle.outputs()
+                outputs = self.remote.prefills.outputs(handle)
             async for out in outputs:
                 now = time.monotonic()
                 (self._ttft if index == 0 else self._itl).observe(now - last)
@@ -93,7 +94,7 @@ class DecodeWorker(EngineWorker):
         log.info("cancel %s: %s", request.request_id, request.reason)
         self.engine.abort(request.request_id)
         if self.remote is not None:
-            self.remote.cancel(request.request_id)
+            self.remote.prefills.cancel(request.request_id)
 
     async def control(self, request: ControlRequest) -> ControlResult:
         if request.action in ("drain", "stop"):
@@ -104,21 +105,22 @@ class DecodeWorker(EngineWorker):
             if changes and self.remote is None:
                 raise ServiceError("bad_request", f"worker {self.worker_id} has remote prefill off")
             if changes:
-                self.remote.config = dataclasses.replace(self.remote.config, **changes)
-                log.info("disaggregation thresholds now %s", self.remote.config)
+                prefills = self.remote.prefills
+                prefills.config = dataclasses.replace(prefills.config, **changes)
+                log.info("disaggregation thresholds now %s", prefills.config)
         state = "draining" if self.drain_requested.is_set() else self.state
-        thresholds = dataclasses.asdict(self.remote.config) if self.remote is not None else {}
+        thresholds = dataclasses.asdict(self.remote.prefills.config) if self.remote is not None else {}
         return ControlResult(worker_id=self.worker_id, state=state, num_in_flight=self._bus.num_in_flight,
                              **thresholds)
 
     def load(self) -> WorkerLoad:
-        remote = self.remote
+        remote, prefills = self.remote, self.remote.prefills if self.remote else None
         return self._load(
             ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
             num_local_prefills=self.num_local_prefills,
-            num_remote_prefills=remote.num_remote if remote else 0,
-            num_prefill_fallbacks=remote.num_fallbacks if remote else 0,
+            num_remote_prefills=prefills.num_remote if prefills else 0,
+            num_prefill_fallbacks=prefills.num_fallbacks if prefills else 0,
             kv_bytes_received=remote.transfer.stats.num_bytes_received if remote else 0)
 
     async def drain(self, heartbeat: asyncio.Task) -> None:
@@ -147,10 +149,10 @@ async def run(settings: DecodeSettings, stop: asyncio.Event) -> None:
         if settings.remote_prefill:
             transfer, store = await _open_transfer(settings, bus, engine)
         if transfer is not None:
-            remote = RemotePrefiller(
-                worker_id=settings.worker_id, model=settings.model, bus=bus, registry=registry, engine=engine,
-                transfer=transfer, subjects=subjects, config=settings.disagg_config(),
+            prefills = RemotePrefills(
+                worker_id=settings.worker_id, model=settings.model, engine=engine, config=settings.disagg_config(),
                 timeout_s=settings.remote_prefill_timeout_s, write_timeout_s=settings.kv_write_timeout_s)
+            remote = RemotePrefiller(prefills, bus=bus, registry=registry, transfer=transfer, subjects=subjects)
         worker = DecodeWorker(settings, bus, registry, engine, remote)
         await worker.warm_up()
         await worker.start()
@@ -158,10 +160,10 @@ async def run(settings: DecodeSettings, stop: asyncio.Event) -> None:
             registry.heartbeat(worker.info), worker.publish_load_forever(),
             worker.publish_kv_events_forever())]
         if remote is not None:
-            tasks.append(asyncio.create_task(remote.receive_forever()))
+            tasks.append(asyncio.create_task(remote.poll_forever()))
         log.info("decode worker %s ready (model %s, %d KV blocks; remote prefill %s)", worker.worker_id,
                  settings.model, engine.stats().num_blocks_total,
-                 f"on above {remote.config.max_local_prefill_tokens} uncached tokens" if remote else "off")
+                 f"on above {remote.prefills.config.max_local_prefill_tokens} uncached tokens" if remote else "off")
         drain = asyncio.create_task(worker.drain_requested.wait())
         await asyncio.wait([asyncio.create_task(stop.wait()), drain],
                            return_when=asyncio.FIRST_COMPLETED)

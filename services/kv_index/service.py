@@ -37,7 +37,7 @@ class KvIndexService:
                                       max_age_s=self._settings.events_max_age_s,
                                       max_msgs=self._settings.events_max_msgs)
         applied = await self._store.stream_seq()
-        stream_last = (await self._bus.js.stream_info(s.kv_events_stream)).state.last_seq
+        stream_last = (await self._bus.stream_state(s.kv_events_stream)).last_seq
         if applied > stream_last:  # the stream was recreated: our position means nothing now
             log.warning("index at stream seq %d but stream ends at %d: rebuilding", applied, stream_last)
             for worker_id in await self._store.workers():

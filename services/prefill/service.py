@@ -18,11 +18,7 @@ import asyncio
 import logging
 import time
 
-import nats.errors
-from nats.aio.msg import Msg
-from pydantic import ValidationError
-
-from shared.bus import Bus, WorkerRegistry
+from shared.bus import Bus, QueueMessage, WorkerRegistry, WorkQueue
 from shared.engine import AsyncEngine, EngineError, SamplingParams
 from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest, Subjects,
                              WorkerInfo, WorkerLoad)
@@ -55,7 +51,7 @@ class PrefillWorker(EngineWorker):
         self._prefill_time = RecentMean(10.0)
         self._slots = asyncio.Semaphore(settings.max_concurrent_prefills)
         self._tasks: set[asyncio.Task] = set()
-        self._sub = None
+        self._queue: WorkQueue[RemotePrefillRequest] | None = None
         self.num_requests_total = 0
         self.num_written = 0
         self.num_dropped = 0
@@ -73,7 +69,7 @@ class PrefillWorker(EngineWorker):
         await self.start_kv_events()
         await self._bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=cfg.queue_max_age_s,
                                       max_msgs=cfg.queue_max_msgs, work_queue=True)
-        self._sub = await self._bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer,
+        self._queue = await self._bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer,
                                                   ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver)
         await self._bus.serve(s.control(self.worker_id), self.control)
         self.state = "ready"
@@ -96,9 +92,7 @@ class PrefillWorker(EngineWorker):
                 await self._slots.acquire()
                 free += 1
             try:
-                msgs = await self._sub.fetch(batch=free, timeout=1.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                msgs = []
+                msgs = await self._queue.fetch(free, timeout_s=1.0)
             except Exception as exc:  # noqa: BLE001 — reconnecting: try again shortly
                 log.warning("prefill queue fetch failed: %s", exc)
                 msgs = []
@@ -110,17 +104,11 @@ class PrefillWorker(EngineWorker):
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, msg: Msg) -> None:
+    async def _handle(self, msg: QueueMessage[RemotePrefillRequest]) -> None:
         try:
-            try:
-                request = RemotePrefillRequest.from_bytes(msg.data)
-            except ValidationError as exc:
-                log.warning("dropping a malformed prefill request: %s", exc.errors()[0]["msg"])
-                await msg.term()  # never redeliver it
-                return
             progress = asyncio.create_task(self._report_progress(msg))
             try:
-                await self.serve(request, msg.metadata.num_delivered, msg.metadata.sequence.stream)
+                await self.serve(msg.payload, msg.num_delivered, msg.stream_seq)
             finally:
                 progress.cancel()
             await msg.ack()
@@ -131,7 +119,7 @@ class PrefillWorker(EngineWorker):
         finally:
             self._slots.release()
 
-    async def _report_progress(self, msg: Msg) -> None:
+    async def _report_progress(self, msg: QueueMessage) -> None:
         while True:
             await asyncio.sleep(self._settings.ack_wait_s / 3)
             try:
@@ -227,7 +215,7 @@ class PrefillWorker(EngineWorker):
         puller.cancel()
         await asyncio.gather(puller, return_exceptions=True)
         try:  # a pull subscription left with a cancelled fetch would hold up the connection's drain
-            await self._sub.unsubscribe()
+            await self._queue.close()
         except Exception as exc:  # noqa: BLE001
             log.warning("leaving the prefill queue: %s", exc)
         if self._tasks:

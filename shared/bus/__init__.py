@@ -1,7 +1,11 @@
-"""The only package that imports nats: connection, request/reply, streams, serving, registry."""
+"""The only package that imports nats: connection, request/reply, streams, serving, work queues,
+KV buckets, registry."""
 
 from shared.bus.bus import Bus
 from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.bus.jetstream import ConsumerState, QueueMessage, StreamState, WorkQueue
+from shared.bus.kv import KvBucket
 from shared.bus.registry import WorkerRegistry
 
-__all__ = ["Bus", "BusTimeout", "NoResponders", "RemoteError", "ServiceError", "WorkerRegistry"]
+__all__ = ["Bus", "BusTimeout", "ConsumerState", "KvBucket", "NoResponders", "QueueMessage", "RemoteError",
+           "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]

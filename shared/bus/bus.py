@@ -24,10 +24,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import (AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, KeyValueConfig,
                          RetentionPolicy, StreamConfig)
-from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
+from shared.bus.kv import KvBucket
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
 from shared.protocol.subjects import Endpoint
@@ -256,26 +257,36 @@ class Bus:
             await self.js.update_stream(config)
 
     async def pull_consumer(self, endpoint: Endpoint[Req, WireModel], stream: str, durable: str, *,
-                            ack_wait_s: float, max_deliver: int, max_ack_pending: int = 1000):
+                            ack_wait_s: float, max_deliver: int, max_ack_pending: int = 1000) -> WorkQueue[Req]:
         """Bind to (creating if needed) the durable pull consumer ``durable`` on ``stream``:
         explicit acks, redelivery ``ack_wait_s`` after the last ack or ``in_progress``, at most
-        ``max_deliver`` deliveries. Returns the nats-py pull subscription (``fetch``)."""
+        ``max_deliver`` deliveries."""
         config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
                                 max_deliver=max_deliver, max_ack_pending=max_ack_pending,
                                 filter_subject=endpoint.subject)
-        return await self.js.pull_subscribe(endpoint.subject, durable=durable, stream=stream, config=config)
+        sub = await self.js.pull_subscribe(endpoint.subject, durable=durable, stream=stream, config=config)
+        return WorkQueue(endpoint, sub)
 
-    async def consumer_info(self, stream: str, durable: str):
-        """The consumer's info (``num_pending``, ``num_ack_pending``, ...), or None if it or its
-        stream does not exist."""
+    async def consumer_info(self, stream: str, durable: str) -> ConsumerState | None:
+        """The consumer's counts, or None if it or its stream does not exist."""
         try:
-            return await self.js.consumer_info(stream, durable)
+            return ConsumerState.of(await self.js.consumer_info(stream, durable))
         except nats.js.errors.NotFoundError:
             return None
 
-    async def key_value(self, bucket: str, *, ttl_s: float | None = None) -> KeyValue:
+    async def stream_state(self, stream: str) -> StreamState | None:
+        """The stream's message count and sequence range, or None if it does not exist."""
+        try:
+            return StreamState.of(await self.js.stream_info(stream))
+        except nats.js.errors.NotFoundError:
+            return None
+
+    async def key_value(self, bucket: str, *, ttl_s: float | None = None) -> KvBucket:
         """Bind to a KV bucket, creating it (history 1, entries expiring after ``ttl_s`` if given)
         when it does not exist; an existing bucket keeps the settings it was created with."""
+        return KvBucket(await self._bind_key_value(bucket, ttl_s))
+
+    async def _bind_key_value(self, bucket: str, ttl_s: float | None):
         try:
             return await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:

@@ -16,18 +16,18 @@ import logging
 import time
 from collections.abc import Callable
 
-import nats.js.errors
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.kv import KV_DEL, KV_PURGE
 from pydantic import ValidationError
 
 from shared.bus.bus import Bus
+from shared.bus.kv import KvBucket
 from shared.protocol.workers import WorkerInfo
 
 log = logging.getLogger(__name__)
 
 
 class WorkerRegistry:
-    def __init__(self, kv: KeyValue, ttl_s: float) -> None:
+    def __init__(self, kv: KvBucket, ttl_s: float) -> None:
         self._kv = kv
         self.ttl_s = ttl_s
         self._copy: dict[str, tuple[WorkerInfo, float]] | None = None  # id → (info, put at)
@@ -40,14 +40,13 @@ class WorkerRegistry:
         bucket keeps the TTL it was created with). ``watch``: keep a live copy (see module doc);
         returns once the copy holds the bucket's current entries."""
         kv = await bus.key_value(bucket, ttl_s=ttl_s)
-        status = await kv.status()
-        registry = cls(kv, status.ttl or ttl_s)
+        registry = cls(kv, await kv.ttl_s() or ttl_s)
         if watch:
             await registry._start_watch()
         return registry
 
     async def _start_watch(self) -> None:
-        watcher = await self._kv.watchall()
+        watcher = await self._kv.watch_all()
         self._copy = {}
         while (entry := await watcher.updates(timeout=10)) is not None:  # None: initial values done
             self._apply(entry)
@@ -77,27 +76,19 @@ class WorkerRegistry:
         await self._kv.put(info.worker_id, info.to_bytes())
 
     async def delete(self, worker_id: str) -> None:
-        try:
-            await self._kv.purge(worker_id)
-        except nats.js.errors.KeyNotFoundError:
-            pass
+        await self._kv.delete(worker_id)
 
     async def list(self) -> list[WorkerInfo]:
         if self._copy is not None:
             now = time.time()
             return [info for info, put_at in self._copy.values() if now - put_at <= self.ttl_s]
-        try:
-            keys = await self._kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
         workers = []
-        for key in keys:
-            try:
-                entry = await self._kv.get(key)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        for key in await self._kv.keys():
+            value = await self._kv.get(key)
+            if value is None:
                 continue  # expired or deleted between keys() and get()
             try:
-                workers.append(WorkerInfo.from_bytes(entry.value or b""))
+                workers.append(WorkerInfo.from_bytes(value))
             except ValidationError:
                 log.warning("ignoring malformed registry entry %r", key)
         return workers

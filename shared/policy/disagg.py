@@ -21,7 +21,7 @@ class DisaggInput:
     now_s: float
     prompt_tokens: int
     cached_tokens: int            # leading tokens already in this decode worker's KV cache
-    prefill_queue_len: int        # remote prefill requests waiting (JetStream pending count)
+    prefill_queue_len: int | None  # remote prefill requests waiting (JetStream pending count); None: unknown
     has_prefill_workers: bool = True
     block_size: int = 1           # KV moves in whole blocks: the partial tail is always computed locally
 
@@ -37,6 +37,8 @@ def decide_prefill(inp: DisaggInput, cfg: DisaggConfig = DisaggConfig()) -> Disa
     uncached = max(inp.prompt_tokens - inp.cached_tokens, 0)
     if not inp.has_prefill_workers:
         return DisaggDecision(False, uncached, "no prefill workers")
+    if inp.prefill_queue_len is None:  # no queue yet, or NATS unreachable: a publish would fail too
+        return DisaggDecision(False, uncached, "prefill queue state unknown")
     movable = inp.prompt_tokens // inp.block_size - inp.cached_tokens // inp.block_size
     if movable <= 0:
         return DisaggDecision(False, uncached, f"uncached {uncached} tokens fill no whole {inp.block_size}-token block")

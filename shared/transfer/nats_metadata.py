@@ -6,10 +6,7 @@ worker deletes its entry on clean shutdown, and a stale entry only costs a faile
 
 from __future__ import annotations
 
-import nats.js.errors
-from nats.js.kv import KeyValue
-
-from shared.bus import Bus
+from shared.bus import Bus, KvBucket
 from shared.protocol.subjects import Subjects
 from shared.transfer.metadata import MetadataStore
 
@@ -17,7 +14,7 @@ DEFAULT_BUCKET = Subjects().nixl_bucket
 
 
 class NatsMetadataStore(MetadataStore):
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KvBucket) -> None:
         self._kv = kv
 
     @classmethod
@@ -29,14 +26,7 @@ class NatsMetadataStore(MetadataStore):
         await self._kv.put(worker_id, metadata)
 
     async def get(self, worker_id: str) -> bytes | None:
-        try:
-            entry = await self._kv.get(worker_id)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        return entry.value or None
+        return await self._kv.get(worker_id)
 
     async def delete(self, worker_id: str) -> None:
-        try:
-            await self._kv.purge(worker_id)
-        except nats.js.errors.KeyNotFoundError:
-            pass
+        await self._kv.delete(worker_id)

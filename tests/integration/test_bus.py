@@ -177,3 +177,60 @@ async def test_connecting_to_an_unreachable_server_fails_by_its_deadline():
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ConnectionError, match=f"cannot reach NATS at {url} within 1s"):
         await asyncio.wait_for(Bus.connect(url, "probe", timeout_s=1.0), timeout=60)
+
+
+async def test_work_queue_messages_are_typed_and_settled_by_the_consumer(bus, namespace):
+    from shared.bus import ConsumerState, StreamState
+    from shared.protocol import RemotePrefillRequest
+
+    s = Subjects(namespace)
+    await bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=60, max_msgs=100,
+                            work_queue=True)
+    queue = await bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer, ack_wait_s=30,
+                                    max_deliver=3)
+    assert await queue.fetch(1, timeout_s=0.2) == []  # nothing queued: an empty batch, no error
+
+    def message(rid: str) -> RemotePrefillRequest:
+        return RemotePrefillRequest(request_id=rid, transfer_id=rid * 4, model="m", prompt_token_ids=[1] * 40,
+                                    decode_worker_id="d", block_ids=[1, 2, 3], block_size=16, num_cached_tokens=0,
+                                    write_deadline=0.0, write_timeout_s=1.0, created_at=0.0)
+
+    await bus.js_publish(s.prefill_queue(), message("a"))
+    await bus.nc.publish(s.prefill_queue().subject, b"not a prefill request")
+    await bus.js_publish(s.prefill_queue(), message("b"))
+    await bus.nc.flush()
+    assert await bus.consumer_info(s.prefill_stream, s.prefill_consumer) == ConsumerState(
+        num_pending=3, num_ack_pending=0, num_redelivered=0, num_waiting=0)
+    first = await queue.fetch(3, timeout_s=2)  # the malformed one is terminated, not handed out
+    assert [(m.payload.request_id, m.num_delivered, m.stream_seq) for m in first] == [("a", 1, 1), ("b", 1, 3)]
+    await first[0].ack()
+    await first[1].nak()  # back in the queue at once
+    [again] = await queue.fetch(3, timeout_s=2)
+    assert (again.payload.request_id, again.num_delivered) == ("b", 2)
+    await again.in_progress()
+    await again.term()
+    assert await queue.fetch(3, timeout_s=0.2) == []
+
+    async def settled():
+        info = await bus.consumer_info(s.prefill_stream, s.prefill_consumer)
+        return info.num_pending == info.num_ack_pending == 0 or None
+
+    await wait_until(settled, timeout_s=5, what="every message acked or terminated")
+    assert await bus.stream_state(s.prefill_stream) == StreamState(num_msgs=0, first_seq=4, last_seq=3)
+    await queue.close()
+    assert await bus.consumer_info(s.prefill_stream, "nobody") is None
+    assert await bus.stream_state(f"{namespace}-no-such-stream") is None
+
+
+async def test_kv_bucket_reads_missing_and_deleted_keys_as_none(bus, namespace):
+    bucket = await bus.key_value(f"{namespace}-kv", ttl_s=60)
+    assert await bucket.keys() == [] and await bucket.get("w1") is None
+    await bucket.put("w1", b"one")
+    await bucket.put("w2", b"two")
+    assert (await bucket.get("w1"), sorted(await bucket.keys())) == (b"one", ["w1", "w2"])
+    await bucket.delete("w1")
+    await bucket.delete("w1")  # idempotent
+    assert await bucket.get("w1") is None and await bucket.keys() == ["w2"]
+    assert await bucket.ttl_s() == 60
+    same = await bus.key_value(f"{namespace}-kv", ttl_s=5)  # binds to the existing bucket and its TTL
+    assert (await same.get("w2"), await same.ttl_s()) == (b"two", 60)

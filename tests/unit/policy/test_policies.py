@@ -27,6 +27,8 @@ def test_long_prefill_queue_or_no_prefill_workers_keeps_it_local():
     assert not decide_prefill(DisaggInput(0.0, 4000, 0, 10), cfg).remote
     assert decide_prefill(DisaggInput(0.0, 4000, 0, 9), cfg).remote
     assert not decide_prefill(DisaggInput(0.0, 4000, 0, 0, has_prefill_workers=False), cfg).remote
+    unknown = decide_prefill(DisaggInput(0.0, 4000, 0, None), cfg)  # the queue could not be read
+    assert (unknown.remote, unknown.reason) == (False, "prefill queue state unknown")
 
 
 def test_disagg_moves_only_whole_blocks():

@@ -1,0 +1,205 @@
+"""Remote-prefill bookkeeping of a decode worker: the pure core its service drives.
+
+For each request the policy (``shared.policy.disagg``) decides, with the locally cached prefix,
+whether to prefill locally or remotely. Remotely: reserve the prompt's blocks (reusing the local
+prefix cache) and hand back the ``RemotePrefillRequest`` to publish; the request waits until its
+NIXL notification arrives (``deliver``), then joins the decode batch. Without a notification by
+the end of its window, or with a ``failed`` one, or when the publish failed, it prefills locally.
+
+Time only comes in as ``now`` (wall-clock seconds, the prefill worker's clock too): ``tick(now)``
+ends the waits whose window closed and releases the blocks of windows that closed. The service
+publishes, reads the queue state and the registry, polls the transfer, and ticks.
+
+Block safety: a prefill worker may start a write until ``write_deadline`` and a write lasts at most
+``write_timeout_s``; the reserved blocks stay owned by the request (``keep_kv``) until that window
+has closed, even if the request finished or was cancelled earlier, so no write, late or repeated,
+can land in blocks that another request reuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from pydantic import ValidationError
+
+from shared.engine import AsyncEngine, EngineOutput, SamplingParams
+from shared.policy.disagg import DisaggConfig, DisaggDecision, DisaggInput, decide_prefill
+from shared.protocol import GenerateRequest, PrefillNotification, RemotePrefillRequest
+
+log = logging.getLogger(__name__)
+
+QUEUE_STATE_MAX_AGE_S = 0.25  # the queue length steers a heuristic: a slightly old value is fine
+CLOCK_MARGIN_S = 0.5  # between the prefill worker's deadline check and its clock
+
+
+@dataclass
+class RemotePrefill:
+    """One request whose prompt a prefill worker computes; ``message`` goes on the prefill queue."""
+
+    message: RemotePrefillRequest
+    window_end: float
+    reason: str
+    future: asyncio.Future[PrefillNotification | None] = field(repr=False)
+    kv_written: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.message.request_id
+
+    @property
+    def transfer_id(self) -> str:
+        return self.message.transfer_id
+
+
+class RemotePrefills:
+    def __init__(self, *, worker_id: str, model: str, engine: AsyncEngine, config: DisaggConfig,
+                 timeout_s: float, write_timeout_s: float) -> None:
+        if write_timeout_s + CLOCK_MARGIN_S >= timeout_s:
+            raise ValueError(f"remote prefill timeout ({timeout_s}s) must exceed the KV write timeout "
+                             f"({write_timeout_s}s) by more than {CLOCK_MARGIN_S}s")
+        self.worker_id = worker_id
+        self.model = model
+        self.config = config
+        self.timeout_s = timeout_s
+        self.write_timeout_s = write_timeout_s
+        self._engine = engine
+        self._waiting: dict[str, RemotePrefill] = {}  # transfer id → request waiting for its KV
+        self._by_request: dict[str, str] = {}  # request id → transfer id
+        self._releases: list[tuple[float, str]] = []  # heap of (window end, request id) still holding blocks
+        self._queue_state: tuple[float, int | None] | None = None  # (read at, requests queued)
+        self.num_remote = 0
+        self.num_fallbacks = 0
+
+    # -- what the service observes for us ---------------------------------------------------------
+    def needs_queue_state(self, now: float) -> bool:
+        return self._queue_state is None or now - self._queue_state[0] > QUEUE_STATE_MAX_AGE_S
+
+    def observe_queue(self, now: float, num_queued: int | None) -> None:
+        """The prefill queue's length read at ``now``; None: no queue, or it could not be read."""
+        self._queue_state = (now, num_queued)
+
+    def may_go_remote(self, num_prompt_tokens: int, now: float) -> bool:
+        """Whether the policy could send this prompt remote in the best case (nothing cached, prefill
+        workers idle): if not, the service need not read the queue state nor the engine its cache."""
+        best = DisaggInput(now, num_prompt_tokens, 0, 0, has_prefill_workers=True,
+                           block_size=self._engine.block_size)
+        return decide_prefill(best, self.config).remote
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
+    # -- deciding and reserving --------------------------------------------------------------------
+    async def reserve(self, request: GenerateRequest, params: SamplingParams, *, now: float,
+                      has_prefill_workers: bool) -> RemotePrefill | None:
+        """Ask the policy (once, in the engine thread, with the locally cached prefix) and, if it
+        says remote and the pool has room, reserve the prompt's blocks. None: prefill locally."""
+        prompt = request.prompt_token_ids
+        queued = self._queue_state[1] if self._queue_state is not None else None
+        inp = DisaggInput(now, len(prompt), 0, queued, has_prefill_workers, self._engine.block_size)
+        decisions: list[DisaggDecision] = []
+
+        def decide(num_cached: int) -> bool:  # runs in the engine thread, with the local cache state
+            decisions.append(decide_prefill(replace(inp, cached_tokens=num_cached), self.config))
+            return decisions[-1].remote
+
+        slot = await self._engine.reserve_remote_prefill(request.request_id, prompt, params, request.priority,
+                                                         keep_kv=True, decide=decide)
+        if slot is None:
+            why = decisions[-1].reason if decisions and not decisions[-1].remote else "KV pool full now"
+            log.debug("%s: local prefill (%s)", request.request_id, why)
+            return None
+        window_end = now + self.timeout_s
+        message = RemotePrefillRequest(
+            request_id=request.request_id, transfer_id=uuid.uuid4().hex, model=self.model, prompt_token_ids=prompt,
+            decode_worker_id=self.worker_id, block_ids=slot.block_ids, block_size=slot.block_size,
+            num_cached_tokens=slot.num_cached_tokens,
+            write_deadline=window_end - self.write_timeout_s - CLOCK_MARGIN_S,
+            write_timeout_s=self.write_timeout_s, priority=request.priority, created_at=now)
+        prefill = RemotePrefill(message, window_end, decisions[-1].reason, asyncio.get_running_loop().create_future())
+        self._waiting[prefill.transfer_id] = prefill
+        self._by_request[request.request_id] = prefill.transfer_id
+        log.info("%s: remote prefill of %d uncached tokens (%d cached): %s", request.request_id,
+                 len(prompt) - slot.num_cached_tokens, slot.num_cached_tokens, prefill.reason)
+        return prefill
+
+    def publish_failed(self, prefill: RemotePrefill, error: BaseException) -> None:
+        """The message never reached the queue (full, NATS away): prefill here, now."""
+        log.warning("%s: prefill queue publish failed (%s): prefilling locally", prefill.request_id, error)
+        self._resolve(prefill, None)
+
+    # -- notifications -----------------------------------------------------------------------------
+    def cancel(self, request_id: str) -> None:
+        """The client went away: stop waiting for the KV (the blocks stay held until the window
+        closes all the same)."""
+        transfer_id = self._by_request.get(request_id)
+        prefill = self._waiting.get(transfer_id) if transfer_id else None
+        if prefill is not None:
+            self._resolve(prefill, None)
+
+    def deliver(self, payload: bytes, num_bytes: int) -> None:
+        """A NIXL notification: the first for a waiting transfer resolves its wait."""
+        try:
+            note = PrefillNotification.from_bytes(payload)
+        except ValidationError:
+            log.warning("ignoring a malformed KV notification (%d bytes written)", num_bytes)
+            return
+        prefill = self._waiting.get(note.transfer_id)
+        if prefill is None or prefill.future.done():
+            log.info("%s: late or repeated KV notification (%s) ignored", note.request_id, note.status)
+            return
+        prefill.future.set_result(note)
+
+    def tick(self, now: float) -> None:
+        """End the waits whose window closed (prefill locally), release blocks whose window closed."""
+        for prefill in list(self._waiting.values()):
+            if now >= prefill.window_end and not prefill.future.done():
+                log.warning("%s: no KV from a prefill worker within %.1fs: prefilling locally",
+                            prefill.request_id, self.timeout_s)
+                self._resolve(prefill, None)
+        while self._releases and self._releases[0][0] <= now:
+            self._engine.release_kv(heapq.heappop(self._releases)[1])
+
+    def _resolve(self, prefill: RemotePrefill, note: PrefillNotification | None) -> None:
+        if not prefill.future.done():
+            prefill.future.set_result(note)
+
+    def _forget(self, prefill: RemotePrefill) -> None:
+        self._waiting.pop(prefill.transfer_id, None)
+        if self._by_request.get(prefill.request_id) == prefill.transfer_id:
+            del self._by_request[prefill.request_id]
+
+    # -- the request's tokens ----------------------------------------------------------------------
+    async def outputs(self, prefill: RemotePrefill) -> AsyncIterator[EngineOutput]:
+        """Wait for the KV (or the end of the wait), then stream the request's tokens from the
+        engine; its blocks go back to the pool when the window has closed."""
+        engine, request_id = self._engine, prefill.request_id
+        try:
+            note = await prefill.future
+        except BaseException:  # the handler was cancelled (shutdown): end the request
+            self._forget(prefill)
+            engine.abort(request_id)
+            engine.finish_remote_prefill(request_id, kv_written=False)
+            engine.discard_stream(request_id)
+            heapq.heappush(self._releases, (prefill.window_end, request_id))
+            raise
+        self._forget(prefill)
+        prefill.kv_written = note is not None and note.status == "ok"
+        engine.finish_remote_prefill(request_id, kv_written=prefill.kv_written)
+        if prefill.kv_written:
+            self.num_remote += 1
+        else:
+            self.num_fallbacks += 1
+            if note is not None:
+                log.warning("%s: prefill worker %s gave up (%s): prefilling locally", request_id,
+                            note.prefill_worker_id, note.message)
+        try:
+            async for out in engine.stream(request_id):
+                yield out
+        finally:
+            heapq.heappush(self._releases, (prefill.window_end, request_id))

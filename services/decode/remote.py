@@ -10,6 +10,7 @@ import logging
 import time
 
 from shared.bus import Bus, WorkerRegistry
+from shared.cluster.workers import is_ready_worker
 from shared.disagg import RemotePrefill, RemotePrefills
 from shared.engine import SamplingParams
 from shared.protocol import GenerateRequest, Subjects
@@ -46,8 +47,7 @@ class RemotePrefiller:
         return prefill
 
     async def _has_prefill_workers(self) -> bool:
-        return any(w.role == "prefill" and w.state == "ready" and w.model == self.prefills.model
-                   for w in await self._registry.list())
+        return any(is_ready_worker(w, "prefill", self.prefills.model) for w in await self._registry.list())
 
     async def _queue_length(self) -> int | None:
         """Requests waiting in the prefill queue (not yet taken by a worker); None: no queue."""

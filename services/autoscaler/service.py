@@ -34,11 +34,15 @@ class AutoscalerService:
 
     async def status(self, request: ClusterStatusRequest) -> ClusterStatusResult:
         result = self.view.status(time.time())
-        info = await self._bus.consumer_info(self._subjects.prefill_stream, self._subjects.prefill_consumer)
-        if info is None:
+        s = self._subjects
+        levels = [await self._bus.consumer_info(s.prefill_stream, name) for name in s.prefill_consumers()]
+        if None in levels:
             return result
-        queue = PrefillQueueStatus(num_pending=info.num_pending, num_ack_pending=info.num_ack_pending,
-                                   num_redelivered=info.num_redelivered, num_waiting_pulls=info.num_waiting)
+        queue = PrefillQueueStatus(num_pending=sum(c.num_pending for c in levels),
+                                   num_ack_pending=sum(c.num_ack_pending for c in levels),
+                                   num_redelivered=sum(c.num_redelivered for c in levels),
+                                   num_waiting_pulls=sum(c.num_waiting for c in levels),
+                                   num_pending_by_level=[c.num_pending for c in levels])
         return result.model_copy(update={"prefill_queue": queue})
 
     async def refresh(self) -> None:

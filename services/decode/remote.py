@@ -41,7 +41,7 @@ class RemotePrefiller:
         if prefill is None:
             return None
         try:
-            await self._bus.js_publish(self._subjects.prefill_queue(), prefill.message)
+            await self._bus.js_publish(self._subjects.prefill_queue(request.priority), prefill.message)
         except Exception as exc:  # noqa: BLE001 — a full queue, NATS away: prefill here, now
             prefills.publish_failed(prefill, exc)
         return prefill
@@ -50,13 +50,15 @@ class RemotePrefiller:
         return any(is_ready_worker(w, "prefill", self.prefills.model) for w in await self._registry.list())
 
     async def _queue_length(self) -> int | None:
-        """Requests waiting in the prefill queue (not yet taken by a worker); None: no queue."""
+        """Requests waiting in the prefill queue, all priority levels (not yet taken by a worker);
+        None: no queue."""
+        s = self._subjects
         try:
-            info = await self._bus.consumer_info(self._subjects.prefill_stream, self._subjects.prefill_consumer)
+            states = [await self._bus.consumer_info(s.prefill_stream, name) for name in s.prefill_consumers()]
         except Exception as exc:  # noqa: BLE001 — NATS reconnecting: prefill locally meanwhile
             log.warning("prefill queue state unavailable (%s): prefilling locally", exc)
             return None
-        return None if info is None else info.num_pending
+        return None if None in states else sum(state.num_pending for state in states)
 
     async def poll_forever(self) -> None:
         """Drain the transfer's notifications and tick: often while requests wait for their KV,

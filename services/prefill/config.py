@@ -12,4 +12,6 @@ class PrefillSettings(EngineWorkerSettings):
     max_deliver: int = Field(3, ge=1, description="deliveries of one message before the queue gives up on it")
     queue_max_age_s: float = Field(300.0, gt=0, description="prefill queue: drop messages older than this")
     queue_max_msgs: int = Field(10_000, gt=0, description="prefill queue: refuse new messages beyond this many")
+    max_priority_skips: int = Field(3, ge=1, description="a lower-priority prefill-queue level passed over this "
+                                    "many times in a row while it waits is served next (no starvation)")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long to finish in-flight prefills")

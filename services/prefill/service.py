@@ -18,7 +18,8 @@ import asyncio
 import logging
 import time
 
-from shared.bus import Bus, QueueMessage, WorkerRegistry, WorkQueue
+from shared.bus import Bus, QueueMessage, WorkerRegistry
+from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineError, SamplingParams
 from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest, Subjects,
                              WorkerInfo, WorkerLoad)
@@ -51,13 +52,13 @@ class PrefillWorker(EngineWorker):
         self._prefill_time = RecentMean(10.0)
         self._slots = asyncio.Semaphore(settings.max_concurrent_prefills)
         self._tasks: set[asyncio.Task] = set()
-        self._queue: WorkQueue[RemotePrefillRequest] | None = None
+        self._queues: PrefillQueues | None = None
         self.num_requests_total = 0
         self.num_written = 0
         self.num_dropped = 0
 
     def info(self) -> WorkerInfo:
-        return self._info(generate_subject=self._subjects.prefill_queue().subject)
+        return self._info(generate_subject=self._subjects.prefill_queue_all().subject)
 
     def load(self) -> WorkerLoad:
         return self._load(ttft_recent_s=self._prefill_time.mean(), num_requests_total=self.num_requests_total,
@@ -67,10 +68,10 @@ class PrefillWorker(EngineWorker):
     async def start(self) -> None:
         s, cfg = self._subjects, self._settings
         await self.start_kv_events()
-        await self._bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=cfg.queue_max_age_s,
-                                      max_msgs=cfg.queue_max_msgs, work_queue=True)
-        self._queue = await self._bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer,
-                                                  ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver)
+        await self._bus.ensure_stream(s.prefill_stream, [s.prefill_queue_all().subject],
+                                      max_age_s=cfg.queue_max_age_s, max_msgs=cfg.queue_max_msgs, work_queue=True)
+        self._queues = await PrefillQueues.open(self._bus, s, ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver,
+                                                max_skips=cfg.max_priority_skips)
         await self._bus.serve(s.control(self.worker_id), self.control)
         self.state = "ready"
         await self._registry.put(self.info())
@@ -92,7 +93,7 @@ class PrefillWorker(EngineWorker):
                 await self._slots.acquire()
                 free += 1
             try:
-                msgs = await self._queue.fetch(free, timeout_s=1.0)
+                msgs = await self._queues.fetch(free)
             except Exception as exc:  # noqa: BLE001 — reconnecting: try again shortly
                 log.warning("prefill queue fetch failed: %s", exc)
                 msgs = []
@@ -214,10 +215,7 @@ class PrefillWorker(EngineWorker):
         await self._registry.put(self.info())
         puller.cancel()
         await asyncio.gather(puller, return_exceptions=True)
-        try:  # a pull subscription left with a cancelled fetch would hold up the connection's drain
-            await self._queue.close()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("leaving the prefill queue: %s", exc)
+        await self._queues.close()
         if self._tasks:
             _, left = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_s)
             for task in left:

@@ -79,9 +79,11 @@ class PrefillNotification(WireModel):
 
 
 class PrefillQueueStatus(WireModel):
-    """The prefill queue as ``/status`` shows it (the durable consumer's counters)."""
+    """The prefill queue as ``/status`` shows it (its durable consumers' counters, summed over the
+    priority levels)."""
 
     num_pending: int = Field(0, ge=0)  # queued, not yet taken by a prefill worker
     num_ack_pending: int = Field(0, ge=0)  # taken, not yet acknowledged (being prefilled)
     num_redelivered: int = Field(0, ge=0)
     num_waiting_pulls: int = Field(0, ge=0)
+    num_pending_by_level: list[int] = Field(default_factory=list)  # queued per priority level, highest first

@@ -41,6 +41,15 @@ def _token(value: str, what: str) -> str:
     return value
 
 
+# Priorities 0 and 1 have their own prefill-queue subjects; 2 and lower priorities share the last.
+NUM_PREFILL_LEVELS = 3
+
+
+def prefill_level(priority: int) -> int:
+    """The prefill-queue level of a request priority (lower runs first)."""
+    return min(max(priority, 0), NUM_PREFILL_LEVELS - 1)
+
+
 class Subjects:
     def __init__(self, namespace: str = DEFAULT_NAMESPACE) -> None:
         self.namespace = _token(namespace, "namespace")
@@ -68,10 +77,15 @@ class Subjects:
     def cluster_status(self) -> Endpoint[ClusterStatusRequest, ClusterStatusResult]:
         return Endpoint(f"{self._root}.autoscaler.status", ClusterStatusRequest, ClusterStatusResult)
 
-    def prefill_queue(self) -> Endpoint[RemotePrefillRequest, WireModel]:
-        """The global prefill queue: JetStream stream ``prefill_stream``, pulled by every prefill
-        worker through the one durable consumer ``prefill_consumer``."""
-        return Endpoint(f"{self._root}.prefill.queue", RemotePrefillRequest)
+    def prefill_queue(self, priority: int = 0) -> Endpoint[RemotePrefillRequest, WireModel]:
+        """The global prefill queue's subject for requests of ``priority``: JetStream stream
+        ``prefill_stream``, one subject per level (``prefill_level``), each pulled by every prefill
+        worker through that level's durable consumer ``prefill_consumer(priority)``."""
+        return Endpoint(f"{self._root}.prefill.queue.p{prefill_level(priority)}", RemotePrefillRequest)
+
+    def prefill_queue_all(self) -> Endpoint[RemotePrefillRequest, WireModel]:
+        """Every level's subject (the stream's subject filter)."""
+        return Endpoint(f"{self._root}.prefill.queue.*", RemotePrefillRequest)
 
     # --- publish-only ----------------------------------------------------------------------------
     def kv_events(self, worker_id: str) -> Endpoint[KvEventBatch, WireModel]:
@@ -96,10 +110,14 @@ class Subjects:
     def prefill_stream(self) -> str:
         return f"{self.namespace.upper()}_PREFILL"
 
-    @property
-    def prefill_consumer(self) -> str:
-        """The durable pull consumer all prefill workers share (a work queue has only one)."""
-        return "prefill-workers"
+    def prefill_consumer(self, priority: int = 0) -> str:
+        """The durable pull consumer of ``priority``'s level, shared by all prefill workers (a
+        work-queue stream allows one consumer per subject)."""
+        return f"prefill-workers-p{prefill_level(priority)}"
+
+    def prefill_consumers(self) -> list[str]:
+        """Every level's consumer, highest priority first."""
+        return [self.prefill_consumer(level) for level in range(NUM_PREFILL_LEVELS)]
 
     @property
     def workers_bucket(self) -> str:

@@ -186,7 +186,7 @@ async def test_work_queue_messages_are_typed_and_settled_by_the_consumer(bus, na
     s = Subjects(namespace)
     await bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=60, max_msgs=100,
                             work_queue=True)
-    queue = await bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer, ack_wait_s=30,
+    queue = await bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer(), ack_wait_s=30,
                                     max_deliver=3)
     assert await queue.fetch(1, timeout_s=0.2) == []  # nothing queued: an empty batch, no error
 
@@ -199,7 +199,7 @@ async def test_work_queue_messages_are_typed_and_settled_by_the_consumer(bus, na
     await bus.nc.publish(s.prefill_queue().subject, b"not a prefill request")
     await bus.js_publish(s.prefill_queue(), message("b"))
     await bus.nc.flush()
-    assert await bus.consumer_info(s.prefill_stream, s.prefill_consumer) == ConsumerState(
+    assert await bus.consumer_info(s.prefill_stream, s.prefill_consumer()) == ConsumerState(
         num_pending=3, num_ack_pending=0, num_redelivered=0, num_waiting=0)
     first = await queue.fetch(3, timeout_s=2)  # the malformed one is terminated, not handed out
     assert [(m.payload.request_id, m.num_delivered, m.stream_seq) for m in first] == [("a", 1, 1), ("b", 1, 3)]
@@ -212,7 +212,7 @@ async def test_work_queue_messages_are_typed_and_settled_by_the_consumer(bus, na
     assert await queue.fetch(3, timeout_s=0.2) == []
 
     async def settled():
-        info = await bus.consumer_info(s.prefill_stream, s.prefill_consumer)
+        info = await bus.consumer_info(s.prefill_stream, s.prefill_consumer())
         return info.num_pending == info.num_ack_pending == 0 or None
 
     await wait_until(settled, timeout_s=5, what="every message acked or terminated")

@@ -130,7 +130,8 @@ def test_remote_prefill_equals_the_aggregated_path(stack, client, engine):
     prefill = worker_load(stack, "prefill")
     assert prefill["kv_bytes_sent"] >= received > 0
     assert prefill["prefill_queue"] == {"num_pending": 0, "num_ack_pending": 0, "num_redelivered": 0,
-                                        "num_waiting_pulls": prefill["prefill_queue"]["num_waiting_pulls"]}
+                                        "num_waiting_pulls": prefill["prefill_queue"]["num_waiting_pulls"],
+                                        "num_pending_by_level": [0, 0, 0]}
 
 
 def test_a_cached_prefix_is_not_moved_again(stack, client, engine):

@@ -19,6 +19,7 @@ from services.decode.remote import RemotePrefiller
 from services.decode.service import DecodeWorker
 from shared.bus import Bus, WorkerRegistry
 from shared.disagg import RemotePrefills
+from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from shared.protocol import GenerateRequest, Subjects, WorkerInfo
 from shared.protocol import SamplingParams as WireSamplingParams
@@ -96,13 +97,13 @@ async def decode_worker(bus: Bus, namespace: str, engine: AsyncEngine, pollers: 
     return worker
 
 
-async def prefill_queue(bus: Bus, namespace: str, *, max_msgs: int = 100):
-    """The prefill queue as prefill workers create it: a work-queue stream and its pull consumer."""
+async def prefill_queue(bus: Bus, namespace: str, *, max_msgs: int = 100) -> PrefillQueues:
+    """The prefill queue as prefill workers create it: a work-queue stream and a pull consumer per
+    priority level."""
     s = Subjects(namespace)
-    await bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=60, max_msgs=max_msgs,
+    await bus.ensure_stream(s.prefill_stream, [s.prefill_queue_all().subject], max_age_s=60, max_msgs=max_msgs,
                             work_queue=True)
-    return await bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer, ack_wait_s=30,
-                                   max_deliver=1)
+    return await PrefillQueues.open(bus, s, ack_wait_s=30, max_deliver=1, max_skips=3)
 
 
 async def generate(worker: DecodeWorker, request_id: str) -> list[int]:
@@ -139,7 +140,7 @@ async def test_a_healthy_queue_gets_the_request_and_the_window_ends_in_a_local_p
     worker = await decode_worker(bus, namespace, engine, pollers, window_s=3.0)
     queue = await prefill_queue(bus, namespace)
     assert await generate(worker, "r1") == await local_tokens(engine)
-    [msg] = await queue.fetch(1, timeout_s=2)
+    [msg] = await queue.fetch(1)
     assert (msg.payload.request_id, msg.payload.prompt_token_ids) == ("r1", PROMPT)
     assert counts(worker) == (0, 1, 0)
 
@@ -195,9 +196,9 @@ async def test_a_refused_publish_means_a_local_prefill(bus, namespace, engine, p
     from nats.js.api import RetentionPolicy, StreamConfig
 
     s = Subjects(namespace)
-    await bus.js.add_stream(StreamConfig(name=s.prefill_stream, subjects=[s.prefill_queue().subject],
+    await bus.js.add_stream(StreamConfig(name=s.prefill_stream, subjects=[s.prefill_queue_all().subject],
                                          retention=RetentionPolicy.WORK_QUEUE, max_msg_size=64))
-    await bus.pull_consumer(s.prefill_queue(), s.prefill_stream, s.prefill_consumer, ack_wait_s=30, max_deliver=1)
+    await PrefillQueues.open(bus, s, ack_wait_s=30, max_deliver=1, max_skips=3)
     worker = await decode_worker(bus, namespace, engine, pollers)
     with caplog.at_level("WARNING", logger="shared.disagg.remote_prefill"):
         assert await generate(worker, "r1") == await local_tokens(engine)
@@ -211,7 +212,7 @@ async def test_a_deleted_queue_means_a_local_prefill(bus, namespace, engine, pol
     await prefill_queue(bus, namespace)
     s = Subjects(namespace)
     if what == "consumer":
-        await bus.js.delete_consumer(s.prefill_stream, s.prefill_consumer)
+        await bus.js.delete_consumer(s.prefill_stream, s.prefill_consumer())
     else:
         await bus.js.delete_stream(s.prefill_stream)
     assert await generate(worker, "r1") == await local_tokens(engine)

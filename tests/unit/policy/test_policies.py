@@ -8,6 +8,7 @@ from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
 from shared.policy.kv_routing import (RoutingInput, RoutingWeights, WorkerLoadView, choose_worker, route,
                                       route_costs)
+from shared.policy.prefill_queue import LevelPicker
 from shared.policy.qos import QosConfig, QosTier, load_qos, parse_api_keys
 
 # --- conditional disaggregation -----------------------------------------------------------------
@@ -176,6 +177,24 @@ def test_tier_queue_limit_unknown_tier_and_too_long_prompts():
         admitter.decide(_adm(tier="gold"))
     d = admitter.decide(_adm(prompt=200_000))
     assert not d.admitted and d.code == "prompt_too_long" and d.retry_after_s == 0
+
+# --- prefill queue order -----------------------------------------------------------------------------
+
+
+def test_the_prefill_queue_serves_by_priority_and_a_waiting_lower_level_every_fourth_pick():
+    picker = LevelPicker(3, max_skips=3)
+    pending = [5, 0, 2]
+    picks = []
+    while (level := picker.pick(pending)) is not None:
+        picks.append(level)
+        pending[level] -= 1
+    # level 2 is passed over three times, then served; then level 0 again, ...
+    assert picks == [0, 0, 0, 2, 0, 0, 2]
+    assert LevelPicker(3).pick([0, 0, 0]) is None
+    # no contention: plain priority, and a level with nothing waiting collects no skips
+    picker = LevelPicker(3, max_skips=1)
+    assert [picker.pick(p) for p in ([1, 0, 0], [1, 0, 0], [0, 1, 1])] == [0, 0, 1]
+    assert picker.pick([0, 0, 1]) == 2
 
 # --- autoscaling ----------------------------------------------------------------------------------
 

@@ -284,7 +284,7 @@ class Bus:
     async def key_value(self, bucket: str, *, ttl_s: float | None = None) -> KvBucket:
         """Bind to a KV bucket, creating it (history 1, entries expiring after ``ttl_s`` if given)
         when it does not exist; an existing bucket keeps the settings it was created with."""
-        return KvBucket(await self._bind_key_value(bucket, ttl_s))
+        return KvBucket(await self._bind_key_value(bucket, ttl_s), self.js, bucket)
 
     async def _bind_key_value(self, bucket: str, ttl_s: float | None):
         try:

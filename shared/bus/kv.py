@@ -4,12 +4,15 @@ reads as None, deleting a missing key is no error."""
 from __future__ import annotations
 
 import nats.js.errors
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 
 class KvBucket:
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str) -> None:
         self._kv = kv
+        self._js = js
+        self._bucket = bucket
 
     async def put(self, key: str, value: bytes) -> None:
         await self._kv.put(key, value)
@@ -30,10 +33,21 @@ class KvBucket:
             pass
 
     async def keys(self) -> list[str]:
-        try:
-            return await self._kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+        """Keys that hold a value now."""
+        return [key for key, _ in await self.items()]
+
+    async def items(self) -> list[tuple[str, bytes]]:
+        """(key, value) of every key that holds a value now. The candidate keys come from the
+        bucket's stream state, server side: nats-py's ``keys()`` runs a watcher that can report the
+        end of the keys before a key just written arrives (a registry read right after a put
+        then missed the entry)."""
+        prefix = f"$KV.{self._bucket}."  # the KV convention: stream KV_<bucket>, one subject per key
+        info = await self._js.stream_info(f"KV_{self._bucket}", subjects_filter=f"{prefix}>")
+        found = []
+        for key in (subject.removeprefix(prefix) for subject in (info.state.subjects or {})):
+            if (value := await self.get(key)) is not None:  # a delete marker or expired: skip
+                found.append((key, value))
+        return found
 
     async def ttl_s(self) -> float | None:
         """How long entries live (the bucket's ``max_age``); None: forever."""

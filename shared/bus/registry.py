@@ -83,10 +83,7 @@ class WorkerRegistry:
             now = time.time()
             return [info for info, put_at in self._copy.values() if now - put_at <= self.ttl_s]
         workers = []
-        for key in await self._kv.keys():
-            value = await self._kv.get(key)
-            if value is None:
-                continue  # expired or deleted between keys() and get()
+        for key, value in await self._kv.items():
             try:
                 workers.append(WorkerInfo.from_bytes(value))
             except ValidationError:

@@ -234,3 +234,16 @@ async def test_kv_bucket_reads_missing_and_deleted_keys_as_none(bus, namespace):
     assert await bucket.ttl_s() == 60
     same = await bus.key_value(f"{namespace}-kv", ttl_s=5)  # binds to the existing bucket and its TTL
     assert (await same.get("w2"), await same.ttl_s()) == (b"two", 60)
+
+
+async def test_a_registry_read_right_after_a_put_lists_the_entry(bus, namespace):
+    """Without a live copy the registry lists the bucket; nats-py's own key listing could end before
+    a just-written key arrived (seen about once in 3,000 tries), so a worker that had just
+    registered was missing."""
+    for b in range(30):  # small buckets: a listing reads every key
+        registry = await WorkerRegistry.open(bus, f"{namespace}-reg{b}", ttl_s=30.0)
+        for i in range(10):
+            info = WorkerInfo(worker_id=f"w{i}", role="decode", model="m", block_size=16, max_model_len=64,
+                              generate_subject="g", cancel_subject="c")
+            await registry.put(info)
+            assert f"w{i}" in {w.worker_id for w in await registry.list()}, f"bucket {b}: put {i} not listed"

@@ -46,6 +46,7 @@ class WorkerLoad(WireModel):
     num_blocks_used: int = Field(0, ge=0)
     num_blocks_total: int = Field(0, ge=0)
     num_cached_blocks: int = Field(0, ge=0)
+    num_held: int = Field(0, ge=0)  # finished keep_kv requests whose blocks a transfer may still use
     max_num_seqs: int = Field(1, ge=1)
     ttft_recent_s: float | None = None
     itl_recent_s: float | None = None

@@ -122,7 +122,7 @@ class EngineWorker:
             worker_id=self.worker_id, role=self.role, seq=self._load_seq, timestamp=time.time(),
             num_running=stats.num_running, num_waiting=stats.num_waiting,
             num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
-            num_cached_blocks=stats.num_cached_blocks, max_num_seqs=stats.max_num_seqs,
+            num_cached_blocks=stats.num_cached_blocks, num_held=stats.num_held, max_num_seqs=stats.max_num_seqs,
             num_prompt_tokens_total=stats.num_prompt_tokens,
             num_generated_tokens_total=stats.num_generated_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,

@@ -273,3 +273,21 @@ def test_an_aborted_reservation_keeps_its_id_until_the_transfer_ends(make_engine
     decode.finish_remote_prefill("r", kv_written=False)
     assert decode.kv.pool.num_free_blocks == decode.num_blocks
     assert decode.reserve_remote_prefill("r", chat_prompts[3], GREEDY) is not None
+
+
+def test_keep_kv_holds_a_fallen_back_request_until_released(make_engine, chat_prompts):
+    """No KV came (the decode worker's window closed): the request prefills locally and, finished,
+    holds its blocks like a remote one until the owner releases them."""
+    prompt = chat_prompts[2]
+    reference = make_engine().generate([prompt], GREEDY)[0]
+    decode = make_engine()
+    slot = decode.reserve_remote_prefill("t", prompt, GREEDY, keep_kv=True)
+    decode.finish_remote_prefill("t", kv_written=False)
+    assert run(decode)["t"] == reference
+    stats = decode.stats()
+    assert stats.num_held == 1 and stats.num_remote_pending == 0
+    assert stats.num_blocks_used == len(decode.request_block_ids("t")) >= len(slot.block_ids)
+    assert decode.release_kv("t")
+    stats = decode.stats()
+    assert stats.num_held == 0 and stats.num_blocks_used == 0
+    decode.kv.check_integrity()

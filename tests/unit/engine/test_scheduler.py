@@ -1,5 +1,7 @@
 """The scheduler alone: no model, tokens are appended by hand."""
 
+import pytest
+
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kvcache.hashing import make_namespace
@@ -80,3 +82,122 @@ def test_abort_frees_everything():
     assert aborted.status is RequestStatus.FINISHED_ABORTED
     assert s.kv.num_free_blocks == 16 and not s.has_unfinished
     assert s.abort("a") is None
+
+
+# -- the decode side of remote prefill: reserved blocks, written by another worker ----------------------
+
+def run_to_end(s):
+    while s.has_unfinished:
+        step(s)
+
+
+def test_reserve_remote_takes_blocks_for_the_whole_prompt_and_waits():
+    s = make()
+    a = req("a", 10)  # 3 blocks of 4
+    table, num_cached = s.reserve_remote(a)
+    assert num_cached == 0 and len(table) == 3 and s.kv.num_free_blocks == 13
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KV and s.remote == {"a": a}
+    # nothing to step while the KV is awaited
+    assert not s.has_unfinished and s.schedule().scheduled == []
+
+
+def test_written_kv_counts_as_computed_and_only_the_tail_is_prefilled():
+    s = make()
+    s.reserve_remote(req("a", 10))
+    assert s.finish_remote("a", kv_written=True).status is RequestStatus.RUNNING
+    out = step(s)
+    # 8 tokens (2 full blocks) were written: only the partial block's 2 tokens run here, and sample
+    assert [(x.request.request_id, x.start, x.num_new_tokens, x.samples) for x in out.scheduled] == [("a", 8, 2, True)]
+    run_to_end(s)
+    assert s.kv.num_free_blocks == 16 and not s.remote
+    s.kv.check_integrity()
+
+
+def test_a_block_multiple_prompt_recomputes_its_last_token_for_the_logits():
+    s = make()
+    s.reserve_remote(req("a", 8))
+    s.finish_remote("a", kv_written=True)
+    assert [(x.start, x.num_new_tokens) for x in step(s).scheduled] == [(7, 1)]
+
+
+def test_no_kv_written_prefills_locally_from_the_cached_prefix():
+    s = make()
+    s.add_request(req("warm", 10, max_tokens=1))
+    run_to_end(s)  # leaves 2 full blocks of the same prompt in the prefix cache
+    table, num_cached = s.reserve_remote(req("a", 10))
+    assert num_cached == 8
+    s.finish_remote("a", kv_written=False)
+    assert [(x.start, x.num_new_tokens) for x in step(s).scheduled] == [(8, 2)]
+    run_to_end(s)
+    assert s.kv.num_free_blocks == 16
+
+
+def test_decide_sees_the_cached_prefix_and_no_changes_nothing():
+    s = make()
+    s.add_request(req("warm", 10, max_tokens=1))
+    run_to_end(s)
+    seen = []
+    assert s.reserve_remote(req("a", 10), decide=lambda n: seen.append(n) or False) is None
+    assert seen == [8] and not s.remote and "a" not in s.requests and s.kv.num_free_blocks == 16
+    assert s.reserve_remote(req("a", 10), decide=lambda n: True)[1] == 8  # the id is still free
+
+
+def test_a_reservation_the_pool_cannot_hold_now_changes_nothing():
+    s = make(num_blocks=4)
+    assert s.reserve_remote(req("a", 12)) is not None  # 3 of 4 blocks
+    assert s.reserve_remote(req("b", 8)) is None  # needs 2
+    assert set(s.remote) == {"a"} and "b" not in s.requests and s.kv.num_free_blocks == 1
+
+
+def test_an_aborted_reservation_keeps_its_blocks_until_the_transfer_ends():
+    s = make()
+    s.reserve_remote(req("a", 10))
+    assert s.abort("a").status is RequestStatus.FINISHED_ABORTED
+    assert s.kv.num_free_blocks == 13  # a write may still land in them
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_request(req("a", 3))
+    assert s.finish_remote("a", kv_written=True).status is RequestStatus.FINISHED_ABORTED
+    assert s.kv.num_free_blocks == 16 and not s.remote and not s.has_unfinished
+    assert s.finish_remote("a", kv_written=True) is None  # a late or repeated notification
+
+
+# -- keep_kv: a finished request's blocks are held until released ----------------------------------------
+
+def held_req(rid, n, max_tokens=2):
+    r = req(rid, n, max_tokens)
+    r.keep_kv = True
+    return r
+
+
+def test_a_finished_keep_kv_request_holds_its_blocks_until_released():
+    s = make()
+    s.add_request(held_req("p", 10, max_tokens=1))
+    run_to_end(s)
+    assert set(s.held) == {"p"} and "p" not in s.requests
+    assert s.kv.num_free_blocks == 13 and len(s.kv.block_ids("p")) == 3
+    assert s.release("p") and not s.held and s.kv.num_free_blocks == 16
+    assert not s.release("p")
+    s.kv.check_integrity()
+
+
+@pytest.mark.parametrize("kv_written", [True, False], ids=["written", "fell-back"])
+def test_a_remote_keep_kv_request_is_held_after_it_finishes(kv_written):
+    s = make()
+    s.reserve_remote(held_req("d", 10, max_tokens=3))
+    s.finish_remote("d", kv_written=kv_written)
+    run_to_end(s)
+    assert set(s.held) == {"d"} and not s.remote
+    assert s.kv.num_free_blocks == 13  # 10 prompt + 2 appended tokens: 3 blocks
+    with pytest.raises(ValueError, match="duplicate"):
+        s.reserve_remote(req("d", 3))
+    assert s.release("d") and s.kv.num_free_blocks == 16 and not s.held
+    s.kv.check_integrity()
+
+
+def test_an_aborted_keep_kv_reservation_is_held_after_the_transfer_ends():
+    s = make()
+    s.reserve_remote(held_req("d", 10))
+    s.abort("d")
+    s.finish_remote("d", kv_written=False)
+    assert set(s.held) == {"d"} and s.kv.num_free_blocks == 13
+    assert s.release("d") and s.kv.num_free_blocks == 16

@@ -18,7 +18,7 @@ import time
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.view import ClusterView, WorkerEntry
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, slot_wait_s
 from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker
 from shared.policy.qos import load_qos
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, Subjects, WorkerLoad
@@ -100,12 +100,18 @@ class AdmissionService:
         priority = self.qos.tiers[tier].priority
         prompt = len(request.prompt_token_ids)
         block_size = entry.info.block_size
+        load = entry.load
+        wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(
+            num_running=load.num_running, max_num_seqs=load.max_num_seqs,
+            num_waiting_ahead=sum(n for p, n in load.num_waiting_by_priority.items() if p <= priority),
+            mean_output_tokens=load.num_generated_tokens_total / load.num_requests_total, itl_s=load.itl_recent_s)
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,
             cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),
             queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
             prefill_tokens_per_s=entry.load.prefill_tokens_per_s if entry.load else None,
-            queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load))
+            queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
+            decode_wait_s=wait)
 
     async def _overlaps(self, request: GenerateRequest) -> dict[str, int]:
         if not request.block_hashes:

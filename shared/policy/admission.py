@@ -40,7 +40,7 @@ class AdmissionInput:
     prefill_tokens_per_s: float | None  # rate of the prefill that will serve it; None: not measured yet
     queued_requests: int = 0           # requests of this tier already waiting
     transfer_s: float = 0.0            # expected KV transfer time
-    decode_wait_s: float = 0.0         # expected wait for KV memory on the chosen decode worker
+    decode_wait_s: float = 0.0         # expected wait for KV memory or a sequence slot on the chosen worker
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,16 @@ def predict_ttft_s(inp: AdmissionInput) -> float | None:
         return math.inf
     own = max(inp.prompt_tokens - inp.cached_tokens, 0)
     return (inp.queued_prefill_tokens + own) / inp.prefill_tokens_per_s + inp.transfer_s + inp.decode_wait_s
+
+
+def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, mean_output_tokens: float,
+                itl_s: float | None) -> float:
+    """Expected wait for a sequence slot on a worker whose batch is full: the requests ahead of
+    this one, plus itself, each take a slot as a running request finishes, and the ``max_num_seqs``
+    running requests finish at a rate of one per (mean output length × ITL) / max_num_seqs."""
+    if num_running < max_num_seqs or not itl_s or mean_output_tokens <= 0:
+        return 0.0
+    return (num_waiting_ahead + 1) * mean_output_tokens * itl_s / max_num_seqs
 
 
 class Admitter:

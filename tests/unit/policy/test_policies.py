@@ -3,7 +3,7 @@ import pytest
 
 from shared.kvcache.overlap import leading_overlap
 from shared.planner.config import ConfigError
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, predict_ttft_s
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, predict_ttft_s, slot_wait_s
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
 from shared.policy.kv_routing import (RoutingInput, RoutingWeights, WorkerLoadView, choose_worker, route,
@@ -146,6 +146,14 @@ def test_predicted_ttft_is_backlog_over_rate():
     assert predict_ttft_s(_adm(queued=9000, prompt=1000)) == pytest.approx(1.0 + 0.05)
     assert predict_ttft_s(_adm(queued=0, prompt=1000, cached=500, wait=0.5)) == pytest.approx(0.05 + 0.05 + 0.5)
     assert predict_ttft_s(_adm(rate=None)) is None   # nothing measured yet: no prediction
+
+
+def test_slot_wait_when_the_batch_is_full():
+    # 8 slots full, 3 ahead + itself, 40 tokens at 25 ms each: 4 · 1.0 s / 8 = 0.5 s
+    assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40,
+                       itl_s=0.025) == pytest.approx(0.5)
+    assert slot_wait_s(num_running=7, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025) == 0
+    assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=None) == 0
 
 
 def test_early_rejection_against_slo_with_retry_after():

@@ -93,6 +93,7 @@ def test_only_decode_worker_sigkilled_mid_stream_comes_back_and_the_stream_compl
     events = read_events(resp, 3)
     victim.proc.send_signal(signal.SIGKILL)
     events += read_events(resp, timeout_s=RESTART_TIMEOUT_S)
+    assert [e for e in events if "error" in e] == []
 
     # One uninterrupted stream, continued by the replacement from the tokens already generated.
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected

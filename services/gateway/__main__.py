@@ -18,6 +18,7 @@ STATUS_HELP = "print the cluster view (workers, role, state, load) from a runnin
 class GatewayState(WireModel):
     in_flight: float = 0
     models: list[str] = Field(default_factory=list)
+    num_restarts: int = 0
 
 
 class StatusPage(ClusterStatusResult):
@@ -53,10 +54,11 @@ def status_main(args: argparse.Namespace) -> int:
 
 
 def format_status(page: StatusPage) -> str:
-    header = f"{'WORKER':<28} {'ROLE':<8} {'STATE':<9} {'MODEL':<16} {'RUN':>4} {'WAIT':>5} " \
+    header = f"{'WORKER':<28} {'ROLE':<8} {'STATE':<9} {'RST':>3} {'MODEL':<16} {'RUN':>4} {'WAIT':>5} " \
              f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7} " \
              f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
-    lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}"]
+    restarted = f"   gateway restarts: {page.gateway.num_restarts}" if page.gateway.num_restarts else ""
+    lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}{restarted}"]
     if queue := page.prefill_queue:
         lines.append(f"prefill queue: {queue.num_pending} waiting, {queue.num_ack_pending} being prefilled, "
                      f"{queue.num_redelivered} redelivered")
@@ -76,7 +78,7 @@ def _worker_line(status: WorkerStatus) -> str:
         return f"{value * 1000:.1f}" if value is not None else "-"
 
     kv = f"{load.num_blocks_used}/{load.num_blocks_total if status.load else info.num_blocks_total}"
-    return (f"{info.worker_id:<28} {info.role:<8} {info.state:<9} {info.model:<16} "
+    return (f"{info.worker_id:<28} {info.role:<8} {info.state:<9} {info.num_restarts:>3} {info.model:<16} "
             f"{load.num_running:>4} {load.num_waiting:>5} {kv:>11} "
             f"{load.num_requests_total:>6} {load.num_generated_tokens_total:>8} "
             f"{ms(load.ttft_recent_s):>8} {ms(load.itl_recent_s):>7} {_prefills(status.load):>14} "

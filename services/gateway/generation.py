@@ -3,7 +3,9 @@ detokenization and stop strings. Errors come out as ``ApiError`` with the HTTP s
 
 If the worker is lost mid-stream (it leaves the registry, stops answering, or refuses), the
 request is admitted again with the tokens generated so far appended to the prompt and the
-remaining ``max_tokens``: the client sees one uninterrupted stream.
+remaining ``max_tokens``: the client sees one uninterrupted stream. When no worker can take it
+(the only one died and its supervisor is restarting it), the request waits for a ready worker,
+for at most ``request_timeout_s``, rather than failing.
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ class WorkerLost(Exception):
 class Generation:
     def __init__(self, bus: Bus, subjects: Subjects, settings: GatewaySettings, tokenizer: Tokenizer,
                  metrics: GatewayMetrics, request: GenerateRequest, stops: list[str], *,
-                 is_worker_alive: Callable[[str], bool], rehash: Callable[[list[int]], list[int]]) -> None:
+                 worker_started_at: Callable[[str], float | None], has_ready_worker: Callable[[], bool],
+                 rehash: Callable[[list[int]], list[int]]) -> None:
         self._bus, self._subjects, self._settings = bus, subjects, settings
         self._metrics = metrics
-        self._is_alive, self._rehash = is_worker_alive, rehash
+        # the registered worker's start time (None: not registered) tells a worker that died and
+        # came back under the same id from the one the stream was opened with
+        self._started_at, self._has_ready_worker, self._rehash = worker_started_at, has_ready_worker, rehash
+        self._worker_started_at: float | None = None
         self.request = request          # what the client asked for
         self._current = request         # what the current worker runs (differs after a migration)
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
@@ -68,12 +74,13 @@ class Generation:
     async def _open(self, request: GenerateRequest) -> None:
         for attempt in range(_MAX_ATTEMPTS):
             worker_id = await self._admit(request)
+            started_at = self._started_at(worker_id)
             self._stream = self._bus.stream(
                 self._subjects.decode_generate(worker_id), request,
                 first_timeout_s=self._settings.request_timeout_s,
                 idle_timeout_s=self._settings.token_idle_timeout_s)
             try:
-                self._first = await self._watched(worker_id)
+                self._first = await self._watched(worker_id, started_at)
             except WorkerLost as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
                 await self._cancel(worker_id, request.request_id)
                 if attempt + 1 == _MAX_ATTEMPTS:
@@ -93,7 +100,7 @@ class Generation:
                 await self._cancel(worker_id, request.request_id)
                 raise ApiError(504, f"no token within {self._settings.request_timeout_s:g}s",
                                code="timeout") from None
-            self.worker_id, self._current = worker_id, request
+            self.worker_id, self._current, self._worker_started_at = worker_id, request, started_at
             return
 
     async def _admit(self, request: GenerateRequest) -> str:
@@ -137,16 +144,20 @@ class Generation:
                 raise ApiError(502, f"lost {self._num_migrations + 1} workers: {exc}") from None
             return await self._migrate(str(exc))
 
-    async def _watched(self, worker_id: str) -> TokenChunk:
-        """The stream's next chunk, raising WorkerLost if the worker leaves the registry meanwhile."""
+    async def _watched(self, worker_id: str, started_at: float | None) -> TokenChunk:
+        """The stream's next chunk, raising WorkerLost if the worker leaves the registry meanwhile
+        (or is replaced by a new one under its id: ``started_at`` differs)."""
         next_chunk = asyncio.ensure_future(anext(self._stream))
         try:
             while True:
                 done, _ = await asyncio.wait({next_chunk}, timeout=_WATCH_INTERVAL_S)
                 if done:
                     return next_chunk.result()
-                if not self._is_alive(worker_id):
+                now_started_at = self._started_at(worker_id)
+                if now_started_at is None:
                     raise WorkerLost(f"worker {worker_id} left the registry")
+                if started_at is not None and now_started_at != started_at:
+                    raise WorkerLost(f"worker {worker_id} was restarted")
         finally:
             if not next_chunk.done():  # let the stream unsubscribe before anyone closes it
                 next_chunk.cancel()
@@ -155,7 +166,7 @@ class Generation:
     async def _next_from_worker(self) -> TokenChunk:
         """The next chunk, watching that the worker is still registered while waiting."""
         try:
-            return await self._watched(self.worker_id)
+            return await self._watched(self.worker_id, self._worker_started_at)
         except StopAsyncIteration:
             raise WorkerLost(f"worker {self.worker_id} ended the stream early") from None
         except (BusTimeout, NoResponders) as exc:
@@ -177,8 +188,29 @@ class Generation:
             "sampling": self.request.sampling.model_copy(update={"max_tokens": remaining})})
         log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
                     len(self._generated))
-        await self._open(request)
-        return self._first
+        deadline = time.monotonic() + self._settings.request_timeout_s
+        while True:
+            await self._wait_for_ready_worker(deadline)
+            try:
+                await self._open(request)
+                return self._first
+            except ApiError as exc:  # admission's view may lag ours: ask again until the deadline
+                if exc.code != "unavailable" or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(self._settings.refresh_interval_s)
+
+    async def _wait_for_ready_worker(self, deadline: float) -> None:
+        """Until the registry view (refreshed every ``refresh_interval_s``) lists a ready decode
+        worker: the only one may have died and be on its way back."""
+        if self._has_ready_worker():
+            return
+        log.info("%s: no ready decode worker; waiting up to %.0fs for one", self.request.request_id,
+                 deadline - time.monotonic())
+        while not self._has_ready_worker():
+            if time.monotonic() >= deadline:
+                raise ApiError(503, f"no decode worker ready within {self._settings.request_timeout_s:g}s "
+                               f"to continue the request", code="unavailable", retry_after_s=1.0)
+            await asyncio.sleep(self._settings.refresh_interval_s)
 
     def _to_delta(self, chunk: TokenChunk) -> Delta:
         if self._num_migrations == 0:

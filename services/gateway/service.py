@@ -63,8 +63,8 @@ class Gateway:
     def served_models(self) -> list[str]:
         return sorted({self.settings.model} | {w.model for w in self.ready_workers()})
 
-    def _is_registered(self, worker_id: str) -> bool:
-        return any(w.worker_id == worker_id for w in self.workers)
+    def _started_at(self, worker_id: str) -> float | None:
+        return next((w.started_at for w in self.workers if w.worker_id == worker_id), None)
 
     # --- generation ------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -83,7 +83,8 @@ class Gateway:
             served_models=self.served_models(), default_max_tokens=self.settings.default_max_tokens,
             now=time.time())
         gen = Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
-                         gen_request, api.body.stop_strings(), is_worker_alive=self._is_registered,
+                         gen_request, api.body.stop_strings(), worker_started_at=self._started_at,
+                         has_ready_worker=lambda: bool(self.ready_workers(model)),
                          rehash=lambda ids: prompt_block_hashes(ids, self.ready_workers(model)))
         self.metrics.in_flight.inc()
         try:
@@ -121,7 +122,8 @@ class Gateway:
             body = {"source": f"registry ({exc.message})", "timestamp": time.time(),
                     "workers": [{"info": w.model_dump(mode="json"), "load": None, "load_age_s": None}
                                 for w in self.workers]}
-        body["gateway"] = {"in_flight": self.metrics.in_flight.value(), "models": self.served_models()}
+        body["gateway"] = {"in_flight": self.metrics.in_flight.value(), "models": self.served_models(),
+                           "num_restarts": self.settings.num_restarts}
         return web.json_response(body)
 
 

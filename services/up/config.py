@@ -38,5 +38,9 @@ class UpSettings(QosSettings):
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")
     log_level: str = Field("INFO", description="services' logging level")
+    restart: bool = Field(True, description="restart a service or worker that crashes (exponential backoff, "
+                          "capped at restart_max_backoff_s); --no-restart stops the stack instead")
+    restart_max_backoff_s: float = Field(30.0, gt=0, description="longest wait before restarting a child "
+                                         "that keeps crashing")
     api_keys: str | None = Field(None, description="gateway API keys as key:tier pairs (tiers from --qos); "
                                  "unset: no auth")

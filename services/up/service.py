@@ -6,6 +6,7 @@ import signal
 import threading
 
 from shared.runtime.stack import Stack, StackSpec, print_line
+from shared.runtime.supervisor import Backoff
 from services.up.config import UpSettings
 
 
@@ -16,7 +17,8 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
     return StackSpec(
         state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
-        registry_ttl_s=s.registry_ttl_s, log_level=s.log_level,
+        registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
+        restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         decode_flags={**engine, **_given(**disagg)}, prefill_flags=engine,
         gateway_flags=_given(qos=s.qos, api_keys=s.api_keys), admission_flags=_given(qos=s.qos))
 
@@ -39,7 +41,7 @@ def run(settings: UpSettings) -> int:
         waiter.start()
         while not stop.wait(0.5):
             dead = [n for n, c in stack.children.items() if not c.is_running()]
-            if dead:
+            if dead and not settings.restart:  # else the stack's supervisor restarts them
                 print_line("up", f"exited: {', '.join(dead)}; stopping the stack")
                 return 1
         return 0

@@ -32,6 +32,7 @@ class WorkerInfo(WireModel):
     pid: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
 
 
 class WorkerLoad(WireModel):

@@ -1,5 +1,10 @@
 """The whole stack on one machine: embedded nats-server and redis-server (unless URLs are given)
-and every service as its own process. Used by ``tandem up`` and the integration tests."""
+and every service as its own process. Used by ``tandem up`` and the integration tests.
+
+With ``restart_children`` a supervisor thread starts again any child that crashes (see
+``shared.runtime.supervisor``), passing it ``--num-restarts`` so that workers report the count in
+the registry and thus in ``tandem status``. ``stop()`` ends the supervisor before it stops anyone.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ from pathlib import Path
 
 from shared.runtime.children import Child, child_env, service_argv
 from shared.runtime.servers import ServerProcess, free_port, start_nats_server, start_redis_server
+from shared.runtime.supervisor import Backoff, RestartPolicy
+
+_SUPERVISE_INTERVAL_S = 0.2
 
 
 @dataclass
@@ -35,6 +43,9 @@ class StackSpec:
     prefill_flags: dict[str, object] = field(default_factory=dict)
     gateway_flags: dict[str, object] = field(default_factory=dict)
     admission_flags: dict[str, object] = field(default_factory=dict)
+    # off by default: tests that take a worker away on purpose want it to stay gone
+    restart_children: bool = False
+    restart_backoff: Backoff = Backoff()
 
 
 def print_line(name: str, line: str) -> None:
@@ -49,6 +60,11 @@ class Stack:
         self._lock = threading.Lock()
         self.servers: list[ServerProcess] = []
         self.children: dict[str, Child] = {}
+        self._spawned: dict[str, tuple[str, dict[str, object]]] = {}  # name → (service, flags)
+        self._children_lock = threading.Lock()  # spawning vs. supervising vs. stopping
+        self._restarts = RestartPolicy(spec.restart_backoff)
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
         self.nats_url = spec.nats_url or ""
         self.redis_url = spec.redis_url or ""
         self.port = spec.port or free_port()
@@ -84,6 +100,9 @@ class Stack:
             self.spawn_prefill(f"prefill-{i + 1}")
         self.spawn("gateway", "gateway", {**common, "model": spec.model, "host": spec.host,
                                           "port": self.port, **spec.gateway_flags})
+        if spec.restart_children:
+            self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+            self._supervisor.start()
 
     def spawn_decode(self, name: str) -> Child:
         return self._spawn_worker(name, "decode", self.spec.decode_flags)
@@ -102,9 +121,35 @@ class Stack:
             "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **threads, **flags})
 
     def spawn(self, name: str, service: str, flags: dict[str, object]) -> Child:
-        child = Child(name, service_argv(service, flags), child_env(), self._line)
+        with self._children_lock:
+            return self._start_child(name, service, flags)
+
+    def _start_child(self, name: str, service: str, flags: dict[str, object]) -> Child:
+        num_restarts = self._restarts.started(name, time.monotonic())
+        restarted = {"num_restarts": num_restarts} if num_restarts else {}
+        child = Child(name, service_argv(service, {**flags, **restarted}), child_env(), self._line)
         self.children[name] = child
+        self._spawned[name] = (service, flags)
         return child
+
+    def num_restarts(self, name: str) -> int:
+        return self._restarts.num_restarts(name)
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(_SUPERVISE_INTERVAL_S):
+            with self._children_lock:
+                if self._stopping.is_set():  # stop() won the lock: restart nothing it is stopping
+                    return
+                self._supervise_once(time.monotonic())
+
+    def _supervise_once(self, now_s: float) -> None:
+        for name, child in list(self.children.items()):
+            if not child.is_running() and not self._restarts.has_exited(name):
+                self._line("up", self._restarts.exited(name, child.proc.returncode, now_s).describe())
+        for name in self._restarts.due(now_s):
+            service, flags = self._spawned[name]
+            child = self._start_child(name, service, flags)
+            self._line("up", f"{name} restarted (restart {self.num_restarts(name)}, pid {child.pid})")
 
     def ready_status(self) -> dict | None:
         try:
@@ -122,7 +167,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = [n for n, c in self.children.items() if not c.is_running()]
-            if dead:
+            if dead and not self.spec.restart_children:  # else the supervisor retries them
                 raise RuntimeError(f"service(s) exited during start-up: {', '.join(dead)}")
             status = self.ready_status()
             if (status and status.get("num_ready_decode_workers", 0) >= want
@@ -133,7 +178,12 @@ class Stack:
                            f"workers in {timeout_s}s")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
+        """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers. Nothing
+        is restarted from here on."""
+        with self._children_lock:
+            self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         order = sorted(self.children.values(), key=lambda c: c.name != "gateway")
         for child in order:
             child.terminate()

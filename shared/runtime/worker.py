@@ -113,7 +113,8 @@ class EngineWorker:
             num_blocks_total=stats.num_blocks_total, max_num_seqs=stats.max_num_seqs,
             control_subject=self._subjects.control(self.worker_id).subject,
             kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
-            pid=os.getpid(), started_at=self._started_at, **subjects)
+            pid=os.getpid(), started_at=self._started_at, num_restarts=self._settings.num_restarts,
+            **subjects)
 
     def _load(self, **fields) -> WorkerLoad:
         stats = self.engine.stats()

@@ -1,5 +1,6 @@
 """``tandem up`` end to end: embedded servers and every service as processes, the base URL printed
-when ready, a streamed reply, then SIGINT (Ctrl-C) stops everything and leaves no process."""
+when ready, a streamed reply, a SIGKILLed admission restarted by the supervisor, then SIGINT
+(Ctrl-C) stops everything, the restarted process included, and leaves no process."""
 
 import json
 import os
@@ -72,6 +73,17 @@ def test_up_serves_then_ctrl_c_leaves_nothing_behind(tmp_path):
         with urllib.request.urlopen(req, timeout=60) as resp:
             body = resp.read().decode()
         assert body.rstrip().endswith("data: [DONE]") and '"content"' in body
+
+        admission = next(p for p in processes if b"admission" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(admission, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any(l.startswith("up") and "admission restarted (restart 1, pid" in l for l in seen):
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "\n".join(seen[-30:])
+            seen.append(line)
+        assert any("admission exited (signal SIGKILL)" in l for l in seen)
+        processes = descendants(proc.pid)
+        assert admission not in processes and len(processes) >= 7
     finally:
         proc.send_signal(signal.SIGINT)
         stopped_at = time.monotonic()

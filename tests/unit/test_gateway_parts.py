@@ -174,16 +174,18 @@ def test_status_table_reads_the_typed_page():
     load = WorkerLoad(worker_id="a", role="decode", seq=1, timestamp=0.0, num_running=2,
                       num_blocks_used=3, num_blocks_total=10, ttft_recent_s=0.25, num_remote_prefills=1)
     page = StatusPage.model_validate({
-        "source": "autoscaler", "timestamp": 1.0, "gateway": {"in_flight": 2, "models": ["m"]},
+        "source": "autoscaler", "timestamp": 1.0, "gateway": {"in_flight": 2, "models": ["m"], "num_restarts": 1},
         "prefill_queue": {"num_pending": 4, "num_ack_pending": 1},
-        "workers": [{"info": worker("a").model_dump(mode="json"), "load": load.model_dump(mode="json")},
+        "workers": [{"info": worker("a").model_copy(update={"num_restarts": 3}).model_dump(mode="json"),
+                     "load": load.model_dump(mode="json")},
                     {"info": worker("d", role="prefill").model_dump(mode="json"), "load": None}]})
     lines = format_status(page).splitlines()
-    assert lines[0] == "source: autoscaler   in flight at gateway: 2"
+    assert lines[0] == "source: autoscaler   in flight at gateway: 2   gateway restarts: 1"
     assert lines[1] == "prefill queue: 4 waiting, 1 being prefilled, 0 redelivered"
     a, d = lines[3].split(), lines[4].split()
-    assert a[:8] == ["a", "decode", "ready", "m", "2", "0", "3/10", "0"] and a[9] == "250.0" and a[11] == "1/0/0"
-    assert d[6] == "0/0" and d[11] == "-"
+    assert a[:9] == ["a", "decode", "ready", "3", "m", "2", "0", "3/10", "0"]
+    assert a[10] == "250.0" and a[12] == "1/0/0"
+    assert d[3] == "0" and d[7] == "0/0" and d[12] == "-"
     empty = format_status(StatusPage(timestamp=0.0))
     assert empty.endswith("(no workers registered)")
 

@@ -80,3 +80,33 @@ def read_events(resp, num_events: int | None = None, timeout_s: float = 120.0) -
         if line.startswith(b"data: {"):
             events.append(json.loads(line[6:]))
     return events
+
+
+@contextlib.contextmanager
+def reference_engine(model: str, max_model_len: int, kv_cache_bytes: int):
+    """The aggregated path's reference: the same engine in this process, prefilling locally."""
+    from shared.engine import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine.start(EngineConfig(model=model, device="cpu", max_model_len=max_model_len,
+                                            kv_cache_memory=kv_cache_bytes))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def greedy_text(engine, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> str:
+    """What the in-process engine generates greedily for ``prompt_ids``."""
+    import asyncio
+    import uuid
+
+    from shared.engine import SamplingParams
+
+    async def run():
+        ids = []
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt_ids, params):
+            ids += out.new_token_ids
+        return engine.tokenizer.decode(ids)
+
+    return asyncio.run(run())

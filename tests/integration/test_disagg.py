@@ -23,7 +23,7 @@ import pytest
 
 from shared.protocol import RemotePrefillRequest, Subjects
 from shared.runtime.stack import StackSpec
-from stack_helpers import running_stack
+from stack_helpers import greedy_text, reference_engine, running_stack
 
 if platform.system() != "Linux":
     pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
@@ -69,25 +69,11 @@ def client(stack):
 @pytest.fixture(scope="module")
 def engine():
     """The aggregated path's reference: the same engine in this process, prefilling locally."""
-    from shared.engine import AsyncEngine, EngineConfig
-
-    e = AsyncEngine.start(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
-                                       kv_cache_memory=160 << 20))
-    yield e
-    e.shutdown()
-
+    with reference_engine(MODEL, MAX_MODEL_LEN, 160 << 20) as e:
+        yield e
 
 def greedy(engine, prompt_ids: list[int], max_tokens: int) -> str:
-    from shared.engine import SamplingParams
-
-    async def run():
-        ids = []
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt_ids, params):
-            ids += out.new_token_ids
-        return engine.tokenizer.decode(ids)
-
-    return asyncio.run(run())
+    return greedy_text(engine, prompt_ids, max_tokens)
 
 
 def worker_load(stack, role: str) -> dict:

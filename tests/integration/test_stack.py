@@ -22,7 +22,8 @@ from shared.protocol import Subjects
 from shared.runtime.stack import StackSpec
 from shared.runtime.waiting import wait_until
 from shared.store import KvIndexStore, RedisKeys, connect
-from stack_helpers import decode_states, read_events, running_stack, spawn_ready_decode, wait_for
+from stack_helpers import (decode_states, greedy_text, read_events, reference_engine, running_stack,
+                           spawn_ready_decode, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +51,8 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def engine():
-    from shared.engine import AsyncEngine, EngineConfig
-
-    e = AsyncEngine.start(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
-                                       kv_cache_memory=128 << 20))
-    yield e
-    e.shutdown()
-
+    with reference_engine(MODEL, MAX_MODEL_LEN, 128 << 20) as e:
+        yield e
 
 def http(stack, method, path, body: bytes | None = None, headers=None):
     req = urllib.request.Request(stack.base_url + path, data=body, method=method,
@@ -73,16 +69,7 @@ def status(stack) -> dict:
 
 
 def in_process_greedy(engine, prompt_ids, max_tokens, ignore_eos=False):
-    from shared.engine import SamplingParams
-
-    async def run():
-        ids = []
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt_ids, params):
-            ids += out.new_token_ids
-        return engine.tokenizer.decode(ids)
-
-    return asyncio.run(run())
+    return greedy_text(engine, prompt_ids, max_tokens, ignore_eos)
 
 
 MESSAGES = [{"role": "system", "content": "You are a concise assistant."},

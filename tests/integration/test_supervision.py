@@ -7,7 +7,6 @@ retried with backoff; ``stop()`` restarts nothing.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import urllib.error
@@ -20,7 +19,7 @@ import pytest
 from services.gateway.__main__ import StatusPage, format_status
 from shared.runtime.stack import StackSpec
 from shared.runtime.supervisor import Backoff
-from stack_helpers import cluster_status, read_events, running_stack, wait_for
+from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,25 +43,11 @@ def stack(nats_server, redis_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine():
-    from shared.engine import AsyncEngine, EngineConfig
-
-    e = AsyncEngine.start(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
-                                       kv_cache_memory=128 << 20))
-    yield e
-    e.shutdown()
-
+    with reference_engine(MODEL, MAX_MODEL_LEN, 128 << 20) as e:
+        yield e
 
 def greedy_reference(engine, prompt: str, max_tokens: int) -> str:
-    from shared.engine import SamplingParams
-
-    async def run():
-        ids = []
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", engine.tokenizer.encode(prompt), params):
-            ids += out.new_token_ids
-        return engine.tokenizer.decode(ids)
-
-    return asyncio.run(run())
+    return greedy_text(engine, engine.tokenizer.encode(prompt), max_tokens, ignore_eos=True)
 
 
 def completion(stack, prompt: str, max_tokens: int, stream: bool, timeout_s: float = 60.0):

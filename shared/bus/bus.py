@@ -114,8 +114,10 @@ class Bus:
         rejected = asyncio.Event()
 
         async def on_error(exc: Exception) -> None:
+            if rejected.is_set():  # the server hanging up after the rejection says nothing new
+                return
             last_error[:] = [exc]
-            if not rejected.is_set() and _is_auth_error(exc):
+            if _is_auth_error(exc):
                 rejected.set()  # reported once, by the ConnectionError below
                 return
             log.warning("nats %s: %s", name, exc)

@@ -35,7 +35,7 @@ async def check_connection(client: redis.Redis, url: str) -> None:
         await client.ping()
     except redis_errors.AuthenticationError:
         why = ("rejected the password" if urlsplit(url).password
-               else "requires a password and the URL carries none (redis://:PASSWORD@host:port/db)")
+               else "requires a password and the URL carries none")
         raise ConnectionError(f"Redis at {redact_url(url)} {why}") from None
     except (redis_errors.ConnectionError, OSError) as exc:
         raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {exc}") from None

@@ -3,6 +3,7 @@
 import logging
 
 from shared.runtime.children import service_argv, split_secret_flags
+from shared.telemetry.logs import configure_logging
 from shared.telemetry.redact import RedactSecrets, new_secret, redact_text, redact_url
 
 
@@ -60,3 +61,16 @@ def test_new_secrets_are_fresh_and_need_no_escaping_in_a_url():
     secrets = {new_secret() for _ in range(100)}
     assert len(secrets) == 100
     assert all(len(s) >= 32 and s.replace("-", "").replace("_", "").isalnum() for s in secrets)
+
+
+def test_every_service_log_handler_redacts(capsys):
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    try:
+        configure_logging("test", "INFO")
+        logging.getLogger("nats.aio.client").warning("lost nats://tandem:hunter4@h:4222")
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    err = capsys.readouterr().err
+    assert "nats://tandem:***@h:4222" in err and "hunter4" not in err

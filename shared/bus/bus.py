@@ -111,15 +111,16 @@ class Bus:
         shown = redact_url(url)
         delay, deadline = 0.05, time.monotonic() + timeout_s
         last_error: list[Exception] = []
-        rejected = asyncio.Event()
+        rejected, connected = asyncio.Event(), False
 
         async def on_error(exc: Exception) -> None:
-            if rejected.is_set():  # the server hanging up after the rejection says nothing new
-                return
-            last_error[:] = [exc]
-            if _is_auth_error(exc):
-                rejected.set()  # reported once, by the ConnectionError below
-                return
+            if not connected:
+                if rejected.is_set():  # the server hanging up after the rejection says nothing new
+                    return
+                last_error[:] = [exc]
+                if _is_auth_error(exc):
+                    rejected.set()  # reported once, by the ConnectionError below
+                    return
             log.warning("nats %s: %s", name, exc)
 
         async def on_disconnect() -> None:
@@ -137,6 +138,7 @@ class Bus:
                     max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                     error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
                     rejected, timeout_s=max(deadline - time.monotonic(), 0.1))
+                connected = True  # from here on every error is logged: nats-py retries them all
                 return cls(nc, name)
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if rejected.is_set() or _is_auth_error(exc):

@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stack.start()
             stack.children["echo"] = Child("echo", [
-                sys.executable, str(ECHO_WORKER), "--nats-url", stack.nats_url, "--namespace",
-                stack.spec.namespace, "--model", args.model, "--ttl", str(stack.spec.registry_ttl_s)],
-                child_env(), lambda name, line: log.write(f"{name:<12}| {line}\n"))
+                sys.executable, str(ECHO_WORKER), "--namespace", stack.spec.namespace, "--model", args.model,
+                "--ttl", str(stack.spec.registry_ttl_s)],
+                child_env({"TANDEM_NATS_URL": stack.nats_url}),  # it carries the stack's password
+                lambda name, line: log.write(f"{name:<12}| {line}\n"))
             stack.wait_ready(timeout_s=120, num_decode=1)
             asyncio.run(measure(stack.base_url, args.model, prompts[:10]))  # warm-up
             ttfts = asyncio.run(measure(stack.base_url, args.model, prompts[10:]))

@@ -81,7 +81,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="an echo decode worker speaking Tandem's protocol")
-    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    # from the environment by default: a URL with a password on the command line shows in `ps`
+    p.add_argument("--nats-url", default=os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--namespace", default="tandem")
     p.add_argument("--worker-id", default=f"echo-{os.getpid()}")
     p.add_argument("--model", default="smollm2-135m")

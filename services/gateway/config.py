@@ -15,7 +15,11 @@ class GatewaySettings(ServiceSettings, QosSettings):
     token_idle_timeout_s: float = Field(60.0, gt=0, description="max gap between two tokens")
     status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
-    max_request_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body (413 above)")
+    rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key (per "
+                                           "client address without keys), 429 above; unset: no limit")
+    rate_limit_burst: int = Field(10, ge=1, description="requests a key may send at once before "
+                                  "rate_limit_per_s applies")
 
     @model_validator(mode="after")
     def _api_key_tiers_exist(self) -> "GatewaySettings":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from aiohttp import web
@@ -19,7 +20,9 @@ from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.workers import ready_workers
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter
 from shared.openai_api.auth import ApiKeys
+from shared.openai_api.errors import ApiError
 from shared.policy.qos import load_qos
+from shared.policy.rate_limit import RateLimiter
 from shared.openai_api.generate_request import build_generate_request, prompt_block_hashes
 from shared.protocol import ClusterStatusRequest, Subjects, WorkerInfo
 from shared.runtime.service import bus_connection, every, serve_until_stopped
@@ -45,6 +48,8 @@ class Gateway:
         self.workers: list[WorkerInfo] = []
         self.qos = load_qos(settings.qos)
         self.api_keys = ApiKeys.parse(settings.api_keys, self.qos)
+        self.rate_limiter = (RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+                             if settings.rate_limit_per_s else None)
         self.metrics = GatewayMetrics.create()
 
     # --- lifecycle and cluster view --------------------------------------------------------------
@@ -75,6 +80,7 @@ class Gateway:
 
     async def _generate(self, request: web.Request, adapter: type[ApiAdapter]) -> web.StreamResponse:
         tier = self.api_keys.tier(request.headers.get("Authorization"))
+        self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
         model = api.body.model
         gen_request = build_generate_request(
@@ -94,6 +100,17 @@ class Gateway:
             self.metrics.in_flight.dec()
             self.metrics.generated.inc(gen.num_completion_tokens)
             await gen.close()
+
+    def _check_rate(self, request: web.Request) -> None:
+        """A 429 when this client (its API key, else its address) is over its rate."""
+        if self.rate_limiter is None:
+            return
+        client = self.api_keys.client_id(request.headers.get("Authorization"), request.remote)
+        wait_s = self.rate_limiter.acquire(client, time.monotonic())
+        if wait_s is not None:
+            raise ApiError(429, f"rate limit exceeded ({self.settings.rate_limit_per_s:g} requests/s, burst "
+                           f"{self.settings.rate_limit_burst}); retry in {wait_s:.1f}s",
+                           code="rate_limit_exceeded", retry_after_s=math.ceil(wait_s))
 
     # --- models, probes, metrics, status ---------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

@@ -15,7 +15,7 @@ import time
 from shared.bus import Bus, WorkerRegistry
 from shared.protocol import KvEventBatch, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
 from shared.runtime.service import every, run_bus_service
-from shared.store import KvIndexStore, RedisKeys, connect
+from shared.store import KvIndexStore, RedisKeys, check_connection, connect
 from services.kv_index.config import KvIndexSettings
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class KvIndexService:
 async def run(settings: KvIndexSettings, stop: asyncio.Event) -> None:
     redis = connect(settings.redis_url)
     try:
-        await redis.ping()
+        await check_connection(redis, settings.redis_url)
         store = KvIndexStore(redis, RedisKeys(settings.namespace))
         await run_bus_service("kv-index", settings, stop,
                               lambda bus, registry: KvIndexService(settings, bus, store, registry))

@@ -26,8 +26,12 @@ class UpSettings(QosSettings):
     model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
     host: str = Field("127.0.0.1", description="gateway listen address")
     port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
-    nats_url: str | None = Field(None, description="use this NATS server instead of an embedded one")
-    redis_url: str | None = Field(None, description="use this Redis instead of an embedded one")
+    nats_url: str | None = Field(None, description="use this NATS server instead of an embedded one (its "
+                                 "credentials in the URL: nats://user:password@host:port); unset: an embedded "
+                                 "one with a fresh password each run")
+    redis_url: str | None = Field(None, description="use this Redis instead of an embedded one "
+                                  "(redis://:password@host:port/db); unset: an embedded one with a fresh "
+                                  "password each run")
     namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
@@ -44,3 +48,7 @@ class UpSettings(QosSettings):
                                          "that keeps crashing")
     api_keys: str | None = Field(None, description="gateway API keys as key:tier pairs (tiers from --qos); "
                                  "unset: no auth")
+    rate_limit_per_s: float | None = Field(None, gt=0, description="gateway requests per second per API key "
+                                           "(per client address without keys); unset: no limit")
+    rate_limit_burst: int | None = Field(None, ge=1, description="gateway requests a key may send at once "
+                                         "(default: the gateway's)")

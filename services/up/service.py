@@ -20,7 +20,9 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         decode_flags={**engine, **_given(**disagg)}, prefill_flags=engine,
-        gateway_flags=_given(qos=s.qos, api_keys=s.api_keys), admission_flags=_given(qos=s.qos))
+        gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,
+                             rate_limit_burst=s.rate_limit_burst),
+        admission_flags=_given(qos=s.qos))
 
 
 def _given(**flags: object) -> dict[str, object]:

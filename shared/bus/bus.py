@@ -32,6 +32,7 @@ from shared.bus.kv import KvBucket
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
 from shared.protocol.subjects import Endpoint
+from shared.telemetry.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,33 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{first['msg']}" + (f" (field {field})" if field else ""), field
 
 
+def _is_auth_error(exc: BaseException) -> bool:
+    # nats-py raises a plain nats.errors.Error carrying the server's -ERR text on the first connection
+    return (isinstance(exc, nats.errors.AuthorizationError)
+            or "authorization violation" in str(exc).lower())
+
+
+async def _first_connection(connecting: Awaitable[Client], rejected: asyncio.Event, *,
+                            timeout_s: float) -> Client:
+    """The client ``connecting`` makes, unless the server rejects the credentials first: nats-py
+    retries a rejected login forever, telling only its error callback (which sets ``rejected``)."""
+    connect = asyncio.ensure_future(connecting)
+    refused = asyncio.ensure_future(rejected.wait())
+    try:
+        done, _ = await asyncio.wait({connect, refused}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused.cancel()
+    if connect in done:
+        return connect.result()
+    connect.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await connect
+    if rejected.is_set():
+        raise nats.errors.AuthorizationError
+    raise asyncio.TimeoutError
+
+
 class Bus:
     """A NATS connection plus the handler tasks it runs. Create with ``await Bus.connect(...)``."""
 
@@ -77,17 +105,26 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0) -> "Bus":
         """Connect, retrying with exponential backoff for up to ``timeout_s``; afterwards nats-py
-        reconnects forever (a server restart is survived, subscriptions are replayed)."""
+        reconnects forever (a server restart is survived, subscriptions are replayed). A server that
+        rejects the credentials ends the first connection at once with a one-line ConnectionError
+        naming the URL (its password redacted): retrying cannot mend a wrong password."""
+        shown = redact_url(url)
         delay, deadline = 0.05, time.monotonic() + timeout_s
-
         last_error: list[Exception] = []
+        rejected, connected = asyncio.Event(), False
 
         async def on_error(exc: Exception) -> None:
-            last_error[:] = [exc]
+            if not connected:
+                if rejected.is_set():  # the server hanging up after the rejection says nothing new
+                    return
+                last_error[:] = [exc]
+                if _is_auth_error(exc):
+                    rejected.set()  # reported once, by the ConnectionError below
+                    return
             log.warning("nats %s: %s", name, exc)
 
         async def on_disconnect() -> None:
-            log.warning("nats %s: disconnected from %s", name, url)
+            log.warning("nats %s: disconnected from %s", name, shown)
 
         async def on_reconnect() -> None:
             log.info("nats %s: reconnected", name)
@@ -96,16 +133,20 @@ class Bus:
             try:
                 # nats-py itself retries an unreachable server forever (reconnects are unlimited):
                 # the deadline bounds the first connection
-                nc = await asyncio.wait_for(nats.connect(
+                nc = await _first_connection(nats.connect(
                     servers=[url], name=name, connect_timeout=2, allow_reconnect=True,
                     max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                     error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
-                    timeout=max(deadline - time.monotonic(), 0.1))
+                    rejected, timeout_s=max(deadline - time.monotonic(), 0.1))
+                connected = True  # from here on every error is logged: nats-py retries them all
                 return cls(nc, name)
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+                if rejected.is_set() or _is_auth_error(exc):
+                    why = last_error[0] if last_error else exc
+                    raise ConnectionError(f"NATS at {shown} rejected the credentials: {why}") from None
                 if time.monotonic() + delay > deadline:
                     why = exc if str(exc) else (last_error[0] if last_error else "timed out")
-                    raise ConnectionError(f"cannot reach NATS at {url} within {timeout_s:g}s: {why}") from exc
+                    raise ConnectionError(f"cannot reach NATS at {shown} within {timeout_s:g}s: {why}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -13,8 +13,11 @@ HELP = "send a control request to one worker (drain it, or set its remote-prefil
 def register(subparsers) -> None:
     parser = subparsers.add_parser("control", help=HELP, description=HELP)
     parser.add_argument("worker_id", help="the worker's id (see `tandem status`)")
-    parser.add_argument("--nats-url", default=os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222"),
-                        help="NATS server URL (env TANDEM_NATS_URL, default %(default)s)")
+    from shared.telemetry.redact import redact_url
+
+    nats_url = os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222")
+    parser.add_argument("--nats-url", default=nats_url,  # its password stays out of --help
+                        help=f"NATS server URL (env TANDEM_NATS_URL, default {redact_url(nats_url)})")
     parser.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
                         help="subject namespace (env TANDEM_NAMESPACE, default %(default)s)")
     parser.add_argument("--drain", action="store_true", help="finish in-flight work and leave")
@@ -31,6 +34,7 @@ def main(args: argparse.Namespace) -> int:
     from shared.bus import Bus, ServiceError
     from shared.cli.errors import CliError
     from shared.protocol import ControlRequest, Subjects
+    from shared.telemetry.redact import redact_url
 
     configure = args.max_local_prefill_tokens is not None or args.max_prefill_queue is not None
     if args.drain and configure:
@@ -55,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = asyncio.run(asyncio.wait_for(send(), timeout=15))
     except (ConnectionError, asyncio.TimeoutError) as exc:
-        raise CliError(f"no answer from {args.worker_id} through NATS at {args.nats_url}: "
+        raise CliError(f"no answer from {args.worker_id} through NATS at {redact_url(args.nats_url)}: "
                        f"{str(exc) or 'timed out'}") from None
     except ServiceError as exc:
         raise CliError(f"{args.worker_id}: {exc.message}") from None

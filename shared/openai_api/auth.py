@@ -31,7 +31,18 @@ class ApiKeys:
         keys are configured and this one is missing or unknown."""
         if not self.key_tiers:
             return self.default_tier
-        key = (authorization or "").removeprefix("Bearer ").strip()
+        key = _bearer(authorization)
         if key not in self.key_tiers:
             raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
         return self.key_tiers[key]
+
+    def client_id(self, authorization: str | None, peer: str | None) -> str:
+        """Whom a per-client limit counts: the API key when keys are on (call ``tier`` first, so
+        that it is a known one), else the peer address."""
+        if self.key_tiers:
+            return "key:" + _bearer(authorization)
+        return "peer:" + (peer or "")
+
+
+def _bearer(authorization: str | None) -> str:
+    return (authorization or "").removeprefix("Bearer ").strip()

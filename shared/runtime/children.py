@@ -66,6 +66,17 @@ class Child:
         return True
 
 
+# Settings that are or carry credentials: a child gets them in its environment, never on its command
+# line, which every user of the machine can read (``ps``).
+SECRET_SETTINGS = ("nats_url", "redis_url", "api_keys")
+
+
+def split_secret_flags(flags: dict[str, object]) -> tuple[dict[str, object], dict[str, str]]:
+    """``flags`` without the secret settings, and those settings as ``TANDEM_*`` variables."""
+    env = {f"TANDEM_{name.upper()}": str(flags[name]) for name in SECRET_SETTINGS if flags.get(name)}
+    return {k: v for k, v in flags.items() if k not in SECRET_SETTINGS}, env
+
+
 def service_argv(service: str, flags: dict[str, object]) -> list[str]:
     argv = [sys.executable, "-m", "shared.cli.main", service]
     for name, value in flags.items():

@@ -2,10 +2,14 @@
 
 Readiness is the server's own "ready" line on its output, never a sleep. After that a daemon thread
 keeps draining the output (a full pipe would stall the server), handing each line to ``on_line``.
+
+Given a password, a server requires it; the password goes into a config file only its owner can
+read, not onto the command line (``ps`` shows every user the command line), and into ``url``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,6 +21,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 _NATS_READY = "Server is ready"
 _NATS_LISTEN = re.compile(r"Listening for client connections on [\d.]+:(\d+)")
@@ -88,11 +93,24 @@ def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
     return server
 
 
-def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1,
-                      on_line: Callable[[str], None] | None = None,
+def _private_file(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str = "tandem",
+                      password: str | None = None, on_line: Callable[[str], None] | None = None,
                       timeout_s: float = 20.0) -> ServerProcess:
-    """nats-server with JetStream storing under ``store_dir``; ``port=-1`` lets it pick one."""
+    """nats-server with JetStream storing under ``store_dir``; ``port=-1`` lets it pick one. With a
+    ``password`` every client must log in as ``user`` with it (``url`` carries both)."""
     argv = [_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
+    if password is not None:
+        conf = _private_file(Path(store_dir) / "auth.conf",
+                             f"authorization {{\n  user: {json.dumps(user)}\n  password: {json.dumps(password)}\n}}\n")
+        argv += ["-c", str(conf)]
     found: dict[str, int] = {}
 
     def is_ready(line: str) -> bool:
@@ -101,17 +119,23 @@ def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1,
         return _NATS_READY in line
 
     server = _start("nats-server", argv, is_ready, on_line, timeout_s)
-    server.url = f"nats://127.0.0.1:{found['port']}"
+    login = "" if password is None else f"{quote(user, safe='')}:{quote(password, safe='')}@"
+    server.url = f"nats://{login}127.0.0.1:{found['port']}"
     return server
 
 
-def start_redis_server(data_dir: str | os.PathLike, *, port: int = 0,
+def start_redis_server(data_dir: str | os.PathLike, *, port: int = 0, password: str | None = None,
                        on_line: Callable[[str], None] | None = None,
                        timeout_s: float = 20.0) -> ServerProcess:
-    """redis-server without persistence (the index is rebuilt from JetStream); ``port=0``: a free one."""
+    """redis-server without persistence (the index is rebuilt from JetStream); ``port=0``: a free one.
+    With a ``password`` every client must AUTH with it (``url`` carries it)."""
     port = port or free_port()
-    argv = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(data_dir)]
+    argv = [_binary("redis-server")]
+    if password is not None:  # the config file comes first on redis-server's command line
+        argv.append(str(_private_file(Path(data_dir) / "auth.conf", f"requirepass {json.dumps(password)}\n")))
+    argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(data_dir)]
     server = _start("redis-server", argv, lambda line: _REDIS_READY in line, on_line, timeout_s)
-    server.url = f"redis://127.0.0.1:{port}/0"
+    login = "" if password is None else f":{quote(password, safe='')}@"
+    server.url = f"redis://{login}127.0.0.1:{port}/0"
     return server

@@ -4,6 +4,9 @@ and every service as its own process. Used by ``tandem up`` and the integration 
 With ``restart_children`` a supervisor thread starts again any child that crashes (see
 ``shared.runtime.supervisor``), passing it ``--num-restarts`` so that workers report the count in
 the registry and thus in ``tandem status``. ``stop()`` ends the supervisor before it stops anyone.
+
+The embedded servers get fresh random passwords each run, and every child gets the server URLs
+(which carry them) through its environment, not its command line. Given URLs are used as they are.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.runtime.children import Child, child_env, service_argv
+from shared.runtime.children import Child, child_env, service_argv, split_secret_flags
 from shared.runtime.servers import ServerProcess, free_port, start_nats_server, start_redis_server
 from shared.runtime.supervisor import Backoff, RestartPolicy
+from shared.telemetry.redact import new_secret
 
 _SUPERVISE_INTERVAL_S = 0.2
 
@@ -81,12 +85,14 @@ class Stack:
         spec = self.spec
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         if not spec.nats_url:
-            server = start_nats_server(spec.state_dir / "nats", on_line=lambda l: self._line("nats", l))
+            server = start_nats_server(spec.state_dir / "nats", password=new_secret(),
+                                       on_line=lambda l: self._line("nats", l))
             self.servers.append(server)
             self.nats_url = server.url
         if not spec.redis_url:
             (spec.state_dir / "redis").mkdir(exist_ok=True)
-            server = start_redis_server(spec.state_dir / "redis", on_line=lambda l: self._line("redis", l))
+            server = start_redis_server(spec.state_dir / "redis", password=new_secret(),
+                                        on_line=lambda l: self._line("redis", l))
             self.servers.append(server)
             self.redis_url = server.url
         common = {"nats_url": self.nats_url, "namespace": spec.namespace,
@@ -127,7 +133,8 @@ class Stack:
     def _start_child(self, name: str, service: str, flags: dict[str, object]) -> Child:
         num_restarts = self._restarts.started(name, time.monotonic())
         restarted = {"num_restarts": num_restarts} if num_restarts else {}
-        child = Child(name, service_argv(service, {**flags, **restarted}), child_env(), self._line)
+        argv_flags, secret_env = split_secret_flags({**flags, **restarted})
+        child = Child(name, service_argv(service, argv_flags), child_env(secret_env), self._line)
         self.children[name] = child
         self._spawned[name] = (service, flags)
         return child

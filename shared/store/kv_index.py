@@ -9,19 +9,36 @@ stream position moves together with the data.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import redis.asyncio as redis
+import redis.exceptions as redis_errors
 
 from shared.kvcache.overlap import extend_overlap
 from shared.protocol.kv import AllBlocksClearedEvent, BlockRemovedEvent, KvEventBatch
 from shared.store.keys import RedisKeys
+from shared.telemetry.redact import redact_url
 
 _MATCH_CHUNK = 64  # blocks fetched per round trip while walking a prompt
 
 
 def connect(url: str) -> redis.Redis:
+    """A client for ``url`` (``redis://[:password@]host:port/db``); it connects on first use."""
     return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
                                 health_check_interval=30)
+
+
+async def check_connection(client: redis.Redis, url: str) -> None:
+    """Ping Redis once; a refused login or an unreachable server becomes a one-line ConnectionError
+    naming ``url`` with its password redacted (redis-py's own says neither which server nor why)."""
+    try:
+        await client.ping()
+    except redis_errors.AuthenticationError:
+        why = ("rejected the password" if urlsplit(url).password
+               else "requires a password and the URL carries none")
+        raise ConnectionError(f"Redis at {redact_url(url)} {why}") from None
+    except (redis_errors.ConnectionError, OSError) as exc:
+        raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
 
 
 class KvIndexStore:

@@ -1,0 +1,143 @@
+"""Credentials on every hop, against real servers that require them: a wrong or missing NATS
+password and a missing Redis password are one-line errors naming the server (password redacted),
+from the library calls and from real service processes; and ``Stack`` (``tandem up``) with fresh
+generated passwords serves a request without showing them on any command line or output line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus
+from shared.runtime.children import child_env
+from shared.runtime.servers import start_nats_server, start_redis_server
+from shared.runtime.stack import StackSpec
+from shared.store import check_connection, connect
+from shared.telemetry.redact import new_secret
+from stack_helpers import running_stack
+
+PASSWORD = new_secret()
+
+
+@pytest.fixture(scope="module")
+def nats_locked(tmp_path_factory):
+    server = start_nats_server(tmp_path_factory.mktemp("nats-auth"), password=PASSWORD)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_locked(tmp_path_factory):
+    server = start_redis_server(tmp_path_factory.mktemp("redis-auth"), password=PASSWORD)
+    yield server
+    server.stop()
+
+
+def without_password(url: str) -> str:
+    return url.replace(f":{PASSWORD}@", "@").replace("redis://@", "redis://")
+
+
+def one_line_error(exc: BaseException, shown_url: str) -> str:
+    message = str(exc)
+    assert "\n" not in message and PASSWORD not in message, message
+    assert shown_url in message, message
+    return message
+
+
+async def test_nats_with_the_password_works_and_without_or_with_a_wrong_one_fails_at_once(nats_locked):
+    port = nats_locked.url.rsplit(":", 1)[1]
+    bus = await Bus.connect(nats_locked.url, "test")
+    try:
+        assert await bus.nc.rtt() >= 0
+    finally:
+        await bus.close()
+    wrong = nats_locked.url.replace(PASSWORD, "not-the-password")
+    for url, shown in ((wrong, f"nats://tandem:***@127.0.0.1:{port}"),
+                       # user-info without a colon is a token to NATS, so all of it is hidden
+                       (without_password(nats_locked.url), f"nats://***@127.0.0.1:{port}")):
+        with pytest.raises(ConnectionError) as caught:
+            # a deadline this long is never reached: the rejection ends the attempt
+            await Bus.connect(url, "test", timeout_s=120)
+        message = one_line_error(caught.value, shown)
+        assert "rejected the credentials" in message and "not-the-password" not in message
+
+
+async def test_redis_without_or_with_a_wrong_password_is_a_clear_error(redis_locked):
+    port = redis_locked.url.rsplit(":", 1)[1].split("/")[0]
+    client = connect(redis_locked.url)
+    await check_connection(client, redis_locked.url)
+    assert await client.set("credentials-test", "1")
+    await client.aclose()
+    cases = ((without_password(redis_locked.url), "requires a password and the URL carries none"),
+             (redis_locked.url.replace(PASSWORD, "not-the-password"), "rejected the password"))
+    for url, why in cases:
+        client = connect(url)
+        with pytest.raises(ConnectionError) as caught:
+            await check_connection(client, url)
+        await client.aclose()
+        message = one_line_error(caught.value, f"127.0.0.1:{port}/0")
+        assert why in message and "not-the-password" not in message
+
+
+def run_service(service: str, env: dict[str, str]) -> tuple[int, list[str]]:
+    proc = subprocess.run([sys.executable, "-m", "shared.cli.main", service], env=child_env(env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    return proc.returncode, proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("service,server,why", [
+    ("admission", "nats", "NATS at nats://tandem:***@127.0.0.1:{port} rejected the credentials: "
+                          "nats: 'Authorization Violation'"),
+    ("kv-index", "redis", "Redis at redis://127.0.0.1:{port}/0 requires a password and the URL carries none"),
+])
+def test_a_service_refused_by_its_server_exits_with_one_line_naming_it(
+        service, server, why, nats_locked, redis_locked):
+    locked = nats_locked if server == "nats" else redis_locked
+    port = locked.url.rsplit(":", 1)[1].split("/")[0]
+    env = {"TANDEM_NATS_URL": nats_locked.url.replace(PASSWORD, "not-the-password"),
+           "TANDEM_REDIS_URL": without_password(redis_locked.url),
+           "TANDEM_NAMESPACE": f"c{uuid.uuid4().hex[:8]}"}
+    code, lines = run_service(service, env)
+    assert code == 1, "\n".join(lines)
+    errors = [line for line in lines if "ERROR" in line or "WARNING" in line]
+    assert len(errors) == 1 and errors[0].endswith(why.format(port=port)), "\n".join(lines)
+    assert not any("Traceback" in line or "not-the-password" in line for line in lines), "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_stack_generates_credentials_and_serves_without_showing_them(tmp_path):
+    spec = StackSpec(state_dir=tmp_path, num_decode=1, port=0, namespace=f"c{uuid.uuid4().hex[:8]}",
+                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "128MiB", "device": "cpu",
+                                   "num_warmup_requests": 1})
+    with running_stack(spec, ready_timeout_s=240) as stack:
+        secrets = [_password(tmp_path / "nats" / "auth.conf", "password"),
+                   _password(tmp_path / "redis" / "auth.conf", "requirepass")]
+        assert secrets[0] != secrets[1] and secrets[0] in stack.nats_url and secrets[1] in stack.redis_url
+        body = json.dumps({"model": "smollm2-135m", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "Hi"}]}).encode()
+        req = urllib.request.Request(stack.base_url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert json.load(resp)["choices"][0]["message"]["content"]
+        with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
+            status = resp.read().decode()
+        pids = [c.pid for c in stack.children.values()] + [s.proc.pid for s in stack.servers]
+        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid in pids]
+        for secret in secrets:
+            assert not any(secret in c for c in cmdlines), cmdlines
+            assert not any(secret in line for line in stack.lines), "a password in the stack's output"
+            assert secret not in status
+    assert any("kv-index" in c for c in cmdlines) and len(cmdlines) == len(pids)
+
+
+def _password(conf: Path, key: str) -> str:
+    assert conf.stat().st_mode & 0o077 == 0, f"{conf} is readable by others"
+    line = next(l for l in conf.read_text().splitlines() if l.strip().startswith(key))
+    return json.loads(line.split(None, 1)[1].removeprefix(":").strip())

@@ -4,8 +4,10 @@ Pure Python: the scheduler never touches tensors. Each step:
 1. running requests, in priority order, each get their next tokens (one for a decode, a chunk for
    an unfinished prefill) until the token budget is spent; when blocks run out the lowest-priority
    running request is preempted (its blocks freed, it will recompute from its prefix cache);
-2. if nothing was preempted, waiting requests are admitted in (priority, arrival) order, reusing
-   their cached prefix blocks, while budget, sequence slots and blocks last.
+2. if nothing was preempted for memory, waiting requests are admitted in (priority, arrival)
+   order, reusing their cached prefix blocks, while budget, sequence slots and blocks last. When
+   every slot is taken, a waiting request of higher priority first takes the slot of the
+   lowest-priority running one (``_yield_slots``).
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        num_yielded = self._yield_slots(out)
         for request in list(self.running):
             if budget == 0:
                 break
@@ -194,10 +197,23 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledRequest(request, num_new, table, request.num_computed_tokens))
             budget -= num_new
-        if not out.preempted:
+        if len(out.preempted) == num_yielded:  # no memory shortage this step
             budget = self._admit_waiting(budget, out)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+    def _yield_slots(self, out: SchedulerOutput) -> int:
+        """With every sequence slot taken, each waiting request of a higher priority than the
+        lowest-priority running one takes that one's slot (it is preempted, and recomputes later
+        mostly from its cached prefix). Returns how many were preempted."""
+        num = 0
+        while (len(self.running) >= self.config.max_num_seqs and num < len(self.waiting)
+               and self.waiting[num].priority < self.running[-1].priority):
+            victim = self.running[-1]
+            self._preempt(victim)  # it sorts after the waiting requests that outrank it
+            out.preempted.append(victim.request_id)
+            num += 1
+        return num
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[int] | None:
         while True:

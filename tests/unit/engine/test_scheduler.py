@@ -73,6 +73,22 @@ def test_priority_orders_admission():
     assert [x.request.request_id for x in out.scheduled] == ["high"]
 
 
+def test_a_higher_priority_request_takes_the_slot_of_the_lowest_priority_runner():
+    s = make(max_seqs=2)
+    s.add_request(req("batch-old", 3, max_tokens=8, priority=2))
+    s.add_request(req("batch-new", 3, max_tokens=8, priority=2))
+    step(s)
+    s.add_request(req("premium", 3, priority=0))
+    s.add_request(req("also-batch", 3, priority=2))   # same priority as the runners: waits
+    out = step(s)
+    assert out.preempted == ["batch-new"]            # the latest arrival of the lowest priority
+    assert [x.request.request_id for x in out.scheduled] == ["batch-old", "premium"]
+    assert [r.request_id for r in s.waiting] == ["batch-new", "also-batch"]
+    s.kv.check_integrity()
+    run_to_end(s)
+    assert not s.requests and s.kv.pool.num_used_blocks == 0
+
+
 def test_abort_frees_everything():
     s = make()
     s.add_request(req("a", 10))

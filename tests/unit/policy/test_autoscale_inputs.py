@@ -95,3 +95,15 @@ def test_choose_flips_takes_only_ready_workers_of_the_giving_role():
     assert choose_flips(ScalingDecision(0, 4, -1, ""), samples) == [Flip("p1", "decode")]
     assert choose_flips(ScalingDecision(1, 3, 0, "balanced"), samples) == []
     assert in_transition(samples) == ["d3"]
+
+
+def test_max_per_role_bounds_the_target():
+    demand_all_prefill = Demand(100_000.0, 1.0, 1.0)
+    samples = [sample(f"d{i}") for i in range(4)]
+    capped = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, min_prefill=0, max_prefill=2))
+    assert capped.tick(tick_input(1.0, demand_all_prefill, samples, DEFAULTS)).target_prefill == 2
+    uncapped = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, min_prefill=0))
+    assert uncapped.tick(tick_input(1.0, demand_all_prefill, samples, DEFAULTS)).target_prefill == 3
+    few_decode = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, min_prefill=0, max_decode=1))
+    quiet = [sample(f"d{i}") for i in range(3)]
+    assert few_decode.tick(tick_input(1.0, Demand(1.0, 100_000.0, 1.0), quiet, DEFAULTS)).target_decode == 1

@@ -8,7 +8,10 @@ class AutoscalerSettings(ServiceSettings):
     autoscale: bool = Field(False, description="act on the load: flip workers between decode and prefill "
                             "(off: only serve the cluster view)")
     autoscale_interval_s: float = Field(10.0, gt=0, description="how often to measure demand and decide")
-    autoscale_cooldown_s: float = Field(60.0, ge=0, description="no new flip until this long after the last")
+    autoscale_window_s: float = Field(30.0, gt=0, description="measure demand over this long (longer: "
+                                      "steadier, slower to react)")
+    autoscale_cooldown_s: float = Field(60.0, ge=0, description="no new flip until this long after "
+                                        "the last one is done")
     autoscale_hysteresis: float = Field(0.15, ge=0, description="relative change of the prefill share needed "
                                         "to act")
     min_prefill_workers: int = Field(0, ge=0, description="never fewer prefill workers than this")

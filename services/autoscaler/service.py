@@ -29,7 +29,8 @@ class AutoscalerService:
         self._bus = bus
         self._registry = registry
         self.view = ClusterView()
-        self.scaling = Autoscaling(RatioAutoscaler(settings.autoscale_config()), settings.capacities())
+        self.scaling = Autoscaling(RatioAutoscaler(settings.autoscale_config()), settings.capacities(),
+                                   window_s=settings.autoscale_window_s)
 
     async def start(self) -> None:
         self.view.set_workers(await self._registry.list())
@@ -57,11 +58,7 @@ class AutoscalerService:
         await self.refresh()
         now = time.time()
         plan = self.scaling.plan(now, self.view.status(now).workers)
-        if plan.flips:
-            log.info("scaling: %s → flipping %s", plan.reason,
-                     ", ".join(f"{f.worker_id} to {f.to_role}" for f in plan.flips))
-        else:
-            log.info("scaling: %s", plan.reason)
+        log.info("scaling: %s", plan.describe())
         actions = [await self._flip(f) for f in plan.flips]
         self.scaling.record(plan, actions)
         return plan

@@ -70,6 +70,11 @@ class RatioAutoscaler:
         return ScalingDecision(inp.num_prefill + flips, inp.num_decode - flips, flips,
                                f"prefill share {share:.2f} wanted, have {current_share:.2f}")
 
+    def hold(self, now_s: float) -> None:
+        """A change is still being carried out (workers draining, flipping): the cooldown counts
+        from when it is done, not from when it was decided."""
+        self._last_change_s = now_s
+
     def _fewest_prefill(self, total: int) -> int:
         cfg = self.cfg
         return max(cfg.min_prefill, total - cfg.max_decode) if cfg.max_decode is not None else cfg.min_prefill

@@ -53,15 +53,17 @@ class Demand:
 
 
 def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[WorkerSample]) -> Demand:
-    """Token rates between two samples of the same workers. A worker seen only once, one whose role
-    changed in between (its tokens cannot be attributed) or whose counters went backwards (a
-    restart under the same id) contributes nothing; the interval is the longest any worker's
-    counters covered, so rates are not inflated by a worker that reported twice quickly."""
+    """Token rates between two samples of the same workers. A worker seen only once or whose
+    counters went backwards (a restart under the same id) contributes nothing. The counters are
+    the engine's, so they span a role flip: prompt tokens computed are prefill work in either
+    role, output tokens count as decode work only if the worker decoded at both ends. The interval
+    is the longest any worker's counters covered, so rates are not inflated by a worker that
+    reported twice quickly."""
     prefill = decode = backlog_growth = 0.0
     interval = 0.0
     for now in current:
         before = previous.get(now.worker_id)
-        if before is None or before.role != now.role or now.timestamp <= before.timestamp:
+        if before is None or now.timestamp <= before.timestamp:
             continue
         computed = (now.num_prompt_tokens - now.num_cached_prompt_tokens) \
             - (before.num_prompt_tokens - before.num_cached_prompt_tokens)
@@ -71,7 +73,7 @@ def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[Worke
         interval = max(interval, now.timestamp - before.timestamp)
         prefill += computed
         backlog_growth += now.num_queued_prefill_tokens - before.num_queued_prefill_tokens
-        if now.role == DECODE:
+        if now.role == DECODE and before.role == DECODE:
             decode += generated  # a prefill worker's one sampled token per prompt is not decode work
     if interval <= 0:
         return Demand(0.0, 0.0, 0.0)

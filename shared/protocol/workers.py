@@ -132,8 +132,10 @@ class ScalingDecisionRecord(WireModel):
     num_decode: int = Field(ge=0)
     target_prefill: int = Field(ge=0)
     target_decode: int = Field(ge=0)
-    prefill_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0           # demand measured over the tick
     decode_tokens_per_s: float = 0.0
+    prefill_capacity_tokens_per_s: float = 0.0  # one worker's, as the policy was told
+    decode_capacity_tokens_per_s: float = 0.0
     actions: list[ScalingAction] = Field(default_factory=list)
 
 
@@ -141,7 +143,8 @@ class ScalingStatus(WireModel):
     enabled: bool
     last_reason: str = ""  # the latest tick's, acting or not
     last_tick_at: float | None = None
-    recent: list[ScalingDecisionRecord] = Field(default_factory=list)  # newest last
+    last_decision: ScalingDecisionRecord | None = None  # the latest the policy made, acting or not
+    recent: list[ScalingDecisionRecord] = Field(default_factory=list)  # those that acted, newest last
 
 
 class ClusterStatusResult(WireModel):

@@ -21,10 +21,12 @@ pytest.importorskip("nixl_cu12._api")
 
 pytestmark = pytest.mark.slow
 
-# Small interval and cooldown so the test sees decisions soon; a decode capacity low enough that a
-# decode-heavy mix never asks for a prefill worker, whatever prefill rate the workers measure.
-AUTOSCALE = {"autoscale": True, "autoscale_interval_s": 2.0, "autoscale_cooldown_s": 6.0,
-             "min_prefill_workers": 0, "min_decode_workers": 1, "decode_capacity_tokens_per_s": 50.0}
+# Small interval, window and cooldown so the test sees decisions soon.
+# On a small shared CPU the workers measure prefill rates of tens of tokens per second and decode a
+# few tokens per second; the decode capacity is set to match, so that either mix is clear-cut.
+AUTOSCALE = {"autoscale": True, "autoscale_interval_s": 2.0, "autoscale_window_s": 10.0,
+             "autoscale_cooldown_s": 6.0, "min_prefill_workers": 0, "min_decode_workers": 1,
+             "decode_capacity_tokens_per_s": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ def short(i: int) -> tuple[str, int]:
 
 
 def long(i: int) -> tuple[str, int]:
-    return f"Document {i}. " + LONG_DOC * 2 + " The document above is about", 2
+    return f"Document {i}. " + LONG_DOC * 2 + " The document above is about", 1
 
 
 def check(outcomes, engine) -> None:
@@ -105,9 +107,10 @@ def check(outcomes, engine) -> None:
 
 def test_a_shift_to_long_prompts_flips_a_decode_worker_to_prefill_and_back(stack, client, engine):
     load = Load(client, short)
-    wait_for(lambda: scaling(stack)["last_reason"].startswith("balanced"), 120,
-             "a decision on the decode-heavy mix")
-    assert scaling(stack)["recent"] == [] and all(r == "decode" for r, _ in roles(stack).values())
+    wait_for(lambda: len(load.outcomes) >= 4 and (d := scaling(stack)["last_decision"]) and d["decode_tokens_per_s"] > 0
+             and d["reason"].startswith("balanced"), 240, "a decision on the decode-heavy mix")
+    assert scaling(stack)["recent"] == [], scaling(stack)["recent"]
+    assert all(r == "decode" for r, _ in roles(stack).values())
     check(load.stop(), engine)
 
     load = Load(client, long)
@@ -126,4 +129,4 @@ def test_a_shift_to_long_prompts_flips_a_decode_worker_to_prefill_and_back(stack
     wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("decode", "ready"), 120,
              f"{flip['worker_id']} serving as decode again")
     check(load.stop(), engine)
-    assert any("scaling: prefill share" in l and "flipping" in l for l in stack.lines), "the decision's log line"
+    assert any("scaling:" in l and "prefill share" in l and "flipping" in l for l in stack.lines), "the log line"

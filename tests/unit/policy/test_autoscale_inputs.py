@@ -37,8 +37,13 @@ def test_backlog_growth_counts_as_prefill_demand_and_shrinking_does_not_go_negat
     assert shrank.prefill_tokens_per_s == 500  # computed 500; the backlog shrinking is not demand
 
 
+def test_across_a_flip_prompt_tokens_count_as_prefill_work_and_output_tokens_not_as_decode():
+    before = by_id(sample("d1", t=0, prompt=100, generated=100))
+    flipped = measure_demand(before, [sample("d1", role="prefill", t=2, prompt=900, generated=150)])
+    assert flipped == Demand(prefill_tokens_per_s=400.0, decode_tokens_per_s=0.0, interval_s=2)
+
+
 @pytest.mark.parametrize("after, why", [
-    (sample("d1", role="prefill", t=2, prompt=900, generated=900), "role changed: not attributable"),
     (sample("d1", t=2, prompt=10, generated=0), "counters went back: a restart"),
     (sample("d1", t=0, prompt=900, generated=900), "no time passed"),
     (sample("d9", t=2, prompt=900, generated=900), "seen once"),

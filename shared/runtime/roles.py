@@ -108,14 +108,16 @@ class RoleRunner:
                   publish_kv_events: Callable[[asyncio.Queue[SequencedEvent]], Awaitable[None]]) -> None:
         """Serve ``first``, flip as asked, and return (deregistered) once ``stop`` is set or a
         drain was asked for."""
-        role = await self._make(first)
-        await warm_up(role)
-        await self._bus.serve(self._subjects.control(self.worker_id), self.control)
-        await role.start()
-        heartbeat = asyncio.create_task(self._registry.heartbeat(lambda: self.role.info()))
-        loops = [asyncio.create_task(c) for c in (self._publish_load_forever(), publish_kv_events(kv_events))]
-        stopping = asyncio.create_task(stop.wait())
+        tasks: list[asyncio.Task] = []
         try:
+            role = await self._make(first)
+            await warm_up(role)
+            await self._bus.serve(self._subjects.control(self.worker_id), self.control)
+            await role.start()
+            heartbeat = asyncio.create_task(self._registry.heartbeat(lambda: self.role.info()))
+            stopping = asyncio.create_task(stop.wait())
+            tasks = [heartbeat, stopping, *(asyncio.create_task(c) for c in (
+                self._publish_load_forever(), publish_kv_events(kv_events)))]
             while True:
                 woken = asyncio.create_task(self._wake.wait())
                 await asyncio.wait([stopping, woken], return_when=asyncio.FIRST_COMPLETED)
@@ -131,7 +133,7 @@ class RoleRunner:
             await asyncio.gather(heartbeat, return_exceptions=True)
             await self._registry.delete(self.worker_id)
         finally:
-            for task in (heartbeat, stopping, *loops):
+            for task in tasks:
                 task.cancel()
             if self._role_bus is not None:
                 await self._role_bus.close()

@@ -130,11 +130,15 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
         if role == "prefill" and roles.open_transfer() is None:  # a prefill worker is useless without it
             raise TransferUnavailable(f"a prefill worker needs a KV transfer: {roles.transfer_error}")
         events: asyncio.Queue = asyncio.Queue()
-        await start_kv_events(bus, settings, engine, events)
+
+        async def warm_up(first: RoleWorker) -> None:
+            await first.warm_up()
+            await start_kv_events(bus, settings, engine, events)  # the warm-up's blocks are not announced
+
         runner = RoleRunner(settings.worker_id, bus=bus, registry=registry, subjects=subjects, factory=roles,
                             connect=lambda name: Bus.connect(settings.nats_url, name),
                             load_interval_s=settings.load_interval_s)
-        await runner.run(role, stop, warm_up=lambda r: r.warm_up(), kv_events=events,
+        await runner.run(role, stop, warm_up=warm_up, kv_events=events,
                          publish_kv_events=lambda q: publish_kv_events_forever(
                              bus, subjects.kv_events(settings.worker_id), settings.worker_id, q))
     finally:

@@ -1,4 +1,4 @@
-"""``tandem autoscaler``: the cluster view (registry + load) that ``/status`` shows."""
+"""``tandem autoscaler``: the cluster view that ``/status`` shows, and (``--autoscale``) role flips."""
 
 import sys
 
@@ -7,7 +7,7 @@ from shared.runtime.command import register_service, run_as_main
 
 
 def register(subparsers) -> None:
-    register_service(subparsers, "autoscaler", "run the autoscaler (first version: aggregates worker load into the cluster view)",
+    register_service(subparsers, "autoscaler", "run the autoscaler (the cluster view; with --autoscale, flips workers between decode and prefill as the load shifts)",
                      AutoscalerSettings, "services.autoscaler.service:run")
 
 

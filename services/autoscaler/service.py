@@ -1,5 +1,7 @@
-"""autoscaler (first version): the cluster view — registry plus latest load of every worker —
-served on the cluster-status subject for the gateway's ``/status``. Scaling policy comes later."""
+"""autoscaler: the cluster view — registry plus latest load of every worker — served on the
+cluster-status subject for the gateway's ``/status``; and, with ``--autoscale``, every tick the
+policy's decision on the prefill/decode split, carried out by flipping workers over their control
+subjects (``shared.cluster.scaling`` decides; this module only reads and sends)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,13 @@ import asyncio
 import logging
 import time
 
-from shared.bus import Bus, WorkerRegistry
+from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.cluster.scaling import Autoscaling, ScalingPlan
 from shared.cluster.view import ClusterView
-from shared.protocol import ClusterStatusRequest, ClusterStatusResult, PrefillQueueStatus, Subjects, WorkerLoad
+from shared.policy.autoscale import RatioAutoscaler
+from shared.policy.autoscale_inputs import Flip
+from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, ControlRequest, PrefillQueueStatus,
+                             ScalingAction, Subjects, WorkerLoad)
 from shared.runtime.service import every, run_bus_service
 from services.autoscaler.config import AutoscalerSettings
 
@@ -23,6 +29,8 @@ class AutoscalerService:
         self._bus = bus
         self._registry = registry
         self.view = ClusterView()
+        self.scaling = Autoscaling(RatioAutoscaler(settings.autoscale_config()), settings.capacities(),
+                                   window_s=settings.autoscale_window_s)
 
     async def start(self) -> None:
         self.view.set_workers(await self._registry.list())
@@ -33,7 +41,8 @@ class AutoscalerService:
         self.view.update_load(load, time.time())
 
     async def status(self, request: ClusterStatusRequest) -> ClusterStatusResult:
-        result = self.view.status(time.time())
+        result = self.view.status(time.time()).model_copy(
+            update={"scaling": self.scaling.status(self._settings.autoscale)})
         s = self._subjects
         levels = [await self._bus.consumer_info(s.prefill_stream, name) for name in s.prefill_consumers()]
         if None in levels:
@@ -48,8 +57,33 @@ class AutoscalerService:
     async def refresh(self) -> None:
         self.view.set_workers(await self._registry.list())
 
+    async def tick(self) -> ScalingPlan:
+        """Decide on fresh registry states, flip the chosen workers, record what happened."""
+        await self.refresh()
+        now = time.time()
+        plan = self.scaling.plan(now, self.view.status(now).workers)
+        log.info("scaling: %s", plan.describe())
+        actions = [await self._flip(f) for f in plan.flips]
+        self.scaling.record(plan, actions)
+        return plan
+
+    async def _flip(self, flip: Flip) -> ScalingAction:
+        try:
+            result = await self._bus.request(self._subjects.control(flip.worker_id),
+                                             ControlRequest(action="flip", role=flip.to_role),
+                                             timeout_s=self._settings.control_timeout_s)
+        except ServiceError as exc:
+            log.warning("flip of %s to %s refused: %s", flip.worker_id, flip.to_role, exc.message)
+            return ScalingAction(kind="flip", worker_id=flip.worker_id, role=flip.to_role, ok=False,
+                                 message=exc.message)
+        return ScalingAction(kind="flip", worker_id=flip.worker_id, role=flip.to_role, ok=True,
+                             message=f"{result.state}, {result.num_in_flight} in flight")
+
     async def run_forever(self) -> None:
-        await every(self._settings.refresh_interval_s, self.refresh, "registry refresh")
+        loops = [every(self._settings.refresh_interval_s, self.refresh, "registry refresh")]
+        if self._settings.autoscale:
+            loops.append(every(self._settings.autoscale_interval_s, self.tick, "autoscaling tick"))
+        await asyncio.gather(*loops)
 
 
 async def run(settings: AutoscalerSettings, stop: asyncio.Event) -> None:

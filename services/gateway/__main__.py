@@ -3,12 +3,13 @@
 import argparse
 import json
 import sys
+import time
 
 from pydantic import Field
 
 from services.gateway.config import GatewaySettings
 from shared.protocol.base import WireModel
-from shared.protocol.workers import ClusterStatusResult, WorkerLoad, WorkerStatus
+from shared.protocol.workers import ClusterStatusResult, ScalingStatus, WorkerLoad, WorkerStatus
 from shared.runtime.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
@@ -66,7 +67,24 @@ def format_status(page: StatusPage) -> str:
     lines.extend(_worker_line(w) for w in page.workers)
     if not page.workers:
         lines.append("(no workers registered)")
+    if page.scaling is not None:
+        lines.extend(_scaling_lines(page.scaling))
     return "\n".join(lines)
+
+
+def _scaling_lines(scaling: ScalingStatus) -> list[str]:
+    """The autoscaler's latest reason and its recent decisions, newest last, with what was done."""
+    if not scaling.enabled:
+        return ["autoscaling: off"]
+    lines = [f"autoscaling: on; last tick: {scaling.last_reason or '-'}"]
+    for r in scaling.recent[-5:]:
+        done = "; ".join(f"{a.kind} {a.worker_id} to {a.role}: {'ok' if a.ok else 'failed'}"
+                         + (f" ({a.message})" if a.message else "") for a in r.actions) or "nothing done"
+        when = time.strftime("%H:%M:%S", time.localtime(r.timestamp))
+        lines.append(f"  {when} prefill {r.num_prefill}->{r.target_prefill}, decode {r.num_decode}->"
+                     f"{r.target_decode} ({r.prefill_tokens_per_s:.0f} prompt tok/s, {r.decode_tokens_per_s:.0f} "
+                     f"output tok/s): {r.reason}; {done}")
+    return lines
 
 
 def _worker_line(status: WorkerStatus) -> str:

@@ -21,7 +21,7 @@ import time
 from shared.bus import Bus, QueueMessage, WorkerRegistry
 from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineError, SamplingParams
-from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest, Subjects,
+from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest,
                              WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
 from shared.telemetry.metrics import RecentMean
@@ -45,14 +45,15 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def __init__(self, settings: PrefillSettings, bus: Bus, registry: WorkerRegistry, engine: AsyncEngine,
-                 transfer: KvTransfer, store: MetadataStore) -> None:
-        super().__init__(settings, bus, registry, engine)
+                 transfer: KvTransfer, store: MetadataStore, **kw) -> None:
+        super().__init__(settings, bus, registry, engine, **kw)
         self.transfer = transfer
         self._store = store
         self._prefill_time = RecentMean(10.0)
         self._slots = asyncio.Semaphore(settings.max_concurrent_prefills)
         self._tasks: set[asyncio.Task] = set()
         self._queues: PrefillQueues | None = None
+        self._loops: list[asyncio.Task] = []  # the puller first
         self.num_requests_total = 0
         self.num_written = 0
         self.num_dropped = 0
@@ -67,20 +68,18 @@ class PrefillWorker(EngineWorker):
 
     async def start(self) -> None:
         s, cfg = self._subjects, self._settings
-        await self.start_kv_events()
         await self._bus.ensure_stream(s.prefill_stream, [s.prefill_queue_all().subject],
                                       max_age_s=cfg.queue_max_age_s, max_msgs=cfg.queue_max_msgs, work_queue=True)
         self._queues = await PrefillQueues.open(self._bus, s, ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver,
                                                 max_skips=cfg.max_priority_skips)
-        await self._bus.serve(s.control(self.worker_id), self.control)
         self.state = "ready"
+        self._loops = [asyncio.create_task(c) for c in (self.pull_forever(), self.progress_forever())]
         await self._registry.put(self.info())
+        log.info("prefill worker %s ready (model %s, %d KV blocks, up to %d prompts at once)", self.worker_id,
+                 cfg.model, self.engine.stats().num_blocks_total, cfg.max_concurrent_prefills)
 
     async def control(self, request: ControlRequest) -> ControlResult:
-        if request.action in ("drain", "stop"):
-            self.drain_requested.set()
-        state = "draining" if self.drain_requested.is_set() else self.state
-        return ControlResult(worker_id=self.worker_id, state=state, num_in_flight=len(self._tasks))
+        return ControlResult(worker_id=self.worker_id, state=self.state, num_in_flight=len(self._tasks))
 
     # -- the queue --------------------------------------------------------------------------------
     async def pull_forever(self) -> None:
@@ -209,10 +208,12 @@ class PrefillWorker(EngineWorker):
                 log.debug("unexpected KV notification from %s ignored", note.peer)
             await asyncio.sleep(0.01)
 
-    async def drain(self, heartbeat: asyncio.Task, puller: asyncio.Task) -> None:
+    async def drain(self) -> None:
         """Take no new messages, finish the prefills in flight (unfinished ones are redelivered)."""
         self.state = "draining"
         await self._registry.put(self.info())
+        log.info("draining %d in-flight prefills", len(self._tasks))
+        puller = self._loops[0]
         puller.cancel()
         await asyncio.gather(puller, return_exceptions=True)
         await self._queues.close()
@@ -222,41 +223,12 @@ class PrefillWorker(EngineWorker):
                 task.cancel()
             if left:
                 log.warning("drain timeout: %d prefills cut off (they will be redelivered)", len(left))
-        heartbeat.cancel()
-        await asyncio.gather(heartbeat, return_exceptions=True)
-        await self._registry.delete(self.worker_id)
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
 
 
 async def run(settings: PrefillSettings, stop: asyncio.Event) -> None:
-    from shared.transfer.nats_metadata import NatsMetadataStore
-    from shared.transfer.nixl import NixlTransfer
+    from services.worker.process import run_worker
 
-    transfer = NixlTransfer(settings.worker_id)  # TransferUnavailable: a prefill worker is useless without it
-    log.info("loading %s", settings.model)
-    engine = await asyncio.to_thread(AsyncEngine.start, settings.engine_config())
-    transfer.register_kv_pool(engine.engine.kv_cache, engine.engine.kv_spec)
-    bus = await Bus.connect(settings.nats_url, settings.worker_id)
-    subjects = Subjects(settings.namespace)
-    tasks: list[asyncio.Task] = []
-    try:
-        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s)
-        store = await NatsMetadataStore.open(bus, subjects.nixl_bucket)
-        worker = PrefillWorker(settings, bus, registry, engine, transfer, store)
-        await worker.warm_up()
-        await worker.start()
-        tasks = [asyncio.create_task(c) for c in (
-            registry.heartbeat(worker.info), worker.pull_forever(), worker.publish_load_forever(),
-            worker.publish_kv_events_forever(), worker.progress_forever())]
-        log.info("prefill worker %s ready (model %s, %d KV blocks, up to %d prompts at once)", worker.worker_id,
-                 settings.model, engine.stats().num_blocks_total, settings.max_concurrent_prefills)
-        drain = asyncio.create_task(worker.drain_requested.wait())
-        await asyncio.wait([asyncio.create_task(stop.wait()), drain], return_when=asyncio.FIRST_COMPLETED)
-        log.info("draining %d in-flight prefills", len(worker._tasks))
-        await worker.drain(heartbeat=tasks[0], puller=tasks[1])
-    finally:
-        for task in tasks:
-            task.cancel()
-        await bus.close()
-        await asyncio.to_thread(engine.shutdown)
-        transfer.close()
-        log.info("stopped")
+    await run_worker(settings, stop)

@@ -1,5 +1,5 @@
-"""``tandem control WORKER``: drain a worker, or change a decode worker's disaggregation thresholds
-at run time, over its control subject."""
+"""``tandem control WORKER``: drain a worker, flip it between decode and prefill, or change a decode
+worker's disaggregation thresholds at run time, over its control subject."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import os
 
-HELP = "send a control request to one worker (drain it, or set its remote-prefill thresholds)"
+HELP = "send a control request to one worker (drain it, flip its role, or set its remote-prefill thresholds)"
 
 
 def register(subparsers) -> None:
@@ -21,6 +21,8 @@ def register(subparsers) -> None:
     parser.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
                         help="subject namespace (env TANDEM_NAMESPACE, default %(default)s)")
     parser.add_argument("--drain", action="store_true", help="finish in-flight work and leave")
+    parser.add_argument("--flip", choices=("decode", "prefill"), default=None,
+                        help="finish in-flight work, then serve this role in the same process (no reload)")
     parser.add_argument("--max-local-prefill-tokens", type=int, default=None,
                         help="prefill locally up to this many uncached prompt tokens (0: all remote)")
     parser.add_argument("--max-prefill-queue", type=int, default=None,
@@ -37,10 +39,11 @@ def main(args: argparse.Namespace) -> int:
     from shared.telemetry.redact import redact_url
 
     configure = args.max_local_prefill_tokens is not None or args.max_prefill_queue is not None
-    if args.drain and configure:
-        raise CliError("--drain cannot be combined with threshold changes")
+    if sum((args.drain, configure, args.flip is not None)) > 1:
+        raise CliError("--drain, --flip and threshold changes are one request each")
+    action = "drain" if args.drain else "flip" if args.flip else "configure" if configure else "status"
     try:
-        request = ControlRequest(action="drain" if args.drain else "configure" if configure else "status",
+        request = ControlRequest(action=action, role=args.flip,
                                  max_local_prefill_tokens=args.max_local_prefill_tokens,
                                  max_prefill_queue=args.max_prefill_queue)
         endpoint = Subjects(args.namespace).control(args.worker_id)

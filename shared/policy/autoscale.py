@@ -20,6 +20,8 @@ class AutoscaleConfig:
     min_prefill: int = 1
     min_decode: int = 1
     max_flips_per_tick: int = 4
+    max_prefill: int | None = None  # None: as many as the fleet has after min_decode
+    max_decode: int | None = None   # None: as many as the fleet has after min_prefill
 
 
 @dataclass(frozen=True)
@@ -56,14 +58,31 @@ class RatioAutoscaler:
         if need_p + need_d <= 0:
             return _why(keep, "no load")
         share = need_p / (need_p + need_d)
-        target_p = min(max(round(share * total), self.cfg.min_prefill), total - self.cfg.min_decode)
+        fewest, most = self._fewest_prefill(total), self._most_prefill(total)
+        target_p = min(max(round(share * total), fewest), most)
         current_share = inp.num_prefill / max(total, 1)
-        if target_p == inp.num_prefill or abs(share - current_share) < self.cfg.hysteresis * max(current_share, 1 / total):
+        is_within_bounds = fewest <= inp.num_prefill <= most  # outside them, hysteresis does not hold a change back
+        if target_p == inp.num_prefill or (is_within_bounds and abs(share - current_share)
+                                           < self.cfg.hysteresis * max(current_share, 1 / total)):
             return _why(keep, f"balanced (prefill share {share:.2f} vs {current_share:.2f})")
         flips = max(min(target_p - inp.num_prefill, self.cfg.max_flips_per_tick), -self.cfg.max_flips_per_tick)
         self._last_change_s = inp.now_s
         return ScalingDecision(inp.num_prefill + flips, inp.num_decode - flips, flips,
                                f"prefill share {share:.2f} wanted, have {current_share:.2f}")
+
+    def hold(self, now_s: float) -> None:
+        """A change is still being carried out (workers draining, flipping): the cooldown counts
+        from when it is done, not from when it was decided."""
+        self._last_change_s = now_s
+
+    def _fewest_prefill(self, total: int) -> int:
+        cfg = self.cfg
+        return max(cfg.min_prefill, total - cfg.max_decode) if cfg.max_decode is not None else cfg.min_prefill
+
+    def _most_prefill(self, total: int) -> int:
+        cfg = self.cfg
+        most = total - cfg.min_decode
+        return min(most, cfg.max_prefill) if cfg.max_prefill is not None else most
 
 
 def _why(d: ScalingDecision, reason: str) -> ScalingDecision:

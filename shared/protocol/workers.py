@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.protocol.base import WireModel, WorkerId
 from shared.protocol.prefill import PrefillQueueStatus
@@ -55,6 +55,7 @@ class WorkerLoad(WireModel):
     num_requests_aborted: int = Field(0, ge=0)
     num_prompt_tokens_total: int = Field(0, ge=0)
     num_generated_tokens_total: int = Field(0, ge=0)
+    num_cached_prompt_tokens_total: int = Field(0, ge=0)  # of num_prompt_tokens_total, served from the cache
     # disaggregated prefill (decode: requests whose prompt was prefilled remotely / locally, remote
     # attempts that fell back to a local prefill; prefill: requests written / dropped)
     num_remote_prefills: int = Field(0, ge=0)
@@ -77,16 +78,27 @@ class WorkerLoad(WireModel):
 class ControlRequest(WireModel):
     """``drain``/``stop``: finish in-flight work and leave. ``configure``: change the decode
     worker's conditional-disaggregation thresholds (fields left None keep their value).
-    ``status``: change nothing, report."""
+    ``status``: change nothing, report. ``flip``: take no new work, finish what is in flight, then
+    serve as ``role`` in the same process (same engine, same weights) and register again; the
+    reply comes at once (state ``draining``), the registry shows when the flip is done."""
 
-    action: Literal["drain", "stop", "configure", "status"]
+    action: Literal["drain", "stop", "configure", "status", "flip"]
     max_local_prefill_tokens: int | None = Field(None, ge=0)
     max_prefill_queue: int | None = Field(None, ge=0)
+    role: Role | None = None  # flip: the role to take
+
+    @model_validator(mode="after")
+    def _flip_names_a_role(self) -> "ControlRequest":
+        if (self.action == "flip") != (self.role is not None):
+            raise ValueError(f"role ({self.role}) is required with action flip and only there (action {self.action})")
+        return self
 
 
 class ControlResult(WireModel):
     worker_id: WorkerId
     state: WorkerState
+    role: Role | None = None          # the role it serves now (None: an older worker)
+    flipping_to: Role | None = None   # a flip is under way
     num_in_flight: int = Field(0, ge=0)
     max_local_prefill_tokens: int | None = None
     max_prefill_queue: int | None = None
@@ -102,7 +114,43 @@ class WorkerStatus(WireModel):
     load_age_s: float | None = None
 
 
+class ScalingAction(WireModel):
+    """One thing the autoscaler did to carry out a decision. Only ``flip`` today; adding and removing
+    worker processes will be further kinds (``worker_id`` then names the worker started or stopped)."""
+
+    kind: Literal["flip"]
+    worker_id: WorkerId
+    role: Role                 # flip: the role the worker was asked to take
+    ok: bool
+    message: str = ""
+
+
+class ScalingDecisionRecord(WireModel):
+    """One autoscaler tick that changed something (or tried to), with the policy's reason."""
+
+    timestamp: float
+    reason: str
+    num_prefill: int = Field(ge=0)
+    num_decode: int = Field(ge=0)
+    target_prefill: int = Field(ge=0)
+    target_decode: int = Field(ge=0)
+    prefill_tokens_per_s: float = 0.0           # demand measured over the tick
+    decode_tokens_per_s: float = 0.0
+    prefill_capacity_tokens_per_s: float = 0.0  # one worker's, as the policy was told
+    decode_capacity_tokens_per_s: float = 0.0
+    actions: list[ScalingAction] = Field(default_factory=list)
+
+
+class ScalingStatus(WireModel):
+    enabled: bool
+    last_reason: str = ""  # the latest tick's, acting or not
+    last_tick_at: float | None = None
+    last_decision: ScalingDecisionRecord | None = None  # the latest the policy made, acting or not
+    recent: list[ScalingDecisionRecord] = Field(default_factory=list)  # those that acted, newest last
+
+
 class ClusterStatusResult(WireModel):
     timestamp: float
     workers: list[WorkerStatus] = Field(default_factory=list)
     prefill_queue: PrefillQueueStatus | None = None  # None: no prefill queue exists (yet)
+    scaling: ScalingStatus | None = None  # None: an autoscaler without the field

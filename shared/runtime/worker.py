@@ -1,9 +1,13 @@
 """What every engine-running worker (decode, prefill) does besides its own job: warm up before it
-takes traffic, report its load, hand the engine's KV events to kv-index over JetStream."""
+takes traffic, report its load, hand the engine's KV events to kv-index over JetStream.
+
+The KV event stream and the load sequence belong to the process, not to a role: they outlive a
+role flip (``shared.runtime.roles``), so kv-index sees no gap and the cluster view no older ``seq``."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
@@ -79,14 +83,24 @@ def kv_event(ev: SequencedEvent):
     return AllBlocksClearedEvent(seq=ev.seq, timestamp=ev.timestamp)
 
 
+async def start_kv_events(bus: Bus, settings: EngineWorkerSettings, engine: AsyncEngine,
+                          events: asyncio.Queue[SequencedEvent]) -> None:
+    """The KV event stream exists, and the engine's events queue up in ``events`` for it."""
+    s = Subjects(settings.namespace)
+    await bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
+                            max_age_s=settings.events_max_age_s, max_msgs=settings.events_max_msgs)
+    engine.add_kv_event_sink(LoopSink(asyncio.get_running_loop(), events))
+
+
 class EngineWorker:
-    """The state and loops decode and prefill workers share. A subclass sets ``role`` and builds
-    its ``info()`` and ``load()`` from ``_info(...)`` and ``_load(...)``."""
+    """The state decode and prefill workers share. A subclass sets ``role`` and builds its
+    ``info()`` and ``load()`` from ``_info(...)`` and ``_load(...)``. ``load_seq``: the process's
+    load-report counter, shared by the roles it serves one after the other."""
 
     role: Role
 
     def __init__(self, settings: EngineWorkerSettings, bus: Bus, registry: WorkerRegistry,
-                 engine: AsyncEngine) -> None:
+                 engine: AsyncEngine, *, load_seq: itertools.count | None = None) -> None:
         self._settings = settings
         self._subjects = Subjects(settings.namespace)
         self._bus = bus
@@ -94,10 +108,8 @@ class EngineWorker:
         self.engine = engine
         self.worker_id = settings.worker_id
         self.state = "starting"
-        self.drain_requested = asyncio.Event()
-        self._events: asyncio.Queue[SequencedEvent] = asyncio.Queue()
         self._started_at = time.time()
-        self._load_seq = 0
+        self._load_seq = load_seq if load_seq is not None else itertools.count(1)
 
     def info(self) -> WorkerInfo:
         raise NotImplementedError
@@ -118,39 +130,22 @@ class EngineWorker:
 
     def _load(self, **fields) -> WorkerLoad:
         stats = self.engine.stats()
-        self._load_seq += 1
         return WorkerLoad(
-            worker_id=self.worker_id, role=self.role, seq=self._load_seq, timestamp=time.time(),
+            worker_id=self.worker_id, role=self.role, seq=next(self._load_seq), timestamp=time.time(),
             num_running=stats.num_running, num_waiting=stats.num_waiting,
             num_blocks_used=stats.num_blocks_used, num_blocks_total=stats.num_blocks_total,
             num_cached_blocks=stats.num_cached_blocks, num_held=stats.num_held, max_num_seqs=stats.max_num_seqs,
             num_prompt_tokens_total=stats.num_prompt_tokens,
             num_generated_tokens_total=stats.num_generated_tokens,
+            num_cached_prompt_tokens_total=stats.num_cached_prompt_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
             prefill_tokens_per_s=stats.prefill_tokens_per_s, **fields)
 
     async def warm_up(self) -> None:
         await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests)
 
-    async def start_kv_events(self) -> None:
-        """The KV event stream exists, and the engine's events queue up for it."""
-        s = self._subjects
-        await self._bus.ensure_stream(s.kv_events_stream, [s.kv_events_all().subject],
-                                      max_age_s=self._settings.events_max_age_s,
-                                      max_msgs=self._settings.events_max_msgs)
-        self.engine.add_kv_event_sink(LoopSink(asyncio.get_running_loop(), self._events))
-
     async def publish_load(self) -> None:
         try:
             await self._bus.publish(self._subjects.load(self.role, self.worker_id), self.load())
         except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
             log.warning("load report failed: %s", exc)
-
-    async def publish_load_forever(self) -> None:
-        while True:
-            await self.publish_load()
-            await asyncio.sleep(self._settings.load_interval_s)
-
-    async def publish_kv_events_forever(self) -> None:
-        await publish_kv_events_forever(self._bus, self._subjects.kv_events(self.worker_id), self.worker_id,
-                                        self._events)

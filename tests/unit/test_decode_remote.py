@@ -347,16 +347,21 @@ async def test_the_poller_delivers_notifications_and_ticks():
 
 
 async def test_without_nixl_the_decode_worker_says_so_and_prefills_locally(monkeypatch, caplog):
-    """No NIXL on the platform: no transfer, remote prefill off, and a log line saying why."""
+    """No NIXL on the platform: no transfer, remote prefill off, and a log line saying why; a flip to
+    prefill is refused (before anything drains) with the same reason."""
     import shared.transfer.nixl as nixl
     from services.decode.config import DecodeSettings
-    from services.decode.service import _open_transfer
+    from services.worker.process import WorkerRoles
+    from shared.bus import ServiceError
     from shared.transfer import TransferUnavailable
 
     def unavailable(*args, **kw):
         raise TransferUnavailable("NIXL is not importable on this platform (test)")
 
     monkeypatch.setattr(nixl, "NixlTransfer", unavailable)
+    roles = WorkerRoles(DecodeSettings(), engine=None, bus=None, registry=None)
     with caplog.at_level("WARNING"):
-        assert await _open_transfer(DecodeSettings(), bus=None, engine=None) == (None, None)
+        assert roles.open_transfer() is None
     assert "remote prefill OFF: NIXL is not importable" in caplog.text
+    with pytest.raises(ServiceError, match="NIXL is not importable"):
+        roles.check("prefill")

@@ -190,6 +190,20 @@ def test_status_table_reads_the_typed_page():
     assert empty.endswith("(no workers registered)")
 
 
+def test_status_shows_the_autoscalers_decisions_with_their_reasons():
+    page = StatusPage.model_validate({"timestamp": 1.0, "scaling": {
+        "enabled": True, "last_reason": "cooling down", "recent": [{
+            "timestamp": 0.0, "reason": "prefill share 0.97 wanted, have 0.00", "num_prefill": 0, "num_decode": 2,
+            "target_prefill": 1, "target_decode": 1, "prefill_tokens_per_s": 1500.4, "decode_tokens_per_s": 3.0,
+            "actions": [{"kind": "flip", "worker_id": "d2", "role": "prefill", "ok": True, "message": "draining"}]}]}})
+    lines = format_status(page).splitlines()
+    assert lines[-2] == "autoscaling: on; last tick: cooling down"
+    assert lines[-1].endswith("prefill 0->1, decode 2->1 (1500 prompt tok/s, 3 output tok/s): prefill share 0.97 "
+                              "wanted, have 0.00; flip d2 to prefill: ok (draining)")
+    off = StatusPage.model_validate({"timestamp": 1.0, "scaling": {"enabled": False}})
+    assert format_status(off).splitlines()[-1] == "autoscaling: off"
+
+
 async def test_every_keeps_going_after_a_failed_round():
     rounds: list[int] = []
     third = asyncio.Event()

@@ -7,7 +7,8 @@ from shared.protocol import (AdmissionDecision, AllBlocksClearedEvent, BlockRemo
                              BlockStoredEvent, CancelRequest, ClusterStatusRequest,
                              ClusterStatusResult, ControlRequest, ControlResult, ErrorReply,
                              GenerateRequest, KvEventBatch, KvMatchRequest, KvMatchResult,
-                             PrefillNotification, RemotePrefillRequest, SamplingParams, Subjects,
+                             PrefillNotification, RemotePrefillRequest, SamplingParams, ScalingAction,
+                             ScalingDecisionRecord, ScalingStatus, Subjects,
                              TokenChunk, TokenLogprob, TopLogprob,
                              WorkerInfo, WorkerLoad, WorkerOverlap, WorkerStatus)
 
@@ -43,6 +44,12 @@ EXAMPLES = [
     ControlResult(worker_id="decode-1", state="draining", num_in_flight=1),
     ClusterStatusRequest(),
     ClusterStatusResult(timestamp=3.0, workers=[WorkerStatus(info=INFO, load=LOAD, load_age_s=0.2)]),
+    ControlRequest(action="flip", role="prefill"),
+    ControlResult(worker_id="decode-1", state="draining", role="decode", flipping_to="prefill"),
+    ClusterStatusResult(timestamp=3.0, scaling=ScalingStatus(enabled=True, last_reason="cooling down", recent=[
+        ScalingDecisionRecord(timestamp=2.0, reason="prefill share 0.90 wanted, have 0.00", num_prefill=0,
+                              num_decode=2, target_prefill=1, target_decode=1, prefill_tokens_per_s=900.0,
+                              actions=[ScalingAction(kind="flip", worker_id="decode-1", role="prefill", ok=True)])])),
     ErrorReply(code="bad_request", message="bad", field="prompt_token_ids"),
 ]
 
@@ -50,6 +57,13 @@ EXAMPLES = [
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_json_round_trip(message):
     assert type(message).from_bytes(message.to_bytes()) == message
+
+
+def test_a_flip_names_its_role_and_only_a_flip_does():
+    with pytest.raises(ValidationError, match="role"):
+        ControlRequest(action="flip")
+    with pytest.raises(ValidationError, match="role"):
+        ControlRequest(action="drain", role="decode")
 
 
 def test_unknown_fields_are_ignored_and_models_are_frozen():

@@ -1,0 +1,151 @@
+"""A worker process (``tandem decode`` or ``tandem prefill``): load the model once, then serve the
+role it was started as, or the other one after a flip (``shared.runtime.roles``).
+
+The settings of the role a process was not started as are its engine settings (model, device, KV
+budget, worker id, timeouts...) with that role's own fields at their defaults (or ``TANDEM_``
+environment values). The NIXL agent is opened once, over the one KV pool, and serves both roles:
+a decode role is written into, a prefill role writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.disagg import RemotePrefills
+from shared.engine import AsyncEngine
+from shared.protocol import Subjects
+from shared.protocol.workers import Role
+from shared.runtime.engine_settings import EngineWorkerSettings
+from shared.runtime.roles import RoleRunner, RoleWorker
+from shared.runtime.worker import publish_kv_events_forever, start_kv_events
+from shared.transfer import TransferUnavailable
+from services.decode.config import DecodeSettings
+from services.decode.remote import RemotePrefiller
+from services.decode.service import DecodeWorker
+from services.prefill.config import PrefillSettings
+from services.prefill.service import PrefillWorker
+
+log = logging.getLogger(__name__)
+
+SETTINGS: dict[Role, type[EngineWorkerSettings]] = {"decode": DecodeSettings, "prefill": PrefillSettings}
+
+
+def role_of(settings: EngineWorkerSettings) -> Role:
+    return next(role for role, cls in SETTINGS.items() if isinstance(settings, cls))
+
+
+def settings_for(settings: EngineWorkerSettings, role: Role) -> EngineWorkerSettings:
+    """``settings`` if they are ``role``'s, else ``role``'s settings sharing their engine fields."""
+    cls = SETTINGS[role]
+    if isinstance(settings, cls):
+        return settings
+    common = settings.model_dump(include={*EngineWorkerSettings.model_fields, "worker_id"})
+    return cls(**common)
+
+
+class WorkerRoles:
+    """Builds the roles of one process around its engine; opens the KV transfer when a role first
+    needs it (a prefill role always, a decode role if remote prefill is on)."""
+
+    def __init__(self, settings: EngineWorkerSettings, engine: AsyncEngine, bus: Bus,
+                 registry: WorkerRegistry) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._bus = bus
+        self._registry = registry
+        self._subjects = Subjects(settings.namespace)
+        self.transfer = None
+        self.store = None
+        self.transfer_error: str | None = None
+
+    def check(self, role: Role) -> None:
+        if role == "prefill" and self.open_transfer() is None:
+            raise ServiceError("rejected", f"cannot serve prefill without a KV transfer: {self.transfer_error}")
+
+    async def make(self, role: Role, bus: Bus, load_seq: itertools.count) -> RoleWorker:
+        settings = settings_for(self._settings, role)
+        transfer = self.open_transfer() if role == "prefill" or settings.remote_prefill else None
+        if role == "prefill" and transfer is None:
+            raise TransferUnavailable(self.transfer_error or "no KV transfer")
+        if transfer is not None:
+            await self._publish_metadata()
+        if role == "prefill":
+            return PrefillWorker(settings, bus, self._registry, self._engine, transfer, self.store, load_seq=load_seq)
+        remote = None
+        if transfer is not None:
+            prefills = RemotePrefills(
+                worker_id=settings.worker_id, model=settings.model, engine=self._engine,
+                config=settings.disagg_config(), timeout_s=settings.remote_prefill_timeout_s,
+                write_timeout_s=settings.kv_write_timeout_s)
+            remote = RemotePrefiller(prefills, bus=bus, registry=self._registry, transfer=transfer,
+                                     subjects=self._subjects)
+        return DecodeWorker(settings, bus, self._registry, self._engine, remote, load_seq=load_seq)
+
+    def open_transfer(self):
+        """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""
+        if self.transfer is None and self.transfer_error is None:
+            from shared.transfer.nixl import NixlTransfer
+
+            try:
+                transfer = NixlTransfer(self._settings.worker_id)
+            except TransferUnavailable as exc:
+                log.warning("remote prefill OFF: %s (this worker cannot flip to prefill either)", exc)
+                self.transfer_error = str(exc)
+                return None
+            transfer.register_kv_pool(self._engine.engine.kv_cache, self._engine.engine.kv_spec)
+            self.transfer = transfer
+        return self.transfer
+
+    async def _publish_metadata(self) -> None:
+        """Prefill workers find this agent by worker id (decode role); a prefill role reads the
+        others' from the same bucket."""
+        from shared.transfer import publish_metadata
+        from shared.transfer.nats_metadata import NatsMetadataStore
+
+        if self.store is None:
+            self.store = await NatsMetadataStore.open(self._bus, self._subjects.nixl_bucket)
+            await publish_metadata(self.store, self._settings.worker_id, self.transfer)
+
+    async def withdraw_metadata(self) -> None:
+        if self.store is not None:
+            try:
+                await self.store.delete(self._settings.worker_id)
+            except Exception as exc:  # noqa: BLE001 — a stale entry only costs a failed write
+                log.warning("withdrawing NIXL metadata failed: %s", exc)
+
+
+async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> None:
+    role = role_of(settings)
+    log.info("loading %s", settings.model)
+    engine = await asyncio.to_thread(AsyncEngine.start, settings.engine_config())
+    bus = await Bus.connect(settings.nats_url, settings.worker_id)
+    subjects = Subjects(settings.namespace)
+    roles = None
+    try:
+        registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s, watch=True)
+        roles = WorkerRoles(settings, engine, bus, registry)
+        if role == "prefill" and roles.open_transfer() is None:  # a prefill worker is useless without it
+            raise TransferUnavailable(f"a prefill worker needs a KV transfer: {roles.transfer_error}")
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def warm_up(first: RoleWorker) -> None:
+            await first.warm_up()
+            await start_kv_events(bus, settings, engine, events)  # the warm-up's blocks are not announced
+
+        runner = RoleRunner(settings.worker_id, bus=bus, registry=registry, subjects=subjects, factory=roles,
+                            connect=lambda name: Bus.connect(settings.nats_url, name),
+                            load_interval_s=settings.load_interval_s)
+        await runner.run(role, stop, warm_up=warm_up, kv_events=events,
+                         publish_kv_events=lambda q: publish_kv_events_forever(
+                             bus, subjects.kv_events(settings.worker_id), settings.worker_id, q))
+    finally:
+        if roles is not None:
+            await roles.withdraw_metadata()
+        await bus.close()
+        await asyncio.to_thread(engine.shutdown)
+        if roles is not None and roles.transfer is not None:
+            roles.transfer.close()
+        log.info("stopped")

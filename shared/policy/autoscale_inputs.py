@@ -1,0 +1,118 @@
+"""From what the cluster reports to what the autoscaling policy takes, and from its decision to the
+workers that act on it. Pure: the autoscaler service feeds it two successive samples of every
+worker's cumulative counters, tests feed it numbers, the simulator its own window totals.
+
+Demand is measured, not predicted: prefill demand is the uncached prompt tokens the fleet computed
+per second (prompt minus cached-prefix tokens, summed over every worker: a remotely prefilled prompt
+is counted by the prefill worker that computed it, not again by its decode worker) plus the growth
+of the prefill backlog still queued on the workers (work that arrived but was not computed yet);
+decode demand is the output tokens decode workers produced per second. Capacity per worker is the
+measured prefill rate where workers report one, otherwise the configured figure; decode capacity
+is configured (a decode worker's reports show what it does, not what it could do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from shared.policy.autoscale import ScalingDecision, TickInput
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """One worker's latest report: cumulative engine counters at ``timestamp`` (its own clock)."""
+
+    worker_id: str
+    role: str                      # "decode" | "prefill"
+    is_ready: bool                 # registered ready (not starting, not draining)
+    timestamp: float
+    num_prompt_tokens: int         # cumulative, like the engine's counters
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+    num_queued_prefill_tokens: int = 0   # now, not cumulative
+    num_in_flight: int = 0               # running + waiting: what a flip would have to drain
+    prefill_tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Per-worker throughput used where nothing is measured (tokens per second)."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Demand:
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    interval_s: float  # the span the counters covered (0: nothing to compare yet)
+
+
+def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[WorkerSample]) -> Demand:
+    """Token rates between two samples of the same workers. A worker seen only once or whose
+    counters went backwards (a restart under the same id) contributes nothing. The counters are
+    the engine's, so they span a role flip: prompt tokens computed are prefill work in either
+    role, output tokens count as decode work only if the worker decoded at both ends. The interval
+    is the longest any worker's counters covered, so rates are not inflated by a worker that
+    reported twice quickly."""
+    prefill = decode = backlog_growth = 0.0
+    interval = 0.0
+    for now in current:
+        before = previous.get(now.worker_id)
+        if before is None or now.timestamp <= before.timestamp:
+            continue
+        computed = (now.num_prompt_tokens - now.num_cached_prompt_tokens) \
+            - (before.num_prompt_tokens - before.num_cached_prompt_tokens)
+        generated = now.num_generated_tokens - before.num_generated_tokens
+        if computed < 0 or generated < 0:
+            continue
+        interval = max(interval, now.timestamp - before.timestamp)
+        prefill += computed
+        backlog_growth += now.num_queued_prefill_tokens - before.num_queued_prefill_tokens
+        if now.role == DECODE and before.role == DECODE:
+            decode += generated  # a prefill worker's one sampled token per prompt is not decode work
+    if interval <= 0:
+        return Demand(0.0, 0.0, 0.0)
+    return Demand((prefill + max(backlog_growth, 0.0)) / interval, decode / interval, interval)
+
+
+def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], defaults: Capacities) -> TickInput:
+    """The policy's observations: ready workers per role, demand, and per-worker capacity (the mean
+    measured prefill rate of the workers reporting one, else ``defaults``)."""
+    samples = list(samples)
+    ready = [s for s in samples if s.is_ready]
+    rates = [s.prefill_tokens_per_s for s in samples if s.prefill_tokens_per_s]
+    prefill_capacity = sum(rates) / len(rates) if rates else defaults.prefill_tokens_per_s
+    return TickInput(now_s=now_s, num_prefill=sum(s.role == PREFILL for s in ready),
+                     num_decode=sum(s.role == DECODE for s in ready),
+                     prefill_tokens_per_s=demand.prefill_tokens_per_s,
+                     decode_tokens_per_s=demand.decode_tokens_per_s,
+                     prefill_capacity_tokens_per_s=prefill_capacity,
+                     decode_capacity_tokens_per_s=defaults.decode_tokens_per_s)
+
+
+@dataclass(frozen=True)
+class Flip:
+    worker_id: str
+    to_role: str
+
+
+def choose_flips(decision: ScalingDecision, samples: Iterable[WorkerSample]) -> list[Flip]:
+    """The workers that carry out ``decision.flips``: ready workers of the role giving workers up,
+    those with the least in flight first (they drain soonest), then by id (a stable choice)."""
+    if decision.flips == 0:
+        return []
+    source, target = (DECODE, PREFILL) if decision.flips > 0 else (PREFILL, DECODE)
+    candidates = sorted((s for s in samples if s.is_ready and s.role == source),
+                        key=lambda s: (s.num_in_flight, s.worker_id))
+    return [Flip(s.worker_id, target) for s in candidates[:abs(decision.flips)]]
+
+
+def in_transition(samples: Iterable[WorkerSample]) -> list[str]:
+    """Workers neither ready nor gone (starting, draining, flipping): while any is, a tick would
+    count the fleet wrong, so the autoscaler waits."""
+    return sorted(s.worker_id for s in samples if not s.is_ready)

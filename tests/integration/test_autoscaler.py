@@ -1,0 +1,132 @@
+"""The autoscaler acting on its own: two decode workers on the real SmolLM2; short prompts with long
+outputs leave the split alone, a shift to long prompts with short outputs makes the autoscaler flip
+a decode worker to prefill, and the shift back flips it back. Every request served meanwhile
+completes with the in-process reference's greedy text; the decisions show in ``/status``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from shared.runtime.stack import StackSpec
+from stack_helpers import cluster_status, running_stack, wait_for
+from test_role_flip import ENGINE, LONG_DOC, MODEL, engine, greedy, streamed  # noqa: F401 — fixture
+
+pytest.importorskip("nixl_cu12._api")
+
+pytestmark = pytest.mark.slow
+
+# Small interval, window and cooldown so the test sees decisions soon.
+# On a small shared CPU the workers measure prefill rates of tens of tokens per second and decode a
+# few tokens per second; the decode capacity is set to match, so that either mix is clear-cut.
+AUTOSCALE = {"autoscale": True, "autoscale_interval_s": 2.0, "autoscale_window_s": 10.0,
+             "autoscale_cooldown_s": 6.0, "min_prefill_workers": 0, "min_decode_workers": 1,
+             "decode_capacity_tokens_per_s": 2.0}
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, redis_server, tmp_path_factory):
+    spec = StackSpec(
+        state_dir=tmp_path_factory.mktemp("autoscale"), num_decode=2, model=MODEL, port=0,
+        namespace=f"a{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
+        registry_ttl_s=3.0, decode_flags={**ENGINE, "drain_timeout_s": 60})
+    with running_stack(spec, ready_timeout_s=300) as s:
+        passive = s.children.pop("autoscaler")  # the stack's own autoscaler only serves the view
+        passive.terminate()
+        assert passive.wait(30)
+        s.spawn("autoscaler", "autoscaler", {"nats_url": s.nats_url, "namespace": spec.namespace,
+                                             "registry_ttl_s": spec.registry_ttl_s, **AUTOSCALE})
+        wait_for(lambda: (cluster_status(s).get("scaling") or {}).get("enabled"), 60, "the acting autoscaler")
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+class Load:
+    """Requests from ``make(i)`` → (prompt, max_tokens), two at a time, until stopped; keeps every
+    outcome (text or exception) to check afterwards."""
+
+    def __init__(self, client, make) -> None:
+        self.outcomes: list[tuple[str, int, object]] = []
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(2)
+        self._futures = [self._pool.submit(self._loop, client, make, k) for k in range(2)]
+
+    def _loop(self, client, make, k: int) -> None:
+        i = k
+        while not self._stop.is_set():
+            prompt, max_tokens = make(i)
+            try:
+                outcome = streamed(client, prompt, max_tokens)
+            except Exception as exc:  # noqa: BLE001 — checked by the test
+                outcome = exc
+            self.outcomes.append((prompt, max_tokens, outcome))
+            i += 2
+
+    def stop(self) -> list[tuple[str, int, object]]:
+        self._stop.set()
+        for f in self._futures:
+            f.result(timeout=300)
+        return self.outcomes
+
+
+def scaling(stack) -> dict:
+    return cluster_status(stack)["scaling"]
+
+
+def roles(stack) -> dict[str, tuple[str, str]]:
+    return {w["info"]["worker_id"]: (w["info"]["role"], w["info"]["state"]) for w in cluster_status(stack)["workers"]}
+
+
+def flips_to(stack, role: str) -> list[dict]:
+    return [a for r in scaling(stack)["recent"] for a in r["actions"] if a["kind"] == "flip" and a["role"] == role]
+
+
+def short(i: int) -> tuple[str, int]:
+    return f"Story {i}: once upon a time, in a small village by the sea,", 48
+
+
+def long(i: int) -> tuple[str, int]:
+    return f"Document {i}. " + LONG_DOC * 2 + " The document above is about", 1
+
+
+def check(outcomes, engine) -> None:
+    assert outcomes, "no request completed"
+    for prompt, max_tokens, outcome in outcomes:
+        assert not isinstance(outcome, Exception), f"{prompt[:30]!r} failed: {outcome!r}"
+        assert outcome == greedy(engine, prompt, max_tokens), prompt[:30]
+
+
+def test_a_shift_to_long_prompts_flips_a_decode_worker_to_prefill_and_back(stack, client, engine):
+    load = Load(client, short)
+    wait_for(lambda: len(load.outcomes) >= 4 and (d := scaling(stack)["last_decision"]) and d["decode_tokens_per_s"] > 0
+             and d["reason"].startswith("balanced"), 240, "a decision on the decode-heavy mix")
+    assert scaling(stack)["recent"] == [], scaling(stack)["recent"]
+    assert all(r == "decode" for r, _ in roles(stack).values())
+    check(load.stop(), engine)
+
+    load = Load(client, long)
+    flip = wait_for(lambda: flips_to(stack, "prefill"), 180, "the autoscaler to flip a worker to prefill")[0]
+    assert flip["ok"], flip
+    record = scaling(stack)["recent"][-1]
+    assert (record["num_prefill"], record["target_prefill"], record["target_decode"]) == (0, 1, 1)
+    assert record["prefill_tokens_per_s"] > record["decode_tokens_per_s"]
+    wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("prefill", "ready"), 120,
+             f"{flip['worker_id']} serving as prefill")
+    check(load.stop(), engine)
+
+    load = Load(client, short)
+    back = wait_for(lambda: flips_to(stack, "decode"), 180, "the autoscaler to flip the worker back")[0]
+    assert back["ok"] and back["worker_id"] == flip["worker_id"], back
+    wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("decode", "ready"), 120,
+             f"{flip['worker_id']} serving as decode again")
+    check(load.stop(), engine)
+    assert any("scaling:" in l and "prefill share" in l and "flipping" in l for l in stack.lines), "the log line"

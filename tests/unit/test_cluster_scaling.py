@@ -1,0 +1,73 @@
+"""The autoscaler's tick without the bus: cluster view → plan → record, as ``tandem status`` shows it."""
+
+from shared.cluster.scaling import Autoscaling, worker_sample
+from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
+from shared.policy.autoscale_inputs import Capacities, Flip
+from shared.protocol import ScalingAction, WorkerInfo, WorkerLoad, WorkerStatus
+
+
+def status(worker_id, t, prompt=0, generated=0, role="decode", state="ready", load_role=None, running=0):
+    info = WorkerInfo(worker_id=worker_id, role=role, state=state, model="m", block_size=16, max_model_len=256,
+                      generate_subject="g")
+    load = WorkerLoad(worker_id=worker_id, role=load_role or role, seq=int(t) + 1, timestamp=t, num_running=running,
+                      num_prompt_tokens_total=prompt, num_generated_tokens_total=generated)
+    return WorkerStatus(info=info, load=load)
+
+
+def scaling(window_s=60.0):
+    return Autoscaling(RatioAutoscaler(AutoscaleConfig(cooldown_s=10, min_prefill=0, min_decode=1)),
+                       Capacities(prefill_tokens_per_s=1000, decode_tokens_per_s=100), window_s=window_s)
+
+
+def test_long_prompts_plan_a_flip_and_the_record_keeps_reason_rates_and_actions():
+    s = scaling()
+    first = s.plan(0.0, [status("d1", 0), status("d2", 0)])
+    assert first.decision is None and first.reason == "no load reports to compare yet"
+    plan = s.plan(2.0, [status("d1", 2, prompt=4000, generated=2, running=2),
+                        status("d2", 2, prompt=4000, generated=2)])
+    assert plan.decision.flips == 1 and plan.flips == (Flip("d2", "prefill"),)
+    record = s.record(plan, [ScalingAction(kind="flip", worker_id="d2", role="prefill", ok=True)])
+    assert (record.num_prefill, record.num_decode, record.target_prefill, record.target_decode) == (0, 2, 1, 1)
+    assert (record.prefill_tokens_per_s, record.decode_tokens_per_s) == (4000.0, 2.0)
+    assert record.reason == plan.reason and "prefill share" in record.reason
+    shown = s.status(enabled=True)
+    assert shown.recent == [record] and shown.last_reason == plan.reason and shown.last_tick_at == 2.0
+
+
+def test_no_decision_while_a_worker_is_flipping_and_quiet_ticks_are_not_recorded():
+    s = scaling()
+    s.plan(0.0, [status("d1", 0), status("d2", 0)])
+    waiting = s.plan(2.0, [status("d1", 2, prompt=4000), status("d2", 2, prompt=4000, state="draining")])
+    assert waiting.decision is None and waiting.reason.startswith("waiting for d2")
+    assert s.plan(4.0, [status("d1", 4, prompt=4000), status("d2", 4, prompt=4000)]).reason == "cooling down"
+    quiet = s.plan(20.0, [status("d1", 20, prompt=4000, generated=4000), status("d2", 20, prompt=4000, generated=4000)])
+    assert quiet.decision.flips == 0 and s.record(quiet, []) is None
+    assert s.status(enabled=True).recent == [] and s.status(enabled=True).last_reason.startswith("balanced")
+
+
+def test_the_cooldown_counts_from_when_the_flip_is_done():
+    s = scaling()
+    s.plan(0.0, [status("d1", 0), status("d2", 0)])
+    assert s.plan(2.0, [status("d1", 2, prompt=4000), status("d2", 2, prompt=4000)]).decision.flips == 1
+    for t in (4.0, 8.0, 14.0):  # d2 drains and flips for 12 s, longer than the cooldown
+        s.plan(t, [status("d1", t, prompt=4000), status("d2", t, prompt=4000, state="draining")])
+    busy = [status("d1", 16, prompt=4000, generated=4000), status("d2", 16, prompt=4000, role="prefill")]
+    assert s.plan(16.0, busy).reason == "cooling down"
+    later = [status("d1", 25, prompt=4000, generated=8000), status("d2", 25, prompt=4000, role="prefill")]
+    assert s.plan(25.0, later).decision.flips == -1
+
+
+def test_demand_is_measured_over_the_window_not_the_last_tick():
+    s = scaling(window_s=10.0)
+    s.plan(0.0, [status("d1", 0)])
+    s.plan(5.0, [status("d1", 5, prompt=1000)])
+    plan = s.plan(10.0, [status("d1", 10, prompt=1000, generated=100)])
+    assert (plan.tick.prefill_tokens_per_s, plan.tick.decode_tokens_per_s) == (100.0, 10.0)  # over 0..10
+    plan = s.plan(12.0, [status("d1", 12, prompt=1000, generated=120)])
+    assert (plan.tick.prefill_tokens_per_s, plan.tick.decode_tokens_per_s) == (0.0, 120 / 7)  # over 5..12
+    assert s.status(enabled=True).last_decision.decode_tokens_per_s == 120 / 7
+
+
+def test_a_report_from_the_role_before_a_flip_keeps_the_engines_counters():
+    sample = worker_sample(status("d2", 5, prompt=900, generated=900, role="prefill", load_role="decode"))
+    assert (sample.role, sample.timestamp, sample.num_prompt_tokens, sample.is_ready) == ("prefill", 5, 900, True)

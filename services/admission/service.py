@@ -96,14 +96,14 @@ class AdmissionService:
     def _observe(self, request: GenerateRequest, entry: WorkerEntry, workers: list[WorkerEntry],
                  choice: RoutingChoice, now: float) -> AdmissionInput:
         """What the Admitter needs, from the chosen worker's reports and the other workers' queues."""
-        tier = request.tier if request.tier in self.qos.tiers else self.qos.default_tier
+        tier = self.qos.resolve(request.tier)
         priority = self.qos.tiers[tier].priority
         prompt = len(request.prompt_token_ids)
         block_size = entry.info.block_size
         load = entry.load
         wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(
             num_running=load.num_running, max_num_seqs=load.max_num_seqs,
-            num_waiting_ahead=sum(n for p, n in load.num_waiting_by_priority.items() if p <= priority),
+            num_waiting_ahead=load.num_waiting_ahead(priority),
             mean_output_tokens=load.num_generated_tokens_total / load.num_requests_total, itl_s=load.itl_recent_s)
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,

@@ -12,6 +12,7 @@ import time
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.scaling import Autoscaling, ScalingPlan
 from shared.cluster.view import ClusterView
+from shared.disagg.prefill_queue import prefill_queue_levels
 from shared.policy.autoscale import RatioAutoscaler
 from shared.policy.autoscale_inputs import Flip
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, ControlRequest, PrefillQueueStatus,
@@ -43,9 +44,8 @@ class AutoscalerService:
     async def status(self, request: ClusterStatusRequest) -> ClusterStatusResult:
         result = self.view.status(time.time()).model_copy(
             update={"scaling": self.scaling.status(self._settings.autoscale)})
-        s = self._subjects
-        levels = [await self._bus.consumer_info(s.prefill_stream, name) for name in s.prefill_consumers()]
-        if None in levels:
+        levels = await prefill_queue_levels(self._bus, self._subjects)
+        if levels is None:
             return result
         queue = PrefillQueueStatus(num_pending=sum(c.num_pending for c in levels),
                                    num_ack_pending=sum(c.num_ack_pending for c in levels),

@@ -12,6 +12,7 @@ import time
 from shared.bus import Bus, WorkerRegistry
 from shared.cluster.workers import is_ready_worker
 from shared.disagg import RemotePrefill, RemotePrefills
+from shared.disagg.prefill_queue import prefill_queue_levels
 from shared.engine import SamplingParams
 from shared.protocol import GenerateRequest, Subjects
 from shared.transfer import KvTransfer
@@ -52,13 +53,12 @@ class RemotePrefiller:
     async def _queue_length(self) -> int | None:
         """Requests waiting in the prefill queue, all priority levels (not yet taken by a worker);
         None: no queue."""
-        s = self._subjects
         try:
-            states = [await self._bus.consumer_info(s.prefill_stream, name) for name in s.prefill_consumers()]
+            levels = await prefill_queue_levels(self._bus, self._subjects)
         except Exception as exc:  # noqa: BLE001 — NATS reconnecting: prefill locally meanwhile
             log.warning("prefill queue state unavailable (%s): prefilling locally", exc)
             return None
-        return None if None in states else sum(state.num_pending for state in states)
+        return None if levels is None else sum(level.num_pending for level in levels)
 
     async def poll_forever(self) -> None:
         """Drain the transfer's notifications and tick: often while requests wait for their KV,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from shared.bus import Bus, QueueMessage, WorkQueue
+from shared.bus import Bus, ConsumerState, QueueMessage, WorkQueue
 from shared.policy.prefill_queue import LevelPicker
 from shared.protocol import RemotePrefillRequest, Subjects
 from shared.protocol.subjects import NUM_PREFILL_LEVELS
@@ -14,6 +14,13 @@ log = logging.getLogger(__name__)
 
 _TAKE_TIMEOUT_S = 0.05   # a level that said it had messages answers at once
 _IDLE_WAIT_S = 0.2       # nothing waits anywhere: long-poll the top level this long, then look again
+
+
+async def prefill_queue_levels(bus: Bus, subjects: Subjects) -> list[ConsumerState] | None:
+    """Every priority level's consumer state, highest priority first; None if a level's consumer
+    (or the stream) does not exist. NATS failures raise."""
+    states = [await bus.consumer_info(subjects.prefill_stream, name) for name in subjects.prefill_consumers()]
+    return None if None in states else states
 
 
 class PrefillQueues:
@@ -36,9 +43,8 @@ class PrefillQueues:
 
     async def pending(self) -> list[int]:
         """Messages waiting (not yet delivered) at each level, highest priority first."""
-        states = [await self._bus.consumer_info(self._subjects.prefill_stream, name)
-                  for name in self._subjects.prefill_consumers()]
-        return [s.num_pending if s else 0 for s in states]
+        states = await prefill_queue_levels(self._bus, self._subjects)
+        return [s.num_pending for s in states] if states else [0] * NUM_PREFILL_LEVELS
 
     async def fetch(self, free: int) -> list[QueueMessage[RemotePrefillRequest]]:
         """Up to ``free`` messages, one pick at a time. When no level has anything waiting, waits

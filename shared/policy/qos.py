@@ -55,12 +55,13 @@ class QosConfig(BaseModel):
     def single(cls) -> "QosConfig":
         return cls(default_tier=DEFAULT_TIER, tiers={DEFAULT_TIER: QosTier(priority=0)})
 
-    def tier(self, name: str | None) -> QosTier:
-        """The named tier; None (or "") is the default tier. Unknown names raise KeyError."""
-        return self.tiers[name or self.default_tier]
-
     def resolve(self, name: str | None) -> str:
-        return name or self.default_tier
+        """The tier a request named ``name`` runs in: that tier if it is one of these, else the
+        default tier (None, "", or a tier another config knows)."""
+        return name if name in self.tiers else self.default_tier
+
+    def tier(self, name: str | None) -> QosTier:
+        return self.tiers[self.resolve(name)]
 
 
 def load_qos(path: str | Path | None) -> QosConfig:

@@ -72,7 +72,15 @@ class WorkerLoad(WireModel):
 
     def prefill_tokens_ahead(self, priority: int) -> int:
         """Tokens a new request of ``priority`` waits behind: its own priority and higher ones."""
-        return sum(n for p, n in self.queued_prefill_tokens.items() if p <= priority)
+        return _at_or_above(self.queued_prefill_tokens, priority)
+
+    def num_waiting_ahead(self, priority: int) -> int:
+        """Waiting requests a new request of ``priority`` queues behind."""
+        return _at_or_above(self.num_waiting_by_priority, priority)
+
+
+def _at_or_above(by_priority: dict[int, int], priority: int) -> int:
+    return sum(n for p, n in by_priority.items() if p <= priority)
 
 
 class ControlRequest(WireModel):

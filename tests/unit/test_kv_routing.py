@@ -76,8 +76,10 @@ def test_prefill_backlog_ahead_counts_own_and_higher_priorities_plus_unreported_
     v = ClusterView()
     v.set_workers([info("a")])
     v.update_load(WorkerLoad(worker_id="a", role="decode", seq=1, timestamp=10.0,
-                             queued_prefill_tokens={0: 100, 1: 40, 2: 1000}), now=10.0)
+                             queued_prefill_tokens={0: 100, 1: 40, 2: 1000},
+                             num_waiting_by_priority={0: 1, 2: 5}), now=10.0)
     entry = v.get("a")
+    assert (entry.load.num_waiting_ahead(1), entry.load.num_waiting_ahead(2)) == (1, 6)
     assert entry.prefill_tokens_ahead(priority=1, block_size=16, now=10.0) == 140
     assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=10.0) == 100
     v.note_admitted("a", 3, now=11.0)   # 3 blocks to prefill, priority unknown until reported

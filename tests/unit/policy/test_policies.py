@@ -104,6 +104,7 @@ def test_qos_file_the_issue_shape_loads(tmp_path):
     qos = load_qos(path)
     assert qos.tier(None).priority == 1 and qos.tier("premium").ttft_slo_s == 1.5
     assert qos.tier("batch").max_queued == 200 and qos.tier("standard").itl_slo_s is None
+    assert qos.resolve("premium") == "premium" and qos.resolve("gold") == qos.resolve(None) == "standard"
     assert load_qos(None) == QosConfig.single() and QosConfig.single().tier(None).ttft_slo_s is None
     assert parse_api_keys("k1:premium, k2", qos) == {"k1": "premium", "k2": "standard"}
 

@@ -303,17 +303,33 @@ def stream_completion(stack, prompt: str, max_tokens: int):
     conn.request("POST", "/v1/completions", json.dumps({
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
-    return conn.getresponse()
+    resp = conn.getresponse()
+    resp.connection = conn
+    return resp
+
+
+def stream_on(stack, worker_id: str, prompt: str, max_tokens: int, timeout_s: float = 30.0):
+    """A streamed completion admitted to ``worker_id``. A new idle worker wins the routing tie once
+    admission's view lists it, which can be a refresh (0.5 s) after it shows as ready in /status;
+    until then a stream that lands elsewhere is disconnected (the gateway cancels it) and sent again."""
+    def attempt():
+        resp = stream_completion(stack, prompt, max_tokens)
+        if resp.getheader("X-Tandem-Worker") == worker_id:
+            return resp
+        resp.connection.sock.shutdown(2)
+        resp.connection.close()
+        return None
+
+    return wait_for(attempt, timeout_s, f"a stream admitted to {worker_id}")
 
 
 def test_sigkilled_worker_mid_stream_is_replaced_and_leaves_registry_and_index(stack, client, engine):
-    # A worker of its own, named to win the tie among idle workers, so the stream lands on it.
+    # A worker of its own, named to win the tie among idle workers (stream_on waits until it does).
     victim, victim_id = spawn_ready_decode(stack, "decode-0-victim")
     migrations = metric(stack, "tandem_gateway_migrations_total")
     prompt = "Here is a long list of fruits and vegetables:"
     expected = in_process_greedy(engine, engine.tokenizer.encode(prompt), 40, ignore_eos=True)
-    resp = stream_completion(stack, prompt, 40)
-    assert resp.getheader("X-Tandem-Worker") == victim_id
+    resp = stream_on(stack, victim_id, prompt, 40)
     events = read_events(resp, 3)
     victim.kill()
     events += read_events(resp)
@@ -340,8 +356,7 @@ def test_sigkilled_worker_mid_stream_is_replaced_and_leaves_registry_and_index(s
 
 def test_sigterm_drains_in_flight_work_then_deregisters(stack, client):
     drained, drained_id = spawn_ready_decode(stack, "decode-0-drain")
-    resp = stream_completion(stack, "Tell a story:", 300)
-    assert resp.getheader("X-Tandem-Worker") == drained_id
+    resp = stream_on(stack, drained_id, "Tell a story:", 300)
     events = read_events(resp, 1)
     drained.terminate()
     # Listed as draining while the request runs (the entry goes once in-flight work is done).

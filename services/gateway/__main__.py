@@ -9,7 +9,7 @@ from pydantic import Field
 
 from services.gateway.config import GatewaySettings
 from shared.protocol.base import WireModel
-from shared.protocol.workers import ClusterStatusResult, ScalingStatus, WorkerLoad, WorkerStatus
+from shared.protocol.workers import ClusterStatusResult, ScalingStatus, ServiceInfo, WorkerLoad, WorkerStatus
 from shared.runtime.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
@@ -27,6 +27,7 @@ class StatusPage(ClusterStatusResult):
 
     source: str = ""
     gateway: GatewayState = GatewayState()
+    services: list[ServiceInfo] = Field(default_factory=list)  # every service process's metrics address
 
 
 def register(subparsers) -> None:
@@ -69,7 +70,16 @@ def format_status(page: StatusPage) -> str:
         lines.append("(no workers registered)")
     if page.scaling is not None:
         lines.extend(_scaling_lines(page.scaling))
+    lines.extend(_services_lines(page.services))
     return "\n".join(lines)
+
+
+def _services_lines(services: list[ServiceInfo]) -> list[str]:
+    if not services:  # an older gateway, or the directory unreachable
+        return []
+    lines = [f"{'SERVICE':<11} {'INSTANCE':<40} {'RST':>3} METRICS"]
+    lines.extend(f"{s.service:<11} {s.instance_id:<40} {s.num_restarts:>3} {s.metrics_url}" for s in services)
+    return lines
 
 
 def _scaling_lines(scaling: ScalingStatus) -> list[str]:

@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.bus import Bus, ServiceDirectory, ServiceError, WorkerRegistry
 from shared.cluster.workers import ready_workers
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter
 from shared.openai_api.auth import ApiKeys
@@ -25,9 +25,12 @@ from shared.policy.qos import load_qos
 from shared.policy.rate_limit import RateLimiter
 from shared.openai_api.generate_request import build_generate_request, prompt_block_hashes
 from shared.protocol import ClusterStatusRequest, Subjects, WorkerInfo
-from shared.runtime.service import bus_connection, every, serve_until_stopped
+from shared.runtime.service import (bus_connection, every, published_metrics, serve_until_stopped,
+                                    service_instance_id)
+from shared.telemetry.metrics import exposition
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.config import GatewaySettings
+from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.generation import Generation
 from services.gateway.server import errors_middleware, http_site, respond
 from services.gateway.metrics import GatewayMetrics
@@ -39,7 +42,7 @@ log = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, bus: Bus, registry: WorkerRegistry,
-                 tokenizer: Tokenizer) -> None:
+                 tokenizer: Tokenizer, services: ServiceDirectory | None = None) -> None:
         self.settings = settings
         self.subjects = Subjects(settings.namespace)
         self.bus = bus
@@ -50,7 +53,8 @@ class Gateway:
         self.api_keys = ApiKeys.parse(settings.api_keys, self.qos)
         self.rate_limiter = (RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
                              if settings.rate_limit_per_s else None)
-        self.metrics = GatewayMetrics.create()
+        self.metrics = GatewayMetrics.create(settings.num_restarts, service_instance_id("gateway"))
+        self.services = services  # None: no metrics addresses in /status
 
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
@@ -92,13 +96,15 @@ class Gateway:
                          gen_request, api.body.stop_strings(), worker_started_at=self._started_at,
                          has_ready_worker=lambda: bool(self.ready_workers(model)),
                          rehash=lambda ids: prompt_block_hashes(ids, self.ready_workers(model)))
-        self.metrics.in_flight.inc()
+        self.metrics.observe_started()
+        started = time.monotonic()
         try:
             await gen.start()
             return await respond(request, api, gen)
         finally:
-            self.metrics.in_flight.dec()
-            self.metrics.generated.inc(gen.num_completion_tokens)
+            self.metrics.observe_ended()
+            if gen.worker_id is not None:  # it got a first token: a finished (or cut off) generation
+                self.metrics.observe_finished(time.monotonic() - started, tier, gen.num_completion_tokens)
             await gen.close()
 
     def _check_rate(self, request: web.Request) -> None:
@@ -127,10 +133,15 @@ class Gateway:
                                   "num_ready_prefill_workers": num_prefill}, status=200 if workers else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.registry.render(), content_type="text/plain",
-                            charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+        body, content_type = exposition(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.cluster_status())
+
+    async def cluster_status(self) -> dict:
+        """The autoscaler's cluster view (the registry alone when it does not answer), every
+        service's metrics address, and the gateway's own state: ``/status`` and the dashboard."""
         try:
             view = await self.bus.request(self.subjects.cluster_status(), ClusterStatusRequest(),
                                           timeout_s=self.settings.status_timeout_s)
@@ -139,13 +150,23 @@ class Gateway:
             body = {"source": f"registry ({exc.message})", "timestamp": time.time(),
                     "workers": [{"info": w.model_dump(mode="json"), "load": None, "load_age_s": None}
                                 for w in self.workers]}
-        body["gateway"] = {"in_flight": self.metrics.in_flight.value(), "models": self.served_models(),
+        body["gateway"] = {"in_flight": self.metrics.num_in_flight, "models": self.served_models(),
                            "num_restarts": self.settings.num_restarts}
-        return web.json_response(body)
+        body["services"] = await self._services()
+        return body
+
+    async def _services(self) -> list[dict]:
+        if self.services is None:
+            return []
+        try:
+            return [s.model_dump(mode="json") for s in await self.services.list()]
+        except Exception as exc:  # noqa: BLE001 — NATS reconnecting: the status without them
+            log.warning("service directory unavailable: %s", exc)
+            return []
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware(gateway.metrics.requests)],
+    app = web.Application(middlewares=[errors_middleware(gateway.metrics.observe_response)],
                           client_max_size=gateway.settings.max_request_bytes)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -154,13 +175,19 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.metrics_text)
     app.router.add_get("/status", gateway.status)
+    add_dashboard_routes(app, gateway)
     return app
 
 
 async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
     async with bus_connection("gateway", settings) as (bus, registry):
-        gateway = Gateway(settings, bus, registry, tokenizer)
-        async with http_site(build_app(gateway), settings.host, settings.port) as port:
-            log.info("gateway listening on http://%s:%d (model %s)", settings.host, port, settings.model)
+        services = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
+                                               ttl_s=settings.registry_ttl_s)
+        gateway = Gateway(settings, bus, registry, tokenizer, services)
+        async with (http_site(build_app(gateway), settings.host, settings.port) as port,
+                    published_metrics("gateway", service_instance_id("gateway"), settings, bus,
+                                      gateway.metrics.registry)):
+            log.info("gateway listening on http://%s:%d (model %s; dashboard /dashboard)", settings.host, port,
+                     settings.model)
             await serve_until_stopped("gateway", gateway, stop, settings.namespace)

@@ -6,6 +6,7 @@ from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceErro
 from shared.bus.jetstream import ConsumerState, QueueMessage, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.registry import WorkerRegistry
+from shared.bus.services import ServiceDirectory
 
 __all__ = ["Bus", "BusTimeout", "ConsumerState", "KvBucket", "NoResponders", "QueueMessage", "RemoteError",
-           "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]
+           "ServiceDirectory", "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]

@@ -11,13 +11,13 @@ from shared.protocol.prefill import PrefillNotification, PrefillQueueStatus, Rem
 from shared.protocol.subjects import Endpoint, Subjects
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
                                      ControlResult, ScalingAction, ScalingDecisionRecord, ScalingStatus,
-                                     WorkerInfo, WorkerLoad, WorkerStatus)
+                                     ServiceInfo, WorkerInfo, WorkerLoad, WorkerStatus)
 
 __all__ = [
     "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
     "KvMatchResult", "PrefillNotification", "PrefillQueueStatus", "RemotePrefillRequest", "SamplingParams",
-    "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",
 ]

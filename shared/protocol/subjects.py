@@ -124,6 +124,11 @@ class Subjects:
         return f"{self.namespace}-workers"
 
     @property
+    def services_bucket(self) -> str:
+        """Every service process's ``ServiceInfo`` (its metrics address), expiring without heartbeat."""
+        return f"{self.namespace}-services"
+
+    @property
     def nixl_bucket(self) -> str:
         """NIXL agent metadata per worker (KV bytes never travel over NATS, only this)."""
         return f"{self.namespace}-nixl"

@@ -112,6 +112,20 @@ class ControlResult(WireModel):
     max_prefill_queue: int | None = None
 
 
+class ServiceInfo(WireModel):
+    """A service process's entry in the ``<ns>-services`` KV bucket (``shared.bus.services``): where
+    its Prometheus metrics are. Workers have one too, keyed by their worker id."""
+
+    instance_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_=.-]+$")
+    service: str  # gateway, admission, decode, prefill, kv-index, autoscaler
+    metrics_url: str
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    num_restarts: int = Field(0, ge=0)
+
+
 class ClusterStatusRequest(WireModel):
     pass
 

@@ -190,6 +190,16 @@ def test_status_table_reads_the_typed_page():
     assert empty.endswith("(no workers registered)")
 
 
+def test_status_lists_every_services_metrics_address():
+    page = StatusPage.model_validate({"timestamp": 1.0, "services": [
+        {"instance_id": "admission-h-7", "service": "admission", "metrics_url": "http://h:4001/metrics"},
+        {"instance_id": "w1", "service": "decode", "metrics_url": "http://h:4002/metrics", "num_restarts": 2}]})
+    lines = format_status(page).splitlines()
+    assert lines[-3].split() == ["SERVICE", "INSTANCE", "RST", "METRICS"]
+    assert lines[-2].split() == ["admission", "admission-h-7", "0", "http://h:4001/metrics"]
+    assert lines[-1].split() == ["decode", "w1", "2", "http://h:4002/metrics"]
+
+
 def test_status_shows_the_autoscalers_decisions_with_their_reasons():
     page = StatusPage.model_validate({"timestamp": 1.0, "scaling": {
         "enabled": True, "last_reason": "cooling down", "recent": [{

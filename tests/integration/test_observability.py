@@ -8,7 +8,9 @@ Chromium (``browser`` marker)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import platform
 import urllib.request
 import uuid
@@ -20,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.runtime.stack import StackSpec
 from shared.telemetry.metrics import sample_total
+from browser import chromium_page, find_chromium
 from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = pytest.mark.slow
@@ -129,3 +132,37 @@ def test_dashboard_data_reuses_the_status(stack, client):
     assert roles == ["decode", "prefill"]
     assert any(p["ttft_p50"] is not None for p in data["series"])
     assert sum(p["tokens_per_s"] for p in data["series"]) > 0
+
+
+@pytest.mark.browser
+def test_dashboard_in_headless_chromium(stack, client, tmp_path):
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("chromium is missing and could not be installed with apt-get (install.sh --chromium)")
+    rows = asyncio.run(drive_dashboard(binary, tmp_path / "chromium", stack.base_url, client))
+    assert rows == sorted(w["info"]["worker_id"] for w in cluster_status(stack)["workers"])
+
+
+async def drive_dashboard(binary: str, profile: Path, base_url: str, client) -> list[str]:
+    """Load the page, wait for the worker rows, send requests in a fresh history step and wait for
+    the charts to draw them; leave a screenshot. Returns the worker ids of the rows."""
+    async with chromium_page(binary, profile) as page:
+        await page.call("Page.enable")
+        await page.call("Page.navigate", url=base_url + "/dashboard")
+        rows = await page.wait_for(
+            "[...document.querySelectorAll('#workers tr.worker')].map(r => r.dataset.workerId).sort()"
+            ".filter((_, i, all) => all.length >= 2)", 30, "two worker rows")
+        # earlier tests' requests may sit in the current step: start in the next one
+        data = await page.wait_for("window.tandemDashboard.last", 10, "the first update")
+        fresh_step = math.floor(data["now"] / data["step_s"]) * data["step_s"] + data["step_s"]
+        await page.wait_for(f"window.tandemDashboard.last.now >= {fresh_step}", 30, "the next history step")
+        await asyncio.to_thread(send_requests, client, 3)
+        for chart in ("chart-ttft", "chart-itl", "chart-throughput"):
+            await page.wait_for(f"window.tandemDashboard.chartLastT['{chart}'] >= {fresh_step}", 30,
+                                f"{chart} drawing the new requests")
+        updates = await page.evaluate("window.tandemDashboard.updates")
+        await page.wait_for(f"window.tandemDashboard.updates >= {updates + 2}", 10, "two more updates")
+        assert await page.evaluate("window.tandemDashboard.errors") == 0
+        assert await page.evaluate("document.getElementById('queue-now').textContent") != ""
+        await page.screenshot(SCREENSHOT)
+        return rows

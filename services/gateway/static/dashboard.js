@@ -6,7 +6,8 @@ const POLL_MS = 1000;
 const QUEUE_HISTORY = 300;  // seconds of prefill-queue depth kept here (the gateway keeps no history of it)
 const COLORS = ["#88c0d0", "#ebcb8b", "#bf616a", "#a3be8c", "#b48ead", "#d08770"];
 
-const state = { updates: 0, errors: 0, queue: [], last: null, chartPoints: {} };
+// chartPoints / chartLastT: per chart, the points drawn with a value and the newest one's time
+const state = { updates: 0, errors: 0, queue: [], last: null, chartPoints: {}, chartLastT: {} };
 window.tandemDashboard = state;  // read by the browser test and handy in the console
 
 function el(tag, attrs = {}, ...children) {
@@ -55,9 +56,10 @@ function drawChart(id, lines, unit) {
   ctx.clearRect(0, 0, W, H);
   const all = lines.flatMap(l => l.values).filter(p => p[1] != null);
   state.chartPoints[id] = all.length;
+  state.chartLastT[id] = all.length ? Math.max(...all.map(p => p[0])) : null;
   canvas.dataset.points = String(all.length);
   const ts = lines.flatMap(l => l.values.map(p => p[0]));
-  const t0 = Math.min(...ts), t1 = Math.max(...ts, t0 + 1);
+  const t0 = ts.length ? Math.min(...ts) : 0, t1 = Math.max(...ts, t0 + 1);
   const vmax = niceMax(Math.max(0, ...all.map(p => p[1])));
   const x = t => L + (W - L - R) * (t - t0) / (t1 - t0);
   const y = v => H - B - (H - T - B) * v / vmax;
@@ -107,8 +109,10 @@ function renderCharts(data) {
     { label: "tokens/s", values: series(pts, "tokens_per_s") },
     { label: "requests/s", values: series(pts, "requests_per_s") }], "throughput");
   const tiers = [...new Set(pts.flatMap(p => Object.keys(p.rejected)))].sort();
-  drawChart("chart-rejections", tiers.map(tier => ({
-    label: tier, values: pts.map(p => [p.t, (p.rejected[tier] || 0) / data.step_s]) })), "rejection");
+  const perTier = tiers.map(tier => ({
+    label: tier, values: pts.map(p => [p.t, (p.rejected[tier] || 0) / data.step_s]) }));
+  drawChart("chart-rejections", perTier.length ? perTier : [{ label: "none (per s)", values: pts.map(p => [p.t, 0]) }],
+    "rejection");
   drawChart("chart-queue", [{ label: "waiting", values: state.queue.map(q => [q.t, q.pending]) },
     { label: "being prefilled", values: state.queue.map(q => [q.t, q.inProgress]) }], "queue");
 }

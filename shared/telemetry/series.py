@@ -90,7 +90,9 @@ class RecentSeries:
         """The last ``horizon_s`` as points of ``step_s`` seconds, oldest first; the current,
         incomplete step last (its rates over the seconds elapsed so far)."""
         end = int(now) + 1
-        first = (end - self.horizon_s) // step_s * step_s  # aligned: a point keeps its span
+        # aligned, so a point keeps its span from one call to the next; the first lies wholly inside
+        # the horizon (its seconds are all still kept)
+        first = -(-(end - self.horizon_s) // step_s) * step_s
         steps: dict[int, list[_Second]] = {start: [] for start in range(first, end, step_s)}
         for second in self._seconds:
             if second.t >= first:

@@ -201,3 +201,23 @@ def test_recent_mean_forgets_old_observations():
     m.observe(3.0, now=5)
     assert m.mean(now=6) == 2.0
     assert m.mean(now=11) == 3.0
+
+
+async def test_dashboard_data_is_the_status_plus_the_history():
+    from services.gateway.dashboard import HISTORY_STEP_S, dashboard_data
+
+    class Source:
+        def __init__(self) -> None:
+            self.metrics = GatewayMetrics(clock=Clock(1000.0))
+
+        async def cluster_status(self) -> dict:
+            return {"workers": [{"info": {"worker_id": "w1"}}], "services": []}
+
+    source = Source()
+    source.metrics.observe_ttft(0.25, "default")
+    source.metrics.observe_rejected("bulk", "slo")
+    data = await dashboard_data(source, 1000.0)
+    assert data["status"]["workers"] == [{"info": {"worker_id": "w1"}}]
+    assert data["step_s"] == HISTORY_STEP_S and data["rejected_total"] == {"bulk": 1}
+    assert data["series"][-1]["ttft_p50"] == 0.25 and data["series"][-2]["ttft_p50"] is None
+    assert len(data["series"]) == source.metrics.series.horizon_s // HISTORY_STEP_S

@@ -84,11 +84,18 @@ def families(text: str) -> set[str]:
 
 def published_services(stack) -> dict[str, str]:
     """service → metrics URL, once all six services have published theirs."""
-    def all_there():
-        found = {s["service"]: s["metrics_url"] for s in cluster_status(stack).get("services", [])}
-        return found if set(found) >= set(EXPECTED) else None
+    found: dict[str, str] = {}
 
-    return wait_for(all_there, 30, f"metrics addresses of {sorted(EXPECTED)} in /status")
+    def all_there():
+        found.clear()
+        found.update({s["service"]: s["metrics_url"] for s in cluster_status(stack).get("services", [])})
+        return set(found) >= set(EXPECTED)
+
+    try:
+        wait_for(all_there, 30, f"metrics addresses of {sorted(EXPECTED)} in /status")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; missing: {sorted(set(EXPECTED) - set(found))}") from None
+    return dict(found)
 
 
 def test_every_service_serves_metrics_that_parse(stack, client, capsys):

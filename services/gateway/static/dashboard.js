@@ -51,6 +51,7 @@ function workerRow(w) {
 // lines: [{label, values: [[t, v|null], ...]}]; draws axes, grid, lines and a legend.
 function drawChart(id, lines, unit) {
   const canvas = document.getElementById(id);
+  if (canvas.clientWidth && canvas.width !== canvas.clientWidth) canvas.width = canvas.clientWidth;  // fill the panel
   const ctx = canvas.getContext("2d");
   const W = canvas.width, H = canvas.height, L = 48, R = 8, T = 22, B = 22;
   ctx.clearRect(0, 0, W, H);

@@ -22,13 +22,15 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import (AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, KeyValueConfig,
+from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig,
                          RetentionPolicy, StreamConfig)
 from pydantic import ValidationError
 
-from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.bus.errors import BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
 from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
+from shared.bus.link import Link
+from shared.bus.replay import Replay
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
 from shared.protocol.subjects import Endpoint
@@ -93,10 +95,11 @@ async def _first_connection(connecting: Awaitable[Client], rejected: asyncio.Eve
 class Bus:
     """A NATS connection plus the handler tasks it runs. Create with ``await Bus.connect(...)``."""
 
-    def __init__(self, nc: Client, name: str) -> None:
+    def __init__(self, nc: Client, name: str, link: Link | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.name = name
+        self.link = link or Link(name)  # what connect's callbacks report: disconnects, reconnects
         self.num_handler_errors = 0
         self._served: list[Subscription] = []
         self._subs: list[Subscription] = []
@@ -112,6 +115,7 @@ class Bus:
         delay, deadline = 0.05, time.monotonic() + timeout_s
         last_error: list[Exception] = []
         rejected, connected = asyncio.Event(), False
+        link = Link(name)
 
         async def on_error(exc: Exception) -> None:
             if not connected:
@@ -125,9 +129,11 @@ class Bus:
 
         async def on_disconnect() -> None:
             log.warning("nats %s: disconnected from %s", name, shown)
+            link.disconnected()
 
         async def on_reconnect() -> None:
             log.info("nats %s: reconnected", name)
+            link.reconnected()
 
         while True:
             try:
@@ -139,7 +145,7 @@ class Bus:
                     error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
                     rejected, timeout_s=max(deadline - time.monotonic(), 0.1))
                 connected = True  # from here on every error is logged: nats-py retries them all
-                return cls(nc, name)
+                return cls(nc, name, link)
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if rejected.is_set() or _is_auth_error(exc):
                     why = last_error[0] if last_error else exc
@@ -177,19 +183,29 @@ class Bus:
         """Send one request and yield its streamed replies until the server closes the stream.
 
         ``first_timeout_s`` bounds the wait for the first reply (queueing), ``idle_timeout_s`` each
-        gap after it. Closing the iterator early unsubscribes; cancelling the work at the server is
-        the caller's business (its cancel subject)."""
+        gap after it. A disconnect from NATS meanwhile raises ``Disconnected`` once the replies
+        received before it are yielded: later ones may have been lost. Closing the iterator early
+        unsubscribes; cancelling the work at the server is the caller's business (its cancel
+        subject)."""
         assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
         inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, pending_msgs_limit=1 << 20)
+        received: asyncio.Queue[Msg | None] = asyncio.Queue()  # None: the connection was lost
+
+        async def on_reply(msg: Msg) -> None:
+            received.put_nowait(msg)
+
+        sub = await self.nc.subscribe(inbox, cb=on_reply, pending_msgs_limit=1 << 20)
+        stop_listening = self.link.on_loss(lambda: received.put_nowait(None))
         try:
             await self.nc.publish(endpoint.subject, payload.to_bytes(), reply=inbox)
             timeout = first_timeout_s
             while True:
                 try:
-                    msg = await sub.next_msg(timeout=timeout)
-                except nats.errors.TimeoutError:
+                    msg = await asyncio.wait_for(received.get(), timeout)
+                except asyncio.TimeoutError:
                     raise BusTimeout(endpoint.subject, timeout) from None
+                if msg is None:
+                    raise Disconnected(endpoint.subject)
                 if (err := _error_from_msg(msg, endpoint.subject)) is not None:
                     raise err
                 if (msg.headers or {}).get(STREAM_HEADER) == "end":
@@ -197,6 +213,7 @@ class Bus:
                 yield endpoint.reply_type.from_bytes(msg.data)
                 timeout = idle_timeout_s
         finally:
+            stop_listening()
             with contextlib.suppress(nats.errors.Error):  # already closed or unsubscribed
                 await sub.unsubscribe()
 
@@ -339,31 +356,22 @@ class Bus:
             return await self.js.key_value(bucket)
 
     async def replay(self, endpoint: Endpoint[Req, WireModel], stream: str,
-                     handler: Callable[[Req, int], Awaitable[None]], *, start_seq: int = 0) -> None:
+                     handler: Callable[[Req, int], Awaitable[None]], *, start_seq: int = 0) -> Replay[Req]:
         """Deliver every message of ``stream`` on ``endpoint`` from ``start_seq`` (0: the first
         still stored) on, then new ones as they come, in order, one at a time, to
-        ``handler(message, stream_seq)``. A malformed message is logged and skipped."""
+        ``handler(message, stream_seq)``, across NATS restarts (``shared.bus.replay``). A malformed
+        message is logged and skipped. The returned replay can be started over or stopped."""
 
-        async def on_msg(msg: Msg) -> None:
-            try:
-                item = endpoint.request_type.from_bytes(msg.data)
-            except ValidationError as exc:
-                log.warning("skipping bad message %s on %s: %s", msg.metadata.sequence.stream,
-                            msg.subject, _validation_message(exc)[0])
-                return
-            try:
-                await handler(item, msg.metadata.sequence.stream)
-            except Exception:  # noqa: BLE001
-                self.num_handler_errors += 1
-                log.exception("handler for %s failed", msg.subject)
+        def count_error() -> None:
+            self.num_handler_errors += 1
 
-        config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
-                  if start_seq > 0 else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        sub = await self.js.subscribe(endpoint.subject, stream=stream, cb=on_msg, ordered_consumer=True,
-                                      config=config)
-        self._subs.append(sub)
+        replay = Replay(self.js, endpoint, stream, handler, count_error)
+        await replay.start(start_seq)
+        self.link.on_resume(f"replay of {stream} #{id(replay)}", replay.resume)
+        return replay
 
     async def close(self) -> None:
+        self.link.close()
         for task in list(self._tasks):
             task.cancel()
         if not self.nc.is_closed:

@@ -304,11 +304,16 @@ class Bus:
         """Create the stream, or bring an existing one's subjects and bounds up to date.
 
         ``work_queue``: a message is removed once acknowledged, and a full stream refuses new
-        messages (the publisher gets an error) instead of silently dropping the oldest."""
+        messages (the publisher gets an error) instead of silently dropping the oldest. After a
+        reconnect it is ensured again: a server that lost its store lost the stream too."""
         config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs)
         if work_queue:
             config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs,
                                   retention=RetentionPolicy.WORK_QUEUE, discard=DiscardPolicy.NEW)
+        await self._add_or_update_stream(config)
+        self.link.on_resume(f"stream {name}", lambda: self._add_or_update_stream(config))
+
+    async def _add_or_update_stream(self, config: StreamConfig) -> None:
         try:
             await self.js.add_stream(config)
         except nats.js.errors.BadRequestError:
@@ -318,11 +323,18 @@ class Bus:
                             ack_wait_s: float, max_deliver: int, max_ack_pending: int = 1000) -> WorkQueue[Req]:
         """Bind to (creating if needed) the durable pull consumer ``durable`` on ``stream``:
         explicit acks, redelivery ``ack_wait_s`` after the last ack or ``in_progress``, at most
-        ``max_deliver`` deliveries."""
+        ``max_deliver`` deliveries. After a reconnect the consumer is created again if the server
+        lost it (its store gone); one that survived is left as it is."""
         config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
                                 max_deliver=max_deliver, max_ack_pending=max_ack_pending,
                                 filter_subject=endpoint.subject)
         sub = await self.js.pull_subscribe(endpoint.subject, durable=durable, stream=stream, config=config)
+
+        async def recreate_if_lost() -> None:
+            if await self.consumer_info(stream, durable) is None:
+                await self.js.add_consumer(stream, config)
+
+        self.link.on_resume(f"consumer {stream}/{durable}", recreate_if_lost)
         return WorkQueue(endpoint, sub)
 
     async def consumer_info(self, stream: str, durable: str) -> ConsumerState | None:
@@ -341,8 +353,11 @@ class Bus:
 
     async def key_value(self, bucket: str, *, ttl_s: float | None = None) -> KvBucket:
         """Bind to a KV bucket, creating it (history 1, entries expiring after ``ttl_s`` if given)
-        when it does not exist; an existing bucket keeps the settings it was created with."""
-        return KvBucket(await self._bind_key_value(bucket, ttl_s), self.js, bucket)
+        when it does not exist; an existing bucket keeps the settings it was created with. After a
+        reconnect it is created again if the server lost it."""
+        kv = KvBucket(await self._bind_key_value(bucket, ttl_s), self.js, bucket)
+        self.link.on_resume(f"bucket {bucket}", lambda: self._bind_key_value(bucket, ttl_s))
+        return kv
 
     async def _bind_key_value(self, bucket: str, ttl_s: float | None):
         try:

@@ -43,17 +43,26 @@ class Replay(Generic[Req]):
         self._generation = 0   # which subscription's messages count; older ones' are dropped
         self._start_seq = 0
         self.last_seq = 0      # stream seq of the last message delivered (handled or skipped)
+        self._stream_created = None  # the stream's creation time: a new one is another stream
 
     async def start(self, start_seq: int = 0) -> None:
         """Deliver from ``start_seq`` (0: the first message still stored), forgetting what was
         delivered before: a replay started over."""
         async with self._lock:
             self._start_seq, self.last_seq = start_seq, max(start_seq - 1, 0)
+            self._stream_created = (await self._js.stream_info(self._stream)).created
             await self._subscribe(start_seq)
 
     async def resume(self) -> None:
-        """Subscribe again right after the last message delivered (after a reconnect)."""
+        """Subscribe again right after the last message delivered (after a reconnect). A stream
+        created anew meanwhile (the server lost its store) is delivered from its start."""
         async with self._lock:
+            info = await self._js.stream_info(self._stream)
+            if info.created != self._stream_created or info.state.last_seq < self.last_seq:
+                log.warning("stream %s was created anew (the server lost its store): delivering it "
+                            "from its start", self._stream)
+                self._start_seq = self.last_seq = 0
+                self._stream_created = info.created
             await self._subscribe(self.last_seq + 1 if self.last_seq else self._start_seq)
 
     async def _subscribe(self, start_seq: int) -> None:

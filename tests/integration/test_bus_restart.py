@@ -1,11 +1,13 @@
 """The bus across a nats-server restart: the server is SIGKILLed and started again on the same port
 with the same JetStream store (as ``tandem up`` does), and everything a service relies on works
 again: core subscriptions, stream replays, the watched registry, durable work queues; a streamed
-reply open across the restart ends with ``Disconnected`` instead of hanging."""
+reply open across the restart ends with ``Disconnected`` instead of hanging. Also when the server
+comes back without its store (streams, consumers and buckets are created again)."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
@@ -37,7 +39,8 @@ def prefill(rid: str) -> RemotePrefillRequest:
                                 write_deadline=0.0, write_timeout_s=1.0, created_at=0.0)
 
 
-async def test_everything_works_again_after_a_nats_server_restart(own_nats, namespace):
+@pytest.mark.parametrize("keeps_store", [True, False], ids=["store-kept", "store-lost"])
+async def test_everything_works_again_after_a_nats_server_restart(own_nats, namespace, tmp_path, keeps_store):
     s = Subjects(namespace)
     server_bus, client_bus = await Bus.connect(own_nats.url, "server"), await Bus.connect(own_nats.url, "client")
     try:
@@ -74,6 +77,8 @@ async def test_everything_works_again_after_a_nats_server_restart(own_nats, name
 
         own_nats.proc.kill()
         own_nats.proc.wait()
+        if not keeps_store:
+            shutil.rmtree(tmp_path / "nats" / "jetstream")
         own_nats.restart()
 
         with pytest.raises(Disconnected):  # not a wait of idle_timeout_s for tokens lost meanwhile
@@ -86,18 +91,35 @@ async def test_everything_works_again_after_a_nats_server_restart(own_nats, name
                 return False
 
         await wait_until(admitted, timeout_s=BACK_WITHIN_S, what="request/reply after the restart")
-        await client_bus.js_publish(s.kv_events("w1"), batch(2))
+
+        async def published(endpoint, payload):  # a lost stream is back once the server's bus resumed
+            try:
+                return await client_bus.js_publish(endpoint, payload, timeout_s=1)
+            except Exception:  # noqa: BLE001
+                return None
+
+        await wait_until(lambda: published(s.kv_events("w1"), batch(2)), timeout_s=BACK_WITHIN_S,
+                         what="publishing event 2")
         await wait_until(lambda: _const(replayed == [1, 2]), timeout_s=BACK_WITHIN_S,
                          what=f"event 2 replayed exactly once after the restart (got {replayed})")
         info = WorkerInfo(worker_id="w9", role="decode", model="m", block_size=16, max_model_len=64,
                           generate_subject="g", cancel_subject="c")
-        await writer.put(info)
+
+        async def put():
+            try:
+                await writer.put(info)
+                return True
+            except Exception:  # noqa: BLE001 — a lost bucket is back once the buses resumed
+                return False
+
+        await wait_until(put, timeout_s=BACK_WITHIN_S, what="a registry put")
 
         async def listed():
             return "w9" in {w.worker_id for w in await registry.list()}
 
         await wait_until(listed, timeout_s=BACK_WITHIN_S, what="a put after the restart in the watched copy")
-        await client_bus.js_publish(s.prefill_queue(), prefill("a"))
+        await wait_until(lambda: published(s.prefill_queue(), prefill("a")), timeout_s=BACK_WITHIN_S,
+                         what="queueing a prefill")
         [msg] = await queue.fetch(1, timeout_s=BACK_WITHIN_S)
         assert msg.payload.request_id == "a"
         await msg.ack()

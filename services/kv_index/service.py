@@ -75,8 +75,9 @@ class KvIndexService:
         assert self._replay is not None, "check_index before start"
         log.warning("Redis lost the index (restarted, or down while events came): rebuilding it from "
                     "the KV event stream")
-        await self._replay.stop()  # no batch applies while the old entries go
+        await self._store.mark_built(False)  # a rebuild cut short by Redis failing again starts over
         self._is_index_lost = False
+        await self._replay.stop()  # no batch applies while the old entries go
         for worker_id in await self._store.workers():
             await self._store.drop_worker(worker_id)
         self._last_seq = {}

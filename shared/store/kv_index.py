@@ -117,8 +117,11 @@ class KvIndexStore:
     async def worker_seqs(self) -> dict[str, int]:
         return {w: int(s) for w, s in (await self._r.hgetall(self._keys.worker_seqs())).items()}
 
-    async def mark_built(self) -> None:
-        await self._r.set(self._keys.index_built(), 1)
+    async def mark_built(self, is_built: bool = True) -> None:
+        if is_built:
+            await self._r.set(self._keys.index_built(), 1)
+        else:
+            await self._r.delete(self._keys.index_built())
 
     async def is_built(self) -> bool:
         """False once Redis lost the index (restarted: it keeps no data) until ``mark_built``."""

@@ -108,7 +108,9 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0) -> "Bus":
         """Connect, retrying with exponential backoff for up to ``timeout_s``; afterwards nats-py
-        reconnects forever (a server restart is survived, subscriptions are replayed). A server that
+        reconnects forever, every 0.5 s (a server restart is survived: nats-py replays the core
+        subscriptions, the bus's ``link`` ends streams cut by the disconnect and re-creates
+        JetStream consumers, streams and buckets the server lost). A server that
         rejects the credentials ends the first connection at once with a one-line ConnectionError
         naming the URL (its password redacted): retrying cannot mend a wrong password."""
         shown = redact_url(url)

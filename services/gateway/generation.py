@@ -5,7 +5,9 @@ If the worker is lost mid-stream (it leaves the registry, stops answering, or re
 request is admitted again with the tokens generated so far appended to the prompt and the
 remaining ``max_tokens``: the client sees one uninterrupted stream. When no worker can take it
 (the only one died and its supervisor is restarting it), the request waits for a ready worker,
-for at most ``request_timeout_s``, rather than failing.
+for at most ``request_timeout_s``, rather than failing. A NATS restart is handled the same way: the
+stream cut by the disconnect may have lost tokens, so the request continues from the tokens
+received, admitted again once admission answers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from shared.bus import Bus, BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.bus import Bus, BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
 from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
@@ -81,7 +83,7 @@ class Generation:
                 idle_timeout_s=self._settings.token_idle_timeout_s)
             try:
                 self._first = await self._watched(worker_id, started_at)
-            except WorkerLost as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
+            except (WorkerLost, Disconnected) as exc:  # e.g. died during a long prefill: nothing sent yet
                 await self._cancel(worker_id, request.request_id)
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, str(exc), code="worker_unavailable", retry_after_s=1.0) from None
@@ -169,7 +171,7 @@ class Generation:
             return await self._watched(self.worker_id, self._worker_started_at)
         except StopAsyncIteration:
             raise WorkerLost(f"worker {self.worker_id} ended the stream early") from None
-        except (BusTimeout, NoResponders) as exc:
+        except (BusTimeout, NoResponders, Disconnected) as exc:
             raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
         except RemoteError as exc:
             if exc.code == "rejected":
@@ -194,8 +196,9 @@ class Generation:
             try:
                 await self._open(request)
                 return self._first
-            except ApiError as exc:  # admission's view may lag ours: ask again until the deadline
-                if exc.code != "unavailable" or time.monotonic() >= deadline:
+            except ApiError as exc:  # admission's view may lag ours, NATS may be reconnecting: ask
+                # again until the deadline
+                if exc.code not in ("unavailable", "admission_unavailable") or time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(self._settings.refresh_interval_s)
 

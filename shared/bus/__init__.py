@@ -2,10 +2,11 @@
 KV buckets, registry."""
 
 from shared.bus.bus import Bus
-from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.bus.errors import BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
 from shared.bus.jetstream import ConsumerState, QueueMessage, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.registry import WorkerRegistry
+from shared.bus.replay import Replay
 
-__all__ = ["Bus", "BusTimeout", "ConsumerState", "KvBucket", "NoResponders", "QueueMessage", "RemoteError",
-           "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]
+__all__ = ["Bus", "BusTimeout", "ConsumerState", "Disconnected", "KvBucket", "NoResponders", "QueueMessage",
+           "RemoteError", "Replay", "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]

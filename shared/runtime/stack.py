@@ -3,7 +3,9 @@ and every service as its own process. Used by ``tandem up`` and the integration 
 
 With ``restart_children`` a supervisor thread starts again any child that crashes (see
 ``shared.runtime.supervisor``), passing it ``--num-restarts`` so that workers report the count in
-the registry and thus in ``tandem status``. ``stop()`` ends the supervisor before it stops anyone.
+the registry and thus in ``tandem status``. It restarts the embedded nats-server and redis-server
+too, whatever their exit code (nothing works without them), on the same port, data directory and
+password: services reconnect on their own. ``stop()`` ends the supervisor before it stops anyone.
 
 The embedded servers get fresh random passwords each run, and every child gets the server URLs
 (which carry them) through its environment, not its command line. Given URLs are used as they are.
@@ -87,13 +89,13 @@ class Stack:
         if not spec.nats_url:
             server = start_nats_server(spec.state_dir / "nats", password=new_secret(),
                                        on_line=lambda l: self._line("nats", l))
-            self.servers.append(server)
+            self._add_server(server)
             self.nats_url = server.url
         if not spec.redis_url:
             (spec.state_dir / "redis").mkdir(exist_ok=True)
             server = start_redis_server(spec.state_dir / "redis", password=new_secret(),
                                         on_line=lambda l: self._line("redis", l))
-            self.servers.append(server)
+            self._add_server(server)
             self.redis_url = server.url
         common = {"nats_url": self.nats_url, "namespace": spec.namespace,
                   "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level}
@@ -109,6 +111,10 @@ class Stack:
         if spec.restart_children:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
+
+    def _add_server(self, server: ServerProcess) -> None:
+        self.servers.append(server)
+        self._restarts.started(server.name, time.monotonic())
 
     def spawn_decode(self, name: str) -> Child:
         return self._spawn_worker(name, "decode", self.spec.decode_flags)
@@ -150,13 +156,32 @@ class Stack:
                 self._supervise_once(time.monotonic())
 
     def _supervise_once(self, now_s: float) -> None:
+        for server in self.servers:
+            if not server.is_running() and not self._restarts.has_exited(server.name):
+                decision = self._restarts.exited(server.name, server.proc.returncode, now_s, is_crash=True)
+                self._line("up", decision.describe())
         for name, child in list(self.children.items()):
             if not child.is_running() and not self._restarts.has_exited(name):
                 self._line("up", self._restarts.exited(name, child.proc.returncode, now_s).describe())
         for name in self._restarts.due(now_s):
+            if server := next((s for s in self.servers if s.name == name), None):
+                self._restart_server(server, now_s)
+                continue
             service, flags = self._spawned[name]
             child = self._start_child(name, service, flags)
             self._line("up", f"{name} restarted (restart {self.num_restarts(name)}, pid {child.pid})")
+
+    def _restart_server(self, server: ServerProcess, now_s: float) -> None:
+        try:
+            server.restart()
+        except RuntimeError as exc:  # e.g. its port taken meanwhile: retried after the next backoff
+            self._restarts.started(server.name, now_s)
+            self._line("up", self._restarts.exited(server.name, 1, now_s, is_crash=True).describe()
+                       + f": {str(exc).splitlines()[0]}")
+            return
+        self._restarts.started(server.name, now_s)
+        self._line("up", f"{server.name} restarted (restart {self.num_restarts(server.name)}, "
+                         f"pid {server.pid}, same port and data)")
 
     def ready_status(self) -> dict | None:
         try:

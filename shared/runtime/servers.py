@@ -3,6 +3,9 @@
 Readiness is the server's own "ready" line on its output, never a sleep. After that a daemon thread
 keeps draining the output (a full pipe would stall the server), handing each line to ``on_line``.
 
+``restart_server`` starts a killed server again with the same command line (same port, same data
+directory, same password), for fault drills and anything that brings a crashed server back.
+
 Given a password, a server requires it; the password goes into a config file only its owner can
 read, not onto the command line (``ps`` shows every user the command line), and into ``url``.
 """
@@ -56,6 +59,9 @@ class ServerProcess:
     proc: subprocess.Popen
     url: str = ""
     lines: list[str] = field(default_factory=list)  # output up to readiness, for error messages
+    argv: list[str] = field(default_factory=list)   # what restart_server runs again (its port fixed)
+    is_ready: Callable[[str], bool] | None = None
+    on_line: Callable[[str], None] | None = None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -71,7 +77,7 @@ def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
            on_line: Callable[[str], None] | None, timeout_s: float) -> ServerProcess:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
-    server = ServerProcess(name, proc)
+    server = ServerProcess(name, proc, argv=argv, is_ready=is_ready, on_line=on_line)
     ready = threading.Event()
 
     def pump() -> None:
@@ -91,6 +97,16 @@ def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
         tail = "\n".join(server.lines[-20:])
         raise RuntimeError(f"{name} did not become ready within {timeout_s}s:\n{tail}")
     return server
+
+
+def restart_server(server: ServerProcess, timeout_s: float = 20.0) -> ServerProcess:
+    """``server`` started again (once it has exited) on its port with its data directory and password:
+    a new ServerProcess with the same ``url``, ready when this returns."""
+    if server.proc.poll() is None:
+        raise RuntimeError(f"{server.name} (pid {server.proc.pid}) is still running: stop it before restarting")
+    again = _start(server.name, server.argv, server.is_ready, server.on_line, timeout_s)
+    again.url = server.url
+    return again
 
 
 def _private_file(path: Path, text: str) -> Path:
@@ -119,6 +135,7 @@ def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str
         return _NATS_READY in line
 
     server = _start("nats-server", argv, is_ready, on_line, timeout_s)
+    server.argv[argv.index("-p") + 1] = str(found["port"])  # a restart comes back on the same port
     login = "" if password is None else f"{quote(user, safe='')}:{quote(password, safe='')}@"
     server.url = f"nats://{login}127.0.0.1:{found['port']}"
     return server

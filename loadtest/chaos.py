@@ -201,11 +201,14 @@ def leaked_blocks(stack: Stack, timeout_s: float) -> dict[str, int]:
 
 
 def run_fault(stack: Stack, cfg: ChaosConfig, fault: str, reference: dict[int, str],
-              progress: bool = True) -> FaultReport:
+              progress: bool = True, record: dict[str, list[RequestOutcome]] | None = None) -> FaultReport:
+    """One fault under load; ``record`` gets the phase's request outcomes under the fault's name."""
     if reason := skip_reason(fault, stack):
         return skipped_report(fault, reason)
     before = {name: stack.num_restarts(name) for name in stack.children}
     outcomes, fault_at_s, notes = asyncio.run(_phase(stack, cfg, fault, progress))
+    if record is not None:
+        record[fault] = outcomes
     try:
         recover(stack, cfg)
     except (RuntimeError, TimeoutError) as exc:
@@ -218,19 +221,25 @@ def run_fault(stack: Stack, cfg: ChaosConfig, fault: str, reference: dict[int, s
                         leaked_blocks=leaked, restarts=restarts, notes=notes)
 
 
-def run_drill(stack: Stack, cfg: ChaosConfig, progress: bool = True) -> tuple[dict[int, str], list[FaultReport]]:
+def run_drill(stack: Stack, cfg: ChaosConfig, progress: bool = True,
+              record: dict[str, list[RequestOutcome]] | None = None) -> tuple[dict[int, str], list[FaultReport]]:
     """The reference run, then each fault in turn; a fault after which the stack did not become whole
-    again ends the drill (the faults left are reported as skipped)."""
+    again ends the drill (the faults left are reported as skipped). ``record``: see ``run_fault``."""
     reference = reference_run(stack, cfg, progress)
     reports: list[FaultReport] = []
     for fault in cfg.faults:
         if reports and any(n.startswith("stack not whole") for n in reports[-1].notes):
             reports.append(skipped_report(fault, f"the stack did not recover from {reports[-1].fault}"))
             continue
-        reports.append(run_fault(stack, cfg, fault, reference, progress))
-        if progress:
-            print(format_table(reports[-1:]).splitlines()[-1], file=sys.stderr)
+        reports.append(run_fault(stack, cfg, fault, reference, progress, record))
+        print(format_table(reports[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     return reference, reports
+
+
+def _request_json(outcome: RequestOutcome, reference: dict[int, str]) -> dict:
+    """The outcome without its text where that is the reference's (it is in the JSON once)."""
+    same = outcome.text == reference[outcome.prompt_index]
+    return {**dataclasses.asdict(outcome), "text": None if same else outcome.text}
 
 
 def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]:
@@ -274,14 +283,15 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = open(args.out / f"{args.name}_stack.log", "w")  # noqa: SIM115 — closed below, after the stack
+    log = open(args.out / f"{args.name}_stack.log", "w", buffering=1)  # noqa: SIM115 — closed after the stack
     with tempfile.TemporaryDirectory() as state:
         stack = Stack(stack_spec(cfg, Path(state)), on_line=lambda name, line: log.write(f"{name:<12}| {line}\n"))
         try:
             stack.start()
             stack.wait_ready(timeout_s=cfg.recover_timeout_s)
             started = time.time()
-            reference, reports = run_drill(stack, cfg, progress=not args.no_progress)
+            record: dict[str, list[RequestOutcome]] = {}
+            reference, reports = run_drill(stack, cfg, progress=not args.no_progress, record=record)
         finally:
             stack.stop()
             log.close()
@@ -292,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
               "load_average_1m_after": os.getloadavg()[0]}
     json_path = args.out / f"{args.name}.json"
     json_path.write_text(json.dumps({"config": config, "summary": summary, "reference": reference,
-                                     "faults": [r.to_json() for r in reports]}, indent=2))
+                                     "faults": [r.to_json() for r in reports],
+                                     "requests": {f: [_request_json(o, reference) for o in outcomes]
+                                                  for f, outcomes in record.items()}}, indent=1))
     print("wrote", json_path, plot(reports, args.out / f"{args.name}.png"))
     return 0 if summary["num_clean"] == summary["num_faults"] else 1
 

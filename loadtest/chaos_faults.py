@@ -35,8 +35,9 @@ FAULTS: dict[str, str] = {
     "kill-autoscaler": "SIGKILL of the autoscaler",
     "kill-gateway": "SIGKILL of one of two gateways",
     "stop-decode": "SIGSTOP of a decode worker, SIGCONT after --stop-s",
-    "restart-nats": "nats-server SIGKILLed and started again",
+    # Redis before NATS: a stack that does not ride through a NATS restart ends the drill
     "restart-redis": "redis-server SIGKILLed and started again",
+    "restart-nats": "nats-server SIGKILLed and started again",
 }
 
 _TARGETS = {"kill-decode": "decode", "kill-prefill": "prefill", "kill-admission": "admission",

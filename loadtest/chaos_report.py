@@ -40,7 +40,8 @@ class FaultReport:
     num_hung: int = 0
     num_differing: int = 0
     differing_by_kind: dict[str, int] = field(default_factory=dict)
-    recovery_s: float | None = None   # fault → end of the first success among requests sent after it
+    next_success_s: float | None = None  # fault → the next end of any successful request
+    recovery_s: float | None = None      # fault → end of the first success among requests sent after it
     leaked_blocks: dict[str, int] = field(default_factory=dict)  # worker id → blocks still used when idle
     restarts: dict[str, int] = field(default_factory=dict)       # process → restarts during the phase
     notes: list[str] = field(default_factory=list)
@@ -77,12 +78,13 @@ def classify(outcome: RequestOutcome, reference: dict[int, str]) -> str:
     return "ok" if difference(outcome.text, reference[outcome.prompt_index]) is None else "differing"
 
 
-def recovery_s(outcomes: list[RequestOutcome], fault_at_s: float | None) -> float | None:
-    """From the fault to the end of the first successful request sent at or after it."""
+def recovery_s(outcomes: list[RequestOutcome], fault_at_s: float | None, *, sent_after: bool = True) -> float | None:
+    """From the fault to the end of the first successful request sent at or after it (``sent_after``),
+    or to the next end of any successful request."""
     if fault_at_s is None:
         return None
-    ends = [o.ended_s for o in outcomes
-            if o.sent_s >= fault_at_s and o.ended_s is not None and o.error is None]
+    ends = [o.ended_s for o in outcomes if o.ended_s is not None and o.error is None and o.ended_s >= fault_at_s
+            and (o.sent_s >= fault_at_s or not sent_after)]
     return round(min(ends) - fault_at_s, 3) if ends else None
 
 
@@ -98,6 +100,7 @@ def fault_report(fault: str, outcomes: list[RequestOutcome], reference: dict[int
         num_succeeded=kinds["ok"] + kinds["differing"], num_failed=kinds["failed"],
         failed_by_kind=dict(failed), num_hung=kinds["hung"], num_differing=kinds["differing"],
         differing_by_kind=dict(differing), recovery_s=recovery_s(outcomes, fault_at_s),
+        next_success_s=recovery_s(outcomes, fault_at_s, sent_after=False),
         leaked_blocks={w: n for w, n in (leaked_blocks or {}).items() if n},
         restarts={p: n for p, n in (restarts or {}).items() if n}, notes=list(notes or []))
 
@@ -108,18 +111,19 @@ def skipped_report(fault: str, reason: str) -> FaultReport:
 
 def format_table(reports: list[FaultReport]) -> str:
     header = (f"{'fault':<16} {'sent':>5} {'ok':>5} {'failed':>6} {'hung':>5} {'differ':>6} "
-              f"{'recov s':>8} {'leaked':>6}  restarts / failures / notes")
+              f"{'next s':>7} {'recov s':>8} {'leaked':>6}  restarts / failures / notes")
     lines = [header]
     for r in reports:
         if r.skipped:
             lines.append(f"{r.fault:<16} skipped: {r.skipped}")
             continue
         recov = "-" if r.recovery_s is None else f"{r.recovery_s:.2f}"
+        next_s = "-" if r.next_success_s is None else f"{r.next_success_s:.2f}"
         extra = [", ".join(f"{p} x{n}" for p, n in r.restarts.items()),
                  ", ".join(f"{k}: {n}" for k, n in r.failed_by_kind.items()),
                  ", ".join(f"{k}: {n}" for k, n in r.differing_by_kind.items()), *r.notes]
         lines.append(f"{r.fault:<16} {r.num_sent:>5} {r.num_succeeded:>5} {r.num_failed:>6} {r.num_hung:>5} "
-                     f"{r.num_differing:>6} {recov:>8} {r.num_leaked_blocks:>6}  "
+                     f"{r.num_differing:>6} {next_s:>7} {recov:>8} {r.num_leaked_blocks:>6}  "
                      + "; ".join(e for e in extra if e))
     return "\n".join(lines)
 
@@ -144,7 +148,8 @@ def format_totals(t: dict) -> str:
 
 
 def plot(reports: list[FaultReport], path: Path) -> Path:
-    """Per fault: failed / hung / differing requests and leaked blocks (bars), and recovery time."""
+    """Per fault: failed / hung / differing requests and leaked blocks (bars), and the times from the
+fault to the next success and to the first success of a request sent after it."""
     import matplotlib  # noqa: PLC0415 — only when writing a report
 
     matplotlib.use("Agg")
@@ -160,8 +165,11 @@ def plot(reports: list[FaultReport], path: Path) -> Path:
     for i, (label, values) in enumerate(series.items()):
         bad.bar([x + (i - 1.5) * width for x in xs], values, width, label=label)
     bad.set_title("per fault (0 everywhere is the target)")
-    recov.bar(xs, [r.recovery_s or 0.0 for r in run], color="tab:gray")
-    recov.set_title("fault → first success of a request sent after it (s)")
+    recov.bar([x - 0.2 for x in xs], [r.next_success_s or 0.0 for r in run], 0.4, label="next success")
+    recov.bar([x + 0.2 for x in xs], [r.recovery_s or 0.0 for r in run], 0.4,
+              label="first success of a request sent after the fault")
+    recov.set_title("seconds from the fault")
+    recov.legend()
     for ax in (bad, recov):
         ax.set_xticks(list(xs), names, rotation=30, ha="right")
         ax.grid(alpha=0.3, axis="y")

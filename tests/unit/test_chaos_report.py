@@ -49,12 +49,14 @@ def test_fault_report_counts_each_kind_and_keeps_failures_by_status():
     assert not r.is_clean
     # the first success among requests sent at or after 1.1 s ends at 3.0 s (request 6; 2 and 4 failed)
     assert r.recovery_s == 1.9
+    assert r.next_success_s == 0.4  # request 1, sent before the fault
 
 
 def test_a_clean_fault_and_no_success_after_it():
     r = fault_report("kill-kv-index", [ok(0, 0.0, 1.0), ok(1, 0.2, 4.0)], REFERENCE, fault_at_s=2.0)
     assert r.is_clean and r.num_leaked_blocks == 0
     assert r.recovery_s is None  # nothing was sent after the fault
+    assert r.next_success_s == 2.0
     assert fault_report("none", [ok(0, 0.0, 1.0)], REFERENCE, fault_at_s=None).recovery_s is None
 
 

@@ -11,6 +11,7 @@ length "changed". Greedy decoding with ``ignore_eos`` makes the reference exact.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ class FaultReport:
     differing_by_kind: dict[str, int] = field(default_factory=dict)
     next_success_s: float | None = None  # fault → the next end of any successful request
     recovery_s: float | None = None      # fault → end of the first success among requests sent after it
+    e2e_p50_s: float | None = None       # the median successful request's duration, for scale
     leaked_blocks: dict[str, int] = field(default_factory=dict)  # worker id → blocks still used when idle
     restarts: dict[str, int] = field(default_factory=dict)       # process → restarts during the phase
     notes: list[str] = field(default_factory=list)
@@ -100,9 +102,14 @@ def fault_report(fault: str, outcomes: list[RequestOutcome], reference: dict[int
         num_succeeded=kinds["ok"] + kinds["differing"], num_failed=kinds["failed"],
         failed_by_kind=dict(failed), num_hung=kinds["hung"], num_differing=kinds["differing"],
         differing_by_kind=dict(differing), recovery_s=recovery_s(outcomes, fault_at_s),
-        next_success_s=recovery_s(outcomes, fault_at_s, sent_after=False),
+        next_success_s=recovery_s(outcomes, fault_at_s, sent_after=False), e2e_p50_s=_median(
+            [o.ended_s - o.sent_s for o in outcomes if o.ended_s is not None and o.error is None]),
         leaked_blocks={w: n for w, n in (leaked_blocks or {}).items() if n},
         restarts={p: n for p, n in (restarts or {}).items() if n}, notes=list(notes or []))
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
 
 
 def skipped_report(fault: str, reason: str) -> FaultReport:
@@ -111,7 +118,7 @@ def skipped_report(fault: str, reason: str) -> FaultReport:
 
 def format_table(reports: list[FaultReport]) -> str:
     header = (f"{'fault':<16} {'sent':>5} {'ok':>5} {'failed':>6} {'hung':>5} {'differ':>6} "
-              f"{'next s':>7} {'recov s':>8} {'leaked':>6}  restarts / failures / notes")
+              f"{'next s':>7} {'recov s':>8} {'e2e p50':>7} {'leaked':>6}  restarts / failures / notes")
     lines = [header]
     for r in reports:
         if r.skipped:
@@ -119,11 +126,12 @@ def format_table(reports: list[FaultReport]) -> str:
             continue
         recov = "-" if r.recovery_s is None else f"{r.recovery_s:.2f}"
         next_s = "-" if r.next_success_s is None else f"{r.next_success_s:.2f}"
+        e2e = "-" if r.e2e_p50_s is None else f"{r.e2e_p50_s:.2f}"
         extra = [", ".join(f"{p} x{n}" for p, n in r.restarts.items()),
                  ", ".join(f"{k}: {n}" for k, n in r.failed_by_kind.items()),
                  ", ".join(f"{k}: {n}" for k, n in r.differing_by_kind.items()), *r.notes]
         lines.append(f"{r.fault:<16} {r.num_sent:>5} {r.num_succeeded:>5} {r.num_failed:>6} {r.num_hung:>5} "
-                     f"{r.num_differing:>6} {next_s:>7} {recov:>8} {r.num_leaked_blocks:>6}  "
+                     f"{r.num_differing:>6} {next_s:>7} {recov:>8} {e2e:>7} {r.num_leaked_blocks:>6}  "
                      + "; ".join(e for e in extra if e))
     return "\n".join(lines)
 

@@ -50,6 +50,7 @@ def test_fault_report_counts_each_kind_and_keeps_failures_by_status():
     # the first success among requests sent at or after 1.1 s ends at 3.0 s (request 6; 2 and 4 failed)
     assert r.recovery_s == 1.9
     assert r.next_success_s == 0.4  # request 1, sent before the fault
+    assert r.e2e_p50_s == 1.25  # of 1.0, 1.0, 1.5 and 1.5 s (the succeeded ones)
 
 
 def test_a_clean_fault_and_no_success_after_it():

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from loadtest.chaos_faults import FAULTS, FaultOptions, inject, skip_reason
 from loadtest.chaos_report import (FaultReport, RequestOutcome, fault_report, format_table, format_totals, plot,
-                                   skipped_report, totals)
+                                   report_from_json, skipped_report, totals)
 from shared.runtime.stack import Stack, StackSpec
 from shared.runtime.supervisor import Backoff
 
@@ -268,6 +268,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]
     p.add_argument("--out", type=Path, default=Path("loadtest/results/chaos"))
     p.add_argument("--name", default="chaos", help="output file name stem (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--replot", type=Path, metavar="JSON",
+                   help="run nothing: print the table of an earlier run's JSON and write its plot beside it")
     args = p.parse_args(argv)
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
     if unknown := [f for f in faults if f not in FAULTS]:
@@ -280,8 +282,18 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]
     return cfg, args
 
 
+def replot(json_path: Path) -> int:
+    reports = [report_from_json(f) for f in json.loads(json_path.read_text())["faults"]]
+    print(format_table(reports))
+    print(format_totals(totals(reports)))
+    print("wrote", plot(reports, json_path.with_suffix(".png")))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / f"{args.name}_stack.log", "w", buffering=1)  # noqa: SIM115 — closed after the stack
     with tempfile.TemporaryDirectory() as state:

@@ -62,6 +62,11 @@ class FaultReport:
         return {**dataclasses.asdict(self), "num_leaked_blocks": self.num_leaked_blocks, "is_clean": self.is_clean}
 
 
+def report_from_json(data: dict) -> FaultReport:
+    """A FaultReport as ``to_json`` wrote it (derived fields dropped)."""
+    return FaultReport(**{f.name: data[f.name] for f in dataclasses.fields(FaultReport) if f.name in data})
+
+
 def difference(text: str, reference: str) -> str | None:
     """How ``text`` differs from the reference: None (it does not), "lost", "repeated" or "changed"."""
     if text == reference:
@@ -173,10 +178,12 @@ fault to the next success and to the first success of a request sent after it.""
     for i, (label, values) in enumerate(series.items()):
         bad.bar([x + (i - 1.5) * width for x in xs], values, width, label=label)
     bad.set_title("per fault (0 everywhere is the target)")
-    recov.bar([x - 0.2 for x in xs], [r.next_success_s or 0.0 for r in run], 0.4, label="next success")
-    recov.bar([x + 0.2 for x in xs], [r.recovery_s or 0.0 for r in run], 0.4,
+    recov.bar([x - 0.27 for x in xs], [r.next_success_s or 0.0 for r in run], 0.27, label="next success")
+    recov.bar(list(xs), [r.recovery_s or 0.0 for r in run], 0.27,
               label="first success of a request sent after the fault")
-    recov.set_title("seconds from the fault")
+    recov.bar([x + 0.27 for x in xs], [r.e2e_p50_s or 0.0 for r in run], 0.27, color="tab:gray",
+              label="median request duration (for scale)")
+    recov.set_title("seconds from the fault (0: none)")
     recov.legend()
     for ax in (bad, recov):
         ax.set_xticks(list(xs), names, rotation=30, ha="right")

@@ -9,7 +9,8 @@ import pytest
 
 from loadtest.chaos import ChaosConfig, parse_args, prompts
 from loadtest.chaos_report import (RequestOutcome, classify, difference, fault_report, format_table,
-                                   format_totals, plot, skipped_report, totals)
+                                   format_totals, plot, report_from_json,
+                                   skipped_report, totals)
 
 REFERENCE = {0: "one two three", 1: "alpha beta"}
 
@@ -74,6 +75,8 @@ def test_totals_leave_skipped_faults_out_and_the_table_says_why_they_were_skippe
     assert "kill-gateway     skipped: needs --gateways 2" in table
     assert "HTTP 504: 1" in table.splitlines()[2]
     assert json.loads(json.dumps(bad.to_json()))["is_clean"] is False
+    assert [report_from_json(json.loads(json.dumps(r.to_json()))) for r in (clean, bad, skipped)] == [
+        clean, bad, skipped]
     assert plot([clean, bad, skipped], tmp_path / "chaos.png").stat().st_size > 0
 
 

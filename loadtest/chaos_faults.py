@@ -8,10 +8,12 @@ injected into this stack (e.g. killing one of two gateways in a stack that has o
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -71,10 +73,23 @@ def inject(fault: str, stack: Stack, options: FaultOptions) -> list[str]:
     if fault == "none":
         return []
     if fault == "stop-decode":
-        return _stop(stack, _children(stack, "decode")[0], options.stop_s)
+        return _stop(stack, _busiest(stack, "decode"), options.stop_s)
     if fault in _SERVERS:
         return _restart_server(stack, _SERVERS[fault], options.server_grace_s)
-    return _kill(stack, _children(stack, _TARGETS[fault])[0])
+    return _kill(stack, _busiest(stack, _TARGETS[fault]))
+
+
+def _busiest(stack: Stack, prefix: str) -> str:
+    """Of the children named ``prefix``, the worker running the most requests by its last load report
+    (so that a fault hits work in flight), else the first."""
+    names = _children(stack, prefix)
+    try:
+        with urllib.request.urlopen(stack.base_url + "/status", timeout=5) as resp:
+            running = {w["info"]["worker_id"]: (w.get("load") or {}).get("num_running", 0)
+                       for w in json.load(resp)["workers"]}
+    except (OSError, ValueError):
+        return names[0]
+    return max(names, key=lambda n: running.get(f"{stack.spec.namespace}-{n}"[:64], 0))
 
 
 def _kill(stack: Stack, name: str) -> list[str]:

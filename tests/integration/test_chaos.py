@@ -29,7 +29,7 @@ def test_sigkill_of_one_of_two_decode_workers_under_load_costs_no_request_and_no
     with running_stack(spec, ready_timeout_s=180) as stack:
         reference, [report] = run_drill(stack, cfg, progress=False, record=record)
     assert len(reference) == 4 and all(reference.values()), reference
-    assert report.skipped is None and report.restarts == {"decode-1": 1}, report
+    assert report.skipped is None and report.restarts in ({"decode-1": 1}, {"decode-2": 1}), report
     in_flight = [o for o in record["kill-decode"] if o.sent_s < report.fault_at_s < (o.ended_s or 1e9)]
     # the closed loop keeps all 4 running but for the moment between one's end and the next's start
     assert len(in_flight) >= cfg.concurrency // 2, f"the fault came while {len(in_flight)} requests ran"

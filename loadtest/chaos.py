@@ -204,6 +204,8 @@ def run_fault(stack: Stack, cfg: ChaosConfig, fault: str, reference: dict[int, s
               progress: bool = True, record: dict[str, list[RequestOutcome]] | None = None) -> FaultReport:
     """One fault under load; ``record`` gets the phase's request outcomes under the fault's name."""
     if reason := skip_reason(fault, stack):
+        if fault == "kill-gateway" and cfg.num_gateways > 1:
+            reason += " (asked for, but this Stack starts one gateway: StackSpec has no num_gateways)"
         return skipped_report(fault, reason)
     before = {name: stack.num_restarts(name) for name in stack.children}
     outcomes, fault_at_s, notes = asyncio.run(_phase(stack, cfg, fault, progress))

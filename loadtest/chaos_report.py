@@ -176,14 +176,16 @@ fault to the next success and to the first success of a request sent after it.""
               "differing": [r.num_differing for r in run], "leaked blocks": [r.num_leaked_blocks for r in run]}
     width = 0.2
     for i, (label, values) in enumerate(series.items()):
-        bad.bar([x + (i - 1.5) * width for x in xs], values, width, label=label)
-    bad.set_title("per fault (0 everywhere is the target)")
+        bars = bad.bar([x + (i - 1.5) * width for x in xs], values, width, label=label)
+        bad.bar_label(bars, fontsize=7)  # a 0 shows as "0", not as nothing
+    bad.set_ylim(0, max([1, *(v for values in series.values() for v in values)]) * 1.2)
+    bad.set_title("requests failed / hung / differing, blocks leaked (target: 0)")
     recov.bar([x - 0.27 for x in xs], [r.next_success_s or 0.0 for r in run], 0.27, label="next success")
     recov.bar(list(xs), [r.recovery_s or 0.0 for r in run], 0.27,
               label="first success of a request sent after the fault")
     recov.bar([x + 0.27 for x in xs], [r.e2e_p50_s or 0.0 for r in run], 0.27, color="tab:gray",
               label="median request duration (for scale)")
-    recov.set_title("seconds from the fault (0: none)")
+    recov.set_title("seconds from the fault (no bar: no such success in the phase)")
     recov.legend()
     for ax in (bad, recov):
         ax.set_xticks(list(xs), names, rotation=30, ha="right")

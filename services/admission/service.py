@@ -59,6 +59,9 @@ class AdmissionService:
         self.view.update_load(load, time.time())
 
     async def submit(self, request: GenerateRequest) -> AdmissionDecision:
+        # kv-index first: a worker may leave the view while that is awaited, and from reading the
+        # workers to the chosen one's entry nothing may await (else the chosen one can be gone)
+        overlaps = await self._overlaps(request)
         workers = self.view.ready_workers("decode", request.model)
         if not workers:
             await self.refresh()  # a worker may have registered since the last refresh
@@ -68,7 +71,6 @@ class AdmissionService:
                                 self._settings.retry_after_s)
         block_size = workers[0].info.block_size
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
-        overlaps = await self._overlaps(request)
         now = time.time()
         views = [w.load_view(now) for w in workers]
         choice = choose_worker(views, overlaps, num_blocks, self._weights, now)

@@ -181,3 +181,17 @@ def child_span(name: str, **attributes) -> Iterator[Span | None]:
         return
     with tracer().start_as_current_span(name, attributes=attributes) as span:
         yield span
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Outside any trace for the block: for messages sent while serving a request that are not
+    part of it (a worker's load report), so that their consumers start no spans in its trace."""
+    if not _enabled:
+        yield
+        return
+    token = otel_context.attach(otel_context.Context())
+    try:
+        yield
+    finally:
+        otel_context.detach(token)

@@ -78,3 +78,17 @@ def test_phase_fields_are_optional_on_the_wire():
     note = PrefillNotification(transfer_id="t", request_id="r", queue_wait_s=0.1, prefill_s=0.2)
     assert PrefillNotification.from_bytes(note.to_bytes()) == note
     assert PrefillNotification.from_bytes(b'{"transfer_id": "t", "request_id": "r"}').prefill_s is None
+
+
+@pytest.mark.parametrize("protocol, module", [
+    ("http/protobuf", "opentelemetry.exporter.otlp.proto.http.trace_exporter"),
+    ("grpc", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"),
+])
+def test_the_otlp_protocol_picks_the_official_exporter(protocol, module):
+    from shared.telemetry.tracing import _exporter
+
+    exporter = _exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
+    assert type(exporter).__module__ == module
+    exporter.shutdown()
+    with pytest.raises(ValueError, match="http/json"):
+        _exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})

@@ -1,7 +1,7 @@
 """Tracing's cost: two identical stacks (one decode worker each), one exporting every span over
 OTLP/HTTP, the other with tracing off, same workload, in one run.
 
-    python -m loadtest.bench_tracing [--num-requests 40 --rate 2 --repeats 2] [--out loadtest/results]
+    python -m loadtest.bench_tracing [--num-requests 40 --rate 2 --repeats 2] [--out loadtest/results/tracing]
 
 Both stacks are started and warmed up first, then measured alternately ``--repeats`` times (the
 other idles meanwhile); the best repeat of each side is kept, which damps interference from other
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--repeats", type=int, default=2)
     add_workload_args(p)
-    p.set_defaults(num_requests=40, rate=2.0)
+    p.set_defaults(num_requests=40, rate=2.0, out=Path("loadtest/results/tracing"))
     args = p.parse_args(argv)
     cfg = workload_config(args)
     specs = build_workload(cfg)

@@ -57,7 +57,8 @@ class QueueMessage(Generic[Req]):
         self.num_delivered: int = msg.metadata.num_delivered  # 1 on the first delivery
         self.stream_seq: int = msg.metadata.sequence.stream
         self.headers: dict[str, str] = dict(msg.headers or {})  # e.g. the publisher's trace context
-        self.published_at: float = msg.metadata.timestamp.timestamp()  # stored in the stream: epoch s, the server's clock
+        # when the stream stored it: epoch seconds by the server's clock
+        self.published_at: float = msg.metadata.timestamp.timestamp()
 
     async def ack(self) -> None:
         await self._msg.ack()

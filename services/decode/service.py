@@ -15,11 +15,11 @@ import time
 from collections.abc import AsyncIterator
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.disagg import RemotePrefill
 from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
-from shared.disagg import RemotePrefill
 from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
 from shared.telemetry.phases import worker_phases

@@ -117,12 +117,16 @@ class Generation:
     def _note_first_token(self, opened_at: float) -> None:
         """TTFT as the client sees it, less the network, and its phases: the gateway's own work
         (before admission, and between admission's answer and the request to the worker),
-        admission's round trip, and the worker's phases that came with the first chunk."""
+        admission's round trip, the worker's phases that came with the first chunk, and ``bus``:
+        the rest of the wait for that chunk, i.e. the NATS hops to the worker and back and the
+        scheduling of the processes in between."""
         now = time.monotonic()
         self.ttft_s = now - self._arrived_at
         first_admission_at = self._first_admission_at or self._arrived_at
         own = (first_admission_at - self._arrived_at) + (opened_at - self._admitted_at)
-        self.phases = {"gateway": own, "admission": self._admission_s, **(self._first.phases or {})}
+        worker = self._first.phases or {}
+        bus = max(now - opened_at - sum(worker.values()), 0.0)
+        self.phases = {"gateway": own, "admission": self._admission_s, **worker, "bus": bus}
 
     async def _admit(self, request: GenerateRequest) -> str:
         asked_at = time.monotonic()

@@ -2,9 +2,11 @@
 one timeline, and the W3C ``Server-Timing`` header that reports them.
 
 The decode worker measures its part from the moment it receives the request to its first token
-(``worker_phases``); the gateway adds its own work and admission's round trip. What no phase
-covers is the bus in between, so the phases' sum falls slightly short of the TTFT the gateway
-measures (sent as ``total``), never above it.
+(``worker_phases``); the gateway adds its own work, admission's round trip, and ``bus``: the rest
+of its wait for the first chunk (the NATS hops there and back and the scheduling of the processes
+in between; several milliseconds on a loaded machine). The phases are consecutive intervals of
+the TTFT the gateway measures (sent as ``total``): their sum matches it, and can only exceed it
+if a phase were counted twice.
 """
 
 from __future__ import annotations

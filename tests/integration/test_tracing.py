@@ -111,8 +111,12 @@ def assert_phases_sum_to_ttft(headers: dict[str, str], expected: set[str]) -> di
     total = timing.pop(TOTAL)
     assert set(timing) == expected, f"phases {sorted(timing)}, expected {sorted(expected)}"
     assert all(v >= 0 for v in timing.values()), timing
-    assert abs(sum(timing.values()) - total) <= 0.05 * total, (
-        f"phases sum to {sum(timing.values()) * 1000:.2f} ms, TTFT {total * 1000:.2f} ms: {timing}")
+    summed = sum(timing.values())
+    assert abs(summed - total) <= 0.05 * total, (
+        f"phases sum to {summed * 1000:.2f} ms, TTFT {total * 1000:.2f} ms: {timing}")
+    # consecutive intervals of the TTFT: a phase counted twice shows as a sum above it (the header
+    # rounds each to a microsecond); the bus hops are a phase of their own, so nothing is left out
+    assert summed <= total + 1e-5, f"phases sum to {summed * 1000:.3f} ms > TTFT {total * 1000:.3f} ms: {timing}"
     return timing
 
 
@@ -152,7 +156,7 @@ def test_local_prefill_is_one_trace_with_its_phases(stack, receiver):
     for name in ("decode.queue", "decode.prefill"):
         assert_child(one(spans, "tandem-decode", name), generate)
     assert_connected(spans, client_span_id)
-    assert_phases_sum_to_ttft(headers, {"gateway", "admission", "queue", "prefill"})
+    assert_phases_sum_to_ttft(headers, {"gateway", "admission", "queue", "prefill", "bus"})
 
 
 def test_remote_prefill_joins_the_trace(stack, receiver):
@@ -176,7 +180,7 @@ def test_remote_prefill_joins_the_trace(stack, receiver):
         assert_child(one(spans, "tandem-prefill", name), prefill)
     assert_connected(spans, client_span_id)
     phases = assert_phases_sum_to_ttft(
-        headers, {"gateway", "admission", "queue", "prefill_queue", "prefill", "transfer", "first_step"})
+        headers, {"gateway", "admission", "queue", "prefill_queue", "prefill", "transfer", "first_step", "bus"})
     assert phases["prefill"] > 0, phases
 
 

@@ -43,6 +43,7 @@ class RemotePrefiller:
             return None
         try:
             await self._bus.js_publish(self._subjects.prefill_queue(request.priority), prefill.message)
+            prefill.published_at = time.monotonic()
         except Exception as exc:  # noqa: BLE001 — a full queue, NATS away: prefill here, now
             prefills.publish_failed(prefill, exc)
         return prefill
@@ -68,7 +69,7 @@ class RemotePrefiller:
             delay = 0.002 if self.prefills.has_waiting else 0.05
             try:
                 for note in self.transfer.get_notifications():
-                    self.prefills.deliver(note.message, note.num_bytes)
+                    self.prefills.deliver(note.message, note.num_bytes, time.monotonic())
             except Exception:  # noqa: BLE001 — the ticks below must go on: they end the waits
                 log.exception("polling KV notifications failed")
                 delay = 0.5

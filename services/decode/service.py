@@ -15,11 +15,14 @@ import time
 from collections.abc import AsyncIterator
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.disagg import RemotePrefill
 from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
+from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
+from shared.telemetry.phases import worker_phases
 from services.decode.config import DecodeSettings
 from services.decode.remote import RemotePrefiller
 from services.decode.translate import engine_params, token_chunk
@@ -84,13 +87,31 @@ class DecodeWorker(EngineWorker):
                     # Admission counts what it admitted on top of the last report until a newer
                     # one arrives: report the freed capacity before the caller can send more.
                     await self.publish_load()
-                yield token_chunk(out, index, self.worker_id)
+                chunk = token_chunk(out, index, self.worker_id)
+                if index == 0:
+                    chunk = chunk.model_copy(update={"phases": self._first_token_phases(
+                        started, now, out.first_scheduled_time, handle)})
+                yield chunk
                 index += 1
         except InvalidRequestError as exc:
             raise ServiceError("bad_request", str(exc), getattr(exc, "field", None)) from None
         except (EngineError, ValueError) as exc:
             raise ServiceError("rejected", str(exc)) from None
         log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
+
+    @staticmethod
+    def _first_token_phases(received_at: float, first_output_at: float, scheduled_at: float | None,
+                            handle: RemotePrefill | None) -> dict[str, float]:
+        """The request's phases until its first token, each also a span of its trace."""
+        remote = handle.times() if handle is not None else None
+        phases = worker_phases(received_at, first_output_at, scheduled_at=scheduled_at, remote=remote)
+        at = received_at
+        for name, seconds in phases.items():
+            if remote is None or name not in ("prefill_queue", "prefill"):  # the prefill worker's spans
+                tracing.record_span(f"decode.{name}", at, at + seconds)
+            at += seconds
+        tracing.add_event("first_token")
+        return phases
 
     async def cancel(self, request: CancelRequest) -> None:
         log.info("cancel %s: %s", request.request_id, request.reason)

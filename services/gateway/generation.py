@@ -42,7 +42,7 @@ class Generation:
     def __init__(self, bus: Bus, subjects: Subjects, settings: GatewaySettings, tokenizer: Tokenizer,
                  metrics: GatewayMetrics, request: GenerateRequest, stops: list[str], *,
                  worker_started_at: Callable[[str], float | None], has_ready_worker: Callable[[], bool],
-                 rehash: Callable[[list[int]], list[int]]) -> None:
+                 rehash: Callable[[list[int]], list[int]], arrived_at: float | None = None) -> None:
         self._bus, self._subjects, self._settings = bus, subjects, settings
         self._metrics = metrics
         # the registered worker's start time (None: not registered) tells a worker that died and
@@ -62,6 +62,14 @@ class Generation:
         self.is_finished = False
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0
+        # the time to first token and its phases (shared.telemetry.phases), from the first worker
+        # that answered; ``arrived_at``: when the HTTP request came in (time.monotonic())
+        self._arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        self._admission_s = 0.0
+        self._first_admission_at: float | None = None
+        self._admitted_at = self._arrived_at
+        self.ttft_s: float | None = None
+        self.phases: dict[str, float] = {}
 
     @property
     def num_completion_tokens(self) -> int:
@@ -81,6 +89,7 @@ class Generation:
                 self._subjects.decode_generate(worker_id), request,
                 first_timeout_s=self._settings.request_timeout_s,
                 idle_timeout_s=self._settings.token_idle_timeout_s)
+            opened_at = time.monotonic()
             try:
                 self._first = await self._watched(worker_id, started_at)
             except (WorkerLost, Disconnected) as exc:  # e.g. died during a long prefill: nothing sent yet
@@ -103,12 +112,35 @@ class Generation:
                 raise ApiError(504, f"no token within {self._settings.request_timeout_s:g}s",
                                code="timeout") from None
             self.worker_id, self._current, self._worker_started_at = worker_id, request, started_at
+            if self.ttft_s is None:
+                self._note_first_token(opened_at)
             return
 
+    def _note_first_token(self, opened_at: float) -> None:
+        """TTFT as the client sees it, less the network, and its phases: the gateway's own work
+        (before admission, and between admission's answer and the request to the worker),
+        admission's round trip, the worker's phases that came with the first chunk, and ``bus``:
+        the rest of the wait for that chunk, i.e. the NATS hops to the worker and back and the
+        scheduling of the processes in between."""
+        now = time.monotonic()
+        self.ttft_s = now - self._arrived_at
+        first_admission_at = self._first_admission_at or self._arrived_at
+        own = (first_admission_at - self._arrived_at) + (opened_at - self._admitted_at)
+        worker = self._first.phases or {}
+        bus = max(now - opened_at - sum(worker.values()), 0.0)
+        self.phases = {"gateway": own, "admission": self._admission_s, **worker, "bus": bus}
+
     async def _admit(self, request: GenerateRequest) -> str:
+        asked_at = time.monotonic()
+        if self._first_admission_at is None:
+            self._first_admission_at = asked_at
         try:
-            decision = await self._bus.request(self._subjects.admission_submit(), request,
-                                               timeout_s=self._settings.admission_timeout_s)
+            try:
+                decision = await self._bus.request(self._subjects.admission_submit(), request,
+                                                   timeout_s=self._settings.admission_timeout_s)
+            finally:
+                self._admitted_at = time.monotonic()
+                self._admission_s += self._admitted_at - asked_at
         except ServiceError as exc:
             raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
                            retry_after_s=1.0) from None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from shared.telemetry.metrics import LATENCY_BUCKETS_S, Counter, Gauge, Histogram, Registry
 
@@ -18,6 +19,16 @@ class GatewayMetrics:
     ttft: Histogram
     itl: Histogram
     migrations: Counter
+    phases: dict[str, Histogram] = field(default_factory=dict)  # TTFT phase → its histogram
+
+    def observe_phases(self, phases: Mapping[str, float]) -> None:
+        """One request's TTFT phases (seconds), each into its own histogram."""
+        for name, seconds in phases.items():
+            if name not in self.phases:
+                self.phases[name] = self.registry.add(Histogram(
+                    f"tandem_gateway_ttft_phase_{name}_seconds", f"time to first token spent in {name}",
+                    LATENCY_BUCKETS_S))
+            self.phases[name].observe(seconds)
 
     @classmethod
     def create(cls) -> GatewayMetrics:

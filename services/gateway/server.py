@@ -14,6 +14,7 @@ from shared.openai_api import responses
 from shared.openai_api.adapters import ApiAdapter, ResponseHead
 from shared.openai_api.errors import ApiError
 from shared.telemetry.metrics import Counter
+from shared.telemetry.phases import server_timing
 from services.gateway.generation import Generation
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,14 @@ async def respond(request: web.Request, api: ApiAdapter, gen: Generation) -> web
 
 
 def _ids(gen: Generation) -> dict[str, str]:
-    """Which request, tier and worker (for logs, debugging and the routing tests), and the TTFT
-    admission predicted for it."""
+    """Which request, tier and worker (for logs, debugging and the routing tests), the TTFT
+    admission predicted for it, and the phases of the TTFT it got (``Server-Timing``)."""
     ids = {"X-Request-Id": gen.request.request_id, "X-Tandem-Worker": gen.worker_id or "",
            "X-Tandem-Tier": gen.request.tier}
     if gen.predicted_ttft_s is not None:
         ids["X-Tandem-Predicted-TTFT-Ms"] = f"{gen.predicted_ttft_s * 1000:.0f}"
+    if gen.ttft_s is not None:  # where the time to first token went (sent before the first byte)
+        ids["Server-Timing"] = server_timing(gen.phases, gen.ttft_s)
     return ids
 
 

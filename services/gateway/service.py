@@ -26,6 +26,8 @@ from shared.policy.rate_limit import RateLimiter
 from shared.openai_api.generate_request import build_generate_request, prompt_block_hashes
 from shared.protocol import ClusterStatusRequest, Subjects, WorkerInfo
 from shared.runtime.service import bus_connection, every, serve_until_stopped
+from shared.telemetry import tracing
+from shared.telemetry.logs import bind_request_id
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.generation import Generation
@@ -79,6 +81,17 @@ class Gateway:
         return await self._generate(request, CompletionAdapter)
 
     async def _generate(self, request: web.Request, adapter: type[ApiAdapter]) -> web.StreamResponse:
+        """One trace per request: the client's ``traceparent`` is its parent when it sends one."""
+        arrived_at = time.monotonic()
+        with tracing.edge_span(f"{request.method} {request.path}", request.headers,
+                               **{"http.request.method": request.method, "url.path": request.path}) as span:
+            resp = await self._generate_traced(request, adapter, arrived_at)
+            if span is not None:
+                span.set_attribute("http.response.status_code", resp.status)
+            return resp
+
+    async def _generate_traced(self, request: web.Request, adapter: type[ApiAdapter],
+                               arrived_at: float) -> web.StreamResponse:
         tier = self.api_keys.tier(request.headers.get("Authorization"))
         self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
@@ -88,18 +101,22 @@ class Gateway:
             workers=self.ready_workers(model),
             served_models=self.served_models(), default_max_tokens=self.settings.default_max_tokens,
             now=time.time())
+        bind_request_id(gen_request.request_id)
         gen = Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
                          gen_request, api.body.stop_strings(), worker_started_at=self._started_at,
                          has_ready_worker=lambda: bool(self.ready_workers(model)),
-                         rehash=lambda ids: prompt_block_hashes(ids, self.ready_workers(model)))
+                         rehash=lambda ids: prompt_block_hashes(ids, self.ready_workers(model)),
+                         arrived_at=arrived_at)
         self.metrics.in_flight.inc()
         try:
             await gen.start()
+            self.metrics.observe_phases(gen.phases)
             return await respond(request, api, gen)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.generated.inc(gen.num_completion_tokens)
             await gen.close()
+            _log_request(gen)
 
     def _check_rate(self, request: web.Request) -> None:
         """A 429 when this client (its API key, else its address) is over its rate."""
@@ -142,6 +159,16 @@ class Gateway:
         body["gateway"] = {"in_flight": self.metrics.in_flight.value(), "models": self.served_models(),
                            "num_restarts": self.settings.num_restarts}
         return web.json_response(body)
+
+
+def _log_request(gen: Generation) -> None:
+    """The request's one line: where it ran, its size, its TTFT and the phases of it."""
+    if gen.ttft_s is None:
+        return  # rejected or failed before its first token: the error path logged why
+    phases = " ".join(f"{name}={seconds * 1000:.1f}" for name, seconds in gen.phases.items())
+    log.info("%s: worker %s, %d+%d tokens (%d cached), TTFT %.1f ms [%s]", gen.request.request_id,
+             gen.worker_id, gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens,
+             gen.ttft_s * 1000, phases)
 
 
 def build_app(gateway: Gateway) -> web.Application:

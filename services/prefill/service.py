@@ -24,6 +24,8 @@ from shared.engine import AsyncEngine, EngineError, SamplingParams
 from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest,
                              WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
+from shared.telemetry import tracing
+from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import RecentMean
 from shared.transfer import KvTransfer, KVTransferFailed, MetadataStore, connect_peer, wait_written
 from services.prefill.config import PrefillSettings
@@ -105,10 +107,17 @@ class PrefillWorker(EngineWorker):
                 task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, msg: QueueMessage[RemotePrefillRequest]) -> None:
+        bind_request_id(msg.payload.request_id)
+        taken_at = time.monotonic()
+        queue_wait_s = max(time.time() - msg.published_at, 0.0)
         try:
             progress = asyncio.create_task(self._report_progress(msg))
             try:
-                await self.serve(msg.payload, msg.num_delivered, msg.stream_seq)
+                # one trace with the request: the decode worker's publish is the parent
+                with tracing.server_span("prefill", msg.headers, tracing.SpanKind.CONSUMER,
+                                         request_id=msg.payload.request_id, delivery=msg.num_delivered):
+                    tracing.record_span("prefill_queue.wait", taken_at - queue_wait_s, taken_at)
+                    await self.serve(msg.payload, msg.num_delivered, msg.stream_seq, queue_wait_s)
             finally:
                 progress.cancel()
             await msg.ack()
@@ -127,9 +136,11 @@ class PrefillWorker(EngineWorker):
             except Exception as exc:  # noqa: BLE001
                 log.warning("in_progress report failed: %s", exc)
 
-    async def serve(self, request: RemotePrefillRequest, delivery: int = 1, seq: int = 0) -> None:
+    async def serve(self, request: RemotePrefillRequest, delivery: int = 1, seq: int = 0,
+                    queue_wait_s: float | None = None) -> None:
         """Prefill and write one request (or drop it): afterwards the message may be acked.
-        ``delivery``: how often the queue has delivered it; ``seq``: its stream sequence."""
+        ``delivery``: how often the queue has delivered it; ``seq``: its stream sequence;
+        ``queue_wait_s``: how long it waited on the queue (told to the decode worker)."""
         self.num_requests_total += 1
         rid = request.request_id
         if delivery > 1:
@@ -137,7 +148,7 @@ class PrefillWorker(EngineWorker):
         peer = None
         try:
             peer = await self._peer(request)
-            num_blocks = await self._prefill_and_write(request, peer, f"{seq}-{delivery}")
+            num_blocks = await self._prefill_and_write(request, peer, f"{seq}-{delivery}", queue_wait_s)
         except _Dropped as exc:
             self.num_dropped += 1
             log.warning("%s: dropped: %s", rid, exc)
@@ -155,7 +166,8 @@ class PrefillWorker(EngineWorker):
         except KVTransferFailed as exc:
             raise _Dropped(f"decode worker {request.decode_worker_id} unreachable: {exc}", notify=False) from None
 
-    async def _prefill_and_write(self, request: RemotePrefillRequest, peer: str, attempt: str) -> int:
+    async def _prefill_and_write(self, request: RemotePrefillRequest, peer: str, attempt: str,
+                                 queue_wait_s: float | None) -> int:
         rid = request.request_id
         if request.model != self._settings.model:
             raise _Dropped(f"model {request.model!r} is not this worker's {self._settings.model!r}", notify=True)
@@ -169,20 +181,24 @@ class PrefillWorker(EngineWorker):
                  request.decode_worker_id)
         started = time.monotonic()
         try:
-            async for _ in self.engine.generate(engine_id, request.prompt_token_ids, _PREFILL_PARAMS,
-                                                request.priority, keep_kv=True):
-                pass
-            self._prefill_time.observe(time.monotonic() - started)
+            with tracing.child_span("prefill.compute", num_tokens=len(request.prompt_token_ids) - start):
+                async for _ in self.engine.generate(engine_id, request.prompt_token_ids, _PREFILL_PARAMS,
+                                                    request.priority, keep_kv=True):
+                    pass
+            prefill_s = time.monotonic() - started
+            self._prefill_time.observe(prefill_s)
             block_ids = await self.engine.call(lambda e: e.request_block_ids(engine_id))
             if time.time() > request.write_deadline:
                 raise _Dropped("prefilled after its write deadline (the decode worker prefills it itself)",
                                notify=False)
             local = block_ids[start // local_bs:-(-end // local_bs)] if end > start else []
             note = PrefillNotification(transfer_id=request.transfer_id, request_id=rid,
-                                       num_blocks=len(request.write_block_ids), prefill_worker_id=self.worker_id)
+                                       num_blocks=len(request.write_block_ids), prefill_worker_id=self.worker_id,
+                                       queue_wait_s=queue_wait_s, prefill_s=prefill_s)
             try:
-                handle = self.transfer.write_blocks(peer, local, request.write_block_ids, note.to_bytes())
-                await wait_written(self.transfer, handle, request.write_timeout_s)
+                with tracing.child_span("kv.write", num_blocks=len(local), decode_worker=request.decode_worker_id):
+                    handle = self.transfer.write_blocks(peer, local, request.write_block_ids, note.to_bytes())
+                    await wait_written(self.transfer, handle, request.write_timeout_s)
             except KVTransferFailed as exc:
                 self.transfer.remove_peer(peer)  # reconnect from fresh metadata next time
                 raise _Dropped(f"KV write into {request.decode_worker_id} failed: {exc}", notify=False) from None

@@ -34,6 +34,8 @@ from shared.bus.replay import Replay
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
 from shared.protocol.subjects import Endpoint
+from shared.telemetry import tracing
+from shared.telemetry.logs import bind_request_id
 from shared.telemetry.redact import redact_url
 
 log = logging.getLogger(__name__)
@@ -162,7 +164,9 @@ class Bus:
     async def request(self, endpoint: Endpoint[Req, Rep], payload: Req, *, timeout_s: float) -> Rep:
         assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
         try:
-            msg = await self.nc.request(endpoint.subject, payload.to_bytes(), timeout=timeout_s)
+            with tracing.client_span(f"{endpoint.subject} request") as headers:
+                msg = await self.nc.request(endpoint.subject, payload.to_bytes(), timeout=timeout_s,
+                                            headers=headers)
         except nats.errors.NoRespondersError:
             raise NoResponders(endpoint.subject) from None
         except nats.errors.TimeoutError:
@@ -172,12 +176,13 @@ class Bus:
         return endpoint.reply_type.from_bytes(msg.data)
 
     async def publish(self, endpoint: Endpoint[Req, WireModel], payload: Req) -> None:
-        await self.nc.publish(endpoint.subject, payload.to_bytes())
+        await self.nc.publish(endpoint.subject, payload.to_bytes(), headers=tracing.current_headers())
 
     async def js_publish(self, endpoint: Endpoint[Req, WireModel], payload: Req, *,
                          timeout_s: float = 5.0) -> int:
         """Publish into a JetStream stream and wait for its ack; returns the stream sequence."""
-        ack = await self.js.publish(endpoint.subject, payload.to_bytes(), timeout=timeout_s)
+        with tracing.client_span(f"{endpoint.subject} publish", tracing.SpanKind.PRODUCER) as headers:
+            ack = await self.js.publish(endpoint.subject, payload.to_bytes(), timeout=timeout_s, headers=headers)
         return ack.seq
 
     async def stream(self, endpoint: Endpoint[Req, Rep], payload: Req, *, first_timeout_s: float,
@@ -199,7 +204,8 @@ class Bus:
         sub = await self.nc.subscribe(inbox, cb=on_reply, pending_msgs_limit=1 << 20)
         stop_listening = self.link.on_loss(lambda: received.put_nowait(None))
         try:
-            await self.nc.publish(endpoint.subject, payload.to_bytes(), reply=inbox)
+            await self.nc.publish(endpoint.subject, payload.to_bytes(), reply=inbox,
+                                  headers=tracing.current_headers())
             timeout = first_timeout_s
             while True:
                 try:
@@ -267,8 +273,10 @@ class Bus:
             log.warning("bad message on %s: %s", msg.subject, message)
             await self._reply_error(msg, ErrorReply(code="bad_request", message=message, field=field))
             return
+        bind_request_id(getattr(request, "request_id", None))  # this task's log lines name it
         try:
-            await run(msg, request)
+            with tracing.server_span(f"{endpoint.subject} process", msg.headers):
+                await run(msg, request)
         except asyncio.CancelledError:
             raise
         except ServiceError as exc:

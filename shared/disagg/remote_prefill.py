@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from shared.engine import AsyncEngine, EngineOutput, SamplingParams
 from shared.policy.disagg import DisaggConfig, DisaggDecision, DisaggInput, decide_prefill
 from shared.protocol import GenerateRequest, PrefillNotification, RemotePrefillRequest
+from shared.telemetry.phases import RemoteTimes
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,18 @@ class RemotePrefill:
     reason: str
     future: asyncio.Future[PrefillNotification | None] = field(repr=False)
     kv_written: bool = False
+    # for the request's TTFT phases (time.monotonic(), set by the service): on the queue, KV in place
+    published_at: float | None = None
+    delivered_at: float | None = None
+    note: PrefillNotification | None = None
+
+    def times(self) -> RemoteTimes | None:
+        """The remote prefill's timeline, when its KV was written and every part of it is known."""
+        note = self.note
+        if (not self.kv_written or note is None or note.queue_wait_s is None or note.prefill_s is None
+                or self.published_at is None or self.delivered_at is None):
+            return None
+        return RemoteTimes(self.published_at, self.delivered_at, note.queue_wait_s, note.prefill_s)
 
     @property
     def request_id(self) -> str:
@@ -142,8 +155,9 @@ class RemotePrefills:
         if prefill is not None:
             self._resolve(prefill, None)
 
-    def deliver(self, payload: bytes, num_bytes: int) -> None:
-        """A NIXL notification: the first for a waiting transfer resolves its wait."""
+    def deliver(self, payload: bytes, num_bytes: int, received_at: float | None = None) -> None:
+        """A NIXL notification: the first for a waiting transfer resolves its wait. ``received_at``
+        (time.monotonic()) dates the KV's arrival for the request's TTFT phases."""
         try:
             note = PrefillNotification.from_bytes(payload)
         except ValidationError:
@@ -153,6 +167,7 @@ class RemotePrefills:
         if prefill is None or prefill.future.done():
             log.info("%s: late or repeated KV notification (%s) ignored", note.request_id, note.status)
             return
+        prefill.delivered_at = received_at
         prefill.future.set_result(note)
 
     def tick(self, now: float) -> None:
@@ -189,6 +204,7 @@ class RemotePrefills:
             heapq.heappush(self._releases, (prefill.window_end, request_id))
             raise
         self._forget(prefill)
+        prefill.note = note
         prefill.kv_written = note is not None and note.status == "ok"
         engine.finish_remote_prefill(request_id, kv_written=prefill.kv_written)
         if prefill.kv_written:

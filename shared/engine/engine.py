@@ -41,6 +41,7 @@ class EngineOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    first_scheduled_time: float | None = None  # the request's (time.monotonic()), for its TTFT phases
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
         started = time.perf_counter()
         sampled = self.runner.execute(out)
         self._prefill_rate.observe(sum(s.num_new_tokens for s in out.scheduled
@@ -267,7 +272,7 @@ class LLMEngine:
             logprobs = [TokenLogprobs(token.token_id, token.logprob, token.top_logprobs or ())]
         finish = request.status.value if request.status.is_finished else None
         return EngineOutput(request.request_id, new_ids, logprobs, finish, request.num_prompt_tokens,
-                            request.num_cached_tokens, len(request.output_token_ids))
+                            request.num_cached_tokens, len(request.output_token_ids), request.first_scheduled_time)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

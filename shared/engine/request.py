@@ -98,6 +98,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     keep_kv: bool = False  # when finished, hold the blocks until released (a transfer reads them)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    first_scheduled_time: float | None = None  # time.monotonic() of the step that first ran it
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -70,6 +70,9 @@ class TokenChunk(WireModel):
     num_prompt_tokens: int = Field(0, ge=0)
     num_cached_tokens: int = Field(0, ge=0)
     worker_id: WorkerId | None = None
+    # first chunk only: the worker's part of the time to first token, phase name → seconds, a
+    # partition of its time from receiving the request to this chunk (shared.telemetry.phases)
+    phases: dict[str, float] | None = None
 
 
 class CancelRequest(WireModel):

@@ -76,6 +76,10 @@ class PrefillNotification(WireModel):
     num_blocks: int = Field(0, ge=0)
     prefill_worker_id: WorkerId | None = None
     message: str = ""
+    # ``ok`` only: how long the request waited on the prefill queue and how long its prefill took
+    # (seconds, measured at the prefill worker), for the decode worker's TTFT phases
+    queue_wait_s: float | None = Field(None, ge=0)
+    prefill_s: float | None = Field(None, ge=0)
 
 
 class PrefillQueueStatus(WireModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -15,13 +16,18 @@ from shared.bus import Bus, WorkerRegistry
 from shared.protocol import Subjects
 from shared.runtime.settings import ServiceSettings
 from shared.telemetry.logs import configure_logging
+from shared.telemetry.tracing import configure_tracing, service_name
 
 log = logging.getLogger(__name__)
 
 
-def run_service(name: str, level: str, main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run ``main(stop)``; SIGTERM and SIGINT set ``stop`` (a second one exits at once)."""
-    configure_logging(name, level)
+def run_service(name: str, level: str, main: Callable[[asyncio.Event], Awaitable[None]], *,
+                log_format: str | None = None) -> int:
+    """Run ``main(stop)``; SIGTERM and SIGINT set ``stop`` (a second one exits at once). Tracing
+    is set up here, once per process, from the ``OTEL_*`` variables."""
+    configure_logging(name, level, log_format)
+    if configure_tracing(name):
+        log.info("tracing on: spans of %s exported over OTLP", service_name(name, os.environ))
 
     async def runner() -> None:
         stop = asyncio.Event()

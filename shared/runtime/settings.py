@@ -24,6 +24,8 @@ class ServiceSettings(BaseSettings):
                            description="first token of every subject, bucket and Redis key")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL (heartbeat: TTL/3)")
     log_level: str = Field("INFO", description="logging level")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text, or as JSON lines "
+                                                "carrying request_id and trace_id")
     num_restarts: int = Field(0, ge=0, description="times a supervisor (tandem up) restarted this process "
                               "after a crash; workers report it in the registry")
 

@@ -20,6 +20,7 @@ from shared.protocol import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStor
                              KvEventBatch, Subjects, WorkerInfo, WorkerLoad)
 from shared.protocol.workers import Role
 from shared.runtime.engine_settings import EngineWorkerSettings
+from shared.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class EngineWorker:
 
     async def publish_load(self) -> None:
         try:
-            await self._bus.publish(self._subjects.load(self.role, self.worker_id), self.load())
+            with tracing.untraced():  # also sent while serving a request, yet part of none
+                await self._bus.publish(self._subjects.load(self.role, self.worker_id), self.load())
         except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
             log.warning("load report failed: %s", exc)

@@ -365,3 +365,19 @@ async def test_without_nixl_the_decode_worker_says_so_and_prefills_locally(monke
     assert "remote prefill OFF: NIXL is not importable" in caplog.text
     with pytest.raises(ServiceError, match="NIXL is not importable"):
         roles.check("prefill")
+
+
+async def test_a_written_remote_prefill_knows_its_timeline_for_the_ttft_phases():
+    from shared.telemetry.phases import RemoteTimes
+
+    prefills, engine = make()
+    prefill, failed = await reserve(prefills), await reserve(prefills, "r2")
+    prefill.published_at = failed.published_at = 100.0
+    engine.outputs["r1"] = [EngineOutput("r1", [5], None, "length", len(PROMPT), 0, 1)]
+    prefills.deliver(note(prefill.transfer_id, queue_wait_s=0.2, prefill_s=0.5), 4096, received_at=101.0)
+    prefills.deliver(note(failed.transfer_id, "r2", status="failed"), 0, received_at=101.0)
+    assert prefill.times() is None  # not before the request has taken its notification
+    _ = [out async for out in prefills.outputs(prefill)]
+    _ = [out async for out in prefills.outputs(failed)]
+    assert prefill.times() == RemoteTimes(100.0, 101.0, 0.2, 0.5)
+    assert failed.times() is None  # no KV written: it prefilled locally, the engine dates that

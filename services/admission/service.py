@@ -102,7 +102,7 @@ class AdmissionService:
         block_size = entry.info.block_size
         load = entry.load
         wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(
-            num_running=load.num_running, max_num_seqs=load.max_num_seqs,
+            num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
             num_waiting_ahead=load.num_waiting_ahead(priority),
             mean_output_tokens=load.num_generated_tokens_total / load.num_requests_total, itl_s=load.itl_recent_s)
         return AdmissionInput(
@@ -111,7 +111,8 @@ class AdmissionService:
             queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
             prefill_tokens_per_s=entry.load.prefill_tokens_per_s if entry.load else None,
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
-            decode_wait_s=wait)
+            decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
+            num_running=load.num_running if load else 0)
 
     async def _overlaps(self, request: GenerateRequest) -> dict[str, int]:
         if not request.block_hashes:

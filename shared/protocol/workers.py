@@ -68,6 +68,7 @@ class WorkerLoad(WireModel):
     # still to prefill and the waiting requests; and the recent prefill rate (None: not measured yet)
     queued_prefill_tokens: dict[int, int] = Field(default_factory=dict)
     num_waiting_by_priority: dict[int, int] = Field(default_factory=dict)
+    num_running_by_priority: dict[int, int] = Field(default_factory=dict)  # empty from older workers
     prefill_tokens_per_s: float | None = Field(None, ge=0)
 
     def prefill_tokens_ahead(self, priority: int) -> int:
@@ -77,6 +78,13 @@ class WorkerLoad(WireModel):
     def num_waiting_ahead(self, priority: int) -> int:
         """Waiting requests a new request of ``priority`` queues behind."""
         return _at_or_above(self.num_waiting_by_priority, priority)
+
+    def num_running_ahead(self, priority: int) -> int:
+        """Running requests a new request of ``priority`` cannot take the slot of (the engine
+        preempts a lower priority for it); all of them from a worker that does not report them."""
+        if not self.num_running_by_priority:
+            return self.num_running
+        return _at_or_above(self.num_running_by_priority, priority)
 
 
 def _at_or_above(by_priority: dict[int, int], priority: int) -> int:

@@ -84,7 +84,10 @@ class Autoscaling:
         """This tick's decision. The policy is not asked while a worker is starting, draining or
         flipping (the fleet's count is about to change; the cooldown restarts when it is done)
         or before two samples give rates."""
-        samples = [worker_sample(w) for w in workers]
+        return self.plan_samples(now_s, [worker_sample(w) for w in workers])
+
+    def plan_samples(self, now_s: float, samples: list[WorkerSample]) -> ScalingPlan:
+        """``plan`` on the adapter's samples (the simulator builds them from its own counters)."""
         while self._history and now_s - self._history[0][0] > self.window_s:
             self._history.popleft()
         demand = measure_demand(self._history[0][1] if self._history else {}, samples)

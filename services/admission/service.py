@@ -86,7 +86,8 @@ class AdmissionService:
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
-        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time())
+        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(),
+                                self.qos.tiers[self.qos.resolve(request.tier)].priority)
         info = entry.info
         return AdmissionDecision(request_id=request.request_id, is_admitted=True,
                                  worker_id=info.worker_id, generate_subject=info.generate_subject,

@@ -64,6 +64,7 @@ class FleetManager:
         self._bus = await Bus.connect(self._stack.nats_url, "up-fleet")
         try:
             await self._bus.serve(self._subjects.fleet_scale(), self.scale)
+            await self._bus.flush()
             self._serving.set()
             await self._stop.wait()
         finally:

@@ -88,7 +88,8 @@ class AdmissionService:
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
-        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time())
+        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(),
+                                self.qos.tiers[self.qos.resolve(request.tier)].priority)
         info = entry.info
         return AdmissionDecision(request_id=request.request_id, is_admitted=True,
                                  worker_id=info.worker_id, generate_subject=info.generate_subject,
@@ -104,7 +105,7 @@ class AdmissionService:
         block_size = entry.info.block_size
         load = entry.load
         wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(
-            num_running=load.num_running, max_num_seqs=load.max_num_seqs,
+            num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
             num_waiting_ahead=load.num_waiting_ahead(priority),
             mean_output_tokens=load.num_generated_tokens_total / load.num_requests_total, itl_s=load.itl_recent_s)
         return AdmissionInput(
@@ -113,7 +114,8 @@ class AdmissionService:
             queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
             prefill_tokens_per_s=entry.load.prefill_tokens_per_s if entry.load else None,
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
-            decode_wait_s=wait)
+            decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
+            num_running=load.num_running if load else 0)
 
     async def _overlaps(self, request: GenerateRequest) -> dict[str, int]:
         if not request.block_hashes:

@@ -143,13 +143,13 @@ class DecodeWorker(EngineWorker):
             num_prefill_fallbacks=prefills.num_fallbacks if prefills else 0,
             kv_bytes_received=remote.transfer.stats.num_bytes_received if remote else 0)
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float | None = None) -> None:
         """Stay listed as ``draining`` (admission skips it) while in-flight requests finish; the
         KV poller runs until then (remote prefills in flight wait on it)."""
         self.state = "draining"
         await self._registry.put(self.info())
         log.info("draining %d in-flight requests", self._bus.num_in_flight)
-        num_left = await self._bus.stop_serving(self._settings.drain_timeout_s)
+        num_left = await self._bus.stop_serving(self._settings.drain_timeout_s if timeout_s is None else timeout_s)
         if num_left:
             log.warning("drain timeout: %d requests cut off", num_left)
         for task in self._loops:

@@ -78,7 +78,8 @@ def _scaling_lines(scaling: ScalingStatus) -> list[str]:
         return ["autoscaling: off"]
     lines = [f"autoscaling: on; last tick: {scaling.last_reason or '-'}"]
     for r in scaling.recent[-5:]:
-        done = "; ".join(f"{a.kind} {a.worker_id} to {a.role}: {'ok' if a.ok else 'failed'}"
+        done = "; ".join(f"{a.kind} {a.worker_id or 'a worker'} {'to' if a.kind == 'flip' else 'as'} {a.role}: "
+                         f"{'ok' if a.ok else 'failed'}"
                          + (f" ({a.message})" if a.message else "") for a in r.actions) or "nothing done"
         when = time.strftime("%H:%M:%S", time.localtime(r.timestamp))
         lines.append(f"  {when} prefill {r.num_prefill}->{r.target_prefill}, decode {r.num_decode}->"

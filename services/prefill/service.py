@@ -224,7 +224,7 @@ class PrefillWorker(EngineWorker):
                 log.debug("unexpected KV notification from %s ignored", note.peer)
             await asyncio.sleep(0.01)
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float | None = None) -> None:
         """Take no new messages, finish the prefills in flight (unfinished ones are redelivered)."""
         self.state = "draining"
         await self._registry.put(self.info())
@@ -234,7 +234,8 @@ class PrefillWorker(EngineWorker):
         await asyncio.gather(puller, return_exceptions=True)
         await self._queues.close()
         if self._tasks:
-            _, left = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_s)
+            _, left = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_s
+                                         if timeout_s is None else timeout_s)
             for task in left:
                 task.cancel()
             if left:

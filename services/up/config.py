@@ -1,7 +1,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.runtime.settings import QosSettings
@@ -50,5 +50,28 @@ class UpSettings(QosSettings):
                                  "unset: no auth")
     rate_limit_per_s: float | None = Field(None, gt=0, description="gateway requests per second per API key "
                                            "(per client address without keys); unset: no limit")
+    autoscale: bool = Field(False, description="let the autoscaler act: flip workers between decode and prefill, "
+                            "and start and stop worker processes between --min-workers and --max-workers")
+    min_workers: int | None = Field(None, ge=1, description="with --autoscale: never fewer workers than this "
+                                    "(default: --decode + --prefill)")
+    max_workers: int | None = Field(None, ge=1, description="with --autoscale: never more workers than this "
+                                    "(default: --decode + --prefill, a fleet of fixed size)")
+    scale_down_drain_timeout_s: float = Field(300.0, gt=0, description="a worker stopped by the autoscaler "
+                                              "finishes what it holds for up to this long")
     rate_limit_burst: int | None = Field(None, ge=1, description="gateway requests a key may send at once "
                                          "(default: the gateway's)")
+
+    @model_validator(mode="after")
+    def _fleet_bounds(self) -> "UpSettings":
+        if not self.autoscale and (self.min_workers is not None or self.max_workers is not None):
+            raise ValueError("min_workers and max_workers need autoscale (--autoscale)")
+        num_workers = self.decode + self.prefill
+        low, high = self.fleet_bounds()
+        if not low <= num_workers <= high:
+            raise ValueError(f"--decode + --prefill ({num_workers}) must lie between min_workers ({low}) and "
+                             f"max_workers ({high})")
+        return self
+
+    def fleet_bounds(self) -> tuple[int, int]:
+        num_workers = self.decode + self.prefill
+        return self.min_workers or num_workers, self.max_workers or num_workers

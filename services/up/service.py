@@ -22,7 +22,18 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         decode_flags={**engine, **_given(**disagg)}, prefill_flags=engine,
         gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,
                              rate_limit_burst=s.rate_limit_burst),
-        admission_flags=_given(qos=s.qos))
+        admission_flags=_given(qos=s.qos), **_autoscaling(s))
+
+
+def _autoscaling(s: UpSettings) -> dict[str, object]:
+    """The autoscaler acts, and tandem up starts and stops the workers it asks for (a fleet whose
+    bounds are equal only flips roles)."""
+    if not s.autoscale:
+        return {}
+    low, high = s.fleet_bounds()
+    fleet = {"min_workers": low, "max_workers": high} if high > low else {}
+    return {"autoscaler_flags": {"autoscale": True, **fleet},
+            "fleet_drain_timeout_s": s.scale_down_drain_timeout_s if fleet else None}
 
 
 def _given(**flags: object) -> dict[str, object]:
@@ -42,7 +53,7 @@ def run(settings: UpSettings) -> int:
         waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop), daemon=True)
         waiter.start()
         while not stop.wait(0.5):
-            dead = [n for n, c in stack.children.items() if not c.is_running()]
+            dead = stack.exited()
             if dead and not settings.restart:  # else the stack's supervisor restarts them
                 print_line("up", f"exited: {', '.join(dead)}; stopping the stack")
                 return 1

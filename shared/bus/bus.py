@@ -250,6 +250,11 @@ class Bus:
 
         await self._serve(endpoint, run, queue)
 
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Return once the server has processed everything sent so far (e.g. a new subscription:
+        a request sent after this finds its responder)."""
+        await self.nc.flush(timeout=timeout_s)
+
     async def subscribe(self, endpoint: Endpoint[Req, WireModel],
                         handler: Callable[[Req], Awaitable[None]]) -> None:
         """Consume publish-only messages (no reply): a bad message is logged and dropped."""

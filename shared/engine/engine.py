@@ -84,6 +84,7 @@ class EngineStats:
     # what admission needs to predict a new request's TTFT (see shared.policy.admission)
     queued_prefill_tokens: dict[int, int] = field(default_factory=dict)  # priority -> tokens not yet prefilled
     num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    num_running_by_priority: dict[int, int] = field(default_factory=dict)
     prefill_tokens_per_s: float | None = None  # recent prefill throughput; None until measured
 
 
@@ -285,7 +286,7 @@ class LLMEngine:
             num_prompt_tokens=self._num_prompt_tokens, num_cached_prompt_tokens=self._num_cached_prompt_tokens,
             num_generated_tokens=self._num_generated, num_remote_pending=len(self.scheduler.remote),
             num_held=len(self.scheduler.held), queued_prefill_tokens=backlog.prefill_tokens,
-            num_waiting_by_priority=backlog.num_waiting,
+            num_waiting_by_priority=backlog.num_waiting, num_running_by_priority=backlog.num_running,
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s)
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:

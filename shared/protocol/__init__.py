@@ -10,14 +10,15 @@ from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockS
 from shared.protocol.prefill import PrefillNotification, PrefillQueueStatus, RemotePrefillRequest
 from shared.protocol.subjects import Endpoint, Subjects
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
-                                     ControlResult, ScalingAction, ScalingDecisionRecord, ScalingStatus,
-                                     WorkerInfo, WorkerLoad, WorkerStatus)
+                                     ControlResult, ScaleRequest, ScaleResult, ScalingAction, ScalingDecisionRecord,
+                                     ScalingStatus, WorkerInfo, WorkerLoad, WorkerStatus)
 
 __all__ = [
     "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
     "KvMatchResult", "PrefillNotification", "PrefillQueueStatus", "RemotePrefillRequest", "SamplingParams",
-    "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "ScaleRequest", "ScaleResult", "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "Subjects",
+    "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",
 ]

@@ -16,7 +16,7 @@ from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
 from shared.protocol.prefill import RemotePrefillRequest
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
-                                     ControlResult, Role, WorkerLoad)
+                                     ControlResult, Role, ScaleRequest, ScaleResult, WorkerLoad)
 
 VERSION = "v1"
 DEFAULT_NAMESPACE = "tandem"
@@ -73,6 +73,10 @@ class Subjects:
 
     def kvindex_match(self) -> Endpoint[KvMatchRequest, KvMatchResult]:
         return Endpoint(f"{self._root}.kvindex.match", KvMatchRequest, KvMatchResult)
+
+    def fleet_scale(self) -> Endpoint[ScaleRequest, ScaleResult]:
+        """Served by ``tandem up --autoscale`` (the owner of the worker processes)."""
+        return Endpoint(f"{self._root}.up.scale", ScaleRequest, ScaleResult)
 
     def cluster_status(self) -> Endpoint[ClusterStatusRequest, ClusterStatusResult]:
         return Endpoint(f"{self._root}.autoscaler.status", ClusterStatusRequest, ClusterStatusResult)

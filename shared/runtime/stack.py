@@ -52,6 +52,10 @@ class StackSpec:
     # off by default: tests that take a worker away on purpose want it to stay gone
     restart_children: bool = False
     restart_backoff: Backoff = Backoff()
+    autoscaler_flags: dict[str, object] = field(default_factory=dict)
+    # set: serve the autoscaler's start/stop requests (shared.runtime.fleet); a stopped worker
+    # drains this long before what it still holds is cut off
+    fleet_drain_timeout_s: float | None = None
 
 
 def print_line(name: str, line: str) -> None:
@@ -74,6 +78,8 @@ class Stack:
         self.nats_url = spec.nats_url or ""
         self.redis_url = spec.redis_url or ""
         self.port = spec.port or free_port()
+        self.retired: set[str] = set()  # workers stopped on purpose (scale-down): their exit is expected
+        self._fleet = None
 
     @property
     def base_url(self) -> str:
@@ -101,7 +107,7 @@ class Stack:
                   "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level}
         self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
         self.spawn("admission", "admission", {**common, **spec.admission_flags})
-        self.spawn("autoscaler", "autoscaler", common)
+        self.spawn("autoscaler", "autoscaler", {**common, **spec.autoscaler_flags})
         for i in range(spec.num_decode):
             self.spawn_decode(f"decode-{i + 1}")
         for i in range(spec.num_prefill):
@@ -111,6 +117,11 @@ class Stack:
         if spec.restart_children:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
+        if spec.fleet_drain_timeout_s is not None:
+            from shared.runtime.fleet import FleetManager
+
+            self._fleet = FleetManager(self, drain_timeout_s=spec.fleet_drain_timeout_s)
+            self._fleet.start()
 
     def _add_server(self, server: ServerProcess) -> None:
         self.servers.append(server)
@@ -123,14 +134,42 @@ class Stack:
         return self._spawn_worker(name, "prefill", self.spec.prefill_flags)
 
     def _spawn_worker(self, name: str, service: str, flags: dict[str, object]) -> Child:
+        with self._children_lock:
+            return self._start_worker(name, service, flags)
+
+    def _start_worker(self, name: str, service: str, flags: dict[str, object]) -> Child:
         spec = self.spec
-        worker_id = f"{spec.namespace}-{name}"[:64]
+        worker_id = self.worker_id(name)
         # workers sharing one machine split its cores rather than each spinning a thread per core
         num_workers = spec.num_decode + spec.num_prefill
         threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_workers)} if num_workers > 1 else {}
-        return self.spawn(name, service, {
+        return self._start_child(name, service, {
             "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
             "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **threads, **flags})
+
+    # -- the fleet, as the autoscaler changes it (shared.runtime.fleet) -----------------------------
+    def add_worker(self, role: str) -> tuple[str, str, Child]:
+        """A new worker of ``role`` under a name not used before: (name, worker id, child)."""
+        with self._children_lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the stack is stopping: no new worker")
+            number = 1 + sum(name.startswith(f"{role}-") for name in self._spawned)
+            name = f"{role}-{number}"
+            flags = self.spec.decode_flags if role == "decode" else self.spec.prefill_flags
+            child = self._start_worker(name, role, flags)
+        return name, self.worker_id(name), child
+
+    def worker_id(self, name: str) -> str:
+        return f"{self.spec.namespace}-{name}"[:64]
+
+    def worker_name(self, worker_id: str) -> str | None:
+        return next((n for n in self.children if self.worker_id(n) == worker_id), None)
+
+    def retire(self, name: str, is_retired: bool = True) -> None:
+        (self.retired.add if is_retired else self.retired.discard)(name)
+
+    def log_line(self, line: str) -> None:
+        self._line("up", line)
 
     def spawn(self, name: str, service: str, flags: dict[str, object]) -> Child:
         with self._children_lock:
@@ -183,6 +222,10 @@ class Stack:
         self._line("up", f"{server.name} restarted (restart {self.num_restarts(server.name)}, "
                          f"pid {server.pid}, same port and data)")
 
+    def exited(self) -> list[str]:
+        """Children that exited, but for workers stopped on purpose."""
+        return [n for n, c in self.children.items() if not c.is_running() and n not in self.retired]
+
     def ready_status(self) -> dict | None:
         try:
             with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
@@ -198,7 +241,7 @@ class Stack:
         want_prefill = self.spec.num_prefill if num_prefill is None else num_prefill
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            dead = [n for n, c in self.children.items() if not c.is_running()]
+            dead = self.exited()
             if dead and not self.spec.restart_children:  # else the supervisor retries them
                 raise RuntimeError(f"service(s) exited during start-up: {', '.join(dead)}")
             status = self.ready_status()
@@ -212,6 +255,8 @@ class Stack:
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers. Nothing
         is restarted from here on."""
+        if self._fleet is not None:
+            self._fleet.stop()
         with self._children_lock:
             self._stopping.set()
         if self._supervisor is not None:

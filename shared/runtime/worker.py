@@ -140,6 +140,7 @@ class EngineWorker:
             num_generated_tokens_total=stats.num_generated_tokens,
             num_cached_prompt_tokens_total=stats.num_cached_prompt_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
+            num_running_by_priority=stats.num_running_by_priority,
             prefill_tokens_per_s=stats.prefill_tokens_per_s, **fields)
 
     async def warm_up(self) -> None:

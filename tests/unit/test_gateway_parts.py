@@ -200,6 +200,13 @@ def test_status_shows_the_autoscalers_decisions_with_their_reasons():
     assert lines[-2] == "autoscaling: on; last tick: cooling down"
     assert lines[-1].endswith("prefill 0->1, decode 2->1 (1500 prompt tok/s, 3 output tok/s): prefill share 0.97 "
                               "wanted, have 0.00; flip d2 to prefill: ok (draining)")
+    scaled = StatusPage.model_validate({"timestamp": 1.0, "scaling": {"enabled": True, "recent": [{
+        "timestamp": 0.0, "reason": "utilisation 0.30, 2.0 waiting per worker: scale up to 2", "num_prefill": 0,
+        "num_decode": 1, "target_prefill": 0, "target_decode": 2,
+        "actions": [{"kind": "start", "worker_id": "d3", "role": "decode", "ok": True, "message": "pid 7"}]}]}})
+    assert format_status(scaled).splitlines()[-1].endswith(
+        "decode 1->2 (0 prompt tok/s, 0 output tok/s): utilisation 0.30, 2.0 waiting per worker: scale up to 2; "
+        "start d3 as decode: ok (pid 7)")
     off = StatusPage.model_validate({"timestamp": 1.0, "scaling": {"enabled": False}})
     assert format_status(off).splitlines()[-1] == "autoscaling: off"
 

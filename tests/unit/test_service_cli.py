@@ -77,3 +77,19 @@ def test_quantization_reaches_the_engine_config_and_the_stack_workers(monkeypatc
 def test_remote_prefill_window_must_cover_a_kv_write(capsys):
     assert main(["decode", "--remote-prefill-timeout-s", "4", "--kv-write-timeout-s", "5"]) == 2
     assert "remote_prefill_timeout_s" in capsys.readouterr().err
+
+
+def test_up_autoscale_bounds_reach_the_autoscaler_and_bad_ones_are_one_line(capsys):
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+
+    spec = spec_from_settings(UpSettings(autoscale=True, min_workers=1, max_workers=3))
+    assert spec.autoscaler_flags == {"autoscale": True, "min_workers": 1, "max_workers": 3}
+    assert spec.fleet_drain_timeout_s == 300.0
+    fixed = spec_from_settings(UpSettings(autoscale=True, decode=2))  # flips only: no fleet manager
+    assert fixed.autoscaler_flags == {"autoscale": True} and fixed.fleet_drain_timeout_s is None
+    assert spec_from_settings(UpSettings()).autoscaler_flags == {}
+    assert main(["up", "--max-workers", "3"]) == 2
+    assert "min_workers and max_workers need autoscale" in capsys.readouterr().err
+    assert main(["up", "--autoscale", "--decode", "4", "--max-workers", "3"]) == 2
+    assert "must lie between min_workers (4) and max_workers (3)" in capsys.readouterr().err

@@ -11,7 +11,8 @@ def engine_params(p: SamplingParams) -> EngineSamplingParams:
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         min_p=p.min_p, seed=p.seed, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+        logit_bias=dict(p.logit_bias) if p.logit_bias else None)
 
 
 def token_chunk(out: EngineOutput, index: int, worker_id: str) -> TokenChunk:

@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit; -100 bans it
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidSamplingParamsError naming the first bad field."""
@@ -53,6 +54,9 @@ class SamplingParams:
             bad("seed", "must be a non-negative 64-bit integer")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias and any(not 0 <= t < vocab_size or not -100.0 <= b <= 100.0
+                                   for t, b in self.logit_bias.items()):
+            bad("logit_bias", f"must map token ids in [0, {vocab_size}) to biases in [-100, 100]")
         if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
 

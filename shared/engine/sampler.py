@@ -2,7 +2,8 @@
 
 Per-request seeds give reproducible samples regardless of batch-mates: a seeded request draws its
 noise from its own ``torch.Generator``, one draw per sampled token. Logprobs are those of the raw
-model distribution (before penalties and temperature), as OpenAI-compatible servers report them.
+model distribution (before logit bias, penalties and temperature), as OpenAI-compatible servers
+report them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
         out_ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
         counts = torch.zeros_like(logits).scatter_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits: [S, V]. Adds each request's ``logit_bias``; a bias of -100 bans the token outright
+    (-inf), as OpenAI documents, rather than merely making it unlikely. Returns a new tensor when
+    any request has a bias, else ``logits`` itself."""
+    rows = [(i, r.sampling_params.logit_bias) for i, r in enumerate(requests) if r.sampling_params.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i, bias in rows:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        logits[i, ids] += vals.masked_fill(vals <= -100.0, float("-inf"))
     return logits
 
 
@@ -77,6 +93,7 @@ class Sampler:
         """logits: [S, V] float32, one row per request (in order)."""
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = apply_logit_bias(logits, requests)
         greedy_ids = logits.argmax(dim=-1).tolist()
         results = []
         for i, request in enumerate(requests):

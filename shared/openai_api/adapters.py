@@ -12,15 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Self, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from shared.openai_api import responses
 from shared.openai_api.errors import ApiError, from_validation_error
+from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
 from shared.protocol.generate import TokenLogprob
 from shared.tokenizer import Tokenizer
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
+B = TypeVar("B", bound=BaseModel)
 
 
 @dataclass
@@ -32,6 +34,15 @@ class Delta:
     finish_reason: str | None = None
 
 
+@dataclass
+class Choice:
+    """One finished choice of a non-streamed response."""
+
+    text: str
+    finish_reason: str
+    entries: list[TokenLogprob]
+
+
 @dataclass(frozen=True)
 class ResponseHead:
     """What every response and chunk of one request repeats."""
@@ -41,18 +52,24 @@ class ResponseHead:
     model: str
 
 
-def parse_body(raw: bytes, body_type: type[Body]) -> Body:
-    """The validated request body; a 400 ``ApiError`` naming the problem otherwise."""
+def parse_body(raw: bytes, body_type: type[B], rules: dict[str, FieldRule] | None = None) -> B:
+    """The validated request body; a 400 ``ApiError`` naming the problem otherwise (an unknown or
+    refused parameter included: ``rules``)."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    if rules is not None:
+        check_fields(data, rules)
     try:
-        return body_type.model_validate(data)
+        body = body_type.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    if rules is not None:
+        body.check_combinations()
+    return body
 
 
 class ApiAdapter(ABC, Generic[Body]):
@@ -60,6 +77,7 @@ class ApiAdapter(ABC, Generic[Body]):
     writes its text."""
 
     body_type: ClassVar[type[ApiRequest]]
+    fields: ClassVar[dict[str, FieldRule]]
     id_prefix: ClassVar[str]      # request ids are "<prefix>-<hex>", as OpenAI's
     prompt_param: ClassVar[str]   # the parameter a too-long prompt is reported on
     chunk_object: ClassVar[str]   # "object" of streamed chunks, the usage chunk included
@@ -70,23 +88,31 @@ class ApiAdapter(ABC, Generic[Body]):
 
     @classmethod
     def from_json(cls, raw: bytes, tokenizer: Tokenizer) -> Self:
-        return cls(parse_body(raw, cls.body_type), tokenizer)
+        return cls(parse_body(raw, cls.body_type, cls.fields), tokenizer)
 
     @abstractmethod
     def prompt_ids(self) -> list[int]:
         """The prompt as token ids; a 400 ``ApiError`` when it cannot be one."""
 
-    def opening_chunks(self, head: ResponseHead) -> list[dict]:
-        """Chunks streamed before the first token."""
+    def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
+        """Chunks of choice ``index`` streamed before its first token."""
         return []
 
-    @abstractmethod
-    def chunk(self, head: ResponseHead, delta: Delta, offset: int) -> dict:
-        """The streamed chunk of ``delta``; ``offset``: characters of text streamed before it."""
+    def echo_text(self) -> str:
+        """Text every choice starts with (the prompt, for ``echo``)."""
+        return ""
 
     @abstractmethod
-    def response(self, head: ResponseHead, text: str, finish_reason: str,
-                 entries: Sequence[TokenLogprob], usage: dict) -> dict:
+    def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
+        """The streamed chunk of choice ``index``'s ``delta``; ``offset``: characters of its text
+        streamed before it."""
+
+    @abstractmethod
+    def choice(self, index: int, choice: Choice) -> dict:
+        """One choice of the whole (non-streamed) response."""
+
+    @abstractmethod
+    def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
         """The whole (non-streamed) response."""
 
     def usage_chunk(self, head: ResponseHead, usage: dict) -> dict:
@@ -98,6 +124,7 @@ class ApiAdapter(ABC, Generic[Body]):
 
 class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
     body_type = ChatCompletionRequest
+    fields = CHAT_FIELDS
     id_prefix = "chatcmpl"
     prompt_param = "messages"
     chunk_object = "chat.completion.chunk"
@@ -110,20 +137,21 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
             raise ApiError(400, str(exc), param="messages") from None
         return self.tokenizer.encode(text)
 
-    def opening_chunks(self, head: ResponseHead) -> list[dict]:
-        return [responses.chat_chunk(head.request_id, head.created, head.model,
+    def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
+        return [responses.chat_chunk(head.request_id, head.created, head.model, index,
                                      {"role": "assistant", "content": ""})]
 
-    def chunk(self, head: ResponseHead, delta: Delta, offset: int) -> dict:
+    def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
         content = {"content": delta.text} if delta.text else {}
-        return responses.chat_chunk(head.request_id, head.created, head.model, content,
+        return responses.chat_chunk(head.request_id, head.created, head.model, index, content,
                                     finish_reason=delta.finish_reason, logprobs=logprobs)
 
-    def response(self, head: ResponseHead, text: str, finish_reason: str,
-                 entries: Sequence[TokenLogprob], usage: dict) -> dict:
-        return responses.chat_completion(head.request_id, head.created, head.model, text, finish_reason,
-                                         self._logprobs(entries), usage)
+    def choice(self, index: int, choice: Choice) -> dict:
+        return responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
+
+    def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
+        return responses.envelope(head.request_id, head.created, head.model, "chat.completion", choices, usage)
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict | None:
         return responses.chat_logprobs(entries, self.token_text) if self.body.logprobs else None
@@ -131,6 +159,7 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
 
 class CompletionAdapter(ApiAdapter[CompletionRequest]):
     body_type = CompletionRequest
+    fields = COMPLETION_FIELDS
     id_prefix = "cmpl"
     prompt_param = "prompt"
     chunk_object = "text_completion"
@@ -147,15 +176,30 @@ class CompletionAdapter(ApiAdapter[CompletionRequest]):
             raise ApiError(400, "prompt must not be empty", param="prompt")
         return ids
 
-    def chunk(self, head: ResponseHead, delta: Delta, offset: int) -> dict:
+    def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
+        echo = self.echo_text()
+        return [responses.completion_chunk(head.request_id, head.created, head.model, index, echo)] if echo else []
+
+    def echo_text(self) -> str:
+        if not self.body.echo:
+            return ""
+        prompt = self.body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            return self.tokenizer.decode(prompt, skip_special_tokens=False)
+        return prompt[0] if isinstance(prompt, list) else prompt
+
+    def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         logprobs = self._logprobs(delta.logprobs, offset) if delta.logprobs else None
-        return responses.completion_chunk(head.request_id, head.created, head.model, delta.text,
+        return responses.completion_chunk(head.request_id, head.created, head.model, index, delta.text,
                                           finish_reason=delta.finish_reason, logprobs=logprobs)
 
-    def response(self, head: ResponseHead, text: str, finish_reason: str,
-                 entries: Sequence[TokenLogprob], usage: dict) -> dict:
-        return responses.completion(head.request_id, head.created, head.model, text, finish_reason,
-                                    self._logprobs(entries, 0), usage)
+    def choice(self, index: int, choice: Choice) -> dict:
+        echo = self.echo_text()
+        return responses.completion_choice(index, echo + choice.text, choice.finish_reason,
+                                           self._logprobs(choice.entries, len(echo)))
+
+    def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
+        return responses.envelope(head.request_id, head.created, head.model, "text_completion", choices, usage)
 
     def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> dict | None:
         if self.body.logprobs is None:

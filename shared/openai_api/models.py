@@ -1,7 +1,8 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``), validated by pydantic.
 
-Unknown parameters are ignored (as vLLM does) so clients sending newer fields keep working; known
-ones are range-checked so a bad value is a 400 naming the parameter, never a 5xx.
+Which parameters exist at all, and which are refused, is decided first by ``fields.check_fields``
+(an unknown one is a 400, as at OpenAI); these models range-check the accepted ones so a bad value
+is a 400 naming the parameter, never a 5xx.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from shared.openai_api.errors import ApiError
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -26,6 +29,7 @@ class ChatMessage(_Body):
     role: Role
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -42,8 +46,12 @@ class StreamOptions(_Body):
 Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=4)], None]
 
 
+MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI documents
+
+
 class _Sampling(_Body):
-    model: StrictStr = Field(min_length=1)
+    model: StrictStr | None = Field(None, min_length=1)  # None: the one model served
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -55,9 +63,30 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     stop: Stop = None
-    n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_and_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+        return v
+
+    def token_biases(self) -> dict[int, float] | None:
+        return {int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None
+
+    def check_combinations(self) -> None:
+        """A 400 for parameters that are each valid but not together."""
+
+    def num_choices(self) -> int:
+        """Generations to run (``best_of`` on completions may run more than it returns)."""
+        return self.n
 
     @field_validator("stop")
     @classmethod
@@ -81,6 +110,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
+    def check_combinations(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -94,6 +127,20 @@ class CompletionRequest(_Sampling):
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES)
+
+    def check_combinations(self) -> None:
+        """A 400 for parameters that are each valid but not together."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise ApiError(400, f"best_of must be at least n ({self.n}), got {self.best_of}", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported: prompt logprobs are not computed",
+                           param="echo")
+
+    def num_choices(self) -> int:
+        return self.best_of or self.n
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -26,6 +26,7 @@ class SamplingParams(WireModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit; -100 bans it
 
 
 class GenerateRequest(WireModel):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.request import Request
+from shared.grammar.matcher import GrammarTable, TokenizerGrammars
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,38 @@ def filter_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def apply_grammars(logits: torch.Tensor, requests: list[Request], table: GrammarTable | None) -> torch.Tensor:
+    """logits: [S, V]. Tokens that the grammar of a request (if it has one) does not allow next
+    get -inf; the masks of the whole batch are computed in one call. Returns a new tensor when
+    any request has a grammar, else ``logits`` itself."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.grammar is not None]
+    if not rows:
+        return logits
+    if table is None:
+        raise RuntimeError("a request has a grammar but the sampler was built without a tokenizer")
+    matchers = [table.sync(requests[i].request_id, requests[i].sampling_params.grammar,
+                           requests[i].grammar_token_ids) for i in rows]
+    allowed = table.masks(matchers).to(logits.device)  # [len(rows), V_grammar]
+    logits = logits.clone()
+    sub = logits[rows]
+    width = min(sub.shape[-1], allowed.shape[-1])
+    sub[:, :width] = sub[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
+    sub[:, width:] = float("-inf")  # ids the tokenizer does not know
+    logits[rows] = sub
+    return logits
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, grammars: TokenizerGrammars | None = None) -> None:
         self.device = device
         self._default = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarTable(grammars) if grammars is not None else None
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
 
     def _generator(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
@@ -93,7 +118,7 @@ class Sampler:
         """logits: [S, V] float32, one row per request (in order)."""
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = apply_logit_bias(logits, requests)
+        logits = apply_grammars(apply_logit_bias(logits, requests), requests, self.grammars)
         greedy_ids = logits.argmax(dim=-1).tolist()
         results = []
         for i, request in enumerate(requests):

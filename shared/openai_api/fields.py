@@ -53,6 +53,7 @@ _COMMON: dict[str, FieldRule] = {
     "min_p": FieldRule(E, "as vLLM"),
     "repetition_penalty": FieldRule(E, "as vLLM"),
     "ignore_eos": FieldRule(E, "as vLLM"),
+    "guided_regex": FieldRule(E, "as vLLM: the output matches the regex"),
 }
 
 CHAT_FIELDS: dict[str, FieldRule] = {
@@ -61,8 +62,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "max_completion_tokens": FieldRule(I),
     "logprobs": FieldRule(I),
     "top_logprobs": FieldRule(I, "up to 20"),
-    "response_format": FieldRule(R, "only `{\"type\": \"text\"}` until structured outputs are in",
-                                 accepts=lambda v: v is None or v == {"type": "text"}),
+    "response_format": FieldRule(I, "`text`, `json_object`, `json_schema` (enforced token by token, "
+                                 "`strict` or not); a schema feature not implemented is a 400 naming it"),
     "tools": FieldRule(R, "tool calls are not implemented", accepts=lambda v: not v),
     "tool_choice": FieldRule(R, "only `none`", accepts=_one_of("none")),
     "parallel_tool_calls": FieldRule(X, "meaningless without tools"),

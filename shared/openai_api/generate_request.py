@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+from shared.grammar import GrammarError, GrammarSpec, compile_grammar
 from shared.kvcache.hashing import hash_blocks
 from shared.openai_api.adapters import ApiAdapter
 from shared.openai_api.errors import ApiError
@@ -28,6 +29,7 @@ def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str,
                                        min((w.max_model_len for w in workers), default=None),
                                        default_max_tokens, prompt_param=api.prompt_param)
     check_logit_bias(body, api.tokenizer.vocab_size)
+    check_grammar(body)
     return GenerateRequest(request_id=f"{api.id_prefix}-{uuid.uuid4().hex}", model=model,
                            prompt_token_ids=prompt_ids, sampling=sampling_params(body, max_tokens),
                            block_hashes=prompt_block_hashes(prompt_ids, workers), tier=tier,
@@ -52,6 +54,19 @@ def check_logit_bias(body: ApiRequest, vocab_size: int) -> None:
     if bad:
         raise ApiError(400, f"logit_bias: token ids must be in [0, {vocab_size}), got {bad[0]}",
                        param="logit_bias", code="invalid_value")
+
+
+def check_grammar(body: ApiRequest) -> None:
+    """A 400 naming the parameter for a schema or regex that does not compile, or uses a feature
+    the grammar engine does not implement (the message names the feature)."""
+    asked = body.grammar()
+    if asked is None:
+        return
+    spec, param = asked
+    try:
+        compile_grammar(GrammarSpec(spec.kind, spec.value))
+    except GrammarError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="unsupported_schema") from None
 
 
 def choice_requests(request: GenerateRequest, num_choices: int) -> list[GenerateRequest]:
@@ -89,7 +104,8 @@ def sampling_params(body: ApiRequest, max_tokens: int) -> SamplingParams:
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        ignore_eos=body.ignore_eos, logit_bias=body.token_biases(), logprobs=_engine_logprobs(body))
+        ignore_eos=body.ignore_eos, logit_bias=body.token_biases(), logprobs=_engine_logprobs(body),
+        grammar=(body.grammar() or (None,))[0])
 
 
 def _engine_logprobs(body: ApiRequest) -> int | None:

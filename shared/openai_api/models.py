@@ -7,11 +7,13 @@ is a 400 naming the parameter, never a 5xx.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from shared.openai_api.errors import ApiError
+from shared.protocol.generate import GrammarSpec
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -37,6 +39,18 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)
+
+
+class JsonSchemaFormat(_Body):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Body):
@@ -67,6 +81,13 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
+    guided_regex: StrictStr | None = Field(None, min_length=1)  # extension, as vLLM
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """What the output must match, and the parameter that asked for it."""
+        if self.guided_regex is not None:
+            return GrammarSpec(kind="regex", value=self.guided_regex), "guided_regex"
+        return None
 
     @field_validator("logit_bias")
     @classmethod
@@ -105,6 +126,7 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -113,6 +135,20 @@ class ChatCompletionRequest(_Sampling):
     def check_combinations(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.guided_regex is not None:
+            raise ApiError(400, "give response_format or guided_regex, not both", param="guided_regex")
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            raise ApiError(400, "response_format.json_schema is required for type json_schema",
+                           param="response_format.json_schema")
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super().grammar()
+        if fmt.type == "json_object":
+            return GrammarSpec(kind="json_object"), "response_format"
+        return GrammarSpec(kind="json_schema", value=json.dumps(fmt.json_schema.schema_)), "response_format"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -104,6 +104,10 @@ class Tokenizer:
         """Text of ``ids``; incomplete UTF-8 sequences come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The backend tokenizer as ``tokenizer.json`` text (what grammar libraries read)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

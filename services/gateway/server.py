@@ -130,7 +130,8 @@ async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Ge
         async for index, delta in _merged_deltas(gens):
             if not delta.text and not delta.finish_reason and not delta.logprobs:
                 continue
-            await resp.write(responses.sse_event(api.chunk(head, index, delta, offsets[index])))
+            for chunk in api.stream_chunks(head, index, delta, offsets[index]):
+                await resp.write(responses.sse_event(chunk))
             offsets[index] += len(delta.text)
     except ApiError as exc:  # mid-stream: the status line is gone, report in the stream
         await resp.write(responses.sse_event(exc.body()))

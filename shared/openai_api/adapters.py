@@ -18,6 +18,7 @@ from shared.openai_api import responses
 from shared.openai_api.errors import ApiError, from_validation_error
 from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
+from shared.openai_api.tools import ToolCall, may_become_call, parse_calls, system_prompt
 from shared.protocol.generate import TokenLogprob
 from shared.tokenizer import Tokenizer
 
@@ -50,6 +51,34 @@ class ResponseHead:
     request_id: str
     created: int
     model: str
+
+
+class ToolCallStream:
+    """One streamed choice that may be a tool call: text is held back while it may still become
+    one (all of it when the call is forced), and at the end comes out as calls or as text."""
+
+    def __init__(self, forced: bool) -> None:
+        self.forced = forced
+        self.held: list[Delta] = []
+        self.is_text = False  # decided: plain content, streamed as it comes
+
+    def push(self, delta: Delta) -> Delta | list[ToolCall] | None:
+        """Returns what to send now: a (possibly merged) text delta, the calls, or None (hold)."""
+        if self.is_text:
+            return delta
+        self.held.append(delta)
+        text = "".join(d.text for d in self.held)
+        if delta.finish_reason is None:
+            if self.forced or may_become_call(text):
+                return None
+            self.is_text = True
+        elif delta.finish_reason == "stop":
+            calls = parse_calls(text, self.forced)
+            if calls:
+                return calls
+        merged = Delta(text, [e for d in self.held for e in d.logprobs], delta.finish_reason)
+        self.held = []
+        return merged
 
 
 def parse_body(raw: bytes, body_type: type[B], rules: dict[str, FieldRule] | None = None) -> B:
@@ -115,6 +144,11 @@ class ApiAdapter(ABC, Generic[Body]):
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
         """The whole (non-streamed) response."""
 
+    def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
+        """What to stream for ``delta``: its chunk, or nothing while output is held back (a tool
+        call being written), or several."""
+        return [self.chunk(head, index, delta, offset)]
+
     def usage_chunk(self, head: ResponseHead, usage: dict) -> dict:
         return responses.usage_chunk(head.request_id, head.created, head.model, self.chunk_object, usage)
 
@@ -129,13 +163,38 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
     prompt_param = "messages"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, body: ChatCompletionRequest, tokenizer: Tokenizer) -> None:
+        super().__init__(body, tokenizer)
+        self._streams: dict[int, ToolCallStream] = {}
+
     def prompt_ids(self) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in self.body.messages]
+        tools = None
+        if self.body.tool_mode() != "none":
+            if self.tokenizer.chat_template_has_tools:
+                tools = [t.model_dump(exclude_none=True) for t in self.body.tools]
+            else:
+                messages.insert(0, {"role": "system", "content": system_prompt(self.body.tools)})
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         return self.tokenizer.encode(text)
+
+    def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
+        mode = self.body.tool_mode()
+        if mode == "none":
+            return [self.chunk(head, index, delta, offset)]
+        stream = self._streams.setdefault(index, ToolCallStream(forced=mode == "forced"))
+        held = stream.push(delta)
+        if held is None:
+            return []
+        if isinstance(held, Delta):
+            return [self.chunk(head, index, held, offset)]
+        calls = [{"index": i, **c.model_dump()} for i, c in enumerate(held)]
+        return [responses.chat_chunk(head.request_id, head.created, head.model, index, {"tool_calls": calls}),
+                responses.chat_chunk(head.request_id, head.created, head.model, index, {},
+                                     finish_reason="tool_calls")]
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         return [responses.chat_chunk(head.request_id, head.created, head.model, index,
@@ -148,6 +207,12 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
                                     finish_reason=delta.finish_reason, logprobs=logprobs)
 
     def choice(self, index: int, choice: Choice) -> dict:
+        mode = self.body.tool_mode()
+        calls = parse_calls(choice.text, mode == "forced") if mode != "none" and choice.finish_reason == "stop" else None
+        if calls:
+            return {"index": index, "message": {"role": "assistant", "content": None,
+                                                "tool_calls": [c.model_dump() for c in calls]},
+                    "logprobs": self._logprobs(choice.entries), "finish_reason": "tool_calls"}
         return responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:

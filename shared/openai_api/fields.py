@@ -64,9 +64,9 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "top_logprobs": FieldRule(I, "up to 20"),
     "response_format": FieldRule(I, "`text`, `json_object`, `json_schema` (enforced token by token, "
                                  "`strict` or not); a schema feature not implemented is a 400 naming it"),
-    "tools": FieldRule(R, "tool calls are not implemented", accepts=lambda v: not v),
-    "tool_choice": FieldRule(R, "only `none`", accepts=_one_of("none")),
-    "parallel_tool_calls": FieldRule(X, "meaningless without tools"),
+    "tools": FieldRule(I, "functions; in the chat template when it renders tools, else a system message"),
+    "tool_choice": FieldRule(I, "`none`, `auto`, `required`, a named function (the last two by grammar)"),
+    "parallel_tool_calls": FieldRule(I, "false: at most one call"),
     "functions": FieldRule(R, "deprecated; use `tools`", accepts=lambda v: not v),
     "function_call": FieldRule(R, "deprecated; use `tool_choice`", accepts=_one_of("none")),
     "modalities": FieldRule(R, "text only", accepts=lambda v: v is None or v == ["text"]),

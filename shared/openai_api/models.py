@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from shared.openai_api.errors import ApiError
+from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, forced_grammar, render_call
 from shared.protocol.generate import GrammarSpec
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -32,13 +33,16 @@ class ChatMessage(_Body):
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
     def text(self) -> str:
+        """The content as the model sees it; earlier tool calls as the model would write them."""
+        calls = "".join(render_call(c) for c in self.tool_calls or [])
         if self.content is None:
-            return ""
+            return calls
         if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)
+            return self.content + calls
+        return "\n".join(p.text for p in self.content) + calls
 
 
 class JsonSchemaFormat(_Body):
@@ -127,6 +131,9 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -141,11 +148,35 @@ class ChatCompletionRequest(_Sampling):
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
             raise ApiError(400, "response_format.json_schema is required for type json_schema",
                            param="response_format.json_schema")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if choice not in (None, "none", "auto") and not names:
+            raise ApiError(400, "tool_choice requires tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names {choice.function.name!r}, not one of the tools {names}",
+                           param="tool_choice")
+        if self.tool_mode() == "forced" and (self.grammar_of_format() or self.guided_regex):
+            raise ApiError(400, "a forced tool call cannot also have a response_format or guided_regex",
+                           param="tool_choice")
+
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        """none: answer in text; auto: the model may call; forced: it must (a grammar sees to it)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "auto" if self.tool_choice in (None, "auto") else "forced"
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
+        if self.tool_mode() == "forced":
+            parallel = self.parallel_tool_calls is not False
+            return forced_grammar(self.tools, self.tool_choice, parallel), "tools"
+        return self.grammar_of_format() or super().grammar()
+
+    def grammar_of_format(self) -> tuple[GrammarSpec, str] | None:
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
-            return super().grammar()
+            return None
         if fmt.type == "json_object":
             return GrammarSpec(kind="json_object"), "response_format"
         return GrammarSpec(kind="json_schema", value=json.dumps(fmt.json_schema.schema_)), "response_format"

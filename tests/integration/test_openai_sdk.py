@@ -6,6 +6,7 @@ choices share the prompt's KV blocks. One stack (one decode worker) for the modu
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -154,3 +155,104 @@ def test_best_of_returns_n_choices(client):
                                      best_of=3, n=2, seed=3, extra_body={"ignore_eos": True})
     assert [c.index for c in comp.choices] == [0, 1]
     assert comp.usage.completion_tokens == 12  # all three runs count, not only the two returned
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0},
+                         "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}
+ASKS = ["Describe a person.", "Who lives in Rome? Answer in JSON.", "Invent a character for a story."]
+
+
+def test_json_schema_output_parses_and_validates(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from schema_check import violation
+
+    def ask(args):
+        content, temperature = args
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=80, temperature=temperature,
+            seed=5, response_format={"type": "json_schema",
+                                     "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+
+    with ThreadPoolExecutor(6) as pool:  # together, so the masks of a whole batch are computed at once
+        replies = list(pool.map(ask, [(c, t) for c in ASKS for t in (0.0, 1.0)]))
+    for reply in replies:
+        assert reply.choices[0].finish_reason == "stop", reply
+        value = json.loads(reply.choices[0].message.content)
+        assert violation(value, PERSON) is None, (value, violation(value, PERSON))
+
+
+def test_sdk_parse_json_object_and_regex(client):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Name a city."}],
+                                           response_format=City, max_tokens=60, temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    obj = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Reply with a JSON object whose one key is name."}],
+        response_format={"type": "json_object"}, max_tokens=200, temperature=0)
+    assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content  # not cut at max_tokens
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    code = client.completions.create(model=MODEL, prompt="Flight number:", max_tokens=10, temperature=1.0,
+                                     extra_body={"guided_regex": r"[A-Z]{2}[0-9]{3,4}"})
+    assert re.fullmatch(r"[A-Z]{2}[0-9]{3,4}", code.choices[0].text), code.choices[0].text
+
+
+def test_unsupported_schema_feature_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": {"if": {"type": "string"}, "then": {}}}})
+    assert info.value.body["param"] == "response_format" and "if" in info.value.body["message"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "properties": {"city": {"type": "string", "maxLength": 30}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_named_tool_choice_always_yields_a_valid_call_of_that_function(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from schema_check import violation
+
+    def ask(args):
+        content, temperature = args
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], tools=[WEATHER, TIME], max_tokens=60,
+            temperature=temperature, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+
+    asks = ["What is the weather in Paris?", "Is it raining in Oslo?", "Tell me a joke."]
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(ask, [(c, t) for c in asks for t in (0.0, 1.0)]))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather" and call.id.startswith("call_")
+            arguments = json.loads(call.function.arguments)
+            assert violation(arguments, WEATHER["function"]["parameters"]) is None, arguments
+
+
+def test_required_tool_call_streams_as_deltas_and_tool_results_are_accepted(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What time is it?"}], tools=[WEATHER, TIME],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0, stream=True))
+    deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
+    finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert finish == ["tool_calls"] and len(deltas) == 1 and deltas[0].function.name in ("get_weather", "get_time")
+    call = deltas[0]
+    follow_up = client.chat.completions.create(model=MODEL, tools=[WEATHER, TIME], max_tokens=20, temperature=0,
+                                               messages=[{"role": "user", "content": "What time is it?"},
+                                                         {"role": "assistant", "tool_calls": [{
+                                                             "id": call.id, "type": "function",
+                                                             "function": {"name": call.function.name,
+                                                                          "arguments": call.function.arguments}}]},
+                                                         {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
+    assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -135,8 +135,8 @@ async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Ge
             offsets[index] += len(delta.text)
     except ApiError as exc:  # mid-stream: the status line is gone, report in the stream
         await resp.write(responses.sse_event(exc.body()))
-    if api.body.include_usage():
-        await resp.write(responses.sse_event(api.usage_chunk(head, _usage(gens))))
+    for chunk in api.closing_chunks(head, _usage(gens)):
+        await resp.write(responses.sse_event(chunk))
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()
 

@@ -25,6 +25,7 @@ from shared.policy.qos import load_qos
 from shared.policy.rate_limit import RateLimiter
 from shared.openai_api.generate_request import (build_generate_request, choice_requests, prompt_block_hashes,
                                                 resolve_model)
+from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.protocol import ClusterStatusRequest, GenerateRequest, Subjects, WorkerInfo
 from shared.runtime.service import bus_connection, every, serve_until_stopped
@@ -79,6 +80,9 @@ class Gateway:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, CompletionAdapter)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, ResponsesAdapter)
 
     async def _generate(self, request: web.Request, adapter: type[ApiAdapter]) -> web.StreamResponse:
         tier = self.api_keys.tier(request.headers.get("Authorization"))
@@ -177,6 +181,7 @@ def build_app(gateway: Gateway) -> web.Application:
                           client_max_size=gateway.settings.max_request_bytes)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/responses", gateway.responses)
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/models/{model_id}", gateway.model)
     app.router.add_post("/tokenize", gateway.tokenize)

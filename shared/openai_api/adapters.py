@@ -149,6 +149,10 @@ class ApiAdapter(ABC, Generic[Body]):
         call being written), or several."""
         return [self.chunk(head, index, delta, offset)]
 
+    def closing_chunks(self, head: ResponseHead, usage: dict) -> list[dict]:
+        """Chunks streamed after every choice finished."""
+        return [self.usage_chunk(head, usage)] if self.body.include_usage() else []
+
     def usage_chunk(self, head: ResponseHead, usage: dict) -> dict:
         return responses.usage_chunk(head.request_id, head.created, head.model, self.chunk_object, usage)
 

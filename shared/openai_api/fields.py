@@ -1,5 +1,5 @@
-"""Every request parameter of ``/v1/chat/completions`` and ``/v1/completions`` and what Tandem does
-with it: implemented, accepted and ignored (it has no meaning here), or refused with a 400 naming
+"""Every request parameter of ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``
+and what Tandem does with it: implemented, accepted and ignored (it has no meaning here), or refused with a 400 naming
 it. A parameter no table lists is refused too ("Unrecognized request argument", as OpenAI does), so
 nothing a client sends is silently dropped. The README's table is ``markdown_table()``.
 """
@@ -96,6 +96,35 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
 }
 
 
+RESPONSES_FIELDS: dict[str, FieldRule] = {
+    **{k: _COMMON[k] for k in ("model", "stream", "temperature", "top_p", "user", "top_k", "min_p",
+                               "ignore_eos", "guided_regex")},
+    "input": FieldRule(I, "a string or a list of text messages"),
+    "instructions": FieldRule(I, "a system message before the input"),
+    "max_output_tokens": FieldRule(I),
+    "text": FieldRule(I, "`format`: text, json_object, json_schema"),
+    "metadata": FieldRule(X, "nothing is stored"),
+    "safety_identifier": FieldRule(X, "no per-user accounting here"),
+    "prompt_cache_key": FieldRule(X, "prefix caching is automatic"),
+    "prompt_cache_retention": FieldRule(X, "prefix caching is automatic"),
+    "prompt_cache_options": FieldRule(X, "prefix caching is automatic"),
+    "truncation": FieldRule(R, "only `disabled`", accepts=_one_of("disabled")),
+    "store": FieldRule(R, "nothing is stored", accepts=_one_of(False)),
+    "tools": FieldRule(R, "no tools on this endpoint yet; use chat completions", accepts=lambda v: not v),
+    "tool_choice": FieldRule(R, "no tools on this endpoint yet", accepts=_one_of("none", "auto")),
+    "parallel_tool_calls": FieldRule(X, "meaningless without tools"),
+    "service_tier": FieldRule(R, "tiers come from the API key", accepts=_one_of("auto", "default")),
+    **{name: FieldRule(R, why) for name, why in (
+        ("previous_response_id", "responses are not stored"), ("conversation", "no conversations"),
+        ("background", "no background mode"), ("background_options", "no background mode"),
+        ("include", "nothing extra to include"), ("reasoning", "not a reasoning model"),
+        ("max_tool_calls", "no tools"), ("prompt", "no stored prompts"), ("top_logprobs", "not yet"),
+        ("stream_options", "not yet"), ("context_management", "no context management"),
+        ("moderation", "no moderation"), ("image", "text only"), ("access_programs", "not supported"))},
+}
+
+
+
 def check_fields(data: Mapping[str, Any], rules: Mapping[str, FieldRule]) -> None:
     """A 400 naming the first parameter that is unknown or refused with a value other than off."""
     for name, value in data.items():
@@ -109,12 +138,13 @@ def check_fields(data: Mapping[str, Any], rules: Mapping[str, FieldRule]) -> Non
 
 
 def markdown_table() -> str:
-    """The README's table: every parameter of both endpoints with its status."""
-    names = list(dict.fromkeys([*CHAT_FIELDS, *COMPLETION_FIELDS]))
-    rows = ["| parameter | chat | completions | notes |", "|---|---|---|---|"]
+    """The README's table: every parameter of the three endpoints with its status."""
+    tables = (CHAT_FIELDS, COMPLETION_FIELDS, RESPONSES_FIELDS)
+    names = list(dict.fromkeys(name for table in tables for name in table))
+    rows = ["| parameter | chat | completions | responses | notes |", "|---|---|---|---|---|"]
     for name in names:
-        chat, comp = CHAT_FIELDS.get(name), COMPLETION_FIELDS.get(name)
-        notes = "; ".join(dict.fromkeys(r.note for r in (chat, comp) if r and r.note))
-        rows.append(f"| `{name}` | {chat.status.value if chat else '—'} | "
-                    f"{comp.status.value if comp else '—'} | {notes} |")
+        rules = [table.get(name) for table in tables]
+        notes = "; ".join(dict.fromkeys(r.note for r in rules if r and r.note))
+        cells = " | ".join(r.status.value if r else "—" for r in rules)
+        rows.append(f"| `{name}` | {cells} | {notes} |")
     return "\n".join(rows)

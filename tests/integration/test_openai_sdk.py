@@ -194,7 +194,7 @@ def test_sdk_parse_json_object_and_regex(client):
                                            response_format=City, max_tokens=60, temperature=0)
     assert isinstance(parsed.choices[0].message.parsed, City)
     obj = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Reply with a JSON object whose one key is name."}],
+        model=MODEL, messages=[{"role": "user", "content": 'Give a JSON object with the key "city" set to "Paris".'}],
         response_format={"type": "json_object"}, max_tokens=200, temperature=0)
     assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content  # not cut at max_tokens
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
@@ -256,3 +256,21 @@ def test_required_tool_call_streams_as_deltas_and_tool_results_are_accepted(clie
                                                                           "arguments": call.function.arguments}}]},
                                                          {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
     assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_responses_api_streams_and_completes(client):
+    reply = client.responses.create(model=MODEL, input="Name a colour.", instructions="Be brief.",
+                                    max_output_tokens=8, temperature=0)
+    assert reply.status in ("completed", "incomplete") and reply.output_text and reply.usage.output_tokens <= 8
+    events = list(client.responses.create(model=MODEL, input="Name a colour.", instructions="Be brief.",
+                                          max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{reply.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    assert events[-1].response.output_text == reply.output_text
+    structured = client.responses.create(
+        model=MODEL, input='Give a JSON object with the key "city" set to "Paris".', max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "strict": True, "schema": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False}}})
+    assert set(json.loads(structured.output_text)) == {"city"}

@@ -73,16 +73,14 @@ def filter_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
 
 def apply_grammars(logits: torch.Tensor, requests: list[Request], table: GrammarTable | None) -> torch.Tensor:
     """logits: [S, V]. Tokens that the grammar of a request (if it has one) does not allow next
-    get -inf; the masks of the whole batch are computed in one call. Returns a new tensor when
-    any request has a grammar, else ``logits`` itself."""
+    get -inf; the masks of the whole batch come from one call (prefetched while the forward ran,
+    see GrammarTable). Returns a new tensor when any request has a grammar, else ``logits``."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.grammar is not None]
     if not rows:
         return logits
     if table is None:
         raise RuntimeError("a request has a grammar but the sampler was built without a tokenizer")
-    matchers = [table.sync(requests[i].request_id, requests[i].sampling_params.grammar,
-                           requests[i].grammar_token_ids) for i in rows]
-    allowed = table.masks(matchers).to(logits.device)  # [len(rows), V_grammar]
+    allowed = table.masks_for([_grammar_item(requests[i]) for i in rows]).to(logits.device)  # [R, V]
     logits = logits.clone()
     sub = logits[rows]
     width = min(sub.shape[-1], allowed.shape[-1])
@@ -90,6 +88,10 @@ def apply_grammars(logits: torch.Tensor, requests: list[Request], table: Grammar
     sub[:, width:] = float("-inf")  # ids the tokenizer does not know
     logits[rows] = sub
     return logits
+
+
+def _grammar_item(request: Request, *new_tokens: int) -> tuple:
+    return request.request_id, request.sampling_params.grammar, request.grammar_token_ids + list(new_tokens)
 
 
 class Sampler:
@@ -135,6 +137,9 @@ class Sampler:
                     noise = torch.empty_like(probs).exponential_(generator=self._generator(request))
                     token = int((probs / noise).argmax())
             results.append(self._with_logprobs(token, raw_logprobs, i, params.logprobs))
+        if self.grammars is not None:  # the next step's masks, while its forward runs
+            self.grammars.prefetch([_grammar_item(r, t.token_id) for r, t in zip(requests, results)
+                                    if r.sampling_params.grammar is not None])
         return results
 
     @staticmethod

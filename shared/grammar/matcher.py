@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.torch
@@ -57,14 +58,64 @@ class GrammarMatcher:
 
 
 class GrammarTable:
-    """request id → matcher, for the requests of one sampler that have a grammar."""
+    """request id → matcher, for the requests of one sampler that have a grammar.
+
+    ``prefetch`` (called right after sampling, with the tokens just sampled) consumes them and
+    computes the next step's masks on a worker thread — llguidance releases the GIL — while the
+    next forward runs, as vLLM and SGLang overlap them. ``masks_for`` uses a prefetched row only
+    when it was computed for exactly the request's tokens now; anything else is computed then.
+    Matchers are touched by one thread at a time: every entry point first waits for the prefetch.
+    """
 
     def __init__(self, grammars: TokenizerGrammars) -> None:
         self.grammars = grammars
         self._matchers: dict[str, GrammarMatcher] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pending: Future | None = None
+        self._prefetched: dict[str, tuple[tuple, torch.Tensor]] = {}  # id → (tokens' key, allowed [V])
+        self.num_prefetch_hits = 0
 
     def forget(self, request_id: str) -> None:
+        self._wait()
         self._matchers.pop(request_id, None)
+        self._prefetched.pop(request_id, None)
+
+    def prefetch(self, items: Sequence[tuple[str, GrammarSpec, list[int]]]) -> None:
+        """Start computing the masks after ``items``' (request id, spec, tokens so far) tokens."""
+        self._wait()
+        self._prefetched.clear()
+        if items:
+            self._pending = self._pool.submit(self._compute, list(items))
+
+    def _compute(self, items: list[tuple[str, GrammarSpec, list[int]]]) -> None:
+        matchers = [self.sync(rid, spec, tokens) for rid, spec, tokens in items]
+        allowed = self.masks(matchers)
+        self._prefetched = {rid: (_key(tokens), allowed[i]) for i, (rid, _, tokens) in enumerate(items)}
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 — the masks are computed again when needed
+                log.exception("grammar prefetch failed")
+                self._prefetched.clear()
+
+    def masks_for(self, items: Sequence[tuple[str, GrammarSpec, list[int]]]) -> torch.Tensor:
+        """allowed: [len(items), vocab] bool after each item's tokens: prefetched rows where they
+        match, the rest computed now in one call."""
+        self._wait()
+        rows: list[torch.Tensor | None] = []
+        for rid, _, tokens in items:
+            hit = self._prefetched.get(rid)
+            rows.append(hit[1] if hit is not None and hit[0] == _key(tokens) else None)
+        self.num_prefetch_hits += sum(r is not None for r in rows)
+        missing = [i for i, r in enumerate(rows) if r is None]
+        if missing:
+            computed = self.masks([self.sync(*items[i]) for i in missing])
+            for j, i in enumerate(missing):
+                rows[i] = computed[j]
+        return torch.stack(rows)
 
     def sync(self, request_id: str, spec: GrammarSpec, token_ids: Sequence[int]) -> GrammarMatcher:
         """The request's matcher, having consumed exactly ``token_ids`` (rebuilt and replayed
@@ -89,6 +140,11 @@ class GrammarTable:
                 allowed[row] = False
                 allowed[row, self.grammars.eos_token_ids] = True
         return allowed
+
+
+def _key(tokens: Sequence[int]) -> tuple:
+    """Which tokens a prefetched mask was computed after (they only ever grow by appending)."""
+    return len(tokens), tokens[-1] if tokens else None
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

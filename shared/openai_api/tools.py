@@ -5,7 +5,8 @@ The model writes a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_
 Hermes/Qwen convention, which chat templates with tool support render too). A template that does
 not know tools gets them in a system message that asks for that form. ``tool_choice: required``
 or a named function is enforced by a grammar: the output is then a JSON list of calls (one call
-unless ``parallel_tool_calls``), whose items are the functions' ``{"name", "arguments"}`` schemas.
+for a named function, or without ``parallel_tool_calls``), whose items are the functions'
+``{"name", "arguments"}`` schemas.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def forced_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool)
     answer in text."""
     if choice == "required":
         chosen = tools
-    elif isinstance(choice, NamedToolChoice):
-        chosen = [t for t in tools if t.function.name == choice.function.name]
+    elif isinstance(choice, NamedToolChoice):  # one call of that function, as OpenAI makes
+        chosen, parallel = [t for t in tools if t.function.name == choice.function.name], False
     else:
         return None
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],

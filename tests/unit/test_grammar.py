@@ -59,6 +59,7 @@ def test_json_schema_output_parses_and_matches_under_random_logits(tok, grammars
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     reqs = [request(f"r{i}", tok, spec, temperature=t) for i, t in enumerate((0.0, 0.7, 1.0, 1.5))]
     run(sampler, reqs, tok, 400)
+    assert sampler.grammars.num_prefetch_hits > 0  # masks computed while the next "forward" ran
     for r in reqs:
         assert r.output_token_ids[-1] in tok.stop_token_ids, "ended by the grammar, not max_tokens"
         value = json.loads(tok.decode(r.output_token_ids))

@@ -27,13 +27,14 @@ def body(**fields) -> ChatCompletionRequest:
 
 def test_modes_and_the_forced_grammar():
     assert body().tool_mode() == "auto" and body(tool_choice="none").tool_mode() == "none"
-    named = body(tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    named = body(tool_choice={"type": "function", "function": {"name": "get_time"}})  # one call, parallel or not
     spec, param = named.grammar()
     schema = json.loads(spec.value)
     assert param == "tools" and schema["maxItems"] == 1
     assert schema["items"]["properties"]["name"] == {"const": "get_time"}
     compile_grammar(spec)
     spec, _ = body(tool_choice="required").grammar()
+    assert "maxItems" not in json.loads(spec.value)
     assert [c["properties"]["name"]["const"] for c in json.loads(spec.value)["items"]["anyOf"]] == \
         ["get_weather", "get_time"]
     compile_grammar(spec)

@@ -214,7 +214,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": {"type": "object", "additionalProperties": False,
                                                            "properties": {"city": {"type": "string", "maxLength": 30}},
                                                            "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+# no additional properties: a schema that allows any keys lets a small model write arguments forever
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
 
 
 def test_named_tool_choice_always_yields_a_valid_call_of_that_function(client):
@@ -243,7 +245,7 @@ def test_named_tool_choice_always_yields_a_valid_call_of_that_function(client):
 def test_required_tool_call_streams_as_deltas_and_tool_results_are_accepted(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What time is it?"}], tools=[WEATHER, TIME],
-        tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0, stream=True))
+        tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=0, stream=True))
     deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
     finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
     assert finish == ["tool_calls"] and len(deltas) == 1 and deltas[0].function.name in ("get_weather", "get_time")
@@ -255,6 +257,7 @@ def test_required_tool_call_streams_as_deltas_and_tool_results_are_accepted(clie
                                                              "function": {"name": call.function.name,
                                                                           "arguments": call.function.arguments}}]},
                                                          {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
+    # the tool-role message and the assistant's call are accepted in the history (else a 400 raises)
     assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 

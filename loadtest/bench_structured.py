@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     tok = engine.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell a long story as JSON."}]))
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    decode_tokens_per_s(engine, prompt, 8, 8, grammar)  # warm-up: first-call costs on both paths
     results = {}
     for n in (int(c) for c in args.concurrency.split(",")):
         runs = {"unconstrained": [], "json_schema": []}

@@ -123,7 +123,9 @@ def cached_prompt_tokens(stack) -> int:
 
 
 def test_n_greedy_choices_are_identical_and_share_the_prompt_blocks(stack, client):
-    block_size = cluster_status(stack)["workers"][0]["info"]["block_size"]
+    workers = wait_for(lambda: [w for w in cluster_status(stack)["workers"] if w["load"]], 30,
+                       "the decode worker and its load in /status")
+    block_size = workers[0]["info"]["block_size"]
     prompt = f"{uuid.uuid4().hex} " + "Tell me a story about a cat and a dog. " * 12
     num_prompt = post(stack, "/tokenize", {"prompt": prompt})[1]["count"]
     full_block_tokens = (num_prompt - 1) // block_size * block_size  # the last token is always computed

@@ -219,7 +219,8 @@ class Generation:
         request = self.request.model_copy(update={
             "request_id": f"{self.request.request_id}-m{self._num_migrations}",
             "prompt_token_ids": prompt, "block_hashes": self._rehash(prompt),
-            "sampling": self.request.sampling.model_copy(update={"max_tokens": remaining})})
+            "sampling": self.request.sampling.model_copy(update={
+                "max_tokens": remaining, "num_output_in_prompt": len(self._generated)})})
         log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
                     len(self._generated))
         deadline = time.monotonic() + self._settings.request_timeout_s

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks
-from shared.engine.errors import InvalidRequestError
+from shared.engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request, SamplingParams
 from shared.engine.sampler import SampledToken, Sampler
+from shared.grammar import GrammarError, TokenizerGrammars, compile_grammar
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kvcache.events import KvEventEmitter, KvEventSink
 from shared.kvcache.hashing import make_namespace
@@ -132,7 +133,7 @@ class LLMEngine:
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(model, self.kv_cache, self.backend, config.block_size,
-                                  Sampler(self.device, config.seed))
+                                  Sampler(self.device, config.seed, _grammars(tokenizer, cfg.vocab_size, eos_token_ids)))
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_cached_prompt_tokens = 0
@@ -185,6 +186,13 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", field="prompt")
         params.validate(vocab)
+        if params.grammar is not None:
+            if self.runner.sampler.grammars is None:
+                raise InvalidSamplingParamsError("structured output needs the model's tokenizer", field="grammar")
+            try:
+                compile_grammar(params.grammar)
+            except GrammarError as exc:
+                raise InvalidSamplingParamsError(str(exc), field="grammar") from None
         self.scheduler.check_fits(len(prompt_token_ids))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -311,6 +319,13 @@ class LLMEngine:
                 if o.request_id in outputs:
                     outputs[o.request_id].extend(o.new_token_ids)
         return [outputs[rid] for rid in ids]
+
+
+def _grammars(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> TokenizerGrammars | None:
+    """Structured outputs need the tokenizer's vocabulary; an engine built without one has none."""
+    if tokenizer is None:
+        return None
+    return TokenizerGrammars(tokenizer.to_json(), vocab_size, sorted(eos_token_ids or {tokenizer.eos_token_id}))
 
 
 def warmup(engine: LLMEngine, num_tokens: int = 64) -> None:

@@ -3,7 +3,7 @@
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
-from shared.protocol.generate import (CancelRequest, GenerateRequest, SamplingParams, TokenChunk,
+from shared.protocol.generate import (CancelRequest, GenerateRequest, GrammarSpec, SamplingParams, TokenChunk,
                                       TokenLogprob, TopLogprob)
 from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                                 KvEventBatch, KvMatchRequest, KvMatchResult, WorkerOverlap)
@@ -17,7 +17,7 @@ __all__ = [
     "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
-    "KvMatchResult", "PrefillNotification", "PrefillQueueStatus", "RemotePrefillRequest", "SamplingParams",
+    "KvMatchResult", "PrefillNotification", "PrefillQueueStatus", "RemotePrefillRequest", "SamplingParams", "GrammarSpec",
     "ScaleRequest", "ScaleResult", "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "Subjects",
     "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",

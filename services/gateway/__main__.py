@@ -20,6 +20,7 @@ class GatewayState(WireModel):
     in_flight: float = 0
     models: list[str] = Field(default_factory=list)
     num_restarts: int = 0
+    urls: list[str] = Field(default_factory=list)  # every gateway of the stack (empty: just this one)
 
 
 class StatusPage(ClusterStatusResult):
@@ -50,16 +51,32 @@ def status_main(args: argparse.Namespace) -> int:
         page = StatusPage.model_validate(view)
     except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: bad JSON or not a status
         raise CliError(f"cannot read {url}: {exc}") from None
-    print(json.dumps(view, indent=2) if args.json else format_status(page))
+    if args.json:
+        print(json.dumps(view, indent=2))
+    else:
+        print(format_status(page, {u: _is_up(u) for u in page.gateway.urls}))
     return 0
 
 
-def format_status(page: StatusPage) -> str:
+def _is_up(base_url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) -> str:
+    """``gateways_up``: each of the stack's gateway URLs and whether it answered /health."""
     header = f"{'WORKER':<28} {'ROLE':<8} {'STATE':<9} {'RST':>3} {'MODEL':<16} {'RUN':>4} {'WAIT':>5} " \
              f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7} " \
              f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
     restarted = f"   gateway restarts: {page.gateway.num_restarts}" if page.gateway.num_restarts else ""
     lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}{restarted}"]
+    if gateways_up:
+        lines.append("gateways: " + "  ".join(f"{u} ({'up' if up else 'down'})" for u, up in gateways_up.items()))
     if queue := page.prefill_queue:
         lines.append(f"prefill queue: {queue.num_pending} waiting, {queue.num_ack_pending} being prefilled, "
                      f"{queue.num_redelivered} redelivered")

@@ -20,7 +20,7 @@ from shared.bus import Bus, BusTimeout, NoResponders, RemoteError, ServiceError
 from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
-from shared.protocol import CancelRequest, GenerateRequest, Subjects, TokenChunk
+from shared.protocol import AdmissionDecision, CancelRequest, GenerateRequest, Subjects, TokenChunk
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.metrics import GatewayMetrics
@@ -103,13 +103,28 @@ class Generation:
             self.worker_id, self._current, self._worker_started_at = worker_id, request, started_at
             return
 
-    async def _admit(self, request: GenerateRequest) -> str:
-        try:
-            decision = await self._bus.request(self._subjects.admission_submit(), request,
+    async def _ask_admission(self, request: GenerateRequest) -> AdmissionDecision:
+        """Admission's decision. An unanswered ask (the instance that took it died, or none is
+        subscribed while one restarts) is asked again on the queue group until
+        ``admission_retry_s`` has passed: another instance, or the restarted one, answers it."""
+        deadline = time.monotonic() + self._settings.admission_retry_s
+        while True:
+            try:
+                return await self._bus.request(self._subjects.admission_submit(), request,
                                                timeout_s=self._settings.admission_timeout_s)
-        except ServiceError as exc:
-            raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
-                           retry_after_s=1.0) from None
+            except (BusTimeout, NoResponders) as exc:
+                if time.monotonic() >= deadline:
+                    raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
+                                   retry_after_s=1.0) from None
+                log.info("%s: admission: %s; asking again", request.request_id, exc.message)
+                if isinstance(exc, NoResponders):  # nobody subscribed: give a restart a moment
+                    await asyncio.sleep(self._settings.refresh_interval_s)
+            except ServiceError as exc:
+                raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
+                               retry_after_s=1.0) from None
+
+    async def _admit(self, request: GenerateRequest) -> str:
+        decision = await self._ask_admission(request)
         if not decision.is_admitted:
             self._metrics.rejected.inc(reason=decision.reject_reason or "unknown", tier=request.tier)
             # no worker at all is the service being down (503); everything else is load (429)

@@ -140,7 +140,8 @@ class Gateway:
                     "workers": [{"info": w.model_dump(mode="json"), "load": None, "load_age_s": None}
                                 for w in self.workers]}
         body["gateway"] = {"in_flight": self.metrics.in_flight.value(), "models": self.served_models(),
-                           "num_restarts": self.settings.num_restarts}
+                           "num_restarts": self.settings.num_restarts,
+                           "urls": self.settings.gateway_urls.split(",") if self.settings.gateway_urls else []}
         return web.json_response(body)
 
 

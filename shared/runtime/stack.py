@@ -35,6 +35,8 @@ class StackSpec:
     state_dir: Path
     num_decode: int = 1
     num_prefill: int = 0
+    num_gateways: int = 1             # gateway i listens on port + i ("gateway", "gateway-2", ...)
+    num_admissions: int = 1           # one queue group ("admission", "admission-2", ...)
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = 8000                  # 0: a free port
@@ -57,6 +59,11 @@ def print_line(name: str, line: str) -> None:
     sys.stdout.flush()
 
 
+def _nth(service: str, i: int) -> str:
+    """The name of a service's ``i``-th instance: the first keeps the plain name."""
+    return service if i == 0 else f"{service}-{i + 1}"
+
+
 class Stack:
     def __init__(self, spec: StackSpec, on_line: Callable[[str, str], None] = print_line) -> None:
         self.spec = spec
@@ -71,11 +78,17 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self.nats_url = spec.nats_url or ""
         self.redis_url = spec.redis_url or ""
-        self.port = spec.port or free_port()
+        self.ports = [spec.port + i if spec.port else free_port() for i in range(spec.num_gateways)]
+        self.port = self.ports[0]
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.spec.host}:{self.port}"
+        return self.base_urls[0]
+
+    @property
+    def base_urls(self) -> list[str]:
+        """Every gateway's URL, the first one's first."""
+        return [f"http://{self.spec.host}:{port}" for port in self.ports]
 
     def _line(self, name: str, line: str) -> None:
         with self._lock:
@@ -98,14 +111,17 @@ class Stack:
         common = {"nats_url": self.nats_url, "namespace": spec.namespace,
                   "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level}
         self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
-        self.spawn("admission", "admission", {**common, **spec.admission_flags})
+        for i in range(spec.num_admissions):
+            self.spawn(_nth("admission", i), "admission", {**common, **spec.admission_flags})
         self.spawn("autoscaler", "autoscaler", common)
         for i in range(spec.num_decode):
             self.spawn_decode(f"decode-{i + 1}")
         for i in range(spec.num_prefill):
             self.spawn_prefill(f"prefill-{i + 1}")
-        self.spawn("gateway", "gateway", {**common, "model": spec.model, "host": spec.host,
-                                          "port": self.port, **spec.gateway_flags})
+        urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
+        for i, port in enumerate(self.ports):
+            self.spawn(_nth("gateway", i), "gateway", {**common, "model": spec.model, "host": spec.host,
+                                                       "port": port, "gateway_urls": urls, **spec.gateway_flags})
         if spec.restart_children:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
@@ -191,7 +207,7 @@ class Stack:
             self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
-        order = sorted(self.children.values(), key=lambda c: c.name != "gateway")
+        order = sorted(self.children.values(), key=lambda c: not c.name.startswith("gateway"))
         for child in order:
             child.terminate()
         deadline = time.monotonic() + timeout_s

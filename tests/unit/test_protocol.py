@@ -7,7 +7,8 @@ from shared.protocol import (AdmissionDecision, AllBlocksClearedEvent, BlockRemo
                              BlockStoredEvent, CancelRequest, ClusterStatusRequest,
                              ClusterStatusResult, ControlRequest, ControlResult, ErrorReply,
                              GenerateRequest, KvEventBatch, KvMatchRequest, KvMatchResult,
-                             PrefillNotification, RemotePrefillRequest, SamplingParams, ScalingAction,
+                             PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
+                             RemotePrefillRequest, SamplingParams, ScalingAction,
                              ScalingDecisionRecord, ScalingStatus, Subjects,
                              TokenChunk, TokenLogprob, TopLogprob,
                              WorkerInfo, WorkerLoad, WorkerOverlap, WorkerStatus)
@@ -51,6 +52,9 @@ EXAMPLES = [
                               num_decode=2, target_prefill=1, target_decode=1, prefill_tokens_per_s=900.0,
                               actions=[ScalingAction(kind="flip", worker_id="decode-1", role="prefill", ok=True)])])),
     ErrorReply(code="bad_request", message="bad", field="prompt_token_ids"),
+    PrefillLeaseRequest(transfer_id="t1", request_id="r1", prefill_worker_id="prefill-1"),
+    PrefillLeaseResult(transfer_id="t1", expires_at=12.5, lease_s=4.0),
+    PrefillLeaseResult(transfer_id="t1"),
 ]
 
 

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from services.gateway.config import GatewaySettings
 from shared.protocol.base import WireModel
-from shared.protocol.workers import ClusterStatusResult, ScalingStatus, WorkerLoad, WorkerStatus
+from shared.protocol.workers import ClusterStatusResult, ScalingStatus, ServiceInfo, WorkerLoad, WorkerStatus
 from shared.runtime.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
@@ -28,6 +28,7 @@ class StatusPage(ClusterStatusResult):
 
     source: str = ""
     gateway: GatewayState = GatewayState()
+    services: list[ServiceInfo] = Field(default_factory=list)  # gateway, admission, kv-index, autoscaler
 
 
 def register(subparsers) -> None:
@@ -84,9 +85,19 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
     lines.extend(_worker_line(w) for w in page.workers)
     if not page.workers:
         lines.append("(no workers registered)")
+    if page.services:
+        lines.extend(_service_lines(page.services, page.timestamp))
     if page.scaling is not None:
         lines.extend(_scaling_lines(page.scaling))
     return "\n".join(lines)
+
+
+def _service_lines(services: list[ServiceInfo], now: float) -> list[str]:
+    """One line per service process: restarts by its supervisor, and how long this one has run."""
+    lines = [f"{'SERVICE':<12} {'PID':>8} {'RST':>3} {'UP s':>8}  HOST"]
+    for s in services:
+        lines.append(f"{s.service:<12} {s.pid:>8} {s.num_restarts:>3} {max(0.0, now - s.started_at):>8.0f}  {s.host}")
+    return lines
 
 
 def _scaling_lines(scaling: ScalingStatus) -> list[str]:

@@ -121,3 +121,22 @@ def test_admission_dying_with_requests_in_hand_fails_none(stack, engine):
         victim.proc.send_signal(signal.SIGCONT)
     assert results == [(200, text) for text in expected]
     wait_for(lambda: stack.children["admission-2"] is not victim, 60, "admission-2 restarted")
+
+
+def test_restarts_of_every_service_show_in_status(stack, capsys):
+    """After the kills above (gateway-2, admission-2) and of kv-index and the autoscaler here, the
+    status view lists every service process with its supervisor's restart count."""
+    for name in ("kv-index", "autoscaler"):
+        victim = stack.children[name]
+        victim.proc.send_signal(signal.SIGKILL)
+        wait_for(lambda: stack.children[name] is not victim, 60, f"{name} restarted")
+    want = {("gateway", 0), ("gateway", 1), ("admission", 0), ("admission", 1), ("kv-index", 1), ("autoscaler", 1)}
+
+    def listed() -> set | None:  # a killed process's entry stays until it expires (registry_ttl_s)
+        got = sorted((s["service"], s["num_restarts"]) for s in cluster_status(stack)["services"])
+        return got == sorted(want) and got
+
+    wait_for(listed, 120, f"the status view listing {sorted(want)}")
+    assert main(["status", "--url", stack.base_url]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert sorted((r[0], int(r[2])) for r in rows if r and r[0] in {s for s, _ in want}) == sorted(want)

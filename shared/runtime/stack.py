@@ -174,17 +174,17 @@ class Stack:
             child = self._start_child(name, service, flags)
             self._line("up", f"{name} restarted (restart {self.num_restarts(name)}, pid {child.pid})")
 
-    def ready_status(self) -> dict | None:
+    def ready_status(self, base_url: str | None = None) -> dict | None:
         try:
-            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
+            with urllib.request.urlopen((base_url or self.base_url) + "/ready", timeout=2) as resp:
                 return json.load(resp)
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
     def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None,
                    num_prefill: int | None = None) -> None:
-        """Until /ready is 200 with ``num_decode`` ready decode workers and ``num_prefill`` ready
-        prefill workers (default: all the stack started)."""
+        """Until every gateway's /ready is 200 with ``num_decode`` ready decode workers and
+        ``num_prefill`` ready prefill workers (default: all the stack started)."""
         want = self.spec.num_decode if num_decode is None else num_decode
         want_prefill = self.spec.num_prefill if num_prefill is None else num_prefill
         deadline = time.monotonic() + timeout_s
@@ -192,12 +192,12 @@ class Stack:
             dead = [n for n, c in self.children.items() if not c.is_running()]
             if dead and not self.spec.restart_children:  # else the supervisor retries them
                 raise RuntimeError(f"service(s) exited during start-up: {', '.join(dead)}")
-            status = self.ready_status()
-            if (status and status.get("num_ready_decode_workers", 0) >= want
-                    and status.get("num_ready_prefill_workers", 0) >= want_prefill):
+            statuses = [self.ready_status(url) for url in self.base_urls]  # every gateway
+            if all(status and status.get("num_ready_decode_workers", 0) >= want
+                   and status.get("num_ready_prefill_workers", 0) >= want_prefill for status in statuses):
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"{self.base_url}/ready not 200 with {want} decode and {want_prefill} prefill "
+        raise TimeoutError(f"{', '.join(self.base_urls)}: /ready not 200 with {want} decode and {want_prefill} prefill "
                            f"workers in {timeout_s}s")
 
     def stop(self, timeout_s: float = 15.0) -> None:

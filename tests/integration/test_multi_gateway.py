@@ -108,18 +108,20 @@ def test_admission_dying_with_requests_in_hand_fails_none(stack, engine):
     victim = stack.children["admission-2"]
     since = len(stack.lines)
     # Stopped, admission-2 stays in the queue group (its connection is open) and takes about half
-    # of the asks without answering; killed then, it dies with those asks in hand.
+    # of the asks without answering; killed once the first request is answered (every ask has been
+    # sent by then), it dies with those asks in hand.
     victim.proc.send_signal(signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = [pool.submit(text_of, stack.ports[0], p, 16) for p in prompts]
-            wait_for(lambda: any("asking again" in line for line in stack.lines[since:]), 60,
-                     "the gateway asking admission again after an unanswered ask")
+            wait_for(lambda: any(a.done() for a in answers), 120, "a first answer")
             victim.proc.send_signal(signal.SIGKILL)
             results = [a.result(timeout=180) for a in answers]
     finally:
         victim.proc.send_signal(signal.SIGCONT)
     assert results == [(200, text) for text in expected]
+    # the test did what it says: asks went to the dying instance (1 in 2**8 runs sends none there)
+    assert any("asking again" in line for line in stack.lines[since:])
     wait_for(lambda: stack.children["admission-2"] is not victim, 60, "admission-2 restarted")
 
 

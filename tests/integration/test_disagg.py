@@ -44,7 +44,7 @@ BLOCK = 16
 # finishes such a request), and a duplicate delivery still holds a lease long enough to write
 FALLBACK_S = 40.0
 ACK_WAIT_S = 3.0
-LEASE_S = 8.0
+LEASE_S = 15.0  # > ACK_WAIT_S + the second worker connecting, with room on a busy machine
 ENGINE = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "160MiB", "device": "cpu", "num_warmup_requests": 1}
 LONG_DOC = ("Tandem moves the KV cache of long prompts from prefill workers to decode workers. "
             "Each block of sixteen tokens holds every layer's keys and values. ") * 14  # ~420 tokens

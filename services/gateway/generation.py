@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _MAX_ATTEMPTS = 3     # admissions per start: a worker may drain or die between admission and us
 _MAX_MIGRATIONS = 2   # worker losses survived per request
 _WATCH_INTERVAL_S = 0.5
+_NO_WORKER = ("unavailable", "worker_unavailable")  # ApiError codes worth waiting out after a loss
 
 
 class WorkerLost(Exception):
@@ -55,6 +56,7 @@ class Generation:
         self._first: TokenChunk | None = None
         self._generated: list[int] = []
         self._num_migrations = 0
+        self._has_lost_worker = False  # a worker was lost before the first token: wait for another
         self.worker_id: str | None = None
         self.predicted_ttft_s: float | None = None  # admission's prediction for the current worker
         self.is_finished = False
@@ -68,7 +70,12 @@ class Generation:
     async def start(self) -> None:
         """Admit the request and wait for its first token (so errors can still be a plain 4xx/5xx)."""
         started = time.monotonic()
-        await self._open(self.request)
+        try:
+            await self._open(self.request)
+        except ApiError as exc:
+            if not self._has_lost_worker or exc.code not in _NO_WORKER:
+                raise
+            await self._reopen(self.request, str(exc))
         self._metrics.ttft.observe(time.monotonic() - started)
 
     async def _open(self, request: GenerateRequest) -> None:
@@ -82,6 +89,7 @@ class Generation:
             try:
                 self._first = await self._watched(worker_id, started_at)
             except WorkerLost as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
+                self._has_lost_worker = True
                 await self._cancel(worker_id, request.request_id)
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, str(exc), code="worker_unavailable", retry_after_s=1.0) from None
@@ -90,6 +98,7 @@ class Generation:
             except (NoResponders, RemoteError) as exc:
                 if exc.code == "bad_request":
                     raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None
+                self._has_lost_worker = True
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, f"decode worker {worker_id} failed: {exc.message}",
                                    code="worker_unavailable", retry_after_s=1.0) from None
@@ -203,14 +212,21 @@ class Generation:
             "sampling": self.request.sampling.model_copy(update={"max_tokens": remaining})})
         log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
                     len(self._generated))
+        await self._reopen(request, why)
+        return self._first
+
+    async def _reopen(self, request: GenerateRequest, why: str) -> None:
+        """After losing the worker: open ``request`` on a ready one, waiting for one (the only
+        worker may be restarting) until ``request_timeout_s``."""
+        log.info("%s: %s; admitting again", request.request_id, why)
         deadline = time.monotonic() + self._settings.request_timeout_s
         while True:
             await self._wait_for_ready_worker(deadline)
             try:
                 await self._open(request)
-                return self._first
+                return
             except ApiError as exc:  # admission's view may lag ours: ask again until the deadline
-                if exc.code != "unavailable" or time.monotonic() >= deadline:
+                if exc.code not in _NO_WORKER or time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(self._settings.refresh_interval_s)
 

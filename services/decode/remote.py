@@ -14,7 +14,7 @@ from shared.cluster.workers import is_ready_worker
 from shared.disagg import RemotePrefill, RemotePrefills
 from shared.disagg.prefill_queue import prefill_queue_levels
 from shared.engine import SamplingParams
-from shared.protocol import GenerateRequest, Subjects
+from shared.protocol import GenerateRequest, PrefillLeaseRequest, PrefillLeaseResult, Subjects
 from shared.transfer import KvTransfer
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ class RemotePrefiller:
         except Exception as exc:  # noqa: BLE001 — a full queue, NATS away: prefill here, now
             prefills.publish_failed(prefill, exc)
         return prefill
+
+    async def grant_lease(self, request: PrefillLeaseRequest) -> PrefillLeaseResult:
+        return self.prefills.grant_lease(request, time.time())
 
     async def _has_prefill_workers(self) -> bool:
         return any(is_ready_worker(w, "prefill", self.prefills.model) for w in await self._registry.list())

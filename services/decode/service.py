@@ -54,6 +54,7 @@ class DecodeWorker(EngineWorker):
         await self._bus.subscribe(s.decode_cancel(self.worker_id), self.cancel)
         await self._bus.serve_stream(s.decode_generate(self.worker_id), self.generate)
         if self.remote is not None:
+            await self._bus.serve(s.prefill_lease(self.worker_id), self.remote.grant_lease)
             self._loops.append(asyncio.create_task(self.remote.poll_forever()))
         self.state = "ready"
         await self._registry.put(self.info())

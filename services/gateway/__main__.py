@@ -9,7 +9,7 @@ from pydantic import Field
 
 from services.gateway.config import GatewaySettings
 from shared.protocol.base import WireModel
-from shared.protocol.workers import ClusterStatusResult, ScalingStatus, WorkerLoad, WorkerStatus
+from shared.protocol.workers import ClusterStatusResult, ScalingStatus, ServiceInfo, WorkerLoad, WorkerStatus
 from shared.runtime.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
@@ -20,6 +20,7 @@ class GatewayState(WireModel):
     in_flight: float = 0
     models: list[str] = Field(default_factory=list)
     num_restarts: int = 0
+    urls: list[str] = Field(default_factory=list)  # every gateway of the stack (empty: just this one)
 
 
 class StatusPage(ClusterStatusResult):
@@ -27,6 +28,7 @@ class StatusPage(ClusterStatusResult):
 
     source: str = ""
     gateway: GatewayState = GatewayState()
+    services: list[ServiceInfo] = Field(default_factory=list)  # gateway, admission, kv-index, autoscaler
 
 
 def register(subparsers) -> None:
@@ -50,16 +52,32 @@ def status_main(args: argparse.Namespace) -> int:
         page = StatusPage.model_validate(view)
     except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: bad JSON or not a status
         raise CliError(f"cannot read {url}: {exc}") from None
-    print(json.dumps(view, indent=2) if args.json else format_status(page))
+    if args.json:
+        print(json.dumps(view, indent=2))
+    else:
+        print(format_status(page, {u: _is_up(u) for u in page.gateway.urls}))
     return 0
 
 
-def format_status(page: StatusPage) -> str:
+def _is_up(base_url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) -> str:
+    """``gateways_up``: each of the stack's gateway URLs and whether it answered /health."""
     header = f"{'WORKER':<28} {'ROLE':<8} {'STATE':<9} {'RST':>3} {'MODEL':<16} {'RUN':>4} {'WAIT':>5} " \
              f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7} " \
              f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
     restarted = f"   gateway restarts: {page.gateway.num_restarts}" if page.gateway.num_restarts else ""
     lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}{restarted}"]
+    if gateways_up:
+        lines.append("gateways: " + "  ".join(f"{u} ({'up' if up else 'down'})" for u, up in gateways_up.items()))
     if queue := page.prefill_queue:
         lines.append(f"prefill queue: {queue.num_pending} waiting, {queue.num_ack_pending} being prefilled, "
                      f"{queue.num_redelivered} redelivered")
@@ -67,9 +85,19 @@ def format_status(page: StatusPage) -> str:
     lines.extend(_worker_line(w) for w in page.workers)
     if not page.workers:
         lines.append("(no workers registered)")
+    if page.services:
+        lines.extend(_service_lines(page.services, page.timestamp))
     if page.scaling is not None:
         lines.extend(_scaling_lines(page.scaling))
     return "\n".join(lines)
+
+
+def _service_lines(services: list[ServiceInfo], now: float) -> list[str]:
+    """One line per service process: restarts by its supervisor, and how long this one has run."""
+    lines = [f"{'SERVICE':<12} {'PID':>8} {'RST':>3} {'UP s':>8}  HOST"]
+    for s in services:
+        lines.append(f"{s.service:<12} {s.pid:>8} {s.num_restarts:>3} {max(0.0, now - s.started_at):>8.0f}  {s.host}")
+    return lines
 
 
 def _scaling_lines(scaling: ScalingStatus) -> list[str]:

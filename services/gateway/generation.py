@@ -22,7 +22,7 @@ from shared.bus import Bus, BusTimeout, Disconnected, NoResponders, RemoteError,
 from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
-from shared.protocol import CancelRequest, GenerateRequest, Subjects, TokenChunk
+from shared.protocol import AdmissionDecision, CancelRequest, GenerateRequest, Subjects, TokenChunk
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.metrics import GatewayMetrics
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 _MAX_ATTEMPTS = 3     # admissions per start: a worker may drain or die between admission and us
 _MAX_MIGRATIONS = 2   # worker losses survived per request
 _WATCH_INTERVAL_S = 0.5
+_NO_WORKER = ("unavailable", "worker_unavailable")  # ApiError codes worth waiting out after a loss
 
 
 class WorkerLost(Exception):
@@ -57,6 +58,7 @@ class Generation:
         self._first: TokenChunk | None = None
         self._generated: list[int] = []
         self._num_migrations = 0
+        self._has_lost_worker = False  # a worker was lost before the first token: wait for another
         self.worker_id: str | None = None
         self.predicted_ttft_s: float | None = None  # admission's prediction for the current worker
         self.is_finished = False
@@ -78,7 +80,12 @@ class Generation:
     async def start(self) -> None:
         """Admit the request and wait for its first token (so errors can still be a plain 4xx/5xx)."""
         started = time.monotonic()
-        await self._open(self.request)
+        try:
+            await self._open(self.request)
+        except ApiError as exc:
+            if not self._has_lost_worker or exc.code not in _NO_WORKER:
+                raise
+            await self._reopen(self.request, str(exc))
         self._metrics.ttft.observe(time.monotonic() - started)
 
     async def _open(self, request: GenerateRequest) -> None:
@@ -92,7 +99,8 @@ class Generation:
             opened_at = time.monotonic()
             try:
                 self._first = await self._watched(worker_id, started_at)
-            except (WorkerLost, Disconnected) as exc:  # e.g. died during a long prefill: nothing sent yet
+            except (WorkerLost, Disconnected) as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
+                self._has_lost_worker = True
                 await self._cancel(worker_id, request.request_id)
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, str(exc), code="worker_unavailable", retry_after_s=1.0) from None
@@ -101,6 +109,7 @@ class Generation:
             except (NoResponders, RemoteError) as exc:
                 if exc.code == "bad_request":
                     raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None
+                self._has_lost_worker = True
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, f"decode worker {worker_id} failed: {exc.message}",
                                    code="worker_unavailable", retry_after_s=1.0) from None
@@ -130,20 +139,35 @@ class Generation:
         bus = max(now - opened_at - sum(worker.values()), 0.0)
         self.phases = {"gateway": own, "admission": self._admission_s, **worker, "bus": bus}
 
+    async def _ask_admission(self, request: GenerateRequest) -> AdmissionDecision:
+        """Admission's decision. An unanswered ask (the instance that took it died, or none is
+        subscribed while one restarts) is asked again on the queue group until
+        ``admission_retry_s`` has passed: another instance, or the restarted one, answers it."""
+        deadline = time.monotonic() + self._settings.admission_retry_s
+        while True:
+            try:
+                return await self._bus.request(self._subjects.admission_submit(), request,
+                                               timeout_s=self._settings.admission_timeout_s)
+            except (BusTimeout, NoResponders) as exc:
+                if time.monotonic() >= deadline:
+                    raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
+                                   retry_after_s=1.0) from None
+                log.info("%s: admission: %s; asking again", request.request_id, exc.message)
+                if isinstance(exc, NoResponders):  # nobody subscribed: give a restart a moment
+                    await asyncio.sleep(self._settings.refresh_interval_s)
+            except ServiceError as exc:
+                raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
+                               retry_after_s=1.0) from None
+
     async def _admit(self, request: GenerateRequest) -> str:
         asked_at = time.monotonic()
         if self._first_admission_at is None:
             self._first_admission_at = asked_at
         try:
-            try:
-                decision = await self._bus.request(self._subjects.admission_submit(), request,
-                                                   timeout_s=self._settings.admission_timeout_s)
-            finally:
-                self._admitted_at = time.monotonic()
-                self._admission_s += self._admitted_at - asked_at
-        except ServiceError as exc:
-            raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
-                           retry_after_s=1.0) from None
+            decision = await self._ask_admission(request)
+        finally:
+            self._admitted_at = time.monotonic()
+            self._admission_s += self._admitted_at - asked_at
         if not decision.is_admitted:
             self._metrics.rejected.inc(reason=decision.reject_reason or "unknown", tier=request.tier)
             # no worker at all is the service being down (503); everything else is load (429)
@@ -223,15 +247,22 @@ class Generation:
                 "max_tokens": remaining, "num_output_in_prompt": len(self._generated)})})
         log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
                     len(self._generated))
+        await self._reopen(request, why)
+        return self._first
+
+    async def _reopen(self, request: GenerateRequest, why: str) -> None:
+        """After losing the worker: open ``request`` on a ready one, waiting for one (the only
+        worker may be restarting) until ``request_timeout_s``."""
+        log.info("%s: %s; admitting again", request.request_id, why)
         deadline = time.monotonic() + self._settings.request_timeout_s
         while True:
             await self._wait_for_ready_worker(deadline)
             try:
                 await self._open(request)
-                return self._first
+                return
             except ApiError as exc:  # admission's view may lag ours, NATS may be reconnecting: ask
                 # again until the deadline
-                if exc.code not in ("unavailable", "admission_unavailable") or time.monotonic() >= deadline:
+                if exc.code not in _NO_WORKER + ("admission_unavailable",) or time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(self._settings.refresh_interval_s)
 

@@ -28,6 +28,8 @@ from shared.openai_api.generate_request import (build_generate_request, choice_r
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.protocol import ClusterStatusRequest, GenerateRequest, Subjects, WorkerInfo
+from shared.bus.kv import KvBucket
+from shared.runtime.announce import list_services, open_services
 from shared.runtime.service import bus_connection, every, serve_until_stopped
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
@@ -56,6 +58,7 @@ class Gateway:
         self.rate_limiter = (RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
                              if settings.rate_limit_per_s else None)
         self.metrics = GatewayMetrics.create()
+        self._services: KvBucket | None = None  # bound at the first /status
 
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
@@ -185,9 +188,22 @@ class Gateway:
             body = {"source": f"registry ({exc.message})", "timestamp": time.time(),
                     "workers": [{"info": w.model_dump(mode="json"), "load": None, "load_age_s": None}
                                 for w in self.workers]}
+        body["services"] = await self._service_processes()
         body["gateway"] = {"in_flight": self.metrics.in_flight.value(), "models": self.served_models(),
-                           "num_restarts": self.settings.num_restarts}
+                           "num_restarts": self.settings.num_restarts,
+                           "urls": self.settings.gateway_urls.split(",") if self.settings.gateway_urls else []}
         return web.json_response(body)
+
+
+    async def _service_processes(self) -> list[dict]:
+        """The announced service processes (shared.runtime.announce); empty if NATS cannot say."""
+        try:
+            if self._services is None:
+                self._services = await open_services(self.bus, self.settings.namespace, self.settings.registry_ttl_s)
+            return [s.model_dump(mode="json") for s in await list_services(self._services)]
+        except Exception as exc:  # noqa: BLE001 — the status page shows the rest all the same
+            log.warning("listing service processes failed: %r", exc)
+            return []
 
 
 def _log_request(gen: Generation) -> None:

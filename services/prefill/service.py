@@ -7,9 +7,12 @@ before it leaves the message unacknowledged, and JetStream redelivers it to anot
 are idempotent (full prompt blocks only, same bytes), and the decode worker takes the first
 notification and ignores the rest, so a redelivery after a completed write is harmless.
 
+It writes only under a lease on the reservation (``shared.disagg.lease``), claimed from the decode
+worker before prefilling and renewed meanwhile, and starts the write only while the lease outlasts
+the write's timeout: a decode worker that stopped waiting (its own timeout, or it gave us up for
+dead) refuses the lease, and the request is dropped unwritten, as is one past its ``write_deadline``.
 A request whose decode worker is gone (no NIXL metadata, or the write fails) is dropped and acked;
-the worker keeps serving. A request past its ``write_deadline`` is dropped unwritten: the decode
-worker has already prefilled it locally, or is about to.
+the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import asyncio
 import logging
 import time
 
-from shared.bus import Bus, QueueMessage, WorkerRegistry
+from shared.bus import Bus, QueueMessage, ServiceError, WorkerRegistry
+from shared.disagg.lease import PrefillLease
 from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineError, SamplingParams
-from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest,
-                             WorkerInfo, WorkerLoad)
+from shared.protocol import (ControlRequest, ControlResult, PrefillLeaseRequest, PrefillNotification,
+                             RemotePrefillRequest, WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
@@ -33,6 +37,7 @@ from services.prefill.config import PrefillSettings
 log = logging.getLogger(__name__)
 
 _PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+_LEASE_TIMEOUT_S = 1.0  # a decode worker answers from memory; no answer in this is no lease
 
 
 class _Dropped(Exception):
@@ -146,9 +151,16 @@ class PrefillWorker(EngineWorker):
         if delivery > 1:
             log.info("%s: delivery %d (a prefill worker died or was slow)", rid, delivery)
         peer = None
+        lease = PrefillLease()
         try:
             peer = await self._peer(request)
-            num_blocks = await self._prefill_and_write(request, peer, f"{seq}-{delivery}", queue_wait_s)
+            await self._renew(request, lease)
+            keeper = asyncio.create_task(self._keep_lease(request, lease))
+            try:
+                num_blocks = await self._prefill_and_write(request, peer, f"{seq}-{delivery}", queue_wait_s,
+                                                             lease)
+            finally:
+                keeper.cancel()
         except _Dropped as exc:
             self.num_dropped += 1
             log.warning("%s: dropped: %s", rid, exc)
@@ -166,8 +178,39 @@ class PrefillWorker(EngineWorker):
         except KVTransferFailed as exc:
             raise _Dropped(f"decode worker {request.decode_worker_id} unreachable: {exc}", notify=False) from None
 
+    async def _renew(self, request: RemotePrefillRequest, lease: PrefillLease) -> None:
+        """Claim or renew the lease; _Dropped once the decode worker refuses it."""
+        ask = PrefillLeaseRequest(transfer_id=request.transfer_id, request_id=request.request_id,
+                                  prefill_worker_id=self.worker_id)
+        try:
+            result = await self._bus.request(self._subjects.prefill_lease(request.decode_worker_id), ask,
+                                             timeout_s=_LEASE_TIMEOUT_S)
+        except ServiceError as exc:  # no answer: the lease runs out unless a later renewal gets through
+            log.warning("%s: lease renewal at %s failed: %s", request.request_id, request.decode_worker_id,
+                        exc.message)
+            return
+        lease.granted(result.expires_at, result.lease_s)
+        if lease.is_refused:
+            raise _Dropped("the decode worker refused the lease (it no longer waits for this KV)", notify=False)
+
+    async def _keep_lease(self, request: RemotePrefillRequest, lease: PrefillLease) -> None:
+        while not lease.is_refused:
+            await asyncio.sleep(max(0.05, lease.renew_in_s(time.time())))
+            try:
+                await self._renew(request, lease)
+            except _Dropped:
+                return  # the write checks the lease before it starts
+
+    async def _check_lease(self, request: RemotePrefillRequest, lease: PrefillLease) -> None:
+        """Before the write: the lease must outlast it, renewed now if need be."""
+        if not lease.may_start_write(time.time(), request.write_timeout_s):
+            await self._renew(request, lease)
+        if not lease.may_start_write(time.time(), request.write_timeout_s):
+            raise _Dropped("no lease that outlasts the write (the decode worker may reuse the blocks)",
+                           notify=False)
+
     async def _prefill_and_write(self, request: RemotePrefillRequest, peer: str, attempt: str,
-                                 queue_wait_s: float | None) -> int:
+                                 queue_wait_s: float | None, lease: PrefillLease) -> int:
         rid = request.request_id
         if request.model != self._settings.model:
             raise _Dropped(f"model {request.model!r} is not this worker's {self._settings.model!r}", notify=True)
@@ -191,6 +234,7 @@ class PrefillWorker(EngineWorker):
             if time.time() > request.write_deadline:
                 raise _Dropped("prefilled after its write deadline (the decode worker prefills it itself)",
                                notify=False)
+            await self._check_lease(request, lease)
             local = block_ids[start // local_bs:-(-end // local_bs)] if end > start else []
             note = PrefillNotification(transfer_id=request.transfer_id, request_id=rid,
                                        num_blocks=len(request.write_block_ids), prefill_worker_id=self.worker_id,

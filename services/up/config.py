@@ -23,6 +23,10 @@ class UpSettings(QosSettings):
                                                  "this many uncached prompt tokens (default: decode's)")
     max_prefill_queue: int | None = Field(None, ge=0, description="decode workers prefill locally while the "
                                           "prefill queue is this long (default: decode's)")
+    gateways: int = Field(1, ge=1, le=16, description="number of gateways (gateway i listens on port + i), so "
+                          "one can die without taking the service down")
+    admissions: int = Field(1, ge=1, le=16, description="number of admission services (one queue group: each "
+                            "request goes to one of them)")
     model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
     host: str = Field("127.0.0.1", description="gateway listen address")
     port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")

@@ -15,7 +15,8 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
               "quantization": s.quantization}
     disagg = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue}
     return StackSpec(
-        state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill, model=s.model,
+        state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill,
+        num_gateways=s.gateways, num_admissions=s.admissions, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
@@ -71,4 +72,5 @@ def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event) -> No
         print_line("up", f"not ready: {exc}")
         stop.set()
         return
-    print_line("up", f"ready: {stack.base_url}  (OpenAI base URL {stack.base_url}/v1; Ctrl-C stops)")
+    urls = "  ".join(stack.base_urls)
+    print_line("up", f"ready: {urls}  (OpenAI base URL {stack.base_url}/v1; Ctrl-C stops)")

@@ -14,7 +14,7 @@ from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
-from shared.protocol.prefill import RemotePrefillRequest
+from shared.protocol.prefill import PrefillLeaseRequest, PrefillLeaseResult, RemotePrefillRequest
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
                                      ControlResult, Role, ScaleRequest, ScaleResult, WorkerLoad)
 
@@ -66,6 +66,11 @@ class Subjects:
 
     def decode_cancel(self, worker_id: str) -> Endpoint[CancelRequest, WireModel]:
         return Endpoint(f"{self._root}.decode.{_token(worker_id, 'worker_id')}.cancel", CancelRequest)
+
+    def prefill_lease(self, decode_worker_id: str) -> Endpoint[PrefillLeaseRequest, PrefillLeaseResult]:
+        """A prefill worker claims or renews its lease on a decode worker's reserved blocks."""
+        return Endpoint(f"{self._root}.decode.{_token(decode_worker_id, 'worker_id')}.prefill-lease",
+                        PrefillLeaseRequest, PrefillLeaseResult)
 
     def control(self, worker_id: str) -> Endpoint[ControlRequest, ControlResult]:
         return Endpoint(f"{self._root}.control.{_token(worker_id, 'worker_id')}",
@@ -126,6 +131,11 @@ class Subjects:
     @property
     def workers_bucket(self) -> str:
         return f"{self.namespace}-workers"
+
+    @property
+    def services_bucket(self) -> str:
+        """Service processes (gateway, admission, kv-index, autoscaler), heartbeated like workers."""
+        return f"{self.namespace}-services"
 
     @property
     def nixl_bucket(self) -> str:

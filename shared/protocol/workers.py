@@ -35,6 +35,19 @@ class WorkerInfo(WireModel):
     num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
 
 
+class ServiceInfo(WireModel):
+    """A service process's entry (gateway, admission, kv-index, autoscaler) in the
+    ``<ns>-services`` KV bucket, refreshed by its heartbeat: ``tandem status`` lists them."""
+
+    service: str
+    instance_id: str  # the bucket key: unique per process
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
+
+
 class WorkerLoad(WireModel):
     """Published about once a second on ``<ns>.v1.load.<role>.<worker>``."""
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from shared.bus import Bus, WorkerRegistry
 from shared.protocol import Subjects
+from shared.runtime.announce import announce_forever, open_services, this_service
 from shared.runtime.settings import ServiceSettings
 from shared.telemetry.logs import configure_logging
 from shared.telemetry.tracing import configure_tracing, service_name
@@ -65,16 +66,24 @@ class BusService(Protocol):
 
 @asynccontextmanager
 async def bus_connection(name: str, settings: ServiceSettings) -> AsyncIterator[tuple[Bus, WorkerRegistry]]:
-    """The bus, connected as ``name``, and the namespace's worker registry (watched). Leaving the
+    """The bus, connected as ``name``, and the namespace's worker registry (watched); the process is
+    announced in the services bucket meanwhile (``shared.runtime.announce``). Leaving the
     block normally gives the requests in flight ``STOP_SERVING_TIMEOUT_S`` to finish; the bus is
     closed either way."""
     bus = await Bus.connect(settings.nats_url, name)
+    announcer = None
     try:
         registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
                                              ttl_s=settings.registry_ttl_s, watch=True)
+        services = await open_services(bus, settings.namespace, settings.registry_ttl_s)
+        announcer = asyncio.create_task(announce_forever(
+            services, this_service(name, settings.num_restarts), settings.registry_ttl_s / 3))
         yield bus, registry
         await bus.stop_serving(timeout_s=STOP_SERVING_TIMEOUT_S)
     finally:
+        if announcer is not None:
+            announcer.cancel()
+            await asyncio.gather(announcer, return_exceptions=True)
         await bus.close()
 
 

@@ -37,6 +37,8 @@ class StackSpec:
     state_dir: Path
     num_decode: int = 1
     num_prefill: int = 0
+    num_gateways: int = 1             # gateway i listens on port + i ("gateway", "gateway-2", ...)
+    num_admissions: int = 1           # one queue group ("admission", "admission-2", ...)
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = 8000                  # 0: a free port
@@ -63,6 +65,11 @@ def print_line(name: str, line: str) -> None:
     sys.stdout.flush()
 
 
+def _nth(service: str, i: int) -> str:
+    """The name of a service's ``i``-th instance: the first keeps the plain name."""
+    return service if i == 0 else f"{service}-{i + 1}"
+
+
 class Stack:
     def __init__(self, spec: StackSpec, on_line: Callable[[str, str], None] = print_line) -> None:
         self.spec = spec
@@ -77,13 +84,19 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self.nats_url = spec.nats_url or ""
         self.redis_url = spec.redis_url or ""
-        self.port = spec.port or free_port()
+        self.ports = [spec.port + i if spec.port else free_port() for i in range(spec.num_gateways)]
+        self.port = self.ports[0]
         self.retired: set[str] = set()  # workers stopped on purpose (scale-down): their exit is expected
         self._fleet = None
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.spec.host}:{self.port}"
+        return self.base_urls[0]
+
+    @property
+    def base_urls(self) -> list[str]:
+        """Every gateway's URL, the first one's first."""
+        return [f"http://{self.spec.host}:{port}" for port in self.ports]
 
     def _line(self, name: str, line: str) -> None:
         with self._lock:
@@ -106,14 +119,17 @@ class Stack:
         common = {"nats_url": self.nats_url, "namespace": spec.namespace,
                   "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level}
         self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
-        self.spawn("admission", "admission", {**common, **spec.admission_flags})
+        for i in range(spec.num_admissions):
+            self.spawn(_nth("admission", i), "admission", {**common, **spec.admission_flags})
         self.spawn("autoscaler", "autoscaler", {**common, **spec.autoscaler_flags})
         for i in range(spec.num_decode):
             self.spawn_decode(f"decode-{i + 1}")
         for i in range(spec.num_prefill):
             self.spawn_prefill(f"prefill-{i + 1}")
-        self.spawn("gateway", "gateway", {**common, "model": spec.model, "host": spec.host,
-                                          "port": self.port, **spec.gateway_flags})
+        urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
+        for i, port in enumerate(self.ports):
+            self.spawn(_nth("gateway", i), "gateway", {**common, "model": spec.model, "host": spec.host,
+                                                       "port": port, "gateway_urls": urls, **spec.gateway_flags})
         if spec.restart_children:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
@@ -226,17 +242,17 @@ class Stack:
         """Children that exited, but for workers stopped on purpose."""
         return [n for n, c in self.children.items() if not c.is_running() and n not in self.retired]
 
-    def ready_status(self) -> dict | None:
+    def ready_status(self, base_url: str | None = None) -> dict | None:
         try:
-            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
+            with urllib.request.urlopen((base_url or self.base_url) + "/ready", timeout=2) as resp:
                 return json.load(resp)
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
     def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None,
                    num_prefill: int | None = None) -> None:
-        """Until /ready is 200 with ``num_decode`` ready decode workers and ``num_prefill`` ready
-        prefill workers (default: all the stack started)."""
+        """Until every gateway's /ready is 200 with ``num_decode`` ready decode workers and
+        ``num_prefill`` ready prefill workers (default: all the stack started)."""
         want = self.spec.num_decode if num_decode is None else num_decode
         want_prefill = self.spec.num_prefill if num_prefill is None else num_prefill
         deadline = time.monotonic() + timeout_s
@@ -244,12 +260,12 @@ class Stack:
             dead = self.exited()
             if dead and not self.spec.restart_children:  # else the supervisor retries them
                 raise RuntimeError(f"service(s) exited during start-up: {', '.join(dead)}")
-            status = self.ready_status()
-            if (status and status.get("num_ready_decode_workers", 0) >= want
-                    and status.get("num_ready_prefill_workers", 0) >= want_prefill):
+            statuses = [self.ready_status(url) for url in self.base_urls]  # every gateway
+            if all(status and status.get("num_ready_decode_workers", 0) >= want
+                   and status.get("num_ready_prefill_workers", 0) >= want_prefill for status in statuses):
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"{self.base_url}/ready not 200 with {want} decode and {want_prefill} prefill "
+        raise TimeoutError(f"{', '.join(self.base_urls)}: /ready not 200 with {want} decode and {want_prefill} prefill "
                            f"workers in {timeout_s}s")
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -261,7 +277,7 @@ class Stack:
             self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
-        order = sorted(self.children.values(), key=lambda c: c.name != "gateway")
+        order = sorted(self.children.values(), key=lambda c: not c.name.startswith("gateway"))
         for child in order:
             child.terminate()
         deadline = time.monotonic() + timeout_s

@@ -7,8 +7,8 @@ from shared.protocol import (AdmissionDecision, AllBlocksClearedEvent, BlockRemo
                              BlockStoredEvent, CancelRequest, ClusterStatusRequest,
                              ClusterStatusResult, ControlRequest, ControlResult, ErrorReply,
                              GenerateRequest, KvEventBatch, KvMatchRequest, KvMatchResult,
-                             PrefillNotification, RemotePrefillRequest, SamplingParams, ScaleRequest, ScaleResult,
-                             ScalingAction,
+                             PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
+                             RemotePrefillRequest, SamplingParams, ScaleRequest, ScaleResult, ScalingAction,
                              ScalingDecisionRecord, ScalingStatus, Subjects,
                              TokenChunk, TokenLogprob, TopLogprob,
                              WorkerInfo, WorkerLoad, WorkerOverlap, WorkerStatus)
@@ -57,6 +57,9 @@ EXAMPLES = [
     ScaleRequest(action="stop", role="decode", worker_id="decode-2", reason="utilisation 0.10"),
     ScaleResult(worker_id="decode-3", pid=123),
     ScalingAction(kind="start", worker_id=None, role="decode", ok=False, message="no responders"),
+    PrefillLeaseRequest(transfer_id="t1", request_id="r1", prefill_worker_id="prefill-1"),
+    PrefillLeaseResult(transfer_id="t1", expires_at=12.5, lease_s=4.0),
+    PrefillLeaseResult(transfer_id="t1"),
 ]
 
 

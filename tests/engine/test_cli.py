@@ -17,7 +17,7 @@ def tandem(*args, stdin=None):
 
 def test_complete_prints_only_the_completion(smollm2_gguf):
     r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "16", "--model", str(smollm2_gguf),
-               "What is the capital of France?")
+               "--dtype", "float32", "What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert r.stdout == "The capital of France is Paris.\n"
     assert "KV cache:" in r.stderr  # logs go to stderr
@@ -65,7 +65,7 @@ def test_every_command_has_help(cmd):
 
 def test_chat_keeps_history_and_exits_on_eof(smollm2_gguf, make_engine, smol_tokenizer):
     turns = ["My name is Ada.", "What is my name?"]
-    r = tandem("chat", "--temperature", "0", "--max-tokens", "24", "--model", str(smollm2_gguf),
+    r = tandem("chat", "--temperature", "0", "--max-tokens", "24", "--model", str(smollm2_gguf), "--dtype", "float32",
                stdin="\n".join(turns) + "\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     replies = [part.strip() for part in r.stdout.split("> ") if part.strip()]

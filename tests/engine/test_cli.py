@@ -31,6 +31,17 @@ def test_complete_with_int8_linear_layers(smollm2_gguf):
     assert "with int8 linear layers" in r.stderr
 
 
+def test_complete_without_dtype_logs_the_automatic_precision_and_its_reason(smollm2_gguf):
+    from shared.model.precision import choose_precision, cpu_flags
+
+    want = choose_precision("cpu", None, None, cpu_flags())
+    r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "8", "--model", str(smollm2_gguf),
+               "--device", "cpu", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    suffix = "" if want.quantization == "none" else f" + {want.quantization}"
+    assert f"precision {want.dtype}{suffix} on cpu: {want.reason}" in r.stderr
+
+
 def test_complete_reads_stdin_and_honours_seed(smollm2_gguf):
     args = ("complete", "--temperature", "1.0", "--seed", "3", "--max-tokens", "12", "--model", str(smollm2_gguf), "-")
     a, b = tandem(*args, stdin="Once upon a time"), tandem(*args, stdin="Once upon a time")

@@ -4,7 +4,11 @@ On a CPU a decode step is bound by reading the weights and by per-op overhead, s
 precision is the one whose matmuls the CPU has instructions for. Measured on an AVX-512 CPU with
 VNNI and AVX512-BF16 but no AMX (SmolLM2-135M, one decode worker, aggregate output tokens/s at
 1 / 8 / 32 streams): float32 31 / 109 / 193, bfloat16 41 / 216 / 312, int8 W8A8 69 / 245 / 420.
-So int8 wins wherever VNNI exists; bfloat16 is next where the CPU multiplies bf16 natively;
+One batch-1 decode step, configurations interleaved in one run on a busy machine (load average
+7-14 on 2 cores): with 1 thread int8 115 ms median / 68 ms min against float32 205 / 160; with 2
+threads the least disturbed steps (min) int8 71 ms, bfloat16 107, float32 132, while the medians
+were even (int8's many small parallel ops wait longest on descheduled threads). So int8 wins
+wherever VNNI exists; bfloat16 is next where the CPU multiplies bf16 natively;
 float32 otherwise. int8's error against float32 stays within the bounds that
 tests/engine/test_quantization_smollm2.py checks on the real model.
 

@@ -40,8 +40,11 @@ class UpSettings(QosSettings):
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
     device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
-    quantization: Literal["none", "int8"] = Field(
-        "none", description="workers' linear layers: none (model dtype) or int8 (W8A8, CPU only)")
+    dtype: str | None = Field(None, description="workers' dtype: float32 (exact), bfloat16, float16; with "
+                              "no quantization either, the fastest for the device (logged by each worker)")
+    quantization: Literal["none", "int8"] | None = Field(
+        None, description="workers' linear layers: none (model dtype) or int8 (W8A8, CPU only); default: see dtype")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
     drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")

@@ -12,7 +12,7 @@ from services.up.config import UpSettings
 
 def spec_from_settings(s: UpSettings) -> StackSpec:
     engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s,
-              "quantization": s.quantization}
+              **_given(dtype=s.dtype, quantization=s.quantization, num_threads=s.num_threads)}
     disagg = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue}
     return StackSpec(
         state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks
+from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
 from shared.engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request, SamplingParams
@@ -115,7 +116,7 @@ class LLMEngine:
         self.model_id = model_id
         self.eos_token_ids = eos_token_ids
         self.device = model.device
-        if model.quantization != config.quantization:
+        if config.quantization is not None and model.quantization != config.quantization:
             raise ValueError(f"the model's linear layers are {model.quantization!r} but the config asks for "
                              f"{config.quantization!r}: call model.quantize() or use LLMEngine.from_config")
         cfg = model.cfg
@@ -153,10 +154,13 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = config.resolve_device()
-        dtype = config.resolve_dtype(device)
+        precision = config.resolve_precision(device)
+        dtype = torch_dtype(precision.dtype)
+        log.info("precision %s%s on %s: %s", precision.dtype,
+                 "" if precision.quantization == "none" else f" + {precision.quantization}", device, precision.reason)
         t0 = time.perf_counter()
         tokenizer = Tokenizer.from_model_files(source.path, source.format)
-        quantization = check_quantization(config.quantization, device)
+        quantization = check_quantization(precision.quantization, device)
         model = load_model(source.path, source.format, device, dtype)
         if quantization != "none":
             model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
@@ -164,6 +168,7 @@ class LLMEngine:
                  model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."),
                  "" if quantization == "none" else f" with {quantization} linear layers (W8A8)",
                  time.perf_counter() - t0)
+        config = dataclasses.replace(config, dtype=precision.dtype, quantization=quantization)
         return cls(model, config, tokenizer=tokenizer, model_id=source.name,
                    eos_token_ids=frozenset(tokenizer.stop_token_ids))
 

@@ -59,12 +59,20 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         default = info.get_default(call_default_factory=True)
         help_text = f"{info.description or name} (env {env}, default {default!r})"
         kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
-        annotation = info.annotation
+        annotation = _without_none(info.annotation)
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_origin(annotation) is Literal:
             kwargs["choices"] = list(get_args(annotation))
         parser.add_argument(_flag(name), **kwargs)
+
+
+def _without_none(annotation: Any) -> Any:
+    """``X | None`` → ``X`` (an optional Literal still gets its choices); anything else as it is."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and type(None) in get_args(annotation):
+        return args[0]
+    return annotation
 
 
 def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:

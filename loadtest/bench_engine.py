@@ -106,7 +106,7 @@ def bench_ttft(engine, args) -> dict:
             "warm_over_cold": statistics.median(warm) / statistics.median(cold)}
 
 
-VARIANTS = {"fp32": {}, "int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
+VARIANTS = {"fp32": {"dtype": "float32"}, "int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
 
 
 def plot(result: dict, path: Path) -> None:

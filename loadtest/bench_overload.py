@@ -36,11 +36,13 @@ TIERS = ("premium", "batch")
 KEYS = {"premium": "key-premium", "batch": "key-batch"}
 
 
-def qos_yaml(slo_ms: dict[str, float] | None) -> str:
+def qos_yaml(slo_ms: dict[str, float] | None, itl_slo_ms: dict[str, float] | None = None) -> str:
     """The tiers file; ``slo_ms`` None: the same tiers without SLOs (no early rejection)."""
     lines = ["default_tier: batch", "tiers:"]
     for tier, priority in zip(TIERS, (0, 2)):
         slo = f", ttft_slo_ms: {slo_ms[tier]:g}" if slo_ms else ""
+        if slo_ms and itl_slo_ms and itl_slo_ms.get(tier):
+            slo += f", itl_slo_ms: {itl_slo_ms[tier]:g}"
         lines.append(f"  {tier}: {{priority: {priority}{slo}}}")
     return "\n".join(lines) + "\n"
 
@@ -60,6 +62,8 @@ def tier_report(results: list[RequestResult], tiers: dict[int, str], slo_s: dict
         ok = [r for r in rs if r.error is None and r.finished_s is not None]
         good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s[tier]]
         ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        itls = [(r.finished_s - r.first_token_s) / (r.num_output_tokens - 1) for r in ok
+                if r.first_token_s is not None and r.num_output_tokens > 1]
         out[tier] = {
             "num_sent": len(rs), "num_ok": len(ok), "num_good": len(good),
             "num_429": sum(1 for r in rs if r.error == "HTTP 429"),
@@ -67,7 +71,8 @@ def tier_report(results: list[RequestResult], tiers: dict[int, str], slo_s: dict
             "num_other_errors": sum(1 for r in rs if r.error and not r.error.startswith("HTTP ")),
             "slo_attainment": len(good) / len(rs) if rs else None,
             "slo_attainment_admitted": len(good) / len(ok) if ok else None,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90)}
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+            "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90)}
     out["goodput_rps"] = sum(out[t]["num_good"] for t in TIERS) / max(duration, 1e-9)
     return out
 
@@ -76,7 +81,7 @@ def start_stack(state: Path, label: str, args, slo_ms: dict[str, float] | None, 
     from shared.runtime.stack import Stack, StackSpec  # noqa: PLC0415
 
     qos = state / f"qos-{label}.yaml"
-    qos.write_text(qos_yaml(slo_ms))
+    qos.write_text(qos_yaml(slo_ms, {"premium": args.premium_itl_slo_ms} if slo_ms else None))
     keys = ",".join(f"{key}:{tier}" for tier, key in KEYS.items())
     stack = Stack(StackSpec(state_dir=state / label, model=args.model, port=0, namespace=f"ovl{label}{os.getpid()}",
                             decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory,
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--premium-share", type=float, default=0.3)
     p.add_argument("--premium-slo-ms", type=float, default=2000.0)
     p.add_argument("--batch-slo-ms", type=float, default=8000.0)
+    p.add_argument("--premium-itl-slo-ms", type=float, default=None,
+                   help="premium's ITL budget: admission sheds batch before a worker's ITL passes it")
     p.add_argument("--prompt-words", type=int, default=120)
     p.add_argument("--output-tokens", type=int, default=24)
     p.add_argument("--max-num-seqs", type=int, default=16)

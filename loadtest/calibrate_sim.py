@@ -179,7 +179,10 @@ def measure_step_times(engine, prefill_lengths, decode_batches, context_len: int
 
 # --- 2. simulator -----------------------------------------------------------------------------
 
-def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_ttft_s: float = 60.0):
+def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_ttft_s: float = 60.0,
+             admission=None, tier_mix=None):
+    """``admission`` and ``tier_mix`` (SimConfig's): tiers and their SLOs, rejections allowed; unset,
+    loose SLOs under which a rejection is an error."""
     from shared.planner.config import Slo, WorkloadSpec, load_cluster
     from shared.planner.devices import Cluster
     from shared.planner.flow import Evaluator
@@ -207,8 +210,11 @@ def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_t
     trace = Trace(np.array([s.at_s for s in specs], dtype=float), np.array(input_lens, dtype=np.int64),
                   np.array([s.max_tokens for s in specs], dtype=np.int64))
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30),
-                    admission=workload_admission(slo_ttft_s))
+                    admission=admission or workload_admission(slo_ttft_s),
+                    **({"tier_mix": tier_mix} if tier_mix else {}))
     result = Simulator(ev, plan, cfg, block_size=trace.block_size).run(trace)
+    if admission is not None:
+        return result
     if result.rejected.any():
         raise RuntimeError(f"the simulator rejected {int(result.rejected.sum())} requests: {result.rejections}")
     busy = float(np.mean(result.decode_kv_util)) if result.decode_kv_util else 0.0

@@ -56,6 +56,8 @@ async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api
             async with session.post(url, json=body, headers=own) as resp:
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}"
+                    if "Retry-After" in resp.headers:
+                        result.retry_after_s = float(resp.headers["Retry-After"])
                     await resp.read()
                     return
                 async for raw in resp.content:

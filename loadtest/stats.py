@@ -15,6 +15,7 @@ class RequestResult:
     token_times_s: list[float] = field(default_factory=list)  # arrival of each text chunk
     num_output_tokens: int = 0
     error: str | None = None
+    retry_after_s: float | None = None  # a rejection's Retry-After header
 
     @property
     def ttft_s(self) -> float | None:

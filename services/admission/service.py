@@ -70,6 +70,9 @@ class AdmissionService:
         return decision
 
     async def _decide(self, request: GenerateRequest) -> AdmissionDecision:
+        # kv-index first: a worker may leave the view while that is awaited, and from reading the
+        # workers to the chosen one's entry nothing may await (else the chosen one can be gone)
+        overlaps = await self._overlaps(request)
         workers = self.view.ready_workers("decode", request.model)
         if not workers:
             await self.refresh()  # a worker may have registered since the last refresh
@@ -79,7 +82,6 @@ class AdmissionService:
                                 self._settings.retry_after_s)
         block_size = workers[0].info.block_size
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
-        overlaps = await self._overlaps(request)
         now = time.time()
         views = [w.load_view(now) for w in workers]
         choice = choose_worker(views, overlaps, num_blocks, self._weights, now)
@@ -97,7 +99,8 @@ class AdmissionService:
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
-        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time())
+        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(),
+                                self.qos.tiers[self.qos.resolve(request.tier)].priority)
         info = entry.info
         return AdmissionDecision(request_id=request.request_id, is_admitted=True,
                                  worker_id=info.worker_id, generate_subject=info.generate_subject,
@@ -113,7 +116,7 @@ class AdmissionService:
         block_size = entry.info.block_size
         load = entry.load
         wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(
-            num_running=load.num_running, max_num_seqs=load.max_num_seqs,
+            num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
             num_waiting_ahead=load.num_waiting_ahead(priority),
             mean_output_tokens=load.num_generated_tokens_total / load.num_requests_total, itl_s=load.itl_recent_s)
         return AdmissionInput(
@@ -122,7 +125,8 @@ class AdmissionService:
             queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
             prefill_tokens_per_s=entry.load.prefill_tokens_per_s if entry.load else None,
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
-            decode_wait_s=wait)
+            decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
+            num_running=load.num_running if load else 0)
 
     async def _overlaps(self, request: GenerateRequest) -> dict[str, int]:
         if not request.block_hashes:

@@ -23,6 +23,14 @@ class AutoscalerSettings(ServiceSettings):
                                                  "until workers report a measured one")
     decode_capacity_tokens_per_s: float = Field(200.0, gt=0, description="one decode worker's output tokens "
                                                 "per second at its SLO")
+    min_workers: int = Field(1, ge=1, description="with max_workers: never stop a worker below this fleet size")
+    max_workers: int | None = Field(None, ge=1, description="start and stop worker processes (through tandem up) "
+                                    "between min_workers and this; unset: the fleet's size is fixed")
+    scale_up_at: float = Field(0.8, gt=0, description="start a worker when demand reaches this share of the "
+                               "fleet's capacity (or requests queue on the workers)")
+    scale_down_at: float = Field(0.4, ge=0, description="stop a worker when the rest would be at most this busy")
+    max_waiting_per_worker: float = Field(1.0, gt=0, description="start a worker when this many requests per "
+                                          "worker wait for a slot")
     control_timeout_s: float = Field(10.0, gt=0, description="wait this long for a worker to accept a flip")
 
     @model_validator(mode="after")
@@ -31,7 +39,22 @@ class AutoscalerSettings(ServiceSettings):
             low, high = getattr(self, f"min_{role}_workers"), getattr(self, f"max_{role}_workers")
             if high is not None and high < low:
                 raise ValueError(f"max_{role}_workers ({high}) is below min_{role}_workers ({low})")
+        if self.max_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})")
+        if self.scale_down_at >= self.scale_up_at:
+            raise ValueError(f"scale_down_at ({self.scale_down_at}) must be below scale_up_at ({self.scale_up_at})")
         return self
+
+    def fleet_config(self):
+        """The fleet-size policy's settings; None when the fleet's size is fixed."""
+        from shared.policy.fleet import FleetConfig
+
+        if self.max_workers is None:
+            return None
+        return FleetConfig(min_workers=self.min_workers, max_workers=self.max_workers, scale_up_at=self.scale_up_at,
+                           scale_down_at=self.scale_down_at, max_waiting_per_worker=self.max_waiting_per_worker,
+                           cooldown_s=self.autoscale_cooldown_s, min_prefill=self.min_prefill_workers,
+                           min_decode=self.min_decode_workers)
 
     def autoscale_config(self):
         from shared.policy.autoscale import AutoscaleConfig

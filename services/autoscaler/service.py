@@ -15,8 +15,9 @@ from shared.cluster.view import ClusterView
 from shared.disagg.prefill_queue import prefill_queue_levels
 from shared.policy.autoscale import RatioAutoscaler
 from shared.policy.autoscale_inputs import Flip
+from shared.policy.fleet import FleetAutoscaler
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, ControlRequest, PrefillQueueStatus,
-                             ScalingAction, Subjects, WorkerLoad)
+                             ScaleRequest, ScalingAction, Subjects, WorkerLoad)
 from shared.runtime.service import every, run_bus_service, service_instance_id
 from shared.telemetry.families import AutoscalerMetrics
 from services.autoscaler.config import AutoscalerSettings
@@ -31,8 +32,10 @@ class AutoscalerService:
         self._bus = bus
         self._registry = registry
         self.view = ClusterView()
+        fleet = settings.fleet_config()
         self.scaling = Autoscaling(RatioAutoscaler(settings.autoscale_config()), settings.capacities(),
-                                   window_s=settings.autoscale_window_s)
+                                   window_s=settings.autoscale_window_s,
+                                   fleet=FleetAutoscaler(fleet) if fleet is not None else None)
         self.metrics = AutoscalerMetrics.create(service_instance_id("autoscaler"), settings.num_restarts)
         self.metrics.bind(lambda: self.view.status(time.time()).workers)
 
@@ -72,9 +75,30 @@ class AutoscalerService:
         plan = self.scaling.plan(now, self.view.status(now).workers)
         log.info("scaling: %s", plan.describe())
         actions = [await self._flip(f) for f in plan.flips]
+        if plan.start is not None or plan.stop is not None:
+            actions.append(await self._scale(plan))
         record = self.scaling.record(plan, actions)
         self.metrics.observe_decision(record or self.scaling.status(True).last_decision, actions)
         return plan
+
+    async def _scale(self, plan: ScalingPlan) -> ScalingAction:
+        """Ask tandem up (the owner of the worker processes) to start or stop one."""
+        if plan.start is not None:
+            request = ScaleRequest(action="start", role=plan.start, reason=plan.reason)
+        else:
+            request = ScaleRequest(action="stop", role=plan.stop.to_role, worker_id=plan.stop.worker_id,
+                                   reason=plan.reason)
+        try:
+            result = await self._bus.request(self._subjects.fleet_scale(), request,
+                                             timeout_s=self._settings.control_timeout_s)
+        except ServiceError as exc:
+            log.warning("%s of a %s worker refused: %s", request.action, request.role, exc.message)
+            return ScalingAction(kind=request.action, worker_id=request.worker_id, role=request.role, ok=False,
+                                 message=exc.message)
+        if request.action == "start":
+            self.scaling.started(result.worker_id, time.time())
+        return ScalingAction(kind=request.action, worker_id=result.worker_id, role=request.role, ok=True,
+                             message=f"pid {result.pid}" if result.pid else "draining")
 
     async def _flip(self, flip: Flip) -> ScalingAction:
         try:

@@ -14,14 +14,20 @@ class DecodeSettings(EngineWorkerSettings):
                                    "many requests or more")
     remote_prefill_timeout_s: float = Field(30.0, gt=1, description="prefill locally if a prefill worker has not "
                                             "delivered the KV within this")
-    kv_write_timeout_s: float = Field(5.0, gt=0, description="longest a prefill worker's KV write into this "
+    kv_write_timeout_s: float = Field(2.0, gt=0, description="longest a prefill worker's KV write into this "
                                       "worker may take (sets its write deadline)")
+    prefill_lease_s: float = Field(4.0, gt=0, description="a prefill worker's lease on the blocks reserved for "
+                                   "it, renewed while it works: blocks of one that died are freed (and its "
+                                   "request prefilled here) this long after its last renewal")
 
     @model_validator(mode="after")
     def _window_covers_a_write(self) -> "DecodeSettings":
         if self.remote_prefill_timeout_s <= self.kv_write_timeout_s + 1:
             raise ValueError(f"remote_prefill_timeout_s ({self.remote_prefill_timeout_s}) must exceed "
                              f"kv_write_timeout_s ({self.kv_write_timeout_s}) by more than 1s")
+        if self.prefill_lease_s <= self.kv_write_timeout_s + 0.5:
+            raise ValueError(f"prefill_lease_s ({self.prefill_lease_s}) must exceed kv_write_timeout_s "
+                             f"({self.kv_write_timeout_s}) by more than 0.5s")
         return self
 
     def disagg_config(self):

@@ -14,7 +14,7 @@ from shared.cluster.workers import is_ready_worker
 from shared.disagg import RemotePrefill, RemotePrefills
 from shared.disagg.prefill_queue import prefill_queue_levels
 from shared.engine import SamplingParams
-from shared.protocol import GenerateRequest, Subjects
+from shared.protocol import GenerateRequest, PrefillLeaseRequest, PrefillLeaseResult, Subjects
 from shared.transfer import KvTransfer
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,13 @@ class RemotePrefiller:
             return None
         try:
             await self._bus.js_publish(self._subjects.prefill_queue(request.priority), prefill.message)
+            prefill.published_at = time.monotonic()
         except Exception as exc:  # noqa: BLE001 — a full queue, NATS away: prefill here, now
             prefills.publish_failed(prefill, exc)
         return prefill
+
+    async def grant_lease(self, request: PrefillLeaseRequest) -> PrefillLeaseResult:
+        return self.prefills.grant_lease(request, time.time())
 
     async def _has_prefill_workers(self) -> bool:
         return any(is_ready_worker(w, "prefill", self.prefills.model) for w in await self._registry.list())
@@ -68,7 +72,7 @@ class RemotePrefiller:
             delay = 0.002 if self.prefills.has_waiting else 0.05
             try:
                 for note in self.transfer.get_notifications():
-                    self.prefills.deliver(note.message, note.num_bytes)
+                    self.prefills.deliver(note.message, note.num_bytes, time.monotonic())
             except Exception:  # noqa: BLE001 — the ticks below must go on: they end the waits
                 log.exception("polling KV notifications failed")
                 delay = 0.5

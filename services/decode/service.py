@@ -15,12 +15,15 @@ import time
 from collections.abc import AsyncIterator
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.disagg import RemotePrefill
 from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
 from shared.runtime.worker_metrics import WorkerMetrics
+from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
+from shared.telemetry.phases import worker_phases
 from services.decode.config import DecodeSettings
 from services.decode.remote import RemotePrefiller
 from services.decode.translate import engine_params, token_chunk
@@ -54,6 +57,7 @@ class DecodeWorker(EngineWorker):
         await self._bus.subscribe(s.decode_cancel(self.worker_id), self.cancel)
         await self._bus.serve_stream(s.decode_generate(self.worker_id), self.generate)
         if self.remote is not None:
+            await self._bus.serve(s.prefill_lease(self.worker_id), self.remote.grant_lease)
             self._loops.append(asyncio.create_task(self.remote.poll_forever()))
         self.state = "ready"
         await self._registry.put(self.info())
@@ -88,13 +92,31 @@ class DecodeWorker(EngineWorker):
                     # Admission counts what it admitted on top of the last report until a newer
                     # one arrives: report the freed capacity before the caller can send more.
                     await self.publish_load()
-                yield token_chunk(out, index, self.worker_id)
+                chunk = token_chunk(out, index, self.worker_id)
+                if index == 0:
+                    chunk = chunk.model_copy(update={"phases": self._first_token_phases(
+                        started, now, out.first_scheduled_time, handle)})
+                yield chunk
                 index += 1
         except InvalidRequestError as exc:
             raise ServiceError("bad_request", str(exc), getattr(exc, "field", None)) from None
         except (EngineError, ValueError) as exc:
             raise ServiceError("rejected", str(exc)) from None
         log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
+
+    @staticmethod
+    def _first_token_phases(received_at: float, first_output_at: float, scheduled_at: float | None,
+                            handle: RemotePrefill | None) -> dict[str, float]:
+        """The request's phases until its first token, each also a span of its trace."""
+        remote = handle.times() if handle is not None else None
+        phases = worker_phases(received_at, first_output_at, scheduled_at=scheduled_at, remote=remote)
+        at = received_at
+        for name, seconds in phases.items():
+            if remote is None or name not in ("prefill_queue", "prefill"):  # the prefill worker's spans
+                tracing.record_span(f"decode.{name}", at, at + seconds)
+            at += seconds
+        tracing.add_event("first_token")
+        return phases
 
     async def cancel(self, request: CancelRequest) -> None:
         log.info("cancel %s: %s", request.request_id, request.reason)
@@ -126,13 +148,13 @@ class DecodeWorker(EngineWorker):
             num_prefill_fallbacks=prefills.num_fallbacks if prefills else 0,
             kv_bytes_received=remote.transfer.stats.num_bytes_received if remote else 0)
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float | None = None) -> None:
         """Stay listed as ``draining`` (admission skips it) while in-flight requests finish; the
         KV poller runs until then (remote prefills in flight wait on it)."""
         self.state = "draining"
         await self._registry.put(self.info())
         log.info("draining %d in-flight requests", self._bus.num_in_flight)
-        num_left = await self._bus.stop_serving(self._settings.drain_timeout_s)
+        num_left = await self._bus.stop_serving(self._settings.drain_timeout_s if timeout_s is None else timeout_s)
         if num_left:
             log.warning("drain timeout: %d requests cut off", num_left)
         for task in self._loops:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shared.engine import EngineOutput, SamplingParams as EngineSamplingParams
+from shared.grammar import GrammarSpec
 from shared.protocol import SamplingParams, TokenChunk, TokenLogprob, TopLogprob
 
 
@@ -11,7 +12,10 @@ def engine_params(p: SamplingParams) -> EngineSamplingParams:
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         min_p=p.min_p, seed=p.seed, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+        logit_bias=dict(p.logit_bias) if p.logit_bias else None,
+        grammar=GrammarSpec(p.grammar.kind, p.grammar.value) if p.grammar else None,
+        num_output_in_prompt=p.num_output_in_prompt)
 
 
 def token_chunk(out: EngineOutput, index: int, worker_id: str) -> TokenChunk:

@@ -20,6 +20,7 @@ class GatewayState(WireModel):
     in_flight: float = 0
     models: list[str] = Field(default_factory=list)
     num_restarts: int = 0
+    urls: list[str] = Field(default_factory=list)  # every gateway of the stack (empty: just this one)
 
 
 class StatusPage(ClusterStatusResult):
@@ -27,7 +28,7 @@ class StatusPage(ClusterStatusResult):
 
     source: str = ""
     gateway: GatewayState = GatewayState()
-    services: list[ServiceInfo] = Field(default_factory=list)  # every service process's metrics address
+    services: list[ServiceInfo] = Field(default_factory=list)  # every process in the service directory
 
 
 def register(subparsers) -> None:
@@ -51,16 +52,32 @@ def status_main(args: argparse.Namespace) -> int:
         page = StatusPage.model_validate(view)
     except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: bad JSON or not a status
         raise CliError(f"cannot read {url}: {exc}") from None
-    print(json.dumps(view, indent=2) if args.json else format_status(page))
+    if args.json:
+        print(json.dumps(view, indent=2))
+    else:
+        print(format_status(page, {u: _is_up(u) for u in page.gateway.urls}))
     return 0
 
 
-def format_status(page: StatusPage) -> str:
+def _is_up(base_url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) -> str:
+    """``gateways_up``: each of the stack's gateway URLs and whether it answered /health."""
     header = f"{'WORKER':<28} {'ROLE':<8} {'STATE':<9} {'RST':>3} {'MODEL':<16} {'RUN':>4} {'WAIT':>5} " \
              f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7} " \
              f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
     restarted = f"   gateway restarts: {page.gateway.num_restarts}" if page.gateway.num_restarts else ""
     lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}{restarted}"]
+    if gateways_up:
+        lines.append("gateways: " + "  ".join(f"{u} ({'up' if up else 'down'})" for u, up in gateways_up.items()))
     if queue := page.prefill_queue:
         lines.append(f"prefill queue: {queue.num_pending} waiting, {queue.num_ack_pending} being prefilled, "
                      f"{queue.num_redelivered} redelivered")
@@ -68,17 +85,21 @@ def format_status(page: StatusPage) -> str:
     lines.extend(_worker_line(w) for w in page.workers)
     if not page.workers:
         lines.append("(no workers registered)")
+    if page.services:
+        lines.extend(_service_lines(page.services, page.timestamp))
     if page.scaling is not None:
         lines.extend(_scaling_lines(page.scaling))
-    lines.extend(_services_lines(page.services))
     return "\n".join(lines)
 
 
-def _services_lines(services: list[ServiceInfo]) -> list[str]:
-    if not services:  # an older gateway, or the directory unreachable
-        return []
-    lines = [f"{'SERVICE':<11} {'INSTANCE':<40} {'RST':>3} METRICS"]
-    lines.extend(f"{s.service:<11} {s.instance_id:<40} {s.num_restarts:>3} {s.metrics_url}" for s in services)
+def _service_lines(services: list[ServiceInfo], now: float) -> list[str]:
+    """One line per process in the service directory: restarts by its supervisor, how long this
+    one has run, and where its metrics are (``-`` for what an older process did not say)."""
+    lines = [f"{'SERVICE':<11} {'PID':>8} {'RST':>3} {'UP s':>8}  {'INSTANCE':<40} METRICS"]
+    for s in services:
+        up = f"{max(0.0, now - s.started_at):.0f}" if s.started_at else "-"
+        lines.append(f"{s.service:<11} {s.pid:>8} {s.num_restarts:>3} {up:>8}  {s.instance_id:<40} "
+                     f"{s.metrics_url or '-'}")
     return lines
 
 
@@ -88,7 +109,8 @@ def _scaling_lines(scaling: ScalingStatus) -> list[str]:
         return ["autoscaling: off"]
     lines = [f"autoscaling: on; last tick: {scaling.last_reason or '-'}"]
     for r in scaling.recent[-5:]:
-        done = "; ".join(f"{a.kind} {a.worker_id} to {a.role}: {'ok' if a.ok else 'failed'}"
+        done = "; ".join(f"{a.kind} {a.worker_id or 'a worker'} {'to' if a.kind == 'flip' else 'as'} {a.role}: "
+                         f"{'ok' if a.ok else 'failed'}"
                          + (f" ({a.message})" if a.message else "") for a in r.actions) or "nothing done"
         when = time.strftime("%H:%M:%S", time.localtime(r.timestamp))
         lines.append(f"  {when} prefill {r.num_prefill}->{r.target_prefill}, decode {r.num_decode}->"

@@ -11,6 +11,10 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                  "without one gets the default tier); unset: no auth")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when the request gives none")
     admission_timeout_s: float = Field(2.0, gt=0, description="wait for admission's answer")
+    admission_retry_s: float = Field(10.0, ge=0, description="ask admission again (another instance of its "
+                                     "queue group, or its restart) for this long after an unanswered ask")
+    gateway_urls: str | None = Field(None, description="comma-separated URLs of every gateway of the stack, "
+                                     "for /status (tandem up passes them)")
     request_timeout_s: float = Field(600.0, gt=0, description="wait for a request's first token")
     token_idle_timeout_s: float = Field(60.0, gt=0, description="max gap between two tokens")
     status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")

@@ -5,7 +5,9 @@ If the worker is lost mid-stream (it leaves the registry, stops answering, or re
 request is admitted again with the tokens generated so far appended to the prompt and the
 remaining ``max_tokens``: the client sees one uninterrupted stream. When no worker can take it
 (the only one died and its supervisor is restarting it), the request waits for a ready worker,
-for at most ``request_timeout_s``, rather than failing.
+for at most ``request_timeout_s``, rather than failing. A NATS restart is handled the same way: the
+stream cut by the disconnect may have lost tokens, so the request continues from the tokens
+received, admitted again once admission answers.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from shared.bus import Bus, BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.bus import Bus, BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
 from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
-from shared.protocol import CancelRequest, GenerateRequest, Subjects, TokenChunk
+from shared.protocol import AdmissionDecision, CancelRequest, GenerateRequest, Subjects, TokenChunk
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.metrics import GatewayMetrics
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 _MAX_ATTEMPTS = 3     # admissions per start: a worker may drain or die between admission and us
 _MAX_MIGRATIONS = 2   # worker losses survived per request
 _WATCH_INTERVAL_S = 0.5
+_NO_WORKER = ("unavailable", "worker_unavailable")  # ApiError codes worth waiting out after a loss
 
 
 class WorkerLost(Exception):
@@ -40,7 +43,7 @@ class Generation:
     def __init__(self, bus: Bus, subjects: Subjects, settings: GatewaySettings, tokenizer: Tokenizer,
                  metrics: GatewayMetrics, request: GenerateRequest, stops: list[str], *,
                  worker_started_at: Callable[[str], float | None], has_ready_worker: Callable[[], bool],
-                 rehash: Callable[[list[int]], list[int]]) -> None:
+                 rehash: Callable[[list[int]], list[int]], arrived_at: float | None = None) -> None:
         self._bus, self._subjects, self._settings = bus, subjects, settings
         self._metrics = metrics
         # the registered worker's start time (None: not registered) tells a worker that died and
@@ -55,11 +58,20 @@ class Generation:
         self._first: TokenChunk | None = None
         self._generated: list[int] = []
         self._num_migrations = 0
+        self._has_lost_worker = False  # a worker was lost before the first token: wait for another
         self.worker_id: str | None = None
         self.predicted_ttft_s: float | None = None  # admission's prediction for the current worker
         self.is_finished = False
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0
+        # the time to first token and its phases (shared.telemetry.phases), from the first worker
+        # that answered; ``arrived_at``: when the HTTP request came in (time.monotonic())
+        self._arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        self._admission_s = 0.0
+        self._first_admission_at: float | None = None
+        self._admitted_at = self._arrived_at
+        self.ttft_s: float | None = None
+        self.phases: dict[str, float] = {}
 
     @property
     def num_completion_tokens(self) -> int:
@@ -68,7 +80,12 @@ class Generation:
     async def start(self) -> None:
         """Admit the request and wait for its first token (so errors can still be a plain 4xx/5xx)."""
         started = time.monotonic()
-        await self._open(self.request)
+        try:
+            await self._open(self.request)
+        except ApiError as exc:
+            if not self._has_lost_worker or exc.code not in _NO_WORKER:
+                raise
+            await self._reopen(self.request, str(exc))
         self._metrics.observe_ttft(time.monotonic() - started, self.request.tier)
 
     async def _open(self, request: GenerateRequest) -> None:
@@ -79,9 +96,11 @@ class Generation:
                 self._subjects.decode_generate(worker_id), request,
                 first_timeout_s=self._settings.request_timeout_s,
                 idle_timeout_s=self._settings.token_idle_timeout_s)
+            opened_at = time.monotonic()
             try:
                 self._first = await self._watched(worker_id, started_at)
-            except WorkerLost as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
+            except (WorkerLost, Disconnected) as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
+                self._has_lost_worker = True
                 await self._cancel(worker_id, request.request_id)
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, str(exc), code="worker_unavailable", retry_after_s=1.0) from None
@@ -90,6 +109,7 @@ class Generation:
             except (NoResponders, RemoteError) as exc:
                 if exc.code == "bad_request":
                     raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None
+                self._has_lost_worker = True
                 if attempt + 1 == _MAX_ATTEMPTS:
                     raise ApiError(503, f"decode worker {worker_id} failed: {exc.message}",
                                    code="worker_unavailable", retry_after_s=1.0) from None
@@ -101,15 +121,53 @@ class Generation:
                 raise ApiError(504, f"no token within {self._settings.request_timeout_s:g}s",
                                code="timeout") from None
             self.worker_id, self._current, self._worker_started_at = worker_id, request, started_at
+            if self.ttft_s is None:
+                self._note_first_token(opened_at)
             return
 
-    async def _admit(self, request: GenerateRequest) -> str:
-        try:
-            decision = await self._bus.request(self._subjects.admission_submit(), request,
+    def _note_first_token(self, opened_at: float) -> None:
+        """TTFT as the client sees it, less the network, and its phases: the gateway's own work
+        (before admission, and between admission's answer and the request to the worker),
+        admission's round trip, the worker's phases that came with the first chunk, and ``bus``:
+        the rest of the wait for that chunk, i.e. the NATS hops to the worker and back and the
+        scheduling of the processes in between."""
+        now = time.monotonic()
+        self.ttft_s = now - self._arrived_at
+        first_admission_at = self._first_admission_at or self._arrived_at
+        own = (first_admission_at - self._arrived_at) + (opened_at - self._admitted_at)
+        worker = self._first.phases or {}
+        bus = max(now - opened_at - sum(worker.values()), 0.0)
+        self.phases = {"gateway": own, "admission": self._admission_s, **worker, "bus": bus}
+
+    async def _ask_admission(self, request: GenerateRequest) -> AdmissionDecision:
+        """Admission's decision. An unanswered ask (the instance that took it died, or none is
+        subscribed while one restarts) is asked again on the queue group until
+        ``admission_retry_s`` has passed: another instance, or the restarted one, answers it."""
+        deadline = time.monotonic() + self._settings.admission_retry_s
+        while True:
+            try:
+                return await self._bus.request(self._subjects.admission_submit(), request,
                                                timeout_s=self._settings.admission_timeout_s)
-        except ServiceError as exc:
-            raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
-                           retry_after_s=1.0) from None
+            except (BusTimeout, NoResponders) as exc:
+                if time.monotonic() >= deadline:
+                    raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
+                                   retry_after_s=1.0) from None
+                log.info("%s: admission: %s; asking again", request.request_id, exc.message)
+                if isinstance(exc, NoResponders):  # nobody subscribed: give a restart a moment
+                    await asyncio.sleep(self._settings.refresh_interval_s)
+            except ServiceError as exc:
+                raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
+                               retry_after_s=1.0) from None
+
+    async def _admit(self, request: GenerateRequest) -> str:
+        asked_at = time.monotonic()
+        if self._first_admission_at is None:
+            self._first_admission_at = asked_at
+        try:
+            decision = await self._ask_admission(request)
+        finally:
+            self._admitted_at = time.monotonic()
+            self._admission_s += self._admitted_at - asked_at
         if not decision.is_admitted:
             self._metrics.observe_rejected(request.tier, decision.reject_reason or "unknown")
             # no worker at all is the service being down (503); everything else is load (429)
@@ -169,7 +227,7 @@ class Generation:
             return await self._watched(self.worker_id, self._worker_started_at)
         except StopAsyncIteration:
             raise WorkerLost(f"worker {self.worker_id} ended the stream early") from None
-        except (BusTimeout, NoResponders) as exc:
+        except (BusTimeout, NoResponders, Disconnected) as exc:
             raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
         except RemoteError as exc:
             if exc.code == "rejected":
@@ -185,17 +243,26 @@ class Generation:
         request = self.request.model_copy(update={
             "request_id": f"{self.request.request_id}-m{self._num_migrations}",
             "prompt_token_ids": prompt, "block_hashes": self._rehash(prompt),
-            "sampling": self.request.sampling.model_copy(update={"max_tokens": remaining})})
+            "sampling": self.request.sampling.model_copy(update={
+                "max_tokens": remaining, "num_output_in_prompt": len(self._generated)})})
         log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
                     len(self._generated))
+        await self._reopen(request, why)
+        return self._first
+
+    async def _reopen(self, request: GenerateRequest, why: str) -> None:
+        """After losing the worker: open ``request`` on a ready one, waiting for one (the only
+        worker may be restarting) until ``request_timeout_s``."""
+        log.info("%s: %s; admitting again", request.request_id, why)
         deadline = time.monotonic() + self._settings.request_timeout_s
         while True:
             await self._wait_for_ready_worker(deadline)
             try:
                 await self._open(request)
-                return self._first
-            except ApiError as exc:  # admission's view may lag ours: ask again until the deadline
-                if exc.code != "unavailable" or time.monotonic() >= deadline:
+                return
+            except ApiError as exc:  # admission's view may lag ours, NATS may be reconnecting: ask
+                # again until the deadline
+                if exc.code not in _NO_WORKER + ("admission_unavailable",) or time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(self._settings.refresh_interval_s)
 

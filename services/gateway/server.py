@@ -11,74 +11,134 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 
 from shared.openai_api import responses
-from shared.openai_api.adapters import ApiAdapter, ResponseHead
+from shared.openai_api.adapters import ApiAdapter, Choice, Delta, ResponseHead
 from shared.openai_api.errors import ApiError
+from shared.telemetry.phases import server_timing
 from services.gateway.generation import Generation
 
 log = logging.getLogger(__name__)
 
 
-async def respond(request: web.Request, api: ApiAdapter, gen: Generation) -> web.StreamResponse:
-    """Answer a started generation: streamed when the body asks for it, else one JSON body."""
+async def respond(request: web.Request, api: ApiAdapter, gens: list[Generation],
+                  request_id: str) -> web.StreamResponse:
+    """Answer started generations (one per choice, ``gens[i]`` is choice i) of the API request
+    ``request_id``: streamed when the body asks for it, else one JSON body."""
     if api.body.stream:
-        return await _stream(request, api, gen)
-    return await _collect(api, gen)
+        return await _stream(request, api, gens, request_id)
+    return await _collect(api, gens, request_id)
 
 
 def _ids(gen: Generation) -> dict[str, str]:
-    """Which request, tier and worker (for logs, debugging and the routing tests), and the TTFT
-    admission predicted for it."""
+    """Which request, tier and worker (for logs, debugging and the routing tests), the TTFT
+    admission predicted for it, and the phases of the TTFT it got (``Server-Timing``)."""
     ids = {"X-Request-Id": gen.request.request_id, "X-Tandem-Worker": gen.worker_id or "",
            "X-Tandem-Tier": gen.request.tier}
     if gen.predicted_ttft_s is not None:
         ids["X-Tandem-Predicted-TTFT-Ms"] = f"{gen.predicted_ttft_s * 1000:.0f}"
+    if gen.ttft_s is not None:  # where the time to first token went (sent before the first byte)
+        ids["Server-Timing"] = server_timing(gen.phases, gen.ttft_s)
     return ids
 
 
-def _head(api: ApiAdapter, gen: Generation) -> ResponseHead:
-    return ResponseHead(gen.request.request_id, int(gen.request.created_at), api.body.model)
+def _head(gens: list[Generation], request_id: str) -> ResponseHead:
+    return ResponseHead(request_id, int(gens[0].request.created_at), gens[0].request.model)
 
 
-def _usage(gen: Generation) -> dict:
-    return responses.usage(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
+def _usage(gens: list[Generation]) -> dict:
+    """The prompt counts once, as at OpenAI; completions count for every choice run."""
+    return responses.usage(gens[0].num_prompt_tokens, sum(g.num_completion_tokens for g in gens),
+                           gens[0].num_cached_tokens)
 
 
-async def _collect(api: ApiAdapter, gen: Generation) -> web.Response:
+async def _choice(gen: Generation) -> Choice:
     texts, entries, finish = [], [], "length"
     async for delta in gen.deltas():
         texts.append(delta.text)
         entries.extend(delta.logprobs)
         finish = delta.finish_reason or finish
-    body = api.response(_head(api, gen), "".join(texts), finish, entries, _usage(gen))
-    return web.json_response(body, headers=_ids(gen))
+    return Choice("".join(texts), finish, entries)
 
 
-async def _stream(request: web.Request, api: ApiAdapter, gen: Generation) -> web.StreamResponse:
+def best_choices(choices: list[Choice], n: int) -> list[Choice]:
+    """``best_of``: the ``n`` choices with the highest mean token logprob, in that order."""
+    if len(choices) == n:
+        return choices
+    def mean_logprob(c: Choice) -> float:
+        return sum(e.logprob for e in c.entries) / len(c.entries) if c.entries else float("-inf")
+    return sorted(choices, key=mean_logprob, reverse=True)[:n]
+
+
+async def _collect(api: ApiAdapter, gens: list[Generation], request_id: str) -> web.Response:
+    choices = best_choices(list(await asyncio.gather(*(_choice(g) for g in gens))), api.body.n)
+    body = api.response(_head(gens, request_id), [api.choice(i, c) for i, c in enumerate(choices)],
+                        _usage(gens))
+    return web.json_response(body, headers=_ids(gens[0]))
+
+
+async def _stream(request: web.Request, api: ApiAdapter, gens: list[Generation],
+                  request_id: str) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", **_ids(gen)})
+                                       "Cache-Control": "no-cache", **_ids(gens[0])})
     try:
         await resp.prepare(request)
-        await _write_events(resp, api, gen)
+        await _write_events(resp, api, gens, request_id)
     except ConnectionResetError:  # the client went away; the handler's close() cancels at the worker
-        log.info("%s: client disconnected", gen.request.request_id)
+        log.info("%s: client disconnected", request_id)
     return resp
 
 
-async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gen: Generation) -> None:
-    head = _head(api, gen)
-    for chunk in api.opening_chunks(head):
-        await resp.write(responses.sse_event(chunk))
-    offset = 0
+async def _merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """Every choice's deltas as they come, tagged with the choice's index; an ``ApiError`` of one
+    choice ends the whole stream."""
+    if len(gens) == 1:
+        async for delta in gens[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        try:
+            async for delta in gen.deltas():
+                await queue.put((index, delta))
+        except ApiError as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     try:
-        async for delta in gen.deltas():
+        num_open = len(gens)
+        while num_open:
+            index, item = await queue.get()
+            if isinstance(item, ApiError):
+                raise item
+            if item is None:
+                num_open -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Generation],
+                        request_id: str) -> None:
+    head = _head(gens, request_id)
+    for index in range(len(gens)):
+        for chunk in api.opening_chunks(head, index):
+            await resp.write(responses.sse_event(chunk))
+    offsets = [len(api.echo_text())] * len(gens)
+    try:
+        async for index, delta in _merged_deltas(gens):
             if not delta.text and not delta.finish_reason and not delta.logprobs:
                 continue
-            await resp.write(responses.sse_event(api.chunk(head, delta, offset)))
-            offset += len(delta.text)
+            for chunk in api.stream_chunks(head, index, delta, offsets[index]):
+                await resp.write(responses.sse_event(chunk))
+            offsets[index] += len(delta.text)
     except ApiError as exc:  # mid-stream: the status line is gone, report in the stream
         await resp.write(responses.sse_event(exc.body()))
-    if api.body.include_usage():
-        await resp.write(responses.sse_event(api.usage_chunk(head, _usage(gen))))
+    for chunk in api.closing_chunks(head, _usage(gens)):
+        await resp.write(responses.sse_event(chunk))
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()
 

@@ -18,15 +18,20 @@ from aiohttp import web
 
 from shared.bus import Bus, ServiceDirectory, ServiceError, WorkerRegistry
 from shared.cluster.workers import ready_workers
-from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter
+from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter, parse_body
 from shared.openai_api.auth import ApiKeys
 from shared.openai_api.errors import ApiError
 from shared.policy.qos import load_qos
 from shared.policy.rate_limit import RateLimiter
-from shared.openai_api.generate_request import build_generate_request, prompt_block_hashes
-from shared.protocol import ClusterStatusRequest, Subjects, WorkerInfo
+from shared.openai_api.generate_request import (build_generate_request, choice_requests, prompt_block_hashes,
+                                                resolve_model)
+from shared.openai_api.responses_api import ResponsesAdapter
+from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from shared.protocol import ClusterStatusRequest, GenerateRequest, Subjects, WorkerInfo
 from shared.runtime.service import (bus_connection, every, published_metrics, serve_until_stopped,
                                     service_instance_id)
+from shared.telemetry import tracing
+from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import exposition
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.config import GatewaySettings
@@ -82,30 +87,55 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, CompletionAdapter)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, ResponsesAdapter)
+
     async def _generate(self, request: web.Request, adapter: type[ApiAdapter]) -> web.StreamResponse:
+        """One trace per request: the client's ``traceparent`` is its parent when it sends one."""
+        arrived_at = time.monotonic()
+        with tracing.edge_span(f"{request.method} {request.path}", request.headers,
+                               **{"http.request.method": request.method, "url.path": request.path}) as span:
+            resp = await self._generate_traced(request, adapter, arrived_at)
+            if span is not None:
+                span.set_attribute("http.response.status_code", resp.status)
+            return resp
+
+    async def _generate_traced(self, request: web.Request, adapter: type[ApiAdapter],
+                               arrived_at: float) -> web.StreamResponse:
         tier = self.api_keys.tier(request.headers.get("Authorization"))
         self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
-        model = api.body.model
         gen_request = build_generate_request(
             api, api.prompt_ids(), tier=tier, priority=self.qos.tiers[tier].priority,
-            workers=self.ready_workers(model),
+            workers=self.ready_workers(api.body.model),
             served_models=self.served_models(), default_max_tokens=self.settings.default_max_tokens,
             now=time.time())
-        gen = Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
-                         gen_request, api.body.stop_strings(), worker_started_at=self._started_at,
-                         has_ready_worker=lambda: bool(self.ready_workers(model)),
-                         rehash=lambda ids: prompt_block_hashes(ids, self.ready_workers(model)))
+        bind_request_id(gen_request.request_id)
+        gens = [self._generation(r, api.body.stop_strings(), arrived_at)
+                for r in choice_requests(gen_request, api.body.num_choices())]
         self.metrics.observe_started()
-        started = time.monotonic()
         try:
-            await gen.start()
-            return await respond(request, api, gen)
+            # the first choice's prefill fills the prefix cache; the others then share its blocks
+            await gens[0].start()
+            await asyncio.gather(*(g.start() for g in gens[1:]))
+            self.metrics.observe_phases(gens[0].phases)
+            return await respond(request, api, gens, gen_request.request_id)
         finally:
             self.metrics.observe_ended()
-            if gen.worker_id is not None:  # it got a first token: a finished (or cut off) generation
-                self.metrics.observe_finished(time.monotonic() - started, tier, gen.num_completion_tokens)
-            await gen.close()
+            if any(g.worker_id is not None for g in gens):  # a first token: finished (or cut off)
+                self.metrics.observe_finished(time.monotonic() - arrived_at, tier,
+                                              sum(g.num_completion_tokens for g in gens))
+            await asyncio.gather(*(g.close() for g in gens))
+            for gen in gens:
+                _log_request(gen)
+
+    def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
+        model = gen_request.model
+        return Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
+                          gen_request, stops, worker_started_at=self._started_at,
+                          has_ready_worker=lambda: bool(self.ready_workers(model)),
+                          rehash=lambda ids: prompt_block_hashes(ids, self.ready_workers(model)),
+                          arrived_at=arrived_at)
 
     def _check_rate(self, request: web.Request) -> None:
         """A 429 when this client (its API key, else its address) is over its rate."""
@@ -120,8 +150,24 @@ class Gateway:
 
     # --- models, probes, metrics, status ---------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "created": 0, "owned_by": "tandem"} for m in self.served_models()]})
+        return web.json_response({"object": "list", "data": [_model_card(m) for m in self.served_models()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id not in self.served_models():
+            raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        return web.json_response(_model_card(model_id))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = parse_body(await request.read(), TokenizeRequest)
+        resolve_model(body.model, self.served_models())
+        max_model_len = min((w.max_model_len for w in self.ready_workers(body.model)), default=None)
+        return web.json_response(tokenize(body, self.tokenizer, max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = parse_body(await request.read(), DetokenizeRequest)
+        resolve_model(body.model, self.served_models())
+        return web.json_response(detokenize(body, self.tokenizer))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -151,11 +197,14 @@ class Gateway:
                     "workers": [{"info": w.model_dump(mode="json"), "load": None, "load_age_s": None}
                                 for w in self.workers]}
         body["gateway"] = {"in_flight": self.metrics.num_in_flight, "models": self.served_models(),
-                           "num_restarts": self.settings.num_restarts}
+                           "num_restarts": self.settings.num_restarts,
+                           "urls": self.settings.gateway_urls.split(",") if self.settings.gateway_urls else []}
         body["services"] = await self._services()
         return body
 
     async def _services(self) -> list[dict]:
+        """Every process in the service directory; empty if NATS cannot say (the status page
+        shows the rest all the same)."""
         if self.services is None:
             return []
         try:
@@ -165,12 +214,31 @@ class Gateway:
             return []
 
 
+
+def _log_request(gen: Generation) -> None:
+    """The request's one line: where it ran, its size, its TTFT and the phases of it."""
+    if gen.ttft_s is None:
+        return  # rejected or failed before its first token: the error path logged why
+    phases = " ".join(f"{name}={seconds * 1000:.1f}" for name, seconds in gen.phases.items())
+    log.info("%s: worker %s, %d+%d tokens (%d cached), TTFT %.1f ms [%s]", gen.request.request_id,
+             gen.worker_id, gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens,
+             gen.ttft_s * 1000, phases)
+
+
+def _model_card(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "tandem"}
+
+
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[errors_middleware(gateway.metrics.observe_response)],
                           client_max_size=gateway.settings.max_request_bytes)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/responses", gateway.responses)
     app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/v1/models/{model_id}", gateway.model)
+    app.router.add_post("/tokenize", gateway.tokenize)
+    app.router.add_post("/detokenize", gateway.detokenize)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.metrics_text)

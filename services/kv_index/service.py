@@ -3,7 +3,12 @@
 On start it resumes the event stream after the last batch it applied (kept in Redis with the
 data), or replays it from the beginning when Redis is empty or the stream was recreated, so a
 restart rebuilds the index. Every ``sweep_interval_s`` it drops workers that are no longer in the
-registry and have sent nothing for a registry TTL.
+registry and have sent nothing for a registry TTL, and checks that Redis still holds the index:
+Redis keeps no data, so after a Redis restart (or a batch it failed to apply while down) the index
+is rebuilt by replaying the event stream from its start. Its retention (``events_max_age_s``,
+``events_max_msgs``) bounds what comes back: blocks cached before it are missing from the index
+until stored again, which costs routing quality, never a request. Meanwhile matches fail or come
+back short and admission routes on load.
 """
 
 from __future__ import annotations
@@ -12,11 +17,11 @@ import asyncio
 import logging
 import time
 
-from shared.bus import Bus, WorkerRegistry
+from shared.bus import Bus, Replay, WorkerRegistry
 from shared.protocol import KvEventBatch, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
 from shared.runtime.service import every, run_bus_service, service_instance_id
 from shared.telemetry.families import KvIndexMetrics
-from shared.store import KvIndexStore, RedisKeys, check_connection, connect
+from shared.store import KvIndexStore, RedisKeys, check_connection, connect, is_unavailable
 from services.kv_index.config import KvIndexSettings
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,8 @@ class KvIndexService:
         self._registry = registry
         self._last_seq: dict[str, int] = {}
         self.metrics = KvIndexMetrics.create(service_instance_id("kv-index"), settings.num_restarts)
+        self._replay: Replay[KvEventBatch] | None = None
+        self._is_index_lost = False  # a batch failed to apply: the index misses it
 
     async def start(self) -> None:
         s = self._subjects
@@ -47,11 +54,39 @@ class KvIndexService:
             applied = 0
         self._last_seq = await self._store.worker_seqs()
         log.info("replaying KV events from stream seq %d", applied + 1)
-        await self._bus.replay(s.kv_events_all(), s.kv_events_stream, self.on_batch,
-                               start_seq=applied + 1 if applied else 0)
+        self._replay = await self._bus.replay(s.kv_events_all(), s.kv_events_stream, self.on_batch,
+                                              start_seq=applied + 1 if applied else 0)
+        await self._store.mark_built()
         await self._bus.serve(s.kvindex_match(), self.match, queue="kv-index")
 
     async def on_batch(self, batch: KvEventBatch, stream_seq: int) -> None:
+        try:
+            await self._apply(batch, stream_seq)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            if not self._is_index_lost:  # Redis down: check_index rebuilds once it is back
+                log.warning("cannot apply KV events (%r): the index is rebuilt once Redis answers", exc)
+            self._is_index_lost = True
+
+    async def check_index(self) -> None:
+        """Rebuild the index from the start of the event stream if Redis lost it (restarted) or
+        missed a batch; raises while Redis does not answer (the next round tries again)."""
+        if not self._is_index_lost and await self._store.is_built():
+            return
+        assert self._replay is not None, "check_index before start"
+        log.warning("Redis lost the index (restarted, or down while events came): rebuilding it from "
+                    "the KV event stream")
+        await self._store.mark_built(False)  # a rebuild cut short by Redis failing again starts over
+        self._is_index_lost = False
+        await self._replay.stop()  # no batch applies while the old entries go
+        for worker_id in await self._store.workers():
+            await self._store.drop_worker(worker_id)
+        self._last_seq = {}
+        await self._replay.start(0)
+        await self._store.mark_built()
+
+    async def _apply(self, batch: KvEventBatch, stream_seq: int) -> None:
         w, first = batch.worker_id, batch.events[0].seq
         last = self._last_seq.get(w, 0)
         if first == 1 and last > 0:
@@ -88,7 +123,8 @@ class KvIndexService:
         return dropped
 
     async def run_forever(self) -> None:
-        await every(self._settings.sweep_interval_s, self.sweep, "sweep")
+        await asyncio.gather(every(self._settings.sweep_interval_s, self.check_index, "index check"),
+                             every(self._settings.sweep_interval_s, self.sweep, "sweep"))
 
 
 async def run(settings: KvIndexSettings, stop: asyncio.Event) -> None:

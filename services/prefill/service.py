@@ -7,9 +7,12 @@ before it leaves the message unacknowledged, and JetStream redelivers it to anot
 are idempotent (full prompt blocks only, same bytes), and the decode worker takes the first
 notification and ignores the rest, so a redelivery after a completed write is harmless.
 
+It writes only under a lease on the reservation (``shared.disagg.lease``), claimed from the decode
+worker before prefilling and renewed meanwhile, and starts the write only while the lease outlasts
+the write's timeout: a decode worker that stopped waiting (its own timeout, or it gave us up for
+dead) refuses the lease, and the request is dropped unwritten, as is one past its ``write_deadline``.
 A request whose decode worker is gone (no NIXL metadata, or the write fails) is dropped and acked;
-the worker keeps serving. A request past its ``write_deadline`` is dropped unwritten: the decode
-worker has already prefilled it locally, or is about to.
+the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ import asyncio
 import logging
 import time
 
-from shared.bus import Bus, QueueMessage, WorkerRegistry
+from shared.bus import Bus, QueueMessage, ServiceError, WorkerRegistry
+from shared.disagg.lease import PrefillLease
 from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineError, SamplingParams
-from shared.protocol import (ControlRequest, ControlResult, PrefillNotification, RemotePrefillRequest,
-                             WorkerInfo, WorkerLoad)
+from shared.protocol import (ControlRequest, ControlResult, PrefillLeaseRequest, PrefillNotification,
+                             RemotePrefillRequest, WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
 from shared.runtime.worker_metrics import WorkerMetrics
+from shared.telemetry import tracing
+from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import RecentMean
 from shared.transfer import KvTransfer, KVTransferFailed, MetadataStore, connect_peer, wait_written
 from services.prefill.config import PrefillSettings
@@ -32,6 +38,7 @@ from services.prefill.config import PrefillSettings
 log = logging.getLogger(__name__)
 
 _PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+_LEASE_TIMEOUT_S = 1.0  # a decode worker answers from memory; no answer in this is no lease
 
 
 class _Dropped(Exception):
@@ -107,10 +114,17 @@ class PrefillWorker(EngineWorker):
                 task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, msg: QueueMessage[RemotePrefillRequest]) -> None:
+        bind_request_id(msg.payload.request_id)
+        taken_at = time.monotonic()
+        queue_wait_s = max(time.time() - msg.published_at, 0.0)
         try:
             progress = asyncio.create_task(self._report_progress(msg))
             try:
-                await self.serve(msg.payload, msg.num_delivered, msg.stream_seq)
+                # one trace with the request: the decode worker's publish is the parent
+                with tracing.server_span("prefill", msg.headers, tracing.SpanKind.CONSUMER,
+                                         request_id=msg.payload.request_id, delivery=msg.num_delivered):
+                    tracing.record_span("prefill_queue.wait", taken_at - queue_wait_s, taken_at)
+                    await self.serve(msg.payload, msg.num_delivered, msg.stream_seq, queue_wait_s)
             finally:
                 progress.cancel()
             await msg.ack()
@@ -129,9 +143,11 @@ class PrefillWorker(EngineWorker):
             except Exception as exc:  # noqa: BLE001
                 log.warning("in_progress report failed: %s", exc)
 
-    async def serve(self, request: RemotePrefillRequest, delivery: int = 1, seq: int = 0) -> None:
+    async def serve(self, request: RemotePrefillRequest, delivery: int = 1, seq: int = 0,
+                    queue_wait_s: float | None = None) -> None:
         """Prefill and write one request (or drop it): afterwards the message may be acked.
-        ``delivery``: how often the queue has delivered it; ``seq``: its stream sequence."""
+        ``delivery``: how often the queue has delivered it; ``seq``: its stream sequence;
+        ``queue_wait_s``: how long it waited on the queue (told to the decode worker)."""
         self.num_requests_total += 1
         rid = request.request_id
         if delivery == 1 and request.created_at:  # a redelivery's wait includes the failed attempt
@@ -139,9 +155,16 @@ class PrefillWorker(EngineWorker):
         if delivery > 1:
             log.info("%s: delivery %d (a prefill worker died or was slow)", rid, delivery)
         peer = None
+        lease = PrefillLease()
         try:
             peer = await self._peer(request)
-            num_blocks = await self._prefill_and_write(request, peer, f"{seq}-{delivery}")
+            await self._renew(request, lease)
+            keeper = asyncio.create_task(self._keep_lease(request, lease))
+            try:
+                num_blocks = await self._prefill_and_write(request, peer, f"{seq}-{delivery}", queue_wait_s,
+                                                             lease)
+            finally:
+                keeper.cancel()
         except _Dropped as exc:
             self.num_dropped += 1
             log.warning("%s: dropped: %s", rid, exc)
@@ -159,7 +182,39 @@ class PrefillWorker(EngineWorker):
         except KVTransferFailed as exc:
             raise _Dropped(f"decode worker {request.decode_worker_id} unreachable: {exc}", notify=False) from None
 
-    async def _prefill_and_write(self, request: RemotePrefillRequest, peer: str, attempt: str) -> int:
+    async def _renew(self, request: RemotePrefillRequest, lease: PrefillLease) -> None:
+        """Claim or renew the lease; _Dropped once the decode worker refuses it."""
+        ask = PrefillLeaseRequest(transfer_id=request.transfer_id, request_id=request.request_id,
+                                  prefill_worker_id=self.worker_id)
+        try:
+            result = await self._bus.request(self._subjects.prefill_lease(request.decode_worker_id), ask,
+                                             timeout_s=_LEASE_TIMEOUT_S)
+        except ServiceError as exc:  # no answer: the lease runs out unless a later renewal gets through
+            log.warning("%s: lease renewal at %s failed: %s", request.request_id, request.decode_worker_id,
+                        exc.message)
+            return
+        lease.granted(result.expires_at, result.lease_s)
+        if lease.is_refused:
+            raise _Dropped("the decode worker refused the lease (it no longer waits for this KV)", notify=False)
+
+    async def _keep_lease(self, request: RemotePrefillRequest, lease: PrefillLease) -> None:
+        while not lease.is_refused:
+            await asyncio.sleep(max(0.05, lease.renew_in_s(time.time())))
+            try:
+                await self._renew(request, lease)
+            except _Dropped:
+                return  # the write checks the lease before it starts
+
+    async def _check_lease(self, request: RemotePrefillRequest, lease: PrefillLease) -> None:
+        """Before the write: the lease must outlast it, renewed now if need be."""
+        if not lease.may_start_write(time.time(), request.write_timeout_s):
+            await self._renew(request, lease)
+        if not lease.may_start_write(time.time(), request.write_timeout_s):
+            raise _Dropped("no lease that outlasts the write (the decode worker may reuse the blocks)",
+                           notify=False)
+
+    async def _prefill_and_write(self, request: RemotePrefillRequest, peer: str, attempt: str,
+                                 queue_wait_s: float | None, lease: PrefillLease) -> int:
         rid = request.request_id
         if request.model != self._settings.model:
             raise _Dropped(f"model {request.model!r} is not this worker's {self._settings.model!r}", notify=True)
@@ -173,22 +228,27 @@ class PrefillWorker(EngineWorker):
                  request.decode_worker_id)
         started = time.monotonic()
         try:
-            async for _ in self.engine.generate(engine_id, request.prompt_token_ids, _PREFILL_PARAMS,
-                                                request.priority, keep_kv=True):
-                pass
-            self._prefill_time.observe(time.monotonic() - started)
-            self._metrics.prefill.observe(time.monotonic() - started)
+            with tracing.child_span("prefill.compute", num_tokens=len(request.prompt_token_ids) - start):
+                async for _ in self.engine.generate(engine_id, request.prompt_token_ids, _PREFILL_PARAMS,
+                                                    request.priority, keep_kv=True):
+                    pass
+            prefill_s = time.monotonic() - started
+            self._prefill_time.observe(prefill_s)
+            self._metrics.prefill.observe(prefill_s)
             block_ids = await self.engine.call(lambda e: e.request_block_ids(engine_id))
             if time.time() > request.write_deadline:
                 raise _Dropped("prefilled after its write deadline (the decode worker prefills it itself)",
                                notify=False)
+            await self._check_lease(request, lease)
             local = block_ids[start // local_bs:-(-end // local_bs)] if end > start else []
             note = PrefillNotification(transfer_id=request.transfer_id, request_id=rid,
-                                       num_blocks=len(request.write_block_ids), prefill_worker_id=self.worker_id)
+                                       num_blocks=len(request.write_block_ids), prefill_worker_id=self.worker_id,
+                                       queue_wait_s=queue_wait_s, prefill_s=prefill_s)
             try:
                 write_started = time.monotonic()
-                handle = self.transfer.write_blocks(peer, local, request.write_block_ids, note.to_bytes())
-                await wait_written(self.transfer, handle, request.write_timeout_s)
+                with tracing.child_span("kv.write", num_blocks=len(local), decode_worker=request.decode_worker_id):
+                    handle = self.transfer.write_blocks(peer, local, request.write_block_ids, note.to_bytes())
+                    await wait_written(self.transfer, handle, request.write_timeout_s)
                 self._metrics.kv_write.observe(time.monotonic() - write_started)
             except KVTransferFailed as exc:
                 self.transfer.remove_peer(peer)  # reconnect from fresh metadata next time
@@ -215,7 +275,7 @@ class PrefillWorker(EngineWorker):
                 log.debug("unexpected KV notification from %s ignored", note.peer)
             await asyncio.sleep(0.01)
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float | None = None) -> None:
         """Take no new messages, finish the prefills in flight (unfinished ones are redelivered)."""
         self.state = "draining"
         await self._registry.put(self.info())
@@ -225,7 +285,8 @@ class PrefillWorker(EngineWorker):
         await asyncio.gather(puller, return_exceptions=True)
         await self._queues.close()
         if self._tasks:
-            _, left = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_s)
+            _, left = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_s
+                                         if timeout_s is None else timeout_s)
             for task in left:
                 task.cancel()
             if left:

@@ -1,7 +1,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.runtime.settings import QosSettings
@@ -23,6 +23,10 @@ class UpSettings(QosSettings):
                                                  "this many uncached prompt tokens (default: decode's)")
     max_prefill_queue: int | None = Field(None, ge=0, description="decode workers prefill locally while the "
                                           "prefill queue is this long (default: decode's)")
+    gateways: int = Field(1, ge=1, le=16, description="number of gateways (gateway i listens on port + i), so "
+                          "one can die without taking the service down")
+    admissions: int = Field(1, ge=1, le=16, description="number of admission services (one queue group: each "
+                            "request goes to one of them)")
     model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
     host: str = Field("127.0.0.1", description="gateway listen address")
     port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
@@ -36,8 +40,11 @@ class UpSettings(QosSettings):
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
     device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
-    quantization: Literal["none", "int8"] = Field(
-        "none", description="workers' linear layers: none (model dtype) or int8 (W8A8, CPU only)")
+    dtype: str | None = Field(None, description="workers' dtype: float32 (exact), bfloat16, float16; with "
+                              "no quantization either, the fastest for the device (logged by each worker)")
+    quantization: Literal["none", "int8"] | None = Field(
+        None, description="workers' linear layers: none (model dtype) or int8 (W8A8, CPU only); default: see dtype")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
     drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")
@@ -50,5 +57,28 @@ class UpSettings(QosSettings):
                                  "unset: no auth")
     rate_limit_per_s: float | None = Field(None, gt=0, description="gateway requests per second per API key "
                                            "(per client address without keys); unset: no limit")
+    autoscale: bool = Field(False, description="let the autoscaler act: flip workers between decode and prefill, "
+                            "and start and stop worker processes between --min-workers and --max-workers")
+    min_workers: int | None = Field(None, ge=1, description="with --autoscale: never fewer workers than this "
+                                    "(default: --decode + --prefill)")
+    max_workers: int | None = Field(None, ge=1, description="with --autoscale: never more workers than this "
+                                    "(default: --decode + --prefill, a fleet of fixed size)")
+    scale_down_drain_timeout_s: float = Field(300.0, gt=0, description="a worker stopped by the autoscaler "
+                                              "finishes what it holds for up to this long")
     rate_limit_burst: int | None = Field(None, ge=1, description="gateway requests a key may send at once "
                                          "(default: the gateway's)")
+
+    @model_validator(mode="after")
+    def _fleet_bounds(self) -> "UpSettings":
+        if not self.autoscale and (self.min_workers is not None or self.max_workers is not None):
+            raise ValueError("min_workers and max_workers need autoscale (--autoscale)")
+        num_workers = self.decode + self.prefill
+        low, high = self.fleet_bounds()
+        if not low <= num_workers <= high:
+            raise ValueError(f"--decode + --prefill ({num_workers}) must lie between min_workers ({low}) and "
+                             f"max_workers ({high})")
+        return self
+
+    def fleet_bounds(self) -> tuple[int, int]:
+        num_workers = self.decode + self.prefill
+        return self.min_workers or num_workers, self.max_workers or num_workers

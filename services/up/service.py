@@ -12,17 +12,29 @@ from services.up.config import UpSettings
 
 def spec_from_settings(s: UpSettings) -> StackSpec:
     engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s,
-              "quantization": s.quantization}
+              **_given(dtype=s.dtype, quantization=s.quantization, num_threads=s.num_threads)}
     disagg = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue}
     return StackSpec(
-        state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill, model=s.model,
+        state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill,
+        num_gateways=s.gateways, num_admissions=s.admissions, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         decode_flags={**engine, **_given(**disagg)}, prefill_flags=engine,
         gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,
                              rate_limit_burst=s.rate_limit_burst),
-        admission_flags=_given(qos=s.qos))
+        admission_flags=_given(qos=s.qos), **_autoscaling(s))
+
+
+def _autoscaling(s: UpSettings) -> dict[str, object]:
+    """The autoscaler acts, and tandem up starts and stops the workers it asks for (a fleet whose
+    bounds are equal only flips roles)."""
+    if not s.autoscale:
+        return {}
+    low, high = s.fleet_bounds()
+    fleet = {"min_workers": low, "max_workers": high} if high > low else {}
+    return {"autoscaler_flags": {"autoscale": True, **fleet},
+            "fleet_drain_timeout_s": s.scale_down_drain_timeout_s if fleet else None}
 
 
 def _given(**flags: object) -> dict[str, object]:
@@ -42,7 +54,7 @@ def run(settings: UpSettings) -> int:
         waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop), daemon=True)
         waiter.start()
         while not stop.wait(0.5):
-            dead = [n for n, c in stack.children.items() if not c.is_running()]
+            dead = stack.exited()
             if dead and not settings.restart:  # else the stack's supervisor restarts them
                 print_line("up", f"exited: {', '.join(dead)}; stopping the stack")
                 return 1
@@ -60,4 +72,5 @@ def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event) -> No
         print_line("up", f"not ready: {exc}")
         stop.set()
         return
-    print_line("up", f"ready: {stack.base_url}  (OpenAI base URL {stack.base_url}/v1; Ctrl-C stops)")
+    urls = "  ".join(stack.base_urls)
+    print_line("up", f"ready: {urls}  (OpenAI base URL {stack.base_url}/v1; Ctrl-C stops)")

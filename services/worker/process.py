@@ -83,7 +83,7 @@ class WorkerRoles:
             prefills = RemotePrefills(
                 worker_id=settings.worker_id, model=settings.model, engine=self._engine,
                 config=settings.disagg_config(), timeout_s=settings.remote_prefill_timeout_s,
-                write_timeout_s=settings.kv_write_timeout_s)
+                write_timeout_s=settings.kv_write_timeout_s, lease_s=settings.prefill_lease_s)
             remote = RemotePrefiller(prefills, bus=bus, registry=self._registry, transfer=transfer,
                                      subjects=self._subjects)
         return DecodeWorker(settings, bus, self._registry, self._engine, remote, load_seq=load_seq,

@@ -22,16 +22,20 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import (AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, KeyValueConfig,
+from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig,
                          RetentionPolicy, StreamConfig)
 from pydantic import ValidationError
 
-from shared.bus.errors import BusTimeout, NoResponders, RemoteError, ServiceError
+from shared.bus.errors import BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
 from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
+from shared.bus.link import Link
+from shared.bus.replay import Replay
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
 from shared.protocol.subjects import Endpoint
+from shared.telemetry import tracing
+from shared.telemetry.logs import bind_request_id
 from shared.telemetry.redact import redact_url
 
 log = logging.getLogger(__name__)
@@ -93,10 +97,11 @@ async def _first_connection(connecting: Awaitable[Client], rejected: asyncio.Eve
 class Bus:
     """A NATS connection plus the handler tasks it runs. Create with ``await Bus.connect(...)``."""
 
-    def __init__(self, nc: Client, name: str) -> None:
+    def __init__(self, nc: Client, name: str, link: Link | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.name = name
+        self.link = link or Link(name)  # what connect's callbacks report: disconnects, reconnects
         self.num_handler_errors = 0
         self._served: list[Subscription] = []
         self._subs: list[Subscription] = []
@@ -105,13 +110,16 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0) -> "Bus":
         """Connect, retrying with exponential backoff for up to ``timeout_s``; afterwards nats-py
-        reconnects forever (a server restart is survived, subscriptions are replayed). A server that
+        reconnects forever, every 0.5 s (a server restart is survived: nats-py replays the core
+        subscriptions, the bus's ``link`` ends streams cut by the disconnect and re-creates
+        JetStream consumers, streams and buckets the server lost). A server that
         rejects the credentials ends the first connection at once with a one-line ConnectionError
         naming the URL (its password redacted): retrying cannot mend a wrong password."""
         shown = redact_url(url)
         delay, deadline = 0.05, time.monotonic() + timeout_s
         last_error: list[Exception] = []
         rejected, connected = asyncio.Event(), False
+        link = Link(name)
 
         async def on_error(exc: Exception) -> None:
             if not connected:
@@ -125,9 +133,11 @@ class Bus:
 
         async def on_disconnect() -> None:
             log.warning("nats %s: disconnected from %s", name, shown)
+            link.disconnected()
 
         async def on_reconnect() -> None:
             log.info("nats %s: reconnected", name)
+            link.reconnected()
 
         while True:
             try:
@@ -139,7 +149,7 @@ class Bus:
                     error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
                     rejected, timeout_s=max(deadline - time.monotonic(), 0.1))
                 connected = True  # from here on every error is logged: nats-py retries them all
-                return cls(nc, name)
+                return cls(nc, name, link)
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if rejected.is_set() or _is_auth_error(exc):
                     why = last_error[0] if last_error else exc
@@ -154,7 +164,9 @@ class Bus:
     async def request(self, endpoint: Endpoint[Req, Rep], payload: Req, *, timeout_s: float) -> Rep:
         assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
         try:
-            msg = await self.nc.request(endpoint.subject, payload.to_bytes(), timeout=timeout_s)
+            with tracing.client_span(f"{endpoint.subject} request") as headers:
+                msg = await self.nc.request(endpoint.subject, payload.to_bytes(), timeout=timeout_s,
+                                            headers=headers)
         except nats.errors.NoRespondersError:
             raise NoResponders(endpoint.subject) from None
         except nats.errors.TimeoutError:
@@ -164,12 +176,13 @@ class Bus:
         return endpoint.reply_type.from_bytes(msg.data)
 
     async def publish(self, endpoint: Endpoint[Req, WireModel], payload: Req) -> None:
-        await self.nc.publish(endpoint.subject, payload.to_bytes())
+        await self.nc.publish(endpoint.subject, payload.to_bytes(), headers=tracing.current_headers())
 
     async def js_publish(self, endpoint: Endpoint[Req, WireModel], payload: Req, *,
                          timeout_s: float = 5.0) -> int:
         """Publish into a JetStream stream and wait for its ack; returns the stream sequence."""
-        ack = await self.js.publish(endpoint.subject, payload.to_bytes(), timeout=timeout_s)
+        with tracing.client_span(f"{endpoint.subject} publish", tracing.SpanKind.PRODUCER) as headers:
+            ack = await self.js.publish(endpoint.subject, payload.to_bytes(), timeout=timeout_s, headers=headers)
         return ack.seq
 
     async def stream(self, endpoint: Endpoint[Req, Rep], payload: Req, *, first_timeout_s: float,
@@ -177,19 +190,30 @@ class Bus:
         """Send one request and yield its streamed replies until the server closes the stream.
 
         ``first_timeout_s`` bounds the wait for the first reply (queueing), ``idle_timeout_s`` each
-        gap after it. Closing the iterator early unsubscribes; cancelling the work at the server is
-        the caller's business (its cancel subject)."""
+        gap after it. A disconnect from NATS meanwhile raises ``Disconnected`` once the replies
+        received before it are yielded: later ones may have been lost. Closing the iterator early
+        unsubscribes; cancelling the work at the server is the caller's business (its cancel
+        subject)."""
         assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
         inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, pending_msgs_limit=1 << 20)
+        received: asyncio.Queue[Msg | None] = asyncio.Queue()  # None: the connection was lost
+
+        async def on_reply(msg: Msg) -> None:
+            received.put_nowait(msg)
+
+        sub = await self.nc.subscribe(inbox, cb=on_reply, pending_msgs_limit=1 << 20)
+        stop_listening = self.link.on_loss(lambda: received.put_nowait(None))
         try:
-            await self.nc.publish(endpoint.subject, payload.to_bytes(), reply=inbox)
+            await self.nc.publish(endpoint.subject, payload.to_bytes(), reply=inbox,
+                                  headers=tracing.current_headers())
             timeout = first_timeout_s
             while True:
                 try:
-                    msg = await sub.next_msg(timeout=timeout)
-                except nats.errors.TimeoutError:
+                    msg = await asyncio.wait_for(received.get(), timeout)
+                except asyncio.TimeoutError:
                     raise BusTimeout(endpoint.subject, timeout) from None
+                if msg is None:
+                    raise Disconnected(endpoint.subject)
                 if (err := _error_from_msg(msg, endpoint.subject)) is not None:
                     raise err
                 if (msg.headers or {}).get(STREAM_HEADER) == "end":
@@ -197,6 +221,7 @@ class Bus:
                 yield endpoint.reply_type.from_bytes(msg.data)
                 timeout = idle_timeout_s
         finally:
+            stop_listening()
             with contextlib.suppress(nats.errors.Error):  # already closed or unsubscribed
                 await sub.unsubscribe()
 
@@ -225,6 +250,11 @@ class Bus:
 
         await self._serve(endpoint, run, queue)
 
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Return once the server has processed everything sent so far (e.g. a new subscription:
+        a request sent after this finds its responder)."""
+        await self.nc.flush(timeout=timeout_s)
+
     async def subscribe(self, endpoint: Endpoint[Req, WireModel],
                         handler: Callable[[Req], Awaitable[None]]) -> None:
         """Consume publish-only messages (no reply): a bad message is logged and dropped."""
@@ -248,8 +278,10 @@ class Bus:
             log.warning("bad message on %s: %s", msg.subject, message)
             await self._reply_error(msg, ErrorReply(code="bad_request", message=message, field=field))
             return
+        bind_request_id(getattr(request, "request_id", None))  # this task's log lines name it
         try:
-            await run(msg, request)
+            with tracing.server_span(f"{endpoint.subject} process", msg.headers):
+                await run(msg, request)
         except asyncio.CancelledError:
             raise
         except ServiceError as exc:
@@ -287,11 +319,16 @@ class Bus:
         """Create the stream, or bring an existing one's subjects and bounds up to date.
 
         ``work_queue``: a message is removed once acknowledged, and a full stream refuses new
-        messages (the publisher gets an error) instead of silently dropping the oldest."""
+        messages (the publisher gets an error) instead of silently dropping the oldest. After a
+        reconnect it is ensured again: a server that lost its store lost the stream too."""
         config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs)
         if work_queue:
             config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs,
                                   retention=RetentionPolicy.WORK_QUEUE, discard=DiscardPolicy.NEW)
+        await self._add_or_update_stream(config)
+        self.link.on_resume(f"stream {name}", lambda: self._add_or_update_stream(config))
+
+    async def _add_or_update_stream(self, config: StreamConfig) -> None:
         try:
             await self.js.add_stream(config)
         except nats.js.errors.BadRequestError:
@@ -301,11 +338,18 @@ class Bus:
                             ack_wait_s: float, max_deliver: int, max_ack_pending: int = 1000) -> WorkQueue[Req]:
         """Bind to (creating if needed) the durable pull consumer ``durable`` on ``stream``:
         explicit acks, redelivery ``ack_wait_s`` after the last ack or ``in_progress``, at most
-        ``max_deliver`` deliveries."""
+        ``max_deliver`` deliveries. After a reconnect the consumer is created again if the server
+        lost it (its store gone); one that survived is left as it is."""
         config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
                                 max_deliver=max_deliver, max_ack_pending=max_ack_pending,
                                 filter_subject=endpoint.subject)
         sub = await self.js.pull_subscribe(endpoint.subject, durable=durable, stream=stream, config=config)
+
+        async def recreate_if_lost() -> None:
+            if await self.consumer_info(stream, durable) is None:
+                await self.js.add_consumer(stream, config)
+
+        self.link.on_resume(f"consumer {stream}/{durable}", recreate_if_lost)
         return WorkQueue(endpoint, sub)
 
     async def consumer_info(self, stream: str, durable: str) -> ConsumerState | None:
@@ -324,8 +368,11 @@ class Bus:
 
     async def key_value(self, bucket: str, *, ttl_s: float | None = None) -> KvBucket:
         """Bind to a KV bucket, creating it (history 1, entries expiring after ``ttl_s`` if given)
-        when it does not exist; an existing bucket keeps the settings it was created with."""
-        return KvBucket(await self._bind_key_value(bucket, ttl_s), self.js, bucket)
+        when it does not exist; an existing bucket keeps the settings it was created with. After a
+        reconnect it is created again if the server lost it."""
+        kv = KvBucket(await self._bind_key_value(bucket, ttl_s), self.js, bucket)
+        self.link.on_resume(f"bucket {bucket}", lambda: self._bind_key_value(bucket, ttl_s))
+        return kv
 
     async def _bind_key_value(self, bucket: str, ttl_s: float | None):
         try:
@@ -339,31 +386,22 @@ class Bus:
             return await self.js.key_value(bucket)
 
     async def replay(self, endpoint: Endpoint[Req, WireModel], stream: str,
-                     handler: Callable[[Req, int], Awaitable[None]], *, start_seq: int = 0) -> None:
+                     handler: Callable[[Req, int], Awaitable[None]], *, start_seq: int = 0) -> Replay[Req]:
         """Deliver every message of ``stream`` on ``endpoint`` from ``start_seq`` (0: the first
         still stored) on, then new ones as they come, in order, one at a time, to
-        ``handler(message, stream_seq)``. A malformed message is logged and skipped."""
+        ``handler(message, stream_seq)``, across NATS restarts (``shared.bus.replay``). A malformed
+        message is logged and skipped. The returned replay can be started over or stopped."""
 
-        async def on_msg(msg: Msg) -> None:
-            try:
-                item = endpoint.request_type.from_bytes(msg.data)
-            except ValidationError as exc:
-                log.warning("skipping bad message %s on %s: %s", msg.metadata.sequence.stream,
-                            msg.subject, _validation_message(exc)[0])
-                return
-            try:
-                await handler(item, msg.metadata.sequence.stream)
-            except Exception:  # noqa: BLE001
-                self.num_handler_errors += 1
-                log.exception("handler for %s failed", msg.subject)
+        def count_error() -> None:
+            self.num_handler_errors += 1
 
-        config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
-                  if start_seq > 0 else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        sub = await self.js.subscribe(endpoint.subject, stream=stream, cb=on_msg, ordered_consumer=True,
-                                      config=config)
-        self._subs.append(sub)
+        replay = Replay(self.js, endpoint, stream, handler, count_error)
+        await replay.start(start_seq)
+        self.link.on_resume(f"replay of {stream} #{id(replay)}", replay.resume)
+        return replay
 
     async def close(self) -> None:
+        self.link.close()
         for task in list(self._tasks):
             task.cancel()
         if not self.nc.is_closed:

@@ -28,3 +28,11 @@ class BusTimeout(ServiceError):
 class NoResponders(ServiceError):
     def __init__(self, subject: str) -> None:
         super().__init__("not_found", f"nobody serves {subject}")
+
+
+class Disconnected(ServiceError):
+    """The connection to NATS was lost while a streamed reply was open: what the server sent
+    meanwhile may be lost, so the stream ends here (the caller may ask again)."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__("timeout", f"connection to NATS lost while streaming from {subject}")

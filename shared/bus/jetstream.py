@@ -56,6 +56,9 @@ class QueueMessage(Generic[Req]):
         self.payload = payload
         self.num_delivered: int = msg.metadata.num_delivered  # 1 on the first delivery
         self.stream_seq: int = msg.metadata.sequence.stream
+        self.headers: dict[str, str] = dict(msg.headers or {})  # e.g. the publisher's trace context
+        # when the stream stored it: epoch seconds by the server's clock
+        self.published_at: float = msg.metadata.timestamp.timestamp()
 
     async def ack(self) -> None:
         await self._msg.ack()

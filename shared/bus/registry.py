@@ -6,7 +6,9 @@ partitioned) without anyone having to notice.
 
 Readers either list the bucket (one KV scan per call), or, opened with ``watch=True``, keep a live
 copy from a KV watch and answer ``list()`` from memory. Expiry by ``max_age`` sends watchers
-nothing, so the copy drops an entry itself once its last put is older than the TTL.
+nothing, so the copy drops an entry itself once its last put is older than the TTL. After a NATS
+reconnect the watch starts over (its consumer may have died with the server) and the copy is
+rebuilt from the bucket; until then it keeps what it had, each entry aging out by its TTL.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class WorkerRegistry:
         self._kv = kv
         self.ttl_s = ttl_s
         self._copy: dict[str, tuple[WorkerInfo, float]] | None = None  # id → (info, put at)
+        self._watcher = None
         self._watch_task: asyncio.Task | None = None
 
     @classmethod
@@ -43,24 +46,39 @@ class WorkerRegistry:
         registry = cls(kv, await kv.ttl_s() or ttl_s)
         if watch:
             await registry._start_watch()
+            bus.link.on_resume(f"registry watch of {bucket} #{id(registry)}", registry._start_watch)
         return registry
 
     async def _start_watch(self) -> None:
+        """(Re)build the copy from a new watch, then follow it; replaces an earlier watch."""
         watcher = await self._kv.watch_all()
-        self._copy = {}
-        while (entry := await watcher.updates(timeout=10)) is not None:  # None: initial values done
-            self._apply(entry)
-        self._watch_task = asyncio.create_task(self._follow(watcher))
+        copy: dict[str, tuple[WorkerInfo, float]] = {}
+        try:
+            while (entry := await watcher.updates(timeout=10)) is not None:  # None: initial values done
+                self._apply(copy, entry)
+        except BaseException:
+            await _stop_watcher(watcher)
+            raise
+        await self._stop_watch()
+        self._copy, self._watcher = copy, watcher
+        self._watch_task = asyncio.create_task(self._follow(watcher, copy))
 
-    async def _follow(self, watcher) -> None:
+    async def _stop_watch(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        if self._watcher is not None:
+            await _stop_watcher(self._watcher)
+        self._watch_task = self._watcher = None
+
+    async def _follow(self, watcher, copy: dict[str, tuple[WorkerInfo, float]]) -> None:
         async for entry in watcher:
             if entry is not None:
-                self._apply(entry)
+                self._apply(copy, entry)
 
-    def _apply(self, entry) -> None:
-        assert self._copy is not None
+    @staticmethod
+    def _apply(copy: dict[str, tuple[WorkerInfo, float]], entry) -> None:
         if entry.operation in (KV_DEL, KV_PURGE):
-            self._copy.pop(entry.key, None)
+            copy.pop(entry.key, None)
             return
         try:
             info = WorkerInfo.from_bytes(entry.value or b"")
@@ -69,7 +87,7 @@ class WorkerRegistry:
             return
         # The server's timestamp of the put: entries replayed at start keep their real age.
         put_at = entry.created.timestamp() if entry.created else time.time()
-        self._copy[entry.key] = (info, put_at)
+        copy[entry.key] = (info, put_at)
 
     async def put(self, info: WorkerInfo) -> None:
         info = info.model_copy(update={"heartbeat_at": time.time()})
@@ -99,3 +117,10 @@ class WorkerRegistry:
             except Exception as exc:  # noqa: BLE001
                 log.warning("registry heartbeat failed: %s", exc)
             await asyncio.sleep(self.ttl_s / 3)
+
+
+async def _stop_watcher(watcher) -> None:
+    try:
+        await watcher.stop()
+    except Exception as exc:  # noqa: BLE001 — connection gone: the server drops the consumer itself
+        log.debug("stopping a registry watch: %s", exc)

@@ -19,6 +19,7 @@ MAX_UNREPORTED_AGE_S = 5.0  # decode workers report about once a second and afte
 class _Admitted:
     at: float
     num_blocks: int
+    priority: int | None = None  # None: not known, counted ahead of every priority
 
 
 @dataclass
@@ -40,10 +41,12 @@ class WorkerEntry:
 
     def prefill_tokens_ahead(self, priority: int, block_size: int, now: float) -> int:
         """Tokens a new request of ``priority`` would wait behind: those the worker reported at its
-        priority or higher, plus everything admitted to it since (of any priority: not yet known
-        to be behind)."""
+        priority or higher, plus those admitted to it since at its priority or higher (the engine
+        schedules a lower priority after it: counting those too made a burst of batch admissions
+        look like a premium backlog, and premium requests were rejected for it)."""
         reported = self.load.prefill_tokens_ahead(priority) if self.load else 0
-        return reported + block_size * sum(a.num_blocks for a in self.admitted if now - a.at <= MAX_UNREPORTED_AGE_S)
+        return reported + block_size * sum(a.num_blocks for a in self.admitted if now - a.at <= MAX_UNREPORTED_AGE_S
+                                           and (a.priority is None or a.priority <= priority))
 
 
 class ClusterView:
@@ -67,9 +70,9 @@ class ClusterView:
         # Admissions before the report's timestamp are counted in it now.
         entry.admitted = [a for a in entry.admitted if a.at > load.timestamp]
 
-    def note_admitted(self, worker_id: str, num_blocks: int, now: float) -> None:
+    def note_admitted(self, worker_id: str, num_blocks: int, now: float, priority: int | None = None) -> None:
         if entry := self._workers.get(worker_id):
-            entry.admitted.append(_Admitted(now, num_blocks))
+            entry.admitted.append(_Admitted(now, num_blocks, priority))
 
     def ready_workers(self, role: Role, model: str | None = None) -> list[WorkerEntry]:
         return [e for e in self._workers.values() if is_ready_worker(e.info, role, model)]

@@ -10,10 +10,12 @@ Time only comes in as ``now`` (wall-clock seconds, the prefill worker's clock to
 ends the waits whose window closed and releases the blocks of windows that closed. The service
 publishes, reads the queue state and the registry, polls the transfer, and ticks.
 
-Block safety: a prefill worker may start a write until ``write_deadline`` and a write lasts at most
-``write_timeout_s``; the reserved blocks stay owned by the request (``keep_kv``) until that window
-has closed, even if the request finished or was cancelled earlier, so no write, late or repeated,
-can land in blocks that another request reuses.
+Block safety: a prefill worker writes only under a lease on the reservation (``shared.disagg.lease``),
+starts a write only while its lease outlasts the write's timeout and before ``write_deadline``. The
+reserved blocks stay owned by the request (``keep_kv``) until every lease granted on them has
+expired, even if the request finished or was cancelled earlier, so no write, late or repeated,
+can land in blocks that another request reuses. A reservation whose leases all lapsed without the
+KV (its prefill worker died or hangs) is prefilled locally at once, not at the end of its window.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from dataclasses import dataclass, field, replace
 from pydantic import ValidationError
 
 from shared.engine import AsyncEngine, EngineOutput, SamplingParams
+from shared.disagg.lease import CLOCK_MARGIN_S, ReservationLeases
 from shared.policy.disagg import DisaggConfig, DisaggDecision, DisaggInput, decide_prefill
-from shared.protocol import GenerateRequest, PrefillNotification, RemotePrefillRequest
+from shared.protocol import (GenerateRequest, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
+                             RemotePrefillRequest)
+from shared.telemetry.phases import RemoteTimes
 
 log = logging.getLogger(__name__)
 
 QUEUE_STATE_MAX_AGE_S = 0.25  # the queue length steers a heuristic: a slightly old value is fine
-CLOCK_MARGIN_S = 0.5  # between the prefill worker's deadline check and its clock
 
 
 @dataclass
@@ -46,6 +50,19 @@ class RemotePrefill:
     reason: str
     future: asyncio.Future[PrefillNotification | None] = field(repr=False)
     kv_written: bool = False
+    release_at: float = 0.0  # when the last lease on its blocks expires (set once the wait ends)
+    # for the request's TTFT phases (time.monotonic(), set by the service): on the queue, KV in place
+    published_at: float | None = None
+    delivered_at: float | None = None
+    note: PrefillNotification | None = None
+
+    def times(self) -> RemoteTimes | None:
+        """The remote prefill's timeline, when its KV was written and every part of it is known."""
+        note = self.note
+        if (not self.kv_written or note is None or note.queue_wait_s is None or note.prefill_s is None
+                or self.published_at is None or self.delivered_at is None):
+            return None
+        return RemoteTimes(self.published_at, self.delivered_at, note.queue_wait_s, note.prefill_s)
 
     @property
     def request_id(self) -> str:
@@ -58,10 +75,15 @@ class RemotePrefill:
 
 class RemotePrefills:
     def __init__(self, *, worker_id: str, model: str, engine: AsyncEngine, config: DisaggConfig,
-                 timeout_s: float, write_timeout_s: float) -> None:
+                 timeout_s: float, write_timeout_s: float, lease_s: float | None = None) -> None:
         if write_timeout_s + CLOCK_MARGIN_S >= timeout_s:
             raise ValueError(f"remote prefill timeout ({timeout_s}s) must exceed the KV write timeout "
                              f"({write_timeout_s}s) by more than {CLOCK_MARGIN_S}s")
+        lease_s = write_timeout_s + 2.0 if lease_s is None else lease_s
+        if write_timeout_s + CLOCK_MARGIN_S >= lease_s:
+            raise ValueError(f"prefill lease ({lease_s}s) must exceed the KV write timeout ({write_timeout_s}s) "
+                             f"by more than {CLOCK_MARGIN_S}s, or no write could ever start")
+        self.leases = ReservationLeases(lease_s)
         self.worker_id = worker_id
         self.model = model
         self.config = config
@@ -124,6 +146,7 @@ class RemotePrefills:
         prefill = RemotePrefill(message, window_end, decisions[-1].reason, asyncio.get_running_loop().create_future())
         self._waiting[prefill.transfer_id] = prefill
         self._by_request[request.request_id] = prefill.transfer_id
+        self.leases.open(prefill.transfer_id)
         log.info("%s: remote prefill of %d uncached tokens (%d cached): %s", request.request_id,
                  len(prompt) - slot.num_cached_tokens, slot.num_cached_tokens, prefill.reason)
         return prefill
@@ -142,8 +165,9 @@ class RemotePrefills:
         if prefill is not None:
             self._resolve(prefill, None)
 
-    def deliver(self, payload: bytes, num_bytes: int) -> None:
-        """A NIXL notification: the first for a waiting transfer resolves its wait."""
+    def deliver(self, payload: bytes, num_bytes: int, received_at: float | None = None) -> None:
+        """A NIXL notification: the first for a waiting transfer resolves its wait. ``received_at``
+        (time.monotonic()) dates the KV's arrival for the request's TTFT phases."""
         try:
             note = PrefillNotification.from_bytes(payload)
         except ValidationError:
@@ -153,10 +177,30 @@ class RemotePrefills:
         if prefill is None or prefill.future.done():
             log.info("%s: late or repeated KV notification (%s) ignored", note.request_id, note.status)
             return
+        prefill.delivered_at = received_at
         prefill.future.set_result(note)
 
+    def grant_lease(self, request: PrefillLeaseRequest, now: float) -> PrefillLeaseResult:
+        """A prefill worker's claim or renewal: granted while the reservation still waits for its KV."""
+        prefill = self._waiting.get(request.transfer_id)
+        expires_at = None
+        if prefill is not None and not prefill.future.done():
+            expires_at = self.leases.grant(request.transfer_id, request.prefill_worker_id, now)
+        if expires_at is None:
+            log.info("%s: lease refused to %s (no longer waiting for its KV)", request.request_id,
+                     request.prefill_worker_id)
+        return PrefillLeaseResult(transfer_id=request.transfer_id, expires_at=expires_at,
+                                  lease_s=self.leases.lease_s)
+
     def tick(self, now: float) -> None:
-        """End the waits whose window closed (prefill locally), release blocks whose window closed."""
+        """End the waits whose leases lapsed or whose window closed (prefill locally), release blocks
+        whose last lease expired."""
+        for transfer_id in self.leases.lapsed(now):
+            prefill = self._waiting.get(transfer_id)
+            if prefill is not None and not prefill.future.done():
+                log.warning("%s: the prefill worker's lease lapsed without the KV (it died or hangs): "
+                            "prefilling locally", prefill.request_id)
+                self._resolve(prefill, None)
         for prefill in list(self._waiting.values()):
             if now >= prefill.window_end and not prefill.future.done():
                 log.warning("%s: no KV from a prefill worker within %.1fs: prefilling locally",
@@ -170,6 +214,8 @@ class RemotePrefills:
             prefill.future.set_result(note)
 
     def _forget(self, prefill: RemotePrefill) -> None:
+        """The wait is over: no more leases; the blocks go back once the last one granted expired."""
+        prefill.release_at = self.leases.close(prefill.transfer_id) or 0.0
         self._waiting.pop(prefill.transfer_id, None)
         if self._by_request.get(prefill.request_id) == prefill.transfer_id:
             del self._by_request[prefill.request_id]
@@ -177,7 +223,7 @@ class RemotePrefills:
     # -- the request's tokens ----------------------------------------------------------------------
     async def outputs(self, prefill: RemotePrefill) -> AsyncIterator[EngineOutput]:
         """Wait for the KV (or the end of the wait), then stream the request's tokens from the
-        engine; its blocks go back to the pool when the window has closed."""
+        engine; its blocks go back to the pool once the last lease on them has expired."""
         engine, request_id = self._engine, prefill.request_id
         try:
             note = await prefill.future
@@ -186,9 +232,10 @@ class RemotePrefills:
             engine.abort(request_id)
             engine.finish_remote_prefill(request_id, kv_written=False)
             engine.discard_stream(request_id)
-            heapq.heappush(self._releases, (prefill.window_end, request_id))
+            heapq.heappush(self._releases, (prefill.release_at, request_id))
             raise
         self._forget(prefill)
+        prefill.note = note
         prefill.kv_written = note is not None and note.status == "ok"
         engine.finish_remote_prefill(request_id, kv_written=prefill.kv_written)
         if prefill.kv_written:
@@ -202,4 +249,4 @@ class RemotePrefills:
             async for out in engine.stream(request_id):
                 yield out
         finally:
-            heapq.heappush(self._releases, (prefill.window_end, request_id))
+            heapq.heappush(self._releases, (prefill.release_at, request_id))

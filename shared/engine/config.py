@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kvcache.layout import KvCacheSpec
+from shared.model.precision import Precision, choose_precision, cpu_flags
 from shared.model.quant import quantization_name
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
@@ -29,7 +30,7 @@ def parse_size(text: str | int) -> int:
 class EngineConfig:
     model: str = "smollm2-135m"
     device: str = "auto"  # auto: cuda if available, else cpu
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    dtype: str | None = None  # None with quantization None: the device's fastest (shared/model/precision.py)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU, a fraction of free GPU memory
     gpu_memory_utilization: float = 0.9
@@ -40,30 +41,38 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this process (default: torch's choice)
-    quantization: str = "none"  # "int8": int8 weights and per-token int8 activations (CPU), see shared/model/quant.py
+    quantization: str | None = None  # "int8": W8A8 linear layers (CPU), see shared/model/quant.py; None: as dtype
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        self.quantization = quantization_name(self.quantization)
+        if self.quantization is not None:
+            self.quantization = quantization_name(self.quantization)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def resolve_precision(self, device: torch.device) -> Precision:
+        """The given dtype/quantization, or the fastest one for the device when neither is given."""
+        flags = cpu_flags() if device.type == "cpu" else frozenset()
+        return choose_precision(device.type, self.dtype, self.quantization, flags)
+
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype is None:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        try:
-            dtype = getattr(torch, self.dtype)
-        except AttributeError:
-            dtype = None
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {self.dtype!r} (choose float32, bfloat16 or float16)")
-        return dtype
+        return torch_dtype(self.resolve_precision(device).dtype)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        dtype = getattr(torch, name)
+    except AttributeError:
+        dtype = None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (choose float32, bfloat16 or float16)")
+    return dtype
 
 
 def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -9,11 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks
-from shared.engine.errors import InvalidRequestError
+from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
+from shared.engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request, SamplingParams
 from shared.engine.sampler import SampledToken, Sampler
+from shared.grammar import GrammarError, TokenizerGrammars, compile_grammar
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kvcache.events import KvEventEmitter, KvEventSink
 from shared.kvcache.hashing import make_namespace
@@ -41,6 +43,7 @@ class EngineOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    first_scheduled_time: float | None = None  # the request's (time.monotonic()), for its TTFT phases
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class EngineStats:
     # what admission needs to predict a new request's TTFT (see shared.policy.admission)
     queued_prefill_tokens: dict[int, int] = field(default_factory=dict)  # priority -> tokens not yet prefilled
     num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    num_running_by_priority: dict[int, int] = field(default_factory=dict)
     prefill_tokens_per_s: float | None = None  # recent prefill throughput; None until measured
 
 
@@ -115,7 +119,7 @@ class LLMEngine:
         self.model_id = model_id
         self.eos_token_ids = eos_token_ids
         self.device = model.device
-        if model.quantization != config.quantization:
+        if config.quantization is not None and model.quantization != config.quantization:
             raise ValueError(f"the model's linear layers are {model.quantization!r} but the config asks for "
                              f"{config.quantization!r}: call model.quantize() or use LLMEngine.from_config")
         cfg = model.cfg
@@ -133,7 +137,7 @@ class LLMEngine:
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(model, self.kv_cache, self.backend, config.block_size,
-                                  Sampler(self.device, config.seed))
+                                  Sampler(self.device, config.seed, _grammars(tokenizer, cfg.vocab_size, eos_token_ids)))
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_cached_prompt_tokens = 0
@@ -154,10 +158,13 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = config.resolve_device()
-        dtype = config.resolve_dtype(device)
+        precision = config.resolve_precision(device)
+        dtype = torch_dtype(precision.dtype)
+        log.info("precision %s%s on %s: %s", precision.dtype,
+                 "" if precision.quantization == "none" else f" + {precision.quantization}", device, precision.reason)
         t0 = time.perf_counter()
         tokenizer = Tokenizer.from_model_files(source.path, source.format)
-        quantization = check_quantization(config.quantization, device)
+        quantization = check_quantization(precision.quantization, device)
         model = load_model(source.path, source.format, device, dtype)
         if quantization != "none":
             model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
@@ -165,6 +172,7 @@ class LLMEngine:
                  model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."),
                  "" if quantization == "none" else f" with {quantization} linear layers (W8A8)",
                  time.perf_counter() - t0)
+        config = dataclasses.replace(config, dtype=precision.dtype, quantization=quantization)
         return cls(model, config, tokenizer=tokenizer, model_id=source.name,
                    eos_token_ids=frozenset(tokenizer.stop_token_ids))
 
@@ -187,6 +195,13 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", field="prompt")
         params.validate(vocab)
+        if params.grammar is not None:
+            if self.runner.sampler.grammars is None:
+                raise InvalidSamplingParamsError("structured output needs the model's tokenizer", field="grammar")
+            try:
+                compile_grammar(params.grammar)
+            except GrammarError as exc:
+                raise InvalidSamplingParamsError(str(exc), field="grammar") from None
         self.scheduler.check_fits(len(prompt_token_ids))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -243,6 +258,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
         started = time.perf_counter()
         sampled = self.runner.execute(out)
         elapsed_s = time.perf_counter() - started
@@ -274,7 +293,7 @@ class LLMEngine:
             logprobs = [TokenLogprobs(token.token_id, token.logprob, token.top_logprobs or ())]
         finish = request.status.value if request.status.is_finished else None
         return EngineOutput(request.request_id, new_ids, logprobs, finish, request.num_prompt_tokens,
-                            request.num_cached_tokens, len(request.output_token_ids))
+                            request.num_cached_tokens, len(request.output_token_ids), request.first_scheduled_time)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -287,7 +306,7 @@ class LLMEngine:
             num_prompt_tokens=self._num_prompt_tokens, num_cached_prompt_tokens=self._num_cached_prompt_tokens,
             num_generated_tokens=self._num_generated, num_remote_pending=len(self.scheduler.remote),
             num_held=len(self.scheduler.held), queued_prefill_tokens=backlog.prefill_tokens,
-            num_waiting_by_priority=backlog.num_waiting,
+            num_waiting_by_priority=backlog.num_waiting, num_running_by_priority=backlog.num_running,
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s)
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
@@ -317,6 +336,13 @@ class LLMEngine:
                 if o.request_id in outputs:
                     outputs[o.request_id].extend(o.new_token_ids)
         return [outputs[rid] for rid in ids]
+
+
+def _grammars(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> TokenizerGrammars | None:
+    """Structured outputs need the tokenizer's vocabulary; an engine built without one has none."""
+    if tokenizer is None:
+        return None
+    return TokenizerGrammars(tokenizer.to_json(), vocab_size, sorted(eos_token_ids or {tokenizer.eos_token_id}))
 
 
 def warmup(engine: LLMEngine, num_tokens: int = 64) -> None:

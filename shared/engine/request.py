@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.engine.errors import InvalidSamplingParamsError
+from shared.grammar.spec import GrammarSpec
 from shared.kvcache.hashing import hash_blocks
 
 MAX_LOGPROBS = 20
@@ -27,6 +28,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit; -100 bans it
+    grammar: GrammarSpec | None = None  # the output must match it (structured outputs)
+    # the last n prompt tokens are output of an earlier run of this request (it moved here from
+    # another worker): the grammar state is replayed over them
+    num_output_in_prompt: int = 0
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidSamplingParamsError naming the first bad field."""
@@ -53,6 +59,11 @@ class SamplingParams:
             bad("seed", "must be a non-negative 64-bit integer")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias and any(not 0 <= t < vocab_size or not -100.0 <= b <= 100.0
+                                   for t, b in self.logit_bias.items()):
+            bad("logit_bias", f"must map token ids in [0, {vocab_size}) to biases in [-100, 100]")
+        if not 0 <= self.num_output_in_prompt:
+            bad("num_output_in_prompt", "must not be negative")
         if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
 
@@ -98,6 +109,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     keep_kv: bool = False  # when finished, hold the blocks until released (a transfer reads them)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    first_scheduled_time: float | None = None  # time.monotonic() of the step that first ran it
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -106,6 +118,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def grammar_token_ids(self) -> list[int]:
+        """What the request has generated under its grammar, here and before a move."""
+        num_replayed = self.sampling_params.num_output_in_prompt
+        replayed = self.prompt_token_ids[len(self.prompt_token_ids) - num_replayed:] if num_replayed else []
+        return replayed + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

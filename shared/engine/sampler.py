@@ -2,7 +2,8 @@
 
 Per-request seeds give reproducible samples regardless of batch-mates: a seeded request draws its
 noise from its own ``torch.Generator``, one draw per sampled token. Logprobs are those of the raw
-model distribution (before penalties and temperature), as OpenAI-compatible servers report them.
+model distribution (before logit bias, penalties and temperature), as OpenAI-compatible servers
+report them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.request import Request
+from shared.grammar.matcher import GrammarTable, TokenizerGrammars
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,21 @@ def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits: [S, V]. Adds each request's ``logit_bias``; a bias of -100 bans the token outright
+    (-inf), as OpenAI documents, rather than merely making it unlikely. Returns a new tensor when
+    any request has a bias, else ``logits`` itself."""
+    rows = [(i, r.sampling_params.logit_bias) for i, r in enumerate(requests) if r.sampling_params.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i, bias in rows:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        logits[i, ids] += vals.masked_fill(vals <= -100.0, float("-inf"))
+    return logits
+
+
 def filter_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row of logits; returns probabilities."""
     params = request.sampling_params
@@ -54,14 +71,40 @@ def filter_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def apply_grammars(logits: torch.Tensor, requests: list[Request], table: GrammarTable | None) -> torch.Tensor:
+    """logits: [S, V]. Tokens that the grammar of a request (if it has one) does not allow next
+    get -inf; the masks of the whole batch come from one call (prefetched while the forward ran,
+    see GrammarTable). Returns a new tensor when any request has a grammar, else ``logits``."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.grammar is not None]
+    if not rows:
+        return logits
+    if table is None:
+        raise RuntimeError("a request has a grammar but the sampler was built without a tokenizer")
+    allowed = table.masks_for([_grammar_item(requests[i]) for i in rows]).to(logits.device)  # [R, V]
+    logits = logits.clone()
+    sub = logits[rows]
+    width = min(sub.shape[-1], allowed.shape[-1])
+    sub[:, :width] = sub[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
+    sub[:, width:] = float("-inf")  # ids the tokenizer does not know
+    logits[rows] = sub
+    return logits
+
+
+def _grammar_item(request: Request, *new_tokens: int) -> tuple:
+    return request.request_id, request.sampling_params.grammar, request.grammar_token_ids + list(new_tokens)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, grammars: TokenizerGrammars | None = None) -> None:
         self.device = device
         self._default = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarTable(grammars) if grammars is not None else None
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
 
     def _generator(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
@@ -77,6 +120,7 @@ class Sampler:
         """logits: [S, V] float32, one row per request (in order)."""
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = apply_grammars(apply_logit_bias(logits, requests), requests, self.grammars)
         greedy_ids = logits.argmax(dim=-1).tolist()
         results = []
         for i, request in enumerate(requests):
@@ -93,6 +137,9 @@ class Sampler:
                     noise = torch.empty_like(probs).exponential_(generator=self._generator(request))
                     token = int((probs / noise).argmax())
             results.append(self._with_logprobs(token, raw_logprobs, i, params.logprobs))
+        if self.grammars is not None:  # the next step's masks, while its forward runs
+            self.grammars.prefetch([_grammar_item(r, t.token_id) for r, t in zip(requests, results)
+                                    if r.sampling_params.grammar is not None])
         return results
 
     @staticmethod

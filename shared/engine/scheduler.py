@@ -63,6 +63,7 @@ class SchedulerOutput:
 class Backlog:
     prefill_tokens: dict[int, int]  # priority -> tokens still to prefill
     num_waiting: dict[int, int]     # priority -> waiting requests
+    num_running: dict[int, int] = field(default_factory=dict)  # priority -> running requests
 
 
 class Scheduler:
@@ -122,7 +123,10 @@ class Scheduler:
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 tokens[r.priority] = tokens.get(r.priority, 0) + r.num_prompt_tokens - r.num_computed_tokens
-        return Backlog(tokens, waiting)
+        running: dict[int, int] = {}
+        for r in self.running:
+            running[r.priority] = running.get(r.priority, 0) + 1
+        return Backlog(tokens, waiting, running)
 
     # -- remote prefill -------------------------------------------------------------------------
     def reserve_remote(self, request: Request,

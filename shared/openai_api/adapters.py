@@ -12,15 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Self, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from shared.openai_api import responses
 from shared.openai_api.errors import ApiError, from_validation_error
+from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
+from shared.openai_api.tools import ToolCall, may_become_call, parse_calls, system_prompt
 from shared.protocol.generate import TokenLogprob
 from shared.tokenizer import Tokenizer
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
+B = TypeVar("B", bound=BaseModel)
 
 
 @dataclass
@@ -32,6 +35,15 @@ class Delta:
     finish_reason: str | None = None
 
 
+@dataclass
+class Choice:
+    """One finished choice of a non-streamed response."""
+
+    text: str
+    finish_reason: str
+    entries: list[TokenLogprob]
+
+
 @dataclass(frozen=True)
 class ResponseHead:
     """What every response and chunk of one request repeats."""
@@ -41,18 +53,52 @@ class ResponseHead:
     model: str
 
 
-def parse_body(raw: bytes, body_type: type[Body]) -> Body:
-    """The validated request body; a 400 ``ApiError`` naming the problem otherwise."""
+class ToolCallStream:
+    """One streamed choice that may be a tool call: text is held back while it may still become
+    one (all of it when the call is forced), and at the end comes out as calls or as text."""
+
+    def __init__(self, forced: bool) -> None:
+        self.forced = forced
+        self.held: list[Delta] = []
+        self.is_text = False  # decided: plain content, streamed as it comes
+
+    def push(self, delta: Delta) -> Delta | list[ToolCall] | None:
+        """Returns what to send now: a (possibly merged) text delta, the calls, or None (hold)."""
+        if self.is_text:
+            return delta
+        self.held.append(delta)
+        text = "".join(d.text for d in self.held)
+        if delta.finish_reason is None:
+            if self.forced or may_become_call(text):
+                return None
+            self.is_text = True
+        elif delta.finish_reason == "stop":
+            calls = parse_calls(text, self.forced)
+            if calls:
+                return calls
+        merged = Delta(text, [e for d in self.held for e in d.logprobs], delta.finish_reason)
+        self.held = []
+        return merged
+
+
+def parse_body(raw: bytes, body_type: type[B], rules: dict[str, FieldRule] | None = None) -> B:
+    """The validated request body; a 400 ``ApiError`` naming the problem otherwise (an unknown or
+    refused parameter included: ``rules``)."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    if rules is not None:
+        check_fields(data, rules)
     try:
-        return body_type.model_validate(data)
+        body = body_type.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    if rules is not None:
+        body.check_combinations()
+    return body
 
 
 class ApiAdapter(ABC, Generic[Body]):
@@ -60,6 +106,7 @@ class ApiAdapter(ABC, Generic[Body]):
     writes its text."""
 
     body_type: ClassVar[type[ApiRequest]]
+    fields: ClassVar[dict[str, FieldRule]]
     id_prefix: ClassVar[str]      # request ids are "<prefix>-<hex>", as OpenAI's
     prompt_param: ClassVar[str]   # the parameter a too-long prompt is reported on
     chunk_object: ClassVar[str]   # "object" of streamed chunks, the usage chunk included
@@ -70,24 +117,41 @@ class ApiAdapter(ABC, Generic[Body]):
 
     @classmethod
     def from_json(cls, raw: bytes, tokenizer: Tokenizer) -> Self:
-        return cls(parse_body(raw, cls.body_type), tokenizer)
+        return cls(parse_body(raw, cls.body_type, cls.fields), tokenizer)
 
     @abstractmethod
     def prompt_ids(self) -> list[int]:
         """The prompt as token ids; a 400 ``ApiError`` when it cannot be one."""
 
-    def opening_chunks(self, head: ResponseHead) -> list[dict]:
-        """Chunks streamed before the first token."""
+    def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
+        """Chunks of choice ``index`` streamed before its first token."""
         return []
 
-    @abstractmethod
-    def chunk(self, head: ResponseHead, delta: Delta, offset: int) -> dict:
-        """The streamed chunk of ``delta``; ``offset``: characters of text streamed before it."""
+    def echo_text(self) -> str:
+        """Text every choice starts with (the prompt, for ``echo``)."""
+        return ""
 
     @abstractmethod
-    def response(self, head: ResponseHead, text: str, finish_reason: str,
-                 entries: Sequence[TokenLogprob], usage: dict) -> dict:
+    def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
+        """The streamed chunk of choice ``index``'s ``delta``; ``offset``: characters of its text
+        streamed before it."""
+
+    @abstractmethod
+    def choice(self, index: int, choice: Choice) -> dict:
+        """One choice of the whole (non-streamed) response."""
+
+    @abstractmethod
+    def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
         """The whole (non-streamed) response."""
+
+    def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
+        """What to stream for ``delta``: its chunk, or nothing while output is held back (a tool
+        call being written), or several."""
+        return [self.chunk(head, index, delta, offset)]
+
+    def closing_chunks(self, head: ResponseHead, usage: dict) -> list[dict]:
+        """Chunks streamed after every choice finished."""
+        return [self.usage_chunk(head, usage)] if self.body.include_usage() else []
 
     def usage_chunk(self, head: ResponseHead, usage: dict) -> dict:
         return responses.usage_chunk(head.request_id, head.created, head.model, self.chunk_object, usage)
@@ -98,32 +162,65 @@ class ApiAdapter(ABC, Generic[Body]):
 
 class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
     body_type = ChatCompletionRequest
+    fields = CHAT_FIELDS
     id_prefix = "chatcmpl"
     prompt_param = "messages"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, body: ChatCompletionRequest, tokenizer: Tokenizer) -> None:
+        super().__init__(body, tokenizer)
+        self._streams: dict[int, ToolCallStream] = {}
+
     def prompt_ids(self) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in self.body.messages]
+        tools = None
+        if self.body.tool_mode() != "none":
+            if self.tokenizer.chat_template_has_tools:
+                tools = [t.model_dump(exclude_none=True) for t in self.body.tools]
+            else:
+                messages.insert(0, {"role": "system", "content": system_prompt(self.body.tools)})
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         return self.tokenizer.encode(text)
 
-    def opening_chunks(self, head: ResponseHead) -> list[dict]:
-        return [responses.chat_chunk(head.request_id, head.created, head.model,
+    def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
+        mode = self.body.tool_mode()
+        if mode == "none":
+            return [self.chunk(head, index, delta, offset)]
+        stream = self._streams.setdefault(index, ToolCallStream(forced=mode == "forced"))
+        held = stream.push(delta)
+        if held is None:
+            return []
+        if isinstance(held, Delta):
+            return [self.chunk(head, index, held, offset)]
+        calls = [{"index": i, **c.model_dump()} for i, c in enumerate(held)]
+        return [responses.chat_chunk(head.request_id, head.created, head.model, index, {"tool_calls": calls}),
+                responses.chat_chunk(head.request_id, head.created, head.model, index, {},
+                                     finish_reason="tool_calls")]
+
+    def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
+        return [responses.chat_chunk(head.request_id, head.created, head.model, index,
                                      {"role": "assistant", "content": ""})]
 
-    def chunk(self, head: ResponseHead, delta: Delta, offset: int) -> dict:
+    def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
         content = {"content": delta.text} if delta.text else {}
-        return responses.chat_chunk(head.request_id, head.created, head.model, content,
+        return responses.chat_chunk(head.request_id, head.created, head.model, index, content,
                                     finish_reason=delta.finish_reason, logprobs=logprobs)
 
-    def response(self, head: ResponseHead, text: str, finish_reason: str,
-                 entries: Sequence[TokenLogprob], usage: dict) -> dict:
-        return responses.chat_completion(head.request_id, head.created, head.model, text, finish_reason,
-                                         self._logprobs(entries), usage)
+    def choice(self, index: int, choice: Choice) -> dict:
+        mode = self.body.tool_mode()
+        calls = parse_calls(choice.text, mode == "forced") if mode != "none" and choice.finish_reason == "stop" else None
+        if calls:
+            return {"index": index, "message": {"role": "assistant", "content": None,
+                                                "tool_calls": [c.model_dump() for c in calls]},
+                    "logprobs": self._logprobs(choice.entries), "finish_reason": "tool_calls"}
+        return responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
+
+    def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
+        return responses.envelope(head.request_id, head.created, head.model, "chat.completion", choices, usage)
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict | None:
         return responses.chat_logprobs(entries, self.token_text) if self.body.logprobs else None
@@ -131,6 +228,7 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
 
 class CompletionAdapter(ApiAdapter[CompletionRequest]):
     body_type = CompletionRequest
+    fields = COMPLETION_FIELDS
     id_prefix = "cmpl"
     prompt_param = "prompt"
     chunk_object = "text_completion"
@@ -147,15 +245,30 @@ class CompletionAdapter(ApiAdapter[CompletionRequest]):
             raise ApiError(400, "prompt must not be empty", param="prompt")
         return ids
 
-    def chunk(self, head: ResponseHead, delta: Delta, offset: int) -> dict:
+    def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
+        echo = self.echo_text()
+        return [responses.completion_chunk(head.request_id, head.created, head.model, index, echo)] if echo else []
+
+    def echo_text(self) -> str:
+        if not self.body.echo:
+            return ""
+        prompt = self.body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            return self.tokenizer.decode(prompt, skip_special_tokens=False)
+        return prompt[0] if isinstance(prompt, list) else prompt
+
+    def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         logprobs = self._logprobs(delta.logprobs, offset) if delta.logprobs else None
-        return responses.completion_chunk(head.request_id, head.created, head.model, delta.text,
+        return responses.completion_chunk(head.request_id, head.created, head.model, index, delta.text,
                                           finish_reason=delta.finish_reason, logprobs=logprobs)
 
-    def response(self, head: ResponseHead, text: str, finish_reason: str,
-                 entries: Sequence[TokenLogprob], usage: dict) -> dict:
-        return responses.completion(head.request_id, head.created, head.model, text, finish_reason,
-                                    self._logprobs(entries, 0), usage)
+    def choice(self, index: int, choice: Choice) -> dict:
+        echo = self.echo_text()
+        return responses.completion_choice(index, echo + choice.text, choice.finish_reason,
+                                           self._logprobs(choice.entries, len(echo)))
+
+    def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
+        return responses.envelope(head.request_id, head.created, head.model, "text_completion", choices, usage)
 
     def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> dict | None:
         if self.body.logprobs is None:

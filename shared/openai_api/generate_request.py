@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+from shared.grammar import GrammarError, GrammarSpec, compile_grammar
 from shared.kvcache.hashing import hash_blocks
 from shared.openai_api.adapters import ApiAdapter
 from shared.openai_api.errors import ApiError
@@ -20,19 +21,64 @@ from shared.protocol import GenerateRequest, SamplingParams, WorkerInfo
 def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str, priority: int = 0,
                            workers: Sequence[WorkerInfo], served_models: Sequence[str],
                            default_max_tokens: int, now: float) -> GenerateRequest:
-    """``workers``: the ready decode workers of ``api.body.model``. Raises 404 for a model not in
+    """``workers``: the ready decode workers of the request's model. Raises 404 for a model not in
     ``served_models`` and 400 for a request that cannot fit the context window."""
     body = api.body
-    if body.model not in served_models:
-        raise ApiError(404, f"model {body.model!r} does not exist; served: {list(served_models)}",
-                       param="model", code="model_not_found")
+    model = resolve_model(body.model, served_models)
     max_tokens = max_tokens_in_context(len(prompt_ids), body.requested_max_tokens(),
                                        min((w.max_model_len for w in workers), default=None),
                                        default_max_tokens, prompt_param=api.prompt_param)
-    return GenerateRequest(request_id=f"{api.id_prefix}-{uuid.uuid4().hex}", model=body.model,
+    check_logit_bias(body, api.tokenizer.vocab_size)
+    check_grammar(body)
+    return GenerateRequest(request_id=f"{api.id_prefix}-{uuid.uuid4().hex}", model=model,
                            prompt_token_ids=prompt_ids, sampling=sampling_params(body, max_tokens),
                            block_hashes=prompt_block_hashes(prompt_ids, workers), tier=tier,
                            priority=priority, created_at=now)
+
+
+def resolve_model(requested: str | None, served_models: Sequence[str]) -> str:
+    """The model a request runs on: as named, or (omitted) the only one served."""
+    if requested is None:
+        if len(served_models) != 1:
+            raise ApiError(400, f"model is required: several are served: {list(served_models)}",
+                           param="model", code="missing_parameter")
+        return served_models[0]
+    if requested not in served_models:
+        raise ApiError(404, f"model {requested!r} does not exist; served: {list(served_models)}",
+                       param="model", code="model_not_found")
+    return requested
+
+
+def check_logit_bias(body: ApiRequest, vocab_size: int) -> None:
+    bad = [t for t in (body.token_biases() or {}) if t >= vocab_size]
+    if bad:
+        raise ApiError(400, f"logit_bias: token ids must be in [0, {vocab_size}), got {bad[0]}",
+                       param="logit_bias", code="invalid_value")
+
+
+def check_grammar(body: ApiRequest) -> None:
+    """A 400 naming the parameter for a schema or regex that does not compile, or uses a feature
+    the grammar engine does not implement (the message names the feature)."""
+    asked = body.grammar()
+    if asked is None:
+        return
+    spec, param = asked
+    try:
+        compile_grammar(GrammarSpec(spec.kind, spec.value))
+    except GrammarError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="unsupported_schema") from None
+
+
+def choice_requests(request: GenerateRequest, num_choices: int) -> list[GenerateRequest]:
+    """One engine request per choice, all with the same prompt (so the prefix cache shares its
+    blocks); a seeded request's choice ``i`` is seeded ``seed + i`` so that the choices differ."""
+    if num_choices == 1:
+        return [request]
+    seed = request.sampling.seed
+    return [request.model_copy(update={
+        "request_id": f"{request.request_id}-{i}",
+        "sampling": request.sampling.model_copy(update={"seed": None if seed is None else (seed + i) % 2**63})})
+        for i in range(num_choices)]
 
 
 def max_tokens_in_context(num_prompt_tokens: int, requested: int | None, max_model_len: int | None,
@@ -58,7 +104,16 @@ def sampling_params(body: ApiRequest, max_tokens: int) -> SamplingParams:
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        ignore_eos=body.ignore_eos, logprobs=body.num_logprobs())
+        ignore_eos=body.ignore_eos, logit_bias=body.token_biases(), logprobs=_engine_logprobs(body),
+        grammar=(body.grammar() or (None,))[0])
+
+
+def _engine_logprobs(body: ApiRequest) -> int | None:
+    """``best_of`` ranks choices by their tokens' logprobs, so it needs them even when not asked."""
+    asked = body.num_logprobs()
+    if asked is None and body.num_choices() > body.n:
+        return 0
+    return asked
 
 
 def prompt_block_hashes(prompt_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> list[int]:

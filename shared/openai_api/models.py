@@ -1,14 +1,20 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``), validated by pydantic.
 
-Unknown parameters are ignored (as vLLM does) so clients sending newer fields keep working; known
-ones are range-checked so a bad value is a 400 naming the parameter, never a 5xx.
+Which parameters exist at all, and which are refused, is decided first by ``fields.check_fields``
+(an unknown one is a 400, as at OpenAI); these models range-check the accepted ones so a bad value
+is a 400 naming the parameter, never a 5xx.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from shared.openai_api.errors import ApiError
+from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, forced_grammar, render_call
+from shared.protocol.generate import GrammarSpec
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -26,13 +32,29 @@ class ChatMessage(_Body):
     role: Role
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
     def text(self) -> str:
+        """The content as the model sees it; earlier tool calls as the model would write them."""
+        calls = "".join(render_call(c) for c in self.tool_calls or [])
         if self.content is None:
-            return ""
+            return calls
         if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)
+            return self.content + calls
+        return "\n".join(p.text for p in self.content) + calls
+
+
+class JsonSchemaFormat(_Body):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Body):
@@ -42,8 +64,12 @@ class StreamOptions(_Body):
 Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=4)], None]
 
 
+MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI documents
+
+
 class _Sampling(_Body):
-    model: StrictStr = Field(min_length=1)
+    model: StrictStr | None = Field(None, min_length=1)  # None: the one model served
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -55,9 +81,37 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     stop: Stop = None
-    n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
+    guided_regex: StrictStr | None = Field(None, min_length=1)  # extension, as vLLM
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """What the output must match, and the parameter that asked for it."""
+        if self.guided_regex is not None:
+            return GrammarSpec(kind="regex", value=self.guided_regex), "guided_regex"
+        return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_and_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+        return v
+
+    def token_biases(self) -> dict[int, float] | None:
+        return {int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None
+
+    def check_combinations(self) -> None:
+        """A 400 for parameters that are each valid but not together."""
+
+    def num_choices(self) -> int:
+        """Generations to run (``best_of`` on completions may run more than it returns)."""
+        return self.n
 
     @field_validator("stop")
     @classmethod
@@ -76,10 +130,56 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    def check_combinations(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.guided_regex is not None:
+            raise ApiError(400, "give response_format or guided_regex, not both", param="guided_regex")
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            raise ApiError(400, "response_format.json_schema is required for type json_schema",
+                           param="response_format.json_schema")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if choice not in (None, "none", "auto") and not names:
+            raise ApiError(400, "tool_choice requires tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names {choice.function.name!r}, not one of the tools {names}",
+                           param="tool_choice")
+        if self.tool_mode() == "forced" and (self.grammar_of_format() or self.guided_regex):
+            raise ApiError(400, "a forced tool call cannot also have a response_format or guided_regex",
+                           param="tool_choice")
+
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        """none: answer in text; auto: the model may call; forced: it must (a grammar sees to it)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "auto" if self.tool_choice in (None, "auto") else "forced"
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        if self.tool_mode() == "forced":
+            parallel = self.parallel_tool_calls is not False
+            return forced_grammar(self.tools, self.tool_choice, parallel), "tools"
+        return self.grammar_of_format() or super().grammar()
+
+    def grammar_of_format(self) -> tuple[GrammarSpec, str] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return GrammarSpec(kind="json_object"), "response_format"
+        return GrammarSpec(kind="json_schema", value=json.dumps(fmt.json_schema.schema_)), "response_format"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -94,6 +194,20 @@ class CompletionRequest(_Sampling):
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES)
+
+    def check_combinations(self) -> None:
+        """A 400 for parameters that are each valid but not together."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise ApiError(400, f"best_of must be at least n ({self.n}), got {self.best_of}", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported: prompt logprobs are not computed",
+                           param="echo")
+
+    def num_choices(self) -> int:
+        return self.best_of or self.n
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

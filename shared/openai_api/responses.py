@@ -45,17 +45,17 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset
             "text_offset": offsets}
 
 
-def chat_chunk(request_id: str, created: int, model: str, delta: dict, *,
+def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict, *,
                finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
-def completion_chunk(request_id: str, created: int, model: str, text: str, *,
+def completion_chunk(request_id: str, created: int, model: str, index: int, text: str, *,
                      finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
@@ -64,16 +64,16 @@ def usage_chunk(request_id: str, created: int, model: str, object_name: str, usa
             "choices": [], "usage": usage_body}
 
 
-def chat_completion(request_id: str, created: int, model: str, text: str, finish_reason: str,
-                    logprobs: dict | None, usage_body: dict) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_body}
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion(request_id: str, created: int, model: str, text: str, finish_reason: str,
-               logprobs: dict | None, usage_body: dict) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_body}
+def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def envelope(request_id: str, created: int, model: str, object_name: str, choices: list[dict],
+             usage_body: dict) -> dict:
+    return {"id": request_id, "object": object_name, "created": created, "model": model,
+            "choices": choices, "usage": usage_body}

@@ -7,11 +7,16 @@ Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is re
 3. a tier of higher priority was rejected for its SLO within ``shed_hold_s`` (``shedding``): a
    higher tier is never rejected while a lower one is admitted to the same capacity, so the
    lowest priority is shed first and the rest stays shed while the higher tier is short;
-4. its predicted TTFT exceeds its tier's SLO (``slo``).
+4. one more request on the chosen worker would push its inter-token latency over the ITL budget
+   (``itl_slo_ms``) of a higher tier (``shedding`` too): the headroom kept for the higher tiers.
+   The ITL prediction scales the worker's measured ITL by its batch growing by one (a decode step
+   costs about in proportion to the sequences in it: an upper bound, the fixed part ignored);
+5. its predicted TTFT exceeds its tier's SLO (``slo``).
 
 Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens) / the measured
 prefill rate + the KV transfer + any wait for KV memory. Only work of the same or a higher priority
-is ahead: the engine and the prefill queue serve by priority. With no measured rate yet (a worker
+is ahead: the engine and the prefill queue serve by priority, and a full batch delays it only by
+the running requests of its own or a higher priority (the engine preempts a lower one for it). With no measured rate yet (a worker
 that has not prefilled) there is no prediction and the request is admitted. A rejection carries
 ``retry_after_s``: when the backlog ahead would have drained to the SLO.
 
@@ -41,6 +46,8 @@ class AdmissionInput:
     queued_requests: int = 0           # requests of this tier already waiting
     transfer_s: float = 0.0            # expected KV transfer time
     decode_wait_s: float = 0.0         # expected wait for KV memory or a sequence slot on the chosen worker
+    itl_s: float | None = None         # the chosen worker's recent inter-token latency; None: not measured
+    num_running: int = 0               # requests running on the chosen worker
 
 
 @dataclass(frozen=True)
@@ -69,10 +76,18 @@ def predict_ttft_s(inp: AdmissionInput) -> float | None:
     return (inp.queued_prefill_tokens + own) / inp.prefill_tokens_per_s + inp.transfer_s + inp.decode_wait_s
 
 
+def predict_itl_s(inp: AdmissionInput) -> float | None:
+    """The chosen worker's ITL with this request in its batch too."""
+    if inp.itl_s is None:
+        return None
+    return inp.itl_s * (inp.num_running + 1) / max(inp.num_running, 1)
+
+
 def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, mean_output_tokens: float,
                 itl_s: float | None) -> float:
-    """Expected wait for a sequence slot on a worker whose batch is full: the requests ahead of
-    this one, plus itself, each take a slot as a running request finishes, and the ``max_num_seqs``
+    """Expected wait for a sequence slot on a worker whose batch is full of requests it cannot
+    preempt (``num_running``: those of its own or a higher priority): the requests ahead of this
+    one, plus itself, each take a slot as a running request finishes, and the ``max_num_seqs``
     running requests finish at a rate of one per (mean output length × ITL) / max_num_seqs."""
     if num_running < max_num_seqs or not itl_s or mean_output_tokens <= 0:
         return 0.0
@@ -104,11 +119,22 @@ class Admitter:
         if inp.now_s < shed_until:
             return self._reject(f"tier {inp.tier} shed while a higher tier misses its SLO", ttft,
                                 shed_until - inp.now_s, "shedding")
+        budget = self._itl_budget_s(tier.priority)
+        itl = predict_itl_s(inp)
+        if budget is not None and itl is not None and itl > budget:
+            return self._reject(f"tier {inp.tier} shed: ITL would reach {itl * 1000:.0f}ms, over the "
+                                f"{budget * 1000:.0f}ms budget of a higher tier", ttft, cfg.min_retry_after_s,
+                                "shedding")
         slo = tier.ttft_slo_s
         if slo is not None and ttft is not None and ttft > slo:
             self._missed_at[tier.priority] = inp.now_s
             return self._reject(f"predicted TTFT {ttft:.2f}s > {inp.tier} SLO {slo:.2f}s", ttft, ttft - slo, "slo")
         return AdmissionDecision(True, "ok", ttft)
+
+    def _itl_budget_s(self, priority: int) -> float | None:
+        """The tightest ITL budget of the tiers above ``priority``."""
+        budgets = [t.itl_slo_s for t in self.cfg.qos.tiers.values() if t.priority < priority and t.itl_slo_s]
+        return min(budgets, default=None)
 
     def _reject(self, reason: str, ttft: float | None, wait_s: float, code: RejectCode) -> AdmissionDecision:
         retry = max(wait_s, self.cfg.min_retry_after_s) if math.isfinite(wait_s) else self.cfg.min_retry_after_s

@@ -33,6 +33,7 @@ class TickInput:
     decode_tokens_per_s: float                # output tokens produced (or demanded) per second
     prefill_capacity_tokens_per_s: float      # one prefill worker, within SLO
     decode_capacity_tokens_per_s: float       # one decode worker, at its SLO batch
+    num_waiting: int = 0                      # requests queued on the workers (not yet running)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class ScalingDecision:
     target_decode: int
     flips: int          # > 0: decode workers to turn into prefill; < 0: prefill into decode
     reason: str
+
+
+def workers_needed(inp: TickInput) -> tuple[float, float]:
+    """Prefill and decode demand in workers' worth of capacity."""
+    return (inp.prefill_tokens_per_s / max(inp.prefill_capacity_tokens_per_s, 1e-9),
+            inp.decode_tokens_per_s / max(inp.decode_capacity_tokens_per_s, 1e-9))
 
 
 class RatioAutoscaler:
@@ -53,8 +60,7 @@ class RatioAutoscaler:
         keep = ScalingDecision(inp.num_prefill, inp.num_decode, 0, "")
         if self._last_change_s is not None and inp.now_s - self._last_change_s < self.cfg.cooldown_s:
             return _why(keep, "cooling down")
-        need_p = inp.prefill_tokens_per_s / max(inp.prefill_capacity_tokens_per_s, 1e-9)
-        need_d = inp.decode_tokens_per_s / max(inp.decode_capacity_tokens_per_s, 1e-9)
+        need_p, need_d = workers_needed(inp)
         if need_p + need_d <= 0:
             return _why(keep, "no load")
         share = need_p / (need_p + need_d)

@@ -34,6 +34,7 @@ class WorkerSample:
     num_generated_tokens: int
     num_queued_prefill_tokens: int = 0   # now, not cumulative
     num_in_flight: int = 0               # running + waiting: what a flip would have to drain
+    num_waiting: int = 0                 # queued, not yet running: the fleet is saturated
     prefill_tokens_per_s: float | None = None
 
 
@@ -92,7 +93,8 @@ def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], de
                      prefill_tokens_per_s=demand.prefill_tokens_per_s,
                      decode_tokens_per_s=demand.decode_tokens_per_s,
                      prefill_capacity_tokens_per_s=prefill_capacity,
-                     decode_capacity_tokens_per_s=defaults.decode_tokens_per_s)
+                     decode_capacity_tokens_per_s=defaults.decode_tokens_per_s,
+                     num_waiting=sum(s.num_waiting for s in ready))
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,15 @@ def choose_flips(decision: ScalingDecision, samples: Iterable[WorkerSample]) -> 
     if decision.flips == 0:
         return []
     source, target = (DECODE, PREFILL) if decision.flips > 0 else (PREFILL, DECODE)
-    candidates = sorted((s for s in samples if s.is_ready and s.role == source),
+    return [Flip(worker_id, target) for worker_id in least_busy(samples, source)[:abs(decision.flips)]]
+
+
+def least_busy(samples: Iterable[WorkerSample], role: str) -> list[str]:
+    """Ready workers of ``role``, those with the least in flight first (they drain soonest), then
+    by id (a stable choice): the ones to flip or stop."""
+    candidates = sorted((s for s in samples if s.is_ready and s.role == role),
                         key=lambda s: (s.num_in_flight, s.worker_id))
-    return [Flip(s.worker_id, target) for s in candidates[:abs(decision.flips)]]
+    return [s.worker_id for s in candidates]
 
 
 def in_transition(samples: Iterable[WorkerSample]) -> list[str]:

@@ -3,21 +3,23 @@
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
-from shared.protocol.generate import (CancelRequest, GenerateRequest, SamplingParams, TokenChunk,
+from shared.protocol.generate import (CancelRequest, GenerateRequest, GrammarSpec, SamplingParams, TokenChunk,
                                       TokenLogprob, TopLogprob)
 from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                                 KvEventBatch, KvMatchRequest, KvMatchResult, WorkerOverlap)
-from shared.protocol.prefill import PrefillNotification, PrefillQueueStatus, RemotePrefillRequest
+from shared.protocol.prefill import (PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
+                                     PrefillQueueStatus, RemotePrefillRequest)
 from shared.protocol.subjects import Endpoint, Subjects
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
-                                     ControlResult, ScalingAction, ScalingDecisionRecord, ScalingStatus,
-                                     ServiceInfo, WorkerInfo, WorkerLoad, WorkerStatus)
+                                     ControlResult, ScaleRequest, ScaleResult, ScalingAction, ScalingDecisionRecord,
+                                     ScalingStatus, ServiceInfo, WorkerInfo, WorkerLoad, WorkerStatus)
 
 __all__ = [
     "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
-    "KvMatchResult", "PrefillNotification", "PrefillQueueStatus", "RemotePrefillRequest", "SamplingParams",
-    "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "KvMatchResult", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",
+    "RemotePrefillRequest", "SamplingParams", "GrammarSpec", "ScaleRequest", "ScaleResult", "ScalingAction",
+    "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",
 ]

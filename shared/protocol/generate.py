@@ -11,6 +11,14 @@ from shared.protocol.base import BlockHash, RequestId, WireModel, WorkerId
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class GrammarSpec(WireModel):
+    """Structured output: ``value`` is the JSON schema as JSON text (``json_schema``), the regex
+    (``regex``), or empty (``json_object``)."""
+
+    kind: Literal["json_schema", "json_object", "regex"]
+    value: str = ""
+
+
 class SamplingParams(WireModel):
     """Mirrors the engine's sampling parameters; ranges are checked again by the engine."""
 
@@ -26,6 +34,11 @@ class SamplingParams(WireModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit; -100 bans it
+    grammar: GrammarSpec | None = None
+    # the last n prompt tokens were generated for this request by an earlier worker (the gateway
+    # moved it): the worker replays the grammar state over them
+    num_output_in_prompt: int = Field(0, ge=0)
 
 
 class GenerateRequest(WireModel):
@@ -70,6 +83,9 @@ class TokenChunk(WireModel):
     num_prompt_tokens: int = Field(0, ge=0)
     num_cached_tokens: int = Field(0, ge=0)
     worker_id: WorkerId | None = None
+    # first chunk only: the worker's part of the time to first token, phase name → seconds, a
+    # partition of its time from receiving the request to this chunk (shared.telemetry.phases)
+    phases: dict[str, float] | None = None
 
 
 class CancelRequest(WireModel):

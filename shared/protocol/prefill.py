@@ -76,6 +76,28 @@ class PrefillNotification(WireModel):
     num_blocks: int = Field(0, ge=0)
     prefill_worker_id: WorkerId | None = None
     message: str = ""
+    # ``ok`` only: how long the request waited on the prefill queue and how long its prefill took
+    # (seconds, measured at the prefill worker), for the decode worker's TTFT phases
+    queue_wait_s: float | None = Field(None, ge=0)
+    prefill_s: float | None = Field(None, ge=0)
+
+
+class PrefillLeaseRequest(WireModel):
+    """A prefill worker claims (or renews) its lease on a reservation before it may write into it
+    (``shared.disagg.lease``)."""
+
+    transfer_id: str
+    request_id: RequestId
+    prefill_worker_id: WorkerId
+
+
+class PrefillLeaseResult(WireModel):
+    """``expires_at`` (epoch seconds): the lease holds until then; None: refused, drop the request
+    (the decode worker no longer waits for its KV). Renew before ``lease_s`` has run out."""
+
+    transfer_id: str
+    expires_at: float | None = None
+    lease_s: float = Field(0.0, ge=0)
 
 
 class PrefillQueueStatus(WireModel):

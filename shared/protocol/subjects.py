@@ -14,9 +14,9 @@ from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
-from shared.protocol.prefill import RemotePrefillRequest
+from shared.protocol.prefill import PrefillLeaseRequest, PrefillLeaseResult, RemotePrefillRequest
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
-                                     ControlResult, Role, WorkerLoad)
+                                     ControlResult, Role, ScaleRequest, ScaleResult, WorkerLoad)
 
 VERSION = "v1"
 DEFAULT_NAMESPACE = "tandem"
@@ -67,12 +67,21 @@ class Subjects:
     def decode_cancel(self, worker_id: str) -> Endpoint[CancelRequest, WireModel]:
         return Endpoint(f"{self._root}.decode.{_token(worker_id, 'worker_id')}.cancel", CancelRequest)
 
+    def prefill_lease(self, decode_worker_id: str) -> Endpoint[PrefillLeaseRequest, PrefillLeaseResult]:
+        """A prefill worker claims or renews its lease on a decode worker's reserved blocks."""
+        return Endpoint(f"{self._root}.decode.{_token(decode_worker_id, 'worker_id')}.prefill-lease",
+                        PrefillLeaseRequest, PrefillLeaseResult)
+
     def control(self, worker_id: str) -> Endpoint[ControlRequest, ControlResult]:
         return Endpoint(f"{self._root}.control.{_token(worker_id, 'worker_id')}",
                         ControlRequest, ControlResult)
 
     def kvindex_match(self) -> Endpoint[KvMatchRequest, KvMatchResult]:
         return Endpoint(f"{self._root}.kvindex.match", KvMatchRequest, KvMatchResult)
+
+    def fleet_scale(self) -> Endpoint[ScaleRequest, ScaleResult]:
+        """Served by ``tandem up --autoscale`` (the owner of the worker processes)."""
+        return Endpoint(f"{self._root}.up.scale", ScaleRequest, ScaleResult)
 
     def cluster_status(self) -> Endpoint[ClusterStatusRequest, ClusterStatusResult]:
         return Endpoint(f"{self._root}.autoscaler.status", ClusterStatusRequest, ClusterStatusResult)
@@ -125,7 +134,8 @@ class Subjects:
 
     @property
     def services_bucket(self) -> str:
-        """Every service process's ``ServiceInfo`` (its metrics address), expiring without heartbeat."""
+        """Every service process's ``ServiceInfo`` (gateway, admission, kv-index, autoscaler and each
+        worker: pid, restarts, metrics address), expiring without heartbeat (``shared.bus.services``)."""
         return f"{self.namespace}-services"
 
     @property

@@ -68,6 +68,7 @@ class WorkerLoad(WireModel):
     # still to prefill and the waiting requests; and the recent prefill rate (None: not measured yet)
     queued_prefill_tokens: dict[int, int] = Field(default_factory=dict)
     num_waiting_by_priority: dict[int, int] = Field(default_factory=dict)
+    num_running_by_priority: dict[int, int] = Field(default_factory=dict)  # empty from older workers
     prefill_tokens_per_s: float | None = Field(None, ge=0)
 
     def prefill_tokens_ahead(self, priority: int) -> int:
@@ -77,6 +78,13 @@ class WorkerLoad(WireModel):
     def num_waiting_ahead(self, priority: int) -> int:
         """Waiting requests a new request of ``priority`` queues behind."""
         return _at_or_above(self.num_waiting_by_priority, priority)
+
+    def num_running_ahead(self, priority: int) -> int:
+        """Running requests a new request of ``priority`` cannot take the slot of (the engine
+        preempts a lower priority for it); all of them from a worker that does not report them."""
+        if not self.num_running_by_priority:
+            return self.num_running
+        return _at_or_above(self.num_running_by_priority, priority)
 
 
 def _at_or_above(by_priority: dict[int, int], priority: int) -> int:
@@ -94,6 +102,7 @@ class ControlRequest(WireModel):
     max_local_prefill_tokens: int | None = Field(None, ge=0)
     max_prefill_queue: int | None = Field(None, ge=0)
     role: Role | None = None  # flip: the role to take
+    drain_timeout_s: float | None = Field(None, ge=0)  # drain/stop: instead of the worker's own
 
     @model_validator(mode="after")
     def _flip_names_a_role(self) -> "ControlRequest":
@@ -113,17 +122,18 @@ class ControlResult(WireModel):
 
 
 class ServiceInfo(WireModel):
-    """A service process's entry in the ``<ns>-services`` KV bucket (``shared.bus.services``): where
-    its Prometheus metrics are. Workers have one too, keyed by their worker id."""
+    """A process's entry in the ``<ns>-services`` KV bucket (``shared.bus.services``), refreshed by
+    its heartbeat: gateway, admission, kv-index, autoscaler, and each worker keyed by its worker
+    id. ``tandem status`` lists them with their restarts and where their Prometheus metrics are."""
 
-    instance_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_=.-]+$")
+    instance_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_=.-]+$")  # the bucket key
     service: str  # gateway, admission, decode, prefill, kv-index, autoscaler
-    metrics_url: str
+    metrics_url: str = ""  # empty from a producer that serves no metrics
     host: str = ""
     pid: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0
-    num_restarts: int = Field(0, ge=0)
+    num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
 
 
 class ClusterStatusRequest(WireModel):
@@ -136,13 +146,36 @@ class WorkerStatus(WireModel):
     load_age_s: float | None = None
 
 
-class ScalingAction(WireModel):
-    """One thing the autoscaler did to carry out a decision. Only ``flip`` today; adding and removing
-    worker processes will be further kinds (``worker_id`` then names the worker started or stopped)."""
+class ScaleRequest(WireModel):
+    """The autoscaler to ``tandem up`` (which owns the worker processes): ``start`` a worker of
+    ``role``, or ``stop`` ``worker_id`` (it drains, finishes what it holds, exits 0 and is not
+    restarted). ``reason`` is the policy's, for the log."""
 
-    kind: Literal["flip"]
-    worker_id: WorkerId
-    role: Role                 # flip: the role the worker was asked to take
+    action: Literal["start", "stop"]
+    role: Role
+    worker_id: WorkerId | None = None
+    reason: str = ""
+
+    @model_validator(mode="after")
+    def _stop_names_a_worker(self) -> "ScaleRequest":
+        if (self.action == "stop") != (self.worker_id is not None):
+            raise ValueError(f"worker_id ({self.worker_id}) is required with action stop and only there "
+                             f"(action {self.action})")
+        return self
+
+
+class ScaleResult(WireModel):
+    worker_id: WorkerId        # the worker started, or the one stopping
+    pid: int | None = None     # start: the new process
+
+
+class ScalingAction(WireModel):
+    """One thing the autoscaler did to carry out a decision: ``flip`` a worker to ``role``, or ask
+    ``tandem up`` to ``start`` a worker of ``role`` or ``stop`` one (``worker_id`` names it)."""
+
+    kind: Literal["flip", "start", "stop"]
+    worker_id: WorkerId | None = None  # start: None when tandem up refused
+    role: Role                 # flip: the role the worker was asked to take; start/stop: the worker's
     ok: bool
     message: str = ""
 

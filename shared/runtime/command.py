@@ -24,7 +24,7 @@ def _run(name: str, run_target: str, args: argparse.Namespace) -> int:
     module, function = run_target.split(":")
     run = getattr(importlib.import_module(module), function)
     settings = settings_from_args(args.settings_class, args)
-    return run_service(name, settings.log_level, lambda stop: run(settings, stop))
+    return run_service(name, settings.log_level, lambda stop: run(settings, stop), log_format=settings.log_format)
 
 
 def run_as_main(name: str) -> int:

@@ -20,7 +20,8 @@ def default_worker_id(role: str) -> str:
 class EngineWorkerSettings(ServiceSettings):
     model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
-    dtype: str | None = Field(None, description="float32, bfloat16, float16 (default by device)")
+    dtype: str | None = Field(None, description="float32, bfloat16, float16 (default with no quantization: "
+                              "the fastest for the device, see shared/model/precision.py)")
     block_size: int = Field(16, ge=1, description="KV block size in tokens")
     kv_cache_memory: str | None = Field(None, description="KV pool budget, e.g. 512MiB")
     max_model_len: int | None = Field(None, ge=16, description="context limit (default: the model's)")
@@ -29,8 +30,9 @@ class EngineWorkerSettings(ServiceSettings):
     attention_backend: str = Field("auto", description="auto, torch or triton")
     seed: int = Field(0, description="engine seed")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
-    quantization: Literal["none", "int8"] = Field(
-        "none", description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only)")
+    quantization: Literal["none", "int8"] | None = Field(
+        None, description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only); "
+                          "default: see dtype")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")

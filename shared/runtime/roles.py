@@ -45,9 +45,10 @@ class RoleWorker(Protocol):
     async def control(self, request: ControlRequest) -> ControlResult:
         """``configure`` and ``status`` (the process handles ``drain``, ``stop`` and ``flip``)."""
 
-    async def drain(self) -> None:
-        """Listed as ``draining``; take no new work; finish what is in flight (up to the drain
-        timeout: what is left is cut off); stop the role's loops. Stays registered."""
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Listed as ``draining``; take no new work; finish what is in flight (up to ``timeout_s``,
+        default the role's drain timeout: what is left is cut off); stop the role's loops. Stays
+        registered."""
 
 
 class RoleFactory(Protocol):
@@ -75,6 +76,7 @@ class RoleRunner:
         self._load_seq = itertools.count(1)
         self._flip_to: Role | None = None
         self._is_leaving = False
+        self._leave_timeout_s: float | None = None  # a stop's own drain timeout (a scale-down's)
         self._wake = asyncio.Event()
         self.num_flips = 0
 
@@ -86,6 +88,7 @@ class RoleRunner:
             self._request_flip(request.role)
         elif request.action in ("drain", "stop"):
             self._is_leaving = True
+            self._leave_timeout_s = request.drain_timeout_s
             self._wake.set()
         result = await self.role.control(ControlRequest(action="status") if request.action in (
             "flip", "drain", "stop") else request)
@@ -130,7 +133,7 @@ class RoleRunner:
                 if self._flip_to is not None:
                     await self._flip(self._flip_to)
             log.info("draining %s", self.role.role)
-            await self._drain_role()
+            await self._drain_role(self._leave_timeout_s)
             heartbeat.cancel()  # no beat may re-register us after the delete
             await asyncio.gather(heartbeat, return_exceptions=True)
             await self._registry.delete(self.worker_id)
@@ -145,8 +148,8 @@ class RoleRunner:
         self.role = await self._factory.make(role, self._role_bus, self._load_seq)
         return self.role
 
-    async def _drain_role(self) -> None:
-        await self.role.drain()
+    async def _drain_role(self, timeout_s: float | None = None) -> None:
+        await self.role.drain(timeout_s)
         await self._role_bus.close()
         self._role_bus = None
 

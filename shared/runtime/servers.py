@@ -5,6 +5,10 @@ keeps draining the output (a full pipe would stall the server), handing each lin
 
 Given a password, a server requires it; the password goes into a config file only its owner can
 read, not onto the command line (``ps`` shows every user the command line), and into ``url``.
+
+``restart()`` starts a server that died again with the same command line: the same port, data
+directory and password, so clients reconnect to the URL they have and JetStream finds its streams,
+consumers and KV buckets where it left them.
 """
 
 from __future__ import annotations
@@ -54,8 +58,23 @@ def _binary(name: str) -> str:
 class ServerProcess:
     name: str
     proc: subprocess.Popen
+    argv: list[str]
+    is_ready: Callable[[str], bool]
+    on_line: Callable[[str], None] | None
     url: str = ""
     lines: list[str] = field(default_factory=list)  # output up to readiness, for error messages
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def is_running(self) -> bool:
+        return self.proc.poll() is None
+
+    def restart(self, timeout_s: float = 20.0) -> None:
+        """Start it again as it was first started (stopping it first if it still runs)."""
+        self.stop()
+        self.proc, self.lines = _popen_ready(self.name, self.argv, self.is_ready, self.on_line, timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -67,18 +86,19 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
-           on_line: Callable[[str], None] | None, timeout_s: float) -> ServerProcess:
+def _popen_ready(name: str, argv: list[str], is_ready: Callable[[str], bool],
+                 on_line: Callable[[str], None] | None, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
+    """The started process, once ready, and its output up to then."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
-    server = ServerProcess(name, proc)
+    lines: list[str] = []
     ready = threading.Event()
 
     def pump() -> None:
         for line in proc.stdout:
             line = line.rstrip("\n")
             if not ready.is_set():
-                server.lines.append(line)
+                lines.append(line)
                 if is_ready(line):
                     ready.set()
             if on_line:
@@ -87,10 +107,16 @@ def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
 
     threading.Thread(target=pump, name=f"{name}-output", daemon=True).start()
     if not ready.wait(timeout_s) or proc.poll() is not None:
-        server.stop()
-        tail = "\n".join(server.lines[-20:])
+        ServerProcess(name, proc, argv, is_ready, on_line).stop()
+        tail = "\n".join(lines[-20:])
         raise RuntimeError(f"{name} did not become ready within {timeout_s}s:\n{tail}")
-    return server
+    return proc, lines
+
+
+def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
+           on_line: Callable[[str], None] | None, timeout_s: float) -> ServerProcess:
+    proc, lines = _popen_ready(name, argv, is_ready, on_line, timeout_s)
+    return ServerProcess(name, proc, list(argv), is_ready, on_line, lines=lines)
 
 
 def _private_file(path: Path, text: str) -> Path:
@@ -119,6 +145,8 @@ def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str
         return _NATS_READY in line
 
     server = _start("nats-server", argv, is_ready, on_line, timeout_s)
+    # a restart must listen where the clients' URL points, not on another port of its choosing
+    server.argv[argv.index("-p") + 1] = str(found["port"])
     login = "" if password is None else f"{quote(user, safe='')}:{quote(password, safe='')}@"
     server.url = f"nats://{login}127.0.0.1:{found['port']}"
     return server

@@ -21,13 +21,18 @@ from shared.protocol import ServiceInfo, Subjects
 from shared.runtime.settings import ServiceSettings
 from shared.telemetry.logs import configure_logging
 from shared.telemetry.metrics import metrics_site
+from shared.telemetry.tracing import configure_tracing, service_name
 
 log = logging.getLogger(__name__)
 
 
-def run_service(name: str, level: str, main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run ``main(stop)``; SIGTERM and SIGINT set ``stop`` (a second one exits at once)."""
-    configure_logging(name, level)
+def run_service(name: str, level: str, main: Callable[[asyncio.Event], Awaitable[None]], *,
+                log_format: str | None = None) -> int:
+    """Run ``main(stop)``; SIGTERM and SIGINT set ``stop`` (a second one exits at once). Tracing
+    is set up here, once per process, from the ``OTEL_*`` variables."""
+    configure_logging(name, level, log_format)
+    if configure_tracing(name):
+        log.info("tracing on: spans of %s exported over OTLP", service_name(name, os.environ))
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -73,7 +78,7 @@ class BusService(Protocol):
 async def bus_connection(name: str, settings: ServiceSettings) -> AsyncIterator[tuple[Bus, WorkerRegistry]]:
     """The bus, connected as ``name``, and the namespace's worker registry (watched). Leaving the
     block normally gives the requests in flight ``STOP_SERVING_TIMEOUT_S`` to finish; the bus is
-    closed either way."""
+    closed either way. The process enters the service directory with ``published_metrics``."""
     bus = await Bus.connect(settings.nats_url, name)
     try:
         registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,

@@ -24,6 +24,8 @@ class ServiceSettings(BaseSettings):
                            description="first token of every subject, bucket and Redis key")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL (heartbeat: TTL/3)")
     log_level: str = Field("INFO", description="logging level")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text, or as JSON lines "
+                                                "carrying request_id and trace_id")
     num_restarts: int = Field(0, ge=0, description="times a supervisor (tandem up) restarted this process "
                               "after a crash; workers report it in the registry")
     metrics_host: str = Field("127.0.0.1", description="Prometheus /metrics listen address (0.0.0.0: every "
@@ -61,12 +63,20 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         default = info.get_default(call_default_factory=True)
         help_text = f"{info.description or name} (env {env}, default {default!r})"
         kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
-        annotation = info.annotation
+        annotation = _without_none(info.annotation)
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_origin(annotation) is Literal:
             kwargs["choices"] = list(get_args(annotation))
         parser.add_argument(_flag(name), **kwargs)
+
+
+def _without_none(annotation: Any) -> Any:
+    """``X | None`` → ``X`` (an optional Literal still gets its choices); anything else as it is."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and type(None) in get_args(annotation):
+        return args[0]
+    return annotation
 
 
 def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:

@@ -3,7 +3,9 @@ and every service as its own process. Used by ``tandem up`` and the integration 
 
 With ``restart_children`` a supervisor thread starts again any child that crashes (see
 ``shared.runtime.supervisor``), passing it ``--num-restarts`` so that workers report the count in
-the registry and thus in ``tandem status``. ``stop()`` ends the supervisor before it stops anyone.
+the registry and thus in ``tandem status``. It restarts the embedded nats-server and redis-server
+too, whatever their exit code (nothing works without them), on the same port, data directory and
+password: services reconnect on their own. ``stop()`` ends the supervisor before it stops anyone.
 
 The embedded servers get fresh random passwords each run, and every child gets the server URLs
 (which carry them) through its environment, not its command line. Given URLs are used as they are.
@@ -38,6 +40,8 @@ class StackSpec:
     state_dir: Path
     num_decode: int = 1
     num_prefill: int = 0
+    num_gateways: int = 1             # gateway i listens on port + i ("gateway", "gateway-2", ...)
+    num_admissions: int = 1           # one queue group ("admission", "admission-2", ...)
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = 8000                  # 0: a free port
@@ -53,11 +57,20 @@ class StackSpec:
     # off by default: tests that take a worker away on purpose want it to stay gone
     restart_children: bool = False
     restart_backoff: Backoff = Backoff()
+    autoscaler_flags: dict[str, object] = field(default_factory=dict)
+    # set: serve the autoscaler's start/stop requests (shared.runtime.fleet); a stopped worker
+    # drains this long before what it still holds is cut off
+    fleet_drain_timeout_s: float | None = None
 
 
 def print_line(name: str, line: str) -> None:
     sys.stdout.write(f"{name:<12}| {line}\n")
     sys.stdout.flush()
+
+
+def _nth(service: str, i: int) -> str:
+    """The name of a service's ``i``-th instance: the first keeps the plain name."""
+    return service if i == 0 else f"{service}-{i + 1}"
 
 
 class Stack:
@@ -74,11 +87,19 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self.nats_url = spec.nats_url or ""
         self.redis_url = spec.redis_url or ""
-        self.port = spec.port or free_port()
+        self.ports = [spec.port + i if spec.port else free_port() for i in range(spec.num_gateways)]
+        self.port = self.ports[0]
+        self.retired: set[str] = set()  # workers stopped on purpose (scale-down): their exit is expected
+        self._fleet = None
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.spec.host}:{self.port}"
+        return self.base_urls[0]
+
+    @property
+    def base_urls(self) -> list[str]:
+        """Every gateway's URL, the first one's first."""
+        return [f"http://{self.spec.host}:{port}" for port in self.ports]
 
     def _line(self, name: str, line: str) -> None:
         with self._lock:
@@ -90,28 +111,40 @@ class Stack:
         if not spec.nats_url:
             server = start_nats_server(spec.state_dir / "nats", password=new_secret(),
                                        on_line=lambda l: self._line("nats", l))
-            self.servers.append(server)
+            self._add_server(server)
             self.nats_url = server.url
         if not spec.redis_url:
             (spec.state_dir / "redis").mkdir(exist_ok=True)
             server = start_redis_server(spec.state_dir / "redis", password=new_secret(),
                                         on_line=lambda l: self._line("redis", l))
-            self.servers.append(server)
+            self._add_server(server)
             self.redis_url = server.url
         common = {"nats_url": self.nats_url, "namespace": spec.namespace,
                   "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level, **_OWN_METRICS_PORT}
         self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
-        self.spawn("admission", "admission", {**common, **spec.admission_flags})
-        self.spawn("autoscaler", "autoscaler", common)
+        for i in range(spec.num_admissions):
+            self.spawn(_nth("admission", i), "admission", {**common, **spec.admission_flags})
+        self.spawn("autoscaler", "autoscaler", {**common, **spec.autoscaler_flags})
         for i in range(spec.num_decode):
             self.spawn_decode(f"decode-{i + 1}")
         for i in range(spec.num_prefill):
             self.spawn_prefill(f"prefill-{i + 1}")
-        self.spawn("gateway", "gateway", {**common, "model": spec.model, "host": spec.host,
-                                          "port": self.port, **spec.gateway_flags})
+        urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
+        for i, port in enumerate(self.ports):
+            self.spawn(_nth("gateway", i), "gateway", {**common, "model": spec.model, "host": spec.host,
+                                                       "port": port, "gateway_urls": urls, **spec.gateway_flags})
         if spec.restart_children:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
+        if spec.fleet_drain_timeout_s is not None:
+            from shared.runtime.fleet import FleetManager
+
+            self._fleet = FleetManager(self, drain_timeout_s=spec.fleet_drain_timeout_s)
+            self._fleet.start()
+
+    def _add_server(self, server: ServerProcess) -> None:
+        self.servers.append(server)
+        self._restarts.started(server.name, time.monotonic())
 
     def spawn_decode(self, name: str) -> Child:
         return self._spawn_worker(name, "decode", self.spec.decode_flags)
@@ -120,15 +153,43 @@ class Stack:
         return self._spawn_worker(name, "prefill", self.spec.prefill_flags)
 
     def _spawn_worker(self, name: str, service: str, flags: dict[str, object]) -> Child:
+        with self._children_lock:
+            return self._start_worker(name, service, flags)
+
+    def _start_worker(self, name: str, service: str, flags: dict[str, object]) -> Child:
         spec = self.spec
-        worker_id = f"{spec.namespace}-{name}"[:64]
+        worker_id = self.worker_id(name)
         # workers sharing one machine split its cores rather than each spinning a thread per core
         num_workers = spec.num_decode + spec.num_prefill
         threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_workers)} if num_workers > 1 else {}
-        return self.spawn(name, service, {
+        return self._start_child(name, service, {
             "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
             "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **_OWN_METRICS_PORT,
             **threads, **flags})
+
+    # -- the fleet, as the autoscaler changes it (shared.runtime.fleet) -----------------------------
+    def add_worker(self, role: str) -> tuple[str, str, Child]:
+        """A new worker of ``role`` under a name not used before: (name, worker id, child)."""
+        with self._children_lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the stack is stopping: no new worker")
+            number = 1 + sum(name.startswith(f"{role}-") for name in self._spawned)
+            name = f"{role}-{number}"
+            flags = self.spec.decode_flags if role == "decode" else self.spec.prefill_flags
+            child = self._start_worker(name, role, flags)
+        return name, self.worker_id(name), child
+
+    def worker_id(self, name: str) -> str:
+        return f"{self.spec.namespace}-{name}"[:64]
+
+    def worker_name(self, worker_id: str) -> str | None:
+        return next((n for n in self.children if self.worker_id(n) == worker_id), None)
+
+    def retire(self, name: str, is_retired: bool = True) -> None:
+        (self.retired.add if is_retired else self.retired.discard)(name)
+
+    def log_line(self, line: str) -> None:
+        self._line("up", line)
 
     def spawn(self, name: str, service: str, flags: dict[str, object]) -> Child:
         with self._children_lock:
@@ -154,48 +215,73 @@ class Stack:
                 self._supervise_once(time.monotonic())
 
     def _supervise_once(self, now_s: float) -> None:
+        for server in self.servers:
+            if not server.is_running() and not self._restarts.has_exited(server.name):
+                decision = self._restarts.exited(server.name, server.proc.returncode, now_s, is_crash=True)
+                self._line("up", decision.describe())
         for name, child in list(self.children.items()):
             if not child.is_running() and not self._restarts.has_exited(name):
                 self._line("up", self._restarts.exited(name, child.proc.returncode, now_s).describe())
         for name in self._restarts.due(now_s):
+            if server := next((s for s in self.servers if s.name == name), None):
+                self._restart_server(server, now_s)
+                continue
             service, flags = self._spawned[name]
             child = self._start_child(name, service, flags)
             self._line("up", f"{name} restarted (restart {self.num_restarts(name)}, pid {child.pid})")
 
-    def ready_status(self) -> dict | None:
+    def _restart_server(self, server: ServerProcess, now_s: float) -> None:
         try:
-            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
+            server.restart()
+        except RuntimeError as exc:  # e.g. its port taken meanwhile: retried after the next backoff
+            self._restarts.started(server.name, now_s)
+            self._line("up", self._restarts.exited(server.name, 1, now_s, is_crash=True).describe()
+                       + f": {str(exc).splitlines()[0]}")
+            return
+        self._restarts.started(server.name, now_s)
+        self._line("up", f"{server.name} restarted (restart {self.num_restarts(server.name)}, "
+                         f"pid {server.pid}, same port and data)")
+
+    def exited(self) -> list[str]:
+        """Children that exited, but for workers stopped on purpose."""
+        return [n for n, c in self.children.items() if not c.is_running() and n not in self.retired]
+
+    def ready_status(self, base_url: str | None = None) -> dict | None:
+        try:
+            with urllib.request.urlopen((base_url or self.base_url) + "/ready", timeout=2) as resp:
                 return json.load(resp)
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
     def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None,
                    num_prefill: int | None = None) -> None:
-        """Until /ready is 200 with ``num_decode`` ready decode workers and ``num_prefill`` ready
-        prefill workers (default: all the stack started)."""
+        """Until every gateway's /ready is 200 with ``num_decode`` ready decode workers and
+        ``num_prefill`` ready prefill workers (default: all the stack started)."""
         want = self.spec.num_decode if num_decode is None else num_decode
         want_prefill = self.spec.num_prefill if num_prefill is None else num_prefill
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            dead = [n for n, c in self.children.items() if not c.is_running()]
+            dead = self.exited()
             if dead and not self.spec.restart_children:  # else the supervisor retries them
                 raise RuntimeError(f"service(s) exited during start-up: {', '.join(dead)}")
-            status = self.ready_status()
-            if (status and status.get("num_ready_decode_workers", 0) >= want
-                    and status.get("num_ready_prefill_workers", 0) >= want_prefill):
+            statuses = [self.ready_status(url) for url in self.base_urls]  # every gateway
+            if all(status and status.get("num_ready_decode_workers", 0) >= want
+                   and status.get("num_ready_prefill_workers", 0) >= want_prefill for status in statuses):
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"{self.base_url}/ready not 200 with {want} decode and {want_prefill} prefill "
+        raise TimeoutError(f"{', '.join(self.base_urls)}: /ready not 200 with {want} decode and {want_prefill} prefill "
                            f"workers in {timeout_s}s")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers. Nothing
         is restarted from here on."""
+        if self._fleet is not None:
+            self._fleet.stop()
         with self._children_lock:
             self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
-        order = sorted(self.children.values(), key=lambda c: c.name != "gateway")
+        order = sorted(self.children.values(), key=lambda c: not c.name.startswith("gateway"))
         for child in order:
             child.terminate()
         deadline = time.monotonic() + timeout_s

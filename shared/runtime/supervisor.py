@@ -78,12 +78,14 @@ class RestartPolicy:
         record.started_at_s, record.restart_at_s, record.has_exited = now_s, None, False
         return record.num_restarts
 
-    def exited(self, name: str, returncode: int, now_s: float) -> ExitDecision:
+    def exited(self, name: str, returncode: int, now_s: float, *, is_crash: bool = False) -> ExitDecision:
+        """Record the exit; ``is_crash``: restart it even after a clean exit (a server the stack
+        cannot work without)."""
         record = self._children[name]
         assert not record.has_exited, f"{name} exited twice without a start in between"
         record.has_exited = True
         ran_for_s = now_s - record.started_at_s
-        if returncode == 0:
+        if returncode == 0 and not is_crash:
             return ExitDecision(name, returncode, ran_for_s, None, record.num_restarts,
                                 record.num_consecutive_crashes)
         if ran_for_s >= self.backoff.stable_after_s:

@@ -20,6 +20,7 @@ from shared.protocol import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStor
                              KvEventBatch, Subjects, WorkerInfo, WorkerLoad)
 from shared.protocol.workers import Role
 from shared.runtime.engine_settings import EngineWorkerSettings
+from shared.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class EngineWorker:
             num_generated_tokens_total=stats.num_generated_tokens,
             num_cached_prompt_tokens_total=stats.num_cached_prompt_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
+            num_running_by_priority=stats.num_running_by_priority,
             prefill_tokens_per_s=stats.prefill_tokens_per_s, **fields)
 
     async def warm_up(self) -> None:
@@ -146,6 +148,7 @@ class EngineWorker:
 
     async def publish_load(self) -> None:
         try:
-            await self._bus.publish(self._subjects.load(self.role, self.worker_id), self.load())
+            with tracing.untraced():  # also sent while serving a request, yet part of none
+                await self._bus.publish(self._subjects.load(self.role, self.worker_id), self.load())
         except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
             log.warning("load report failed: %s", exc)

@@ -27,7 +27,9 @@ from shared.planner.costmodel import kv_transfer_s
 from shared.planner.flow import Evaluator
 from shared.planner.plan import Plan
 from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter
-from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
+from shared.cluster.scaling import Autoscaling
+from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
+from shared.policy.autoscale_inputs import Capacities, WorkerSample
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
 from shared.policy.kv_routing import RoutingInput, RoutingWeights, route
 from shared.policy.qos import QosConfig, QosTier
@@ -46,6 +48,7 @@ class SimConfig:
     routing: RoutingWeights = RoutingWeights()
     admission: AdmissionConfig | None = None      # None: workload_admission(the workload's TTFT SLO)
     autoscale: AutoscaleConfig | None = None      # None: roles stay as planned
+    autoscale_window_s: float = 30.0               # demand measured over this long (the service's default)
     # kv_routing weighs load in absolute KV blocks, as the admission service does. With decode
     # workers of different sizes that sends as much work to a small worker as to a big one; with
     # this on, the simulator reports load in blocks scaled to the mean worker size instead.
@@ -118,7 +121,9 @@ class Simulator:
         if not any(w.role == DECODE for w in self.workers):
             raise ValueError("the plan has no decode workers")
         self.admitter = Admitter(cfg.admission or workload_admission(ev.workload.slo.ttft_s))
-        self.autoscaler = RatioAutoscaler(cfg.autoscale) if cfg.autoscale else None
+        # the placeholder capacities are replaced every tick by the plan's, as workers flip
+        self.scaling = Autoscaling(RatioAutoscaler(cfg.autoscale), Capacities(1.0, 1.0),
+                                   window_s=cfg.autoscale_window_s) if cfg.autoscale else None
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = 0.0
@@ -134,7 +139,8 @@ class Simulator:
                            else np.ones(len(self.workers))) / block_size
         self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
         self._routes: dict[tuple[int, int], float] = {}
-        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0}
+        self.num_prompt_tokens = np.zeros(len(self.workers))     # per worker, cumulative, uncached
+        self.num_generated_tokens = np.zeros(len(self.workers))  # (counted when admitted)
         self._busy_start: list[float] = []    # prefill busy intervals, for utilisation per tick
         self._busy_end: list[float] = []
         # Planned per-worker capacity in tokens/s (within SLO), for autoscaling; and the prefill
@@ -235,8 +241,8 @@ class Simulator:
         if not decision.admitted:
             return self._reject(i, REJECT_CAUSES[decision.code])
         self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
-        self._window["prefill_tokens"] += inp - cached
-        self._window["decode_tokens"] += self.out[i]
+        self.num_prompt_tokens[w.index] += inp - cached
+        self.num_generated_tokens[w.index] += self.out[i]
         if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0:
             w.waiting.append(i)
             self.num_waiting[w.index] = len(w.waiting)
@@ -364,33 +370,42 @@ class Simulator:
         r.decode_kv_util.append(sum(w.kv_used for w in dec) / max(sum(w.kv_capacity for w in dec), 1.0))
         r.num_prefill.append(num_p)
         r.num_decode.append(num_d)
-        if self.autoscaler:
-            self._autoscale(num_p, num_d, dt)
-        self._window = {"prefill_tokens": 0.0, "decode_tokens": 0.0}
+        if self.scaling:
+            self._autoscale(num_p, num_d)
         if self.pending > 0:
             self.push(self.now + dt, TICK, 0)
 
-    def _autoscale(self, num_p: int, num_d: int, dt: float) -> None:
-        decision = self.autoscaler.tick(TickInput(
-            self.now, num_p, num_d, self._window["prefill_tokens"] / dt, self._window["decode_tokens"] / dt,
-            self._pool_capacity_tps(PREFILL) / max(num_p, 1), self._pool_capacity_tps(DECODE) / max(num_d, 1)))
-        role, count = (DECODE, decision.flips) if decision.flips > 0 else (PREFILL, -decision.flips)
-        # Flip the workers that are relatively best at the other phase (then the least loaded).
-        gain = (lambda w: self.cap_tps[w.index][0] / max(self.cap_tps[w.index][1], 1e-9)) if role == DECODE \
-            else (lambda w: self.cap_tps[w.index][1] / max(self.cap_tps[w.index][0], 1e-9))
-        candidates = sorted((w for w in self.workers if w.role == role and not w.draining
-                             and (w.prefill_par if role == DECODE else w.decode_par)),
-                            key=lambda w: (-gain(w), w.kv_used, w.index))
-        for w in candidates[:count]:
-            w.draining = True
-            self.res.flips += 1
-            if role == DECODE:
-                self.eligible[w.index] = False
-                if not w.finish_heap and w.kv_used == 0:
-                    self._flip(w, PREFILL)
-            elif w.index in self.idle_prefill:
-                self.idle_prefill.remove(w.index)
-                self._flip(w, DECODE)
+    def _autoscale(self, num_p: int, num_d: int) -> None:
+        """The autoscaler service's own tick (``shared.cluster.scaling``: demand over its window
+        from per-worker counters, no decision while a worker drains, the cooldown counted from when
+        a flip is done, the least busy workers flipped), on this simulation's workers."""
+        self.scaling.defaults = Capacities(self._pool_capacity_tps(PREFILL) / max(num_p, 1),
+                                           self._pool_capacity_tps(DECODE) / max(num_d, 1))
+        plan = self.scaling.plan_samples(self.now, [self._sample(w) for w in self.workers])
+        by_name = {w.name: w for w in self.workers}
+        for flip in plan.flips:
+            w = by_name[flip.worker_id]
+            if w.prefill_par if flip.to_role == PREFILL else w.decode_par:  # it can run the other phase
+                self._start_flip(w)
+        self.scaling.record(plan, [])
+
+    def _sample(self, w: Worker) -> WorkerSample:
+        """What the worker's load report would say: its cumulative counters, as the engine's."""
+        return WorkerSample(w.name, w.role, is_ready=not w.draining, timestamp=self.now,
+                            num_prompt_tokens=int(self.num_prompt_tokens[w.index]), num_cached_prompt_tokens=0,
+                            num_generated_tokens=int(self.num_generated_tokens[w.index]),
+                            num_in_flight=len(w.finish_heap) + len(w.waiting), num_waiting=len(w.waiting))
+
+    def _start_flip(self, w: Worker) -> None:
+        w.draining = True
+        self.res.flips += 1
+        if w.role == DECODE:
+            self.eligible[w.index] = False
+            if not w.finish_heap and w.kv_used == 0:
+                self._flip(w, PREFILL)
+        elif w.index in self.idle_prefill:
+            self.idle_prefill.remove(w.index)
+            self._flip(w, DECODE)
 
     def _flip(self, w: Worker, role: str) -> None:
         w.role, w.draining = role, False

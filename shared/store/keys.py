@@ -29,5 +29,10 @@ class RedisKeys:
         """The JetStream sequence of the last applied event batch (where a restart resumes)."""
         return f"{self._root}:kv:stream_seq"
 
+    def index_built(self) -> str:
+        """Set once the index is built from the event stream; its absence tells a Redis that lost
+        its data (restarted without persistence) from one that holds the index."""
+        return f"{self._root}:kv:built"
+
     def all_prefix(self) -> str:
         return f"{self._root}:"

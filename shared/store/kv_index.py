@@ -41,6 +41,12 @@ async def check_connection(client: redis.Redis, url: str) -> None:
         raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
 
 
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says Redis is down or restarting (as opposed to a bug)."""
+    return isinstance(exc, (redis_errors.ConnectionError, redis_errors.TimeoutError,
+                            redis_errors.BusyLoadingError, OSError))
+
+
 class KvIndexStore:
     def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
         self._r = client
@@ -110,6 +116,16 @@ class KvIndexStore:
 
     async def worker_seqs(self) -> dict[str, int]:
         return {w: int(s) for w, s in (await self._r.hgetall(self._keys.worker_seqs())).items()}
+
+    async def mark_built(self, is_built: bool = True) -> None:
+        if is_built:
+            await self._r.set(self._keys.index_built(), 1)
+        else:
+            await self._r.delete(self._keys.index_built())
+
+    async def is_built(self) -> bool:
+        """False once Redis lost the index (restarted: it keeps no data) until ``mark_built``."""
+        return bool(await self._r.exists(self._keys.index_built()))
 
     async def stream_seq(self) -> int:
         return int(await self._r.get(self._keys.stream_seq()) or 0)

@@ -61,10 +61,11 @@ class ChatTemplate:
         self.source = source
         self._variables = {k: v for k, v in special_tokens.items() if v is not None}
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         conversation = validate_messages(messages)
         try:
-            return self._template.render(messages=conversation, tools=None, documents=None,
+            return self._template.render(messages=conversation, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **self._variables)
         except jinja2.exceptions.TemplateError as exc:

@@ -104,6 +104,10 @@ class Tokenizer:
         """Text of ``ids``; incomplete UTF-8 sequences come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The backend tokenizer as ``tokenizer.json`` text (what grammar libraries read)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -116,13 +120,19 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template.source if self._chat_template else None
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """The prompt text for an OpenAI-style conversation, equal to transformers'
-        ``apply_chat_template(messages, add_generation_prompt=..., tokenize=False)``. Raises
-        ``ValueError`` naming the bad field, or when the model has no chat template."""
+        ``apply_chat_template(messages, add_generation_prompt=..., tools=..., tokenize=False)``.
+        Raises ``ValueError`` naming the bad field, or when the model has no chat template."""
         if self._chat_template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt")
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    @property
+    def chat_template_has_tools(self) -> bool:
+        """Whether the chat template renders tool definitions itself."""
+        return self._chat_template is not None and "tools" in self._chat_template.source
 
     # ----- helpers -----
 

@@ -17,7 +17,7 @@ def tandem(*args, stdin=None):
 
 def test_complete_prints_only_the_completion(smollm2_gguf):
     r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "16", "--model", str(smollm2_gguf),
-               "What is the capital of France?")
+               "--dtype", "float32", "What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert r.stdout == "The capital of France is Paris.\n"
     assert "KV cache:" in r.stderr  # logs go to stderr
@@ -29,6 +29,17 @@ def test_complete_with_int8_linear_layers(smollm2_gguf):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "with int8 linear layers" in r.stderr
+
+
+def test_complete_without_dtype_logs_the_automatic_precision_and_its_reason(smollm2_gguf):
+    from shared.model.precision import choose_precision, cpu_flags
+
+    want = choose_precision("cpu", None, None, cpu_flags())
+    r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "8", "--model", str(smollm2_gguf),
+               "--device", "cpu", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    suffix = "" if want.quantization == "none" else f" + {want.quantization}"
+    assert f"precision {want.dtype}{suffix} on cpu: {want.reason}" in r.stderr
 
 
 def test_complete_reads_stdin_and_honours_seed(smollm2_gguf):
@@ -65,7 +76,7 @@ def test_every_command_has_help(cmd):
 
 def test_chat_keeps_history_and_exits_on_eof(smollm2_gguf, make_engine, smol_tokenizer):
     turns = ["My name is Ada.", "What is my name?"]
-    r = tandem("chat", "--temperature", "0", "--max-tokens", "24", "--model", str(smollm2_gguf),
+    r = tandem("chat", "--temperature", "0", "--max-tokens", "24", "--model", str(smollm2_gguf), "--dtype", "float32",
                stdin="\n".join(turns) + "\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     replies = [part.strip() for part in r.stdout.split("> ") if part.strip()]

@@ -4,17 +4,25 @@ it: every wait has a deadline and fails naming what it waited for."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
 import urllib.request
 
+# Stack tests compare a stack's greedy text with reference_engine's token for token: both run in
+# float32 (the automatic CPU default, int8, calibrates per process and so depends on thread count).
+EXACT_PRECISION = {"dtype": "float32"}
+
 
 @contextlib.contextmanager
 def running_stack(spec, ready_timeout_s: float = 180.0):
     """Start a Stack, wait until it is ready, yield it (its output lines in ``.lines``), stop it.
-    ``TANDEM_TEST_STACK_LOG=1`` prints the lines afterwards."""
+    ``TANDEM_TEST_STACK_LOG=1`` prints the lines afterwards. Workers run in ``EXACT_PRECISION``
+    unless the spec names a dtype or quantization."""
     from shared.runtime.stack import Stack
+
+    spec = dataclasses.replace(spec, decode_flags=_exact(spec.decode_flags), prefill_flags=_exact(spec.prefill_flags))
 
     lines: list[str] = []
     stack = Stack(spec, on_line=lambda name, line: lines.append(f"{name}| {line}"))
@@ -27,6 +35,12 @@ def running_stack(spec, ready_timeout_s: float = 180.0):
         stack.stop()
         if os.environ.get("TANDEM_TEST_STACK_LOG"):
             print("\n".join(lines))
+
+
+def _exact(flags: dict[str, object]) -> dict[str, object]:
+    if "dtype" in flags or "quantization" in flags:
+        return flags
+    return {**EXACT_PRECISION, **flags}
 
 
 def wait_for(predicate, timeout_s: float, what: str):
@@ -88,7 +102,7 @@ def reference_engine(model: str, max_model_len: int, kv_cache_bytes: int):
     from shared.engine import AsyncEngine, EngineConfig
 
     engine = AsyncEngine.start(EngineConfig(model=model, device="cpu", max_model_len=max_model_len,
-                                            kv_cache_memory=kv_cache_bytes))
+                                            kv_cache_memory=kv_cache_bytes, **EXACT_PRECISION))
     try:
         yield engine
     finally:

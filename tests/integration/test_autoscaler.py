@@ -51,14 +51,15 @@ def client(stack):
 
 
 class Load:
-    """Requests from ``make(i)`` → (prompt, max_tokens), two at a time, until stopped; keeps every
-    outcome (text or exception) to check afterwards."""
+    """Requests from ``make(i)`` → (prompt, max_tokens), ``concurrency`` at a time, until stopped;
+    keeps every outcome (text or exception) to check afterwards."""
 
-    def __init__(self, client, make) -> None:
+    def __init__(self, client, make, concurrency: int = 2) -> None:
         self.outcomes: list[tuple[str, int, object]] = []
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(2)
-        self._futures = [self._pool.submit(self._loop, client, make, k) for k in range(2)]
+        self._concurrency = concurrency
+        self._pool = ThreadPoolExecutor(concurrency)
+        self._futures = [self._pool.submit(self._loop, client, make, k) for k in range(concurrency)]
 
     def _loop(self, client, make, k: int) -> None:
         i = k
@@ -69,7 +70,7 @@ class Load:
             except Exception as exc:  # noqa: BLE001 — checked by the test
                 outcome = exc
             self.outcomes.append((prompt, max_tokens, outcome))
-            i += 2
+            i += self._concurrency
 
     def stop(self) -> list[tuple[str, int, object]]:
         self._stop.set()

@@ -7,6 +7,7 @@ goes silent, as a SIGKILLed worker's does, while the test plays the registry vie
 - When no worker is ready, the request waits for one (admission's "unavailable" while its view
   lags is asked again), then continues with the tokens generated so far.
 - That wait is bounded by ``request_timeout_s``: then a 503 with code ``unavailable``.
+- The same wait when the worker is lost before its first token (e.g. during a long prefill).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Cluster:
         self.started_at: float | None = 1.0   # the registered worker's start time; None: not listed
         self.is_ready = True
         self.num_unavailable = 0              # admissions to answer "unavailable" before admitting
+        self.num_first_tokens = 3             # what the first incarnation streams before it goes silent
         self.requests: list[GenerateRequest] = []
         self.gone_silent = asyncio.Event()    # the first incarnation stopped streaming
         self.waiting = asyncio.Event()        # the gateway asked for a ready worker and got none
@@ -57,7 +59,7 @@ class Cluster:
     async def generate(self, request: GenerateRequest):
         """Three tokens then silence (the first request); the rest of max_tokens (a migration)."""
         self.requests.append(request)
-        n = request.sampling.max_tokens if len(self.requests) > 1 else 3
+        n = request.sampling.max_tokens if len(self.requests) > 1 else self.num_first_tokens
         for i in range(n):
             last = i == n - 1 and len(self.requests) > 1
             yield TokenChunk(request_id=request.request_id, index=i, token_ids=[10 + len(request.prompt_token_ids) + i],
@@ -151,4 +153,23 @@ async def test_the_wait_for_a_worker_ends_at_the_request_timeout(setup):
         await asyncio.wait_for(consumer, 20)
     assert (err.value.status, err.value.code) == (503, "unavailable")
     assert len(cluster.requests) == 1
+    await gen.close()
+
+
+async def test_a_worker_lost_before_the_first_token_is_waited_for_too(setup):
+    cluster, generation = setup
+    cluster.num_first_tokens = 0  # dies during the prefill: nothing streamed yet
+    gen = generation()
+    starting = asyncio.create_task(gen.start())
+    await asyncio.wait_for(cluster.gone_silent.wait(), 10)
+    cluster.started_at, cluster.is_ready = None, False
+    waiting = asyncio.create_task(cluster.waiting.wait())
+    await asyncio.wait({waiting, starting}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    assert not starting.done(), f"the request ended instead of waiting: {starting.exception()!r}"
+    cluster.started_at, cluster.is_ready = 2.0, True
+    await asyncio.wait_for(starting, 20)
+    tok = tokenizer()
+    expected = tok.decode(PROMPT + [13 + i for i in range(8)])[len(tok.decode(PROMPT)):]
+    assert await asyncio.wait_for(finish(gen), 20) == expected
+    assert len(cluster.requests) == 2 and cluster.requests[1].prompt_token_ids == PROMPT
     await gen.close()

@@ -216,7 +216,7 @@ def test_engine_kv_written_into_another_engine_equals_its_own(smollm2_gguf):
     peer = PeerProcess()
     writer = NixlTransfer(_name("prefill"))
     try:
-        engine = LLMEngine.from_config(EngineConfig(kv_cache_memory=64 << 20))
+        engine = LLMEngine.from_config(EngineConfig(kv_cache_memory=64 << 20, dtype="float32"))
         tok = engine.tokenizer
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
         assert len(prompt) > 4 * engine.block_size

@@ -57,7 +57,7 @@ def engine():
     from shared.engine import AsyncEngine, EngineConfig
 
     e = AsyncEngine.start(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
-                                       kv_cache_memory=160 << 20))
+                                       kv_cache_memory=160 << 20, dtype="float32"))
     yield e
     e.shutdown()
 

@@ -71,3 +71,42 @@ def test_demand_is_measured_over_the_window_not_the_last_tick():
 def test_a_report_from_the_role_before_a_flip_keeps_the_engines_counters():
     sample = worker_sample(status("d2", 5, prompt=900, generated=900, role="prefill", load_role="decode"))
     assert (sample.role, sample.timestamp, sample.num_prompt_tokens, sample.is_ready) == ("prefill", 5, 900, True)
+
+
+def fleet_scaling():
+    from shared.policy.fleet import FleetAutoscaler, FleetConfig
+
+    return Autoscaling(RatioAutoscaler(AutoscaleConfig(cooldown_s=10, min_prefill=0, min_decode=1)),
+                       Capacities(prefill_tokens_per_s=1000, decode_tokens_per_s=100), window_s=60.0,
+                       fleet=FleetAutoscaler(FleetConfig(min_workers=1, max_workers=3, cooldown_s=10)))
+
+
+def test_a_busy_fleet_plans_a_start_and_waits_for_the_new_worker_before_deciding_again():
+    s = fleet_scaling()
+    s.plan(0.0, [status("d1", 0)])
+    plan = s.plan(2.0, [status("d1", 2, generated=190)])  # 95 tok/s on one worker
+    assert plan.start == "decode" and plan.flips == () and plan.stop is None and "scale up to 2" in plan.reason
+    record = s.record(plan, [ScalingAction(kind="start", worker_id="d2", role="decode", ok=True)])
+    assert (record.num_decode, record.target_decode) == (1, 2)
+    s.started("d2", 2.0)
+    # d2 loads its model before it registers: not in the registry yet, still counted as starting
+    waiting = s.plan(4.0, [status("d1", 4, generated=380)])
+    assert waiting.decision is None and waiting.reason.startswith("waiting for d2")
+    ready = s.plan(6.0, [status("d1", 6, generated=570), status("d2", 6)])
+    assert ready.reason == "fleet cooling down; cooling down" and not ready.is_acting
+
+
+def test_an_idle_fleet_stops_the_worker_with_the_least_in_flight():
+    s = fleet_scaling()
+    s.plan(0.0, [status("d1", 0), status("d2", 0), status("d3", 0)])
+    plan = s.plan(2.0, [status("d1", 2, generated=20, running=2), status("d2", 2, generated=20, running=1),
+                        status("d3", 2, generated=20, running=3)])
+    assert plan.stop == Flip("d2", "decode") and plan.start is None and "scale down to 2" in plan.reason
+    assert s.record(plan, []) is not None
+
+
+def test_without_a_fleet_policy_the_fleet_is_never_resized():
+    s = scaling()
+    s.plan(0.0, [status("d1", 0)])
+    plan = s.plan(2.0, [status("d1", 2, generated=1000, running=8)])
+    assert plan.start is None and plan.stop is None

@@ -15,7 +15,7 @@ from shared.disagg import CLOCK_MARGIN_S, QUEUE_STATE_MAX_AGE_S, RemotePrefills
 from shared.engine import EngineOutput, SamplingParams
 from shared.engine.engine import RemotePrefillSlot
 from shared.policy.disagg import DisaggConfig
-from shared.protocol import GenerateRequest, PrefillNotification, RemotePrefillRequest
+from shared.protocol import GenerateRequest, PrefillLeaseRequest, PrefillNotification, RemotePrefillRequest
 
 MODEL = "smollm2-135m"
 BLOCK = 16
@@ -257,9 +257,17 @@ async def test_no_kv_by_the_end_of_the_window_means_a_local_prefill(caplog):
     assert engine.calls == [("finish", "r1", False), ("release", "r1")]
 
 
-async def test_ok_notification_joins_the_decode_batch_and_holds_the_blocks_until_the_window_closes():
+def lease(prefills, prefill, now, worker="prefill-1"):
+    """A prefill worker claims or renews its lease on ``prefill``'s blocks at ``now``."""
+    return prefills.grant_lease(PrefillLeaseRequest(transfer_id=prefill.transfer_id, request_id=prefill.request_id,
+                                                    prefill_worker_id=worker), now)
+
+
+async def test_ok_notification_joins_the_decode_batch_and_holds_the_blocks_until_the_lease_expires():
     prefills, engine = make()
     prefill = await reserve(prefills)
+    expires_at = lease(prefills, prefill, NOW + 1).expires_at
+    assert expires_at == NOW + 1 + prefills.leases.lease_s
     engine.outputs["r1"] = [EngineOutput("r1", [5], None, None, len(PROMPT), 0, 1),
                             EngineOutput("r1", [6], None, "length", len(PROMPT), 0, 2)]
     prefills.deliver(note(prefill.transfer_id), 4096)
@@ -267,13 +275,55 @@ async def test_ok_notification_joins_the_decode_batch_and_holds_the_blocks_until
     assert got == [5, 6]
     assert prefill.kv_written and prefills.num_remote == 1 and prefills.num_fallbacks == 0
     assert not prefills.has_waiting
-    # the request is done but a write may still land until the window closes: the blocks stay held
-    prefills.tick(prefill.window_end - 0.001)
+    # the request is done but its writer may still write until its lease expires: the blocks stay held
+    prefills.tick(expires_at - 0.001)
     assert engine.calls == [("finish", "r1", True)]
-    prefills.tick(prefill.window_end)
+    prefills.tick(expires_at)
     assert engine.calls == [("finish", "r1", True), ("release", "r1")]
-    prefills.tick(prefill.window_end + 60)  # released once
+    prefills.tick(expires_at + 60)  # released once
     assert engine.calls.count(("release", "r1")) == 1
+    assert lease(prefills, prefill, NOW + 2).expires_at is None  # nothing more is granted on it
+
+
+async def test_a_lapsed_lease_means_a_local_prefill_and_the_blocks_back_at_once(caplog):
+    """The prefill worker that claimed the blocks stops renewing (it died): when its lease expires
+    the request prefills locally, long before the window ends, and a late claim is refused."""
+    prefills, engine = make()
+    prefill = await reserve(prefills)
+    lease(prefills, prefill, NOW + 1)
+    expires_at = lease(prefills, prefill, NOW + 2).expires_at  # a renewal, then silence
+    prefills.tick(expires_at - 0.001)
+    assert not prefill.future.done()
+    with caplog.at_level(logging.WARNING, "shared.disagg.remote_prefill"):
+        prefills.tick(expires_at)
+    assert prefill.future.done() and prefill.future.result() is None
+    assert "lease lapsed" in caplog.text
+    assert expires_at < prefill.window_end
+    assert lease(prefills, prefill, expires_at + 0.1, worker="prefill-1").expires_at is None  # it woke up
+    assert [out async for out in prefills.outputs(prefill)] == []
+    assert engine.calls == [("finish", "r1", False)] and prefills.num_fallbacks == 1
+    prefills.tick(expires_at + 0.1)  # no lease can be valid any more: released on the next tick
+    assert engine.calls[-1] == ("release", "r1")
+
+
+async def test_a_second_holder_keeps_the_reservation_alive():
+    """A redelivery to another prefill worker while the first is slow: either may write."""
+    prefills, engine = make()
+    prefill = await reserve(prefills)
+    first = lease(prefills, prefill, NOW + 1).expires_at
+    second = lease(prefills, prefill, NOW + 3, worker="prefill-2").expires_at
+    prefills.tick(first)
+    assert not prefill.future.done()
+    prefills.tick(second)
+    assert prefill.future.done()
+
+
+async def test_an_unclaimed_reservation_waits_for_its_window():
+    prefills, engine = make()
+    prefill = await reserve(prefills)
+    prefills.tick(prefill.window_end - 0.001)
+    assert not prefill.future.done()
+    assert prefills.leases.lapsed(prefill.window_end - 0.001) == []
 
 
 @pytest.mark.parametrize("how", ["failed", "cancel"])
@@ -289,9 +339,10 @@ async def test_no_kv_means_a_local_prefill(how):
     assert engine.calls == [("finish", "r1", False)]
 
 
-async def test_a_cancelled_wait_aborts_the_request_and_holds_its_blocks_for_the_window():
+async def test_a_cancelled_wait_aborts_the_request_and_holds_its_blocks_for_the_lease():
     prefills, engine = make()
     prefill = await reserve(prefills)
+    expires_at = lease(prefills, prefill, NOW + 1).expires_at
     task = asyncio.ensure_future(anext(prefills.outputs(prefill)))
     await asyncio.sleep(0)  # one loop turn: the task runs up to its wait for the notification
     assert not task.done() and engine.calls == []
@@ -300,7 +351,9 @@ async def test_a_cancelled_wait_aborts_the_request_and_holds_its_blocks_for_the_
         await task
     assert engine.calls == [("abort", "r1"), ("finish", "r1", False), ("discard", "r1")]
     assert not prefills.has_waiting
-    prefills.tick(prefill.window_end)
+    prefills.tick(expires_at - 0.001)
+    assert engine.calls[-1] == ("discard", "r1")
+    prefills.tick(expires_at)
     assert engine.calls[-1] == ("release", "r1")
 
 
@@ -365,3 +418,19 @@ async def test_without_nixl_the_decode_worker_says_so_and_prefills_locally(monke
     assert "remote prefill OFF: NIXL is not importable" in caplog.text
     with pytest.raises(ServiceError, match="NIXL is not importable"):
         roles.check("prefill")
+
+
+async def test_a_written_remote_prefill_knows_its_timeline_for_the_ttft_phases():
+    from shared.telemetry.phases import RemoteTimes
+
+    prefills, engine = make()
+    prefill, failed = await reserve(prefills), await reserve(prefills, "r2")
+    prefill.published_at = failed.published_at = 100.0
+    engine.outputs["r1"] = [EngineOutput("r1", [5], None, "length", len(PROMPT), 0, 1)]
+    prefills.deliver(note(prefill.transfer_id, queue_wait_s=0.2, prefill_s=0.5), 4096, received_at=101.0)
+    prefills.deliver(note(failed.transfer_id, "r2", status="failed"), 0, received_at=101.0)
+    assert prefill.times() is None  # not before the request has taken its notification
+    _ = [out async for out in prefills.outputs(prefill)]
+    _ = [out async for out in prefills.outputs(failed)]
+    assert prefill.times() == RemoteTimes(100.0, 101.0, 0.2, 0.5)
+    assert failed.times() is None  # no KV written: it prefilled locally, the engine dates that

@@ -16,12 +16,13 @@ from services.gateway.__main__ import StatusPage, format_status
 from shared.cluster.view import ClusterView
 from shared.cluster.workers import ready_workers
 from shared.kvcache.hashing import hash_blocks
-from shared.openai_api.adapters import ChatAdapter, CompletionAdapter, Delta, ResponseHead, parse_body
+from shared.openai_api.adapters import ChatAdapter, Choice, CompletionAdapter, Delta, ResponseHead, parse_body
 from shared.openai_api.auth import ApiKeys
 from shared.planner.config import ConfigError
 from shared.policy.qos import QosConfig, QosTier
 from shared.openai_api.errors import ApiError
 from shared.openai_api.generate_request import build_generate_request, max_tokens_in_context
+from shared.openai_api.fields import CHAT_FIELDS
 from shared.openai_api.models import ChatCompletionRequest
 from shared.protocol import TokenLogprob, WorkerInfo, WorkerLoad
 from shared.runtime.service import every
@@ -127,35 +128,36 @@ def test_completion_prompts(tok):
 def test_chat_chunks_and_response(tok):
     entry = TokenLogprob(token_id=4, logprob=-0.5)
     api = chat(tok, logprobs=True)
-    assert api.opening_chunks(HEAD)[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    chunk = api.chunk(HEAD, Delta("hello", [entry]), offset=0)
+    assert api.opening_chunks(HEAD, 0)[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunk = api.chunk(HEAD, 0, Delta("hello", [entry]), offset=0)
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "hello"}
     assert chunk["choices"][0]["logprobs"]["content"][0]["token"] == "hello"
-    assert api.chunk(HEAD, Delta("", [], "stop"), offset=5)["choices"][0] == {
-        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
-    full = api.response(HEAD, "hello", "stop", [entry], {"total_tokens": 1})
+    assert api.chunk(HEAD, 2, Delta("", [], "stop"), offset=5)["choices"][0] == {
+        "index": 2, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    full = api.response(HEAD, [api.choice(0, Choice("hello", "stop", [entry]))], {"total_tokens": 1})
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
-    assert chat(tok).response(HEAD, "x", "length", [entry], {})["choices"][0]["logprobs"] is None
+    assert full["object"] == "chat.completion" and full["usage"] == {"total_tokens": 1}
+    assert chat(tok).choice(0, Choice("x", "length", [entry]))["logprobs"] is None
     assert api.usage_chunk(HEAD, {"total_tokens": 1})["object"] == "chat.completion.chunk"
 
 
 def test_completion_chunks_and_response(tok):
     entries = [TokenLogprob(token_id=4, logprob=-0.5), TokenLogprob(token_id=5, logprob=-1.0)]
     api = completion(tok, logprobs=0)
-    assert api.opening_chunks(HEAD) == []
-    chunk = api.chunk(HEAD, Delta("helloworld", entries), offset=3)
+    assert api.opening_chunks(HEAD, 0) == []
+    chunk = api.chunk(HEAD, 0, Delta("helloworld", entries), offset=3)
     assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "helloworld"
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [3, 8]
-    full = api.response(HEAD, "helloworld", "length", entries, {})
-    assert full["choices"][0]["logprobs"]["text_offset"] == [0, 5]
-    assert completion(tok).chunk(HEAD, Delta("a", entries), 0)["choices"][0]["logprobs"] is None
+    full = api.response(HEAD, [api.choice(1, Choice("helloworld", "length", entries))], {})
+    assert full["choices"][0]["logprobs"]["text_offset"] == [0, 5] and full["choices"][0]["index"] == 1
+    assert completion(tok).chunk(HEAD, 0, Delta("a", entries), 0)["choices"][0]["logprobs"] is None
     assert api.usage_chunk(HEAD, {})["object"] == "text_completion"
 
 
 @pytest.mark.parametrize("raw,code", [(b"{", "invalid_json"), (b"[1]", "invalid_json"),
                                       (b'{"model": "m"}', "missing_parameter")])
 def test_bad_bodies_are_400(raw, code):
-    err = error_of(lambda: parse_body(raw, ChatCompletionRequest))
+    err = error_of(lambda: parse_body(raw, ChatCompletionRequest, CHAT_FIELDS))
     assert (err.status, err.code) == (400, code)
 
 
@@ -191,13 +193,17 @@ def test_status_table_reads_the_typed_page():
 
 
 def test_status_lists_every_services_metrics_address():
-    page = StatusPage.model_validate({"timestamp": 1.0, "services": [
-        {"instance_id": "admission-h-7", "service": "admission", "metrics_url": "http://h:4001/metrics"},
-        {"instance_id": "w1", "service": "decode", "metrics_url": "http://h:4002/metrics", "num_restarts": 2}]})
+    page = StatusPage.model_validate({"timestamp": 100.0, "services": [
+        {"instance_id": "admission-h-7", "service": "admission", "metrics_url": "http://h:4001/metrics",
+         "pid": 7, "started_at": 40.0},
+        {"instance_id": "w1", "service": "decode", "metrics_url": "http://h:4002/metrics", "num_restarts": 2,
+         "pid": 9, "started_at": 90.0},
+        {"instance_id": "kv-index-0a1b", "service": "kv-index"}]})  # an older process: no metrics, no start
     lines = format_status(page).splitlines()
-    assert lines[-3].split() == ["SERVICE", "INSTANCE", "RST", "METRICS"]
-    assert lines[-2].split() == ["admission", "admission-h-7", "0", "http://h:4001/metrics"]
-    assert lines[-1].split() == ["decode", "w1", "2", "http://h:4002/metrics"]
+    assert lines[-4].split() == ["SERVICE", "PID", "RST", "UP", "s", "INSTANCE", "METRICS"]
+    assert lines[-3].split() == ["admission", "7", "0", "60", "admission-h-7", "http://h:4001/metrics"]
+    assert lines[-2].split() == ["decode", "9", "2", "10", "w1", "http://h:4002/metrics"]
+    assert lines[-1].split() == ["kv-index", "0", "0", "-", "kv-index-0a1b", "-"]
 
 
 def test_status_shows_the_autoscalers_decisions_with_their_reasons():
@@ -210,6 +216,13 @@ def test_status_shows_the_autoscalers_decisions_with_their_reasons():
     assert lines[-2] == "autoscaling: on; last tick: cooling down"
     assert lines[-1].endswith("prefill 0->1, decode 2->1 (1500 prompt tok/s, 3 output tok/s): prefill share 0.97 "
                               "wanted, have 0.00; flip d2 to prefill: ok (draining)")
+    scaled = StatusPage.model_validate({"timestamp": 1.0, "scaling": {"enabled": True, "recent": [{
+        "timestamp": 0.0, "reason": "utilisation 0.30, 2.0 waiting per worker: scale up to 2", "num_prefill": 0,
+        "num_decode": 1, "target_prefill": 0, "target_decode": 2,
+        "actions": [{"kind": "start", "worker_id": "d3", "role": "decode", "ok": True, "message": "pid 7"}]}]}})
+    assert format_status(scaled).splitlines()[-1].endswith(
+        "decode 1->2 (0 prompt tok/s, 0 output tok/s): utilisation 0.30, 2.0 waiting per worker: scale up to 2; "
+        "start d3 as decode: ok (pid 7)")
     off = StatusPage.model_validate({"timestamp": 1.0, "scaling": {"enabled": False}})
     assert format_status(off).splitlines()[-1] == "autoscaling: off"
 

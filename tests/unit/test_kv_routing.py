@@ -82,6 +82,9 @@ def test_prefill_backlog_ahead_counts_own_and_higher_priorities_plus_unreported_
     assert (entry.load.num_waiting_ahead(1), entry.load.num_waiting_ahead(2)) == (1, 6)
     assert entry.prefill_tokens_ahead(priority=1, block_size=16, now=10.0) == 140
     assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=10.0) == 100
-    v.note_admitted("a", 3, now=11.0)   # 3 blocks to prefill, priority unknown until reported
+    v.note_admitted("a", 3, now=11.0)   # 3 blocks to prefill, priority unknown: ahead of everyone
     assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=11.0) == 100 + 48
     assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=11.0 + 60) == 100  # expired
+    v.note_admitted("a", 2, now=12.0, priority=2)   # a batch admission is behind premium, not standard's
+    assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=12.0) == 100 + 48
+    assert entry.prefill_tokens_ahead(priority=2, block_size=16, now=12.0) == 1140 + 48 + 32

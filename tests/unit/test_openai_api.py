@@ -29,11 +29,14 @@ def test_stop_strings(stops, pieces, expected, stopped):
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"model": "m", "messages": "hi"}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "model"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -101}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": list("abcde")}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
 ])
 def test_chat_validation_names_the_parameter(body, param):
@@ -47,7 +50,7 @@ def test_valid_requests_and_defaults():
     chat = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2, "stop": "x",
-        "stream_options": {"include_usage": True}, "some_future_param": 1})
+        "stream_options": {"include_usage": True}})
     assert (chat.requested_max_tokens(), chat.num_logprobs(), chat.stop_strings()) == (3, 2, ["x"])
     assert chat.include_usage() and chat.messages[0].text() == "hi"
     comp = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]})

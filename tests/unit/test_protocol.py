@@ -7,7 +7,8 @@ from shared.protocol import (AdmissionDecision, AllBlocksClearedEvent, BlockRemo
                              BlockStoredEvent, CancelRequest, ClusterStatusRequest,
                              ClusterStatusResult, ControlRequest, ControlResult, ErrorReply,
                              GenerateRequest, KvEventBatch, KvMatchRequest, KvMatchResult,
-                             PrefillNotification, RemotePrefillRequest, SamplingParams, ScalingAction,
+                             PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
+                             RemotePrefillRequest, SamplingParams, ScaleRequest, ScaleResult, ScalingAction,
                              ScalingDecisionRecord, ScalingStatus, Subjects,
                              TokenChunk, TokenLogprob, TopLogprob,
                              ServiceInfo, WorkerInfo, WorkerLoad, WorkerOverlap, WorkerStatus)
@@ -53,6 +54,14 @@ EXAMPLES = [
                               num_decode=2, target_prefill=1, target_decode=1, prefill_tokens_per_s=900.0,
                               actions=[ScalingAction(kind="flip", worker_id="decode-1", role="prefill", ok=True)])])),
     ErrorReply(code="bad_request", message="bad", field="prompt_token_ids"),
+    ControlRequest(action="stop", drain_timeout_s=300.0),
+    ScaleRequest(action="start", role="decode", reason="utilisation 0.95"),
+    ScaleRequest(action="stop", role="decode", worker_id="decode-2", reason="utilisation 0.10"),
+    ScaleResult(worker_id="decode-3", pid=123),
+    ScalingAction(kind="start", worker_id=None, role="decode", ok=False, message="no responders"),
+    PrefillLeaseRequest(transfer_id="t1", request_id="r1", prefill_worker_id="prefill-1"),
+    PrefillLeaseResult(transfer_id="t1", expires_at=12.5, lease_s=4.0),
+    PrefillLeaseResult(transfer_id="t1"),
 ]
 
 
@@ -66,6 +75,14 @@ def test_a_flip_names_its_role_and_only_a_flip_does():
         ControlRequest(action="flip")
     with pytest.raises(ValidationError, match="role"):
         ControlRequest(action="drain", role="decode")
+
+
+def test_a_stop_names_its_worker_and_only_a_stop_does():
+    with pytest.raises(ValidationError, match="worker_id"):
+        ScaleRequest(action="stop", role="decode")
+    with pytest.raises(ValidationError, match="worker_id"):
+        ScaleRequest(action="start", role="decode", worker_id="decode-1")
+    assert Subjects("ns").fleet_scale().subject == "ns.v1.up.scale"
 
 
 def test_unknown_fields_are_ignored_and_models_are_frozen():

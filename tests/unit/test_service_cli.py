@@ -21,7 +21,8 @@ def test_every_settings_field_is_a_flag(service):
             assert getattr(build_parser().parse_args([service, flag]), name) is True, flag
             assert getattr(build_parser().parse_args([service, "--no-" + flag[2:]]), name) is False, flag
             continue
-        value = get_args(field.annotation)[-1] if get_origin(field.annotation) is Literal else "1"
+        literal = next((a for a in (field.annotation, *get_args(field.annotation)) if get_origin(a) is Literal), None)
+        value = get_args(literal)[-1] if literal is not None else "1"  # an optional Literal keeps its choices
         parsed = build_parser().parse_args([service, flag, value])
         assert getattr(parsed, name) == value, flag
 
@@ -64,7 +65,7 @@ def test_quantization_reaches_the_engine_config_and_the_stack_workers(monkeypatc
     from services.up.service import spec_from_settings
 
     assert DecodeSettings(quantization="int8").engine_config().quantization == "int8"
-    assert DecodeSettings().engine_config().quantization == "none"
+    assert DecodeSettings().engine_config().quantization is None  # the engine picks the device's fastest
     monkeypatch.setenv("TANDEM_QUANTIZATION", "int8")
     args = build_parser().parse_args(["prefill"])
     assert settings_from_args(args.settings_class, args).engine_config().quantization == "int8"
@@ -74,6 +75,35 @@ def test_quantization_reaches_the_engine_config_and_the_stack_workers(monkeypatc
         build_parser().parse_args(["decode", "--quantization", "int4"])
 
 
+def test_up_passes_dtype_and_num_threads_to_every_worker_and_only_when_given():
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+
+    spec = spec_from_settings(UpSettings(dtype="float32", num_threads=1, prefill=1))
+    for flags in (spec.decode_flags, spec.prefill_flags):
+        assert flags["dtype"] == "float32" and flags["num_threads"] == 1 and "quantization" not in flags
+    args = build_parser().parse_args(["up", "--dtype", "bfloat16", "--num-threads", "2"])
+    up = settings_from_args(args.settings_class, args)
+    assert (up.dtype, up.num_threads) == ("bfloat16", 2)
+    assert not {"dtype", "num_threads", "quantization"} & set(spec_from_settings(UpSettings()).decode_flags)
+
+
 def test_remote_prefill_window_must_cover_a_kv_write(capsys):
     assert main(["decode", "--remote-prefill-timeout-s", "4", "--kv-write-timeout-s", "5"]) == 2
     assert "remote_prefill_timeout_s" in capsys.readouterr().err
+
+
+def test_up_autoscale_bounds_reach_the_autoscaler_and_bad_ones_are_one_line(capsys):
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+
+    spec = spec_from_settings(UpSettings(autoscale=True, min_workers=1, max_workers=3))
+    assert spec.autoscaler_flags == {"autoscale": True, "min_workers": 1, "max_workers": 3}
+    assert spec.fleet_drain_timeout_s == 300.0
+    fixed = spec_from_settings(UpSettings(autoscale=True, decode=2))  # flips only: no fleet manager
+    assert fixed.autoscaler_flags == {"autoscale": True} and fixed.fleet_drain_timeout_s is None
+    assert spec_from_settings(UpSettings()).autoscaler_flags == {}
+    assert main(["up", "--max-workers", "3"]) == 2
+    assert "min_workers and max_workers need autoscale" in capsys.readouterr().err
+    assert main(["up", "--autoscale", "--decode", "4", "--max-workers", "3"]) == 2
+    assert "must lie between min_workers (4) and max_workers (3)" in capsys.readouterr().err

@@ -49,6 +49,15 @@ def test_a_clean_exit_is_not_restarted():
     assert policy.num_restarts("decode-2") == 0
 
 
+def test_a_server_is_restarted_even_after_a_clean_exit():
+    policy = RestartPolicy(BACKOFF)
+    policy.started("nats-server", 0.0)
+    decision = policy.exited("nats-server", 0, 5.0, is_crash=True)
+    assert (decision.restart_in_s, decision.num_restarts) == (0.5, 1)
+    assert decision.describe() == "nats-server exited (exit code 0) after 5.0s; restart 1 in 0.5s"
+    assert policy.due(5.5) == ["nats-server"]
+
+
 def test_an_exit_is_recorded_once_per_start():
     policy = RestartPolicy(BACKOFF)
     policy.started("gateway", 0.0)

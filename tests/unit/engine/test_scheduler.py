@@ -84,6 +84,8 @@ def test_a_higher_priority_request_takes_the_slot_of_the_lowest_priority_runner(
     assert out.preempted == ["batch-new"]            # the latest arrival of the lowest priority
     assert [x.request.request_id for x in out.scheduled] == ["batch-old", "premium"]
     assert [r.request_id for r in s.waiting] == ["batch-new", "also-batch"]
+    backlog = s.backlog()  # what admission's slot-wait prediction reads, by priority
+    assert (backlog.num_running, backlog.num_waiting) == ({2: 1, 0: 1}, {2: 2})
     s.kv.check_integrity()
     run_to_end(s)
     assert not s.requests and s.kv.pool.num_used_blocks == 0

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from shared.policy.kv_routing import (RoutingInput, RoutingWeights, WorkerLoadVi
                                       route_costs)
 from shared.policy.prefill_queue import LevelPicker
 from shared.policy.qos import QosConfig, QosTier, load_qos, parse_api_keys
+from shared.protocol import WorkerLoad
 
 # --- conditional disaggregation -----------------------------------------------------------------
 
@@ -186,6 +189,30 @@ def test_tier_queue_limit_unknown_tier_and_too_long_prompts():
         admitter.decide(_adm(tier="gold"))
     d = admitter.decide(_adm(prompt=200_000))
     assert not d.admitted and d.code == "prompt_too_long" and d.retry_after_s == 0
+
+def test_lower_tiers_are_shed_before_their_batch_pushes_a_higher_tiers_itl_over_its_budget():
+    qos = QosConfig(default_tier="batch", tiers={
+        "premium": QosTier(priority=0, ttft_slo_ms=2000, itl_slo_ms=200), "batch": QosTier(priority=2)})
+    admitter = Admitter(AdmissionConfig(qos))
+
+    def on_worker(tier, itl_s, num_running):
+        return admitter.decide(dataclasses.replace(_adm(tier), itl_s=itl_s, num_running=num_running))
+
+    assert on_worker("batch", 0.150, 3).admitted                     # 150 ms · 4/3 = 200 ms: within
+    shed = on_worker("batch", 0.180, 4)                              # 180 ms · 5/4 = 225 ms > 200 ms
+    assert not shed.admitted and shed.code == "shedding" and "225ms, over the 200ms budget" in shed.reason
+    assert on_worker("premium", 0.180, 4).admitted                   # the budget holds back lower tiers only
+    assert on_worker("batch", None, 4).admitted                      # no ITL measured yet
+
+
+def test_a_full_batch_of_lower_priority_does_not_delay_a_higher_tier():
+    load = WorkerLoad(worker_id="d", role="decode", seq=1, timestamp=0.0, num_running=8,
+                      num_running_by_priority={0: 2, 2: 6}, num_waiting_by_priority={2: 5})
+    assert (load.num_running_ahead(0), load.num_running_ahead(2)) == (2, 8)
+    assert (load.num_waiting_ahead(0), load.num_waiting_ahead(2)) == (0, 5)
+    older = WorkerLoad(worker_id="d", role="decode", seq=1, timestamp=0.0, num_running=8)  # reports no split
+    assert older.num_running_ahead(0) == 8
+
 
 # --- prefill queue order -----------------------------------------------------------------------------
 

@@ -1,0 +1,154 @@
+"""Grammar state per request and the batch's token masks.
+
+A request's state is a function of the tokens it has generated under its grammar, and nothing
+else: ``GrammarTable.masks`` brings each matcher up to the request's tokens before computing its
+mask (the token sampled last step is consumed then). So a preempted request, whose tokens are
+kept, continues where it was; a matcher that is lost or behind (a request that moved to another
+worker with its output so far appended to its prompt) is rebuilt and replayed from the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.torch
+import torch
+
+from shared.grammar.spec import GrammarSpec, compile_grammar
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerGrammars:
+    """One model's vocabulary as llguidance sees it (building it takes about a second: once per
+    engine), and the factory of matchers over it."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                   eos_token=self.eos_token_ids)
+        self.executor = llguidance.LLExecutor()
+
+    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        """Raises GrammarError for a grammar that does not compile."""
+        return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec), log_level=0))
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: the tokens consumed so far."""
+
+    def __init__(self, ll_matcher: llguidance.LLMatcher) -> None:
+        self.ll = ll_matcher
+        self.num_consumed = 0
+
+    def advance_to(self, token_ids: Sequence[int]) -> None:
+        """Consume ``token_ids[num_consumed:]``; ``token_ids`` extends what was consumed before."""
+        for token in token_ids[self.num_consumed:]:
+            if not self.ll.is_stopped():
+                self.ll.consume_token(token)
+        self.num_consumed = len(token_ids)
+
+    @property
+    def is_error(self) -> bool:
+        return self.ll.is_error()
+
+
+class GrammarTable:
+    """request id → matcher, for the requests of one sampler that have a grammar.
+
+    ``prefetch`` (called right after sampling, with the tokens just sampled) consumes them and
+    computes the next step's masks on a worker thread — llguidance releases the GIL — while the
+    next forward runs, as vLLM and SGLang overlap them. ``masks_for`` uses a prefetched row only
+    when it was computed for exactly the request's tokens now; anything else is computed then.
+    Matchers are touched by one thread at a time: every entry point first waits for the prefetch.
+    """
+
+    def __init__(self, grammars: TokenizerGrammars) -> None:
+        self.grammars = grammars
+        self._matchers: dict[str, GrammarMatcher] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pending: Future | None = None
+        self._prefetched: dict[str, tuple[tuple, torch.Tensor]] = {}  # id → (tokens' key, allowed [V])
+        self.num_prefetch_hits = 0
+
+    def forget(self, request_id: str) -> None:
+        self._wait()
+        self._matchers.pop(request_id, None)
+        self._prefetched.pop(request_id, None)
+
+    def prefetch(self, items: Sequence[tuple[str, GrammarSpec, list[int]]]) -> None:
+        """Start computing the masks after ``items``' (request id, spec, tokens so far) tokens."""
+        self._wait()
+        self._prefetched.clear()
+        if items:
+            self._pending = self._pool.submit(self._compute, list(items))
+
+    def _compute(self, items: list[tuple[str, GrammarSpec, list[int]]]) -> None:
+        matchers = [self.sync(rid, spec, tokens) for rid, spec, tokens in items]
+        allowed = self.masks(matchers)
+        self._prefetched = {rid: (_key(tokens), allowed[i]) for i, (rid, _, tokens) in enumerate(items)}
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 — the masks are computed again when needed
+                log.exception("grammar prefetch failed")
+                self._prefetched.clear()
+
+    def masks_for(self, items: Sequence[tuple[str, GrammarSpec, list[int]]]) -> torch.Tensor:
+        """allowed: [len(items), vocab] bool after each item's tokens: prefetched rows where they
+        match, the rest computed now in one call."""
+        self._wait()
+        rows: list[torch.Tensor | None] = []
+        for rid, _, tokens in items:
+            hit = self._prefetched.get(rid)
+            rows.append(hit[1] if hit is not None and hit[0] == _key(tokens) else None)
+        self.num_prefetch_hits += sum(r is not None for r in rows)
+        missing = [i for i, r in enumerate(rows) if r is None]
+        if missing:
+            computed = self.masks([self.sync(*items[i]) for i in missing])
+            for j, i in enumerate(missing):
+                rows[i] = computed[j]
+        return torch.stack(rows)
+
+    def sync(self, request_id: str, spec: GrammarSpec, token_ids: Sequence[int]) -> GrammarMatcher:
+        """The request's matcher, having consumed exactly ``token_ids`` (rebuilt and replayed
+        when it is missing or has consumed more, e.g. after a restart of the request)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.num_consumed > len(token_ids):
+            matcher = self._matchers[request_id] = self.grammars.matcher(spec)
+        matcher.advance_to(token_ids)
+        return matcher
+
+    def masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+        """allowed: [len(matchers), vocab] bool. A matcher in an error state (it was handed a token
+        its grammar refuses) allows only the end-of-sequence tokens, so its request ends."""
+        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.grammars.vocab_size)
+        healthy = [(m.ll, row) for row, m in enumerate(matchers) if not m.is_error]
+        if healthy:
+            llguidance.torch.fill_next_token_bitmask_par(self.grammars.executor, healthy, bitmask)
+        allowed = unpack_bitmask(bitmask, self.grammars.vocab_size)
+        for row, m in enumerate(matchers):
+            if m.is_error:
+                log.warning("grammar matcher in error (%s); ending the request", m.ll.get_error())
+                allowed[row] = False
+                allowed[row, self.grammars.eos_token_ids] = True
+        return allowed
+
+
+def _key(tokens: Sequence[int]) -> tuple:
+    """Which tokens a prefetched mask was computed after (they only ever grow by appending)."""
+    return len(tokens), tokens[-1] if tokens else None
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask: [S, ceil(V / 32)] int32, bit j of word w is token 32w + j → [S, V] bool."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [S, W, 32]
+    return bits.flatten(1)[:, :vocab_size].bool()

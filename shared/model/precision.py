@@ -1,0 +1,64 @@
+"""The precision an engine runs in when the user names none: chosen from what the CPU can do.
+
+On a CPU a decode step is bound by reading the weights and by per-op overhead, so the fastest
+precision is the one whose matmuls the CPU has instructions for. Measured on an AVX-512 CPU with
+VNNI and AVX512-BF16 but no AMX (SmolLM2-135M, one decode worker, aggregate output tokens/s at
+1 / 8 / 32 streams): float32 31 / 109 / 193, bfloat16 41 / 216 / 312, int8 W8A8 69 / 245 / 420.
+One batch-1 decode step, configurations interleaved in one run on a busy machine (load average
+7-14 on 2 cores): with 1 thread int8 115 ms median / 68 ms min against float32 205 / 160; with 2
+threads the least disturbed steps (min) int8 71 ms, bfloat16 107, float32 132, while the medians
+were even (int8's many small parallel ops wait longest on descheduled threads). So int8 wins
+wherever VNNI exists; bfloat16 is next where the CPU multiplies bf16 natively;
+float32 otherwise. int8's error against float32 stays within the bounds that
+tests/engine/test_quantization_smollm2.py checks on the real model.
+
+An explicit dtype or quantization is always kept as given: ``--dtype float32`` is the precision
+that matches transformers exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str  # float32, bfloat16 or float16: weights other than int8 ones, activations, KV cache
+    quantization: str  # none or int8 (the linear layers)
+    reason: str  # why: for the start-up log
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo is not readable, e.g. not on Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def choose_precision(device_type: str, dtype: str | None, quantization: str | None,
+                     flags: frozenset[str] = frozenset()) -> Precision:
+    """The given dtype/quantization when either is given (the other at its plain default), else the
+    fastest precision for the device: bfloat16 on a GPU; on a CPU int8 with VNNI, bfloat16 with
+    native bf16 instructions, float32 otherwise."""
+    if dtype is not None or quantization is not None:
+        default_dtype = "bfloat16" if device_type == "cuda" else "float32"
+        return Precision(dtype or default_dtype, quantization or "none", "given")
+    if device_type != "cpu":
+        return Precision("bfloat16", "none", f"default on {device_type}")
+    vnni = [f for f in VNNI_FLAGS if f in flags]
+    if vnni:
+        return Precision("float32", "int8", f"CPU has {vnni[0]}: int8 matmuls are the fastest "
+                                            "(pass --dtype float32 for exact float32)")
+    bf16 = [f for f in BF16_FLAGS if f in flags]
+    if bf16:
+        return Precision("bfloat16", "none", f"CPU has {bf16[0]} but no VNNI")
+    return Precision("float32", "none", "CPU has neither VNNI nor native bfloat16")

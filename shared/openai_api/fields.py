@@ -1,0 +1,150 @@
+"""Every request parameter of ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``
+and what Tandem does with it: implemented, accepted and ignored (it has no meaning here), or refused with a 400 naming
+it. A parameter no table lists is refused too ("Unrecognized request argument", as OpenAI does), so
+nothing a client sends is silently dropped. The README's table is ``markdown_table()``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.openai_api.errors import ApiError
+
+
+class Status(enum.Enum):
+    IMPLEMENTED = "implemented"
+    IGNORED = "accepted, ignored"
+    REFUSED = "400"
+    EXTENSION = "extension"
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    status: Status
+    note: str = ""
+    # REFUSED fields: values that mean "off" and are accepted anyway (e.g. ``modalities: ["text"]``)
+    accepts: Callable[[Any], bool] = lambda value: value is None
+
+
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in values
+
+
+I, X, R, E = Status.IMPLEMENTED, Status.IGNORED, Status.REFUSED, Status.EXTENSION
+
+_COMMON: dict[str, FieldRule] = {
+    "model": FieldRule(I, "may be omitted when one model is served"),
+    "stream": FieldRule(I),
+    "stream_options": FieldRule(I, "`include_usage`"),
+    "temperature": FieldRule(I),
+    "top_p": FieldRule(I),
+    "presence_penalty": FieldRule(I),
+    "frequency_penalty": FieldRule(I),
+    "seed": FieldRule(I, "per-request generator; choice i of `n` uses seed + i"),
+    "stop": FieldRule(I, "up to 4 strings"),
+    "n": FieldRule(I, "up to 16; the choices share the prompt's KV blocks (prefix cache)"),
+    "logit_bias": FieldRule(I, "token id → bias in [-100, 100]; -100 bans the token"),
+    "max_tokens": FieldRule(I),
+    "user": FieldRule(X, "no per-user accounting here"),
+    "top_k": FieldRule(E, "as vLLM"),
+    "min_p": FieldRule(E, "as vLLM"),
+    "repetition_penalty": FieldRule(E, "as vLLM"),
+    "ignore_eos": FieldRule(E, "as vLLM"),
+    "guided_regex": FieldRule(E, "as vLLM: the output matches the regex"),
+}
+
+CHAT_FIELDS: dict[str, FieldRule] = {
+    **_COMMON,
+    "messages": FieldRule(I, "text content parts only; `tool` role accepted"),
+    "max_completion_tokens": FieldRule(I),
+    "logprobs": FieldRule(I),
+    "top_logprobs": FieldRule(I, "up to 20"),
+    "response_format": FieldRule(I, "`text`, `json_object`, `json_schema` (enforced token by token, "
+                                 "`strict` or not); a schema feature not implemented is a 400 naming it"),
+    "tools": FieldRule(I, "functions; in the chat template when it renders tools, else a system message"),
+    "tool_choice": FieldRule(I, "`none`, `auto`, `required`, a named function (the last two by grammar)"),
+    "parallel_tool_calls": FieldRule(I, "false: at most one call"),
+    "functions": FieldRule(R, "deprecated; use `tools`", accepts=lambda v: not v),
+    "function_call": FieldRule(R, "deprecated; use `tool_choice`", accepts=_one_of("none")),
+    "modalities": FieldRule(R, "text only", accepts=lambda v: v is None or v == ["text"]),
+    "audio": FieldRule(R, "no audio output"),
+    "prediction": FieldRule(R, "no predicted outputs"),
+    "web_search_options": FieldRule(R, "no web search"),
+    "reasoning_effort": FieldRule(R, "not a reasoning model"),
+    "verbosity": FieldRule(R, "no verbosity control", accepts=_one_of("medium")),
+    "moderation": FieldRule(R, "no moderation"),
+    "service_tier": FieldRule(R, "tiers come from the API key; only `auto`/`default`",
+                              accepts=_one_of("auto", "default")),
+    "store": FieldRule(R, "nothing is stored", accepts=_one_of(False)),
+    "metadata": FieldRule(X, "only stored completions use it; nothing is stored"),
+    "prompt_cache_key": FieldRule(X, "prefix caching is automatic"),
+    "prompt_cache_retention": FieldRule(X, "prefix caching is automatic"),
+    "prompt_cache_options": FieldRule(X, "prefix caching is automatic"),
+    "safety_identifier": FieldRule(X, "no per-user accounting here"),
+}
+
+COMPLETION_FIELDS: dict[str, FieldRule] = {
+    **_COMMON,
+    "prompt": FieldRule(I, "a string, one-string list, or token ids; batches of prompts refused"),
+    "logprobs": FieldRule(I, "up to 20"),
+    "echo": FieldRule(I, "not together with `logprobs` (no prompt logprobs)"),
+    "best_of": FieldRule(I, "up to 16, ≥ `n`; the `n` with the highest mean token logprob; not streamed"),
+    "suffix": FieldRule(R, "no insertion mode"),
+}
+
+
+RESPONSES_FIELDS: dict[str, FieldRule] = {
+    **{k: _COMMON[k] for k in ("model", "stream", "temperature", "top_p", "user", "top_k", "min_p",
+                               "ignore_eos", "guided_regex")},
+    "input": FieldRule(I, "a string or a list of text messages"),
+    "instructions": FieldRule(I, "a system message before the input"),
+    "max_output_tokens": FieldRule(I),
+    "text": FieldRule(I, "`format`: text, json_object, json_schema"),
+    "metadata": FieldRule(X, "nothing is stored"),
+    "safety_identifier": FieldRule(X, "no per-user accounting here"),
+    "prompt_cache_key": FieldRule(X, "prefix caching is automatic"),
+    "prompt_cache_retention": FieldRule(X, "prefix caching is automatic"),
+    "prompt_cache_options": FieldRule(X, "prefix caching is automatic"),
+    "truncation": FieldRule(R, "only `disabled`", accepts=_one_of("disabled")),
+    "store": FieldRule(R, "nothing is stored", accepts=_one_of(False)),
+    "tools": FieldRule(R, "no tools on this endpoint yet; use chat completions", accepts=lambda v: not v),
+    "tool_choice": FieldRule(R, "no tools on this endpoint yet", accepts=_one_of("none", "auto")),
+    "parallel_tool_calls": FieldRule(X, "meaningless without tools"),
+    "service_tier": FieldRule(R, "tiers come from the API key", accepts=_one_of("auto", "default")),
+    **{name: FieldRule(R, why) for name, why in (
+        ("previous_response_id", "responses are not stored"), ("conversation", "no conversations"),
+        ("background", "no background mode"), ("background_options", "no background mode"),
+        ("include", "nothing extra to include"), ("reasoning", "not a reasoning model"),
+        ("max_tool_calls", "no tools"), ("prompt", "no stored prompts"), ("top_logprobs", "not yet"),
+        ("stream_options", "not yet"), ("context_management", "no context management"),
+        ("moderation", "no moderation"), ("image", "text only"), ("access_programs", "not supported"))},
+}
+
+
+
+def check_fields(data: Mapping[str, Any], rules: Mapping[str, FieldRule]) -> None:
+    """A 400 naming the first parameter that is unknown or refused with a value other than off."""
+    for name, value in data.items():
+        rule = rules.get(name)
+        if rule is None:
+            raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                           code="unrecognized_parameter")
+        if rule.status is Status.REFUSED and not rule.accepts(value):
+            raise ApiError(400, f"{name} is not supported: {rule.note}", param=name,
+                           code="unsupported_parameter")
+
+
+def markdown_table() -> str:
+    """The README's table: every parameter of the three endpoints with its status."""
+    tables = (CHAT_FIELDS, COMPLETION_FIELDS, RESPONSES_FIELDS)
+    names = list(dict.fromkeys(name for table in tables for name in table))
+    rows = ["| parameter | chat | completions | responses | notes |", "|---|---|---|---|---|"]
+    for name in names:
+        rules = [table.get(name) for table in tables]
+        notes = "; ".join(dict.fromkeys(r.note for r in rules if r and r.note))
+        cells = " | ".join(r.status.value if r else "—" for r in rules)
+        rows.append(f"| `{name}` | {cells} | {notes} |")
+    return "\n".join(rows)

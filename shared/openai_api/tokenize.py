@@ -1,0 +1,48 @@
+"""``/tokenize`` and ``/detokenize`` as vLLM serves them: a prompt (or chat messages, rendered
+through the chat template) to token ids, and token ids back to text."""
+
+from __future__ import annotations
+
+
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from shared.openai_api.errors import ApiError
+from shared.openai_api.models import ChatMessage, _Body
+from shared.tokenizer import Tokenizer
+
+
+class TokenizeRequest(_Body):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: StrictStr | None = None
+    tokens: list[StrictInt] = Field(min_length=0)
+
+
+
+
+def tokenize(body: TokenizeRequest, tokenizer: Tokenizer, max_model_len: int | None) -> dict:
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+    else:
+        text = body.prompt
+    tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+
+
+def detokenize(body: DetokenizeRequest, tokenizer: Tokenizer) -> dict:
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise ApiError(400, f"tokens must be in [0, {vocab})", param="tokens")
+    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}

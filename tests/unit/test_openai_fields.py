@@ -1,0 +1,124 @@
+"""Nothing a client sends is silently dropped: every parameter the official SDK can send is in a
+table (implemented, ignored, or refused with a 400 naming it), unknown ones are refused, and the
+README's table is the code's. Plus the sampling fields' checks that need no model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import completion_create_params as chat_params
+
+from shared.engine.request import Request, SamplingParams
+from shared.engine.sampler import Sampler
+from shared.openai_api.adapters import Choice, parse_body
+from shared.openai_api.errors import ApiError
+from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, Status, markdown_table
+from shared.openai_api.generate_request import choice_requests, resolve_model
+from shared.openai_api.models import ChatCompletionRequest, CompletionRequest
+from shared.protocol import GenerateRequest, SamplingParams as WireSampling
+from services.gateway.server import best_choices
+from shared.protocol import TokenLogprob
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+COMPLETION = {"model": "m", "prompt": "x"}
+
+
+def chat_error(**fields) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_body(json.dumps({**CHAT, **fields}).encode(), ChatCompletionRequest, CHAT_FIELDS)
+    return info.value
+
+
+def completion_error(**fields) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_body(json.dumps({**COMPLETION, **fields}).encode(), CompletionRequest, COMPLETION_FIELDS)
+    return info.value
+
+
+def test_every_sdk_parameter_has_a_status():
+    sdk_chat = set(chat_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    sdk_completion = set(completion_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    assert sdk_chat - set(CHAT_FIELDS) == set()
+    assert sdk_completion - set(COMPLETION_FIELDS) == set()
+
+
+def test_the_readme_table_is_the_code_table():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert markdown_table() in readme, "README's parameter table is stale: paste fields.markdown_table()"
+
+
+@pytest.mark.parametrize("fields", [{"audio": {"voice": "alloy", "format": "wav"}},
+                                    {"modalities": ["text", "audio"]}, {"suffix_typo": 1},
+                                    {"prediction": {"type": "content", "content": "x"}},
+                                    {"store": True}, {"service_tier": "flex"}])
+def test_refused_and_unknown_chat_parameters_are_400_naming_them(fields):
+    err = chat_error(**fields)
+    assert (err.status, err.param) == (400, next(iter(fields))), err.body()
+    assert err.body()["error"]["param"] == next(iter(fields))
+
+
+def test_off_values_of_refused_parameters_and_ignored_ones_are_accepted():
+    body = parse_body(json.dumps({**CHAT, "modalities": ["text"], "store": False, "service_tier": "auto",
+                                  "user": "u", "metadata": {"k": "v"}, "tool_choice": "none",
+                                  "response_format": {"type": "text"}}).encode(),
+                      ChatCompletionRequest, CHAT_FIELDS)
+    assert body.user == "u"
+    refused = [n for n, r in CHAT_FIELDS.items() if r.status is Status.REFUSED]
+    assert refused and all(CHAT_FIELDS[n].accepts(None) for n in refused)  # an explicit null is absent
+
+
+def test_completion_combinations():
+    assert completion_error(suffix="x").param == "suffix"
+    assert completion_error(best_of=1, n=2).param == "best_of"
+    assert completion_error(best_of=3, n=1, stream=True).param == "best_of"
+    assert completion_error(echo=True, logprobs=1).param == "echo"
+    assert chat_error(top_logprobs=2).param == "top_logprobs"
+    body = parse_body(json.dumps({**COMPLETION, "best_of": 3, "n": 2}).encode(), CompletionRequest,
+                      COMPLETION_FIELDS)
+    assert body.num_choices() == 3
+
+
+def test_model_may_be_omitted_when_one_is_served():
+    assert resolve_model(None, ["only"]) == "only"
+    with pytest.raises(ApiError) as info:
+        resolve_model(None, ["a", "b"])
+    assert (info.value.status, info.value.param) == (400, "model")
+    with pytest.raises(ApiError) as info:
+        resolve_model("c", ["a", "b"])
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
+
+
+def test_choices_are_requests_with_the_same_prompt_and_distinct_seeds():
+    req = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1, 2, 3],
+                          sampling=WireSampling(seed=7))
+    reqs = choice_requests(req, 3)
+    assert [r.request_id for r in reqs] == ["r-0", "r-1", "r-2"]
+    assert [r.sampling.seed for r in reqs] == [7, 8, 9]
+    assert all(r.prompt_token_ids == [1, 2, 3] for r in reqs)
+    assert choice_requests(req, 1) == [req]
+
+
+def test_best_of_keeps_the_highest_mean_logprob():
+    def choice(text, *logprobs):
+        return Choice(text, "stop", [TokenLogprob(token_id=0, logprob=lp) for lp in logprobs])
+    picked = best_choices([choice("a", -3.0), choice("b", -0.5, -1.5), choice("c", -0.1)], 2)
+    assert [c.text for c in picked] == ["c", "b"]
+
+
+def test_logit_bias_bans_and_boosts_in_the_sampler():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    top = int(logits[0].argmax())
+    greedy = Request("a", [1], SamplingParams(temperature=0.0, logit_bias={top: -100.0}))
+    sampled = Request("b", [1], SamplingParams(temperature=1.0, logit_bias={top: -100.0}, logprobs=0))
+    boosted = Request("c", [1], SamplingParams(temperature=0.0, logit_bias={17: 100.0}))
+    sampler = Sampler(torch.device("cpu"))
+    for _ in range(50):
+        out = sampler.sample(torch.stack([logits[0]] * 3), [greedy, sampled, boosted])
+        assert out[0].token_id != top and out[1].token_id != top and out[2].token_id == 17
+    with pytest.raises(Exception, match="logit_bias"):
+        SamplingParams(logit_bias={50: 1.0}).validate(vocab_size=50)

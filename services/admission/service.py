@@ -22,7 +22,8 @@ from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, s
 from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker
 from shared.policy.qos import load_qos
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, Subjects, WorkerLoad
-from shared.runtime.service import every, run_bus_service
+from shared.runtime.service import every, run_bus_service, service_instance_id
+from shared.telemetry.families import AdmissionMetrics
 from services.admission.config import AdmissionSettings
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class AdmissionService:
         self.qos = load_qos(settings.qos)
         self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
                                                  shed_hold_s=settings.shed_hold_s))
+        self.metrics = AdmissionMetrics.create(service_instance_id("admission"), settings.num_restarts)
 
     async def start(self) -> None:
         log.info("tiers: %s", ", ".join(f"{n} (priority {t.priority}, TTFT SLO {t.ttft_slo_ms or '-'} ms)"
@@ -51,6 +53,7 @@ class AdmissionService:
 
     async def refresh(self) -> None:
         self.view.set_workers(await self._registry.list())
+        self.metrics.ready_workers.set(len(self.view.ready_workers("decode")))
 
     async def run_forever(self) -> None:
         await every(self._settings.refresh_interval_s, self.refresh, "registry refresh")
@@ -59,6 +62,14 @@ class AdmissionService:
         self.view.update_load(load, time.time())
 
     async def submit(self, request: GenerateRequest) -> AdmissionDecision:
+        started = time.monotonic()
+        decision = await self._decide(request)
+        rejected = None if decision.is_admitted else (decision.reject_reason or "unknown")
+        self.metrics.observe_decision(self.qos.resolve(request.tier), rejected, time.monotonic() - started,
+                                      decision.predicted_ttft_s)
+        return decision
+
+    async def _decide(self, request: GenerateRequest) -> AdmissionDecision:
         # kv-index first: a worker may leave the view while that is awaited, and from reading the
         # workers to the chosen one's entry nothing may await (else the chosen one can be gone)
         overlaps = await self._overlaps(request)
@@ -125,6 +136,7 @@ class AdmissionService:
                                              KvMatchRequest(block_hashes=request.block_hashes),
                                              timeout_s=self._settings.kv_match_timeout_s)
         except ServiceError as exc:
+            self.metrics.kvindex_failures.inc()
             log.warning("kv-index did not answer (%s): routing on load only", exc.message)
             return {}
         return {o.worker_id: o.num_blocks for o in result.overlaps}

@@ -18,7 +18,8 @@ from shared.policy.autoscale_inputs import Flip
 from shared.policy.fleet import FleetAutoscaler
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, ControlRequest, PrefillQueueStatus,
                              ScaleRequest, ScalingAction, Subjects, WorkerLoad)
-from shared.runtime.service import every, run_bus_service
+from shared.runtime.service import every, run_bus_service, service_instance_id
+from shared.telemetry.families import AutoscalerMetrics
 from services.autoscaler.config import AutoscalerSettings
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class AutoscalerService:
         self.scaling = Autoscaling(RatioAutoscaler(settings.autoscale_config()), settings.capacities(),
                                    window_s=settings.autoscale_window_s,
                                    fleet=FleetAutoscaler(fleet) if fleet is not None else None)
+        self.metrics = AutoscalerMetrics.create(service_instance_id("autoscaler"), settings.num_restarts)
+        self.metrics.bind(lambda: self.view.status(time.time()).workers)
 
     async def start(self) -> None:
         self.view.set_workers(await self._registry.list())
@@ -47,18 +50,23 @@ class AutoscalerService:
     async def status(self, request: ClusterStatusRequest) -> ClusterStatusResult:
         result = self.view.status(time.time()).model_copy(
             update={"scaling": self.scaling.status(self._settings.autoscale)})
+        queue = await self._prefill_queue()
+        return result if queue is None else result.model_copy(update={"prefill_queue": queue})
+
+    async def _prefill_queue(self) -> PrefillQueueStatus | None:
         levels = await prefill_queue_levels(self._bus, self._subjects)
         if levels is None:
-            return result
-        queue = PrefillQueueStatus(num_pending=sum(c.num_pending for c in levels),
-                                   num_ack_pending=sum(c.num_ack_pending for c in levels),
-                                   num_redelivered=sum(c.num_redelivered for c in levels),
-                                   num_waiting_pulls=sum(c.num_waiting for c in levels),
-                                   num_pending_by_level=[c.num_pending for c in levels])
-        return result.model_copy(update={"prefill_queue": queue})
+            return None
+        return PrefillQueueStatus(num_pending=sum(c.num_pending for c in levels),
+                                  num_ack_pending=sum(c.num_ack_pending for c in levels),
+                                  num_redelivered=sum(c.num_redelivered for c in levels),
+                                  num_waiting_pulls=sum(c.num_waiting for c in levels),
+                                  num_pending_by_level=[c.num_pending for c in levels])
 
     async def refresh(self) -> None:
         self.view.set_workers(await self._registry.list())
+        if (queue := await self._prefill_queue()) is not None:  # for the metrics: the gauges stay current
+            self.metrics.observe_queue(queue.num_pending_by_level, queue.num_ack_pending, queue.num_redelivered)
 
     async def tick(self) -> ScalingPlan:
         """Decide on fresh registry states, flip the chosen workers, record what happened."""
@@ -69,7 +77,8 @@ class AutoscalerService:
         actions = [await self._flip(f) for f in plan.flips]
         if plan.start is not None or plan.stop is not None:
             actions.append(await self._scale(plan))
-        self.scaling.record(plan, actions)
+        record = self.scaling.record(plan, actions)
+        self.metrics.observe_decision(record or self.scaling.status(True).last_decision, actions)
         return plan
 
     async def _scale(self, plan: ScalingPlan) -> ScalingAction:

@@ -20,6 +20,7 @@ from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
+from shared.runtime.worker_metrics import WorkerMetrics
 from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
 from shared.telemetry.phases import worker_phases
@@ -34,8 +35,10 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, settings: DecodeSettings, bus: Bus, registry: WorkerRegistry,
-                 engine: AsyncEngine, remote: RemotePrefiller | None = None, **kw) -> None:
+                 engine: AsyncEngine, remote: RemotePrefiller | None = None,
+                 metrics: WorkerMetrics | None = None, **kw) -> None:
         super().__init__(settings, bus, registry, engine, **kw)
+        self._metrics = metrics if metrics is not None else WorkerMetrics()
         self._ttft = RecentMean(10.0)
         self._itl = RecentMean(10.0)
         self.num_requests_total = 0
@@ -81,6 +84,7 @@ class DecodeWorker(EngineWorker):
             async for out in outputs:
                 now = time.monotonic()
                 (self._ttft if index == 0 else self._itl).observe(now - last)
+                (self._metrics.ttft if index == 0 else self._metrics.itl).observe(now - last)
                 last = now
                 if out.finish_reason == "abort":
                     self.num_requests_aborted += 1

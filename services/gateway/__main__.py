@@ -28,7 +28,7 @@ class StatusPage(ClusterStatusResult):
 
     source: str = ""
     gateway: GatewayState = GatewayState()
-    services: list[ServiceInfo] = Field(default_factory=list)  # gateway, admission, kv-index, autoscaler
+    services: list[ServiceInfo] = Field(default_factory=list)  # every process in the service directory
 
 
 def register(subparsers) -> None:
@@ -93,10 +93,13 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
 
 
 def _service_lines(services: list[ServiceInfo], now: float) -> list[str]:
-    """One line per service process: restarts by its supervisor, and how long this one has run."""
-    lines = [f"{'SERVICE':<12} {'PID':>8} {'RST':>3} {'UP s':>8}  HOST"]
+    """One line per process in the service directory: restarts by its supervisor, how long this
+    one has run, and where its metrics are (``-`` for what an older process did not say)."""
+    lines = [f"{'SERVICE':<11} {'PID':>8} {'RST':>3} {'UP s':>8}  {'INSTANCE':<40} METRICS"]
     for s in services:
-        lines.append(f"{s.service:<12} {s.pid:>8} {s.num_restarts:>3} {max(0.0, now - s.started_at):>8.0f}  {s.host}")
+        up = f"{max(0.0, now - s.started_at):.0f}" if s.started_at else "-"
+        lines.append(f"{s.service:<11} {s.pid:>8} {s.num_restarts:>3} {up:>8}  {s.instance_id:<40} "
+                     f"{s.metrics_url or '-'}")
     return lines
 
 

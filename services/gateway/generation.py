@@ -86,7 +86,7 @@ class Generation:
             if not self._has_lost_worker or exc.code not in _NO_WORKER:
                 raise
             await self._reopen(self.request, str(exc))
-        self._metrics.ttft.observe(time.monotonic() - started)
+        self._metrics.observe_ttft(time.monotonic() - started, self.request.tier)
 
     async def _open(self, request: GenerateRequest) -> None:
         for attempt in range(_MAX_ATTEMPTS):
@@ -169,13 +169,13 @@ class Generation:
             self._admitted_at = time.monotonic()
             self._admission_s += self._admitted_at - asked_at
         if not decision.is_admitted:
-            self._metrics.rejected.inc(reason=decision.reject_reason or "unknown", tier=request.tier)
+            self._metrics.observe_rejected(request.tier, decision.reject_reason or "unknown")
             # no worker at all is the service being down (503); everything else is load (429)
             status = 503 if decision.reject_reason in ("unavailable", None) else 429
             raise ApiError(status, decision.message, code=decision.reject_reason,
                            retry_after_s=decision.retry_after_s)
         assert decision.worker_id is not None, "admitted without a worker"
-        self._metrics.admitted.inc(tier=request.tier)
+        self._metrics.observe_admitted(request.tier)
         self.predicted_ttft_s = decision.predicted_ttft_s
         return decision.worker_id
 
@@ -191,7 +191,7 @@ class Generation:
                 return
             chunk = await self._next()
             now = time.monotonic()
-            self._metrics.itl.observe(now - last)
+            self._metrics.observe_itl(now - last)
             last = now
 
     async def _next(self) -> TokenChunk:
@@ -236,7 +236,7 @@ class Generation:
 
     async def _migrate(self, why: str) -> TokenChunk:
         self._num_migrations += 1
-        self._metrics.migrations.inc()
+        self._metrics.observe_migration()
         await self._cancel(self.worker_id, self._current.request_id)
         prompt = self.request.prompt_token_ids + self._generated
         remaining = self.request.sampling.max_tokens - len(self._generated)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from aiohttp import web
@@ -13,7 +13,6 @@ from aiohttp import web
 from shared.openai_api import responses
 from shared.openai_api.adapters import ApiAdapter, Choice, Delta, ResponseHead
 from shared.openai_api.errors import ApiError
-from shared.telemetry.metrics import Counter
 from shared.telemetry.phases import server_timing
 from services.gateway.generation import Generation
 
@@ -144,8 +143,8 @@ async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Ge
     await resp.write_eof()
 
 
-def errors_middleware(requests: Counter):
-    """Every error as an OpenAI error body; every ``/v1/`` response counted in ``requests`` by status."""
+def errors_middleware(count: Callable[[int], None]):
+    """Every error as an OpenAI error body; every ``/v1/`` response's status passed to ``count``."""
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -159,13 +158,13 @@ def errors_middleware(requests: Counter):
         except web.HTTPException as exc:  # 404 route, 405 method, 413 body too large
             resp = web.json_response(ApiError(exc.status, exc.reason).body(), status=exc.status)
         except asyncio.CancelledError:
-            requests.inc(status="499")  # client closed the connection (nginx's code)
+            count(499)  # client closed the connection (nginx's code)
             raise
         except Exception as exc:  # noqa: BLE001 — a bug: log it, answer 500, keep serving
             log.exception("unhandled error on %s", request.path)
             resp = web.json_response(ApiError(500, f"internal error: {type(exc).__name__}").body(), status=500)
         if request.path.startswith("/v1/"):  # probes and scrapes are not requests
-            requests.inc(status=str(resp.status))
+            count(resp.status)
         return resp
 
     return middleware

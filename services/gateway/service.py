@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from shared.bus import Bus, ServiceError, WorkerRegistry
+from shared.bus import Bus, ServiceDirectory, ServiceError, WorkerRegistry
 from shared.cluster.workers import ready_workers
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter, parse_body
 from shared.openai_api.auth import ApiKeys
@@ -28,13 +28,14 @@ from shared.openai_api.generate_request import (build_generate_request, choice_r
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.protocol import ClusterStatusRequest, GenerateRequest, Subjects, WorkerInfo
-from shared.bus.kv import KvBucket
-from shared.runtime.announce import list_services, open_services
-from shared.runtime.service import bus_connection, every, serve_until_stopped
+from shared.runtime.service import (bus_connection, every, published_metrics, serve_until_stopped,
+                                    service_instance_id)
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
+from shared.telemetry.metrics import exposition
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.config import GatewaySettings
+from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.generation import Generation
 from services.gateway.server import errors_middleware, http_site, respond
 from services.gateway.metrics import GatewayMetrics
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, bus: Bus, registry: WorkerRegistry,
-                 tokenizer: Tokenizer) -> None:
+                 tokenizer: Tokenizer, services: ServiceDirectory | None = None) -> None:
         self.settings = settings
         self.subjects = Subjects(settings.namespace)
         self.bus = bus
@@ -57,8 +58,8 @@ class Gateway:
         self.api_keys = ApiKeys.parse(settings.api_keys, self.qos)
         self.rate_limiter = (RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
                              if settings.rate_limit_per_s else None)
-        self.metrics = GatewayMetrics.create()
-        self._services: KvBucket | None = None  # bound at the first /status
+        self.metrics = GatewayMetrics.create(settings.num_restarts, service_instance_id("gateway"))
+        self.services = services  # None: no metrics addresses in /status
 
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
@@ -112,7 +113,7 @@ class Gateway:
         bind_request_id(gen_request.request_id)
         gens = [self._generation(r, api.body.stop_strings(), arrived_at)
                 for r in choice_requests(gen_request, api.body.num_choices())]
-        self.metrics.in_flight.inc()
+        self.metrics.observe_started()
         try:
             # the first choice's prefill fills the prefix cache; the others then share its blocks
             await gens[0].start()
@@ -120,8 +121,10 @@ class Gateway:
             self.metrics.observe_phases(gens[0].phases)
             return await respond(request, api, gens, gen_request.request_id)
         finally:
-            self.metrics.in_flight.dec()
-            self.metrics.generated.inc(sum(g.num_completion_tokens for g in gens))
+            self.metrics.observe_ended()
+            if any(g.worker_id is not None for g in gens):  # a first token: finished (or cut off)
+                self.metrics.observe_finished(time.monotonic() - arrived_at, tier,
+                                              sum(g.num_completion_tokens for g in gens))
             await asyncio.gather(*(g.close() for g in gens))
             for gen in gens:
                 _log_request(gen)
@@ -176,10 +179,15 @@ class Gateway:
                                   "num_ready_prefill_workers": num_prefill}, status=200 if workers else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.registry.render(), content_type="text/plain",
-                            charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+        body, content_type = exposition(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.cluster_status())
+
+    async def cluster_status(self) -> dict:
+        """The autoscaler's cluster view (the registry alone when it does not answer), every
+        service's metrics address, and the gateway's own state: ``/status`` and the dashboard."""
         try:
             view = await self.bus.request(self.subjects.cluster_status(), ClusterStatusRequest(),
                                           timeout_s=self.settings.status_timeout_s)
@@ -188,22 +196,23 @@ class Gateway:
             body = {"source": f"registry ({exc.message})", "timestamp": time.time(),
                     "workers": [{"info": w.model_dump(mode="json"), "load": None, "load_age_s": None}
                                 for w in self.workers]}
-        body["services"] = await self._service_processes()
-        body["gateway"] = {"in_flight": self.metrics.in_flight.value(), "models": self.served_models(),
+        body["gateway"] = {"in_flight": self.metrics.num_in_flight, "models": self.served_models(),
                            "num_restarts": self.settings.num_restarts,
                            "urls": self.settings.gateway_urls.split(",") if self.settings.gateway_urls else []}
-        return web.json_response(body)
+        body["services"] = await self._services()
+        return body
 
-
-    async def _service_processes(self) -> list[dict]:
-        """The announced service processes (shared.runtime.announce); empty if NATS cannot say."""
-        try:
-            if self._services is None:
-                self._services = await open_services(self.bus, self.settings.namespace, self.settings.registry_ttl_s)
-            return [s.model_dump(mode="json") for s in await list_services(self._services)]
-        except Exception as exc:  # noqa: BLE001 — the status page shows the rest all the same
-            log.warning("listing service processes failed: %r", exc)
+    async def _services(self) -> list[dict]:
+        """Every process in the service directory; empty if NATS cannot say (the status page
+        shows the rest all the same)."""
+        if self.services is None:
             return []
+        try:
+            return [s.model_dump(mode="json") for s in await self.services.list()]
+        except Exception as exc:  # noqa: BLE001 — NATS reconnecting: the status without them
+            log.warning("service directory unavailable: %s", exc)
+            return []
+
 
 
 def _log_request(gen: Generation) -> None:
@@ -221,7 +230,7 @@ def _model_card(model_id: str) -> dict:
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware(gateway.metrics.requests)],
+    app = web.Application(middlewares=[errors_middleware(gateway.metrics.observe_response)],
                           client_max_size=gateway.settings.max_request_bytes)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -234,13 +243,19 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.metrics_text)
     app.router.add_get("/status", gateway.status)
+    add_dashboard_routes(app, gateway)
     return app
 
 
 async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
     async with bus_connection("gateway", settings) as (bus, registry):
-        gateway = Gateway(settings, bus, registry, tokenizer)
-        async with http_site(build_app(gateway), settings.host, settings.port) as port:
-            log.info("gateway listening on http://%s:%d (model %s)", settings.host, port, settings.model)
+        services = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
+                                               ttl_s=settings.registry_ttl_s)
+        gateway = Gateway(settings, bus, registry, tokenizer, services)
+        async with (http_site(build_app(gateway), settings.host, settings.port) as port,
+                    published_metrics("gateway", service_instance_id("gateway"), settings, bus,
+                                      gateway.metrics.registry)):
+            log.info("gateway listening on http://%s:%d (model %s; dashboard /dashboard)", settings.host, port,
+                     settings.model)
             await serve_until_stopped("gateway", gateway, stop, settings.namespace)

@@ -19,7 +19,8 @@ import time
 
 from shared.bus import Bus, Replay, WorkerRegistry
 from shared.protocol import KvEventBatch, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
-from shared.runtime.service import every, run_bus_service
+from shared.runtime.service import every, run_bus_service, service_instance_id
+from shared.telemetry.families import KvIndexMetrics
 from shared.store import KvIndexStore, RedisKeys, check_connection, connect, is_unavailable
 from services.kv_index.config import KvIndexSettings
 
@@ -35,6 +36,7 @@ class KvIndexService:
         self._store = store
         self._registry = registry
         self._last_seq: dict[str, int] = {}
+        self.metrics = KvIndexMetrics.create(service_instance_id("kv-index"), settings.num_restarts)
         self._replay: Replay[KvEventBatch] | None = None
         self._is_index_lost = False  # a batch failed to apply: the index misses it
 
@@ -91,12 +93,19 @@ class KvIndexService:
             log.info("worker %s restarted (seq back to 1): dropping its old entries", w)
             await self._store.drop_worker(w)
         elif last and first != last + 1:
+            self.metrics.gaps.inc()
             log.warning("worker %s: KV event gap, expected seq %d, got %d", w, last + 1, first)
         await self._store.apply(batch, stream_seq, now=time.time())
         self._last_seq[w] = batch.events[-1].seq
+        self.metrics.batches.inc()
+        self.metrics.events.inc(len(batch.events))
 
     async def match(self, request: KvMatchRequest) -> KvMatchResult:
-        counts = await self._store.match(request.block_hashes)
+        with self.metrics.match_latency.time():
+            counts = await self._store.match(request.block_hashes)
+        self.metrics.matches.inc()
+        self.metrics.queried_blocks.inc(len(request.block_hashes))
+        self.metrics.matched_blocks.inc(max(counts.values(), default=0))
         return KvMatchResult(overlaps=[WorkerOverlap(worker_id=w, num_blocks=n)
                                        for w, n in sorted(counts.items()) if n > 0])
 
@@ -110,6 +119,7 @@ class KvIndexService:
                 self._last_seq.pop(worker_id, None)
                 log.info("worker %s left the registry: dropped its %d blocks", worker_id, num_blocks)
                 dropped.append(worker_id)
+                self.metrics.dropped_workers.inc()
         return dropped
 
     async def run_forever(self) -> None:

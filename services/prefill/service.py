@@ -28,6 +28,7 @@ from shared.engine import AsyncEngine, EngineError, SamplingParams
 from shared.protocol import (ControlRequest, ControlResult, PrefillLeaseRequest, PrefillNotification,
                              RemotePrefillRequest, WorkerInfo, WorkerLoad)
 from shared.runtime.worker import EngineWorker
+from shared.runtime.worker_metrics import WorkerMetrics
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import RecentMean
@@ -52,8 +53,9 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def __init__(self, settings: PrefillSettings, bus: Bus, registry: WorkerRegistry, engine: AsyncEngine,
-                 transfer: KvTransfer, store: MetadataStore, **kw) -> None:
+                 transfer: KvTransfer, store: MetadataStore, metrics: WorkerMetrics | None = None, **kw) -> None:
         super().__init__(settings, bus, registry, engine, **kw)
+        self._metrics = metrics if metrics is not None else WorkerMetrics()
         self.transfer = transfer
         self._store = store
         self._prefill_time = RecentMean(10.0)
@@ -148,6 +150,8 @@ class PrefillWorker(EngineWorker):
         ``queue_wait_s``: how long it waited on the queue (told to the decode worker)."""
         self.num_requests_total += 1
         rid = request.request_id
+        if delivery == 1 and request.created_at:  # a redelivery's wait includes the failed attempt
+            self._metrics.queue_wait.observe(max(0.0, time.time() - request.created_at))
         if delivery > 1:
             log.info("%s: delivery %d (a prefill worker died or was slow)", rid, delivery)
         peer = None
@@ -230,6 +234,7 @@ class PrefillWorker(EngineWorker):
                     pass
             prefill_s = time.monotonic() - started
             self._prefill_time.observe(prefill_s)
+            self._metrics.prefill.observe(prefill_s)
             block_ids = await self.engine.call(lambda e: e.request_block_ids(engine_id))
             if time.time() > request.write_deadline:
                 raise _Dropped("prefilled after its write deadline (the decode worker prefills it itself)",
@@ -240,9 +245,11 @@ class PrefillWorker(EngineWorker):
                                        num_blocks=len(request.write_block_ids), prefill_worker_id=self.worker_id,
                                        queue_wait_s=queue_wait_s, prefill_s=prefill_s)
             try:
+                write_started = time.monotonic()
                 with tracing.child_span("kv.write", num_blocks=len(local), decode_worker=request.decode_worker_id):
                     handle = self.transfer.write_blocks(peer, local, request.write_block_ids, note.to_bytes())
                     await wait_written(self.transfer, handle, request.write_timeout_s)
+                self._metrics.kv_write.observe(time.monotonic() - write_started)
             except KVTransferFailed as exc:
                 self.transfer.remove_peer(peer)  # reconnect from fresh metadata next time
                 raise _Dropped(f"KV write into {request.decode_worker_id} failed: {exc}", notify=False) from None

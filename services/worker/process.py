@@ -20,6 +20,8 @@ from shared.protocol import Subjects
 from shared.protocol.workers import Role
 from shared.runtime.engine_settings import EngineWorkerSettings
 from shared.runtime.roles import RoleRunner, RoleWorker
+from shared.runtime.service import published_metrics
+from shared.runtime.worker_metrics import WorkerMetrics
 from shared.runtime.worker import publish_kv_events_forever, start_kv_events
 from shared.transfer import TransferUnavailable
 from services.decode.config import DecodeSettings
@@ -51,8 +53,9 @@ class WorkerRoles:
     needs it (a prefill role always, a decode role if remote prefill is on)."""
 
     def __init__(self, settings: EngineWorkerSettings, engine: AsyncEngine, bus: Bus,
-                 registry: WorkerRegistry) -> None:
+                 registry: WorkerRegistry, metrics: WorkerMetrics | None = None) -> None:
         self._settings = settings
+        self._metrics = metrics
         self._engine = engine
         self._bus = bus
         self._registry = registry
@@ -73,7 +76,8 @@ class WorkerRoles:
         if transfer is not None:
             await self._publish_metadata()
         if role == "prefill":
-            return PrefillWorker(settings, bus, self._registry, self._engine, transfer, self.store, load_seq=load_seq)
+            return PrefillWorker(settings, bus, self._registry, self._engine, transfer, self.store, load_seq=load_seq,
+                                 metrics=self._metrics)
         remote = None
         if transfer is not None:
             prefills = RemotePrefills(
@@ -82,7 +86,8 @@ class WorkerRoles:
                 write_timeout_s=settings.kv_write_timeout_s, lease_s=settings.prefill_lease_s)
             remote = RemotePrefiller(prefills, bus=bus, registry=self._registry, transfer=transfer,
                                      subjects=self._subjects)
-        return DecodeWorker(settings, bus, self._registry, self._engine, remote, load_seq=load_seq)
+        return DecodeWorker(settings, bus, self._registry, self._engine, remote, load_seq=load_seq,
+                            metrics=self._metrics)
 
     def open_transfer(self):
         """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""
@@ -126,7 +131,9 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
     roles = None
     try:
         registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s, watch=True)
-        roles = WorkerRoles(settings, engine, bus, registry)
+        metrics = WorkerMetrics.create(role, settings.worker_id, settings.num_restarts)
+        engine.add_step_observer(metrics.observe_step)
+        roles = WorkerRoles(settings, engine, bus, registry, metrics)
         if role == "prefill" and roles.open_transfer() is None:  # a prefill worker is useless without it
             raise TransferUnavailable(f"a prefill worker needs a KV transfer: {roles.transfer_error}")
         events: asyncio.Queue = asyncio.Queue()
@@ -137,10 +144,13 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
 
         runner = RoleRunner(settings.worker_id, bus=bus, registry=registry, subjects=subjects, factory=roles,
                             connect=lambda name: Bus.connect(settings.nats_url, name),
-                            load_interval_s=settings.load_interval_s)
-        await runner.run(role, stop, warm_up=warm_up, kv_events=events,
-                         publish_kv_events=lambda q: publish_kv_events_forever(
-                             bus, subjects.kv_events(settings.worker_id), settings.worker_id, q))
+                            load_interval_s=settings.load_interval_s, on_load=metrics.observe_load)
+        metrics.bind(engine.stats, lambda: roles.transfer.stats if roles.transfer is not None else None,
+                     lambda: runner.num_flips)
+        async with published_metrics(role, settings.worker_id, settings, bus, metrics.registry):
+            await runner.run(role, stop, warm_up=warm_up, kv_events=events,
+                             publish_kv_events=lambda q: publish_kv_events_forever(
+                                 bus, subjects.kv_events(settings.worker_id), settings.worker_id, q))
     finally:
         if roles is not None:
             await roles.withdraw_metadata()

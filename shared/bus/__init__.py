@@ -7,6 +7,7 @@ from shared.bus.jetstream import ConsumerState, QueueMessage, StreamState, WorkQ
 from shared.bus.kv import KvBucket
 from shared.bus.registry import WorkerRegistry
 from shared.bus.replay import Replay
+from shared.bus.services import ServiceDirectory
 
 __all__ = ["Bus", "BusTimeout", "ConsumerState", "Disconnected", "KvBucket", "NoResponders", "QueueMessage",
-           "RemoteError", "Replay", "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]
+           "RemoteError", "Replay", "ServiceDirectory", "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]

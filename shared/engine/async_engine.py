@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine import EngineOutput, EngineStats, LLMEngine, RemotePrefillSlot
+from shared.engine.engine import EngineOutput, EngineStats, LLMEngine, RemotePrefillSlot, StepObserver
 from shared.engine.errors import EngineDeadError
 from shared.engine.request import SamplingParams
 from shared.kvcache.events import KvEventSink
@@ -83,6 +83,10 @@ class AsyncEngine:
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         self.engine.add_kv_event_sink(sink)
+
+    def add_step_observer(self, observe: StepObserver) -> None:
+        """See ``LLMEngine.add_step_observer``: called in the engine thread."""
+        self.engine.add_step_observer(observe)
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

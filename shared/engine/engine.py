@@ -90,6 +90,9 @@ class EngineStats:
     prefill_tokens_per_s: float | None = None  # recent prefill throughput; None until measured
 
 
+StepObserver = Callable[[int, int, float], None]  # sequences, tokens, seconds of one step
+
+
 class PrefillRate:
     """Prefill throughput of recent steps (exponential average). A step's time includes the decodes
     batched with the chunk, so the rate errs low: predictions built on it err late, not early."""
@@ -140,6 +143,7 @@ class LLMEngine:
         self._num_cached_prompt_tokens = 0
         self._num_generated = 0
         self._prefill_rate = PrefillRate(min_tokens=config.block_size)
+        self._step_observers: list[StepObserver] = []
         self._log_capacity()
 
     @classmethod
@@ -260,8 +264,11 @@ class LLMEngine:
                 s.request.first_scheduled_time = now
         started = time.perf_counter()
         sampled = self.runner.execute(out)
+        elapsed_s = time.perf_counter() - started
         self._prefill_rate.observe(sum(s.num_new_tokens for s in out.scheduled
-                                       if s.start < s.request.num_prompt_tokens), time.perf_counter() - started)
+                                       if s.start < s.request.num_prompt_tokens), elapsed_s)
+        for observe in self._step_observers:
+            observe(len(out.scheduled), sum(s.num_new_tokens for s in out.scheduled), elapsed_s)
         self._num_steps += 1
         for s in out.scheduled:
             if s.start == s.request.num_cached_tokens and s.request.num_preemptions == 0:
@@ -304,6 +311,11 @@ class LLMEngine:
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         self.events.add_sink(sink)
+
+    def add_step_observer(self, observe: StepObserver) -> None:
+        """``observe(num_seqs, num_tokens, elapsed_s)`` after every step that ran the model, in the
+        engine's thread (so it must be quick and thread-safe)."""
+        self._step_observers.append(observe)
 
     def request_block_ids(self, request_id: str) -> list[int]:
         """The request's block table: ids into ``kv_cache``'s first dimension (see kvcache.layout).

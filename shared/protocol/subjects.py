@@ -134,7 +134,8 @@ class Subjects:
 
     @property
     def services_bucket(self) -> str:
-        """Service processes (gateway, admission, kv-index, autoscaler), heartbeated like workers."""
+        """Every service process's ``ServiceInfo`` (gateway, admission, kv-index, autoscaler and each
+        worker: pid, restarts, metrics address), expiring without heartbeat (``shared.bus.services``)."""
         return f"{self.namespace}-services"
 
     @property

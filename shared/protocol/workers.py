@@ -35,19 +35,6 @@ class WorkerInfo(WireModel):
     num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
 
 
-class ServiceInfo(WireModel):
-    """A service process's entry (gateway, admission, kv-index, autoscaler) in the
-    ``<ns>-services`` KV bucket, refreshed by its heartbeat: ``tandem status`` lists them."""
-
-    service: str
-    instance_id: str  # the bucket key: unique per process
-    host: str = ""
-    pid: int = 0
-    started_at: float = 0.0
-    heartbeat_at: float = 0.0
-    num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
-
-
 class WorkerLoad(WireModel):
     """Published about once a second on ``<ns>.v1.load.<role>.<worker>``."""
 
@@ -132,6 +119,21 @@ class ControlResult(WireModel):
     num_in_flight: int = Field(0, ge=0)
     max_local_prefill_tokens: int | None = None
     max_prefill_queue: int | None = None
+
+
+class ServiceInfo(WireModel):
+    """A process's entry in the ``<ns>-services`` KV bucket (``shared.bus.services``), refreshed by
+    its heartbeat: gateway, admission, kv-index, autoscaler, and each worker keyed by its worker
+    id. ``tandem status`` lists them with their restarts and where their Prometheus metrics are."""
+
+    instance_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_=.-]+$")  # the bucket key
+    service: str  # gateway, admission, decode, prefill, kv-index, autoscaler
+    metrics_url: str = ""  # empty from a producer that serves no metrics
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
 
 
 class ClusterStatusRequest(WireModel):

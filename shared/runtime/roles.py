@@ -61,7 +61,8 @@ class RoleFactory(Protocol):
 
 class RoleRunner:
     def __init__(self, worker_id: str, *, bus: Bus, registry: WorkerRegistry, subjects: Subjects,
-                 factory: RoleFactory, connect: Callable[[str], Awaitable[Bus]], load_interval_s: float) -> None:
+                 factory: RoleFactory, connect: Callable[[str], Awaitable[Bus]], load_interval_s: float,
+                 on_load: Callable[[WorkerLoad, str], None] | None = None) -> None:
         self.worker_id = worker_id
         self.role: RoleWorker | None = None
         self._bus = bus
@@ -70,6 +71,7 @@ class RoleRunner:
         self._factory = factory
         self._connect = connect  # a new connection, named
         self._load_interval_s = load_interval_s
+        self._on_load = on_load  # each periodic load report and the role's state (the metrics read it)
         self._role_bus: Bus | None = None
         self._load_seq = itertools.count(1)
         self._flip_to: Role | None = None
@@ -172,7 +174,10 @@ class RoleRunner:
         while True:
             role = self.role
             try:
-                await self._bus.publish(self._subjects.load(role.role, self.worker_id), role.load())
+                load = role.load()
+                if self._on_load is not None:
+                    self._on_load(load, role.state)
+                await self._bus.publish(self._subjects.load(role.role, self.worker_id), load)
             except Exception as exc:  # noqa: BLE001 — reconnecting: the next report will do
                 log.warning("load report failed: %s", exc)
             await asyncio.sleep(self._load_interval_s)

@@ -8,15 +8,19 @@ import asyncio
 import logging
 import os
 import signal
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Protocol
 
-from shared.bus import Bus, WorkerRegistry
-from shared.protocol import Subjects
-from shared.runtime.announce import announce_forever, open_services, this_service
+from prometheus_client import CollectorRegistry
+
+from shared.bus import Bus, ServiceDirectory, WorkerRegistry
+from shared.protocol import ServiceInfo, Subjects
 from shared.runtime.settings import ServiceSettings
 from shared.telemetry.logs import configure_logging
+from shared.telemetry.metrics import metrics_site
 from shared.telemetry.tracing import configure_tracing, service_name
 
 log = logging.getLogger(__name__)
@@ -56,7 +60,13 @@ def run_service(name: str, level: str, main: Callable[[asyncio.Event], Awaitable
 STOP_SERVING_TIMEOUT_S = 2.0  # requests in flight at shutdown get this long to finish
 
 
+class HasMetrics(Protocol):
+    registry: CollectorRegistry
+
+
 class BusService(Protocol):
+    metrics: HasMetrics  # its Prometheus families, served on the metrics port
+
     async def start(self) -> None:
         """Subscribe and serve; return once requests are being answered."""
 
@@ -66,24 +76,16 @@ class BusService(Protocol):
 
 @asynccontextmanager
 async def bus_connection(name: str, settings: ServiceSettings) -> AsyncIterator[tuple[Bus, WorkerRegistry]]:
-    """The bus, connected as ``name``, and the namespace's worker registry (watched); the process is
-    announced in the services bucket meanwhile (``shared.runtime.announce``). Leaving the
+    """The bus, connected as ``name``, and the namespace's worker registry (watched). Leaving the
     block normally gives the requests in flight ``STOP_SERVING_TIMEOUT_S`` to finish; the bus is
-    closed either way."""
+    closed either way. The process enters the service directory with ``published_metrics``."""
     bus = await Bus.connect(settings.nats_url, name)
-    announcer = None
     try:
         registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
                                              ttl_s=settings.registry_ttl_s, watch=True)
-        services = await open_services(bus, settings.namespace, settings.registry_ttl_s)
-        announcer = asyncio.create_task(announce_forever(
-            services, this_service(name, settings.num_restarts), settings.registry_ttl_s / 3))
         yield bus, registry
         await bus.stop_serving(timeout_s=STOP_SERVING_TIMEOUT_S)
     finally:
-        if announcer is not None:
-            announcer.cancel()
-            await asyncio.gather(announcer, return_exceptions=True)
         await bus.close()
 
 
@@ -102,7 +104,37 @@ async def run_bus_service(name: str, settings: ServiceSettings, stop: asyncio.Ev
                           make: Callable[[Bus, WorkerRegistry], BusService]) -> None:
     """The whole life of a service that needs only the bus and the registry."""
     async with bus_connection(name, settings) as (bus, registry):
-        await serve_until_stopped(name, make(bus, registry), stop, settings.namespace)
+        service = make(bus, registry)
+        async with published_metrics(name, service_instance_id(name), settings, bus, service.metrics.registry):
+            await serve_until_stopped(name, service, stop, settings.namespace)
+
+
+def service_instance_id(service: str) -> str:
+    """This process's key in the service directory (several replicas of a service may run)."""
+    return f"{service}-{socket.gethostname()}-{os.getpid()}"[:128].replace(":", "-")
+
+
+@asynccontextmanager
+async def published_metrics(service: str, instance_id: str, settings: ServiceSettings, bus: Bus,
+                            registry: CollectorRegistry) -> AsyncIterator[str]:
+    """Serve ``registry`` on the metrics port and keep its address in the service directory for
+    the block (removed at the end); yields the URL."""
+    async with metrics_site(registry, settings.metrics_host, settings.metrics_port) as url:
+        log.info("metrics on %s", url)
+        directory = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
+                                                ttl_s=settings.registry_ttl_s)
+        info = ServiceInfo(instance_id=instance_id, service=service, metrics_url=url, host=socket.gethostname(),
+                           pid=os.getpid(), started_at=time.time(), num_restarts=settings.num_restarts)
+        beat = asyncio.create_task(directory.heartbeat(lambda: info))
+        try:
+            yield url
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+            try:
+                await directory.delete(instance_id)
+            except Exception as exc:  # noqa: BLE001 — the TTL removes it anyway
+                log.warning("leaving the service directory failed: %s", exc)
 
 
 async def every(interval_s: float, work: Callable[[], Awaitable[object]], what: str) -> None:

@@ -28,6 +28,10 @@ class ServiceSettings(BaseSettings):
                                                 "carrying request_id and trace_id")
     num_restarts: int = Field(0, ge=0, description="times a supervisor (tandem up) restarted this process "
                               "after a crash; workers report it in the registry")
+    metrics_host: str = Field("127.0.0.1", description="Prometheus /metrics listen address (0.0.0.0: every "
+                              "interface, as in a container)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0: any free port); "
+                              "the address is published in the service directory and `tandem status`")
 
 
 class QosSettings(BaseSettings):

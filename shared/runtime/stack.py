@@ -30,6 +30,9 @@ from shared.runtime.supervisor import Backoff, RestartPolicy
 from shared.telemetry.redact import new_secret
 
 _SUPERVISE_INTERVAL_S = 0.2
+# Every child serves its metrics on a free port of its own (each publishes the address in the
+# service directory), even when TANDEM_METRICS_PORT in our environment names one port for all.
+_OWN_METRICS_PORT = {"metrics_port": 0}
 
 
 @dataclass
@@ -117,7 +120,7 @@ class Stack:
             self._add_server(server)
             self.redis_url = server.url
         common = {"nats_url": self.nats_url, "namespace": spec.namespace,
-                  "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level}
+                  "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level, **_OWN_METRICS_PORT}
         self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
         for i in range(spec.num_admissions):
             self.spawn(_nth("admission", i), "admission", {**common, **spec.admission_flags})
@@ -161,7 +164,8 @@ class Stack:
         threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_workers)} if num_workers > 1 else {}
         return self._start_child(name, service, {
             "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
-            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **threads, **flags})
+            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **_OWN_METRICS_PORT,
+            **threads, **flags})
 
     # -- the fleet, as the autoscaler changes it (shared.runtime.fleet) -----------------------------
     def add_worker(self, role: str) -> tuple[str, str, Child]:

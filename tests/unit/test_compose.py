@@ -3,6 +3,7 @@ service is there, its command parses with `tandem`'s own parser, and every TANDE
 sets is a setting of that service; and the credentials: NATS and Redis require the passwords of
 compose/.env, every service gets them, and nothing puts them into the image."""
 
+import json
 import re
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -85,3 +86,55 @@ def test_servers_health_and_scale():
     dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["tandem"]' in dockerfile
     assert TANDEM["gateway"]["build"]["dockerfile"] == "compose/Dockerfile"
+
+
+# --- observability: Prometheus scrapes every service, Grafana reads only families that exist -----
+
+def exported_families() -> set[str]:
+    """Every family name the services export, from their metric objects (fed once, so that the
+    families built at scrape time from reports show up too)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.gateway.metrics import GatewayMetrics
+    from shared.engine.engine import EngineStats
+    from shared.protocol.workers import WorkerLoad
+    from shared.runtime.worker_metrics import WorkerMetrics
+    from shared.telemetry.families import AdmissionMetrics, AutoscalerMetrics, KvIndexMetrics
+    from shared.telemetry.metrics import exposition, service_registry
+    from shared.transfer.base import TransferStats
+
+    worker = WorkerMetrics(service_registry("decode", "w", 0))
+    worker.bind(lambda: EngineStats(1, 0, 10, 1, 0, 4, 0, 1, 1, 0, 1), TransferStats, lambda: 0)
+    worker.observe_load(WorkerLoad(worker_id="w", role="decode", seq=1, timestamp=0.0), "ready")
+    autoscaler = AutoscalerMetrics()
+    autoscaler.bind(list)
+    registries = [GatewayMetrics().registry, worker.registry, AdmissionMetrics().registry, KvIndexMetrics().registry,
+                  autoscaler.registry]
+    return {f.name for r in registries for f in text_string_to_metric_families(exposition(r)[0].decode())}
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port():
+    config = yaml.safe_load((ROOT / "compose" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job["dns_sd_configs"][0] for job in config["scrape_configs"]}
+    assert set(jobs) == set(TANDEM)
+    for name, svc in TANDEM.items():
+        env = svc["environment"]
+        assert env["TANDEM_METRICS_HOST"] == "0.0.0.0", name  # reachable from the Prometheus container
+        assert jobs[name]["names"] == [name] and jobs[name]["port"] == int(env["TANDEM_METRICS_PORT"]), name
+    mounted = SERVICES["prometheus"]["volumes"][0].split(":")
+    assert mounted[0] == "./prometheus.yml" and mounted[1] in SERVICES["prometheus"]["command"][0]
+
+
+def test_grafana_dashboard_queries_only_exported_families():
+    dashboard = json.loads((ROOT / "compose" / "grafana" / "dashboards" / "tandem.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(total|bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\btandem_\w+", e)}
+    exported = exported_families()
+    assert used - exported == set(), f"the dashboard queries families nobody exports: {sorted(used - exported)}"
+    assert {"tandem_request_phase_seconds", "tandem_worker_kv_cache_usage_ratio",
+            "tandem_admission_decisions", "tandem_prefill_queue_depth"} <= used
+    datasource = yaml.safe_load((ROOT / "compose" / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
+                                .read_text())["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {datasource["uid"]}
+    assert any(v.startswith("./grafana/dashboards:") for v in SERVICES["grafana"]["volumes"])

@@ -1,24 +1,197 @@
-from shared.telemetry.metrics import Counter, Gauge, Histogram, RecentMean, Registry
+"""The metric objects of every service, read back through the Prometheus text parser (what a scraper
+sees), and the dashboard's recent history."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.metrics import GatewayMetrics
+from shared.engine.engine import EngineStats
+from shared.protocol.workers import ScalingAction, ScalingDecisionRecord, WorkerInfo, WorkerLoad, WorkerStatus
+from shared.runtime.worker_metrics import WorkerMetrics
+from shared.telemetry.families import AdmissionMetrics, AutoscalerMetrics, KvIndexMetrics
+from shared.telemetry.metrics import RecentMean, exposition, sample_total, service_registry
+from shared.telemetry.series import MAX_SAMPLES_PER_SECOND, RecentSeries, percentile
+from shared.transfer.base import TransferStats
 
 
-def test_prometheus_text():
-    reg = Registry()
-    c = reg.add(Counter("tandem_requests_total", "requests"))
-    g = reg.add(Gauge("tandem_in_flight", "in flight"))
-    h = reg.add(Histogram("tandem_ttft_seconds", "ttft", (0.1, 1.0)))
-    c.inc(status="200")
-    c.inc(2, status="429")
-    g.inc()
-    g.dec()
-    for v in (0.05, 0.5, 5.0):
-        h.observe(v)
-    text = reg.render()
-    assert 'tandem_requests_total{status="429"} 2' in text
-    assert "tandem_in_flight 0" in text
-    assert 'tandem_ttft_seconds_bucket{le="1"} 2' in text
-    assert 'tandem_ttft_seconds_bucket{le="+Inf"} 3' in text
-    assert "tandem_ttft_seconds_count 3" in text
-    assert "# TYPE tandem_ttft_seconds histogram" in text
+def scrape(registry) -> tuple[str, dict[str, str]]:
+    """The exposition text and family name → type, as the library's parser reads them."""
+    text = exposition(registry)[0].decode()
+    return text, {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_gateway_metrics_parse_with_conventional_names_and_values():
+    clock = Clock()
+    m = GatewayMetrics(clock=clock)
+    m.observe_response(200)
+    m.observe_response(429)
+    m.observe_response(429)
+    m.observe_ttft(0.2, "gold")
+    for _ in range(3):
+        m.observe_itl(0.02)
+    m.observe_finished(0.3, "gold", 4)
+    m.observe_rejected("bulk", "shedding")
+    m.observe_admitted("gold")
+    m.observe_migration()
+    m.observe_phases({"admission": 0.004, "queue": 0.05, "prefill": 0.12})
+    m.observe_phases({"queue": 0.5})
+    text, types = scrape(m.registry)
+    assert types["tandem_gateway_requests"] == "counter"
+    assert types["tandem_gateway_ttft_seconds"] == types["tandem_request_phase_seconds"] == "histogram"
+    assert sample_total(text, "tandem_gateway_requests_total", status="429") == 2
+    assert sample_total(text, "tandem_gateway_ttft_seconds_count", tier="gold") == 1
+    assert sample_total(text, "tandem_gateway_ttft_seconds_bucket", tier="gold", le="0.25") == 1
+    assert sample_total(text, "tandem_gateway_ttft_seconds_bucket", tier="gold", le="0.1") == 0
+    assert sample_total(text, "tandem_gateway_itl_seconds_count") == 3
+    assert sample_total(text, "tandem_gateway_e2e_seconds_sum", tier="gold") == 0.3
+    assert sample_total(text, "tandem_gateway_generated_tokens_total") == 4
+    assert sample_total(text, "tandem_gateway_rejected_total", reason="shedding", tier="bulk") == 1
+    assert sample_total(text, "tandem_gateway_admitted_total", tier="gold") == 1
+    assert sample_total(text, "tandem_gateway_migrations_total") == 1
+    assert sample_total(text, "tandem_request_phase_seconds_count", phase="queue") == 2
+    assert sample_total(text, "tandem_request_phase_seconds_sum", phase="queue") == 0.55
+    assert sample_total(text, "tandem_request_phase_seconds_count", phase="prefill") == 1
+    assert sample_total(text, "tandem_request_phase_seconds_count", phase="transfer") is None
+    assert "_created" not in text  # switched off: noise on every scrape
+    # the same observations feed the dashboard's history
+    point = m.series.points(clock.now, 5)[-1]
+    assert (point.ttft_p50, point.itl_p99, point.rejected) == (0.2, 0.02, {"bulk": 1})
+
+
+def test_in_flight_goes_up_and_down():
+    m = GatewayMetrics()
+    m.observe_started()
+    m.observe_started()
+    m.observe_ended()
+    text, _ = scrape(m.registry)
+    assert m.num_in_flight == 1 and sample_total(text, "tandem_gateway_in_flight") == 1
+
+
+def test_every_service_registry_has_process_and_restart_families():
+    text, types = scrape(service_registry("admission", "admission-h-1", num_restarts=3))
+    assert sample_total(text, "tandem_service_restarts_total") == 3
+    assert sample_total(text, "tandem_service_info", service="admission", instance="admission-h-1") == 1
+    assert "process_resident_memory_bytes" in types
+
+
+def engine_stats(**overrides) -> EngineStats:
+    fields = dict(num_running=3, num_waiting=2, num_blocks_total=100, num_blocks_used=25, num_cached_blocks=10,
+                  max_num_seqs=8, num_preemptions=1, num_steps=40, num_prompt_tokens=400,
+                  num_cached_prompt_tokens=100, num_generated_tokens=60)
+    return EngineStats(**{**fields, **overrides})
+
+
+def test_worker_metrics_read_engine_role_and_transfer_at_scrape_time():
+    m = WorkerMetrics()
+    stats, flips = [engine_stats()], [0]
+    transfer = TransferStats(num_bytes_sent=0, num_bytes_received=4096, num_transfers=0)
+    m.bind(lambda: stats[0], lambda: transfer, lambda: flips[0])
+    m.observe_step(4, 130, 0.02)
+    m.observe_step(1, 1, 0.004)
+    text, types = scrape(m.registry)
+    assert sample_total(text, "tandem_worker_kv_cache_usage_ratio") == 0.25
+    assert sample_total(text, "tandem_worker_prefix_hit_ratio") == 0.25
+    assert sample_total(text, "tandem_worker_running_requests") == 3
+    assert sample_total(text, "tandem_worker_waiting_requests") == 2
+    assert sample_total(text, "tandem_engine_batch_size_sum") == 5
+    assert sample_total(text, "tandem_engine_step_seconds_count") == 2
+    assert sample_total(text, "tandem_kv_transfer_bytes_total", direction="received") == 4096
+    assert types["tandem_worker_prompt_tokens"] == "counter"
+    assert "tandem_worker_requests" not in types  # no load report yet: no role counters
+    m.observe_load(WorkerLoad(worker_id="w", role="decode", seq=1, timestamp=0.0, num_requests_total=7,
+                              num_remote_prefills=2, num_local_prefills=5), "draining")
+    stats[0], flips[0] = engine_stats(num_blocks_used=50), 1  # scraped again: read again
+    text, _ = scrape(m.registry)
+    assert sample_total(text, "tandem_worker_kv_cache_usage_ratio") == 0.5
+    assert sample_total(text, "tandem_worker_requests_total", role="decode") == 7
+    assert sample_total(text, "tandem_worker_prefills_total", kind="local") == 5
+    assert sample_total(text, "tandem_worker_info", role="decode", state="draining") == 1
+    assert sample_total(text, "tandem_worker_role_flips_total") == 1
+
+
+def test_worker_metrics_without_transfer_or_requests():
+    m = WorkerMetrics()
+    m.bind(lambda: engine_stats(num_blocks_total=0, num_blocks_used=0, num_prompt_tokens=0,
+                                num_cached_prompt_tokens=0), lambda: None, lambda: 0)
+    text, types = scrape(m.registry)
+    assert sample_total(text, "tandem_worker_kv_cache_usage_ratio") == 0
+    assert sample_total(text, "tandem_worker_prefix_hit_ratio") == 0
+    assert "tandem_kv_transfer_bytes" not in types
+
+
+def test_admission_decisions_by_tier_and_reason():
+    m = AdmissionMetrics()
+    m.observe_decision("gold", None, 0.001, predicted_ttft_s=0.3)
+    m.observe_decision("bulk", "shedding", 0.002)
+    m.observe_decision("bulk", "shedding", 0.002, predicted_ttft_s=9.0)  # not an admission: no TTFT
+    text, _ = scrape(m.registry)
+    assert sample_total(text, "tandem_admission_decisions_total", tier="gold", decision="admitted") == 1
+    assert sample_total(text, "tandem_admission_decisions_total", tier="bulk", reason="shedding") == 2
+    assert sample_total(text, "tandem_admission_decision_seconds_count") == 3
+    assert sample_total(text, "tandem_admission_predicted_ttft_seconds_count") == 1
+
+
+def test_kvindex_and_autoscaler_families():
+    kv = KvIndexMetrics()
+    kv.events.inc(3)
+    assert sample_total(scrape(kv.registry)[0], "tandem_kvindex_events_total") == 3
+    m = AutoscalerMetrics()
+
+    def worker(i: int, role: str, state: str) -> WorkerStatus:
+        return WorkerStatus(info=WorkerInfo(worker_id=f"w{i}", role=role, state=state, model="m", block_size=16,
+                                            max_model_len=64, generate_subject="s"))
+
+    m.bind(lambda: [worker(1, "decode", "ready"), worker(2, "decode", "ready"), worker(3, "prefill", "draining")])
+    m.observe_queue([4, 0, 1], num_in_progress=2, num_redelivered=0)
+    decision = ScalingDecisionRecord(timestamp=0, reason="r", num_prefill=1, num_decode=2, target_prefill=2,
+                                     target_decode=1)
+    m.observe_decision(decision, [ScalingAction(kind="flip", worker_id="w1", role="prefill", ok=True)])
+    text, _ = scrape(m.registry)
+    assert sample_total(text, "tandem_cluster_workers", role="decode", state="ready") == 2
+    assert sample_total(text, "tandem_cluster_workers", role="prefill") == 1
+    assert sample_total(text, "tandem_prefill_queue_depth") == 5
+    assert sample_total(text, "tandem_prefill_queue_depth", level="0") == 4
+    assert sample_total(text, "tandem_autoscaler_target_workers", role="prefill") == 2
+    assert sample_total(text, "tandem_autoscaler_actions_total", kind="flip", ok="true") == 1
+
+
+def test_series_percentiles_rates_and_horizon():
+    s = RecentSeries(horizon_s=60)
+    for i in range(10):
+        s.observe_ttft(100.2, 0.1 * (i + 1))
+    s.observe_finished(101.5, 30)
+    s.observe_finished(103.0, 20)
+    s.observe_rejected(104.0, "bulk")
+    points = s.points(104.5, step_s=5)
+    last = points[-1]
+    assert last.t == 100 and points[-2].t == 95 and points[0].t == 45 and len(points) == 12
+    assert (last.ttft_p50, last.ttft_p90, last.ttft_p99) == (0.5, 0.9, 1.0)
+    assert last.itl_p50 is None
+    assert last.tokens_per_s == 50 / 5 and last.requests_per_s == 2 / 5
+    assert s.points(200.0, 5)[-1].ttft_p50 is None  # past the horizon: forgotten
+    assert s.rejected_total == {"bulk": 1}
+
+
+def test_series_keeps_a_bounded_sample_per_second():
+    s = RecentSeries()
+    for i in range(MAX_SAMPLES_PER_SECOND * 3):
+        s.observe_itl(50.0, 0.01 if i % 2 else 0.03)
+    point = s.points(50.0, 1)[-1]
+    assert point.itl_p50 in (0.01, 0.03) and point.itl_p99 == 0.03
+    assert len(s._seconds[-1].itl) == MAX_SAMPLES_PER_SECOND
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 99) == 2.0
 
 
 def test_recent_mean_forgets_old_observations():
@@ -28,3 +201,23 @@ def test_recent_mean_forgets_old_observations():
     m.observe(3.0, now=5)
     assert m.mean(now=6) == 2.0
     assert m.mean(now=11) == 3.0
+
+
+async def test_dashboard_data_is_the_status_plus_the_history():
+    from services.gateway.dashboard import HISTORY_STEP_S, dashboard_data
+
+    class Source:
+        def __init__(self) -> None:
+            self.metrics = GatewayMetrics(clock=Clock(1000.0))
+
+        async def cluster_status(self) -> dict:
+            return {"workers": [{"info": {"worker_id": "w1"}}], "services": []}
+
+    source = Source()
+    source.metrics.observe_ttft(0.25, "default")
+    source.metrics.observe_rejected("bulk", "slo")
+    data = await dashboard_data(source, 1000.0)
+    assert data["status"]["workers"] == [{"info": {"worker_id": "w1"}}]
+    assert data["step_s"] == HISTORY_STEP_S and data["rejected_total"] == {"bulk": 1}
+    assert data["series"][-1]["ttft_p50"] == 0.25 and data["series"][-2]["ttft_p50"] is None
+    assert len(data["series"]) == source.metrics.series.horizon_s // HISTORY_STEP_S

@@ -11,7 +11,7 @@ from shared.protocol import (AdmissionDecision, AllBlocksClearedEvent, BlockRemo
                              RemotePrefillRequest, SamplingParams, ScaleRequest, ScaleResult, ScalingAction,
                              ScalingDecisionRecord, ScalingStatus, Subjects,
                              TokenChunk, TokenLogprob, TopLogprob,
-                             WorkerInfo, WorkerLoad, WorkerOverlap, WorkerStatus)
+                             ServiceInfo, WorkerInfo, WorkerLoad, WorkerOverlap, WorkerStatus)
 
 INFO = WorkerInfo(worker_id="decode-1", role="decode", model="smollm2-135m", block_size=16,
                   max_model_len=2048, num_blocks_total=100, max_num_seqs=8,
@@ -45,6 +45,8 @@ EXAMPLES = [
     ControlResult(worker_id="decode-1", state="draining", num_in_flight=1),
     ClusterStatusRequest(),
     ClusterStatusResult(timestamp=3.0, workers=[WorkerStatus(info=INFO, load=LOAD, load_age_s=0.2)]),
+    ServiceInfo(instance_id="admission-host.lan-42", service="admission", metrics_url="http://host:9100/metrics",
+                host="host", pid=42, started_at=1.0, num_restarts=1),
     ControlRequest(action="flip", role="prefill"),
     ControlResult(worker_id="decode-1", state="draining", role="decode", flipping_to="prefill"),
     ClusterStatusResult(timestamp=3.0, scaling=ScalingStatus(enabled=True, last_reason="cooling down", recent=[

@@ -125,9 +125,9 @@ class Gateway:
             if any(g.worker_id is not None for g in gens):  # a first token: finished (or cut off)
                 self.metrics.observe_finished(time.monotonic() - arrived_at, tier,
                                               sum(g.num_completion_tokens for g in gens))
-            await asyncio.gather(*(g.close() for g in gens))
-            for gen in gens:
+            for gen in gens:  # before any await: a client that hung up cancels this task there
                 _log_request(gen)
+            await asyncio.gather(*(g.close() for g in gens))
 
     def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
         model = gen_request.model

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
 import torch
 
 from shared.grammar.spec import GrammarSpec, compile_grammar
@@ -129,10 +128,14 @@ class GrammarTable:
     def masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """allowed: [len(matchers), vocab] bool. A matcher in an error state (it was handed a token
         its grammar refuses) allows only the end-of-sequence tokens, so its request ends."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.grammars.vocab_size)
+        # one bit per token, 32 to an int32 word, all allowed until llguidance writes a row; filled
+        # through the raw executor call, not llguidance.torch, whose import torch.compiles a helper
+        # (pulling in inductor and triton, seconds per process) that we do not use
+        bitmask = torch.full((len(matchers), -(-self.grammars.vocab_size // 32)), -1, dtype=torch.int32)
         healthy = [(m.ll, row) for row, m in enumerate(matchers) if not m.is_error]
         if healthy:
-            llguidance.torch.fill_next_token_bitmask_par(self.grammars.executor, healthy, bitmask)
+            self.grammars.executor.unsafe_compute_mask_ptr(healthy, bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                                           len(matchers))
         allowed = unpack_bitmask(bitmask, self.grammars.vocab_size)
         for row, m in enumerate(matchers):
             if m.is_error:

@@ -107,7 +107,10 @@ def test_at_three_times_capacity_premium_meets_its_slo_and_batch_is_shed_with_re
     rate = 3 * capacity
     specs = build_workload(dataclasses.replace(WORKLOAD, num_requests=max(30, round(rate * 20)), rate=rate))
     rng = random.Random(5)
-    tiers = {s.index: "premium" if rng.random() < 0.3 else "batch" for s in specs}
+    # premium is a fifth of the load, about 0.6x capacity on its own: at a 0.3 share premium alone
+    # ran at 0.9x capacity, where its own queueing (not the batch overload this test is about) set
+    # its p90 (a quiet run: 38 of 43 within the SLO)
+    tiers = {s.index: "premium" if rng.random() < 0.2 else "batch" for s in specs}
     results = run(stack, specs, lambda s: KEYS[tiers[s.index]])
 
     by_tier = {t: [r for r in results if tiers[r.index] == t] for t in ("premium", "batch")}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shared.policy.autoscale import RatioAutoscaler, ScalingDecision, TickInput
 from shared.policy.autoscale_inputs import (Capacities, Flip, WorkerSample, choose_flips, in_transition,
-                                            least_busy, measure_demand, tick_input)
+                                            least_busy, measure_demand, num_waiting, tick_input)
 from shared.policy.fleet import FleetAutoscaler, FleetDecision
 from shared.protocol.workers import ScalingAction, ScalingDecisionRecord, ScalingStatus, WorkerStatus
 
@@ -99,7 +99,8 @@ class Autoscaling:
             return self._keep(ScalingPlan(now_s, f"waiting for {', '.join(busy)} (starting, draining or flipping)"))
         if demand.interval_s == 0:
             return self._keep(ScalingPlan(now_s, "no load reports to compare yet"))
-        inp = tick_input(now_s, demand, samples, self.defaults)
+        sustained = min(num_waiting(snapshot.values()) for _, snapshot in self._history)
+        inp = tick_input(now_s, demand, samples, self.defaults, sustained)
         change = self.fleet.tick(inp) if self.fleet is not None else None
         if change is not None and change.delta != 0:
             plan = self._fleet_plan(inp, change, samples)

@@ -34,6 +34,10 @@ class TickInput:
     prefill_capacity_tokens_per_s: float      # one prefill worker, within SLO
     decode_capacity_tokens_per_s: float       # one decode worker, at its SLO batch
     num_waiting: int = 0                      # requests queued on the workers (not yet running)
+    # the fewest queued in any sample of the measuring window (None: only this sample is known):
+    # a request counts as queued from its arrival until the next step schedules it, so one sample
+    # of a fleet with free slots can show a queue that is gone a step later
+    num_waiting_sustained: int | None = None
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[Worke
     return Demand((prefill + max(backlog_growth, 0.0)) / interval, decode / interval, interval)
 
 
-def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], defaults: Capacities) -> TickInput:
+def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], defaults: Capacities,
+               num_waiting_sustained: int | None = None) -> TickInput:
     """The policy's observations: ready workers per role, demand, and per-worker capacity (the mean
     measured prefill rate of the workers reporting one, else ``defaults``)."""
     samples = list(samples)
@@ -94,7 +95,12 @@ def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], de
                      decode_tokens_per_s=demand.decode_tokens_per_s,
                      prefill_capacity_tokens_per_s=prefill_capacity,
                      decode_capacity_tokens_per_s=defaults.decode_tokens_per_s,
-                     num_waiting=sum(s.num_waiting for s in ready))
+                     num_waiting=num_waiting(ready), num_waiting_sustained=num_waiting_sustained)
+
+
+def num_waiting(samples: Iterable[WorkerSample]) -> int:
+    """Requests queued on the ready workers among ``samples``."""
+    return sum(s.num_waiting for s in samples if s.is_ready)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 The same observations as the split (``shared.policy.autoscale.TickInput``) give the demand in
 workers' worth of capacity; utilisation is that over the fleet. One worker is added when
 utilisation reaches ``scale_up_at`` or requests queue on the workers (``max_waiting_per_worker``
-each on average: measured demand cannot exceed what the fleet computes, so a saturated fleet shows
-itself by its queues); one is removed when the fleet without it would still be at most
+each on average, in every sample of the measuring window: measured demand cannot exceed what the
+fleet computes, so a saturated fleet shows itself by its queues, while a request waiting one step
+for a free slot is no sign of saturation); one is removed when the fleet without it would still be at most
 ``scale_down_at`` utilised and nothing queues. The gap between the two thresholds is the
 hysteresis (after a removal utilisation is at most ``scale_down_at``, below ``scale_up_at``);
 ``cooldown_s`` separates changes, counted from when the last one is done (``hold``). A fleet below
@@ -62,8 +63,9 @@ class FleetAutoscaler:
             return FleetDecision(0, None, "fleet cooling down")
         need = sum(workers_needed(inp))
         usage = f"utilisation {need / max(total, 1):.2f}, {inp.num_waiting / max(total, 1):.1f} waiting per worker"
+        queued = inp.num_waiting if inp.num_waiting_sustained is None else inp.num_waiting_sustained
         if total < cfg.max_workers and (need >= cfg.scale_up_at * total
-                                        or inp.num_waiting >= cfg.max_waiting_per_worker * total):
+                                        or queued >= cfg.max_waiting_per_worker * total):
             return self._change(inp, +1, self._role_to_start(inp), f"{usage}: scale up to {total + 1}")
         role = self._role_to_stop(inp)
         if (total > cfg.min_workers and role is not None and inp.num_waiting == 0

@@ -6,10 +6,10 @@ from shared.policy.autoscale_inputs import Capacities, Flip
 from shared.protocol import ScalingAction, WorkerInfo, WorkerLoad, WorkerStatus
 
 
-def status(worker_id, t, prompt=0, generated=0, role="decode", state="ready", load_role=None, running=0):
+def status(worker_id, t, prompt=0, generated=0, role="decode", state="ready", load_role=None, running=0, waiting=0):
     info = WorkerInfo(worker_id=worker_id, role=role, state=state, model="m", block_size=16, max_model_len=256,
                       generate_subject="g")
-    load = WorkerLoad(worker_id=worker_id, role=load_role or role, seq=int(t) + 1, timestamp=t, num_running=running,
+    load = WorkerLoad(worker_id=worker_id, role=load_role or role, seq=int(t) + 1, timestamp=t, num_running=running, num_waiting=waiting,
                       num_prompt_tokens_total=prompt, num_generated_tokens_total=generated)
     return WorkerStatus(info=info, load=load)
 
@@ -103,6 +103,20 @@ def test_an_idle_fleet_stops_the_worker_with_the_least_in_flight():
                         status("d3", 2, generated=20, running=3)])
     assert plan.stop == Flip("d2", "decode") and plan.start is None and "scale down to 2" in plan.reason
     assert s.record(plan, []) is not None
+
+
+def test_a_queue_starts_a_worker_only_when_every_sample_in_the_window_shows_it():
+    # a request waits from its arrival until the next step schedules it: one sample of a worker
+    # with free slots can show it queued, and that is no reason to start another worker
+    s = fleet_scaling()
+    s.plan(0.0, [status("d1", 0)])
+    blip = s.plan(2.0, [status("d1", 2, generated=20, running=1, waiting=1)])
+    assert blip.start is None and "fleet of 1 kept" in blip.reason
+    s.plan(4.0, [status("d1", 4, generated=40, running=2, waiting=2)])
+    s = fleet_scaling()
+    s.plan(0.0, [status("d1", 0, running=2, waiting=2)])
+    plan = s.plan(2.0, [status("d1", 2, generated=20, running=2, waiting=1)])
+    assert plan.start == "decode" and "1.0 waiting per worker" in plan.reason
 
 
 def test_without_a_fleet_policy_the_fleet_is_never_resized():

@@ -32,6 +32,9 @@ def test_queued_requests_start_a_worker_even_when_measured_demand_looks_low():
     # a saturated fleet computes at its capacity and no more: the queue shows the rest
     decision = fleet().tick(tick(0, decode=2, out=50, waiting=2))
     assert decision.delta == 1 and "1.0 waiting per worker" in decision.reason
+    # the same queue seen in one sample only (the window's fewest: none) starts nothing
+    blip = TickInput(**{**tick(0, decode=2, out=50, waiting=2).__dict__, "num_waiting_sustained": 0})
+    assert fleet().tick(blip).delta == 0
 
 
 def test_a_worker_is_stopped_only_if_the_rest_stay_below_scale_down_at():

@@ -73,12 +73,13 @@ class AdmissionService:
         # kv-index first: a worker may leave the view while that is awaited, and from reading the
         # workers to the chosen one's entry nothing may await (else the chosen one can be gone)
         overlaps = await self._overlaps(request)
-        workers = self.view.ready_workers("decode", request.model)
+        workers = self._candidates(request)
         if not workers:
             await self.refresh()  # a worker may have registered since the last refresh
-            workers = self.view.ready_workers("decode", request.model)
+            workers = self._candidates(request)
         if not workers:
-            return self._reject(request, "unavailable", f"no ready decode worker serves {request.model!r}",
+            besides = f" besides {', '.join(request.exclude_workers)}" if request.exclude_workers else ""
+            return self._reject(request, "unavailable", f"no ready decode worker serves {request.model!r}{besides}",
                                 self._settings.retry_after_s)
         block_size = workers[0].info.block_size
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
@@ -106,6 +107,11 @@ class AdmissionService:
                                  worker_id=info.worker_id, generate_subject=info.generate_subject,
                                  cancel_subject=info.cancel_subject,
                                  num_overlap_blocks=choice.num_overlap_blocks, predicted_ttft_s=ttft)
+
+    def _candidates(self, request: GenerateRequest) -> list[WorkerEntry]:
+        """The ready decode workers of the request's model, less those it excludes."""
+        return [w for w in self.view.ready_workers("decode", request.model)
+                if w.info.worker_id not in request.exclude_workers]
 
     def _observe(self, request: GenerateRequest, entry: WorkerEntry, workers: list[WorkerEntry],
                  choice: RoutingChoice, now: float) -> AdmissionInput:

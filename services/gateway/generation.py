@@ -8,6 +8,12 @@ remaining ``max_tokens``: the client sees one uninterrupted stream. When no work
 for at most ``request_timeout_s``, rather than failing. A NATS restart is handled the same way: the
 stream cut by the disconnect may have lost tokens, so the request continues from the tokens
 received, admitted again once admission answers.
+
+A worker that breaks the protocol on a request (a chunk that does not parse, e.g. an unknown
+``finish_reason``; the end marker before the last chunk; silence past the token deadline) is told
+so in the cancel's reason, counted by worker and reason, and not chosen again for this request
+(``GenerateRequest.exclude_workers``, until it restarts): the request goes to another worker, or
+ends in a 502 with an OpenAI error body (an error event, then ``[DONE]``, mid-stream).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from shared.bus import Bus, BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
+from shared.bus import Bus, BusTimeout, Disconnected, MalformedReply, NoResponders, RemoteError, ServiceError
 from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
@@ -37,6 +43,14 @@ _NO_WORKER = ("unavailable", "worker_unavailable")  # ApiError codes worth waiti
 
 class WorkerLost(Exception):
     pass
+
+
+class WorkerMisbehaved(WorkerLost):
+    """The worker broke the protocol: ``reason`` is the metric's label, the message the detail."""
+
+    def __init__(self, worker_id: str, reason: str, detail: str) -> None:
+        super().__init__(f"worker {worker_id} {detail}")
+        self.worker_id, self.reason, self.detail = worker_id, reason, detail
 
 
 class Generation:
@@ -59,6 +73,10 @@ class Generation:
         self._generated: list[int] = []
         self._num_migrations = 0
         self._has_lost_worker = False  # a worker was lost before the first token: wait for another
+        # workers that broke the protocol on this request → their start time then (a restart under
+        # the same id is a new process, chosen again); the last such failure, for the 502
+        self._excluded: dict[str, float | None] = {}
+        self._misbehaviour: WorkerMisbehaved | None = None
         self.worker_id: str | None = None
         self.predicted_ttft_s: float | None = None  # admission's prediction for the current worker
         self.is_finished = False
@@ -90,6 +108,7 @@ class Generation:
 
     async def _open(self, request: GenerateRequest) -> None:
         for attempt in range(_MAX_ATTEMPTS):
+            request = self._excluding(request)
             worker_id = await self._admit(request)
             started_at = self._started_at(worker_id)
             self._stream = self._bus.stream(
@@ -98,7 +117,12 @@ class Generation:
                 idle_timeout_s=self._settings.token_idle_timeout_s)
             opened_at = time.monotonic()
             try:
-                self._first = await self._watched(worker_id, started_at)
+                self._first = await self._first_chunk(worker_id, started_at)
+            except WorkerMisbehaved as exc:
+                await self._misbehaved(exc, request.request_id)
+                if attempt + 1 == _MAX_ATTEMPTS:
+                    raise self._bad_worker_error() from None
+                continue
             except (WorkerLost, Disconnected) as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
                 self._has_lost_worker = True
                 await self._cancel(worker_id, request.request_id)
@@ -124,6 +148,32 @@ class Generation:
             if self.ttft_s is None:
                 self._note_first_token(opened_at)
             return
+
+    async def _first_chunk(self, worker_id: str, started_at: float | None) -> TokenChunk:
+        try:
+            return await self._watched(worker_id, started_at)
+        except StopAsyncIteration:
+            raise WorkerMisbehaved(worker_id, "early_end", "ended the stream before its first chunk") from None
+        except MalformedReply as exc:
+            raise WorkerMisbehaved(worker_id, "malformed_chunk", f"sent a malformed chunk: {exc.detail}") from None
+
+    def _excluding(self, request: GenerateRequest) -> GenerateRequest:
+        """``request`` with the workers that misbehaved on it excluded (those since restarted not)."""
+        excluded = [w for w, started_at in self._excluded.items() if self._started_at(w) == started_at]
+        if excluded == request.exclude_workers:
+            return request
+        return request.model_copy(update={"exclude_workers": excluded})
+
+    async def _misbehaved(self, exc: WorkerMisbehaved, request_id: str) -> None:
+        """Count it, log it, tell the worker (the cancel's reason) and choose it no more."""
+        log.warning("%s: %s", request_id, exc)
+        self._metrics.observe_worker_error(exc.worker_id, exc.reason)
+        self._excluded[exc.worker_id] = self._started_at(exc.worker_id)
+        self._misbehaviour = exc
+        await self._cancel(exc.worker_id, request_id, f"gateway: {exc.reason}: {exc.detail}")
+
+    def _bad_worker_error(self) -> ApiError:
+        return ApiError(502, f"decode {self._misbehaviour}", code="bad_worker_response")
 
     def _note_first_token(self, opened_at: float) -> None:
         """TTFT as the client sees it, less the network, and its phases: the gateway's own work
@@ -169,6 +219,8 @@ class Generation:
             self._admitted_at = time.monotonic()
             self._admission_s += self._admitted_at - asked_at
         if not decision.is_admitted:
+            if decision.reject_reason == "unavailable" and request.exclude_workers and self._misbehaviour:
+                raise self._bad_worker_error()  # no other worker: the failure is the bad one's
             self._metrics.observe_rejected(request.tier, decision.reject_reason or "unknown")
             # no worker at all is the service being down (503); everything else is load (429)
             status = 503 if decision.reject_reason in ("unavailable", None) else 429
@@ -198,9 +250,13 @@ class Generation:
         try:
             return await self._next_from_worker()
         except WorkerLost as exc:
+            if isinstance(exc, WorkerMisbehaved):
+                await self._misbehaved(exc, self._current.request_id)
             if self._num_migrations >= _MAX_MIGRATIONS:
+                if isinstance(exc, WorkerMisbehaved):
+                    raise self._bad_worker_error() from None
                 raise ApiError(502, f"lost {self._num_migrations + 1} workers: {exc}") from None
-            return await self._migrate(str(exc))
+            return await self._migrate(str(exc), cancelled=isinstance(exc, WorkerMisbehaved))
 
     async def _watched(self, worker_id: str, started_at: float | None) -> TokenChunk:
         """The stream's next chunk, raising WorkerLost if the worker leaves the registry meanwhile
@@ -226,18 +282,25 @@ class Generation:
         try:
             return await self._watched(self.worker_id, self._worker_started_at)
         except StopAsyncIteration:
-            raise WorkerLost(f"worker {self.worker_id} ended the stream early") from None
-        except (BusTimeout, NoResponders, Disconnected) as exc:
+            raise WorkerMisbehaved(self.worker_id, "early_end",
+                                   "ended the stream before a chunk with a finish_reason") from None
+        except MalformedReply as exc:
+            raise WorkerMisbehaved(self.worker_id, "malformed_chunk", f"sent a malformed chunk: {exc.detail}") from None
+        except BusTimeout as exc:
+            raise WorkerMisbehaved(self.worker_id, "timeout", f"sent nothing for "
+                                   f"{self._settings.token_idle_timeout_s:g}s ({exc.message})") from None
+        except (NoResponders, Disconnected) as exc:
             raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
         except RemoteError as exc:
             if exc.code == "rejected":
                 raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
             raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None
 
-    async def _migrate(self, why: str) -> TokenChunk:
+    async def _migrate(self, why: str, *, cancelled: bool = False) -> TokenChunk:
         self._num_migrations += 1
         self._metrics.observe_migration()
-        await self._cancel(self.worker_id, self._current.request_id)
+        if not cancelled:
+            await self._cancel(self.worker_id, self._current.request_id, "continued on another worker")
         prompt = self.request.prompt_token_ids + self._generated
         remaining = self.request.sampling.max_tokens - len(self._generated)
         request = self.request.model_copy(update={
@@ -301,11 +364,12 @@ class Generation:
             with contextlib.suppress(RuntimeError):  # already closed by a cancelled read
                 await self._stream.aclose()
 
-    async def _cancel(self, worker_id: str | None, request_id: str) -> None:
+    async def _cancel(self, worker_id: str | None, request_id: str, reason: str | None = None) -> None:
         if worker_id is None:
             return
+        cancel = CancelRequest(request_id=request_id) if reason is None else \
+            CancelRequest(request_id=request_id, reason=reason)
         try:
-            await self._bus.publish(self._subjects.decode_cancel(worker_id),
-                                    CancelRequest(request_id=request_id))
+            await self._bus.publish(self._subjects.decode_cancel(worker_id), cancel)
         except Exception as exc:  # noqa: BLE001 — the worker finishes on its own at max_tokens
             log.warning("cancel of %s at %s failed: %s", request_id, worker_id, exc)

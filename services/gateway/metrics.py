@@ -31,6 +31,9 @@ class GatewayMetrics:
                                 ["reason", "tier"], registry=r)
         self.admitted = Counter("tandem_gateway_admitted", "admissions to a decode worker (a migrated "
                                 "request counts again)", ["tier"], registry=r)
+        self.worker_errors = Counter("tandem_gateway_worker_errors", "protocol violations by decode "
+                                     "workers (malformed_chunk, early_end, timeout), by worker and reason",
+                                     ["worker", "reason"], registry=r)
         self.migrations = Counter("tandem_gateway_migrations", "requests continued on another worker "
                                   "after losing theirs", registry=r)
         self.ttft = Histogram("tandem_gateway_ttft_seconds", "time to first token", ["tier"],
@@ -80,6 +83,9 @@ class GatewayMetrics:
     def observe_rejected(self, tier: str, reason: str) -> None:
         self.rejected.labels(reason=reason, tier=tier).inc()
         self.series.observe_rejected(self._clock(), tier)
+
+    def observe_worker_error(self, worker_id: str, reason: str) -> None:
+        self.worker_errors.labels(worker=worker_id, reason=reason).inc()
 
     def observe_migration(self) -> None:
         self.migrations.inc()

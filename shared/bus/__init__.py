@@ -2,12 +2,12 @@
 KV buckets, registry."""
 
 from shared.bus.bus import Bus
-from shared.bus.errors import BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
+from shared.bus.errors import BusTimeout, Disconnected, MalformedReply, NoResponders, RemoteError, ServiceError
 from shared.bus.jetstream import ConsumerState, QueueMessage, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.registry import WorkerRegistry
 from shared.bus.replay import Replay
 from shared.bus.services import ServiceDirectory
 
-__all__ = ["Bus", "BusTimeout", "ConsumerState", "Disconnected", "KvBucket", "NoResponders", "QueueMessage",
+__all__ = ["Bus", "BusTimeout", "ConsumerState", "Disconnected", "KvBucket", "MalformedReply", "NoResponders", "QueueMessage",
            "RemoteError", "Replay", "ServiceDirectory", "ServiceError", "StreamState", "WorkQueue", "WorkerRegistry"]

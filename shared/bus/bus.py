@@ -26,7 +26,7 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfi
                          RetentionPolicy, StreamConfig)
 from pydantic import ValidationError
 
-from shared.bus.errors import BusTimeout, Disconnected, NoResponders, RemoteError, ServiceError
+from shared.bus.errors import BusTimeout, Disconnected, MalformedReply, NoResponders, RemoteError, ServiceError
 from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.link import Link
@@ -193,7 +193,8 @@ class Bus:
         gap after it. A disconnect from NATS meanwhile raises ``Disconnected`` once the replies
         received before it are yielded: later ones may have been lost. Closing the iterator early
         unsubscribes; cancelling the work at the server is the caller's business (its cancel
-        subject)."""
+        subject). A reply that does not parse as the endpoint's reply type raises ``MalformedReply``
+        and ends the stream."""
         assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
         inbox = self.nc.new_inbox()
         received: asyncio.Queue[Msg | None] = asyncio.Queue()  # None: the connection was lost
@@ -218,7 +219,11 @@ class Bus:
                     raise err
                 if (msg.headers or {}).get(STREAM_HEADER) == "end":
                     return
-                yield endpoint.reply_type.from_bytes(msg.data)
+                try:
+                    reply = endpoint.reply_type.from_bytes(msg.data)
+                except ValidationError as exc:
+                    raise MalformedReply(endpoint.subject, _validation_message(exc)[0]) from None
+                yield reply
                 timeout = idle_timeout_s
         finally:
             stop_listening()

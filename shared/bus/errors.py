@@ -30,6 +30,15 @@ class NoResponders(ServiceError):
         super().__init__("not_found", f"nobody serves {subject}")
 
 
+class MalformedReply(ServiceError):
+    """A reply that is not the message the subject carries (bad JSON, a missing field, a value out
+    of range such as an unknown ``finish_reason``): the responder broke the protocol."""
+
+    def __init__(self, subject: str, detail: str) -> None:
+        super().__init__("bad_request", f"malformed reply on {subject}: {detail}")
+        self.detail = detail
+
+
 class Disconnected(ServiceError):
     """The connection to NATS was lost while a streamed reply was open: what the server sent
     meanwhile may be lost, so the stream ends here (the caller may ask again)."""

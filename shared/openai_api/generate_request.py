@@ -7,6 +7,7 @@ Pure: the caller passes the ready workers, the tier and the clock.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 
@@ -16,6 +17,8 @@ from shared.openai_api.adapters import ApiAdapter
 from shared.openai_api.errors import ApiError
 from shared.openai_api.models import ApiRequest
 from shared.protocol import GenerateRequest, SamplingParams, WorkerInfo
+
+log = logging.getLogger(__name__)
 
 
 def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str, priority: int = 0,
@@ -118,7 +121,19 @@ def _engine_logprobs(body: ApiRequest) -> int | None:
 
 def prompt_block_hashes(prompt_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> list[int]:
     """The prompt's chained block hashes as the model's workers compute them (admission looks
-    them up in kv-index); none while no worker is known."""
-    if not workers:
-        return []
-    return hash_blocks(prompt_ids, workers[0].block_size, bytes.fromhex(workers[0].kv_namespace_hex))
+    them up in kv-index); none while no worker with a valid ``kv_namespace_hex`` is known (the
+    request is then routed on load alone)."""
+    for worker in workers:
+        try:
+            namespace = bytes.fromhex(worker.kv_namespace_hex)
+        except ValueError:
+            if worker.worker_id not in _WARNED_NAMESPACE:
+                _WARNED_NAMESPACE.add(worker.worker_id)
+                log.warning("worker %s registered kv_namespace_hex %r, which is not hex: its requests are "
+                            "routed on load alone", worker.worker_id, worker.kv_namespace_hex[:80])
+            continue
+        return hash_blocks(prompt_ids, worker.block_size, namespace)
+    return []
+
+
+_WARNED_NAMESPACE: set[str] = set()

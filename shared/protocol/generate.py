@@ -56,6 +56,9 @@ class GenerateRequest(WireModel):
     priority: int = 0
     tier: str = "default"
     created_at: float = 0.0
+    # workers that broke the protocol on this request (a malformed chunk, an early end, silence):
+    # admission chooses none of them when the gateway asks again
+    exclude_workers: list[WorkerId] = Field(default_factory=list)
 
 
 class TopLogprob(WireModel):

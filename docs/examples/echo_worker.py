@@ -7,15 +7,20 @@ what this one does (in any language) is a decode worker the gateway and admissio
    subject, then an empty message with header ``Tandem-Stream: end``;
 2. listen <ns>.v1.decode.<id>.cancel   : {"request_id": ...} → stop that request;
 3. put its WorkerInfo into the KV bucket ``<ns>-workers`` under its id, again every TTL/3 seconds;
-4. (optional) publish WorkerLoad on <ns>.v1.load.decode.<id> and KV events on <ns>.v1.kv.events.<id>.
+4. (optional) publish WorkerLoad on <ns>.v1.load.decode.<id> and KV events on <ns>.v1.kv.events.<id>;
+5. on SIGTERM: put itself as ``draining``, finish what it runs, delete its entry, exit.
 
-    python docs/examples/echo_worker.py --nats-url nats://127.0.0.1:4222 --model smollm2-135m
+Against `tandem up --decode 0` (the URLs and namespace are in the connect.env it names):
+
+    set -a; . ~/.cache/tandem/up/tandem/connect.env; set +a
+    python docs/examples/echo_worker.py --model smollm2-135m
 """
 
 import argparse
 import asyncio
 import json
 import os
+import signal
 import time
 
 import nats
@@ -67,23 +72,38 @@ async def main(args: argparse.Namespace) -> None:
     info = {"worker_id": wid, "role": "decode", "state": "ready", "model": args.model,
             "block_size": 16, "max_model_len": 2048, "max_num_seqs": 64,
             "generate_subject": generate, "cancel_subject": cancel,
-            "kv_namespace_hex": args.model.encode().hex(), "pid": os.getpid(), "started_at": time.time()}
+            # the engine's namespace: model id, LoRA and cache salt joined by \x1f (none here)
+            "kv_namespace_hex": "\x1f".join([args.model, "", ""]).encode().hex(),
+            "pid": os.getpid(), "started_at": time.time()}
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
     print(f"echo worker {wid} serving {generate}", flush=True)
     seq = 0
-    while True:  # heartbeat: the entry expires TTL seconds after the last put
+    while not stop.is_set():  # heartbeat: the entry expires TTL seconds after the last put
         seq += 1
         await kv.put(wid, json.dumps({**info, "heartbeat_at": time.time()}).encode())
         load = {"worker_id": wid, "role": "decode", "seq": seq, "timestamp": time.time(),
                 "num_running": len(running)}
         await nc.publish(f"{root}.load.decode.{wid}", json.dumps(load).encode())
-        await asyncio.sleep(args.ttl / 3)
+        try:
+            await asyncio.wait_for(stop.wait(), args.ttl / 3)
+        except asyncio.TimeoutError:
+            pass
+    # drain: admission sends nothing new to a draining worker; finish, then leave the registry
+    await kv.put(wid, json.dumps({**info, "state": "draining", "heartbeat_at": time.time()}).encode())
+    if running:
+        await asyncio.wait(running, timeout=30)
+    await kv.purge(wid)
+    await nc.drain()
+    print(f"echo worker {wid} drained and deregistered", flush=True)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="an echo decode worker speaking Tandem's protocol")
     # from the environment by default: a URL with a password on the command line shows in `ps`
     p.add_argument("--nats-url", default=os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--namespace", default="tandem")
+    p.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"))
     p.add_argument("--worker-id", default=f"echo-{os.getpid()}")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--ttl", type=float, default=6.0, help="must match the bucket's TTL")

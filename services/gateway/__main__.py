@@ -21,6 +21,8 @@ class GatewayState(WireModel):
     models: list[str] = Field(default_factory=list)
     num_restarts: int = 0
     urls: list[str] = Field(default_factory=list)  # every gateway of the stack (empty: just this one)
+    nats_url: str = ""   # the servers the stack uses, passwords masked ("" from an older gateway)
+    redis_url: str = ""
 
 
 class StatusPage(ClusterStatusResult):
@@ -76,6 +78,8 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
              f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
     restarted = f"   gateway restarts: {page.gateway.num_restarts}" if page.gateway.num_restarts else ""
     lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}{restarted}"]
+    if page.gateway.nats_url or page.gateway.redis_url:
+        lines.append(f"NATS: {page.gateway.nats_url or '-'}   Redis: {page.gateway.redis_url or '-'}")
     if gateways_up:
         lines.append("gateways: " + "  ".join(f"{u} ({'up' if up else 'down'})" for u, up in gateways_up.items()))
     if queue := page.prefill_queue:

@@ -15,6 +15,8 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                      "queue group, or its restart) for this long after an unanswered ask")
     gateway_urls: str | None = Field(None, description="comma-separated URLs of every gateway of the stack, "
                                      "for /status (tandem up passes them)")
+    redis_url: str | None = Field(None, description="the stack's Redis, shown with its password masked in "
+                                  "/status and tandem status (tandem up passes it); not used otherwise")
     request_timeout_s: float = Field(600.0, gt=0, description="wait for a request's first token")
     token_idle_timeout_s: float = Field(60.0, gt=0, description="max gap between two tokens")
     status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")

@@ -33,6 +33,7 @@ from shared.runtime.service import (bus_connection, every, published_metrics, se
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import exposition
+from shared.telemetry.redact import redact_url
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.dashboard import add_dashboard_routes
@@ -198,7 +199,9 @@ class Gateway:
                                 for w in self.workers]}
         body["gateway"] = {"in_flight": self.metrics.num_in_flight, "models": self.served_models(),
                            "num_restarts": self.settings.num_restarts,
-                           "urls": self.settings.gateway_urls.split(",") if self.settings.gateway_urls else []}
+                           "urls": self.settings.gateway_urls.split(",") if self.settings.gateway_urls else [],
+                           "nats_url": redact_url(self.settings.nats_url),
+                           "redis_url": redact_url(self.settings.redis_url or "")}
         body["services"] = await self._services()
         return body
 

@@ -16,7 +16,8 @@ def default_state_dir() -> Path:
 class UpSettings(QosSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
-    decode: int = Field(1, ge=1, le=64, description="number of decode workers")
+    decode: int = Field(1, ge=0, le=64, description="number of decode workers (0 with --prefill 0: the control "
+                        "plane alone, for workers of your own; see docs/services.md)")
     prefill: int = Field(0, ge=0, le=64, description="number of prefill workers (0: every prompt prefills "
                          "on its decode worker)")
     max_local_prefill_tokens: int | None = Field(None, ge=0, description="decode workers prefill locally up to "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
 from shared.runtime.stack import Stack, StackSpec, print_line
 from shared.runtime.supervisor import Backoff
+from shared.telemetry.redact import redact_url
 from services.up.config import UpSettings
 
 
@@ -48,9 +50,12 @@ def run(settings: UpSettings) -> int:
     stack = Stack(spec_from_settings(settings))
     try:
         stack.start()
-        print_line("up", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
-                         f"{settings.model}; "
-                         f"waiting for {stack.base_url}/ready")
+        if settings.decode or settings.prefill:
+            print_line("up", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
+                             f"{settings.model}; waiting for {stack.base_url}/ready")
+        else:
+            print_line("up", f"starting the control plane alone (no workers: register your own, see "
+                             f"docs/services.md); waiting for {stack.base_url}/ready")
         waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop), daemon=True)
         waiter.start()
         while not stop.wait(0.5):
@@ -73,4 +78,19 @@ def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event) -> No
         stop.set()
         return
     urls = "  ".join(stack.base_urls)
-    print_line("up", f"ready: {urls}  (OpenAI base URL {stack.base_url}/v1; Ctrl-C stops)")
+    connect = write_connect_file(stack)
+    print_line("up", f"ready: {urls}  (OpenAI base URL {stack.base_url}/v1; NATS {redact_url(stack.nats_url)}, "
+                     f"Redis {redact_url(stack.redis_url)}, namespace {stack.spec.namespace}; "
+                     f"credentials in {connect}; Ctrl-C stops)")
+
+
+def write_connect_file(stack: Stack) -> Path:
+    """``connect.env`` in the stack's state directory, readable by its owner only: the URLs with
+    their passwords and the namespace, as the ``TANDEM_*`` variables every command and the example
+    workers read (``set -a; . connect.env; set +a``)."""
+    path = stack.spec.state_dir / "connect.env"
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(f"TANDEM_NATS_URL={stack.nats_url}\nTANDEM_REDIS_URL={stack.redis_url}\n"
+                    f"TANDEM_NAMESPACE={stack.spec.namespace}\n")
+    return path

@@ -132,7 +132,8 @@ class Stack:
         urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
         for i, port in enumerate(self.ports):
             self.spawn(_nth("gateway", i), "gateway", {**common, "model": spec.model, "host": spec.host,
-                                                       "port": port, "gateway_urls": urls, **spec.gateway_flags})
+                                                       "port": port, "gateway_urls": urls, "redis_url": self.redis_url,
+                                                       **spec.gateway_flags})
         if spec.restart_children:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
@@ -247,16 +248,24 @@ class Stack:
         return [n for n, c in self.children.items() if not c.is_running() and n not in self.retired]
 
     def ready_status(self, base_url: str | None = None) -> dict | None:
+        """The gateway's /ready body (a 503 with no decode worker has one too); None while it does
+        not answer."""
         try:
             with urllib.request.urlopen((base_url or self.base_url) + "/ready", timeout=2) as resp:
                 return json.load(resp)
+        except urllib.error.HTTPError as exc:
+            try:
+                return json.load(exc)
+            except ValueError:
+                return None
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
     def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None,
                    num_prefill: int | None = None) -> None:
-        """Until every gateway's /ready is 200 with ``num_decode`` ready decode workers and
-        ``num_prefill`` ready prefill workers (default: all the stack started)."""
+        """Until every gateway's /ready answers with ``num_decode`` ready decode workers and
+        ``num_prefill`` ready prefill workers (default: all the stack started; with none, once the
+        gateways answer)."""
         want = self.spec.num_decode if num_decode is None else num_decode
         want_prefill = self.spec.num_prefill if num_prefill is None else num_prefill
         deadline = time.monotonic() + timeout_s

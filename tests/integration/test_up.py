@@ -93,3 +93,86 @@ def test_up_serves_then_ctrl_c_leaves_nothing_behind(tmp_path):
     assert [p for p in processes if alive(p)] == []
     names = {l.split("|", 1)[0].strip() for l in seen if "|" in l}
     assert {"nats", "redis", "gateway", "admission", "kv-index", "autoscaler", "decode-1", "up"} <= names
+
+
+def test_up_with_no_workers_serves_a_worker_of_your_own(tmp_path):
+    """``--decode 0``: the control plane alone. The ready line names the servers (passwords masked)
+    and the owner-only file holding the real URLs; the documented echo worker, started from that
+    file, serves through the gateway, shows in ``tandem status``, and on SIGTERM drains and leaves."""
+    port, namespace = free_port(), f"up{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli.main", "up", "--decode", "0", "--port", str(port), "--namespace",
+         namespace, "--state-dir", str(tmp_path), "--registry-ttl-s", "15"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l.rstrip("\n")) for l in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    seen: list[str] = []
+    worker = None
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not any(l.startswith("up") and "ready: http://" in l for l in seen):
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "\n".join(seen[-30:])
+            seen.append(line)
+        ready = seen[-1]
+        assert "NATS nats://" in ready and "Redis redis://" in ready and "***@127.0.0.1:" in ready, ready
+        connect = tmp_path / namespace / "connect.env"
+        assert f"credentials in {connect}" in ready
+        assert connect.stat().st_mode & 0o777 == 0o600
+        env = dict(line.split("=", 1) for line in connect.read_text().splitlines())
+        assert env["TANDEM_NAMESPACE"] == namespace and env["TANDEM_NATS_URL"].startswith("nats://")
+        assert env["TANDEM_NATS_URL"] not in "\n".join(seen)  # the password itself is never printed
+
+        example = Path(__file__).resolve().parents[2] / "docs" / "examples" / "echo_worker.py"
+        worker = subprocess.Popen([sys.executable, str(example), "--worker-id", "echo-byo", "--ttl", "15"],
+                                  env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+        assert "serving" in worker.stdout.readline()
+        deadline = time.monotonic() + 30
+        while not _ready(base):
+            assert time.monotonic() < deadline, "the echo worker never made /ready 200"
+            time.sleep(0.2)
+        req = urllib.request.Request(base + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": "Hello tandem", "max_tokens": 5}).encode())
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.headers["X-Tandem-Worker"] == "echo-byo"
+            assert json.load(resp)["usage"]["completion_tokens"] == 5
+        deadline = time.monotonic() + 20  # the autoscaler's view, which /status shows, refreshes on its own
+        while True:
+            status = subprocess.run([sys.executable, "-m", "shared.cli.main", "status", "--url", base],
+                                    capture_output=True, text=True, timeout=30)
+            assert status.returncode == 0, status.stderr
+            if "echo-byo" in status.stdout:
+                break
+            assert time.monotonic() < deadline, status.stdout
+            time.sleep(0.5)
+        assert "NATS: nats://" in status.stdout and "Redis: redis://" in status.stdout and "***@" in status.stdout
+
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+        assert "drained and deregistered" in worker.stdout.read()
+        deadline = time.monotonic() + 8  # deleted: left to expire it would stay 10-15 s (TTL 15 s, beat 5 s)
+        while _ready(base) or "echo-byo" in _listed_workers(base):
+            assert time.monotonic() < deadline, "the echo worker still listed after it left"
+            time.sleep(0.2)
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    assert proc.returncode == 0
+
+
+def _listed_workers(base: str) -> list[str]:
+    with urllib.request.urlopen(base + "/status", timeout=5) as resp:
+        return [w["info"]["worker_id"] for w in json.load(resp)["workers"]]
+
+
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/ready", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

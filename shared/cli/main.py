@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "services.kv_index.__main__",
     "services.autoscaler.__main__",
     "shared.cli.control_cmds",
+    "shared.cli.protocol_cmds",  # protocol
 ]
 
 

@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "services.autoscaler.__main__",
     "shared.cli.control_cmds",
     "shared.cli.protocol_cmds",  # protocol
+    "shared.cli.worker_check",  # worker-check
 ]
 
 

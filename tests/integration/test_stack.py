@@ -391,6 +391,24 @@ async def registry_operation(stack, worker_id: str) -> str | None:
         await nc.close()
 
 
+def test_the_decode_worker_passes_worker_check_drain_included(stack):
+    """``tandem worker-check`` as a user runs it, against a real decode worker on the real model;
+    ``--drain`` ends with the worker deregistered and exited."""
+    import subprocess
+    import sys
+
+    checked, checked_id = spawn_ready_decode(stack, "decode-0-check")
+    out = subprocess.run([sys.executable, "-m", "shared.cli.main", "worker-check", checked_id, "--nats-url",
+                          stack.nats_url, "--namespace", stack.spec.namespace, "--drain"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "7 passed, 0 failed, 0 skipped", out.stdout
+    assert any(l.startswith("PASS  drain and deregistration: states ready → draining") and l.endswith("→ deleted")
+               for l in lines), out.stdout
+    assert checked.wait(60) and checked.proc.returncode == 0
+
+
 def test_without_decode_workers_the_gateway_answers_503(stack):
     """Last: it takes the stack's decode workers away."""
     workers = [c for n, c in stack.children.items() if n.startswith("decode") and c.is_running()]

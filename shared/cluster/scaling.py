@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shared.policy.autoscale import RatioAutoscaler, ScalingDecision, TickInput
 from shared.policy.autoscale_inputs import (Capacities, Flip, WorkerSample, choose_flips, in_transition,
-                                            least_busy, measure_demand, num_waiting, tick_input)
+                                            least_busy, measure_demand, num_queued, tick_input)
 from shared.policy.fleet import FleetAutoscaler, FleetDecision
 from shared.protocol.workers import ScalingAction, ScalingDecisionRecord, ScalingStatus, WorkerStatus
 
@@ -31,7 +31,7 @@ def worker_sample(status: WorkerStatus) -> WorkerSample:
         num_generated_tokens=load.num_generated_tokens_total,
         num_queued_prefill_tokens=sum(load.queued_prefill_tokens.values()),
         num_in_flight=load.num_running + load.num_waiting, num_waiting=load.num_waiting,
-        prefill_tokens_per_s=load.prefill_tokens_per_s)
+        prefill_tokens_per_s=load.prefill_tokens_per_s, max_num_seqs=load.max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Autoscaling:
             return self._keep(ScalingPlan(now_s, f"waiting for {', '.join(busy)} (starting, draining or flipping)"))
         if demand.interval_s == 0:
             return self._keep(ScalingPlan(now_s, "no load reports to compare yet"))
-        sustained = min(num_waiting(snapshot.values()) for _, snapshot in self._history)
+        sustained = min(num_queued(snapshot.values()) for _, snapshot in self._history)
         inp = tick_input(now_s, demand, samples, self.defaults, sustained)
         change = self.fleet.tick(inp) if self.fleet is not None else None
         if change is not None and change.delta != 0:

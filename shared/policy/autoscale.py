@@ -38,6 +38,10 @@ class TickInput:
     # a request counts as queued from its arrival until the next step schedules it, so one sample
     # of a fleet with free slots can show a queue that is gone a step later
     num_waiting_sustained: int | None = None
+    # running + waiting on the decode workers, and the sequence slots of each (None: not reported):
+    # a decode worker is stopped only if the others could hold what is in flight
+    num_decode_in_flight: int = 0
+    decode_slots_per_worker: int | None = None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class WorkerSample:
     num_in_flight: int = 0               # running + waiting: what a flip would have to drain
     num_waiting: int = 0                 # queued, not yet running: the fleet is saturated
     prefill_tokens_per_s: float | None = None
+    max_num_seqs: int | None = None      # its sequence slots (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,29 @@ def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], de
                      decode_tokens_per_s=demand.decode_tokens_per_s,
                      prefill_capacity_tokens_per_s=prefill_capacity,
                      decode_capacity_tokens_per_s=defaults.decode_tokens_per_s,
-                     num_waiting=num_waiting(ready), num_waiting_sustained=num_waiting_sustained)
+                     num_waiting=sum(s.num_waiting for s in ready), num_waiting_sustained=num_waiting_sustained,
+                     num_decode_in_flight=sum(s.num_in_flight for s in ready if s.role == DECODE),
+                     decode_slots_per_worker=_slots([s for s in ready if s.role == DECODE]))
 
 
-def num_waiting(samples: Iterable[WorkerSample]) -> int:
-    """Requests queued on the ready workers among ``samples``."""
-    return sum(s.num_waiting for s in samples if s.is_ready)
+def _slots(samples: list[WorkerSample]) -> int | None:
+    """The fewest sequence slots of ``samples`` (None if any did not report them)."""
+    if not samples or any(s.max_num_seqs is None for s in samples):
+        return None
+    return min(s.max_num_seqs for s in samples)
+
+
+def num_queued(samples: Iterable[WorkerSample]) -> int:
+    """Requests queued on the ready workers among ``samples`` beyond their free sequence slots. A
+    request counts as waiting from its arrival until the next step schedules it, so on a worker
+    with a free slot (a slow step on a busy machine) it waits without the worker being saturated."""
+    return sum(_queued(s) for s in samples if s.is_ready)
+
+
+def _queued(s: WorkerSample) -> int:
+    if s.max_num_seqs is None:
+        return s.num_waiting
+    return max(0, min(s.num_waiting, s.num_in_flight - s.max_num_seqs))
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ workers' worth of capacity; utilisation is that over the fleet. One worker is ad
 utilisation reaches ``scale_up_at`` or requests queue on the workers (``max_waiting_per_worker``
 each on average, in every sample of the measuring window: measured demand cannot exceed what the
 fleet computes, so a saturated fleet shows itself by its queues, while a request waiting one step
-for a free slot is no sign of saturation); one is removed when the fleet without it would still be at most
-``scale_down_at`` utilised and nothing queues. The gap between the two thresholds is the
+for a free slot is no sign of saturation, so only requests beyond the free slots count); one is removed when the
+fleet without it would still be at most ``scale_down_at`` utilised, nothing queues, and (a decode worker)
+the others' slots hold every request in flight. The gap between the two thresholds is the
 hysteresis (after a removal utilisation is at most ``scale_down_at``, below ``scale_up_at``);
 ``cooldown_s`` separates changes, counted from when the last one is done (``hold``). A fleet below
 ``min_workers`` is not topped up here: a worker missing from it has crashed, and ``tandem up``'s
@@ -69,7 +70,7 @@ class FleetAutoscaler:
             return self._change(inp, +1, self._role_to_start(inp), f"{usage}: scale up to {total + 1}")
         role = self._role_to_stop(inp)
         if (total > cfg.min_workers and role is not None and inp.num_waiting == 0
-                and need <= cfg.scale_down_at * (total - 1)):
+                and need <= cfg.scale_down_at * (total - 1) and self._rest_holds_in_flight(inp, role)):
             return self._change(inp, -1, role, f"{usage}: scale down to {total - 1} "
                                                f"(utilisation {need / (total - 1):.2f} without one)")
         return FleetDecision(0, None, f"{usage}: fleet of {total} kept")
@@ -83,6 +84,13 @@ class FleetAutoscaler:
             return FleetDecision(0, None, f"{reason}, but every role is at its minimum")
         self._last_change_s = inp.now_s
         return FleetDecision(delta, role, reason)
+
+    @staticmethod
+    def _rest_holds_in_flight(inp: TickInput, role: str) -> bool:
+        """Without one decode worker, the others' slots still hold every request in flight."""
+        if role != "decode" or inp.decode_slots_per_worker is None:
+            return True
+        return inp.num_decode_in_flight <= inp.decode_slots_per_worker * (inp.num_decode - 1)
 
     def _role_to_start(self, inp: TickInput) -> str:
         if inp.num_prefill == 0:

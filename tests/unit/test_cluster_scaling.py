@@ -6,11 +6,12 @@ from shared.policy.autoscale_inputs import Capacities, Flip
 from shared.protocol import ScalingAction, WorkerInfo, WorkerLoad, WorkerStatus
 
 
-def status(worker_id, t, prompt=0, generated=0, role="decode", state="ready", load_role=None, running=0, waiting=0):
+def status(worker_id, t, prompt=0, generated=0, role="decode", state="ready", load_role=None, running=0, waiting=0,
+           slots=1):
     info = WorkerInfo(worker_id=worker_id, role=role, state=state, model="m", block_size=16, max_model_len=256,
                       generate_subject="g")
     load = WorkerLoad(worker_id=worker_id, role=load_role or role, seq=int(t) + 1, timestamp=t, num_running=running, num_waiting=waiting,
-                      num_prompt_tokens_total=prompt, num_generated_tokens_total=generated)
+                      num_prompt_tokens_total=prompt, num_generated_tokens_total=generated, max_num_seqs=slots)
     return WorkerStatus(info=info, load=load)
 
 
@@ -99,8 +100,8 @@ def test_a_busy_fleet_plans_a_start_and_waits_for_the_new_worker_before_deciding
 def test_an_idle_fleet_stops_the_worker_with_the_least_in_flight():
     s = fleet_scaling()
     s.plan(0.0, [status("d1", 0), status("d2", 0), status("d3", 0)])
-    plan = s.plan(2.0, [status("d1", 2, generated=20, running=2), status("d2", 2, generated=20, running=1),
-                        status("d3", 2, generated=20, running=3)])
+    plan = s.plan(2.0, [status("d1", 2, generated=20, running=2, slots=4), status("d2", 2, generated=20, running=1,
+                        slots=4), status("d3", 2, generated=20, running=3, slots=4)])
     assert plan.stop == Flip("d2", "decode") and plan.start is None and "scale down to 2" in plan.reason
     assert s.record(plan, []) is not None
 
@@ -117,6 +118,30 @@ def test_a_queue_starts_a_worker_only_when_every_sample_in_the_window_shows_it()
     s.plan(0.0, [status("d1", 0, running=2, waiting=2)])
     plan = s.plan(2.0, [status("d1", 2, generated=20, running=2, waiting=1)])
     assert plan.start == "decode" and "1.0 waiting per worker" in plan.reason
+
+
+def test_requests_waiting_for_a_free_slot_start_no_worker_however_long_it_lasts():
+    # two sequence slots, two clients: each new request waits one step for the slot its
+    # predecessor freed (a slow step on a busy machine makes every sample catch one)
+    s = fleet_scaling()
+    for t in range(0, 12, 2):
+        plan = s.plan(float(t), [status("d1", t, generated=10 * t, running=1, waiting=1, slots=2)])
+        assert plan.start is None, plan.reason
+    full = fleet_scaling()  # the same queue on a worker whose slots are all taken is a queue
+    full.plan(0.0, [status("d1", 0, running=2, waiting=1, slots=2)])
+    plan = full.plan(2.0, [status("d1", 2, generated=20, running=2, waiting=1, slots=2)])
+    assert plan.start == "decode", plan.reason
+
+
+def test_a_decode_worker_is_stopped_only_when_the_others_slots_hold_what_is_in_flight():
+    s = fleet_scaling()  # utilisation near 0 and nothing waiting, but 4 streams fill both workers' 2 slots
+    s.plan(0.0, [status("d1", 0, slots=2), status("d2", 0, slots=2)])
+    busy = s.plan(2.0, [status("d1", 2, generated=20, running=2, slots=2), status("d2", 2, generated=20, running=2,
+                                                                                    slots=2)])
+    assert busy.stop is None and "fleet of 2 kept" in busy.reason
+    light = s.plan(4.0, [status("d1", 4, generated=40, running=1, slots=2), status("d2", 4, generated=40, running=1,
+                                                                                     slots=2)])
+    assert light.stop is not None and "scale down to 1" in light.reason
 
 
 def test_without_a_fleet_policy_the_fleet_is_never_resized():

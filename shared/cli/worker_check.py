@@ -320,24 +320,33 @@ class _Checker:
         info = self._need_info()
         if not info.control_subject:
             raise _Skip("no control_subject in the entry: drain it with SIGTERM")
-        reply = await self.nc.request(info.control_subject, ControlRequest(action="drain").to_bytes(),
-                                      timeout=self.timeout_s)
-        if ERROR_HEADER in (reply.headers or {}):
-            raise Failed(f"drain refused: {reply.data[:200].decode(errors='replace')}")
-        from nats.js.errors import KeyNotFoundError
+        import nats.errors
+        from nats.js.kv import KV_DEL, KV_PURGE
 
         kv = await self.js.key_value(self.bucket)
-        deadline, states = time.monotonic() + self.timeout_s, []
-        while time.monotonic() < deadline:
-            try:
-                entry = await kv.get(self.worker_id)
+        watcher = await kv.watch(self.worker_id)  # every put and the delete, however quick
+        states: list[str] = []
+        try:
+            reply = await self.nc.request(info.control_subject, ControlRequest(action="drain").to_bytes(),
+                                          timeout=self.timeout_s)
+            if ERROR_HEADER in (reply.headers or {}):
+                raise Failed(f"drain refused: {reply.data[:200].decode(errors='replace')}")
+            deadline = time.monotonic() + self.timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    entry = await watcher.updates(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                if entry is None:  # the end of the current values
+                    continue
+                if entry.operation in (KV_DEL, KV_PURGE):
+                    return f"states {' → '.join(states)} → deleted"
                 state = json.loads(entry.value).get("state")
                 if not states or states[-1] != state:
                     states.append(state)
-            except KeyNotFoundError:
-                return f"states {' → '.join(states)} → deleted"
-            await asyncio.sleep(0.1)
-        raise Failed(f"still registered {self.timeout_s:g}s after the drain (states {states})")
+        finally:
+            await watcher.stop()
+        raise Failed(f"still registered {self.timeout_s:g}s after the drain (states {' → '.join(states)})")
 
 
 class _Skip(Exception):

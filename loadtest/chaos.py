@@ -61,6 +61,9 @@ class ChaosConfig:
     model: str = "smollm2-135m"
     device: str = "cpu"
     kv_cache_memory: str = "128MiB"
+    # exact: a request moved to another worker must give the reference's tokens (with int8 or
+    # bfloat16 a near-tie can flip after the move, which the drill would count as differing)
+    dtype: str = "float32"
     fault_options: FaultOptions = FaultOptions()
 
 
@@ -74,7 +77,7 @@ def stack_spec(cfg: ChaosConfig, state_dir: Path, **overrides) -> StackSpec:
     """A supervised stack (restarts its children) of the configured sizes; decode workers prefill
     nothing locally when there are prefill workers, so the prefill path carries every request."""
     engine = {"max_model_len": 1024, "kv_cache_memory": cfg.kv_cache_memory, "device": cfg.device,
-              "num_warmup_requests": 1}
+              "dtype": cfg.dtype, "num_warmup_requests": 1}
     local = {"max_local_prefill_tokens": 0} if cfg.num_prefill else {}
     kw = dict(state_dir=state_dir, num_decode=cfg.num_decode, num_prefill=cfg.num_prefill, model=cfg.model,
               port=0, namespace=f"chaos{os.getpid()}", registry_ttl_s=3.0, restart_children=True,
@@ -105,14 +108,28 @@ async def _request(session: aiohttp.ClientSession, url: str, body: dict, outcome
             outcome.text = "".join(text)
             if not done:
                 outcome.error = "stream cut"
+    except aiohttp.ClientConnectorError:
+        raise  # nothing was sent: the caller may try another gateway
     except aiohttp.ClientError as exc:
         outcome.error = f"connection {type(exc).__name__}"
+
+
+async def _failing_over(session: aiohttp.ClientSession, urls: list[str], i: int, body: dict,
+                        outcome: RequestOutcome) -> None:
+    for k in range(len(urls)):
+        outcome.error = None
+        try:
+            return await _request(session, urls[(i + k) % len(urls)] + "/v1/completions", body, outcome)
+        except aiohttp.ClientConnectorError as exc:
+            outcome.error = f"connection {type(exc).__name__}"  # every gateway refused: it stays
 
 
 async def drive(urls: list[str], cfg: ChaosConfig, stop: asyncio.Event, *, num_requests: int | None = None,
                 label: str = "load", progress: bool = True) -> list[RequestOutcome]:
     """Closed loop: ``cfg.concurrency`` clients each send the next prompt when their last request
-    ended, until ``stop`` is set (or ``num_requests`` were sent). Round-robins over ``urls``."""
+    ended, until ``stop`` is set (or ``num_requests`` were sent). Round-robins over ``urls``; a
+    connection refused (nothing sent: the gateway is down) goes to the next one, as a client with
+    several endpoints, or a load balancer, does."""
     texts = prompts(cfg.num_prompts)
     start = time.monotonic()
     outcomes: list[RequestOutcome] = []
@@ -128,8 +145,7 @@ async def drive(urls: list[str], cfg: ChaosConfig, stop: asyncio.Event, *, num_r
             body = {"model": cfg.model, "prompt": texts[outcome.prompt_index], "max_tokens": cfg.max_tokens,
                     "temperature": 0.0, "ignore_eos": True, "stream": True}
             try:
-                await asyncio.wait_for(_request(session, urls[i % len(urls)] + "/v1/completions", body, outcome),
-                                       cfg.deadline_s)
+                await asyncio.wait_for(_failing_over(session, urls, i, body, outcome), cfg.deadline_s)
             except TimeoutError:
                 continue  # hung: no end recorded
             outcome.ended_s = round(time.monotonic() - start, 3)
@@ -263,6 +279,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]
     p.add_argument("--model", default=d.model)
     p.add_argument("--device", default=d.device)
     p.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
+    p.add_argument("--dtype", default=d.dtype, help="workers' dtype (default: %(default)s, exact, so that a moved "
+                   "request must repeat the reference's tokens; int8/bfloat16 can flip a near-tie after a move)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/chaos"))
     p.add_argument("--name", default="chaos", help="output file name stem (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
@@ -276,7 +294,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]
                       concurrency=args.concurrency, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                       warm_s=args.warm_s, after_s=args.after_s, deadline_s=args.deadline_s,
                       idle_timeout_s=args.idle_timeout_s, model=args.model, device=args.device,
-                      kv_cache_memory=args.kv_cache_memory, fault_options=FaultOptions(stop_s=args.stop_s))
+                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                      fault_options=FaultOptions(stop_s=args.stop_s))
     return cfg, args
 
 

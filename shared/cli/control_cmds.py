@@ -12,14 +12,7 @@ HELP = "send a control request to one worker (drain it, flip its role, or set it
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("control", help=HELP, description=HELP)
-    parser.add_argument("worker_id", help="the worker's id (see `tandem status`)")
-    from shared.telemetry.redact import redact_url
-
-    nats_url = os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222")
-    parser.add_argument("--nats-url", default=nats_url,  # its password stays out of --help
-                        help=f"NATS server URL (env TANDEM_NATS_URL, default {redact_url(nats_url)})")
-    parser.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
-                        help="subject namespace (env TANDEM_NAMESPACE, default %(default)s)")
+    add_worker_args(parser)
     parser.add_argument("--drain", action="store_true", help="finish in-flight work and leave")
     parser.add_argument("--flip", choices=("decode", "prefill"), default=None,
                         help="finish in-flight work, then serve this role in the same process (no reload)")
@@ -28,6 +21,19 @@ def register(subparsers) -> None:
     parser.add_argument("--max-prefill-queue", type=int, default=None,
                         help="prefill locally while the prefill queue is at least this long")
     parser.set_defaults(func=main)
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """A worker id and where to reach it: ``--nats-url`` and ``--namespace`` (also from
+    ``TANDEM_NATS_URL`` / ``TANDEM_NAMESPACE``, as in tandem up's connect.env)."""
+    from shared.telemetry.redact import redact_url
+
+    parser.add_argument("worker_id", help="the worker's id (see `tandem status`)")
+    nats_url = os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222")
+    parser.add_argument("--nats-url", default=nats_url,  # its password stays out of --help
+                        help=f"NATS server URL (env TANDEM_NATS_URL, default {redact_url(nats_url)})")
+    parser.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
+                        help="subject namespace (env TANDEM_NAMESPACE, default %(default)s)")
 
 
 def main(args: argparse.Namespace) -> int:

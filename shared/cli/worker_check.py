@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import time
 import uuid
 
@@ -39,15 +38,10 @@ class Failed(Exception):
 
 
 def register(subparsers) -> None:
-    from shared.telemetry.redact import redact_url
+    from shared.cli.control_cmds import add_worker_args
 
     parser = subparsers.add_parser("worker-check", help=HELP, description=HELP)
-    parser.add_argument("worker_id", help="the worker's id (see `tandem status`)")
-    nats_url = os.environ.get("TANDEM_NATS_URL", "nats://127.0.0.1:4222")
-    parser.add_argument("--nats-url", default=nats_url,  # its password stays out of --help
-                        help=f"NATS server URL (env TANDEM_NATS_URL, default {redact_url(nats_url)})")
-    parser.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
-                        help="subject namespace (env TANDEM_NAMESPACE, default %(default)s)")
+    add_worker_args(parser)
     parser.add_argument("--prompt-token-ids", default="1,2,3,4,5,6,7,8",
                         help="the test prompt, comma-separated token ids (default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per check (default: %(default)s)")

@@ -118,7 +118,7 @@ class AdmissionService:
         """What the Admitter needs, from the chosen worker's reports and the other workers' queues."""
         tier = self.qos.resolve(request.tier)
         priority = self.qos.tiers[tier].priority
-        prompt = len(request.prompt_token_ids)
+        prompt = max(1, len(request.prompt_token_ids))  # a text worker's request has none: routed on load
         block_size = entry.info.block_size
         load = entry.load
         wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(

@@ -69,6 +69,9 @@ class DecodeWorker(EngineWorker):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         if self.state != "ready":
             raise ServiceError("rejected", f"worker {self.worker_id} is {self.state}")
+        if request.is_text:
+            raise ServiceError("bad_request", f"worker {self.worker_id} takes token ids, not text",
+                               "prompt_token_ids")
         self.num_requests_total += 1
         started = last = time.monotonic()
         index = 0

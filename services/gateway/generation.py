@@ -71,6 +71,7 @@ class Generation:
         self._stream: AsyncIterator[TokenChunk] | None = None
         self._first: TokenChunk | None = None
         self._generated: list[int] = []
+        self._num_text_chunks = 0  # a text worker's chunks without token ids (one token each in usage)
         self._num_migrations = 0
         self._has_lost_worker = False  # a worker was lost before the first token: wait for another
         # workers that broke the protocol on this request → their start time then (a restart under
@@ -93,7 +94,7 @@ class Generation:
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self._generated)
+        return len(self._generated) + self._num_text_chunks
 
     async def start(self) -> None:
         """Admit the request and wait for its first token (so errors can still be a plain 4xx/5xx)."""
@@ -297,6 +298,10 @@ class Generation:
             raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None
 
     async def _migrate(self, why: str, *, cancelled: bool = False) -> TokenChunk:
+        if self.request.is_text:  # its text so far cannot become another worker's prompt
+            if not cancelled:
+                await self._cancel(self.worker_id, self._current.request_id, "lost mid-stream")
+            raise ApiError(502, f"text worker {self.worker_id} lost mid-stream: {why}", code="worker_lost")
         self._num_migrations += 1
         self._metrics.observe_migration()
         if not cancelled:
@@ -346,7 +351,13 @@ class Generation:
         if self._num_migrations == 0:
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         self._generated.extend(chunk.token_ids)
-        text = self._stop.push(self._detok.push(chunk.token_ids))
+        if chunk.text is not None and self.request.is_text:  # a text worker: its own tokenizer's text
+            self._num_text_chunks += 0 if chunk.token_ids else 1
+            self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
+            piece = chunk.text
+        else:
+            piece = self._detok.push(chunk.token_ids)
+        text = self._stop.push(piece)
         finish = chunk.finish_reason
         if finish is not None and not self._stop.is_stopped:
             text += self._stop.push(self._detok.flush())

@@ -23,8 +23,8 @@ from shared.openai_api.auth import ApiKeys
 from shared.openai_api.errors import ApiError
 from shared.policy.qos import load_qos
 from shared.policy.rate_limit import RateLimiter
-from shared.openai_api.generate_request import (build_generate_request, choice_requests, prompt_block_hashes,
-                                                resolve_model)
+from shared.openai_api.generate_request import (build_generate_request, build_text_request, choice_requests,
+                                                prompt_block_hashes, resolve_model)
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.protocol import ClusterStatusRequest, GenerateRequest, Subjects, WorkerInfo
@@ -106,11 +106,7 @@ class Gateway:
         tier = self.api_keys.tier(request.headers.get("Authorization"))
         self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
-        gen_request = build_generate_request(
-            api, api.prompt_ids(), tier=tier, priority=self.qos.tiers[tier].priority,
-            workers=self.ready_workers(api.body.model),
-            served_models=self.served_models(), default_max_tokens=self.settings.default_max_tokens,
-            now=time.time())
+        gen_request = self._generate_request(api, tier, time.time())
         bind_request_id(gen_request.request_id)
         gens = [self._generation(r, api.body.stop_strings(), arrived_at)
                 for r in choice_requests(gen_request, api.body.num_choices())]
@@ -129,6 +125,18 @@ class Gateway:
             for gen in gens:  # before any await: a client that hung up cancels this task there
                 _log_request(gen)
             await asyncio.gather(*(g.close() for g in gens))
+
+    def _generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
+        """Tokenized and hashed here, or, for a model that text workers serve, as text."""
+        priority = self.qos.tiers[tier].priority
+        model = resolve_model(api.body.model, self.served_models())
+        workers = self.ready_workers(model)
+        if workers and all(w.takes_text for w in workers):
+            return build_text_request(api, model=model, tier=tier, priority=priority,
+                                      default_max_tokens=self.settings.default_max_tokens, now=now)
+        return build_generate_request(api, api.prompt_ids(), tier=tier, priority=priority, workers=workers,
+                                      served_models=self.served_models(),
+                                      default_max_tokens=self.settings.default_max_tokens, now=now)
 
     def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
         model = gen_request.model

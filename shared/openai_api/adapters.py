@@ -123,6 +123,10 @@ class ApiAdapter(ABC, Generic[Body]):
     def prompt_ids(self) -> list[int]:
         """The prompt as token ids; a 400 ``ApiError`` when it cannot be one."""
 
+    @abstractmethod
+    def text_prompt(self) -> tuple[str | None, list[dict] | None]:
+        """The prompt for a text worker: (prompt text, None) or (None, chat messages)."""
+
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         """Chunks of choice ``index`` streamed before its first token."""
         return []
@@ -185,6 +189,9 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
             raise ApiError(400, str(exc), param="messages") from None
         return self.tokenizer.encode(text)
 
+    def text_prompt(self) -> tuple[str | None, list[dict] | None]:
+        return None, [{"role": m.role, "content": m.text()} for m in self.body.messages]
+
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
         mode = self.body.tool_mode()
         if mode == "none":
@@ -244,6 +251,13 @@ class CompletionAdapter(ApiAdapter[CompletionRequest]):
         if not ids:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         return ids
+
+    def text_prompt(self) -> tuple[str | None, list[dict] | None]:
+        prompt = self.body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            raise ApiError(400, "a text worker serves this model: the prompt must be text, not token ids",
+                           param="prompt")
+        return (prompt[0] if isinstance(prompt, list) else prompt), None
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         echo = self.echo_text()

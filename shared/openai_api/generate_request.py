@@ -39,6 +39,28 @@ def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str,
                            priority=priority, created_at=now)
 
 
+def build_text_request(api: ApiAdapter, *, model: str, tier: str, priority: int = 0, default_max_tokens: int,
+                       now: float) -> GenerateRequest:
+    """A request for a text worker (``WorkerInfo.takes_text``): the prompt as text or chat messages,
+    no token ids or block hashes. What needs the model's tokens here is a 400 naming it."""
+    body = api.body
+    token_bound = [("logprobs", body.num_logprobs() is not None), ("logit_bias", bool(body.token_biases())),
+                   ("best_of", body.num_choices() > body.n)]
+    if (grammar := body.grammar()) is not None:
+        token_bound.append((grammar[1], True))
+    if getattr(body, "tool_mode", lambda: "none")() != "none":
+        token_bound.append(("tools", True))
+    for param, used in token_bound:
+        if used:
+            raise ApiError(400, f"{param} is not supported for {model!r}: a text worker serves it (text in, "
+                           f"text out; no token ids at the gateway)", param=param, code="unsupported_parameter")
+    prompt_text, messages = api.text_prompt()
+    return GenerateRequest(request_id=f"{api.id_prefix}-{uuid.uuid4().hex}", model=model, prompt_text=prompt_text,
+                           messages=messages, sampling=sampling_params(body, body.requested_max_tokens()
+                                                                       or default_max_tokens),
+                           tier=tier, priority=priority, created_at=now)
+
+
 def resolve_model(requested: str | None, served_models: Sequence[str]) -> str:
     """The model a request runs on: as named, or (omitted) the only one served."""
     if requested is None:

@@ -88,6 +88,9 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         except ValueError as exc:
             raise ApiError(400, str(exc), param="input") from None
 
+    def text_prompt(self) -> tuple[str | None, list[dict] | None]:
+        return None, self.body.messages()
+
     def _event(self, kind: str, **fields) -> dict:
         self._seq += 1
         return {"type": kind, "sequence_number": self._seq - 1, **fields}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.protocol.base import BlockHash, RequestId, WireModel, WorkerId
 
@@ -41,16 +41,26 @@ class SamplingParams(WireModel):
     num_output_in_prompt: int = Field(0, ge=0)
 
 
+class TextMessage(WireModel):
+    role: str
+    content: str
+
+
 class GenerateRequest(WireModel):
     """One request, tokenized and hashed by the gateway.
 
     ``block_hashes`` are the chained hashes of the prompt's full blocks (``hash_blocks`` with the
     worker's block size and namespace); admission uses them for the prefix-overlap lookup.
+
+    A request for a text worker (``WorkerInfo.takes_text``) carries no token ids and no hashes:
+    ``messages`` (chat) or ``prompt_text`` (completions) instead, for the worker's own tokenizer.
     """
 
     request_id: RequestId
     model: str
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    prompt_text: str | None = None
+    messages: list[TextMessage] | None = None
     sampling: SamplingParams = SamplingParams()
     block_hashes: list[BlockHash] = Field(default_factory=list)
     priority: int = 0
@@ -59,6 +69,18 @@ class GenerateRequest(WireModel):
     # workers that broke the protocol on this request (a malformed chunk, an early end, silence):
     # admission chooses none of them when the gateway asks again
     exclude_workers: list[WorkerId] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _has_a_prompt(self) -> "GenerateRequest":
+        if not self.prompt_token_ids and self.prompt_text is None and self.messages is None:
+            raise ValueError("prompt_token_ids must not be empty (a text worker's request gives prompt_text "
+                             "or messages instead)")
+        return self
+
+    @property
+    def is_text(self) -> bool:
+        """For a text worker: text in, text out."""
+        return not self.prompt_token_ids
 
 
 class TopLogprob(WireModel):
@@ -86,6 +108,8 @@ class TokenChunk(WireModel):
     num_prompt_tokens: int = Field(0, ge=0)
     num_cached_tokens: int = Field(0, ge=0)
     worker_id: WorkerId | None = None
+    # a text worker's output (token_ids then may be empty: usage counts one token per such chunk)
+    text: str | None = None
     # first chunk only: the worker's part of the time to first token, phase name → seconds, a
     # partition of its time from receiving the request to this chunk (shared.telemetry.phases)
     phases: dict[str, float] | None = None

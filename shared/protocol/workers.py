@@ -33,6 +33,9 @@ class WorkerInfo(WireModel):
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
+    # text in (GenerateRequest.messages / prompt_text), text out (TokenChunk.text): the worker
+    # brings its own model and tokenizer, and the gateway sends it no token ids or block hashes
+    takes_text: bool = False
 
 
 class WorkerLoad(WireModel):

@@ -38,7 +38,7 @@ def test_drift_is_found_and_named(tmp_path, capsys):
 
 
 def test_every_wire_model_sent_alone_has_a_schema():
-    nested = {"SamplingParams", "GrammarSpec", "TopLogprob", "TokenLogprob", "BlockStoredEvent",
+    nested = {"SamplingParams", "GrammarSpec", "TextMessage", "TopLogprob", "TokenLogprob", "BlockStoredEvent",
               "BlockRemovedEvent", "AllBlocksClearedEvent", "WorkerOverlap", "PrefillQueueStatus",
               "WorkerStatus", "ScalingAction", "ScalingDecisionRecord", "ScalingStatus"}
     models = {cls.__name__ for cls in _subclasses(WireModel)} - {"StatusPage", "GatewayState"}

@@ -391,6 +391,29 @@ async def registry_operation(stack, worker_id: str) -> str | None:
         await nc.close()
 
 
+def test_a_decode_worker_refuses_a_text_request_with_bad_request(stack):
+    """A request meant for a text worker (prompt text, no token ids) sent to a token worker."""
+    from shared.bus import Bus, RemoteError
+    from shared.protocol import GenerateRequest
+
+    worker_id = next(w for w, state in decode_states(stack).items() if state == "ready")
+
+    async def ask() -> RemoteError:
+        bus = await Bus.connect(stack.nats_url, "text-to-token-worker")
+        try:
+            stream = bus.stream(Subjects(stack.spec.namespace).decode_generate(worker_id),
+                                GenerateRequest(request_id="text-1", model=MODEL, prompt_text="hello"),
+                                first_timeout_s=30, idle_timeout_s=30)
+            with pytest.raises(RemoteError) as err:
+                await anext(stream)
+            return err.value
+        finally:
+            await bus.close()
+
+    err = asyncio.run(ask())
+    assert (err.code, err.field) == ("bad_request", "prompt_token_ids") and "not text" in err.message
+
+
 def test_the_decode_worker_passes_worker_check_drain_included(stack):
     """``tandem worker-check`` as a user runs it, against a real decode worker on the real model;
     ``--drain`` ends with the worker deregistered and exited."""

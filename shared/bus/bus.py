@@ -31,7 +31,7 @@ from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.link import Link
 from shared.bus.replay import Replay
-from shared.protocol.base import WireModel
+from shared.protocol.base import WireModel, validation_message
 from shared.protocol.errors import ErrorReply
 from shared.protocol.subjects import Endpoint
 from shared.telemetry import tracing
@@ -59,12 +59,6 @@ def _error_from_msg(msg: Msg, subject: str) -> ServiceError | None:
         return RemoteError(body.code, body.message, body.field)
     except ValidationError:
         return RemoteError("internal", msg.data.decode(errors="replace")[:500])
-
-
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ())) or None
-    return f"{first['msg']}" + (f" (field {field})" if field else ""), field
 
 
 def _is_auth_error(exc: BaseException) -> bool:
@@ -196,6 +190,21 @@ class Bus:
         subject). A reply that does not parse as the endpoint's reply type raises ``MalformedReply``
         and ends the stream."""
         assert endpoint.reply_type is not None, f"{endpoint.subject} is publish-only"
+        async with contextlib.aclosing(self.stream_bytes(endpoint.subject, payload.to_bytes(),
+                                                         first_timeout_s=first_timeout_s,
+                                                         idle_timeout_s=idle_timeout_s)) as replies:
+            async for data in replies:
+                try:
+                    reply = endpoint.reply_type.from_bytes(data)
+                except ValidationError as exc:
+                    raise MalformedReply(endpoint.subject, validation_message(exc)[0]) from None
+                yield reply
+
+    async def stream_bytes(self, subject: str, data: bytes, *, first_timeout_s: float,
+                           idle_timeout_s: float) -> AsyncIterator[bytes]:
+        """``stream`` with the request and its replies as bytes, unparsed: for a tool that judges
+        what a responder sends (``tandem worker-check``). Error replies, the end marker, timeouts
+        and disconnects are handled as in ``stream``."""
         inbox = self.nc.new_inbox()
         received: asyncio.Queue[Msg | None] = asyncio.Queue()  # None: the connection was lost
 
@@ -205,25 +214,20 @@ class Bus:
         sub = await self.nc.subscribe(inbox, cb=on_reply, pending_msgs_limit=1 << 20)
         stop_listening = self.link.on_loss(lambda: received.put_nowait(None))
         try:
-            await self.nc.publish(endpoint.subject, payload.to_bytes(), reply=inbox,
-                                  headers=tracing.current_headers())
+            await self.nc.publish(subject, data, reply=inbox, headers=tracing.current_headers())
             timeout = first_timeout_s
             while True:
                 try:
                     msg = await asyncio.wait_for(received.get(), timeout)
                 except asyncio.TimeoutError:
-                    raise BusTimeout(endpoint.subject, timeout) from None
+                    raise BusTimeout(subject, timeout) from None
                 if msg is None:
-                    raise Disconnected(endpoint.subject)
-                if (err := _error_from_msg(msg, endpoint.subject)) is not None:
+                    raise Disconnected(subject)
+                if (err := _error_from_msg(msg, subject)) is not None:
                     raise err
                 if (msg.headers or {}).get(STREAM_HEADER) == "end":
                     return
-                try:
-                    reply = endpoint.reply_type.from_bytes(msg.data)
-                except ValidationError as exc:
-                    raise MalformedReply(endpoint.subject, _validation_message(exc)[0]) from None
-                yield reply
+                yield msg.data
                 timeout = idle_timeout_s
         finally:
             stop_listening()
@@ -260,6 +264,22 @@ class Bus:
         a request sent after this finds its responder)."""
         await self.nc.flush(timeout=timeout_s)
 
+    @contextlib.asynccontextmanager
+    async def listening(self, subject: str) -> AsyncIterator[asyncio.Queue[bytes]]:
+        """The bytes of every message on ``subject`` while in the block, unparsed, in a queue (for a
+        tool that judges what a producer sends, as ``tandem worker-check`` its load reports)."""
+        received: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_msg(msg: Msg) -> None:
+            received.put_nowait(msg.data)
+
+        sub = await self.nc.subscribe(subject, cb=on_msg)
+        try:
+            yield received
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
     async def subscribe(self, endpoint: Endpoint[Req, WireModel],
                         handler: Callable[[Req], Awaitable[None]]) -> None:
         """Consume publish-only messages (no reply): a bad message is logged and dropped."""
@@ -279,7 +299,7 @@ class Bus:
         try:
             request = endpoint.request_type.from_bytes(msg.data)
         except ValidationError as exc:
-            message, field = _validation_message(exc)
+            message, field = validation_message(exc)
             log.warning("bad message on %s: %s", msg.subject, message)
             await self._reply_error(msg, ErrorReply(code="bad_request", message=message, field=field))
             return
@@ -378,6 +398,13 @@ class Bus:
         kv = KvBucket(await self._bind_key_value(bucket, ttl_s), self.js, bucket)
         self.link.on_resume(f"bucket {bucket}", lambda: self._bind_key_value(bucket, ttl_s))
         return kv
+
+    async def find_key_value(self, bucket: str) -> KvBucket | None:
+        """Bind to the bucket if it exists (None if not); unlike ``key_value``, create nothing."""
+        try:
+            return KvBucket(await self.js.key_value(bucket), self.js, bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return None
 
     async def _bind_key_value(self, bucket: str, ttl_s: float | None):
         try:

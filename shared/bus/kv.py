@@ -3,7 +3,12 @@ reads as None, deleting a missing key is no error."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
+import nats.errors
 import nats.js.errors
+from nats.js.kv import KV_DEL, KV_PURGE
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -24,6 +29,30 @@ class KvBucket:
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
         return entry.value or None
+
+    async def revision(self, key: str) -> int | None:
+        """The revision of the key's current value (a put makes a new one); None if it has none."""
+        try:
+            return (await self._kv.get(key)).revision
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+
+    async def watch(self, key: str) -> AsyncIterator[bytes | None]:
+        """The key's value now (if it has one), then each new one as it is put, and None for each
+        delete; however quickly they follow each other. Closing the iterator stops the watch."""
+        watcher = await self._kv.watch(key)
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=3600)
+                except nats.errors.TimeoutError:
+                    continue
+                if entry is None:  # the end of the current values
+                    continue
+                yield None if entry.operation in (KV_DEL, KV_PURGE) else entry.value
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await watcher.stop()
 
     async def delete(self, key: str) -> None:
         """Remove the key and its history (idempotent)."""

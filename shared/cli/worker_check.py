@@ -1,7 +1,7 @@
 """`tandem worker-check WORKER_ID`: a battery of protocol checks against a live decode worker
 (docs/protocol.md), each printed as PASS, FAIL or SKIP with its reason; exit 1 on any FAIL.
 
-It speaks raw NATS, not Tandem's bus, so that it can report exactly what the worker sent: a chunk
+It reads what the worker sends before judging it, so that it can say exactly what was wrong: a chunk
 that does not validate, a gap in ``index``, a missing end marker. Checks, in order: the registry
 entry (valid, ready, namespace, heartbeat), a streamed generation (consecutive chunks, a last chunk
 with ``finish_reason: length``, the end marker, at most ``max_tokens``), cancel honoured, a
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
 import uuid
 
 HELP = "check that a live decode worker follows the wire protocol (docs/protocol.md)"
-STREAM_HEADER, ERROR_HEADER = "Tandem-Stream", "Tandem-Error-Code"
 
 
 @dataclasses.dataclass
@@ -65,32 +65,32 @@ def main(args: argparse.Namespace) -> int:
 
 async def check_worker(nats_url: str, namespace: str, worker_id: str, *, prompt: list[int],
                        timeout_s: float = 60.0, drain: bool = False) -> list[Check]:
-    import nats
-
+    from shared.bus import Bus
     from shared.cli.errors import CliError
-    from shared.telemetry.redact import redact_url
 
     try:
-        nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
-    except Exception as exc:  # noqa: BLE001 — one line naming the server
-        raise CliError(f"cannot connect to NATS at {redact_url(nats_url)}: {exc}") from None
+        bus = await Bus.connect(nats_url, "tandem-worker-check", timeout_s=5)
+    except ConnectionError as exc:  # one line naming the server (its password redacted)
+        raise CliError(str(exc)) from None
     try:
-        return await _Checker(nc, namespace, worker_id, prompt, timeout_s).run(drain)
+        return await _Checker(bus, namespace, worker_id, prompt, timeout_s).run(drain)
     finally:
-        await nc.close()
+        await bus.close()
 
 
 class _Checker:
-    def __init__(self, nc, namespace: str, worker_id: str, prompt: list[int], timeout_s: float) -> None:
+    def __init__(self, bus, namespace: str, worker_id: str, prompt: list[int], timeout_s: float) -> None:
         from shared.protocol import Subjects
 
-        self.nc, self.js = nc, nc.jetstream()
+        self.bus = bus
         self.subjects = Subjects(namespace)
         self.bucket = self.subjects.workers_bucket
         self.worker_id, self.prompt, self.timeout_s = worker_id, prompt, timeout_s
         self.info = None  # WorkerInfo once the registry check passed
 
     async def run(self, drain: bool) -> list[Check]:
+        from shared.bus import BusTimeout
+
         steps = [("registry entry", self.registry_entry), ("heartbeat", self.heartbeat),
                  ("streamed generation", self.generation), ("cancel honoured", self.cancel),
                  ("malformed request gets an error reply", self.error_reply), ("load reports", self.load_reports)]
@@ -104,34 +104,32 @@ class _Checker:
                 results.append(Check(name, "FAIL", str(exc)))
             except _Skip as exc:
                 results.append(Check(name, "SKIP", str(exc)))
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, BusTimeout):
                 results.append(Check(name, "FAIL", f"no answer within {self.timeout_s:g}s"))
         return results
 
     # -- registry ----------------------------------------------------------------------------------
-    async def _entry(self):
-        from nats.js.errors import BucketNotFoundError, KeyNotFoundError
-
-        try:
-            kv = await self.js.key_value(self.bucket)
-        except BucketNotFoundError:
-            raise Failed(f"no KV bucket {self.bucket!r}: is the namespace right?") from None
-        try:
-            return kv, await kv.get(self.worker_id)
-        except KeyNotFoundError:
-            raise Failed(f"no entry {self.worker_id!r} in {self.bucket!r} (not registered, or expired)") from None
+    async def _kv(self):
+        kv = await self.bus.find_key_value(self.bucket)
+        if kv is None:
+            raise Failed(f"no KV bucket {self.bucket!r}: is the namespace right?")
+        return kv
 
     async def registry_entry(self) -> str:
         from pydantic import ValidationError
 
         from shared.kvcache.hashing import make_namespace
         from shared.protocol import WorkerInfo
+        from shared.protocol.base import validation_message
 
-        kv, entry = await self._entry()
+        value = await (await self._kv()).get(self.worker_id)
+        if value is None:
+            raise Failed(f"no entry {self.worker_id!r} in {self.bucket!r} (not registered, or expired)")
         try:
-            info = WorkerInfo.from_bytes(entry.value)
+            info = WorkerInfo.from_bytes(value)
         except ValidationError as exc:
-            raise Failed(f"the entry is not a valid WorkerInfo (Tandem ignores it): {_first(exc)}") from None
+            raise Failed(f"the entry is not a valid WorkerInfo (Tandem ignores it): "
+                         f"{validation_message(exc)[0]}") from None
         if info.worker_id != self.worker_id:
             raise Failed(f"worker_id {info.worker_id!r} in the entry, but its key is {self.worker_id!r}")
         if info.role != "decode":
@@ -148,16 +146,18 @@ class _Checker:
         return f"model {info.model!r}, block size {info.block_size}, max_num_seqs {info.max_num_seqs}{note}"
 
     async def heartbeat(self) -> str:
-        kv, first = await self._entry()
-        ttl_s = (await self.js.stream_info(f"KV_{self.bucket}")).config.max_age or 0
+        kv = await self._kv()
+        ttl_s = await kv.ttl_s() or 0
         started = time.monotonic()
-        deadline = started + (ttl_s or self.timeout_s)
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
-            _, entry = await self._entry()
-            if entry.revision != first.revision:
-                return f"put again within {time.monotonic() - started:.1f}s (TTL {ttl_s:g}s)"
-        raise Failed(f"no new put within the bucket's TTL ({ttl_s:g}s): the entry will expire")
+        async with contextlib.aclosing(kv.watch(self.worker_id)) as values:
+            try:
+                current = await asyncio.wait_for(anext(values), self.timeout_s)
+                if current is None:
+                    raise Failed(f"no entry {self.worker_id!r} in {self.bucket!r} (not registered, or expired)")
+                await asyncio.wait_for(anext(values), ttl_s or self.timeout_s)  # the next put (or delete)
+            except asyncio.TimeoutError:
+                raise Failed(f"no new put within the bucket's TTL ({ttl_s:g}s): the entry will expire") from None
+        return f"put again within {time.monotonic() - started:.1f}s (TTL {ttl_s:g}s)"
 
     def _need_info(self):
         if self.info is None:
@@ -165,59 +165,47 @@ class _Checker:
         return self.info
 
     # -- generation --------------------------------------------------------------------------------
-    def _request(self, max_tokens: int) -> dict:
-        return {"request_id": f"check-{uuid.uuid4().hex[:12]}", "model": self.info.model,
-                "prompt_token_ids": self.prompt, "sampling": {"max_tokens": max_tokens, "temperature": 0.0,
-                                                              "ignore_eos": True}}
+    def _stream(self, max_tokens: int):
+        """(request, its stream of TokenChunks) on the subject the worker registered."""
+        from shared.protocol import Endpoint, GenerateRequest, SamplingParams, TokenChunk
 
-    async def _open(self, body: bytes):
-        inbox = self.nc.new_inbox()
-        queue: asyncio.Queue = asyncio.Queue()
+        request = GenerateRequest(request_id=f"check-{uuid.uuid4().hex[:12]}", model=self.info.model,
+                                  prompt_token_ids=self.prompt,
+                                  sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        endpoint = Endpoint(self.info.generate_subject, GenerateRequest, TokenChunk)
+        return request, self.bus.stream(endpoint, request, first_timeout_s=self.timeout_s,
+                                        idle_timeout_s=self.timeout_s)
 
-        async def on_msg(msg) -> None:
-            queue.put_nowait(msg)
-
-        sub = await self.nc.subscribe(inbox, cb=on_msg)
-        await self.nc.publish(self.info.generate_subject, body, reply=inbox)
-        return sub, queue
-
-    async def _read_stream(self, queue, request_id: str, max_tokens: int, on_first=None) -> tuple[list, list[str]]:
-        """Chunks until the end marker; problems found on the way (a failure is raised at once)."""
-        from pydantic import ValidationError
-
-        from shared.protocol import TokenChunk
+    async def _read_stream(self, request, stream, on_first=None) -> list:
+        """Chunks until the end marker; a problem found on the way fails at once."""
+        from shared.bus import MalformedReply, NoResponders, RemoteError
 
         chunks: list = []
-        while True:
-            msg = await asyncio.wait_for(queue.get(), self.timeout_s)
-            headers = msg.headers or {}
-            if headers.get(STREAM_HEADER) == "end":
-                return chunks, []
-            if ERROR_HEADER in headers:
-                raise Failed(f"error reply {headers[ERROR_HEADER]!r}: {msg.data[:200].decode(errors='replace')}")
-            try:
-                chunk = TokenChunk.from_bytes(msg.data)
-            except ValidationError as exc:
-                raise Failed(f"chunk {len(chunks)} is not a valid TokenChunk: {_first(exc)}") from None
-            if chunk.request_id != request_id:
-                raise Failed(f"chunk {len(chunks)} names request {chunk.request_id!r}, not {request_id!r}")
-            if chunk.index != len(chunks):
-                raise Failed(f"chunk index {chunk.index} where {len(chunks)} was due")
-            if chunks and chunks[-1].finish_reason is not None:
-                raise Failed(f"a chunk after the last one (finish_reason {chunks[-1].finish_reason!r})")
-            chunks.append(chunk)
-            if len(chunks) == 1 and on_first is not None:
-                await on_first()
+        try:
+            async with contextlib.aclosing(stream) as replies:
+                async for chunk in replies:
+                    if chunk.request_id != request.request_id:
+                        raise Failed(f"chunk {len(chunks)} names request {chunk.request_id!r}, "
+                                     f"not {request.request_id!r}")
+                    if chunk.index != len(chunks):
+                        raise Failed(f"chunk index {chunk.index} where {len(chunks)} was due")
+                    if chunks and chunks[-1].finish_reason is not None:
+                        raise Failed(f"a chunk after the last one (finish_reason {chunks[-1].finish_reason!r})")
+                    chunks.append(chunk)
+                    if len(chunks) == 1 and on_first is not None:
+                        await on_first()
+        except MalformedReply as exc:
+            raise Failed(f"chunk {len(chunks)} is not a valid TokenChunk: {exc.detail}") from None
+        except RemoteError as exc:
+            raise Failed(f"error reply {exc.code!r}: {exc.message[:200]}") from None
+        except NoResponders:
+            raise Failed(f"nobody serves {self.info.generate_subject}") from None
+        return chunks
 
     async def generation(self) -> str:
         self._need_info()
         max_tokens = 8
-        request = self._request(max_tokens)
-        sub, queue = await self._open(json.dumps(request).encode())
-        try:
-            chunks, _ = await self._read_stream(queue, request["request_id"], max_tokens)
-        finally:
-            await sub.unsubscribe()
+        chunks = await self._read_stream(*self._stream(max_tokens))
         if not chunks:
             raise Failed("the end marker came before any chunk")
         if chunks[-1].finish_reason is None:
@@ -231,21 +219,19 @@ class _Checker:
         return f"{len(chunks)} chunks, {num_tokens} tokens, finish_reason 'length', end marker"
 
     async def cancel(self) -> str:
+        from shared.protocol import CancelRequest, Endpoint
+
         self._need_info()
         if not self.info.cancel_subject:
             raise Failed("the registry entry has no cancel_subject")
         max_tokens = min(512, max(64, self.info.max_model_len - len(self.prompt) - 1))
-        request = self._request(max_tokens)
+        request, stream = self._stream(max_tokens)
 
         async def cancel_now() -> None:
-            await self.nc.publish(self.info.cancel_subject, json.dumps(
-                {"request_id": request["request_id"], "reason": "tandem worker-check: cancel test"}).encode())
+            await self.bus.publish(Endpoint(self.info.cancel_subject, CancelRequest), CancelRequest(
+                request_id=request.request_id, reason="tandem worker-check: cancel test"))
 
-        sub, queue = await self._open(json.dumps(request).encode())
-        try:
-            chunks, _ = await self._read_stream(queue, request["request_id"], max_tokens, on_first=cancel_now)
-        finally:
-            await sub.unsubscribe()
+        chunks = await self._read_stream(request, stream, on_first=cancel_now)
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if num_tokens >= max_tokens:
             raise Failed(f"all {max_tokens} tokens came after a cancel sent on the first chunk")
@@ -255,47 +241,42 @@ class _Checker:
         return f"stopped after {num_tokens} of {max_tokens} tokens" + (", finish_reason 'abort'" if last else "")
 
     async def error_reply(self) -> str:
+        from shared.bus import BusTimeout, RemoteError
+
         self._need_info()
-        sub, queue = await self._open(b'{"request_id": "check-malformed", "model": 7}')
+        replies = self.bus.stream_bytes(self.info.generate_subject, b'{"request_id": "check-malformed", "model": 7}',
+                                        first_timeout_s=min(self.timeout_s, 10.0), idle_timeout_s=self.timeout_s)
         try:
-            msg = await asyncio.wait_for(queue.get(), min(self.timeout_s, 10.0))
-        except asyncio.TimeoutError:
+            async with contextlib.aclosing(replies):
+                data = await anext(replies, None)
+        except BusTimeout:
             raise Failed("no reply to a malformed GenerateRequest (the caller waits out its timeout)") from None
-        finally:
-            await sub.unsubscribe()
-        code = (msg.headers or {}).get(ERROR_HEADER)
-        if code is None:
-            raise Failed(f"the reply has no {ERROR_HEADER} header: {msg.data[:120]!r}")
-        if code != "bad_request":
-            raise Failed(f"error code {code!r}, want 'bad_request'")
-        return "bad_request"
+        except RemoteError as exc:
+            if exc.code != "bad_request":
+                raise Failed(f"error code {exc.code!r}, want 'bad_request'") from None
+            return "bad_request"
+        raise Failed(f"the reply is not an error reply: {data[:120]!r}" if data is not None else
+                     "the end marker, not an error reply")
 
     async def load_reports(self) -> str:
         from pydantic import ValidationError
 
         from shared.protocol import WorkerLoad
+        from shared.protocol.base import validation_message
 
         info = self._need_info()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def on_msg(msg) -> None:
-            queue.put_nowait(msg)
-
-        sub = await self.nc.subscribe(self.subjects.load("decode", self.worker_id).subject, cb=on_msg)
         reports = []
-        try:
+        async with self.bus.listening(self.subjects.load("decode", self.worker_id).subject) as received:
             deadline = time.monotonic() + 5.0
-            while len(reports) < 2 and time.monotonic() < deadline:
+            while len(reports) < 2 and (left := deadline - time.monotonic()) > 0:
                 try:
-                    msg = await asyncio.wait_for(queue.get(), max(0.1, deadline - time.monotonic()))
+                    data = await asyncio.wait_for(received.get(), left)
                 except asyncio.TimeoutError:
                     break
                 try:
-                    reports.append(WorkerLoad.from_bytes(msg.data))
+                    reports.append(WorkerLoad.from_bytes(data))
                 except ValidationError as exc:
-                    raise Failed(f"a report is not a valid WorkerLoad: {_first(exc)}") from None
-        finally:
-            await sub.unsubscribe()
+                    raise Failed(f"a report is not a valid WorkerLoad: {validation_message(exc)[0]}") from None
         if not reports:
             raise _Skip("no load report in 5 s (optional: admission then routes it as idle)")
         if len(reports) == 2 and reports[1].seq <= reports[0].seq:
@@ -309,45 +290,35 @@ class _Checker:
         return f"{len(reports)} in 5 s, seq {reports[-1].seq}, {last.num_running} running, {last.num_waiting} waiting"
 
     async def drain(self) -> str:
-        from shared.protocol import ControlRequest
+        from shared.bus import RemoteError
+        from shared.protocol import ControlRequest, ControlResult, Endpoint
 
         info = self._need_info()
         if not info.control_subject:
             raise _Skip("no control_subject in the entry: drain it with SIGTERM")
-        import nats.errors
-        from nats.js.kv import KV_DEL, KV_PURGE
-
-        kv = await self.js.key_value(self.bucket)
-        watcher = await kv.watch(self.worker_id)  # every put and the delete, however quick
+        kv = await self._kv()
         states: list[str] = []
-        try:
-            reply = await self.nc.request(info.control_subject, ControlRequest(action="drain").to_bytes(),
-                                          timeout=self.timeout_s)
-            if ERROR_HEADER in (reply.headers or {}):
-                raise Failed(f"drain refused: {reply.data[:200].decode(errors='replace')}")
+        async with contextlib.aclosing(kv.watch(self.worker_id)) as values:  # every put and the delete
+            if (current := await asyncio.wait_for(anext(values), self.timeout_s)) is not None:
+                states.append(json.loads(current).get("state"))  # the watch runs from here on
+            try:
+                await self.bus.request(Endpoint(info.control_subject, ControlRequest, ControlResult),
+                                       ControlRequest(action="drain"), timeout_s=self.timeout_s)
+            except RemoteError as exc:
+                raise Failed(f"drain refused: {exc.message[:200]}") from None
             deadline = time.monotonic() + self.timeout_s
             while (left := deadline - time.monotonic()) > 0:
                 try:
-                    entry = await watcher.updates(timeout=left)
-                except nats.errors.TimeoutError:
+                    value = await asyncio.wait_for(anext(values), left)
+                except asyncio.TimeoutError:
                     break
-                if entry is None:  # the end of the current values
-                    continue
-                if entry.operation in (KV_DEL, KV_PURGE):
+                if value is None:
                     return f"states {' → '.join(states)} → deleted"
-                state = json.loads(entry.value).get("state")
+                state = json.loads(value).get("state")
                 if not states or states[-1] != state:
                     states.append(state)
-        finally:
-            await watcher.stop()
         raise Failed(f"still registered {self.timeout_s:g}s after the drain (states {' → '.join(states)})")
 
 
 class _Skip(Exception):
     pass
-
-
-def _first(exc) -> str:
-    error = exc.errors()[0]
-    where = ".".join(str(p) for p in error.get("loc", ()))
-    return f"{error['msg']}" + (f" (field {where})" if where else "")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 M = TypeVar("M", bound="WireModel")
 
@@ -29,3 +29,10 @@ class WireModel(BaseModel):
     def from_bytes(cls: type[M], data: bytes) -> M:
         """Parse a message; raises ``pydantic.ValidationError`` on malformed input."""
         return cls.model_validate_json(data)
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """A failed parse in one line, and the field it names (dotted path; None for the whole message)."""
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first.get("loc", ())) or None
+    return f"{first['msg']}" + (f" (field {field})" if field else ""), field

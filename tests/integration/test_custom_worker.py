@@ -37,7 +37,9 @@ def echo_worker(nats_url, namespace):
     proc.wait()
 
 
-async def test_echo_worker_serves_through_admission_and_gateway(echo_worker, bus, nats_url, namespace):
+async def admission_and_gateway(bus, nats_url: str, namespace: str, what: str):
+    """Admission serving and a gateway (not yet serving HTTP) that lists the worker; returns
+    (gateway, its tokenizer, the registry)."""
     common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=5.0)
     registry = await WorkerRegistry.open(bus, Subjects(namespace).workers_bucket, ttl_s=5.0, watch=True)
     await AdmissionService(AdmissionSettings(**common), bus, registry).start()
@@ -48,7 +50,12 @@ async def test_echo_worker_serves_through_admission_and_gateway(echo_worker, bus
         gateway.workers = await registry.list()
         return gateway.ready_workers()
 
-    await wait_until(registered, timeout_s=10, what="the echo worker in the registry")
+    await wait_until(registered, timeout_s=10, what=what)
+    return gateway, tokenizer, registry
+
+
+async def test_echo_worker_serves_through_admission_and_gateway(echo_worker, bus, nats_url, namespace):
+    gateway, tokenizer, _ = await admission_and_gateway(bus, nats_url, namespace, "the echo worker in the registry")
     ids = tokenizer.encode("Hello tandem")
     expected = tokenizer.decode((ids * 3)[:5])
     async with TestClient(TestServer(build_app(gateway))) as client:
@@ -83,17 +90,8 @@ async def test_node_worker_serves_through_the_gateway_passes_worker_check_and_dr
                                                                                      namespace):
     from shared.cli.worker_check import check_worker
 
-    common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=5.0)
-    registry = await WorkerRegistry.open(bus, Subjects(namespace).workers_bucket, ttl_s=5.0, watch=True)
-    await AdmissionService(AdmissionSettings(**common), bus, registry).start()
-    tokenizer = load_tokenizer(DEFAULT_MODEL)
-    gateway = Gateway(GatewaySettings(**common), bus, registry, tokenizer)
-
-    async def registered():
-        gateway.workers = await registry.list()
-        return gateway.ready_workers()
-
-    await wait_until(registered, timeout_s=10, what="the node worker in the registry")
+    gateway, tokenizer, registry = await admission_and_gateway(bus, nats_url, namespace,
+                                                               "the node worker in the registry")
     ids = tokenizer.encode("Hello tandem")
     expected = tokenizer.decode((ids * 3)[:5])
     async with TestClient(TestServer(build_app(gateway))) as client:

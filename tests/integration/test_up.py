@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from shared.runtime.servers import free_port
+from stack_helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -45,23 +46,37 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_up_serves_then_ctrl_c_leaves_nothing_behind(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", "up", "--port", str(port), "--namespace",
-         f"up{uuid.uuid4().hex[:8]}", "--state-dir", str(tmp_path), "--kv-cache-memory", "128MiB",
-         "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def start_up(*args: str) -> tuple[subprocess.Popen, queue.Queue]:
+    """``tandem up ARGS`` in its own session, and a queue of its output lines (None at its end)."""
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l.rstrip("\n")) for l in proc.stdout] + [lines.put(None)],
                      daemon=True).start()
+    return proc, lines
+
+
+def read_until(lines: queue.Queue, seen: list[str], wanted, timeout_s: float) -> None:
+    """Move output lines into ``seen`` until one of them is ``wanted(line)``; fails (with the last
+    lines) if the output ends first, and raises ``queue.Empty`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not any(wanted(l) for l in seen):
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line is not None, "\n".join(seen[-30:])
+        seen.append(line)
+
+
+def is_ready_line(line: str) -> bool:
+    return line.startswith("up") and "ready: http://" in line
+
+
+def test_up_serves_then_ctrl_c_leaves_nothing_behind(tmp_path):
+    port = free_port()
+    proc, lines = start_up("--port", str(port), "--namespace", f"up{uuid.uuid4().hex[:8]}", "--state-dir",
+                           str(tmp_path), "--kv-cache-memory", "128MiB", "--device", "cpu")
     seen = []
     try:
-        deadline = time.monotonic() + 180
-        while not any(l.startswith("up") and "ready: http://" in l for l in seen):
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "\n".join(seen[-30:])
-            seen.append(line)
+        read_until(lines, seen, is_ready_line, 180)
         assert f"http://127.0.0.1:{port}" in seen[-1]
         processes = descendants(proc.pid)
         assert len(processes) >= 7  # nats, redis, gateway, admission, kv-index, autoscaler, decode
@@ -76,11 +91,7 @@ def test_up_serves_then_ctrl_c_leaves_nothing_behind(tmp_path):
 
         admission = next(p for p in processes if b"admission" in Path(f"/proc/{p}/cmdline").read_bytes())
         os.kill(admission, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while not any(l.startswith("up") and "admission restarted (restart 1, pid" in l for l in seen):
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "\n".join(seen[-30:])
-            seen.append(line)
+        read_until(lines, seen, lambda l: l.startswith("up") and "admission restarted (restart 1, pid" in l, 60)
         assert any("admission exited (signal SIGKILL)" in l for l in seen)
         processes = descendants(proc.pid)
         assert admission not in processes and len(processes) >= 7
@@ -100,22 +111,13 @@ def test_up_with_no_workers_serves_a_worker_of_your_own(tmp_path):
     and the owner-only file holding the real URLs; the documented echo worker, started from that
     file, serves through the gateway, shows in ``tandem status``, and on SIGTERM drains and leaves."""
     port, namespace = free_port(), f"up{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", "up", "--decode", "0", "--port", str(port), "--namespace",
-         namespace, "--state-dir", str(tmp_path), "--registry-ttl-s", "15"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l.rstrip("\n")) for l in proc.stdout] + [lines.put(None)],
-                     daemon=True).start()
+    proc, lines = start_up("--decode", "0", "--port", str(port), "--namespace", namespace, "--state-dir",
+                           str(tmp_path), "--registry-ttl-s", "15")
     seen: list[str] = []
     worker = None
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while not any(l.startswith("up") and "ready: http://" in l for l in seen):
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "\n".join(seen[-30:])
-            seen.append(line)
+        read_until(lines, seen, is_ready_line, 120)
         ready = seen[-1]
         assert "NATS nats://" in ready and "Redis redis://" in ready and "***@127.0.0.1:" in ready, ready
         connect = tmp_path / namespace / "connect.env"
@@ -130,33 +132,28 @@ def test_up_with_no_workers_serves_a_worker_of_your_own(tmp_path):
                                   env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True)
         assert "serving" in worker.stdout.readline()
-        deadline = time.monotonic() + 30
-        while not _ready(base):
-            assert time.monotonic() < deadline, "the echo worker never made /ready 200"
-            time.sleep(0.2)
+        wait_for(lambda: _ready(base), 30, "the echo worker to make /ready 200")
         req = urllib.request.Request(base + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"prompt": "Hello tandem", "max_tokens": 5}).encode())
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.headers["X-Tandem-Worker"] == "echo-byo"
             assert json.load(resp)["usage"]["completion_tokens"] == 5
-        deadline = time.monotonic() + 20  # the autoscaler's view, which /status shows, refreshes on its own
-        while True:
+        def status_listing_echo() -> str | None:
             status = subprocess.run([sys.executable, "-m", "shared.cli.main", "status", "--url", base],
                                     capture_output=True, text=True, timeout=30)
             assert status.returncode == 0, status.stderr
-            if "echo-byo" in status.stdout:
-                break
-            assert time.monotonic() < deadline, status.stdout
-            time.sleep(0.5)
-        assert "NATS: nats://" in status.stdout and "Redis: redis://" in status.stdout and "***@" in status.stdout
+            return status.stdout if "echo-byo" in status.stdout else None
+
+        # the autoscaler's view, which /status shows, refreshes on its own
+        listing = wait_for(status_listing_echo, 20, "echo-byo in tandem status")
+        assert "NATS: nats://" in listing and "Redis: redis://" in listing and "***@" in listing
 
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(30) == 0
         assert "drained and deregistered" in worker.stdout.read()
-        deadline = time.monotonic() + 8  # deleted: left to expire it would stay 10-15 s (TTL 15 s, beat 5 s)
-        while _ready(base) or "echo-byo" in _listed_workers(base):
-            assert time.monotonic() < deadline, "the echo worker still listed after it left"
-            time.sleep(0.2)
+        # deleted: left to expire it would stay 10-15 s (TTL 15 s, beat 5 s)
+        wait_for(lambda: not _ready(base) and "echo-byo" not in _listed_workers(base), 8,
+                 "the echo worker gone from /ready and /status after it left")
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()

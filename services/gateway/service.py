@@ -129,14 +129,15 @@ class Gateway:
     def _generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
         """Tokenized and hashed here, or, for a model that text workers serve, as text."""
         priority = self.qos.tiers[tier].priority
-        model = resolve_model(api.body.model, self.served_models())
+        served = self.served_models()
+        model = resolve_model(api.body.model, served)
         workers = self.ready_workers(model)
         if workers and all(w.takes_text for w in workers):
             return build_text_request(api, model=model, tier=tier, priority=priority,
                                       default_max_tokens=self.settings.default_max_tokens, now=now)
         return build_generate_request(api, api.prompt_ids(), tier=tier, priority=priority, workers=workers,
-                                      served_models=self.served_models(),
-                                      default_max_tokens=self.settings.default_max_tokens, now=now)
+                                      served_models=served, default_max_tokens=self.settings.default_max_tokens,
+                                      now=now)
 
     def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
         model = gen_request.model

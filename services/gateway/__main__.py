@@ -89,6 +89,7 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
     lines.extend(_worker_line(w) for w in page.workers)
     if not page.workers:
         lines.append("(no workers registered)")
+    lines.extend(line for w in page.workers if (line := _tier_line(w)))
     if page.services:
         lines.extend(_service_lines(page.services, page.timestamp))
     if page.scaling is not None:
@@ -137,6 +138,21 @@ def _worker_line(status: WorkerStatus) -> str:
             f"{load.num_requests_total:>6} {load.num_generated_tokens_total:>8} "
             f"{ms(load.ttft_recent_s):>8} {ms(load.itl_recent_s):>7} {_prefills(status.load):>14} "
             f"{load.kv_bytes_received / 1e6:>6.1f}/{load.kv_bytes_sent / 1e6:<6.1f}")
+
+
+def _tier_line(status: WorkerStatus) -> str | None:
+    """The KV tiers under a worker's pool, for workers that have them."""
+    tiers = status.load.kv_tiers if status.load else None
+    if tiers is None:
+        return None
+    parts = []
+    if tiers.host_capacity_blocks:
+        parts.append(f"host {tiers.host_blocks}/{tiers.host_capacity_blocks} blocks")
+    if tiers.disk_capacity_blocks:
+        parts.append(f"disk {tiers.disk_blocks}/{tiers.disk_capacity_blocks} blocks")
+    return (f"  KV tiers of {status.info.worker_id}: {', '.join(parts)}; offloaded {tiers.offloaded_host} to host, "
+            f"{tiers.offloaded_disk} to disk; onboarded {tiers.onboarded_host} ({tiers.onboarded_disk} from disk); "
+            f"{tiers.disk_read_failures} damaged on disk")
 
 
 def _prefills(load: WorkerLoad | None) -> str:

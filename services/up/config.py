@@ -40,6 +40,10 @@ class UpSettings(QosSettings):
     namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
+    kv_host_memory: str | None = Field(None, description="host-memory KV tier per decode worker, e.g. 2GiB "
+                                       "(default: off)")
+    kv_disk_dir: str | None = Field(None, description="disk KV tier: each decode worker keeps its blocks in "
+                                    "DIR/<worker name>, found again when it restarts (default: off)")
     device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
     dtype: str | None = Field(None, description="workers' dtype: float32 (exact), bfloat16, float16; with "
                               "no quantization either, the fastest for the device (logged by each worker)")

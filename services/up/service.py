@@ -15,14 +15,15 @@ from services.up.config import UpSettings
 def spec_from_settings(s: UpSettings) -> StackSpec:
     engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s,
               **_given(dtype=s.dtype, quantization=s.quantization, num_threads=s.num_threads)}
-    disagg = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue}
+    decode_only = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue,
+              "kv_host_memory": s.kv_host_memory, "kv_disk_dir": s.kv_disk_dir}
     return StackSpec(
         state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill,
         num_gateways=s.gateways, num_admissions=s.admissions, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
-        decode_flags={**engine, **_given(**disagg)}, prefill_flags=engine,
+        decode_flags={**engine, **_given(**decode_only)}, prefill_flags=engine,
         gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,
                              rate_limit_burst=s.rate_limit_burst),
         admission_flags=_given(qos=s.qos), **_autoscaling(s))

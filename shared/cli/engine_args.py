@@ -36,6 +36,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8: int8 weights and per-token int8 activations in every linear layer, CPU only; "
                         "about 2x the decode throughput, slightly different outputs (default: see --dtype)")
 
+    t = parser.add_argument_group("KV tiers under the pool (env: TANDEM_KV_HOST_MEMORY, TANDEM_KV_DISK_DIR, ...)")
+    t.add_argument("--kv-host-memory", default=_env("KV_HOST_MEMORY"),
+                   help="host-memory tier, e.g. 4GiB: blocks evicted from the pool are kept there and copied "
+                        "back on a prefix hit (default: off)")
+    t.add_argument("--kv-disk-dir", default=_env("KV_DISK_DIR"),
+                   help="disk tier directory; it outlives the process, so a restart on it starts warm (default: off)")
+    t.add_argument("--kv-disk-size", default=_env("KV_DISK_SIZE", "10GiB"), help="disk tier budget (default: %(default)s)")
+    t.add_argument("--kv-disk-min-uses", type=int, default=int(_env("KV_DISK_MIN_USES", 2)),
+                   help="a block goes to disk once computed or hit this many times (default: %(default)s)")
+
 
 def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
     from shared.engine import EngineConfig, parse_size
@@ -47,4 +57,7 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         max_model_len=int(args.max_model_len) if args.max_model_len else None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed,
-        num_threads=int(args.num_threads) if args.num_threads else None, quantization=args.quantization)
+        num_threads=int(args.num_threads) if args.num_threads else None, quantization=args.quantization,
+        kv_host_memory=parse_size(args.kv_host_memory) if args.kv_host_memory else 0,
+        kv_disk_dir=args.kv_disk_dir, kv_disk_size=parse_size(args.kv_disk_size),
+        kv_disk_min_uses=args.kv_disk_min_uses)

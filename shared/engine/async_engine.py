@@ -178,6 +178,8 @@ class AsyncEngine:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # the disk tier keeps the cache for the next start
 
     def _post(self, item: _Add | _Call | str) -> None:
         with self._cv:

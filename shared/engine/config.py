@@ -42,6 +42,11 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this process (default: torch's choice)
     quantization: str | None = None  # "int8": W8A8 linear layers (CPU), see shared/model/quant.py; None: as dtype
+    # tiers below the KV pool (shared/kvcache/tiers.py): host memory and a local disk directory
+    kv_host_memory: int = 0  # bytes; 0: no host tier
+    kv_disk_dir: str | None = None
+    kv_disk_size: int = 10 << 30  # bytes
+    kv_disk_min_uses: int = 2  # a block goes to disk once computed or hit this many times
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -50,6 +55,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization is not None:
             self.quantization = quantization_name(self.quantization)
+        if self.kv_host_memory < 0 or self.kv_disk_size < 1 or self.kv_disk_min_uses < 1:
+            raise ValueError(f"kv_host_memory ({self.kv_host_memory}) must be >= 0, kv_disk_size "
+                             f"({self.kv_disk_size}) and kv_disk_min_uses ({self.kv_disk_min_uses}) positive")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

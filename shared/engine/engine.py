@@ -21,6 +21,7 @@ from shared.kvcache.events import KvEventEmitter, KvEventSink
 from shared.kvcache.hashing import make_namespace
 from shared.kvcache.layout import KvCacheSpec
 from shared.kvcache.manager import KVCacheManager
+from shared.kvcache.tiers import KvTiers, TierConfig
 from shared.model.attention import get_attention_backend
 from shared.model.llama import LlamaModel
 
@@ -88,6 +89,7 @@ class EngineStats:
     num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     prefill_tokens_per_s: float | None = None  # recent prefill throughput; None until measured
+    kv_tiers: dict[str, float] = field(default_factory=dict)  # host/disk tier sizes and counters (KvTiers.stats)
 
 
 StepObserver = Callable[[int, int, float], None]  # sequences, tokens, seconds of one step
@@ -135,6 +137,15 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.kv, self.kv_namespace)
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
+        self.tiers: KvTiers | None = None
+        tier_config = TierConfig(config.kv_host_memory, config.kv_disk_dir, config.kv_disk_size,
+                                 config.kv_disk_min_uses)
+        if tier_config.enabled and config.enable_prefix_caching:
+            self.tiers = KvTiers(tier_config, self.kv_spec, self.kv_cache, self.kv_namespace, self.events,
+                                 precision=f"{model.dtype}/{model.quantization}",
+                                 max_blocks_per_request=-(-self.max_model_len // config.block_size))
+            self.kv.tiers = self.tiers
+            self.kv.pool.on_evict = self.tiers.offload
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(model, self.kv_cache, self.backend, config.block_size,
                                   Sampler(self.device, config.seed, _grammars(tokenizer, cfg.vocab_size, eos_token_ids)))
@@ -257,6 +268,8 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.tiers is not None:  # requests may be waiting for their prefix from disk
+                self.tiers.wait_loading(0.01)
             return []
         now = time.monotonic()
         for s in out.scheduled:
@@ -307,10 +320,24 @@ class LLMEngine:
             num_generated_tokens=self._num_generated, num_remote_pending=len(self.scheduler.remote),
             num_held=len(self.scheduler.held), queued_prefill_tokens=backlog.prefill_tokens,
             num_waiting_by_priority=backlog.num_waiting, num_running_by_priority=backlog.num_running,
-            prefill_tokens_per_s=self._prefill_rate.tokens_per_s)
+            prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {})
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
+        """Events go to ``sink`` from now on; the first sink also hears what the disk tier already
+        holds (blocks a previous run of this worker left there)."""
         self.events.add_sink(sink)
+        if self.tiers is not None and len(self.events.sinks) == 1:
+            self.tiers.announce_disk()
+
+    def close(self) -> None:
+        """Write the pool's reusable blocks to the disk tier (if any) so a restart on the same
+        directory finds them, finish queued writes and stop the tier threads."""
+        if self.tiers is not None:
+            num = self.tiers.persist(self.kv.pool.cached_blocks())
+            if num:
+                log.info("KV disk tier: saving %d cached blocks before exit", num)
+            self.tiers.close()
 
     def add_step_observer(self, observe: StepObserver) -> None:
         """``observe(num_seqs, num_tokens, elapsed_s)`` after every step that ran the model, in the

@@ -96,6 +96,7 @@ class Scheduler:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.check_fits(request.num_prompt_tokens)
         request.update_block_hashes(self.kv.block_size, self.namespace)
+        self.kv.prefetch(request.block_hashes)
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
@@ -231,14 +232,20 @@ class Scheduler:
                 return None
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Admit in order; a request whose prefix is still being read from disk waits for it while
+        the ones behind it go ahead."""
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            if self.kv.is_loading(request.block_hashes):
+                i += 1
+                continue
             hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
             num_new = min(request.num_tokens - num_hit, budget)
             table = self.kv.allocate_slots(request.request_id, num_hit + num_new, hits)
             if table is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit

@@ -6,12 +6,15 @@ Free blocks live in one queue in eviction order (front = evicted first). A freed
 cached content goes to the back, so it stays reusable until everything older is gone; a freed block
 without content goes to the front, since keeping it buys nothing. A request frees its blocks tail
 first, so among its cached blocks the tail is evicted before the shared head.
+
+Evicting a cached block calls ``on_evict`` first, with the blocks still holding their content and
+hashes: the tiers below the pool (shared/kvcache/tiers.py) copy them out there.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from shared.kvcache.events import BlockRemoved, BlockStored, KvEventEmitter
@@ -22,11 +25,15 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
+    # while cached: the parent block's hash and this block's tokens (what a lower tier stores)
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockPool:
     def __init__(self, num_blocks: int, *, enable_caching: bool = True,
-                 events: KvEventEmitter | None = None) -> None:
+                 events: KvEventEmitter | None = None,
+                 on_evict: Callable[[list[Block]], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -35,6 +42,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, Block] = {}
+        self.on_evict = on_evict
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -52,6 +60,10 @@ class BlockPool:
     def lookup(self, block_hash: int) -> Block | None:
         return self._cached.get(block_hash)
 
+    def cached_blocks(self) -> list[Block]:
+        """Every block holding cached content (in use or not)."""
+        return list(self._cached.values())
+
     def eviction_order(self) -> list[int]:
         """Free block ids, the next to be evicted first."""
         return list(self._free)
@@ -63,17 +75,19 @@ class BlockPool:
         if num_blocks > len(self._free):
             raise RuntimeError(f"asked for {num_blocks} blocks with {len(self._free)} free")
         taken = []
-        removed: list[int] = []
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
-            if block.block_hash is not None:
-                removed.append(block.block_hash)
-                del self._cached[block.block_hash]
-                block.block_hash = None
             block.ref_count = 1
             taken.append(block)
-        if removed:
-            self.events.emit(BlockRemoved(tuple(removed)))
+        evicted = [b for b in taken if b.block_hash is not None]
+        if evicted:
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            removed = tuple(b.block_hash for b in evicted)
+            for block in evicted:
+                del self._cached[block.block_hash]
+                block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+            self.events.emit(BlockRemoved(removed))
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -107,13 +121,17 @@ class BlockPool:
         if not self.enable_caching:
             return
         stored: list[int] = []
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
+        parent = parent_hash
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+            block_parent, parent = parent, block_hash
             if block.block_hash is not None:
                 assert block.block_hash == block_hash, "a cached block's content changed"
                 continue
             if block_hash in self._cached:
                 continue
             block.block_hash = block_hash
+            block.parent_hash = block_parent
+            block.token_ids = tuple(token_ids[i * block_size:(i + 1) * block_size])
             self._cached[block_hash] = block
             stored.append(block_hash)
         if stored:

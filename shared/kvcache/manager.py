@@ -2,6 +2,8 @@
 
 Pure Python. A request is known by its id; callers pass its token ids and block hashes.
 ``allocate_slots`` returns None when the pool cannot serve the request now, never raises for that.
+With ``tiers`` (shared/kvcache/tiers.py, set by the engine) evicted blocks are copied to host/disk
+and a prefix found there is copied back into fresh pool blocks while the prompt is matched.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ class KVCacheManager:
                  events: KvEventEmitter | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching, events=events)
+        self.tiers = None  # KvTiers once the engine attaches them
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already cached
 
@@ -36,13 +39,51 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return [], 0
         max_blocks = (num_tokens - 1) // self.block_size
+        hits = self._device_hits(block_hashes[:max_blocks])
+        if self.tiers is not None and len(hits) < max_blocks and self._onboard(
+                block_hashes[:max_blocks], hits, self.blocks_for(num_tokens)):
+            hits = self._device_hits(block_hashes[:max_blocks])
+        return hits, len(hits) * self.block_size
+
+    def _device_hits(self, block_hashes: Sequence[int]) -> list[Block]:
         hits: list[Block] = []
-        for block_hash in block_hashes[:max_blocks]:
+        for block_hash in block_hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits
+
+    def _onboard(self, block_hashes: Sequence[int], hits: list[Block], num_request_blocks: int) -> bool:
+        """Copy the run of blocks after the pool's ``hits`` that a lower tier holds in host memory
+        into fresh cached pool blocks, if the pool can also hold the rest of the request now."""
+        found = []
+        for block_hash in block_hashes[len(hits):]:
+            stored = self.tiers.lookup(block_hash)
+            if stored is None:
+                break
+            found.append(stored)
+        num_evictable_hits = sum(1 for b in hits if b.ref_count == 0)
+        if not found or num_request_blocks - len(hits) > self.pool.num_free_blocks - num_evictable_hits:
+            return False
+        self.pool.touch(hits)  # so that making room cannot evict them
+        blocks = self.pool.allocate(len(found))
+        self.tiers.load([b.block_id for b in blocks], found)
+        parent = hits[-1].block_hash if hits else None
+        self.pool.cache_blocks(blocks, [s.block_hash for s in found], parent,
+                               [t for s in found for t in s.token_ids], self.block_size)
+        self.pool.free(list(reversed(blocks)))
+        self.pool.free(list(reversed(hits)))
+        return True
+
+    def prefetch(self, block_hashes: Sequence[int]) -> None:
+        """Start bringing a new request's prefix up from disk (see ``is_loading``)."""
+        if self.tiers is not None and self.pool.enable_caching:
+            self.tiers.prefetch(block_hashes, lambda h: self.pool.lookup(h) is not None)
+
+    def is_loading(self, block_hashes: Sequence[int]) -> bool:
+        """Whether blocks of this prompt are still being read from disk (schedule it later)."""
+        return self.tiers is not None and self.tiers.is_loading(block_hashes)
 
     def allocate_slots(self, request_id: str, num_tokens: int,
                        cached_blocks: Sequence[Block] = ()) -> list[int] | None:
@@ -64,6 +105,8 @@ class KVCacheManager:
             return None
         if cached_blocks:
             self.pool.touch(cached_blocks)
+            if self.tiers is not None:
+                self.tiers.note_use(b.block_hash for b in cached_blocks)
             owned.extend(cached_blocks)
             self._num_cached[request_id] = len(cached_blocks)
         owned.extend(self.pool.allocate(need))
@@ -82,6 +125,8 @@ class KVCacheManager:
         self.pool.cache_blocks(
             blocks, block_hashes[start:num_full], block_hashes[start - 1] if start else None,
             token_ids[start * bs:num_full * bs], bs)
+        if self.tiers is not None:
+            self.tiers.note_use(block_hashes[start:num_full])
         self._num_cached[request_id] = num_full
 
     def block_ids(self, request_id: str) -> list[int]:

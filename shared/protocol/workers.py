@@ -38,6 +38,20 @@ class WorkerInfo(WireModel):
     takes_text: bool = False
 
 
+class KvTierLoad(WireModel):
+    """A worker's KV tiers under its pool (host memory, local disk): blocks held and moved."""
+
+    host_blocks: int = Field(0, ge=0)
+    host_capacity_blocks: int = Field(0, ge=0)
+    disk_blocks: int = Field(0, ge=0)
+    disk_capacity_blocks: int = Field(0, ge=0)
+    offloaded_host: int = Field(0, ge=0)  # blocks copied out of the pool into host memory
+    offloaded_disk: int = Field(0, ge=0)  # blocks written to disk
+    onboarded_host: int = Field(0, ge=0)  # blocks copied back into the pool on a prefix hit
+    onboarded_disk: int = Field(0, ge=0)  # of those, blocks read from disk
+    disk_read_failures: int = Field(0, ge=0)  # damaged or mismatched files, recomputed instead
+
+
 class WorkerLoad(WireModel):
     """Published about once a second on ``<ns>.v1.load.<role>.<worker>``."""
 
@@ -73,6 +87,7 @@ class WorkerLoad(WireModel):
     num_waiting_by_priority: dict[int, int] = Field(default_factory=dict)
     num_running_by_priority: dict[int, int] = Field(default_factory=dict)  # empty from older workers
     prefill_tokens_per_s: float | None = Field(None, ge=0)
+    kv_tiers: KvTierLoad | None = None  # None: no tiers below the pool
 
     def prefill_tokens_ahead(self, priority: int) -> int:
         """Tokens a new request of ``priority`` waits behind: its own priority and higher ones."""

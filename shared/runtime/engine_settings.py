@@ -33,6 +33,13 @@ class EngineWorkerSettings(ServiceSettings):
     quantization: Literal["none", "int8"] | None = Field(
         None, description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only); "
                           "default: see dtype")
+    kv_host_memory: str | None = Field(None, description="host-memory KV tier under the pool, e.g. 4GiB "
+                                       "(evicted blocks are kept there; default: off)")
+    kv_disk_dir: str | None = Field(None, description="disk KV tier directory; it outlives the worker, so a "
+                                    "restart on the same directory starts warm (default: off)")
+    kv_disk_size: str = Field("10GiB", description="disk KV tier budget")
+    kv_disk_min_uses: int = Field(2, ge=1, description="a block goes to disk once it was computed or hit "
+                                  "this many times")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
@@ -55,4 +62,7 @@ class EngineWorkerSettings(ServiceSettings):
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads,
-            quantization=self.quantization)
+            quantization=self.quantization,
+            kv_host_memory=parse_size(self.kv_host_memory) if self.kv_host_memory else 0,
+            kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
+            kv_disk_min_uses=self.kv_disk_min_uses)

@@ -163,6 +163,8 @@ class Stack:
         # workers sharing one machine split its cores rather than each spinning a thread per core
         num_workers = spec.num_decode + spec.num_prefill
         threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_workers)} if num_workers > 1 else {}
+        if flags.get("kv_disk_dir"):  # one disk tier per worker, under its stable name
+            flags = {**flags, "kv_disk_dir": str(Path(str(flags["kv_disk_dir"])) / name)}
         return self._start_child(name, service, {
             "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
             "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **_OWN_METRICS_PORT,

@@ -18,7 +18,7 @@ from shared.engine import AsyncEngine, SamplingParams
 from shared.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, SequencedEvent
 from shared.protocol import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent, Endpoint,
                              KvEventBatch, Subjects, WorkerInfo, WorkerLoad)
-from shared.protocol.workers import Role
+from shared.protocol.workers import KvTierLoad, Role
 from shared.runtime.engine_settings import EngineWorkerSettings
 from shared.telemetry import tracing
 
@@ -141,7 +141,10 @@ class EngineWorker:
             num_cached_prompt_tokens_total=stats.num_cached_prompt_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
             num_running_by_priority=stats.num_running_by_priority,
-            prefill_tokens_per_s=stats.prefill_tokens_per_s, **fields)
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            kv_tiers=KvTierLoad.model_validate({k: int(v) for k, v in stats.kv_tiers.items()
+                                                if k in KvTierLoad.model_fields}) if stats.kv_tiers else None,
+            **fields)
 
     async def warm_up(self) -> None:
         await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests)

@@ -116,6 +116,23 @@ def _engine_families(stats: EngineStats) -> Iterable[Metric]:
     yield counter("tandem_worker_generated_tokens", "tokens sampled", stats.num_generated_tokens)
     yield counter("tandem_worker_preemptions", "requests preempted for lack of KV blocks", stats.num_preemptions)
     yield counter("tandem_engine_steps", "model steps", stats.num_steps)
+    if tiers := stats.kv_tiers:
+        blocks = GaugeMetricFamily("tandem_worker_kv_tier_blocks", "KV blocks held in a tier under the pool",
+                                   labels=["tier"])
+        offloads = CounterMetricFamily("tandem_worker_kv_tier_offloads", "KV blocks copied into a tier",
+                                       labels=["tier"])
+        onboards = CounterMetricFamily("tandem_worker_kv_tier_onboards", "KV blocks copied back into the pool "
+                                       "on a prefix hit, by the tier they came from", labels=["tier"])
+        for tier in ("host", "disk"):
+            blocks.add_metric([tier], tiers[f"{tier}_blocks"])
+            offloads.add_metric([tier], tiers[f"offloaded_{tier}"])
+        onboards.add_metric(["host"], tiers["onboarded_host"] - tiers["onboarded_disk"])
+        onboards.add_metric(["disk"], tiers["onboarded_disk"])
+        yield from (blocks, offloads, onboards)
+        yield counter("tandem_worker_kv_disk_read_failures", "damaged or mismatched KV blocks on disk "
+                      "(recomputed)", tiers["disk_read_failures"])
+        yield counter("tandem_worker_kv_offload_seconds", "engine-thread time spent copying evicted blocks "
+                      "out of the pool", tiers["offload_seconds"])
 
 
 def _role_families(load: WorkerLoad) -> Iterable[Metric]:

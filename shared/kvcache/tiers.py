@@ -184,9 +184,12 @@ class DiskTier:
         the block its name says."""
         path = self._path(block_hash)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
-            header, payload = self._parse(raw)
+            with open(path, "rb") as f:  # one copy: the file into the buffer the tensor will use
+                raw = bytearray(os.fstat(f.fileno()).st_size)
+                if f.readinto(raw) != len(raw):
+                    raise ValueError("short read")
+            header, start = self._parse(raw)
+            payload = memoryview(raw)[start:]
             if header["hash"] != block_hash:
                 raise ValueError(f"holds block {header['hash']:016x}")
             if len(payload) != self._nbytes or header["nbytes"] != self._nbytes:
@@ -205,8 +208,8 @@ class DiskTier:
         with self._lock:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.spec.dtype).reshape(self._shape)
-        return StoredBlock(block_hash, parent, tokens, data)
+        data = torch.frombuffer(raw, dtype=torch.uint8, offset=start, count=self._nbytes)
+        return StoredBlock(block_hash, parent, tokens, data.view(self.spec.dtype).reshape(self._shape))
 
     def remove(self, block_hash: int) -> bool:
         with self._lock:
@@ -229,12 +232,13 @@ class DiskTier:
             return None
 
     @staticmethod
-    def _parse(raw: bytes) -> tuple[dict, bytes]:
-        if not raw.startswith(_MAGIC) or len(raw) < len(_MAGIC) + 4:
-            raise ValueError("not a KV block file")
-        (length,) = struct.unpack("<I", raw[len(_MAGIC):len(_MAGIC) + 4])
+    def _parse(raw: bytearray) -> tuple[dict, int]:
+        """The header, and where the KV bytes start."""
         start = len(_MAGIC) + 4
-        return json.loads(raw[start:start + length]), raw[start + length:]
+        if not raw.startswith(_MAGIC) or len(raw) < start:
+            raise ValueError("not a KV block file")
+        (length,) = struct.unpack_from("<I", raw, len(_MAGIC))
+        return json.loads(bytes(raw[start:start + length])), start + length
 
 
 def tier_directory(base: str | os.PathLike, spec: KvCacheSpec, namespace: bytes, precision: str) -> Path:
@@ -341,7 +345,11 @@ class KvTiers:
             return
         run = []
         for block_hash in block_hashes:
-            if is_cached(block_hash) or block_hash in self._staging or block_hash in self._loading:
+            if self._staging.get(block_hash) is not None:  # refreshed: reading the rest must not evict it
+                if run:
+                    break
+                continue
+            if is_cached(block_hash) or block_hash in self._loading:
                 if run:
                     break
                 continue

@@ -19,7 +19,7 @@ import time
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.view import ClusterView, WorkerEntry
 from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, slot_wait_s
-from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker
+from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker, effective_overlap
 from shared.policy.qos import load_qos
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, Subjects, WorkerLoad
 from shared.runtime.service import every, run_bus_service, service_instance_id
@@ -134,7 +134,7 @@ class AdmissionService:
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
             num_running=load.num_running if load else 0)
 
-    async def _overlaps(self, request: GenerateRequest) -> dict[str, int]:
+    async def _overlaps(self, request: GenerateRequest) -> dict[str, float]:
         if not request.block_hashes:
             return {}
         try:
@@ -145,7 +145,8 @@ class AdmissionService:
             self.metrics.kvindex_failures.inc()
             log.warning("kv-index did not answer (%s): routing on load only", exc.message)
             return {}
-        return {o.worker_id: o.num_blocks for o in result.overlaps}
+        return {o.worker_id: effective_overlap(o.num_blocks, o.num_host_blocks, o.num_disk_blocks, self._weights)
+                for o in result.overlaps}
 
     def _reject(self, request: GenerateRequest, reason, message: str, retry_after_s: float,
                 predicted_ttft_s: float | None = None) -> AdmissionDecision:

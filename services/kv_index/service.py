@@ -102,12 +102,14 @@ class KvIndexService:
 
     async def match(self, request: KvMatchRequest) -> KvMatchResult:
         with self.metrics.match_latency.time():
-            counts = await self._store.match(request.block_hashes)
+            matches = await self._store.match_tiers(request.block_hashes)
         self.metrics.matches.inc()
         self.metrics.queried_blocks.inc(len(request.block_hashes))
-        self.metrics.matched_blocks.inc(max(counts.values(), default=0))
-        return KvMatchResult(overlaps=[WorkerOverlap(worker_id=w, num_blocks=n)
-                                       for w, n in sorted(counts.items()) if n > 0])
+        self.metrics.matched_blocks.inc(max((m.num_blocks for m in matches.values()), default=0))
+        return KvMatchResult(overlaps=[
+            WorkerOverlap(worker_id=w, num_blocks=m.num_blocks, num_host_blocks=m.num_host_blocks,
+                          num_disk_blocks=m.num_disk_blocks)
+            for w, m in sorted(matches.items()) if m.num_blocks > 0])
 
     async def sweep(self) -> list[str]:
         """Drop every worker that left the registry and has been silent for a TTL."""

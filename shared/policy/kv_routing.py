@@ -28,13 +28,25 @@ class RoutingWeights:
     overlap_weight: float = 1.0
     queue_weight: float = 4.0
     max_waiting_per_worker: int = 32
+    # a block held below a worker's pool saves part of its prefill: it is copied back first
+    # (host memory: a memcpy; disk: a file read), so it counts between a pool hit (1) and a miss (0)
+    host_block_credit: float = 0.9
+    disk_block_credit: float = 0.6
+
+
+def effective_overlap(num_blocks: int, num_host_blocks: int, num_disk_blocks: int,
+                      w: RoutingWeights = RoutingWeights()) -> float:
+    """Leading blocks a worker holds, each counted by the tier it must come from."""
+    return (num_blocks - (1 - w.host_block_credit) * num_host_blocks
+            - (1 - w.disk_block_credit) * num_disk_blocks)
 
 
 @dataclass(frozen=True)
 class RoutingInput:
     now_s: float
     num_request_blocks: int
-    overlap_blocks: Mapping[int, int]   # worker index -> leading prompt blocks it holds (sparse)
+    overlap_blocks: Mapping[int, float]  # worker index -> leading prompt blocks it holds (sparse;
+                                         # see effective_overlap for blocks below the pool)
     active_blocks: np.ndarray           # [num_workers] KV blocks in use (running + reserved)
     num_waiting: np.ndarray             # [num_workers] requests queued at the worker (as reported)
     eligible: np.ndarray | None = None  # [num_workers] bool; False = not a decode worker / draining
@@ -69,7 +81,7 @@ def route(inp: RoutingInput, w: RoutingWeights = RoutingWeights()) -> RoutingDec
     tied = np.flatnonzero(costs == costs.min())
     best = int(tied[np.argmin(inp.active_blocks[tied])]) if len(tied) > 1 else int(tied[0])
     return RoutingDecision(best, float(costs[best]),
-                           min(int(inp.overlap_blocks.get(best, 0)), inp.num_request_blocks))
+                           min(round(inp.overlap_blocks.get(best, 0)), inp.num_request_blocks))
 
 
 # --- the same rule over per-worker views (the admission service's form) ---------------------------
@@ -90,7 +102,7 @@ class RoutingChoice:
     cost: float = 0.0
 
 
-def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, int],
+def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float],
                   num_request_blocks: int, weights: RoutingWeights = RoutingWeights(),
                   now_s: float = 0.0) -> RoutingChoice:
     """``route`` over views: ``overlaps`` maps worker id → leading prompt blocks it holds (missing:

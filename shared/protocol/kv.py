@@ -53,7 +53,9 @@ class KvMatchRequest(WireModel):
 
 class WorkerOverlap(WireModel):
     worker_id: WorkerId
-    num_blocks: int = Field(ge=1)
+    num_blocks: int = Field(ge=1)  # leading blocks of the query the worker holds, in any tier
+    num_host_blocks: int = Field(0, ge=0)  # of those, held only in host memory (copied back on use)
+    num_disk_blocks: int = Field(0, ge=0)  # held only on disk (read back on use)
 
 
 class KvMatchResult(WireModel):

@@ -9,6 +9,7 @@ stream position moves together with the data.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import redis.asyncio as redis
@@ -20,6 +21,21 @@ from shared.store.keys import RedisKeys
 from shared.telemetry.redact import redact_url
 
 _MATCH_CHUNK = 64  # blocks fetched per round trip while walking a prompt
+
+
+_TIER_RANK = {"gpu": 0, "host": 1, "disk": 2}  # a block held in several tiers counts as its best
+
+
+@dataclass(frozen=True)
+class TierOverlap:
+    num_blocks: int  # leading blocks held, in any tier
+    num_host_blocks: int = 0  # of those, held in host memory and not in the pool
+    num_disk_blocks: int = 0  # held only on disk
+
+
+def _overlaps(counts: dict[str, int], lower: dict[str, dict[str, int]]) -> dict[str, TierOverlap]:
+    return {w: TierOverlap(n, lower.get(w, {}).get("host", 0), lower.get(w, {}).get("disk", 0))
+            for w, n in counts.items()}
 
 
 def connect(url: str) -> redis.Redis:
@@ -93,19 +109,34 @@ class KvIndexStore:
         return len(members)
 
     async def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """For each worker, how many leading blocks of ``block_hashes`` it holds (any tier).
+        """For each worker, how many leading blocks of ``block_hashes`` it holds (any tier)."""
+        return {w: m.num_blocks for w, m in (await self.match_tiers(block_hashes)).items()}
+
+    async def match_tiers(self, block_hashes: Sequence[int]) -> dict[str, TierOverlap]:
+        """For each worker, how many leading blocks of ``block_hashes`` it holds in any tier, and
+        how many of those it holds only below its pool (host memory, disk).
 
         Walks (``extend_overlap``) in pipelined chunks and stops at the first block no
         still-matching worker holds."""
         counts: dict[str, int] = {}
+        lower: dict[str, dict[str, int]] = {}
         for start in range(0, len(block_hashes), _MATCH_CHUNK):
             pipe = self._r.pipeline(transaction=False)
             for h in block_hashes[start:start + _MATCH_CHUNK]:
                 pipe.hkeys(self._keys.block_owners(h))
             for i, fields in enumerate(await pipe.execute(), start=start):
-                if not extend_overlap(counts, i, {f.partition("@")[0] for f in fields}):
-                    return counts
-        return counts
+                best: dict[str, str] = {}
+                for f in fields:
+                    worker, _, tier = f.partition("@")
+                    if worker not in best or _TIER_RANK.get(tier, 0) < _TIER_RANK.get(best[worker], 0):
+                        best[worker] = tier
+                if not extend_overlap(counts, i, best):
+                    return _overlaps(counts, lower)
+                for worker, tier in best.items():
+                    if counts[worker] == i + 1 and tier in ("host", "disk"):
+                        held = lower.setdefault(worker, {})
+                        held[tier] = held.get(tier, 0) + 1
+        return _overlaps(counts, lower)
 
     async def owners(self, block_hash: int) -> set[str]:
         return {f.partition("@")[0] for f in await self._r.hkeys(self._keys.block_owners(block_hash))}

@@ -4,7 +4,9 @@ import pytest
 
 from shared.protocol import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                              KvEventBatch)
+from shared.policy.kv_routing import effective_overlap
 from shared.store import KvIndexStore, RedisKeys, connect
+from shared.store.kv_index import TierOverlap
 
 
 @pytest.fixture
@@ -28,6 +30,20 @@ async def test_match_walks_prefix_and_stops_at_first_unheld_block(store):
     assert await s.owners(10) == {"a", "b"}
     assert await s.stream_seq() == 2
     assert await s.worker_seqs() == {"a": 1, "b": 2}
+
+
+async def test_match_counts_blocks_held_only_below_the_pool(store):
+    s, _ = store
+    await s.apply(KvEventBatch(worker_id="a", events=[
+        stored(1, [10, 11, 12, 13]), stored(2, [11, 12], tier="host"), stored(3, [13], tier="disk"),
+        BlockRemovedEvent(seq=4, timestamp=0.0, block_hashes=[12, 13])]), 1, now=1.0)
+    await s.apply(KvEventBatch(worker_id="b", events=[stored(1, [10], tier="disk"), stored(2, [11], tier="host")]),
+                  2, now=1.0)
+    # a: 10, 11 in its pool (11 also in host: the pool counts), 12 in host only, 13 on disk only
+    assert await s.match_tiers([10, 11, 12, 13, 14]) == {"a": TierOverlap(4, 1, 1), "b": TierOverlap(2, 1, 1)}
+    assert await s.match([10, 11, 12, 13]) == {"a": 4, "b": 2}
+    # the routing rule counts a block below the pool as part of a hit
+    assert 2 < effective_overlap(4, 1, 1) < 4 and effective_overlap(2, 0, 0) == 2
 
 
 async def test_removed_cleared_and_dropped_workers_leave_no_keys(store, namespace):

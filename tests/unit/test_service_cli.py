@@ -107,3 +107,28 @@ def test_up_autoscale_bounds_reach_the_autoscaler_and_bad_ones_are_one_line(caps
     assert "min_workers and max_workers need autoscale" in capsys.readouterr().err
     assert main(["up", "--autoscale", "--decode", "4", "--max-workers", "3"]) == 2
     assert "must lie between min_workers (4) and max_workers (3)" in capsys.readouterr().err
+
+
+def test_kv_tier_flags_reach_the_engine_and_each_decode_worker_gets_its_own_disk_dir(tmp_path, monkeypatch):
+    from services.decode.config import DecodeSettings
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+    from shared.runtime.stack import Stack
+
+    config = DecodeSettings(kv_host_memory="64MiB", kv_disk_dir=str(tmp_path), kv_disk_size="1GiB",
+                            kv_disk_min_uses=3).engine_config()
+    assert (config.kv_host_memory, config.kv_disk_dir, config.kv_disk_size, config.kv_disk_min_uses) == \
+        (64 << 20, str(tmp_path), 1 << 30, 3)
+    assert DecodeSettings().engine_config().kv_host_memory == 0 and DecodeSettings().engine_config().kv_disk_dir is None
+    args = build_parser().parse_args(["up", "--kv-host-memory", "2GiB", "--kv-disk-dir", str(tmp_path)])
+    spec = spec_from_settings(settings_from_args(args.settings_class, args))
+    assert spec.decode_flags["kv_host_memory"] == "2GiB" and spec.decode_flags["kv_disk_dir"] == str(tmp_path)
+    assert "kv_disk_dir" not in spec.prefill_flags and "kv_disk_dir" not in spec_from_settings(UpSettings()).decode_flags
+
+    started = {}
+    stack = Stack(spec)
+    monkeypatch.setattr(stack, "_start_child", lambda name, service, flags: started.setdefault(name, flags))
+    stack.spawn_decode("decode-1")
+    stack.spawn_decode("decode-2")
+    assert started["decode-1"]["kv_disk_dir"] == str(tmp_path / "decode-1")
+    assert started["decode-2"]["kv_disk_dir"] == str(tmp_path / "decode-2")

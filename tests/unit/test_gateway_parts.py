@@ -192,6 +192,23 @@ def test_status_table_reads_the_typed_page():
     assert empty.endswith("(no workers registered)")
 
 
+def test_status_shows_a_kv_tier_line_with_hit_ratios_by_tier():
+    tiers = {"host_blocks": 5, "host_capacity_blocks": 64, "disk_blocks": 9, "disk_capacity_blocks": 1000,
+             "offloaded_host": 12, "offloaded_disk": 9, "onboarded_host": 4, "onboarded_disk": 1}
+    load = WorkerLoad(worker_id="a", role="decode", seq=1, timestamp=0.0, num_prompt_tokens_total=200,
+                      num_cached_prompt_tokens_total=100, kv_tiers=tiers)
+    page = StatusPage.model_validate({"timestamp": 1.0, "workers": [
+        {"info": worker("a").model_dump(mode="json"), "load": load.model_dump(mode="json")},
+        {"info": worker("b").model_dump(mode="json"), "load": None}]})
+    tier_lines = [line for line in format_status(page).splitlines() if "KV tiers" in line]
+    block = worker("a").block_size  # 4 onboarded blocks, 1 of them from disk
+    pool = 100 - 4 * block
+    assert tier_lines == [
+        "  KV tiers of a: host 5/64 blocks, disk 9/1000 blocks; offloaded 12 to host, 9 to disk; onboarded 4 "
+        f"(1 from disk); 0 damaged on disk; prompt tokens from pool {pool / 200:.0%}, host {3 * block / 200:.0%}, "
+        f"disk {block / 200:.0%}"]
+
+
 def test_status_lists_every_services_metrics_address():
     page = StatusPage.model_validate({"timestamp": 100.0, "services": [
         {"instance_id": "admission-h-7", "service": "admission", "metrics_url": "http://h:4001/metrics",

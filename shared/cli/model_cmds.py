@@ -120,19 +120,29 @@ def run_complete(args) -> int:
         except ValueError as exc:
             raise CliError(str(exc)) from None
     ids = tok.encode(text)
-    _stream(engine, ids, params)
+    try:
+        _stream(engine, ids, params)
+    finally:
+        engine.close()  # a disk KV tier keeps this prompt's blocks for the next run
     sys.stdout.write("\n")
     return 0
 
 
 def run_chat(args) -> int:
-    from shared.cli.main import CliError
-
     params = _checked_sampling_params(args)
     engine = _load_engine(args)
     base = [{"role": "system", "content": args.system}] if args.system else []
-    history = list(base)
     print("Chatting with %s. /reset clears the history, /exit quits." % engine.model_id, file=sys.stderr)
+    try:
+        return _chat_loop(engine, params, base)
+    finally:
+        engine.close()  # a disk KV tier keeps the conversation's blocks for the next session
+
+
+def _chat_loop(engine, params, base: list[dict]) -> int:
+    from shared.cli.main import CliError
+
+    history = list(base)
     while True:
         try:
             line = input("> ")

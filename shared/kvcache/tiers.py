@@ -128,7 +128,10 @@ class DiskTier:
         self._nbytes = spec.bytes_per_block
         self._index: OrderedDict[int, tuple[int | None, tuple[int, ...]]] = OrderedDict()  # hash -> (parent, tokens)
         self._lock = threading.Lock()
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"KV disk tier: cannot use {root.parent}: {exc.strerror or exc}") from None
 
     def __len__(self) -> int:
         return len(self._index)

@@ -182,3 +182,9 @@ def test_the_frequency_filter_counts_computations_and_hits(tmp_path):
     assert tiers.flush()
     assert num_hit == 4 and tiers.counters.offloaded_disk == 1
     tiers.close()
+
+
+def test_an_unusable_disk_directory_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot use .*file"):
+        DiskTier(tmp_path / "file" / "tier", 8, SPEC, NS)

@@ -151,7 +151,7 @@ def _tier_line(status: WorkerStatus) -> str | None:
     if tiers.disk_capacity_blocks:
         parts.append(f"disk {tiers.disk_blocks}/{tiers.disk_capacity_blocks} blocks")
     return (f"  KV tiers of {status.info.worker_id}: {', '.join(parts)}; offloaded {tiers.offloaded_host} to host, "
-            f"{tiers.offloaded_disk} to disk; onboarded {tiers.onboarded_host} ({tiers.onboarded_disk} from disk); "
+            f"{tiers.offloaded_disk} to disk; onboarded {tiers.onboarded} ({tiers.onboarded_disk} from disk); "
             f"{tiers.disk_read_failures} damaged on disk; prompt tokens from {_hit_ratios(status)}")
 
 
@@ -161,7 +161,7 @@ def _hit_ratios(status: WorkerStatus) -> str:
     load, tiers, block_size = status.load, status.load.kv_tiers, status.info.block_size
     total = load.num_prompt_tokens_total
     from_disk = tiers.onboarded_disk * block_size
-    from_host = (tiers.onboarded_host - tiers.onboarded_disk) * block_size
+    from_host = (tiers.onboarded - tiers.onboarded_disk) * block_size
     from_pool = max(0, load.num_cached_prompt_tokens_total - from_host - from_disk)
     return ", ".join(f"{name} {n / total if total else 0.0:.0%}"
                      for name, n in (("pool", from_pool), ("host", from_host), ("disk", from_disk)))

@@ -78,7 +78,7 @@ class KVCacheManager:
 
     def prefetch(self, block_hashes: Sequence[int]) -> None:
         """Start bringing a new request's prefix up from disk (see ``is_loading``)."""
-        if self.tiers is not None and self.pool.enable_caching:
+        if self.tiers is not None:  # the engine attaches tiers only with prefix caching on
             self.tiers.prefetch(block_hashes, lambda h: self.pool.lookup(h) is not None)
 
     def is_loading(self, block_hashes: Sequence[int]) -> bool:

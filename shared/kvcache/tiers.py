@@ -43,6 +43,7 @@ from shared.kvcache.layout import KvCacheSpec
 log = logging.getLogger(__name__)
 
 _MAGIC = b"TKVB1\n"
+_PREFIX = len(_MAGIC) + 4  # magic, then the header's length
 _SUFFIX = ".kvb"
 _MAX_USE_COUNTS = 1 << 20  # hashes whose use counts are remembered (oldest forgotten first)
 
@@ -75,7 +76,7 @@ class StoredBlock:
 class TierCounters:
     offloaded_host: int = 0  # blocks copied from the pool into the host tier
     offloaded_disk: int = 0  # blocks written to disk
-    onboarded_host: int = 0  # blocks copied back into the pool from the host tier
+    onboarded: int = 0  # blocks copied back into the pool (they pass through host memory)
     onboarded_disk: int = 0  # of those, blocks that had been read from disk
     disk_read_failures: int = 0  # corrupt, truncated or mismatched files (treated as misses)
     offload_seconds: float = 0.0  # engine-thread time spent copying evicted blocks out
@@ -94,9 +95,6 @@ class HostTier:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._blocks
 
     def get(self, block_hash: int) -> StoredBlock | None:
         with self._lock:
@@ -150,7 +148,7 @@ class DiskTier:
         """Index the files already in ``root`` (oldest first); unreadable ones are deleted."""
         files = sorted(self.root.glob(f"*{_SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
-            header = self._read_header(path, check_size=True)
+            header = self._read_header(path)
             if header is None or f"{header['hash']:016x}{_SUFFIX}" != path.name:
                 log.warning("KV disk tier: dropping unreadable block file %s", path.name)
                 path.unlink(missing_ok=True)
@@ -214,21 +212,18 @@ class DiskTier:
         data = torch.frombuffer(raw, dtype=torch.uint8, offset=start, count=self._nbytes)
         return StoredBlock(block_hash, parent, tokens, data.view(self.spec.dtype).reshape(self._shape))
 
-    def remove(self, block_hash: int) -> bool:
+    def remove(self, block_hash: int) -> None:
         with self._lock:
-            known = self._index.pop(block_hash, None) is not None
+            self._index.pop(block_hash, None)
         self._path(block_hash).unlink(missing_ok=True)
-        return known
 
-    def _read_header(self, path: Path, *, check_size: bool) -> dict | None:
+    def _read_header(self, path: Path) -> dict | None:
+        """A file's header without its KV bytes, or None if the file is not a whole block file."""
         try:
             with open(path, "rb") as f:
-                head = f.read(len(_MAGIC) + 4)
-                if len(head) < len(_MAGIC) + 4 or not head.startswith(_MAGIC):
-                    return None
-                (length,) = struct.unpack("<I", head[len(_MAGIC):])
+                length = _header_length(f.read(_PREFIX))
                 header = json.loads(f.read(length))
-            if check_size and path.stat().st_size != len(_MAGIC) + 4 + length + self._nbytes:
+            if path.stat().st_size != _PREFIX + length + self._nbytes:
                 return None
             return header
         except (OSError, ValueError):
@@ -237,11 +232,15 @@ class DiskTier:
     @staticmethod
     def _parse(raw: bytearray) -> tuple[dict, int]:
         """The header, and where the KV bytes start."""
-        start = len(_MAGIC) + 4
-        if not raw.startswith(_MAGIC) or len(raw) < start:
-            raise ValueError("not a KV block file")
-        (length,) = struct.unpack_from("<I", raw, len(_MAGIC))
-        return json.loads(bytes(raw[start:start + length])), start + length
+        length = _header_length(raw)
+        return json.loads(bytes(raw[_PREFIX:_PREFIX + length])), _PREFIX + length
+
+
+def _header_length(prefix: bytes | bytearray) -> int:
+    """The header's length, from a file's first bytes (magic, then a little-endian u32)."""
+    if len(prefix) < _PREFIX or not prefix.startswith(_MAGIC):
+        raise ValueError("not a KV block file")
+    return struct.unpack_from("<I", prefix, len(_MAGIC))[0]
 
 
 def tier_directory(base: str | os.PathLike, spec: KvCacheSpec, namespace: bytes, precision: str) -> Path:
@@ -293,16 +292,8 @@ class KvTiers:
     def offload(self, blocks: list[Block]) -> None:
         """Copy evicted cached blocks out of the pool before their content is overwritten."""
         started = time.perf_counter()
-        ids = torch.tensor([b.block_id for b in blocks], device=self.kv_cache.device)
-        data = self.kv_cache.index_select(0, ids).to("cpu")  # one gather, one copy
-        to_host, to_disk = [], []
-        for i, block in enumerate(blocks):
-            stored = StoredBlock(block.block_hash, block.parent_hash, block.token_ids, data[i])
-            if self.host is not None:
-                to_host.append(stored)
-            if (self.disk is not None and block.block_hash not in self.disk
-                    and self._uses.get(block.block_hash, 0) >= self.config.disk_min_uses):
-                to_disk.append(stored)
+        stored_blocks = self._copy_out(blocks)
+        to_host = stored_blocks if self.host is not None else []
         if to_host:
             dropped = []
             for stored in to_host:
@@ -311,23 +302,30 @@ class KvTiers:
             self._announce("host", to_host)
             if dropped:
                 self.events.emit(BlockRemoved(tuple(dropped), tier="host"))
-        for stored in to_disk:
-            self._writes.put(stored)
+        for stored in stored_blocks:
+            if self._wants_disk(stored.block_hash):
+                self._writes.put(stored)
         self.counters.offload_seconds += time.perf_counter() - started
 
     def persist(self, blocks: list[Block]) -> int:
         """Queue the pool's cached blocks that pass the frequency filter for the disk (on a clean
         shutdown, so a restarted worker finds them); returns how many were queued."""
-        if self.disk is None or not blocks:
-            return 0
-        chosen = [b for b in blocks if b.block_hash not in self.disk
-                  and self._uses.get(b.block_hash, 0) >= self.config.disk_min_uses]
+        chosen = [b for b in blocks if self._wants_disk(b.block_hash)]
         if chosen:
-            ids = torch.tensor([b.block_id for b in chosen], device=self.kv_cache.device)
-            data = self.kv_cache.index_select(0, ids).to("cpu")
-            for i, block in enumerate(chosen):
-                self._writes.put(StoredBlock(block.block_hash, block.parent_hash, block.token_ids, data[i]))
+            for stored in self._copy_out(chosen):
+                self._writes.put(stored)
         return len(chosen)
+
+    def _copy_out(self, blocks: list[Block]) -> list[StoredBlock]:
+        """The blocks' KV on the host: one gather, one copy."""
+        ids = torch.tensor([b.block_id for b in blocks], device=self.kv_cache.device)
+        data = self.kv_cache.index_select(0, ids).to("cpu")
+        return [StoredBlock(b.block_hash, b.parent_hash, b.token_ids, data[i]) for i, b in enumerate(blocks)]
+
+    def _wants_disk(self, block_hash: int) -> bool:
+        """A disk tier exists, lacks the block and the block passed the frequency filter."""
+        return (self.disk is not None and block_hash not in self.disk
+                and self._uses.get(block_hash, 0) >= self.config.disk_min_uses)
 
     # -- onboarding -------------------------------------------------------------------------------
     def lookup(self, block_hash: int) -> StoredBlock | None:
@@ -338,7 +336,7 @@ class KvTiers:
         """Copy blocks into the pool's ``block_ids``."""
         data = torch.stack([s.data for s in stored]).to(self.kv_cache.device)
         self.kv_cache.index_copy_(0, torch.tensor(list(block_ids), device=self.kv_cache.device), data)
-        self.counters.onboarded_host += len(stored)
+        self.counters.onboarded += len(stored)
         self.counters.onboarded_disk += sum(1 for s in stored if s.from_disk)
 
     def prefetch(self, block_hashes: Sequence[int], is_cached: Callable[[int], bool]) -> None:

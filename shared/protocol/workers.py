@@ -47,7 +47,7 @@ class KvTierLoad(WireModel):
     disk_capacity_blocks: int = Field(0, ge=0)
     offloaded_host: int = Field(0, ge=0)  # blocks copied out of the pool into host memory
     offloaded_disk: int = Field(0, ge=0)  # blocks written to disk
-    onboarded_host: int = Field(0, ge=0)  # blocks copied back into the pool on a prefix hit
+    onboarded: int = Field(0, ge=0)  # blocks copied back into the pool on a prefix hit, from any tier
     onboarded_disk: int = Field(0, ge=0)  # of those, blocks read from disk
     disk_read_failures: int = Field(0, ge=0)  # damaged or mismatched files, recomputed instead
 

@@ -126,7 +126,7 @@ def _engine_families(stats: EngineStats) -> Iterable[Metric]:
         for tier in ("host", "disk"):
             blocks.add_metric([tier], tiers[f"{tier}_blocks"])
             offloads.add_metric([tier], tiers[f"offloaded_{tier}"])
-        onboards.add_metric(["host"], tiers["onboarded_host"] - tiers["onboarded_disk"])
+        onboards.add_metric(["host"], tiers["onboarded"] - tiers["onboarded_disk"])
         onboards.add_metric(["disk"], tiers["onboarded_disk"])
         yield from (blocks, offloads, onboards)
         yield counter("tandem_worker_kv_disk_read_failures", "damaged or mismatched KV blocks on disk "

@@ -43,7 +43,7 @@ def test_host_tier_onboards_an_evicted_prefix(make_engine, long_prompts, cold):
     out, cached = run(engine, a)
     assert out == cold[0]
     assert cached >= (len(a) - 1) // 16 * 16 - 16, "a's prefix should come back from the host tier"
-    assert engine.tiers.counters.onboarded_host > 0
+    assert engine.tiers.counters.onboarded > 0
     engine.kv.check_integrity()
     engine.close()
 

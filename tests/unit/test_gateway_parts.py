@@ -194,7 +194,7 @@ def test_status_table_reads_the_typed_page():
 
 def test_status_shows_a_kv_tier_line_with_hit_ratios_by_tier():
     tiers = {"host_blocks": 5, "host_capacity_blocks": 64, "disk_blocks": 9, "disk_capacity_blocks": 1000,
-             "offloaded_host": 12, "offloaded_disk": 9, "onboarded_host": 4, "onboarded_disk": 1}
+             "offloaded_host": 12, "offloaded_disk": 9, "onboarded": 4, "onboarded_disk": 1}
     load = WorkerLoad(worker_id="a", role="decode", seq=1, timestamp=0.0, num_prompt_tokens_total=200,
                       num_cached_prompt_tokens_total=100, kv_tiers=tiers)
     page = StatusPage.model_validate({"timestamp": 1.0, "workers": [

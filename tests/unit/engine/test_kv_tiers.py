@@ -72,7 +72,7 @@ def test_host_tier_brings_an_evicted_prefix_back_with_its_kv():
     assert num_hit == 8 and [b.block_hash for b in hits] == hashes
     for block, h in zip(hits, hashes):
         assert torch.all(cache[block.block_id] == float(h % 1000))
-    assert tiers.counters.onboarded_host == 2
+    assert tiers.counters.onboarded == 2
     kv.check_integrity()
 
 
@@ -82,7 +82,7 @@ def test_onboarding_waits_until_the_rest_of_the_request_fits():
     kv.free("a")
     compute(kv, cache, "b", list(range(100, 108)))  # b keeps its 3 blocks: no room to onboard
     assert kv.find_cached_prefix(hashes, 9) == ([], 0)
-    assert tiers.counters.onboarded_host == 0
+    assert tiers.counters.onboarded == 0
     kv.free("b")
     assert kv.find_cached_prefix(hashes, 9)[1] == 8
 
@@ -144,7 +144,6 @@ def test_disk_tier_reads_a_prefix_in_the_background_and_only_its_request_waits(t
     params = SamplingParams(max_tokens=2, temperature=0.0)
     reads = []
     real_read = tiers.disk.read
-
     release = threading.Event()
 
     def slow_read(h):

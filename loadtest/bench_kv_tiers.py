@@ -23,12 +23,15 @@ Not measured here: fetching a prefix from another worker (not built yet).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from loadtest.stats import percentile
 
 
 def parse_args(argv=None):
@@ -54,17 +57,13 @@ def conversation_tokens(args, vocab: int) -> list[list[list[int]]]:
             for _ in range(args.conversations)]
 
 
-def block_bytes(model) -> int:
-    cfg = model.cfg
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize * 16
+def make_engine(base, args, **tier_kw):
+    """An engine on ``base``'s loaded model with a pool of ``--pool-blocks`` and the given tiers."""
+    from shared.engine import LLMEngine
 
-
-def make_engine(args, model, tokenizer, model_id: str, **tier_kw):
-    from shared.engine import EngineConfig, LLMEngine
-
-    config = EngineConfig(model=args.model, kv_cache_memory=args.pool_blocks * block_bytes(model),
-                          max_num_seqs=4, **tier_kw)
-    return LLMEngine(model, config, tokenizer=tokenizer, model_id=model_id)
+    config = dataclasses.replace(base.config, kv_cache_memory=args.pool_blocks * base.kv_spec.bytes_per_block,
+                                 max_num_seqs=4, **tier_kw)
+    return LLMEngine(base.model, config, tokenizer=base.tokenizer, model_id=base.model_id)
 
 
 def serve(engine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int], int]:
@@ -104,48 +103,35 @@ def run_config(label: str, engine, convs, args) -> dict:
     tiers = engine.tiers.stats() if engine.tiers is not None else {}
     if engine.tiers is not None:
         engine.tiers.flush()
-    return {"ttft_s": ttfts, "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": _p90(ttfts),
+    return {"ttft_s": ttfts, "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": percentile(ttfts, 90),
             "requests_per_s": len(outputs) / elapsed, "prompt_tokens_cached": sum(cached),
             "step_seconds": step_s[0], "tiers": tiers,
             "offload_share_of_step_time": tiers.get("offload_seconds", 0.0) / step_s[0] if step_s[0] else 0.0,
             "outputs": outputs, "histories": history}
 
 
-def _p90(values: list[float]) -> float:
-    return sorted(values)[max(0, int(round(0.9 * len(values))) - 1)]
-
-
 def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from shared.engine import EngineConfig
-    from shared.model.loader import load_model
-    from shared.model.quant import calibration_token_ids, check_quantization
-    from shared.model.registry import resolve_model
-    from shared.tokenizer import Tokenizer
+    from shared.engine import EngineConfig, LLMEngine
 
     args = parse_args(argv)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    source = resolve_model(args.model)
-    device = torch.device("cpu")
-    precision = EngineConfig(dtype=args.dtype, quantization=args.quantization).resolve_precision(device)
-    tokenizer = Tokenizer.from_model_files(source.path, source.format)
-    model = load_model(source.path, source.format, device, getattr(torch, precision.dtype))
-    quantization = check_quantization(precision.quantization, device)
-    if quantization != "none":
-        model.quantize(quantization, calibration_token_ids(tokenizer, 512))
-    print(f"precision {precision.dtype} + {quantization} ({precision.reason})")
-    convs = conversation_tokens(args, model.cfg.vocab_size)
+    # loads the model once (precision chosen and logged as a worker does); the engines below share it
+    base = LLMEngine.from_config(EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
+                                              quantization=args.quantization, num_threads=args.num_threads,
+                                              kv_cache_memory=64 << 20))
+    precision = f"{base.config.dtype}+{base.config.quantization}"
+    print(f"precision {precision}")
+    convs = conversation_tokens(args, base.model.cfg.vocab_size)
     working_blocks = sum(args.turns * (args.user_tokens + args.output_tokens) for _ in convs) // 16
-    host_bytes = int(args.host_pool_multiple * args.pool_blocks) * block_bytes(model)
+    host_bytes = int(args.host_pool_multiple * args.pool_blocks) * base.kv_spec.bytes_per_block
     results: dict[str, dict] = {}
     disk_dir = Path(tempfile.mkdtemp(prefix="tandem-kv-bench-"))
     configs = [("off", {}), ("host", {}), ("host+disk", {"kv_disk_dir": str(disk_dir), "kv_disk_min_uses": 1})]
     for label, tier_kw in tqdm(configs, desc="configurations", unit="config"):
         host = {} if label == "off" else {"kv_host_memory": host_bytes}
-        engine = make_engine(args, model, tokenizer, source.name, **host, **tier_kw)
+        engine = make_engine(base, args, **host, **tier_kw)
         with torch.inference_mode():
             serve(engine, list(range(200, 264)), 2, f"warmup-{label}")  # first-run costs out of the way
             results[label] = run_config(label, engine, convs, args)
@@ -163,7 +149,7 @@ def main(argv=None) -> int:
     last_prompts = [h[:len(h) - args.output_tokens] for h in results["host+disk"]["histories"]]
     restart = {}
     for label, tier_kw in (("cold", {}), ("restart on disk", {"kv_disk_dir": str(disk_dir), "kv_disk_min_uses": 1})):
-        engine = make_engine(args, model, tokenizer, source.name, **tier_kw)
+        engine = make_engine(base, args, **tier_kw)
         with torch.inference_mode():
             runs = [serve(engine, p, 1, f"{label}-{i}") for i, p in enumerate(last_prompts)]
         engine.close()
@@ -184,7 +170,7 @@ def main(argv=None) -> int:
     for r in results.values():
         r.pop("histories")
         r.pop("outputs")
-    payload = {"config": {**vars(args), "precision": f"{precision.dtype}+{quantization}",
+    payload = {"config": {**vars(args), "precision": precision,
                           "working_set_blocks": working_blocks, "host_tier_bytes": host_bytes,
                           "torch_threads": torch.get_num_threads()},
                "runs": results, "restart": restart, "ttft_p50_speedup_vs_off": ratios}

@@ -17,7 +17,7 @@ cached, blocks offloaded and onboarded per tier, and the engine-thread time spen
 blocks out as a share of step time (the offload's cost). Ratios are against ``off`` measured in the
 same run. Writes ``kv_tiers.json`` and ``kv_tiers.png`` under --out.
 
-Not measured here: fetching a prefix from another worker (not built yet).
+Fetching a prefix from another worker is measured by ``loadtest.bench_peer_fetch``.
 """
 
 from __future__ import annotations

@@ -10,4 +10,6 @@ class AdmissionSettings(ServiceSettings, QosSettings):
     kv_match_timeout_s: float = Field(0.5, gt=0, description="wait for kv-index, then least-loaded")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After suggested on rejection")
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
+    min_fetch_blocks: int = Field(2, ge=1, description="name a worker holding at least this many more of the "
+                                  "prompt's leading blocks than the chosen one, for it to fetch them from")
     shed_hold_s: float = Field(2.0, ge=0, description="lower tiers stay shed this long after a higher tier's SLO miss")

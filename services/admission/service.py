@@ -21,7 +21,8 @@ from shared.cluster.view import ClusterView, WorkerEntry
 from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, slot_wait_s
 from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker, effective_overlap
 from shared.policy.qos import load_qos
-from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, Subjects, WorkerLoad
+from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
+from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, KvSource, Subjects, WorkerLoad
 from shared.runtime.service import every, run_bus_service, service_instance_id
 from shared.telemetry.families import AdmissionMetrics
 from services.admission.config import AdmissionSettings
@@ -39,6 +40,7 @@ class AdmissionService:
         self._weights = RoutingWeights(overlap_weight=settings.overlap_weight,
                                        queue_weight=settings.queue_weight,
                                        max_waiting_per_worker=settings.max_waiting_per_worker)
+        self._fetch = FetchConfig(min_blocks=settings.min_fetch_blocks)
         self.qos = load_qos(settings.qos)
         self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
                                                  shed_hold_s=settings.shed_hold_s))
@@ -72,7 +74,9 @@ class AdmissionService:
     async def _decide(self, request: GenerateRequest) -> AdmissionDecision:
         # kv-index first: a worker may leave the view while that is awaited, and from reading the
         # workers to the chosen one's entry nothing may await (else the chosen one can be gone)
-        overlaps = await self._overlaps(request)
+        held = await self._held_prefixes(request)
+        overlaps = {h.worker_id: effective_overlap(h.num_blocks, h.num_host_blocks, h.num_disk_blocks, self._weights)
+                    for h in held}
         workers = self._candidates(request)
         if not workers:
             await self.refresh()  # a worker may have registered since the last refresh
@@ -103,10 +107,17 @@ class AdmissionService:
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(),
                                 self.qos.tiers[self.qos.resolve(request.tier)].priority)
         info = entry.info
+        lenders = {w.info.worker_id for w in self.view.ready_workers("decode", request.model)}
+        source = choose_kv_source(held, info.worker_id, lenders, self._fetch)
+        if source is not None:
+            log.debug("%s: %s holds %d leading blocks: %s may fetch them", request.request_id, source.worker_id,
+                      source.num_blocks, info.worker_id)
         return AdmissionDecision(request_id=request.request_id, is_admitted=True,
                                  worker_id=info.worker_id, generate_subject=info.generate_subject,
                                  cancel_subject=info.cancel_subject,
-                                 num_overlap_blocks=choice.num_overlap_blocks, predicted_ttft_s=ttft)
+                                 num_overlap_blocks=choice.num_overlap_blocks, predicted_ttft_s=ttft,
+                                 kv_source=KvSource(worker_id=source.worker_id, num_blocks=source.num_blocks)
+                                 if source is not None else None)
 
     def _candidates(self, request: GenerateRequest) -> list[WorkerEntry]:
         """The ready decode workers of the request's model, less those it excludes."""
@@ -134,9 +145,10 @@ class AdmissionService:
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
             num_running=load.num_running if load else 0)
 
-    async def _overlaps(self, request: GenerateRequest) -> dict[str, float]:
+    async def _held_prefixes(self, request: GenerateRequest) -> list[HeldPrefix]:
+        """Each worker's hit on the prompt's leading blocks, by tier; none when kv-index is away."""
         if not request.block_hashes:
-            return {}
+            return []
         try:
             result = await self._bus.request(self._subjects.kvindex_match(),
                                              KvMatchRequest(block_hashes=request.block_hashes),
@@ -144,9 +156,8 @@ class AdmissionService:
         except ServiceError as exc:
             self.metrics.kvindex_failures.inc()
             log.warning("kv-index did not answer (%s): routing on load only", exc.message)
-            return {}
-        return {o.worker_id: effective_overlap(o.num_blocks, o.num_host_blocks, o.num_disk_blocks, self._weights)
-                for o in result.overlaps}
+            return []
+        return [HeldPrefix(o.worker_id, o.num_blocks, o.num_host_blocks, o.num_disk_blocks) for o in result.overlaps]
 
     def _reject(self, request: GenerateRequest, reason, message: str, retry_after_s: float,
                 predicted_ttft_s: float | None = None) -> AdmissionDecision:

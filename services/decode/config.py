@@ -8,6 +8,11 @@ class DecodeSettings(EngineWorkerSettings):
                            description="unique worker id (a subject token)")
     remote_prefill: bool = Field(True, description="send long uncached prompts to prefill workers when any "
                                  "are registered (needs NIXL)")
+    kv_peer_fetch: bool = Field(True, description="fetch a prompt's cached prefix over NIXL from the worker that "
+                                "holds it (named by admission) when that beats recomputing it, and lend cached "
+                                "blocks to other workers (needs NIXL)")
+    kv_fetch_window_s: float = Field(1.0, gt=0, description="a holder must start writing a fetched prefix within "
+                                     "this, or the prefix is computed here")
     max_local_prefill_tokens: int = Field(512, ge=0, description="prefill locally when the uncached part of "
                                           "the prompt is at most this long (0: every uncached prompt goes remote)")
     max_prefill_queue: int = Field(128, ge=0, description="prefill locally while the prefill queue holds this "

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 from shared.bus import Bus, WorkerRegistry
 from shared.cluster.workers import is_ready_worker
@@ -64,17 +66,47 @@ class RemotePrefiller:
             return None
         return None if levels is None else sum(level.num_pending for level in levels)
 
+    # -- as a receiver of the KV transfer's notifications (``poll_kv_forever``) -------------------
+    def deliver(self, message: bytes, num_bytes: int, received_at: float) -> bool:
+        self.prefills.deliver(message, num_bytes, received_at)
+        return True
+
+    @property
+    def has_waiting(self) -> bool:
+        return self.prefills.has_waiting
+
+    def tick(self, now: float) -> None:
+        self.prefills.tick(now)
+
     async def poll_forever(self) -> None:
-        """Drain the transfer's notifications and tick: often while requests wait for their KV,
-        rarely otherwise (the calls also drive the backend's progress, e.g. accepting a new
-        writer's connection)."""
-        while True:
-            delay = 0.002 if self.prefills.has_waiting else 0.05
-            try:
-                for note in self.transfer.get_notifications():
-                    self.prefills.deliver(note.message, note.num_bytes, time.monotonic())
-            except Exception:  # noqa: BLE001 — the ticks below must go on: they end the waits
-                log.exception("polling KV notifications failed")
-                delay = 0.5
-            self.prefills.tick(time.time())
-            await asyncio.sleep(delay)
+        await poll_kv_forever(self.transfer, [self])
+
+
+class NotificationReceiver(Protocol):
+    has_waiting: bool
+
+    def deliver(self, message: bytes, num_bytes: int, received_at: float) -> bool:
+        """Take a notification (True), or leave it to the next receiver (False)."""
+
+    def tick(self, now: float) -> None:
+        """Time passed (``now``: epoch seconds): end waits that ran out."""
+
+
+async def poll_kv_forever(transfer: KvTransfer, receivers: Sequence[NotificationReceiver]) -> None:
+    """Drain the transfer's notifications, each to the first receiver that takes it, and tick them:
+    often while one waits for KV, rarely otherwise (the calls also drive the backend's progress,
+    e.g. accepting a new writer's connection)."""
+    while True:
+        delay = 0.002 if any(r.has_waiting for r in receivers) else 0.05
+        try:
+            for note in transfer.get_notifications():
+                at = time.monotonic()
+                if not any(r.deliver(note.message, note.num_bytes, at) for r in receivers):
+                    log.debug("KV notification from %s that nobody waits for ignored", note.peer)
+        except Exception:  # noqa: BLE001 — the ticks below must go on: they end the waits
+            log.exception("polling KV notifications failed")
+            delay = 0.5
+        now = time.time()
+        for receiver in receivers:
+            receiver.tick(now)
+        await asyncio.sleep(delay)

@@ -19,13 +19,15 @@ from shared.disagg import RemotePrefill
 from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
+from shared.protocol.workers import KvFetchLoad
 from shared.runtime.worker import EngineWorker
 from shared.runtime.worker_metrics import WorkerMetrics
 from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
 from shared.telemetry.phases import worker_phases
 from services.decode.config import DecodeSettings
-from services.decode.remote import RemotePrefiller
+from services.decode.fetch import PeerFetcher
+from services.decode.remote import RemotePrefiller, poll_kv_forever
 from services.decode.translate import engine_params, token_chunk
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, settings: DecodeSettings, bus: Bus, registry: WorkerRegistry,
                  engine: AsyncEngine, remote: RemotePrefiller | None = None,
-                 metrics: WorkerMetrics | None = None, **kw) -> None:
+                 metrics: WorkerMetrics | None = None, fetcher: PeerFetcher | None = None, **kw) -> None:
         super().__init__(settings, bus, registry, engine, **kw)
         self._metrics = metrics if metrics is not None else WorkerMetrics()
         self._ttft = RecentMean(10.0)
@@ -45,6 +47,7 @@ class DecodeWorker(EngineWorker):
         self.num_requests_aborted = 0
         self.num_local_prefills = 0
         self.remote = remote  # None: remote prefill off (disabled, or no KV transfer here)
+        self.fetcher = fetcher  # None: no prefix fetches from or for other workers
         self._loops: list[asyncio.Task] = []
 
     def info(self) -> WorkerInfo:
@@ -58,13 +61,17 @@ class DecodeWorker(EngineWorker):
         await self._bus.serve_stream(s.decode_generate(self.worker_id), self.generate)
         if self.remote is not None:
             await self._bus.serve(s.prefill_lease(self.worker_id), self.remote.grant_lease)
-            self._loops.append(asyncio.create_task(self.remote.poll_forever()))
+        if self.fetcher is not None:
+            await self._bus.serve(s.kv_fetch(self.worker_id), self.fetcher.lend)
+        receivers = [r for r in (self.fetcher, self.remote) if r is not None]
+        if receivers:
+            self._loops.append(asyncio.create_task(poll_kv_forever(receivers[0].transfer, receivers)))
         self.state = "ready"
         await self._registry.put(self.info())
-        log.info("decode worker %s ready (model %s, %d KV blocks; remote prefill %s)", self.worker_id,
-                 self._settings.model, self.engine.stats().num_blocks_total,
+        log.info("decode worker %s ready (model %s, %d KV blocks; remote prefill %s; prefix fetch from peers %s)",
+                 self.worker_id, self._settings.model, self.engine.stats().num_blocks_total,
                  f"on above {self.remote.prefills.config.max_local_prefill_tokens} uncached tokens"
-                 if self.remote else "off")
+                 if self.remote else "off", "on" if self.fetcher else "off")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         if self.state != "ready":
@@ -77,6 +84,8 @@ class DecodeWorker(EngineWorker):
         index = 0
         params = engine_params(request.sampling)
         try:
+            if self.fetcher is not None and request.kv_source is not None:
+                await self.fetcher.fetch(request)
             handle = await self.remote.start(request, params) if self.remote is not None else None
             if handle is None:
                 self.num_local_prefills += 1
@@ -142,14 +151,17 @@ class DecodeWorker(EngineWorker):
                              **thresholds)
 
     def load(self) -> WorkerLoad:
-        remote, prefills = self.remote, self.remote.prefills if self.remote else None
+        prefills = self.remote.prefills if self.remote else None
+        transfer = next((r.transfer for r in (self.remote, self.fetcher) if r is not None), None)
         return self._load(
             ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
             num_local_prefills=self.num_local_prefills,
             num_remote_prefills=prefills.num_remote if prefills else 0,
             num_prefill_fallbacks=prefills.num_fallbacks if prefills else 0,
-            kv_bytes_received=remote.transfer.stats.num_bytes_received if remote else 0)
+            kv_bytes_received=transfer.stats.num_bytes_received if transfer else 0,
+            kv_bytes_sent=transfer.stats.num_bytes_sent if transfer else 0,
+            kv_fetch=KvFetchLoad(**dataclasses.asdict(self.fetcher.counters)) if self.fetcher else None)
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stay listed as ``draining`` (admission skips it) while in-flight requests finish; the

@@ -90,6 +90,7 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
     if not page.workers:
         lines.append("(no workers registered)")
     lines.extend(line for w in page.workers if (line := _tier_line(w)))
+    lines.extend(line for w in page.workers if (line := _fetch_line(w)))
     if page.services:
         lines.extend(_service_lines(page.services, page.timestamp))
     if page.scaling is not None:
@@ -153,6 +154,16 @@ def _tier_line(status: WorkerStatus) -> str | None:
     return (f"  KV tiers of {status.info.worker_id}: {', '.join(parts)}; offloaded {tiers.offloaded_host} to host, "
             f"{tiers.offloaded_disk} to disk; onboarded {tiers.onboarded} ({tiers.onboarded_disk} from disk); "
             f"{tiers.disk_read_failures} damaged on disk; prompt tokens from {_hit_ratios(status)}")
+
+
+def _fetch_line(status: WorkerStatus) -> str | None:
+    """Prefix fetches between decode workers, for workers that fetched or lent any."""
+    fetch = status.load.kv_fetch if status.load else None
+    if fetch is None or not (fetch.num_fetches or fetch.num_failed or fetch.num_lent):
+        return None
+    return (f"  KV peer fetches of {status.info.worker_id}: fetched {fetch.num_blocks_fetched} blocks in "
+            f"{fetch.num_fetches} fetches ({fetch.num_failed} failed, computed instead; {fetch.num_skipped} hints "
+            f"not taken); lent {fetch.num_blocks_lent} blocks in {fetch.num_lent}")
 
 
 def _hit_ratios(status: WorkerStatus) -> str:

@@ -110,7 +110,10 @@ class Generation:
     async def _open(self, request: GenerateRequest) -> None:
         for attempt in range(_MAX_ATTEMPTS):
             request = self._excluding(request)
-            worker_id = await self._admit(request)
+            decision = await self._admit(request)
+            worker_id = decision.worker_id
+            if decision.kv_source != request.kv_source:  # the worker may fetch the prefix from it
+                request = request.model_copy(update={"kv_source": decision.kv_source})
             started_at = self._started_at(worker_id)
             self._stream = self._bus.stream(
                 self._subjects.decode_generate(worker_id), request,
@@ -210,7 +213,7 @@ class Generation:
                 raise ApiError(503, f"admission unavailable: {exc.message}", code="admission_unavailable",
                                retry_after_s=1.0) from None
 
-    async def _admit(self, request: GenerateRequest) -> str:
+    async def _admit(self, request: GenerateRequest) -> AdmissionDecision:
         asked_at = time.monotonic()
         if self._first_admission_at is None:
             self._first_admission_at = asked_at
@@ -230,7 +233,7 @@ class Generation:
         assert decision.worker_id is not None, "admitted without a worker"
         self._metrics.observe_admitted(request.tier)
         self.predicted_ttft_s = decision.predicted_ttft_s
-        return decision.worker_id
+        return decision
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text as it completes; the last delta has ``finish_reason``. Call after ``start``."""

@@ -25,6 +25,7 @@ from shared.runtime.worker_metrics import WorkerMetrics
 from shared.runtime.worker import publish_kv_events_forever, start_kv_events
 from shared.transfer import TransferUnavailable
 from services.decode.config import DecodeSettings
+from services.decode.fetch import PeerFetcher
 from services.decode.remote import RemotePrefiller
 from services.decode.service import DecodeWorker
 from services.prefill.config import PrefillSettings
@@ -50,7 +51,7 @@ def settings_for(settings: EngineWorkerSettings, role: Role) -> EngineWorkerSett
 
 class WorkerRoles:
     """Builds the roles of one process around its engine; opens the KV transfer when a role first
-    needs it (a prefill role always, a decode role if remote prefill is on)."""
+    needs it (a prefill role always, a decode role if remote prefill or prefix fetch is on)."""
 
     def __init__(self, settings: EngineWorkerSettings, engine: AsyncEngine, bus: Bus,
                  registry: WorkerRegistry, metrics: WorkerMetrics | None = None) -> None:
@@ -70,7 +71,8 @@ class WorkerRoles:
 
     async def make(self, role: Role, bus: Bus, load_seq: itertools.count) -> RoleWorker:
         settings = settings_for(self._settings, role)
-        transfer = self.open_transfer() if role == "prefill" or settings.remote_prefill else None
+        wants_transfer = role == "prefill" or settings.remote_prefill or settings.kv_peer_fetch
+        transfer = self.open_transfer() if wants_transfer else None
         if role == "prefill" and transfer is None:
             raise TransferUnavailable(self.transfer_error or "no KV transfer")
         if transfer is not None:
@@ -78,8 +80,12 @@ class WorkerRoles:
         if role == "prefill":
             return PrefillWorker(settings, bus, self._registry, self._engine, transfer, self.store, load_seq=load_seq,
                                  metrics=self._metrics)
-        remote = None
-        if transfer is not None:
+        remote = fetcher = None
+        if transfer is not None and settings.kv_peer_fetch:
+            fetcher = PeerFetcher(engine=self._engine, transfer=transfer, store=self.store, bus=bus,
+                                  subjects=self._subjects, worker_id=settings.worker_id, model=settings.model,
+                                  write_timeout_s=settings.kv_write_timeout_s, window_s=settings.kv_fetch_window_s)
+        if transfer is not None and settings.remote_prefill:
             prefills = RemotePrefills(
                 worker_id=settings.worker_id, model=settings.model, engine=self._engine,
                 config=settings.disagg_config(), timeout_s=settings.remote_prefill_timeout_s,
@@ -87,7 +93,7 @@ class WorkerRoles:
             remote = RemotePrefiller(prefills, bus=bus, registry=self._registry, transfer=transfer,
                                      subjects=self._subjects)
         return DecodeWorker(settings, bus, self._registry, self._engine, remote, load_seq=load_seq,
-                            metrics=self._metrics)
+                            metrics=self._metrics, fetcher=fetcher)
 
     def open_transfer(self):
         """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""

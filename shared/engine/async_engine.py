@@ -127,6 +127,14 @@ class AsyncEngine:
             [o] if (o := e.finish_remote_prefill(request_id, kv_written)) else []),
             concurrent.futures.Future()))
 
+    def finish_prefix_fetch(self, fetch_id: str, num_written: int) -> None:
+        """End a ``reserve_prefix_fetch`` (see LLMEngine), in order with the calls before it."""
+        self._post(_Call(lambda e: e.finish_prefix_fetch(fetch_id, num_written), concurrent.futures.Future()))
+
+    def return_prefix(self, lend_id: str) -> None:
+        """Unpin the blocks of a ``lend_prefix`` (see LLMEngine), in order with the calls before it."""
+        self._post(_Call(lambda e: e.return_prefix(lend_id), concurrent.futures.Future()))
+
     def discard_stream(self, request_id: str) -> None:
         """Forget a request's output stream that nobody will read (it was aborted)."""
         self._streams.pop(request_id, None)

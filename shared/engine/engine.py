@@ -18,7 +18,7 @@ from shared.engine.sampler import SampledToken, Sampler
 from shared.grammar import GrammarError, TokenizerGrammars, compile_grammar
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kvcache.events import KvEventEmitter, KvEventSink
-from shared.kvcache.hashing import make_namespace
+from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.kvcache.layout import KvCacheSpec
 from shared.kvcache.manager import KVCacheManager
 from shared.kvcache.tiers import KvTiers, TierConfig
@@ -67,6 +67,17 @@ class RemotePrefillSlot:
     def transfer_block_ids(self) -> list[int]:
         """Full prompt blocks past the cached prefix: what a prefill worker writes."""
         return self.block_ids[self.num_cached_tokens // self.block_size:self.num_prompt_tokens // self.block_size]
+
+
+@dataclass(frozen=True)
+class PrefixFetchSlot:
+    """Blocks held for a peer to write a prompt's cached prefix into (``reserve_prefix_fetch``):
+    the prompt's first ``len(block_hashes)`` blocks, of which the first ``num_local`` are cached
+    here already and ``block_ids`` are fresh, for the rest."""
+
+    block_hashes: list[int]
+    num_local: int
+    block_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, self.backend, config.block_size,
                                   Sampler(self.device, config.seed, _grammars(tokenizer, cfg.vocab_size, eos_token_ids)))
         self._num_steps = 0
+        self._fetches: dict[str, tuple[list[int], list[int], int]] = {}  # fetch id → hashes, tokens, cached here
         self._num_prompt_tokens = 0
         self._num_cached_prompt_tokens = 0
         self._num_generated = 0
@@ -252,6 +264,40 @@ class LLMEngine:
         if request is not None and request.status.is_finished:
             return self._output(request, [], None)
         return None
+
+    # -- peer fetch of a cached prefix (services/decode/fetch.py) -----------------------------------
+    def reserve_prefix_fetch(self, fetch_id: str, prompt_token_ids: list[int],
+                             num_blocks: int) -> PrefixFetchSlot | None:
+        """Hold blocks for the prompt's first ``num_blocks`` full blocks (at most all but the one
+        holding its last token, which is always computed here) so a peer can write those not
+        cached here. None when the pool cannot hold them now or prefix caching is off. End it with
+        ``finish_prefix_fetch``."""
+        num_blocks = min(num_blocks, (len(prompt_token_ids) - 1) // self.block_size)
+        if num_blocks <= 0:
+            return None
+        tokens = list(prompt_token_ids[:num_blocks * self.block_size])
+        hashes = hash_blocks(tokens, self.block_size, self.scheduler.namespace)
+        reserved = self.kv.reserve_fetch(_fetch_owner(fetch_id), hashes)
+        if reserved is None:
+            return None
+        num_local, block_ids = reserved
+        if block_ids:
+            self._fetches[fetch_id] = (hashes, tokens, num_local)
+        return PrefixFetchSlot(hashes, num_local, block_ids)
+
+    def finish_prefix_fetch(self, fetch_id: str, num_written: int) -> None:
+        """A peer wrote the first ``num_written`` fresh blocks of the fetch (0: none, or given up
+        on once no write can still land): they join the prefix cache, and the blocks go back."""
+        hashes, tokens, num_local = self._fetches.pop(fetch_id, ([], [], 0))
+        self.kv.finish_fetch(_fetch_owner(fetch_id), tokens, hashes, num_local + num_written if num_written else 0)
+
+    def lend_prefix(self, lend_id: str, block_hashes: list[int]) -> list[int]:
+        """Pin the leading run of ``block_hashes`` cached here (pool or host memory) for a peer to
+        read; their block ids. ``return_prefix`` unpins them."""
+        return self.kv.lend(_lend_owner(lend_id), block_hashes)
+
+    def return_prefix(self, lend_id: str) -> None:
+        self.kv.free(_lend_owner(lend_id))
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)
@@ -377,3 +423,11 @@ def warmup(engine: LLMEngine, num_tokens: int = 64) -> None:
     prompt = [i % engine.model.cfg.vocab_size for i in range(1, min(num_tokens, engine.max_model_len - 4))]
     with torch.inference_mode():
         engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def _fetch_owner(fetch_id: str) -> str:
+    return f"fetch:{fetch_id}"  # fetch and lend ids are ours (uuids): no request has such an id
+
+
+def _lend_owner(lend_id: str) -> str:
+    return f"lend:{lend_id}"

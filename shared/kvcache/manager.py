@@ -129,6 +129,39 @@ class KVCacheManager:
             self.tiers.note_use(block_hashes[start:num_full])
         self._num_cached[request_id] = num_full
 
+    # -- peer fetch: blocks another worker writes into this pool, or reads out of it -----------------
+    def reserve_fetch(self, owner: str, block_hashes: Sequence[int]) -> tuple[int, list[int]] | None:
+        """Hold the blocks of a prompt's leading ``block_hashes`` for a peer to write the missing
+        ones: the run cached here (pool, or onboarded from host memory) is adopted, fresh blocks
+        are taken for the rest. Returns (blocks cached here, ids of the fresh blocks in order), or
+        None (nothing changed) when the pool cannot hold them now. ``finish_fetch`` ends it."""
+        if not self.pool.enable_caching:
+            return None
+        num_tokens = len(block_hashes) * self.block_size
+        hits, _ = self.find_cached_prefix(block_hashes, num_tokens + 1)
+        if len(hits) == len(block_hashes):
+            return len(hits), []
+        table = self.allocate_slots(owner, num_tokens, hits)
+        if table is None:
+            return None
+        return len(hits), table[len(hits):]
+
+    def finish_fetch(self, owner: str, token_ids: Sequence[int], block_hashes: Sequence[int],
+                     num_filled_blocks: int) -> None:
+        """The first ``num_filled_blocks`` of a ``reserve_fetch`` hold their KV now (the cached run
+        included): they become cached content; every block goes back to the pool."""
+        if num_filled_blocks:
+            self.cache_computed(owner, token_ids, block_hashes, num_filled_blocks * self.block_size)
+        self.free(owner)
+
+    def lend(self, owner: str, block_hashes: Sequence[int]) -> list[int]:
+        """Pin the leading run of ``block_hashes`` cached here (host-memory blocks onboarded into
+        the pool) so a peer can read them; their ids, in order. ``free(owner)`` unpins them."""
+        hits, _ = self.find_cached_prefix(block_hashes, len(block_hashes) * self.block_size + 1)
+        if not hits:
+            return []
+        return self.allocate_slots(owner, len(hits) * self.block_size, hits) or []
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 

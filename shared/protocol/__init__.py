@@ -7,7 +7,7 @@ from shared.protocol.generate import (CancelRequest, GenerateRequest, GrammarSpe
                                       TokenLogprob, TopLogprob)
 from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                                 KvEventBatch, KvMatchRequest, KvMatchResult, WorkerOverlap)
-from shared.protocol.prefill import (PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
+from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, KvSource, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
                                      PrefillQueueStatus, RemotePrefillRequest)
 from shared.protocol.subjects import Endpoint, Subjects
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
@@ -18,7 +18,7 @@ __all__ = [
     "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
-    "KvMatchResult", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",
+    "KvFetchRequest", "KvFetchResult", "KvMatchResult", "KvSource", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",
     "RemotePrefillRequest", "SamplingParams", "GrammarSpec", "ScaleRequest", "ScaleResult", "ScalingAction",
     "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from shared.protocol.base import RequestId, WireModel, WorkerId
+from shared.protocol.prefill import KvSource
 
 # HTTP 429: "overloaded" (every worker's queue is at its limit), "slo" (predicted TTFT over the
 # tier's SLO), "shedding" (a higher tier is missing its SLO), "tier_queue_full", "prompt_too_long".
@@ -25,3 +26,4 @@ class AdmissionDecision(WireModel):
     message: str = ""
     retry_after_s: float = Field(0.0, ge=0.0)
     predicted_ttft_s: float | None = Field(None, ge=0.0)  # None: no prediction (no measured rate yet)
+    kv_source: KvSource | None = None  # a worker holding more of the prefix than the chosen one

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from shared.protocol.base import BlockHash, RequestId, WireModel, WorkerId
+from shared.protocol.prefill import KvSource
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -69,6 +70,9 @@ class GenerateRequest(WireModel):
     # workers that broke the protocol on this request (a malformed chunk, an early end, silence):
     # admission chooses none of them when the gateway asks again
     exclude_workers: list[WorkerId] = Field(default_factory=list)
+    # from admission's decision: a worker that holds more of the prompt's prefix than this one; it
+    # may fetch those blocks from it (``KvFetchRequest``) or ignore the hint and recompute
+    kv_source: KvSource | None = None
 
     @model_validator(mode="after")
     def _has_a_prompt(self) -> "GenerateRequest":

@@ -1,5 +1,7 @@
 """Remote prefill: a decode worker's request on the JetStream prefill queue, and what the prefill
-worker tells the decode worker through the NIXL notification that follows its write."""
+worker tells the decode worker through the NIXL notification that follows its write. Also the
+peer fetch of a cached prefix from one decode worker into another (``KvFetchRequest``), which
+reuses that notification."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.protocol.base import RequestId, WireModel, WorkerId
+from shared.protocol.base import BlockHash, RequestId, WireModel, WorkerId
 
 NotificationStatus = Literal["ok", "failed"]
 
@@ -109,3 +111,49 @@ class PrefillQueueStatus(WireModel):
     num_redelivered: int = Field(0, ge=0)
     num_waiting_pulls: int = Field(0, ge=0)
     num_pending_by_level: list[int] = Field(default_factory=list)  # queued per priority level, highest first
+
+
+class KvSource(WireModel):
+    """Another worker holds more of the prompt's leading blocks than the chosen one: admission names
+    it, and the chosen worker may fetch them from it (``KvFetchRequest``) instead of recomputing."""
+
+    worker_id: WorkerId
+    num_blocks: int = Field(ge=1)  # leading prompt blocks it holds in its pool or host memory
+
+
+class KvFetchRequest(WireModel):
+    """Write the cached blocks ``block_hashes[first_block:]`` of the asking worker's prompt into its
+    ``block_ids`` (paired by position), then send a ``PrefillNotification`` whose ``transfer_id``
+    is ``fetch_id`` and answer with a ``KvFetchResult``. ``block_hashes`` is the prompt's chain from
+    its first block, so the holder finds the run as a prefix match; it writes the longest run it
+    holds, possibly shorter than asked. Same write rules as remote prefill: no write starts after
+    ``write_deadline`` (epoch seconds), none lasts longer than ``write_timeout_s``."""
+
+    fetch_id: str = Field(min_length=1, max_length=64)
+    request_id: RequestId
+    model: str
+    decode_worker_id: WorkerId  # the asking worker: its NIXL metadata is under this key
+    block_hashes: list[BlockHash] = Field(min_length=1)
+    first_block: int = Field(0, ge=0)
+    block_ids: list[int] = Field(min_length=1)
+    write_deadline: float
+    write_timeout_s: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ids_fit_the_run(self) -> "KvFetchRequest":
+        if self.first_block + len(self.block_ids) != len(self.block_hashes):
+            raise ValueError(f"{len(self.block_ids)} block ids from block {self.first_block} do not end the "
+                             f"{len(self.block_hashes)}-block chain")
+        return self
+
+
+class KvFetchResult(WireModel):
+    """``num_blocks``: how many of the asked blocks were written (the first ones, in order); 0 with
+    ``message`` when the holder had none, refused or failed. Sent after the write completed."""
+
+    fetch_id: str
+    num_blocks: int = Field(0, ge=0)
+    message: str = ""
+    # 0 blocks after a write that was started and failed: it may still land until the ask's
+    # ``write_deadline + write_timeout_s``, so the asking worker must not reuse the blocks before
+    write_failed: bool = False

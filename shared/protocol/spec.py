@@ -19,7 +19,7 @@ from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
-from shared.protocol.prefill import (PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
+from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
                                      RemotePrefillRequest)
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest, ControlResult,
                                      ScaleRequest, ScaleResult, ServiceInfo, WorkerInfo, WorkerLoad)
@@ -28,7 +28,7 @@ from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, 
 MESSAGES: tuple[type[WireModel], ...] = (
     GenerateRequest, TokenChunk, CancelRequest, ErrorReply, AdmissionDecision, WorkerInfo, WorkerLoad,
     ControlRequest, ControlResult, ServiceInfo, KvEventBatch, KvMatchRequest, KvMatchResult,
-    RemotePrefillRequest, PrefillNotification, PrefillLeaseRequest, PrefillLeaseResult,
+    RemotePrefillRequest, PrefillNotification, PrefillLeaseRequest, PrefillLeaseResult, KvFetchRequest, KvFetchResult,
     ClusterStatusRequest, ClusterStatusResult, ScaleRequest, ScaleResult)
 
 # (model id, block size, token ids): short and long prompts, a partial last block, two namespaces.

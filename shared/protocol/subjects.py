@@ -14,7 +14,8 @@ from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
-from shared.protocol.prefill import PrefillLeaseRequest, PrefillLeaseResult, RemotePrefillRequest
+from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, PrefillLeaseRequest, PrefillLeaseResult,
+                                     RemotePrefillRequest)
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
                                      ControlResult, Role, ScaleRequest, ScaleResult, WorkerLoad)
 
@@ -66,6 +67,11 @@ class Subjects:
 
     def decode_cancel(self, worker_id: str) -> Endpoint[CancelRequest, WireModel]:
         return Endpoint(f"{self._root}.decode.{_token(worker_id, 'worker_id')}.cancel", CancelRequest)
+
+    def kv_fetch(self, worker_id: str) -> Endpoint[KvFetchRequest, KvFetchResult]:
+        """Another decode worker asks this one to write cached prefix blocks into its pool."""
+        return Endpoint(f"{self._root}.decode.{_token(worker_id, 'worker_id')}.kv-fetch", KvFetchRequest,
+                        KvFetchResult)
 
     def prefill_lease(self, decode_worker_id: str) -> Endpoint[PrefillLeaseRequest, PrefillLeaseResult]:
         """A prefill worker claims or renews its lease on a decode worker's reserved blocks."""

@@ -52,6 +52,17 @@ class KvTierLoad(WireModel):
     disk_read_failures: int = Field(0, ge=0)  # damaged or mismatched files, recomputed instead
 
 
+class KvFetchLoad(WireModel):
+    """A decode worker's prefix fetches from other workers over NIXL, and its loans to them."""
+
+    num_fetches: int = Field(0, ge=0)  # fetches that brought blocks
+    num_blocks_fetched: int = Field(0, ge=0)
+    num_failed: int = Field(0, ge=0)  # asked, got nothing: computed the prefix instead
+    num_skipped: int = Field(0, ge=0)  # a holder named by admission, not asked (cheaper to compute, ...)
+    num_lent: int = Field(0, ge=0)  # fetches served for other workers
+    num_blocks_lent: int = Field(0, ge=0)
+
+
 class WorkerLoad(WireModel):
     """Published about once a second on ``<ns>.v1.load.<role>.<worker>``."""
 
@@ -88,6 +99,7 @@ class WorkerLoad(WireModel):
     num_running_by_priority: dict[int, int] = Field(default_factory=dict)  # empty from older workers
     prefill_tokens_per_s: float | None = Field(None, ge=0)
     kv_tiers: KvTierLoad | None = None  # None: no tiers below the pool
+    kv_fetch: KvFetchLoad | None = None  # None: no prefix fetches between workers
 
     def prefill_tokens_ahead(self, priority: int) -> int:
         """Tokens a new request of ``priority`` waits behind: its own priority and higher ones."""

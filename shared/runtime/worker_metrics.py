@@ -150,3 +150,14 @@ def _role_families(load: WorkerLoad) -> Iterable[Metric]:
     for kind, n in kinds.items():
         prefills.add_metric([kind], n)
     yield prefills
+    if (fetch := load.kv_fetch) is not None:
+        fetches = CounterMetricFamily("tandem_worker_kv_peer_fetches", "prefix fetches from other workers: those "
+                                      "that brought blocks (ok), asked but got none (failed: computed instead), "
+                                      "and hints not taken (skipped)", labels=["result"])
+        for result, n in (("ok", fetch.num_fetches), ("failed", fetch.num_failed), ("skipped", fetch.num_skipped)):
+            fetches.add_metric([result], n)
+        blocks = CounterMetricFamily("tandem_worker_kv_peer_blocks", "KV blocks fetched from or lent to other "
+                                     "workers", labels=["direction"])
+        blocks.add_metric(["fetched"], fetch.num_blocks_fetched)
+        blocks.add_metric(["lent"], fetch.num_blocks_lent)
+        yield from (fetches, blocks)

@@ -209,6 +209,21 @@ def test_status_shows_a_kv_tier_line_with_hit_ratios_by_tier():
         f"disk {block / 200:.0%}"]
 
 
+def test_status_shows_peer_fetches_only_for_workers_that_fetched_or_lent():
+    def status(name, **fetch):
+        load = WorkerLoad(worker_id=name, role="decode", seq=1, timestamp=0.0, kv_fetch=fetch)
+        return {"info": worker(name).model_dump(mode="json"), "load": load.model_dump(mode="json")}
+
+    page = StatusPage.model_validate({"timestamp": 1.0, "workers": [
+        status("a", num_fetches=2, num_blocks_fetched=50, num_failed=1, num_skipped=3),
+        status("b", num_lent=2, num_blocks_lent=50), status("c", num_skipped=4)]})
+    assert [line for line in format_status(page).splitlines() if "peer fetches" in line] == [
+        "  KV peer fetches of a: fetched 50 blocks in 2 fetches (1 failed, computed instead; 3 hints not taken); "
+        "lent 0 blocks in 0",
+        "  KV peer fetches of b: fetched 0 blocks in 0 fetches (0 failed, computed instead; 0 hints not taken); "
+        "lent 50 blocks in 2"]
+
+
 def test_status_lists_every_services_metrics_address():
     page = StatusPage.model_validate({"timestamp": 100.0, "services": [
         {"instance_id": "admission-h-7", "service": "admission", "metrics_url": "http://h:4001/metrics",

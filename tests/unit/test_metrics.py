@@ -106,12 +106,15 @@ def test_worker_metrics_read_engine_role_and_transfer_at_scrape_time():
     assert types["tandem_worker_prompt_tokens"] == "counter"
     assert "tandem_worker_requests" not in types  # no load report yet: no role counters
     m.observe_load(WorkerLoad(worker_id="w", role="decode", seq=1, timestamp=0.0, num_requests_total=7,
-                              num_remote_prefills=2, num_local_prefills=5), "draining")
+                              num_remote_prefills=2, num_local_prefills=5,
+                              kv_fetch={"num_fetches": 3, "num_failed": 1, "num_blocks_lent": 40}), "draining")
     stats[0], flips[0] = engine_stats(num_blocks_used=50), 1  # scraped again: read again
     text, _ = scrape(m.registry)
     assert sample_total(text, "tandem_worker_kv_cache_usage_ratio") == 0.5
     assert sample_total(text, "tandem_worker_requests_total", role="decode") == 7
     assert sample_total(text, "tandem_worker_prefills_total", kind="local") == 5
+    assert sample_total(text, "tandem_worker_kv_peer_fetches_total", result="failed") == 1
+    assert sample_total(text, "tandem_worker_kv_peer_blocks_total", direction="lent") == 40
     assert sample_total(text, "tandem_worker_info", role="decode", state="draining") == 1
     assert sample_total(text, "tandem_worker_role_flips_total") == 1
 

@@ -59,6 +59,7 @@ class NoNotifications:
 
     class stats:
         num_bytes_received = 0
+        num_bytes_sent = 0
 
     def get_notifications(self):
         return []

@@ -5,7 +5,7 @@ Asking side (B). Admission names a worker holding more of the prompt's leading b
 (``GenerateRequest.kv_source``, see ``shared.policy.kv_fetch``). If fetching the missing blocks
 is cheaper than computing them, B holds blocks for them (its own cached run adopted, fresh blocks
 for the rest) and asks the holder A on ``<ns>.v1.decode.<A>.kv-fetch``. A pins the run it holds
-(host-memory blocks copied into its pool first), writes it with one NIXL WRITE into B's fresh
+(blocks on its disk read and host-memory blocks copied into its pool first), writes it with one NIXL WRITE into B's fresh
 blocks, and answers with the number of blocks written once the write completed. B counts them
 as filled only after the NIXL notification naming the fetch (the rule of every KV write here),
 then registers them in its prefix cache; the request then goes on as usual and finds them there.
@@ -172,6 +172,14 @@ class PeerFetcher:
             self._engine.finish_prefix_fetch(heapq.heappop(self._quarantine)[1], 0)
 
     # -- holder side --------------------------------------------------------------------------------
+    async def _pin(self, ask: KvFetchRequest) -> list[int]:
+        """Pin the leading run of the asked chain held here: blocks in host memory are copied into
+        the pool, blocks on disk are read first (while the ask's write deadline allows)."""
+        hashes, engine = ask.block_hashes, self._engine
+        while (await engine.call(lambda e: e.read_prefix_from_disk(hashes))) and time.time() < ask.write_deadline:
+            await asyncio.sleep(0.005)
+        return await engine.call(lambda e: e.lend_prefix(ask.fetch_id, hashes))
+
     async def lend(self, ask: KvFetchRequest) -> KvFetchResult:
         """Write the cached blocks another worker asks for into its pool; answer once written."""
         def refused(why: str, write_failed: bool = False) -> KvFetchResult:
@@ -188,7 +196,7 @@ class PeerFetcher:
             return refused(f"cannot reach it: {exc}")
         engine = self._engine
         try:
-            block_ids = await engine.call(lambda e: e.lend_prefix(ask.fetch_id, ask.block_hashes))
+            block_ids = await self._pin(ask)
             local = block_ids[ask.first_block:][:len(ask.block_ids)]
             if not local:
                 return refused(f"holds {len(block_ids)} of the {len(ask.block_hashes)} leading blocks now")

@@ -291,6 +291,12 @@ class LLMEngine:
         hashes, tokens, num_local = self._fetches.pop(fetch_id, ([], [], 0))
         self.kv.finish_fetch(_fetch_owner(fetch_id), tokens, hashes, num_local + num_written if num_written else 0)
 
+    def read_prefix_from_disk(self, block_hashes: list[int]) -> bool:
+        """Start reading the run of ``block_hashes`` this worker keeps on disk (after those in the
+        pool or host memory) so that ``lend_prefix`` finds them; True while reads are under way."""
+        self.kv.prefetch(block_hashes)
+        return self.kv.is_loading(block_hashes)
+
     def lend_prefix(self, lend_id: str, block_hashes: list[int]) -> list[int]:
         """Pin the leading run of ``block_hashes`` cached here (pool or host memory) for a peer to
         read; their block ids. ``return_prefix`` unpins them."""

@@ -4,9 +4,8 @@ Admission routes on overlap and load, so a prompt whose prefix worker A holds ma
 worker B (A is busy, or A was excluded). Then two questions:
 
 * admission: is there a worker holding clearly more of the prefix than the chosen one?
-  (``choose_kv_source``: the one holding the most leading blocks in its pool or host memory, when
-  that beats the chosen worker's own hit by ``min_blocks``; disk blocks are not lent, they would
-  have to be read first);
+  (``choose_kv_source``: the one holding the most leading blocks in any tier, when that beats the
+  chosen worker's own hit by ``min_blocks``; a holder reads its disk blocks in before it writes);
 * the chosen worker: is fetching those blocks cheaper than computing them?
   (``decide_fetch``: transfer time = a fixed round trip + bytes / bandwidth, against the missing
   tokens / the worker's measured prefill rate; with no rate measured yet, fetch: recomputing a
@@ -31,14 +30,10 @@ class HeldPrefix:
     """A worker's hit on the prompt's leading blocks, by tier (from kv-index)."""
 
     worker_id: str
-    num_blocks: int  # pool or below
+    num_blocks: int  # in any tier
     num_host_blocks: int = 0  # of those, only in host memory
     num_disk_blocks: int = 0  # of those, only on disk
 
-    @property
-    def num_lendable(self) -> int:
-        """Leading blocks the worker can write out now (pool, or host memory copied in first)."""
-        return self.num_blocks - self.num_disk_blocks
 
 
 @dataclass(frozen=True)
@@ -49,16 +44,16 @@ class KvSourceChoice:
 
 def choose_kv_source(held: Iterable[HeldPrefix], chosen: str, candidates: set[str],
                      cfg: FetchConfig = FetchConfig()) -> KvSourceChoice | None:
-    """The worker among ``candidates`` (ready, same model) other than ``chosen`` that can lend the
-    longest run of the prompt's leading blocks, if it beats ``chosen``'s own hit (any tier) by at
-    least ``min_blocks``; ties go to the lower worker id."""
+    """The worker among ``candidates`` (ready, same model) other than ``chosen`` that holds the
+    longest run of the prompt's leading blocks (any tier), if it beats ``chosen``'s own hit by at
+    least ``min_blocks``; ties go to the worker with fewer blocks on disk, then the lower id."""
     held = list(held)
     own = next((h.num_blocks for h in held if h.worker_id == chosen), 0)
     best = min((h for h in held if h.worker_id != chosen and h.worker_id in candidates),
-               key=lambda h: (-h.num_lendable, h.worker_id), default=None)
-    if best is None or best.num_lendable - own < cfg.min_blocks:
+               key=lambda h: (-h.num_blocks, h.num_disk_blocks, h.worker_id), default=None)
+    if best is None or best.num_blocks - own < cfg.min_blocks:
         return None
-    return KvSourceChoice(best.worker_id, best.num_lendable)
+    return KvSourceChoice(best.worker_id, best.num_blocks)
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class KvSource(WireModel):
     it, and the chosen worker may fetch them from it (``KvFetchRequest``) instead of recomputing."""
 
     worker_id: WorkerId
-    num_blocks: int = Field(ge=1)  # leading prompt blocks it holds in its pool or host memory
+    num_blocks: int = Field(ge=1)  # leading prompt blocks it holds, in any tier
 
 
 class KvFetchRequest(WireModel):

@@ -187,3 +187,27 @@ def test_an_unusable_disk_directory_is_a_one_line_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="cannot use .*file"):
         DiskTier(tmp_path / "file" / "tier", 8, SPEC, NS)
+
+
+def test_a_holder_lends_a_prefix_it_keeps_only_on_disk_once_read_in(tmp_path):
+    """What a peer fetch does on the holder (LLMEngine.read_prefix_from_disk, then lend_prefix):
+    a restarted worker reads its disk blocks in, and lends the whole run with its KV."""
+    kv, cache, tiers, _ = tiny(num_blocks=4, disk_dir=str(tmp_path), disk_min_uses=1)
+    a = list(range(1, 9))
+    hashes, _ = compute(kv, cache, "a", a)
+    kv.free("a")
+    tiers.persist(kv.pool.cached_blocks())
+    tiers.close()
+
+    kv, cache, tiers, _ = tiny(num_blocks=4, disk_dir=str(tmp_path), disk_min_uses=1)
+    assert kv.lend("early", hashes) == []  # nothing in the pool or in host memory yet
+    kv.prefetch(hashes)
+    tiers.wait_loading(5)
+    assert not kv.is_loading(hashes)
+    lent = kv.lend("lend:1", hashes)
+    assert len(lent) == 2
+    for block_id, h in zip(lent, hashes):
+        assert torch.all(cache[block_id] == float(h % 1000))
+    kv.free("lend:1")
+    kv.check_integrity()
+    tiers.close()

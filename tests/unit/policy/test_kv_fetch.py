@@ -6,10 +6,12 @@ from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source, de
 ALL = {"a", "b", "c"}
 
 
-def test_the_source_is_the_worker_lending_the_longest_run_beyond_the_chosen_ones_own():
+def test_the_source_is_the_worker_holding_the_longest_run_beyond_the_chosen_ones_own():
     held = [HeldPrefix("a", 10), HeldPrefix("b", 12, num_disk_blocks=6), HeldPrefix("c", 3)]
     choice = choose_kv_source(held, "c", ALL)
-    assert (choice.worker_id, choice.num_blocks) == ("a", 10)  # b lends only 6 (the rest is on disk)
+    assert (choice.worker_id, choice.num_blocks) == ("b", 12)  # it reads its disk blocks in first
+    on_disk = [HeldPrefix("a", 12, num_disk_blocks=12), HeldPrefix("b", 12, num_host_blocks=4)]
+    assert choose_kv_source(on_disk, "c", ALL).worker_id == "b"  # equal runs: fewer blocks on disk
 
 
 def test_no_source_when_the_gain_is_under_the_minimum_or_the_holder_is_not_a_candidate():

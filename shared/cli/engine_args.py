@@ -36,6 +36,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8: int8 weights and per-token int8 activations in every linear layer, CPU only; "
                         "about 2x the decode throughput, slightly different outputs (default: see --dtype)")
 
+    g.add_argument("--speculative-tokens", type=int, default=int(_env("SPECULATIVE_TOKENS", 0)),
+                   help="speculative decoding: up to this many draft tokens per step, looked up in the request's "
+                        "own prompt and output (n-gram) and verified in the same forward; greedy text is unchanged, "
+                        "sampling keeps its distribution (default: %(default)s = off)")
+    g.add_argument("--speculative-max-batch", type=int, default=int(_env("SPECULATIVE_MAX_BATCH", 4)),
+                   help="speculate only while this many requests or fewer are running (default: %(default)s)")
+
     t = parser.add_argument_group("KV tiers under the pool (env: TANDEM_KV_HOST_MEMORY, TANDEM_KV_DISK_DIR, ...)")
     t.add_argument("--kv-host-memory", default=_env("KV_HOST_MEMORY"),
                    help="host-memory tier, e.g. 4GiB: blocks evicted from the pool are kept there and copied "
@@ -60,4 +67,5 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         num_threads=int(args.num_threads) if args.num_threads else None, quantization=args.quantization,
         kv_host_memory=parse_size(args.kv_host_memory) if args.kv_host_memory else 0,
         kv_disk_dir=args.kv_disk_dir, kv_disk_size=parse_size(args.kv_disk_size),
-        kv_disk_min_uses=args.kv_disk_min_uses)
+        kv_disk_min_uses=args.kv_disk_min_uses, speculative_tokens=args.speculative_tokens,
+        speculative_max_batch=args.speculative_max_batch)

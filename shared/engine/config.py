@@ -47,6 +47,9 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_size: int = 10 << 30  # bytes
     kv_disk_min_uses: int = 2  # a block goes to disk once computed or hit this many times
+    # speculative decoding with n-gram drafts from the request's own tokens (shared/engine/speculative.py)
+    speculative_tokens: int = 0  # draft tokens per step; 0: off
+    speculative_max_batch: int = 4  # speculate only while this many requests or fewer run
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -17,6 +17,7 @@ from shared.engine.request import Request, SamplingParams
 from shared.engine.sampler import SampledToken, Sampler
 from shared.grammar import GrammarError, TokenizerGrammars, compile_grammar
 from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.speculative import SpeculativeConfig, Speculator
 from shared.kvcache.events import KvEventEmitter, KvEventSink
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.kvcache.layout import KvCacheSpec
@@ -101,6 +102,8 @@ class EngineStats:
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     prefill_tokens_per_s: float | None = None  # recent prefill throughput; None until measured
     kv_tiers: dict[str, float] = field(default_factory=dict)  # host/disk tier sizes and counters (KvTiers.stats)
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens computed
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 StepObserver = Callable[[int, int, float], None]  # sequences, tokens, seconds of one step
@@ -144,9 +147,10 @@ class LLMEngine:
         self.events = KvEventEmitter()
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
                                  enable_caching=config.enable_prefix_caching, events=self.events)
+        spec_config = SpeculativeConfig(config.speculative_tokens, config.speculative_max_batch)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
-            self.kv, self.kv_namespace)
+            self.kv, self.kv_namespace, Speculator(spec_config) if spec_config.enabled else None)
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
         self.tiers: KvTiers | None = None
         tier_config = TierConfig(config.kv_host_memory, config.kv_disk_dir, config.kv_disk_size,
@@ -298,8 +302,9 @@ class LLMEngine:
         return self.kv.is_loading(block_hashes)
 
     def lend_prefix(self, lend_id: str, block_hashes: list[int]) -> list[int]:
-        """Pin the leading run of ``block_hashes`` cached here (pool or host memory) for a peer to
-        read; their block ids. ``return_prefix`` unpins them."""
+        """Pin the leading run of ``block_hashes`` cached here (pool, or host memory; disk blocks
+        once ``read_prefix_from_disk`` brought them in) for a peer to read; their block ids.
+        ``return_prefix`` unpins them."""
         return self.kv.lend(_lend_owner(lend_id), block_hashes)
 
     def return_prefix(self, lend_id: str) -> None:
@@ -309,7 +314,7 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        self.runner.sampler.forget(request_id)
+        self._forget(request_id)
         return self._output(request, [], None)
 
     def has_unfinished_requests(self) -> bool:
@@ -339,18 +344,26 @@ class LLMEngine:
             if s.start == s.request.num_cached_tokens and s.request.num_preemptions == 0:
                 self._num_prompt_tokens += s.request.num_prompt_tokens
                 self._num_cached_prompt_tokens += s.request.num_cached_tokens
+        num_before = {s.request.request_id: len(s.request.output_token_ids) for s in out.scheduled}
         finished = {r.request_id for r in self.scheduler.update_from_output(
-            out, {rid: t.token_id for rid, t in sampled.items()})}
+            out, {rid: [t.token_id for t in tokens] for rid, tokens in sampled.items()})}
         outputs = []
         for s in out.scheduled:
-            token = sampled.get(s.request.request_id)
-            if token is None:
+            rid = s.request.request_id
+            tokens = sampled.get(rid)
+            if not tokens:
                 continue
-            self._num_generated += 1
-            if s.request.request_id in finished:
-                self.runner.sampler.forget(s.request.request_id)
-            outputs.append(self._output(s.request, [token.token_id], token))
+            new_ids = s.request.output_token_ids[num_before[rid]:]
+            self._num_generated += len(new_ids)
+            if rid in finished:
+                self._forget(rid)
+            outputs.append(self._output(s.request, new_ids, tokens[0] if len(tokens) == 1 else None))
         return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self.runner.sampler.forget(request_id)
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.forget(request_id)
 
     def _output(self, request: Request, new_ids: list[int], token: SampledToken | None) -> EngineOutput:
         logprobs = None
@@ -373,7 +386,9 @@ class LLMEngine:
             num_held=len(self.scheduler.held), queued_prefill_tokens=backlog.prefill_tokens,
             num_waiting_by_priority=backlog.num_waiting, num_running_by_priority=backlog.num_running,
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
-            kv_tiers=self.tiers.stats() if self.tiers is not None else {})
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {},
+            num_draft_tokens=spec.stats.num_drafted if (spec := self.scheduler.speculator) else 0,
+            num_accepted_tokens=spec.stats.num_accepted if spec else 0)
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         """Events go to ``sink`` from now on; the first sink also hears what the disk tier already

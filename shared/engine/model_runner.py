@@ -31,15 +31,15 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in out.scheduled)
         tables = []
         for s in out.scheduled:
-            tokens = s.request.all_token_ids
+            tokens = s.request.all_token_ids + s.draft if s.draft else s.request.all_token_ids
             end = s.start + s.num_new_tokens
             input_ids.extend(tokens[s.start:end])
             positions.extend(range(s.start, end))
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
             seq_lens.append(end)
             query_start.append(query_start[-1] + s.num_new_tokens)
-            if s.samples:
-                logits_rows.append(query_start[-1] - 1)
+            if s.samples:  # the last token's row, and a speculative step's draft rows after it
+                logits_rows.extend(range(query_start[-1] - 1 - len(s.draft), query_start[-1]))
             tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
         dev = self.device
         meta = AttentionMetadata(
@@ -55,13 +55,25 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta, logits_rows
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token of every request that reached its last token."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
+        """Run one step; returns the new tokens of every request that reached its last token: one,
+        or for a speculative step the accepted draft tokens and one more."""
         ids, pos, meta, rows = self.prepare(out)
         hidden = self.model.forward(ids, pos, self.kv_cache, meta, self.backend)
-        sampling = [s.request for s in out.scheduled if s.samples]
+        sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sampler.sample(logits, sampling)
-        return {r.request_id: t for r, t in zip(sampling, tokens)}
+        plain, plain_rows, result, row = [], [], {}, 0
+        for s in sampling:
+            if s.draft:
+                verified = self.sampler.verify(logits[row:row + len(s.draft) + 1], s.request, s.draft)
+                result[s.request.request_id] = [SampledToken(t) for t in verified]
+            else:
+                plain.append(s.request)
+                plain_rows.append(row)
+            row += len(s.draft) + 1
+        if plain:
+            tokens = self.sampler.sample(logits if len(plain_rows) == row else logits[plain_rows], plain)
+            result.update((r.request_id, [t]) for r, t in zip(plain, tokens))
+        return result

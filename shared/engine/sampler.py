@@ -142,6 +142,39 @@ class Sampler:
                                     if r.sampling_params.grammar is not None])
         return results
 
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, request: Request, draft: list[int]) -> list[int]:
+        """The tokens a speculative step yields: ``logits`` [k+1, V] are the rows of the request's
+        last token and of its ``k`` draft tokens (``draft``). Returns the accepted draft prefix
+        and one token more (the argmax or a sample after it), so 1 to k+1 tokens.
+
+        Greedy: a draft token is kept while it equals the argmax, so the text is the one decoding
+        token by token gives. Sampled (no seed, no penalties: see ``can_speculate``): draft token
+        ``d`` is kept with probability p(d) under the request's filtered distribution; on a
+        rejection the token is drawn from p without ``d`` (renormalized). With a one-hot proposal
+        that is exactly speculative sampling, so each token keeps its distribution."""
+        params = request.sampling_params
+        if params.is_greedy:
+            best = logits.argmax(dim=-1).tolist()
+            out = []
+            for i, d in enumerate(draft):
+                if d != best[i]:
+                    break
+                out.append(d)
+            return out + [best[len(out)]]
+        out = []
+        gen = self._default
+        for i, d in enumerate(draft):
+            probs = filter_probs(logits[i], request)
+            if float(torch.rand((), generator=gen, device=probs.device)) < float(probs[d]):
+                out.append(d)
+                continue
+            rest = probs.clone()
+            rest[d] = 0.0
+            return out + [int(torch.multinomial(rest / rest.sum(), 1, generator=gen))]
+        probs = filter_probs(logits[len(draft)], request)
+        return out + [int(torch.multinomial(probs, 1, generator=gen))]
+
     @staticmethod
     def _with_logprobs(token: int, raw: torch.Tensor | None, row: int, top_n: int | None) -> SampledToken:
         if raw is None or top_n is None:

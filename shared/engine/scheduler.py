@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.errors import PromptTooLongError
 from shared.engine.request import Request, RequestStatus
+from shared.engine.speculative import Speculator
 from shared.kvcache.manager import KVCacheManager
 
 
@@ -36,13 +37,14 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the draft tokens included
     block_ids: list[int]
     start: int  # num_computed_tokens when scheduled: first position computed this step
     samples: bool = False  # this step reaches the request's last known token, so it yields a new one
+    draft: list[int] = field(default_factory=list)  # speculative tokens computed after the last one
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.samples = self.start + self.num_new_tokens - len(self.draft) == self.request.num_tokens
 
 
 @dataclass
@@ -67,8 +69,10 @@ class Backlog:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, namespace: bytes) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, namespace: bytes,
+                 speculator: Speculator | None = None) -> None:
         self.config = config
+        self.speculator = speculator
         self.kv = kv
         self.namespace = namespace
         self.waiting: list[Request] = []  # sorted by sort_key
@@ -191,10 +195,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         num_yielded = self._yield_slots(out)
+        if self.speculator is not None:
+            self.speculator.begin_step()
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if (scheduled := self._speculate(request, budget)) is not None:
+                out.scheduled.append(scheduled)
+                budget -= scheduled.num_new_tokens
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             table = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out)
@@ -206,6 +216,19 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+    def _speculate(self, request: Request, budget: int) -> ScheduledRequest | None:
+        """A decode step with draft tokens, if the speculator proposes some and their blocks are
+        free now (a draft never preempts anyone); None: schedule the request as usual."""
+        if self.speculator is None or request.num_tokens - request.num_computed_tokens != 1 or budget < 2:
+            return None
+        draft = self.speculator.draft(request, len(self.running), self.config.max_model_len)[:budget - 1]
+        if not draft:
+            return None
+        table = self.kv.allocate_slots(request.request_id, request.num_tokens + len(draft))
+        if table is None:
+            return None
+        return ScheduledRequest(request, 1 + len(draft), table, request.num_computed_tokens, draft=draft)
 
     def _yield_slots(self, out: SchedulerOutput) -> int:
         """With every sequence slot taken, each waiting request of a higher priority than the
@@ -265,17 +288,28 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     # -- results --------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, record sampled tokens, cache full blocks; return finished."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, record sampled tokens (a speculative step: the accepted draft
+        and one more), cache full blocks; return finished. A request that stops within the
+        accepted tokens keeps only those up to its stop."""
         finished = []
         for s in out.scheduled:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is not None:
+            tokens = sampled.get(request.request_id) or []
+            num_accepted = len(tokens) - 1 if s.draft else 0
+            # the rejected draft tokens' KV is garbage: computed only up to the accepted ones
+            request.num_computed_tokens += s.num_new_tokens - len(s.draft) + num_accepted
+            if s.draft and self.speculator is not None:
+                self.speculator.observe(request.request_id, len(s.draft), num_accepted)
+            for token in tokens:
                 request.append_token(token, self.config.max_model_len)
+                if request.status.is_finished:
+                    break
+            # stopped inside the accepted draft: the KV past the last kept token is not its tokens'
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            if tokens:
                 request.update_block_hashes(self.kv.block_size, self.namespace)
             self.kv.cache_computed(request.request_id, request.all_token_ids, request.block_hashes,
                                    request.num_computed_tokens)

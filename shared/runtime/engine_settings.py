@@ -40,6 +40,10 @@ class EngineWorkerSettings(ServiceSettings):
     kv_disk_size: str = Field("10GiB", description="disk KV tier budget")
     kv_disk_min_uses: int = Field(2, ge=1, description="a block goes to disk once it was computed or hit "
                                   "this many times")
+    speculative_tokens: int = Field(0, ge=0, description="speculative decoding: up to this many n-gram draft "
+                                    "tokens per step from the request's own tokens, verified in the same forward "
+                                    "(greedy text unchanged; 0: off)")
+    speculative_max_batch: int = Field(4, ge=1, description="speculate only while this many requests or fewer run")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
@@ -65,4 +69,5 @@ class EngineWorkerSettings(ServiceSettings):
             quantization=self.quantization,
             kv_host_memory=parse_size(self.kv_host_memory) if self.kv_host_memory else 0,
             kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
-            kv_disk_min_uses=self.kv_disk_min_uses)
+            kv_disk_min_uses=self.kv_disk_min_uses, speculative_tokens=self.speculative_tokens,
+            speculative_max_batch=self.speculative_max_batch)

@@ -116,6 +116,11 @@ def _engine_families(stats: EngineStats) -> Iterable[Metric]:
     yield counter("tandem_worker_generated_tokens", "tokens sampled", stats.num_generated_tokens)
     yield counter("tandem_worker_preemptions", "requests preempted for lack of KV blocks", stats.num_preemptions)
     yield counter("tandem_engine_steps", "model steps", stats.num_steps)
+    if stats.num_draft_tokens:
+        yield counter("tandem_worker_spec_draft_tokens", "speculative decoding: draft tokens verified",
+                      stats.num_draft_tokens)
+        yield counter("tandem_worker_spec_accepted_tokens", "speculative decoding: draft tokens accepted",
+                      stats.num_accepted_tokens)
     if tiers := stats.kv_tiers:
         blocks = GaugeMetricFamily("tandem_worker_kv_tier_blocks", "KV blocks held in a tier under the pool",
                                    labels=["tier"])

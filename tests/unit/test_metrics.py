@@ -108,8 +108,10 @@ def test_worker_metrics_read_engine_role_and_transfer_at_scrape_time():
     m.observe_load(WorkerLoad(worker_id="w", role="decode", seq=1, timestamp=0.0, num_requests_total=7,
                               num_remote_prefills=2, num_local_prefills=5,
                               kv_fetch={"num_fetches": 3, "num_failed": 1, "num_blocks_lent": 40}), "draining")
-    stats[0], flips[0] = engine_stats(num_blocks_used=50), 1  # scraped again: read again
-    text, _ = scrape(m.registry)
+    assert "tandem_worker_spec_draft_tokens" not in types  # no speculation: no such counters
+    stats[0], flips[0] = engine_stats(num_blocks_used=50, num_draft_tokens=30, num_accepted_tokens=12), 1
+    text, _ = scrape(m.registry)  # scraped again: read again
+    assert sample_total(text, "tandem_worker_spec_accepted_tokens_total") == 12
     assert sample_total(text, "tandem_worker_kv_cache_usage_ratio") == 0.5
     assert sample_total(text, "tandem_worker_requests_total", role="decode") == 7
     assert sample_total(text, "tandem_worker_prefills_total", kind="local") == 5

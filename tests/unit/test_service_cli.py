@@ -132,3 +132,17 @@ def test_kv_tier_flags_reach_the_engine_and_each_decode_worker_gets_its_own_disk
     stack.spawn_decode("decode-2")
     assert started["decode-1"]["kv_disk_dir"] == str(tmp_path / "decode-1")
     assert started["decode-2"]["kv_disk_dir"] == str(tmp_path / "decode-2")
+
+
+def test_speculative_decoding_flags_reach_the_engine_from_every_command():
+    from services.decode.config import DecodeSettings
+    from services.up.service import spec_from_settings
+    from shared.cli.engine_args import engine_config_from_args
+
+    config = DecodeSettings(speculative_tokens=5, speculative_max_batch=2).engine_config()
+    assert (config.speculative_tokens, config.speculative_max_batch) == (5, 2)
+    assert DecodeSettings().engine_config().speculative_tokens == 0  # off unless asked
+    args = build_parser().parse_args(["complete", "--speculative-tokens", "3", "hi"])
+    assert engine_config_from_args(args).speculative_tokens == 3
+    args = build_parser().parse_args(["up", "--speculative-tokens", "4"])
+    assert spec_from_settings(settings_from_args(args.settings_class, args)).decode_flags["speculative_tokens"] == 4

@@ -22,7 +22,7 @@ def req(rid, n, max_tokens=4, priority=0):
 
 def step(s, token=7):
     out = s.schedule()
-    sampled = {x.request.request_id: token for x in out.scheduled if x.samples}
+    sampled = {x.request.request_id: [token] for x in out.scheduled if x.samples}
     s.update_from_output(out, sampled)
     return out
 

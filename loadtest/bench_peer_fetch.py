@@ -29,6 +29,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from loadtest.report import bar_chart
 from loadtest.stats import percentile
 
 
@@ -158,26 +159,10 @@ def main(argv=None) -> int:
 
 
 def plot(result: dict, path: Path, prefix_tokens: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    labels = ["fetch from peer", "recompute"]
-    p50 = [result["fetch"]["p50_ms"], result["recompute"]["p50_ms"]]
-    p90 = [result["fetch"]["p90_ms"], result["recompute"]["p90_ms"]]
-    xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], p50, 0.4, label="p50")
-    ax.bar([x + 0.2 for x in xs], p90, 0.4, label="p90")
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"{prefix_tokens}-token prefix held by another worker: {result['ttft_p50_speedup']:.1f}x")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    paths = ("fetch", "recompute")
+    bar_chart(path, ["fetch from peer", "recompute"],
+              {q: [result[p][f"{q}_ms"] for p in paths] for q in ("p50", "p90")}, ylabel="TTFT (ms)",
+              title=f"{prefix_tokens}-token prefix held by another worker: {result['ttft_p50_speedup']:.1f}x")
 
 
 if __name__ == "__main__":

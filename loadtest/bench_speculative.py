@@ -25,6 +25,8 @@ import json
 import time
 from pathlib import Path
 
+from loadtest.report import bar_chart
+
 CODE = '''import json
 
 
@@ -146,24 +148,10 @@ def main(argv=None) -> int:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
     workloads = list(results)
-    for i, mode in enumerate(("plain", "speculative")):
-        ax.bar([x + (i - 0.5) * 0.4 for x in range(len(workloads))],
-               [results[w][mode]["output_tokens_per_s"] for w in workloads], 0.4, label=mode)
-    ax.set_xticks(range(len(workloads)), [f"{w} ({results[w]['speculative']['speedup']:.2f}x)" for w in workloads])
-    ax.set_ylabel("output tokens/s, batch 1")
-    ax.set_title("n-gram speculative decoding")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bar_chart(path, [f"{w} ({results[w]['speculative']['speedup']:.2f}x)" for w in workloads],
+              {mode: [results[w][mode]["output_tokens_per_s"] for w in workloads] for mode in ("plain", "speculative")},
+              ylabel="output tokens/s, batch 1", title="n-gram speculative decoding")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,24 @@ def format_summary(label: str, s: dict) -> str:
             f"TTFT p50/p90/p99 {ms(s['ttft_s'], 'p50')}/{ms(s['ttft_s'], 'p90')}/{ms(s['ttft_s'], 'p99')} ms | "
             f"ITL p50/p90/p99 {ms(s['itl_s'], 'p50')}/{ms(s['itl_s'], 'p90')}/{ms(s['itl_s'], 'p99')} ms | "
             f"e2e p50/p99 {s['e2e_s']['p50'] or 0:.2f}/{s['e2e_s']['p99'] or 0:.2f} s")
+
+
+def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, ylabel: str, title: str) -> None:
+    """Grouped bars: one group per label in ``groups``, one bar per series in each."""
+    import matplotlib  # noqa: PLC0415 — only when writing a report
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(groups))], values, width, label=label)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -3,7 +3,6 @@ import torch
 
 from shared.engine import EngineConfig, InvalidSamplingParamsError, LLMEngine, SamplingParams
 from shared.engine.request import Request
-from shared.model.loader import load_model
 from shared.engine.sampler import Sampler
 
 V = 50
@@ -79,15 +78,6 @@ def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(InvalidSamplingParamsError, match=field) as info:
         SamplingParams(**{field: value}).validate(V)
     assert info.value.field == field
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_model(tmp_path_factory):
-    from tiny_hf_models import save_tiny
-
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny("llama", path)
-    return load_model(path, "hf", torch.device("cpu"), torch.float32)
 
 
 def test_stop_tokens_eos_and_max_tokens(tiny_engine_model):

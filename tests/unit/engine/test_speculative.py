@@ -2,7 +2,6 @@
 verification (greedy exact; sampling keeps its distribution, checked with a fixed seed), and an
 engine on a tiny random model giving the same greedy tokens with and without speculation."""
 
-import pytest
 import torch
 
 from shared.engine import EngineConfig, LLMEngine
@@ -10,7 +9,6 @@ from shared.engine.request import Request, SamplingParams
 from shared.engine.sampler import Sampler, filter_probs
 from shared.engine.speculative import NgramProposer, SpeculativeConfig, Speculator
 from shared.grammar.spec import GrammarSpec
-from shared.model.loader import load_model
 
 
 def request(tokens, rid="r", **params):
@@ -96,21 +94,12 @@ def test_sampled_verification_keeps_each_tokens_distribution():
     assert first[p0 == 0].sum() == 0 and second[p1 == 0].sum() == 0  # nothing top-k/top-p removed
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from tiny_hf_models import save_tiny
-
-    path = tmp_path_factory.mktemp("tiny-spec")
-    save_tiny("llama", path)
-    return load_model(path, "hf", torch.device("cpu"), torch.float32)
-
-
-def test_an_engine_gives_the_same_greedy_tokens_with_and_without_speculation(tiny_model):
+def test_an_engine_gives_the_same_greedy_tokens_with_and_without_speculation(tiny_engine_model):
     prompts = [[5, 6, 7, 8, 9, 10] * 6, list(range(20, 60)), [3, 4] * 12 + [11, 12, 13]]
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     def run(prompts, **kw):
-        engine = LLMEngine(tiny_model, EngineConfig(kv_cache_memory=2 << 20, block_size=8, **kw),
+        engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=2 << 20, block_size=8, **kw),
                            eos_token_ids=frozenset())
         outs = engine.generate(prompts, greedy)
         engine.kv.check_integrity()
@@ -127,12 +116,12 @@ def test_an_engine_gives_the_same_greedy_tokens_with_and_without_speculation(tin
     assert fast.num_accepted_tokens > 0 and fast.num_steps == alone.num_steps - fast.num_accepted_tokens
 
 
-def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(tiny_model):
+def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(tiny_engine_model):
     prompt = [5, 6, 7, 8, 9, 10] * 6
-    engine = LLMEngine(tiny_model, EngineConfig(kv_cache_memory=2 << 20, block_size=8), eos_token_ids=frozenset())
+    engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=2 << 20, block_size=8), eos_token_ids=frozenset())
     (full,) = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     stop_at = next(i for i in range(3, 30) if full[i] not in full[:i - 1] or i == 29)
-    spec = LLMEngine(tiny_model, EngineConfig(kv_cache_memory=2 << 20, block_size=8, speculative_tokens=6),
+    spec = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=2 << 20, block_size=8, speculative_tokens=6),
                      eos_token_ids=frozenset())
     params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[full[stop_at]])
     (stopped,) = spec.generate([prompt], params)

@@ -86,8 +86,10 @@ def stack_spec(cfg: ChaosConfig, state_dir: Path, **overrides) -> StackSpec:
     return StackSpec(**{**kw, **overrides})
 
 
-async def _request(session: aiohttp.ClientSession, url: str, body: dict, outcome: RequestOutcome) -> None:
-    """One streaming completion into ``outcome`` (its text, or the kind of error it ended with)."""
+async def _request(session: aiohttp.ClientSession, url: str, body: dict, outcome: RequestOutcome,
+                   start: float) -> None:
+    """One streaming completion into ``outcome`` (its text, or the kind of error it ended with);
+    times from ``start`` (time.monotonic())."""
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -105,6 +107,8 @@ async def _request(session: aiohttp.ClientSession, url: str, body: dict, outcome
                         outcome.error = f"stream error {event['error'].get('code') or event['error'].get('type')}"
                         return
                     text += [c.get("text") or "" for c in event.get("choices", [])]
+                    if outcome.first_token_s is None and any(text):
+                        outcome.first_token_s = round(time.monotonic() - start, 3)
             outcome.text = "".join(text)
             if not done:
                 outcome.error = "stream cut"
@@ -115,11 +119,11 @@ async def _request(session: aiohttp.ClientSession, url: str, body: dict, outcome
 
 
 async def _failing_over(session: aiohttp.ClientSession, urls: list[str], i: int, body: dict,
-                        outcome: RequestOutcome) -> None:
+                        outcome: RequestOutcome, start: float) -> None:
     for k in range(len(urls)):
         outcome.error = None
         try:
-            return await _request(session, urls[(i + k) % len(urls)] + "/v1/completions", body, outcome)
+            return await _request(session, urls[(i + k) % len(urls)] + "/v1/completions", body, outcome, start)
         except aiohttp.ClientConnectorError as exc:
             outcome.error = f"connection {type(exc).__name__}"  # every gateway refused: it stays
 
@@ -145,7 +149,7 @@ async def drive(urls: list[str], cfg: ChaosConfig, stop: asyncio.Event, *, num_r
             body = {"model": cfg.model, "prompt": texts[outcome.prompt_index], "max_tokens": cfg.max_tokens,
                     "temperature": 0.0, "ignore_eos": True, "stream": True}
             try:
-                await asyncio.wait_for(_failing_over(session, urls, i, body, outcome), cfg.deadline_s)
+                await asyncio.wait_for(_failing_over(session, urls, i, body, outcome, start), cfg.deadline_s)
             except TimeoutError:
                 continue  # hung: no end recorded
             outcome.ended_s = round(time.monotonic() - start, 3)

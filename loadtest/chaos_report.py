@@ -27,6 +27,7 @@ class RequestOutcome:
     ended_s: float | None = None   # None: still running at its deadline (hung)
     error: str | None = None       # the error kind, e.g. "HTTP 503", "stream error", "connection"
     text: str = ""
+    first_token_s: float | None = None  # when its first text arrived
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class FaultReport:
     differing_by_kind: dict[str, int] = field(default_factory=dict)
     next_success_s: float | None = None  # fault → the next end of any successful request
     recovery_s: float | None = None      # fault → end of the first success among requests sent after it
+    # fault → the first token of a request sent at or after it that succeeded: serving again, as a
+    # streaming client sees it (recovery_s adds that request's whole generation)
+    serving_s: float | None = None
     e2e_p50_s: float | None = None       # the median successful request's duration, for scale
     leaked_blocks: dict[str, int] = field(default_factory=dict)  # worker id → blocks still used when idle
     restarts: dict[str, int] = field(default_factory=dict)       # process → restarts during the phase
@@ -95,6 +99,15 @@ def recovery_s(outcomes: list[RequestOutcome], fault_at_s: float | None, *, sent
     return round(min(ends) - fault_at_s, 3) if ends else None
 
 
+def serving_s(outcomes: list[RequestOutcome], fault_at_s: float | None) -> float | None:
+    """From the fault to the earliest first token of a successful request sent at or after it."""
+    if fault_at_s is None:
+        return None
+    firsts = [o.first_token_s for o in outcomes if o.ended_s is not None and o.error is None
+              and o.first_token_s is not None and o.sent_s >= fault_at_s]
+    return round(min(firsts) - fault_at_s, 3) if firsts else None
+
+
 def fault_report(fault: str, outcomes: list[RequestOutcome], reference: dict[int, str], *,
                  fault_at_s: float | None, leaked_blocks: dict[str, int] | None = None,
                  restarts: dict[str, int] | None = None, notes: list[str] | None = None) -> FaultReport:
@@ -107,7 +120,8 @@ def fault_report(fault: str, outcomes: list[RequestOutcome], reference: dict[int
         num_succeeded=kinds["ok"] + kinds["differing"], num_failed=kinds["failed"],
         failed_by_kind=dict(failed), num_hung=kinds["hung"], num_differing=kinds["differing"],
         differing_by_kind=dict(differing), recovery_s=recovery_s(outcomes, fault_at_s),
-        next_success_s=recovery_s(outcomes, fault_at_s, sent_after=False), e2e_p50_s=_median(
+        next_success_s=recovery_s(outcomes, fault_at_s, sent_after=False),
+        serving_s=serving_s(outcomes, fault_at_s), e2e_p50_s=_median(
             [o.ended_s - o.sent_s for o in outcomes if o.ended_s is not None and o.error is None]),
         leaked_blocks={w: n for w, n in (leaked_blocks or {}).items() if n},
         restarts={p: n for p, n in (restarts or {}).items() if n}, notes=list(notes or []))
@@ -123,7 +137,8 @@ def skipped_report(fault: str, reason: str) -> FaultReport:
 
 def format_table(reports: list[FaultReport]) -> str:
     header = (f"{'fault':<16} {'sent':>5} {'ok':>5} {'failed':>6} {'hung':>5} {'differ':>6} "
-              f"{'next s':>7} {'recov s':>8} {'e2e p50':>7} {'leaked':>6}  restarts / failures / notes")
+              f"{'next s':>7} {'serve s':>7} {'recov s':>8} {'e2e p50':>7} {'leaked':>6}  "
+              "restarts / failures / notes")
     lines = [header]
     for r in reports:
         if r.skipped:
@@ -132,11 +147,12 @@ def format_table(reports: list[FaultReport]) -> str:
         recov = "-" if r.recovery_s is None else f"{r.recovery_s:.2f}"
         next_s = "-" if r.next_success_s is None else f"{r.next_success_s:.2f}"
         e2e = "-" if r.e2e_p50_s is None else f"{r.e2e_p50_s:.2f}"
+        serve = "-" if r.serving_s is None else f"{r.serving_s:.2f}"
         extra = [", ".join(f"{p} x{n}" for p, n in r.restarts.items()),
                  ", ".join(f"{k}: {n}" for k, n in r.failed_by_kind.items()),
                  ", ".join(f"{k}: {n}" for k, n in r.differing_by_kind.items()), *r.notes]
         lines.append(f"{r.fault:<16} {r.num_sent:>5} {r.num_succeeded:>5} {r.num_failed:>6} {r.num_hung:>5} "
-                     f"{r.num_differing:>6} {next_s:>7} {recov:>8} {e2e:>7} {r.num_leaked_blocks:>6}  "
+                     f"{r.num_differing:>6} {next_s:>7} {serve:>7} {recov:>8} {e2e:>7} {r.num_leaked_blocks:>6}  "
                      + "; ".join(e for e in extra if e))
     return "\n".join(lines)
 
@@ -162,7 +178,8 @@ def format_totals(t: dict) -> str:
 
 def plot(reports: list[FaultReport], path: Path) -> Path:
     """Per fault: failed / hung / differing requests and leaked blocks (bars), and the times from the
-fault to the next success and to the first success of a request sent after it."""
+fault to the next success, to the first token and to the end of the first success of a request
+sent after it."""
     import matplotlib  # noqa: PLC0415 — only when writing a report
 
     matplotlib.use("Agg")
@@ -180,10 +197,13 @@ fault to the next success and to the first success of a request sent after it.""
         bad.bar_label(bars, fontsize=7)  # a 0 shows as "0", not as nothing
     bad.set_ylim(0, max([1, *(v for values in series.values() for v in values)]) * 1.2)
     bad.set_title("requests failed / hung / differing, blocks leaked (target: 0)")
-    recov.bar([x - 0.27 for x in xs], [r.next_success_s or 0.0 for r in run], 0.27, label="next success")
-    recov.bar(list(xs), [r.recovery_s or 0.0 for r in run], 0.27,
-              label="first success of a request sent after the fault")
-    recov.bar([x + 0.27 for x in xs], [r.e2e_p50_s or 0.0 for r in run], 0.27, color="tab:gray",
+    w = 0.21
+    recov.bar([x - 1.5 * w for x in xs], [r.next_success_s or 0.0 for r in run], w, label="next success")
+    recov.bar([x - 0.5 * w for x in xs], [r.serving_s or 0.0 for r in run], w,
+              label="first token of a request sent after the fault")
+    recov.bar([x + 0.5 * w for x in xs], [r.recovery_s or 0.0 for r in run], w,
+              label="end of that request (first success sent after the fault)")
+    recov.bar([x + 1.5 * w for x in xs], [r.e2e_p50_s or 0.0 for r in run], w, color="tab:gray",
               label="median request duration (for scale)")
     recov.set_title("seconds from the fault (no bar: no such success in the phase)")
     recov.legend()

@@ -20,6 +20,7 @@ from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.protocol.workers import KvFetchLoad
+from shared.runtime.origins import OriginWatch
 from shared.runtime.worker import EngineWorker
 from shared.runtime.worker_metrics import WorkerMetrics
 from shared.telemetry import tracing
@@ -49,6 +50,8 @@ class DecodeWorker(EngineWorker):
         self.remote = remote  # None: remote prefill off (disabled, or no KV transfer here)
         self.fetcher = fetcher  # None: no prefix fetches from or for other workers
         self._loops: list[asyncio.Task] = []
+        # requests whose gateway died are aborted, not generated to the end into a dead inbox
+        self.origins = OriginWatch(bus, self._subjects, self.worker_id, self._abort_orphan)
 
     def info(self) -> WorkerInfo:
         return self._info(generate_subject=self._subjects.decode_generate(self.worker_id).subject,
@@ -63,6 +66,7 @@ class DecodeWorker(EngineWorker):
             await self._bus.serve(s.prefill_lease(self.worker_id), self.remote.grant_lease)
         if self.fetcher is not None:
             await self._bus.serve(s.kv_fetch(self.worker_id), self.fetcher.lend)
+        self._loops.append(asyncio.create_task(self.origins.run_forever()))
         receivers = [r for r in (self.fetcher, self.remote) if r is not None]
         if receivers:
             self._loops.append(asyncio.create_task(poll_kv_forever(receivers[0].transfer, receivers)))
@@ -83,6 +87,7 @@ class DecodeWorker(EngineWorker):
         started = last = time.monotonic()
         index = 0
         params = engine_params(request.sampling)
+        self.origins.add(request)
         try:
             if self.fetcher is not None and request.kv_source is not None:
                 await self.fetcher.fetch(request)
@@ -114,6 +119,8 @@ class DecodeWorker(EngineWorker):
             raise ServiceError("bad_request", str(exc), getattr(exc, "field", None)) from None
         except (EngineError, ValueError) as exc:
             raise ServiceError("rejected", str(exc)) from None
+        finally:
+            self.origins.remove(request)
         log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
 
     @staticmethod
@@ -135,6 +142,9 @@ class DecodeWorker(EngineWorker):
         self.engine.abort(request.request_id)
         if self.remote is not None:
             self.remote.prefills.cancel(request.request_id)
+
+    async def _abort_orphan(self, request_id: str, reason: str) -> None:
+        await self.cancel(CancelRequest(request_id=request_id, reason=reason))
 
     async def control(self, request: ControlRequest) -> ControlResult:
         if request.action == "configure":

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 
 from aiohttp import web
 
@@ -27,7 +28,7 @@ from shared.openai_api.generate_request import (build_generate_request, build_te
                                                 prompt_block_hashes, resolve_model)
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from shared.protocol import ClusterStatusRequest, GenerateRequest, Subjects, WorkerInfo
+from shared.protocol import ClusterStatusRequest, GenerateRequest, OriginAlive, OriginPing, Subjects, WorkerInfo
 from shared.runtime.service import (bus_connection, every, published_metrics, serve_until_stopped,
                                     service_instance_id)
 from shared.telemetry import tracing
@@ -61,10 +62,17 @@ class Gateway:
                              if settings.rate_limit_per_s else None)
         self.metrics = GatewayMetrics.create(settings.num_restarts, service_instance_id("gateway"))
         self.services = services  # None: no metrics addresses in /status
+        # named in every request this gateway sends: workers abort its requests once nobody
+        # answers here (shared.runtime.origins)
+        self.origin = f"gw-{uuid.uuid4().hex[:16]}"
 
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
-        """Nothing to subscribe to: the HTTP site is the gateway's endpoint."""
+        """The HTTP site is the gateway's endpoint; on the bus it only answers "still here"."""
+        await self.bus.serve(self.subjects.origin_alive(self.origin), self.alive)
+
+    async def alive(self, ping: OriginPing) -> OriginAlive:
+        return OriginAlive(origin=self.origin)
 
     async def run_forever(self) -> None:
         await every(self.settings.refresh_interval_s, self.refresh, "registry refresh")
@@ -133,11 +141,13 @@ class Gateway:
         model = resolve_model(api.body.model, served)
         workers = self.ready_workers(model)
         if workers and all(w.takes_text for w in workers):
-            return build_text_request(api, model=model, tier=tier, priority=priority,
-                                      default_max_tokens=self.settings.default_max_tokens, now=now)
-        return build_generate_request(api, api.prompt_ids(), tier=tier, priority=priority, workers=workers,
-                                      served_models=served, default_max_tokens=self.settings.default_max_tokens,
-                                      now=now)
+            request = build_text_request(api, model=model, tier=tier, priority=priority,
+                                         default_max_tokens=self.settings.default_max_tokens, now=now)
+        else:
+            request = build_generate_request(api, api.prompt_ids(), tier=tier, priority=priority, workers=workers,
+                                             served_models=served,
+                                             default_max_tokens=self.settings.default_max_tokens, now=now)
+        return request.model_copy(update={"origin": self.origin})
 
     def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
         model = gen_request.model

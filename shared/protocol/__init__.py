@@ -3,8 +3,8 @@
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
-from shared.protocol.generate import (CancelRequest, GenerateRequest, GrammarSpec, SamplingParams, TokenChunk,
-                                      TokenLogprob, TopLogprob)
+from shared.protocol.generate import (CancelRequest, GenerateRequest, GrammarSpec, OriginAlive, OriginPing,
+                                      SamplingParams, TokenChunk, TokenLogprob, TopLogprob)
 from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent,
                                 KvEventBatch, KvMatchRequest, KvMatchResult, WorkerOverlap)
 from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, KvSource, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
@@ -18,7 +18,7 @@ __all__ = [
     "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
-    "KvFetchRequest", "KvFetchResult", "KvMatchResult", "KvSource", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",
+    "KvFetchRequest", "KvFetchResult", "KvMatchResult", "KvSource", "OriginAlive", "OriginPing", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",
     "RemotePrefillRequest", "SamplingParams", "GrammarSpec", "ScaleRequest", "ScaleResult", "ScalingAction",
     "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",

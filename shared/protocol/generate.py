@@ -73,6 +73,9 @@ class GenerateRequest(WireModel):
     # from admission's decision: a worker that holds more of the prompt's prefix than this one; it
     # may fetch those blocks from it (``KvFetchRequest``) or ignore the hint and recompute
     kv_source: KvSource | None = None
+    # the sender's instance (``Subjects.origin_alive``): a worker that finds nobody answering
+    # there any more aborts the sender's requests instead of generating into a dead inbox
+    origin: WorkerId | None = None
 
     @model_validator(mode="after")
     def _has_a_prompt(self) -> "GenerateRequest":
@@ -117,6 +120,18 @@ class TokenChunk(WireModel):
     # first chunk only: the worker's part of the time to first token, phase name → seconds, a
     # partition of its time from receiving the request to this chunk (shared.telemetry.phases)
     phases: dict[str, float] | None = None
+
+
+class OriginPing(WireModel):
+    """A worker asks a request's ``origin`` whether it is still there (request/reply); no
+    responders means it is gone."""
+
+    worker_id: WorkerId
+    num_requests: int = Field(0, ge=0)  # how many of its requests the worker is running
+
+
+class OriginAlive(WireModel):
+    origin: WorkerId
 
 
 class CancelRequest(WireModel):

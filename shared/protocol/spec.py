@@ -17,7 +17,7 @@ from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.errors import ErrorReply
-from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
+from shared.protocol.generate import CancelRequest, GenerateRequest, OriginAlive, OriginPing, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
 from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
                                      RemotePrefillRequest)
@@ -26,7 +26,7 @@ from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, 
 
 # Every message sent on its own (nested types appear inside these schemas under "$defs").
 MESSAGES: tuple[type[WireModel], ...] = (
-    GenerateRequest, TokenChunk, CancelRequest, ErrorReply, AdmissionDecision, WorkerInfo, WorkerLoad,
+    GenerateRequest, TokenChunk, CancelRequest, OriginPing, OriginAlive, ErrorReply, AdmissionDecision, WorkerInfo, WorkerLoad,
     ControlRequest, ControlResult, ServiceInfo, KvEventBatch, KvMatchRequest, KvMatchResult,
     RemotePrefillRequest, PrefillNotification, PrefillLeaseRequest, PrefillLeaseResult, KvFetchRequest, KvFetchResult,
     ClusterStatusRequest, ClusterStatusResult, ScaleRequest, ScaleResult)

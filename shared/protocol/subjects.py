@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
-from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
+from shared.protocol.generate import CancelRequest, GenerateRequest, OriginAlive, OriginPing, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
 from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, PrefillLeaseRequest, PrefillLeaseResult,
                                      RemotePrefillRequest)
@@ -67,6 +67,11 @@ class Subjects:
 
     def decode_cancel(self, worker_id: str) -> Endpoint[CancelRequest, WireModel]:
         return Endpoint(f"{self._root}.decode.{_token(worker_id, 'worker_id')}.cancel", CancelRequest)
+
+    def origin_alive(self, origin: str) -> Endpoint[OriginPing, OriginAlive]:
+        """Served by each sender of ``GenerateRequest``s that sets their ``origin`` (each gateway):
+        a worker asks it now and then, and aborts the requests of an origin nobody serves."""
+        return Endpoint(f"{self._root}.origin.{_token(origin, 'origin')}.alive", OriginPing, OriginAlive)
 
     def kv_fetch(self, worker_id: str) -> Endpoint[KvFetchRequest, KvFetchResult]:
         """Another decode worker asks this one to write cached prefix blocks into its pool."""

@@ -80,8 +80,10 @@ def test_sigkilled_gateway_fails_only_its_stream_and_comes_back(stack, engine):
     prompt = "Here is a long list of fruits and vegetables:"
     expected = greedy_text(engine, engine.tokenizer.encode(prompt), 48, ignore_eos=True)
     first, second = stack.ports
+    since = len(stack.lines)
     survivor_stream = completion(first, prompt, 48, stream=True)
-    victim_stream = completion(second, prompt, 48, stream=True)
+    # long enough to be running still when the worker sees its gateway gone
+    victim_stream = completion(second, prompt, MAX_MODEL_LEN - 64, stream=True)
     assert survivor_stream.status == 200 and victim_stream.status == 200
     read_events(victim_stream, 2)
     events = read_events(survivor_stream, 2)
@@ -94,6 +96,11 @@ def test_sigkilled_gateway_fails_only_its_stream_and_comes_back(stack, engine):
     assert [e for e in events if "error" in e] == []
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
     assert text_of(first, "The capital of France is", 8)[0] == 200  # new requests on the other one
+    # the orphan the dead gateway left on the worker is aborted, not generated to the end
+    wait_for(lambda: any("is gone" in line and "aborting its 1 requests" in line for line in stack.lines[since:]), 30,
+             "the decode worker aborting the dead gateway's request")
+    wait_for(lambda: all(w["load"] and w["load"]["num_running"] == 0 for w in cluster_status(stack)["workers"]), 30,
+             "no request running on the decode worker")
 
     wait_for(lambda: stack.children["gateway-2"] is not victim and is_healthy(second), 120,
              "gateway-2 restarted and healthy on its port")

@@ -54,6 +54,22 @@ def test_fault_report_counts_each_kind_and_keeps_failures_by_status():
     assert r.e2e_p50_s == 1.25  # of 1.0, 1.0, 1.5 and 1.5 s (the succeeded ones)
 
 
+def test_serving_is_the_first_token_of_a_success_sent_after_the_fault():
+    def streamed(i: int, sent: float, first: float | None, ended: float | None, error: str | None = None):
+        return RequestOutcome(i, 0, sent, ended, error=error, text="" if error else REFERENCE[0],
+                              first_token_s=first)
+
+    outcomes = [streamed(0, 0.0, 0.5, 4.0),                      # sent before the fault
+                streamed(1, 2.0, 2.4, 3.0, error="stream cut"),  # failed: not serving
+                streamed(2, 2.1, 2.6, None),                     # hung
+                streamed(3, 2.2, 2.9, 6.0), streamed(4, 2.3, 2.8, 7.0)]
+    r = fault_report("kill-gateway", outcomes, REFERENCE, fault_at_s=2.0)
+    assert r.serving_s == 0.8      # request 4's first token at 2.8 s
+    assert r.recovery_s == 4.0     # request 3 ends first, at 6.0 s
+    assert "serve s" in format_table([r]) and " 0.80 " in format_table([r])
+    assert fault_report("x", outcomes[:1], REFERENCE, fault_at_s=2.0).serving_s is None
+
+
 def test_a_clean_fault_and_no_success_after_it():
     r = fault_report("kill-kv-index", [ok(0, 0.0, 1.0), ok(1, 0.2, 4.0)], REFERENCE, fault_at_s=2.0)
     assert r.is_clean and r.num_leaked_blocks == 0

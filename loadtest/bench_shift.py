@@ -17,7 +17,7 @@ the output tokens per second per worker of a saturating chat burst on the fixed 
 one figure it cannot measure while serving. A request meets its SLO when its time to first token
 is within ``--ttft-slo-ms`` and its mean inter-token latency within ``--itl-slo-ms``; attainment
 is per phase, failures count as misses. The autoscaler's decisions and each stack's split over
-time (sampled from ``/status`` every second) go into ``shift.json``; ``shift.png`` plots both.
+time (sampled from ``/status`` every second) go into ``<name>.json``; ``<name>.png`` plots both.
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default="256MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/shift"))
+    p.add_argument("--name", default="shift", help="output file name stem (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_capacity = args.decode_capacity
     report: dict = {"setups": {}}
     layouts = {"fixed 2D": (2, 0), "fixed 1P+1D": (1, 1), "autoscale": (2, 0)}
-    with tempfile.TemporaryDirectory() as tmp, open(args.out / "shift_stacks.log", "w", buffering=1) as log:
+    with tempfile.TemporaryDirectory() as tmp, open(args.out / f"{args.name}_stacks.log", "w", buffering=1) as log:
         for setup in sorted(args.setups, key=SETUPS.index):
             autoscale = None
             if setup == "autoscale":
@@ -260,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                                         for s in report["setups"] if s != "autoscale"}
         print("overall SLO attainment, autoscale / fixed: " + ", ".join(
             f"{s} {r:.2f}x" for s, r in report["autoscale_vs_fixed"].items()))
-    (args.out / "shift.json").write_text(json.dumps(report, indent=1))
-    plot(args.out / "shift.png", report, args.phase_s)
-    print("wrote", args.out / "shift.json", args.out / "shift.png")
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    plot(args.out / f"{args.name}.png", report, args.phase_s)
+    print("wrote", args.out / f"{args.name}.json", args.out / f"{args.name}.png")
     return 0
 
 

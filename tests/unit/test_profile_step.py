@@ -1,0 +1,12 @@
+"""The step profiler's grouping of aten ops into matmuls, attention and the rest."""
+
+from loadtest.profile_step import kind_of
+
+
+def test_ops_are_grouped_by_kind():
+    assert kind_of("aten::_int_mm") == "matmul"
+    assert kind_of("aten::addmm") == "matmul" and kind_of("aten::mm") == "matmul"
+    assert kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert kind_of("aten::_softmax") == "attention"
+    for op in ("aten::mul", "aten::index_select", "aten::amax", "aten::mmap_like", "aten::t"):
+        assert kind_of(op) == "other ops", op

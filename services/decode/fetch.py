@@ -171,6 +171,17 @@ class PeerFetcher:
         while self._quarantine and self._quarantine[0][0] <= now:
             self._engine.finish_prefix_fetch(heapq.heappop(self._quarantine)[1], 0)
 
+    async def release_quarantine(self) -> None:
+        """Wait until no late write can land in any failed fetch's blocks, then give them back: a
+        draining worker calls this before its poll loop (whose ticks would do it) stops, so that
+        a role flip right after a failed fetch does not keep those blocks out of the pool."""
+        if self._quarantine:
+            ends_at = max(at for at, _ in self._quarantine)
+            log.info("waiting %.1fs for %d failed fetches' blocks to be safe to reuse",
+                     max(0.0, ends_at - time.time()), len(self._quarantine))
+            await asyncio.sleep(max(0.0, ends_at - time.time()))
+            self.tick(ends_at)
+
     # -- holder side --------------------------------------------------------------------------------
     async def _pin(self, ask: KvFetchRequest) -> list[int]:
         """Pin the leading run of the asked chain held here: blocks in host memory are copied into

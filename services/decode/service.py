@@ -182,6 +182,8 @@ class DecodeWorker(EngineWorker):
         num_left = await self._bus.stop_serving(self._settings.drain_timeout_s if timeout_s is None else timeout_s)
         if num_left:
             log.warning("drain timeout: %d requests cut off", num_left)
+        if self.fetcher is not None:
+            await self.fetcher.release_quarantine()
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)

@@ -30,11 +30,11 @@ from loadtest.calibrate_sim import CALIBRATION_FILE, CLUSTER_FILE, relative_erro
 CALIBRATION_DIR = Path("loadtest/results/calibration")
 
 
-def fitted_model():
+def fitted_model(calibration_dir: Path = CALIBRATION_DIR):
     from shared.planner.config import load_calibration, load_model
     from shared.planner.costmodel import DecodeSample, PrefillSample, calibrate
 
-    cal = load_calibration(CALIBRATION_DIR / CALIBRATION_FILE)
+    cal = load_calibration(calibration_dir / CALIBRATION_FILE)
     model = load_model(cal.model)
     eff = calibrate(model, cal.gpu, [PrefillSample(m.num_tokens, m.seconds) for m in cal.prefill],
                     [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode], fit_overheads=True)
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/calibration"))
+    p.add_argument("--calibration-dir", type=Path, default=CALIBRATION_DIR,
+                   help="where calibrate_sim wrote the step-time calibration and cluster files (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     from shared.tokenizer import load_tokenizer
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     slo_s = {t: v / 1000 for t, v in slo_ms.items()}
     cfg = bench.WorkloadConfig(prompt_words=args.prompt_words, output_tokens=args.output_tokens, spread=0.3,
                                seed=args.seed)
-    model, eff = fitted_model()
+    model, eff = fitted_model(args.calibration_dir)
     tokenizer = load_tokenizer(args.model)
     tier_mix = (("premium", args.premium_share), ("batch", 1 - args.premium_share))
     report: dict = {"config": {**vars(args), "out": str(args.out)}, "slo_ms": slo_ms, "loads": {}}
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed=args.seed + int(m * 100)))
                 tiers = bench.assign_tiers(specs, args.premium_share, args.seed)
                 input_lens = [len(tokenizer.encode(s.prompt)) for s in specs]
-                sim = sim_report(simulate(CALIBRATION_DIR / CLUSTER_FILE, model, eff, specs, input_lens,
+                sim = sim_report(simulate(args.calibration_dir / CLUSTER_FILE, model, eff, specs, input_lens,
                                           admission=admission(slo_ms), tier_mix=tier_mix), slo_s)
                 results = asyncio.run(bench.run_openai(stack.base_url, args.model, specs,
                                                        progress=not args.no_progress,

@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     model, eff = fitted_model(args.calibration_dir)
     tokenizer = load_tokenizer(args.model)
     tier_mix = (("premium", args.premium_share), ("batch", 1 - args.premium_share))
-    report: dict = {"config": {**vars(args), "out": str(args.out)}, "slo_ms": slo_ms, "loads": {}}
+    report: dict = {"config": {**vars(args), "out": str(args.out), "calibration_dir": str(args.calibration_dir)},
+                    "slo_ms": slo_ms, "loads": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, open(args.out / "overload_calibration_stack.log", "w") as log:
         stack = bench.start_stack(Path(tmp), "on", args, slo_ms, log)
         try:

@@ -52,7 +52,11 @@ def client(stack):
 
 class Load:
     """Requests from ``make(i)`` → (prompt, max_tokens), ``concurrency`` at a time, until stopped;
-    keeps every outcome (text or exception) to check afterwards."""
+    keeps every outcome (text or the error's repr) to check afterwards.
+
+    A context manager: leaving the block stops the senders even when the test fails inside it, so
+    that no thread keeps sending (and keeping failures) for the rest of the session.
+    """
 
     def __init__(self, client, make, concurrency: int = 2) -> None:
         self.outcomes: list[tuple[str, int, object]] = []
@@ -66,9 +70,10 @@ class Load:
         while not self._stop.is_set():
             prompt, max_tokens = make(i)
             try:
-                outcome = streamed(client, prompt, max_tokens)
+                outcome: object = streamed(client, prompt, max_tokens)
             except Exception as exc:  # noqa: BLE001 — checked by the test
-                outcome = exc
+                outcome = Failed(repr(exc))
+                self._stop.wait(1.0)  # a stack that is down fails at once: do not spin
             self.outcomes.append((prompt, max_tokens, outcome))
             i += self._concurrency
 
@@ -76,7 +81,18 @@ class Load:
         self._stop.set()
         for f in self._futures:
             f.result(timeout=300)
+        self._pool.shutdown()
         return self.outcomes
+
+    def __enter__(self) -> "Load":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class Failed(str):
+    """A request's error, kept as text (an exception would keep its frames alive)."""
 
 
 def scaling(stack) -> dict:
@@ -102,32 +118,32 @@ def long(i: int) -> tuple[str, int]:
 def check(outcomes, engine) -> None:
     assert outcomes, "no request completed"
     for prompt, max_tokens, outcome in outcomes:
-        assert not isinstance(outcome, Exception), f"{prompt[:30]!r} failed: {outcome!r}"
+        assert not isinstance(outcome, Failed), f"{prompt[:30]!r} failed: {outcome}"
         assert outcome == greedy(engine, prompt, max_tokens), prompt[:30]
 
 
 def test_a_shift_to_long_prompts_flips_a_decode_worker_to_prefill_and_back(stack, client, engine):
-    load = Load(client, short)
-    wait_for(lambda: len(load.outcomes) >= 4 and (d := scaling(stack)["last_decision"]) and d["decode_tokens_per_s"] > 0
-             and d["reason"].startswith("balanced"), 240, "a decision on the decode-heavy mix")
-    assert scaling(stack)["recent"] == [], scaling(stack)["recent"]
-    assert all(r == "decode" for r, _ in roles(stack).values())
-    check(load.stop(), engine)
+    with Load(client, short) as load:
+        wait_for(lambda: len(load.outcomes) >= 4 and (d := scaling(stack)["last_decision"]) and d["decode_tokens_per_s"] > 0
+                 and d["reason"].startswith("balanced"), 240, "a decision on the decode-heavy mix")
+        assert scaling(stack)["recent"] == [], scaling(stack)["recent"]
+        assert all(r == "decode" for r, _ in roles(stack).values())
+    check(load.outcomes, engine)
 
-    load = Load(client, long)
-    flip = wait_for(lambda: flips_to(stack, "prefill"), 180, "the autoscaler to flip a worker to prefill")[0]
-    assert flip["ok"], flip
-    record = scaling(stack)["recent"][-1]
-    assert (record["num_prefill"], record["target_prefill"], record["target_decode"]) == (0, 1, 1)
-    assert record["prefill_tokens_per_s"] > record["decode_tokens_per_s"]
-    wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("prefill", "ready"), 120,
-             f"{flip['worker_id']} serving as prefill")
-    check(load.stop(), engine)
+    with Load(client, long) as load:
+        flip = wait_for(lambda: flips_to(stack, "prefill"), 180, "the autoscaler to flip a worker to prefill")[0]
+        assert flip["ok"], flip
+        record = scaling(stack)["recent"][-1]
+        assert (record["num_prefill"], record["target_prefill"], record["target_decode"]) == (0, 1, 1), record
+        assert record["prefill_tokens_per_s"] > record["decode_tokens_per_s"], record
+        wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("prefill", "ready"), 120,
+                 f"{flip['worker_id']} serving as prefill")
+    check(load.outcomes, engine)
 
-    load = Load(client, short)
-    back = wait_for(lambda: flips_to(stack, "decode"), 180, "the autoscaler to flip the worker back")[0]
-    assert back["ok"] and back["worker_id"] == flip["worker_id"], back
-    wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("decode", "ready"), 120,
-             f"{flip['worker_id']} serving as decode again")
-    check(load.stop(), engine)
+    with Load(client, short) as load:
+        back = wait_for(lambda: flips_to(stack, "decode"), 180, "the autoscaler to flip the worker back")[0]
+        assert back["ok"] and back["worker_id"] == flip["worker_id"], back
+        wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("decode", "ready"), 120,
+                 f"{flip['worker_id']} serving as decode again")
+    check(load.outcomes, engine)
     assert any("scaling:" in l and "prefill share" in l and "flipping" in l for l in stack.lines), "the log line"

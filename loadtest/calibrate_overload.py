@@ -7,9 +7,8 @@ The simulator uses the cost model fitted by ``loadtest.calibrate_sim`` (its comm
 files: this machine's measured step times) and the same ``shared.policy.admission.Admitter`` with
 the same tiers as the live stack. The live side is ``loadtest.bench_overload``'s stack with
 admission control on (one decode worker), its capacity measured by a saturating burst; each load
-is a multiple of it and both sides get the same arrival schedule and lengths. Tiers are drawn with
-the same shares on both sides (not request for request). The simulator's queues are FIFO: priority
-acts there only through the SLOs and shedding, where the live engine also schedules by it.
+is a multiple of it and both sides get the same arrival schedule, lengths and tiers, request for
+request. The simulator's prefill queues serve by priority, then arrival, as the engine does.
 Writes ``calibration_overload.json``.
 """
 
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
                                seed=args.seed)
     model, eff = fitted_model(args.calibration_dir)
     tokenizer = load_tokenizer(args.model)
-    tier_mix = (("premium", args.premium_share), ("batch", 1 - args.premium_share))
     report: dict = {"config": {**vars(args), "out": str(args.out), "calibration_dir": str(args.calibration_dir)},
                     "slo_ms": slo_ms, "loads": {}}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 tiers = bench.assign_tiers(specs, args.premium_share, args.seed)
                 input_lens = [len(tokenizer.encode(s.prompt)) for s in specs]
                 sim = sim_report(simulate(args.calibration_dir / CLUSTER_FILE, model, eff, specs, input_lens,
-                                          admission=admission(slo_ms), tier_mix=tier_mix), slo_s)
+                                          admission=admission(slo_ms), tiers=[tiers[s.index] for s in specs]), slo_s)
                 results = asyncio.run(bench.run_openai(stack.base_url, args.model, specs,
                                                        progress=not args.no_progress,
                                                        key_of=lambda s: bench.KEYS[tiers[s.index]]))

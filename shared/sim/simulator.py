@@ -4,8 +4,10 @@ A request arrives, is routed to a decode worker (routing policy: KV overlap + lo
 ``shared.policy.kv_routing.route``), admitted or
 rejected (admission policy: predicted TTFT against its tier's budget), reserves KV on the decode
 worker (or waits for memory), and is prefilled locally or remotely (conditional-disaggregation
-policy). Remote prefills wait in one global FIFO that idle prefill workers pull from; their KV
-then crosses the modelled route to the decode worker. The first token counts when the KV is on
+policy). Remote prefills wait in one global queue that idle prefill workers pull from, local ones
+in their decode worker's; both serve by tier priority, then arrival, as the engine scheduler and
+the per-priority prefill subjects do (strictly: the live queue's anti-starvation share for lower
+tiers is not modelled). Remote prefills' KV then crosses the modelled route to the decode worker. The first token counts when the KV is on
 the decode worker; decoding runs on the worker's virtual step counter (see ``workers.py``). A
 periodic tick samples utilisation and, if enabled, asks the autoscaling policy to flip roles.
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,34 @@ from shared.sim.traces import Trace
 from shared.sim.workers import DECODE, PREFILL, Worker
 
 PREFILL_FREE, PREFILL_DONE, KV_ARRIVED, DECODE_FINISH, TICK = range(5)
+
+
+class PrefillQueue:
+    """Prompts waiting for a prefill, served by priority (lower first), then arrival; the tokens
+    waiting are summed per priority, for admission's TTFT prediction."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, float]] = []   # (priority, request, uncached tokens)
+        self._tokens: dict[int, float] = {}
+
+    def push(self, priority: int, request: int, tokens: float) -> None:
+        heapq.heappush(self._heap, (priority, request, tokens))
+        self._tokens[priority] = self._tokens.get(priority, 0.0) + tokens
+
+    def pop(self) -> int:
+        priority, request, tokens = heapq.heappop(self._heap)
+        self._tokens[priority] -= tokens
+        return request
+
+    def tokens_ahead_of(self, priority: int) -> float:
+        """Tokens that would be prefilled before a new prompt of ``priority``."""
+        return sum(t for p, t in self._tokens.items() if p <= priority)
+
+    def total_tokens(self) -> float:
+        return sum(self._tokens.values())
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 @dataclass(frozen=True)
@@ -83,8 +112,8 @@ class SimResult:
 
 def workload_admission(ttft_slo_s: float) -> AdmissionConfig:
     """The simulator's default tiers around the workload's TTFT SLO: premium is promised twice the
-    SLO, batch half of it (shed first), in priority order premium, standard, batch. The simulator's
-    queues are FIFO, so priority acts only through the SLOs and shedding."""
+    SLO, batch half of it (shed first), in priority order premium, standard, batch (the order
+    the prefill queues serve them in)."""
     ms = ttft_slo_s * 1000.0
     return AdmissionConfig(QosConfig(default_tier="standard", tiers={
         "premium": QosTier(priority=0, ttft_slo_ms=2 * ms),
@@ -127,8 +156,10 @@ class Simulator:
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = 0.0
-        self.prefill_queue: deque[int] = deque()
-        self.queued_tokens = 0.0
+        self.prefill_queue = PrefillQueue()
+        self.queued_tokens = 0.0      # remote prefills' uncached tokens, queued or in progress
+        self.local_queue = [PrefillQueue() for _ in self.workers]
+        self.local_active: list[int | None] = [None] * len(self.workers)  # the local prefill in progress
         self.idle_prefill = [w.index for w in self.workers if w.role == PREFILL]
         self.active_blocks = np.zeros(len(self.workers))
         self.num_waiting = np.zeros(len(self.workers))
@@ -171,10 +202,15 @@ class Simulator:
         self.finish, self.join_t = [math.nan] * n, [0.0] * n
         self.rejected, self.remote = [False] * n, [False] * n
         self.cached, self.uncached, self.dest = [0] * n, [0] * n, [0] * n
-        names = [t for t, _ in self.cfg.tier_mix]
-        shares = np.array([f for _, f in self.cfg.tier_mix], dtype=float)
-        tiers = np.random.default_rng(self.cfg.seed).choice(len(names), size=n, p=shares / shares.sum())
-        self.tier = [names[k] for k in tiers]
+        if trace.tiers is not None:
+            self.tier = list(trace.tiers)
+        else:
+            names = [t for t, _ in self.cfg.tier_mix]
+            shares = np.array([f for _, f in self.cfg.tier_mix], dtype=float)
+            tiers = np.random.default_rng(self.cfg.seed).choice(len(names), size=n, p=shares / shares.sum())
+            self.tier = [names[k] for k in tiers]
+        qos = self.admitter.cfg.qos.tiers
+        self.priority = [qos[t].priority if t in qos else 0 for t in self.tier]
         self.res = SimResult(trace.arrival_s, np.array([]), np.array([]), np.array([]), trace.output_len,
                              np.array([]), np.array([]), np.array([]),
                              price_per_hour=self.ev.cluster.spec.price_per_hour())
@@ -229,10 +265,14 @@ class Simulator:
         remote = decide_prefill(DisaggInput(self.now, inp, cached, len(self.prefill_queue),
                                             bool(self.idle_prefill) or self._num_role(PREFILL) > 0),
                                 self.cfg.disagg).remote
+        priority = self.priority[i]
         if remote:
-            queued, rate = self.queued_tokens, self._prefill_drain_tps()
+            in_progress = self.queued_tokens - self.prefill_queue.total_tokens()
+            queued, rate = in_progress + self.prefill_queue.tokens_ahead_of(priority), self._prefill_drain_tps()
         else:
-            queued, rate = 0.0, (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
+            rate = (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
+            in_progress = max(w.stall_until - self.now, 0.0) * rate if self.local_active[w.index] is not None else 0.0
+            queued = in_progress + self.local_queue[w.index].tokens_ahead_of(priority)
         backlog = max(w.ingress_free - self.now, 0.0) if remote else 0.0   # KV transfers queued at w
         decision = self.admitter.decide(AdmissionInput(
             self.now, self.tier[i], inp, cached, queued, rate,
@@ -266,13 +306,23 @@ class Simulator:
         w.kv_used += self.inp[i] + self.out[i]
         self.active_blocks[w.index] = w.kv_used * self.load_scale[w.index]
         if self.remote[i]:
-            self.prefill_queue.append(i)
+            self.prefill_queue.push(self.priority[i], i, self.uncached[i])
             self.queued_tokens += self.uncached[i]
             self._dispatch()
         else:
-            end = w.stall(self.now, w.prefill_times(self.uncached[i])[0])
-            self._reschedule(w)
-            self.push(end, KV_ARRIVED, i, w.index)
+            self.local_queue[w.index].push(self.priority[i], i, self.uncached[i])
+            self._start_local(w)
+
+    def _start_local(self, w: Worker) -> None:
+        """The decode worker's next local prefill, if none is in progress: it pauses decoding."""
+        queue = self.local_queue[w.index]
+        if self.local_active[w.index] is not None or not queue:
+            return
+        i = queue.pop()
+        self.local_active[w.index] = i
+        end = w.stall(self.now, w.prefill_times(self.uncached[i])[0])
+        self._reschedule(w)
+        self.push(end, KV_ARRIVED, i, w.index)
 
     def _num_role(self, role: str) -> int:
         return sum(1 for w in self.workers if w.role == role and not w.draining)
@@ -281,7 +331,7 @@ class Simulator:
     def _dispatch(self) -> None:
         while self.prefill_queue and self.idle_prefill:
             p = self.workers[self.idle_prefill.pop()]
-            i = self.prefill_queue.popleft()
+            i = self.prefill_queue.pop()
             latency, service = p.prefill_times(self.uncached[i])
             p.busy_s += service
             self._busy_start.append(self.now)
@@ -320,6 +370,9 @@ class Simulator:
     # --- decode pool -----------------------------------------------------------------------
     def _kv_arrived(self, i: int, d_index: int) -> None:
         d = self.workers[d_index]
+        if self.local_active[d_index] == i:
+            self.local_active[d_index] = None
+            self._start_local(d)
         self.ttft[i] = self.now - self.arrival[i]
         self.join_t[i] = self.now
         if self.hashes is not None:

@@ -26,6 +26,7 @@ class Trace:
     output_len: np.ndarray         # [N] int64
     hash_ids: list[list[int]] | None = None   # per request, or None (no prefix sharing)
     block_size: int = MOONCAKE_BLOCK_SIZE
+    tiers: list[str] | None = None   # per request, or None (drawn by the simulator from its tier mix)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -36,6 +37,8 @@ class Trace:
             raise ValueError(f"trace arrays differ in length: {n}, {len(self.input_len)}, {len(self.output_len)}")
         if self.hash_ids is not None and len(self.hash_ids) != n:
             raise ValueError(f"hash_ids has {len(self.hash_ids)} entries for {n} requests")
+        if self.tiers is not None and len(self.tiers) != n:
+            raise ValueError(f"tiers has {len(self.tiers)} entries for {n} requests")
         if n and np.any(np.diff(self.arrival_s) < 0):
             raise ValueError("arrival times must be sorted")
 

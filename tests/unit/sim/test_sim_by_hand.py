@@ -63,3 +63,44 @@ def test_a_sequence_finishing_in_the_interrupted_step_is_not_held_by_the_prefill
     r = run(tmp_path, [0.0, 0.98])
     assert r["ttft_s"][1] == pytest.approx(0.521644, rel=1e-9)
     assert r["tpot_s"][0] == pytest.approx(STEP1_S, rel=1e-9)
+
+
+def two_tiers(ttft_slo_ms: float):
+    from shared.policy.admission import AdmissionConfig
+    from shared.policy.qos import QosConfig, QosTier
+
+    return AdmissionConfig(QosConfig(default_tier="batch", tiers={
+        "premium": QosTier(priority=0, ttft_slo_ms=ttft_slo_ms),
+        "batch": QosTier(priority=2, ttft_slo_ms=ttft_slo_ms)}))
+
+
+def test_local_prefills_go_by_priority_and_admission_counts_the_backlog_ahead(tmp_path):
+    # Batch A at 0 prefills until 0.5004. Batch B at 0.01 is predicted 0.4904 s of A's prefill left
+    # + its own 0.5004 = 0.9908 s <= 1.2 s: admitted. Batch C at 0.02 would wait for A's rest and
+    # B: 0.4804 + 0.5004 + 0.5004 = 1.4812 s > 1.2 s: rejected. Premium P at 0.03 has only A's rest
+    # ahead of it (0.4704 + 0.5004 = 0.9708 s): admitted, and prefilled before B, which was queued
+    # earlier: P from 0.5004 to 1.0008, B from 1.0008 to 1.5012 (no decode step in between: each
+    # prefill starts as the previous one ends).
+    #   TTFT(P) = 1.0008 - 0.03 = 0.9708;  TTFT(B) = 1.5012 - 0.01 = 1.4912
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(cpu_cluster_spec(hbm_gib=10.0)))
+    arrivals = [0.0, 0.01, 0.02, 0.03]
+    specs = [SimpleNamespace(at_s=t, max_tokens=11) for t in arrivals]
+    r = simulate(cluster, TOY, TOY_EFF, specs, [100] * 4, admission=two_tiers(1200.0),
+                 tiers=["batch", "batch", "batch", "premium"])
+    assert r.rejected.tolist() == [False, False, True, False]
+    assert r.rejections == {"predicted TTFT over budget": 1}
+    assert r.ttft_s[0] == pytest.approx(PREFILL_S, rel=1e-9)
+    assert r.ttft_s[3] == pytest.approx(2 * PREFILL_S - 0.03, rel=1e-9)
+    assert r.ttft_s[1] == pytest.approx(3 * PREFILL_S - 0.01, rel=1e-9)
+
+
+def test_the_prefill_queue_serves_by_priority_then_arrival_and_sums_tokens_ahead():
+    from shared.sim.simulator import PrefillQueue
+
+    q = PrefillQueue()
+    for priority, request, tokens in [(2, 0, 100.0), (2, 1, 50.0), (0, 2, 30.0), (1, 3, 20.0), (0, 4, 10.0)]:
+        q.push(priority, request, tokens)
+    assert (q.tokens_ahead_of(0), q.tokens_ahead_of(1), q.tokens_ahead_of(2)) == (40.0, 60.0, 210.0)
+    assert [q.pop() for _ in range(len(q))] == [2, 4, 3, 0, 1]
+    assert q.total_tokens() == 0.0

@@ -3,7 +3,8 @@
 Per request: route (``shared.policy.kv_routing``: the cheapest worker by prefix overlap and load),
 then the tier rules (``shared.policy.admission.Admitter``: tier queue limit, shedding, predicted
 TTFT against the tier's SLO) on that worker's observations: its reported prefill backlog by
-priority and measured prefill rate, plus what was admitted to it since its last report.
+priority and measured prefill rate, plus what was admitted to it since its last report, and the
+rate at which it was sent higher-priority prompt tokens (``Inflow``: they will go first).
 Rejects with ``unavailable`` when no ready decode worker serves the model, ``overloaded`` when
 every one's queue is at the limit, or the Admitter's code. Asks kv-index for the prompt's prefix
 overlap with a short timeout and routes on load alone when it does not answer.
@@ -18,7 +19,7 @@ import time
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.view import ClusterView, WorkerEntry
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, slot_wait_s
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, slot_wait_s
 from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker, effective_overlap
 from shared.policy.qos import load_qos
 from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
@@ -44,6 +45,7 @@ class AdmissionService:
         self.qos = load_qos(settings.qos)
         self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
                                                  shed_hold_s=settings.shed_hold_s))
+        self.inflow = Inflow()
         self.metrics = AdmissionMetrics.create(service_instance_id("admission"), settings.num_restarts)
 
     async def start(self) -> None:
@@ -55,6 +57,7 @@ class AdmissionService:
 
     async def refresh(self) -> None:
         self.view.set_workers(await self._registry.list())
+        self.inflow.forget({w.info.worker_id for w in self.view.ready_workers("decode")})
         self.metrics.ready_workers.set(len(self.view.ready_workers("decode")))
 
     async def run_forever(self) -> None:
@@ -104,8 +107,11 @@ class AdmissionService:
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
-        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(),
-                                self.qos.tiers[self.qos.resolve(request.tier)].priority)
+        priority = self.qos.tiers[self.qos.resolve(request.tier)].priority
+        self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(), priority)
+        prompt = max(1, len(request.prompt_token_ids))
+        self.inflow.note(choice.worker_id, now, priority,
+                         prompt - min(choice.num_overlap_blocks * block_size, prompt - 1))
         info = entry.info
         lenders = {w.info.worker_id for w in self.view.ready_workers("decode", request.model)}
         source = choose_kv_source(held, info.worker_id, lenders, self._fetch)
@@ -143,7 +149,8 @@ class AdmissionService:
             prefill_tokens_per_s=entry.load.prefill_tokens_per_s if entry.load else None,
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
-            num_running=load.num_running if load else 0)
+            num_running=load.num_running if load else 0,
+            preempting_tokens_per_s=self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now))
 
     async def _held_prefixes(self, request: GenerateRequest) -> list[HeldPrefix]:
         """Each worker's hit on the prompt's leading blocks, by tier; none when kv-index is away."""

@@ -13,9 +13,12 @@ Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is re
    costs about in proportion to the sequences in it: an upper bound, the fixed part ignored);
 5. its predicted TTFT exceeds its tier's SLO (``slo``).
 
-Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens) / the measured
-prefill rate + the KV transfer + any wait for KV memory. Only work of the same or a higher priority
-is ahead: the engine and the prefill queue serve by priority, and a full batch delays it only by
+Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens) / (the measured
+prefill rate − the rate at which higher-priority prompt tokens arrive) + the KV transfer + any wait
+for KV memory. Only work of the same or a higher priority is ahead: the engine and the prefill
+queue serve by priority, so higher-priority work that arrives while the request waits goes first
+too (``Inflow`` measures it; a fluid estimate: the request is served when the prefill has done
+the backlog, its own tokens and what arrived above it meanwhile). A full batch delays it only by
 the running requests of its own or a higher priority (the engine preempts a lower one for it). With no measured rate yet (a worker
 that has not prefilled) there is no prediction and the request is admitted. A rejection carries
 ``retry_after_s``: when the backlog ahead would have drained to the SLO.
@@ -27,6 +30,7 @@ service and the simulator call it with their own observations.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,6 +52,8 @@ class AdmissionInput:
     decode_wait_s: float = 0.0         # expected wait for KV memory or a sequence slot on the chosen worker
     itl_s: float | None = None         # the chosen worker's recent inter-token latency; None: not measured
     num_running: int = 0               # requests running on the chosen worker
+    preempting_tokens_per_s: float = 0.0  # uncached prompt tokens per second arriving at higher
+                                          # priorities for the same prefill (``Inflow``)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,10 @@ def predict_ttft_s(inp: AdmissionInput) -> float | None:
     if inp.prefill_tokens_per_s <= 0:
         return math.inf
     own = max(inp.prompt_tokens - inp.cached_tokens, 0)
-    return (inp.queued_prefill_tokens + own) / inp.prefill_tokens_per_s + inp.transfer_s + inp.decode_wait_s
+    rate_left = inp.prefill_tokens_per_s - inp.preempting_tokens_per_s
+    if rate_left <= 0:
+        return math.inf  # higher priorities alone take the whole prefill
+    return (inp.queued_prefill_tokens + own) / rate_left + inp.transfer_s + inp.decode_wait_s
 
 
 def predict_itl_s(inp: AdmissionInput) -> float | None:
@@ -92,6 +101,40 @@ def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, 
     if num_running < max_num_seqs or not itl_s or mean_output_tokens <= 0:
         return 0.0
     return (num_waiting_ahead + 1) * mean_output_tokens * itl_s / max_num_seqs
+
+
+class Inflow:
+    """Uncached prompt tokens admitted per second to each prefill (``key``: a worker, or a pool),
+    by priority, over the last ``window_s``: ``AdmissionInput.preempting_tokens_per_s``."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: dict[object, deque[tuple[float, int, float]]] = {}
+        self._sums: dict[object, dict[int, float]] = {}
+
+    def note(self, key: object, now_s: float, priority: int, tokens: float) -> None:
+        self._events.setdefault(key, deque()).append((now_s, priority, tokens))
+        sums = self._sums.setdefault(key, {})
+        sums[priority] = sums.get(priority, 0.0) + tokens
+        self._expire(key, now_s)
+
+    def tokens_per_s_above(self, key: object, priority: int, now_s: float) -> float:
+        """Tokens per second admitted to ``key`` at priorities higher than ``priority``."""
+        if key not in self._events:
+            return 0.0
+        self._expire(key, now_s)
+        return max(sum(t for p, t in self._sums[key].items() if p < priority), 0.0) / self.window_s
+
+    def forget(self, keep: set) -> None:
+        """Drop the prefills not in ``keep`` (workers that left)."""
+        for key in [k for k in self._events if k not in keep]:
+            del self._events[key], self._sums[key]
+
+    def _expire(self, key: object, now_s: float) -> None:
+        events, sums = self._events[key], self._sums[key]
+        while events and events[0][0] <= now_s - self.window_s:
+            _, priority, tokens = events.popleft()
+            sums[priority] -= tokens
 
 
 class Admitter:

@@ -27,7 +27,7 @@ from shared.kvcache.overlap import leading_overlap
 from shared.planner.costmodel import kv_transfer_s
 from shared.planner.flow import Evaluator
 from shared.planner.plan import Plan
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow
 from shared.cluster.scaling import Autoscaling
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
 from shared.policy.autoscale_inputs import Capacities, WorkerSample
@@ -38,6 +38,7 @@ from shared.sim.traces import Trace
 from shared.sim.workers import DECODE, PREFILL, Worker
 
 PREFILL_FREE, PREFILL_DONE, KV_ARRIVED, DECODE_FINISH, TICK = range(5)
+REMOTE = -1   # the prefill pool, as an Inflow key
 
 
 class PrefillQueue:
@@ -150,6 +151,7 @@ class Simulator:
         if not any(w.role == DECODE for w in self.workers):
             raise ValueError("the plan has no decode workers")
         self.admitter = Admitter(cfg.admission or workload_admission(ev.workload.slo.ttft_s))
+        self.inflow = Inflow()   # keyed by decode worker index (local prefills), or REMOTE
         # the placeholder capacities are replaced every tick by the plan's, as workers flip
         self.scaling = Autoscaling(RatioAutoscaler(cfg.autoscale), Capacities(1.0, 1.0),
                                    window_s=cfg.autoscale_window_s) if cfg.autoscale else None
@@ -274,12 +276,15 @@ class Simulator:
             in_progress = max(w.stall_until - self.now, 0.0) * rate if self.local_active[w.index] is not None else 0.0
             queued = in_progress + self.local_queue[w.index].tokens_ahead_of(priority)
         backlog = max(w.ingress_free - self.now, 0.0) if remote else 0.0   # KV transfers queued at w
+        prefill = REMOTE if remote else w.index
         decision = self.admitter.decide(AdmissionInput(
             self.now, self.tier[i], inp, cached, queued, rate,
             len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,
-            decode_wait_s=self._memory_wait_s(w, inp + self.out[i])))
+            decode_wait_s=self._memory_wait_s(w, inp + self.out[i]),
+            preempting_tokens_per_s=self.inflow.tokens_per_s_above(prefill, priority, self.now)))
         if not decision.admitted:
             return self._reject(i, REJECT_CAUSES[decision.code])
+        self.inflow.note(prefill, self.now, priority, inp - cached)
         self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
         self.num_prompt_tokens[w.index] += inp - cached
         self.num_generated_tokens[w.index] += self.out[i]

@@ -146,3 +146,43 @@ async def test_without_kv_index_admission_routes_to_the_least_loaded(bus, nats_u
     await wait_until(loaded, timeout_s=5, what="w1's load at admission")
     decision = await bus.request(subjects.admission_submit(), request("r1", [1, 2, 3, 4]), timeout_s=2)
     assert (decision.is_admitted, decision.worker_id, decision.num_overlap_blocks) == (True, "w2", 0)
+
+
+async def test_a_lower_tier_is_rejected_when_the_higher_tier_arriving_meanwhile_would_take_the_prefill(
+        bus, nats_url, namespace, tmp_path):
+    qos = tmp_path / "qos.yaml"
+    qos.write_text("default_tier: batch\ntiers:\n  premium: {priority: 0, ttft_slo_ms: 60000}\n"
+                   "  batch: {priority: 2, ttft_slo_ms: 1000}\n")
+    subjects = Subjects(namespace)
+    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=5.0)
+    await registry.put(worker(subjects, "w1"))
+    admission = AdmissionService(AdmissionSettings(nats_url=nats_url, namespace=namespace, kv_match_timeout_s=0.1,
+                                                   qos=str(qos), retry_after_s=0.1), bus, registry)
+    await admission.start()
+
+    async def report(seq: int) -> None:
+        await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
+            worker_id="w1", role="decode", seq=seq, timestamp=time.time(), prefill_tokens_per_s=100.0))
+        await wait_until(lambda: _reported(admission, seq), timeout_s=5, what=f"load report {seq} at admission")
+
+    def submit(request_id: str, tier: str, num_tokens: int):
+        req = request(request_id, [], num_tokens).model_copy(update={"tier": tier})
+        return bus.request(subjects.admission_submit(), req, timeout_s=2)
+
+    await report(1)
+    assert (await submit("b1", "batch", 50)).is_admitted        # 50 tokens at 100 tok/s: 0.5 s
+    for i in range(10):                                           # 640 premium tokens in the 10 s window
+        assert (await submit(f"p{i}", "premium", 64)).is_admitted
+    await report(2)   # the worker has prefilled them all: nothing is queued ahead of a new request
+    # Alone the batch request would take 0.5 s again, but premium prompts keep arriving at 64 tok/s
+    # and go first: 50 / (100 - 64) = 1.39 s, over the batch tier's 1 s.
+    decision = await submit("b2", "batch", 50)
+    assert (decision.is_admitted, decision.reject_reason) == (False, "slo"), decision
+    assert "predicted TTFT 1.39s > batch SLO 1.00s" in decision.message
+    assert decision.retry_after_s == pytest.approx(0.39, abs=0.01)
+    assert (await submit("p10", "premium", 50)).is_admitted     # nothing arrives above premium: 0.5 s
+
+
+async def _reported(admission, seq: int) -> bool:
+    entry = admission.view.get("w1")
+    return entry is not None and entry.load is not None and entry.load.seq == seq

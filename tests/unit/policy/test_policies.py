@@ -5,7 +5,7 @@ import pytest
 
 from shared.kvcache.overlap import leading_overlap
 from shared.planner.config import ConfigError
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, predict_ttft_s, slot_wait_s
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, predict_ttft_s, slot_wait_s
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
 from shared.policy.kv_routing import (RoutingInput, RoutingWeights, WorkerLoadView, choose_worker, route,
@@ -150,6 +150,32 @@ def test_predicted_ttft_is_backlog_over_rate():
     assert predict_ttft_s(_adm(queued=9000, prompt=1000)) == pytest.approx(1.0 + 0.05)
     assert predict_ttft_s(_adm(queued=0, prompt=1000, cached=500, wait=0.5)) == pytest.approx(0.05 + 0.05 + 0.5)
     assert predict_ttft_s(_adm(rate=None)) is None   # nothing measured yet: no prediction
+
+
+def test_higher_priority_work_arriving_meanwhile_slows_the_prediction():
+    # 9000 queued + 1000 own at 10,000 tok/s, of which 6,000 tok/s go to a higher tier arriving
+    # meanwhile: served at 4,000 tok/s, 2.5 s + 0.05 s transfer
+    inp = dataclasses.replace(_adm(queued=9000, prompt=1000), preempting_tokens_per_s=6000.0)
+    assert predict_ttft_s(inp) == pytest.approx(2.5 + 0.05)
+    saturated = dataclasses.replace(inp, preempting_tokens_per_s=10_000.0)
+    assert predict_ttft_s(saturated) == float("inf")
+    d = Admitter(AdmissionConfig(QOS, min_retry_after_s=1.0)).decide(saturated)
+    assert not d.admitted and d.code == "slo" and d.retry_after_s == 1.0
+
+
+def test_inflow_is_tokens_per_second_above_a_priority_over_the_window():
+    inflow = Inflow(window_s=10.0)
+    inflow.note("w1", 0.0, 0, 3000.0)
+    inflow.note("w1", 5.0, 1, 2000.0)
+    inflow.note("w1", 6.0, 2, 9000.0)
+    inflow.note("w2", 6.0, 0, 7000.0)
+    assert inflow.tokens_per_s_above("w1", 0, 6.0) == 0.0             # nothing above the top tier
+    assert inflow.tokens_per_s_above("w1", 1, 6.0) == pytest.approx(300.0)
+    assert inflow.tokens_per_s_above("w1", 2, 6.0) == pytest.approx(500.0)
+    assert inflow.tokens_per_s_above("w1", 2, 10.5) == pytest.approx(200.0)   # the one at 0 s has left the window
+    assert inflow.tokens_per_s_above("w3", 2, 6.0) == 0.0
+    inflow.forget({"w1"})
+    assert inflow.tokens_per_s_above("w2", 1, 6.0) == 0.0
 
 
 def test_slot_wait_when_the_batch_is_full():

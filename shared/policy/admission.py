@@ -93,48 +93,65 @@ def predict_itl_s(inp: AdmissionInput) -> float | None:
 
 
 def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, mean_output_tokens: float,
-                itl_s: float | None) -> float:
+                itl_s: float | None, preempting_requests_per_s: float = 0.0) -> float:
     """Expected wait for a sequence slot on a worker whose batch is full of requests it cannot
     preempt (``num_running``: those of its own or a higher priority): the requests ahead of this
-    one, plus itself, each take a slot as a running request finishes, and the ``max_num_seqs``
-    running requests finish at a rate of one per (mean output length × ITL) / max_num_seqs."""
+    one, plus itself, each take a slot as a running request finishes. The ``max_num_seqs``
+    running requests finish at a rate of max_num_seqs / (mean output length × ITL) per second, less
+    the requests of higher priorities arriving meanwhile (``preempting_requests_per_s``), which take
+    the freed slots first."""
     if num_running < max_num_seqs or not itl_s or mean_output_tokens <= 0:
         return 0.0
-    return (num_waiting_ahead + 1) * mean_output_tokens * itl_s / max_num_seqs
+    rate_left = max_num_seqs / (mean_output_tokens * itl_s) - preempting_requests_per_s
+    if rate_left <= 0:
+        return math.inf  # higher priorities alone take every slot that frees
+    return (num_waiting_ahead + 1) / rate_left
 
 
 class Inflow:
-    """Uncached prompt tokens admitted per second to each prefill (``key``: a worker, or a pool),
-    by priority, over the last ``window_s``: ``AdmissionInput.preempting_tokens_per_s``."""
+    """Requests and their uncached prompt tokens admitted per second to each prefill (``key``: a
+    worker, or a pool), by priority, over the last ``window_s``: the work of higher priorities that
+    arrives while a request waits and goes first (``AdmissionInput.preempting_tokens_per_s``,
+    ``slot_wait_s(preempting_requests_per_s=...)``)."""
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
         self._events: dict[object, deque[tuple[float, int, float]]] = {}
-        self._sums: dict[object, dict[int, float]] = {}
+        self._tokens: dict[object, dict[int, float]] = {}
+        self._requests: dict[object, dict[int, int]] = {}
 
     def note(self, key: object, now_s: float, priority: int, tokens: float) -> None:
         self._events.setdefault(key, deque()).append((now_s, priority, tokens))
-        sums = self._sums.setdefault(key, {})
-        sums[priority] = sums.get(priority, 0.0) + tokens
+        by_tokens, by_requests = self._tokens.setdefault(key, {}), self._requests.setdefault(key, {})
+        by_tokens[priority] = by_tokens.get(priority, 0.0) + tokens
+        by_requests[priority] = by_requests.get(priority, 0) + 1
         self._expire(key, now_s)
 
     def tokens_per_s_above(self, key: object, priority: int, now_s: float) -> float:
         """Tokens per second admitted to ``key`` at priorities higher than ``priority``."""
-        if key not in self._events:
-            return 0.0
-        self._expire(key, now_s)
-        return max(sum(t for p, t in self._sums[key].items() if p < priority), 0.0) / self.window_s
+        return self._rate_above(self._tokens, key, priority, now_s)
+
+    def requests_per_s_above(self, key: object, priority: int, now_s: float) -> float:
+        """Requests per second admitted to ``key`` at priorities higher than ``priority``."""
+        return self._rate_above(self._requests, key, priority, now_s)
 
     def forget(self, keep: set) -> None:
         """Drop the prefills not in ``keep`` (workers that left)."""
         for key in [k for k in self._events if k not in keep]:
-            del self._events[key], self._sums[key]
+            del self._events[key], self._tokens[key], self._requests[key]
+
+    def _rate_above(self, sums: dict, key: object, priority: int, now_s: float) -> float:
+        if key not in self._events:
+            return 0.0
+        self._expire(key, now_s)
+        return max(sum(n for p, n in sums[key].items() if p < priority), 0.0) / self.window_s
 
     def _expire(self, key: object, now_s: float) -> None:
-        events, sums = self._events[key], self._sums[key]
+        events, by_tokens, by_requests = self._events[key], self._tokens[key], self._requests[key]
         while events and events[0][0] <= now_s - self.window_s:
             _, priority, tokens = events.popleft()
-            sums[priority] -= tokens
+            by_tokens[priority] -= tokens
+            by_requests[priority] -= 1
 
 
 class Admitter:

@@ -173,6 +173,8 @@ def test_inflow_is_tokens_per_second_above_a_priority_over_the_window():
     assert inflow.tokens_per_s_above("w1", 1, 6.0) == pytest.approx(300.0)
     assert inflow.tokens_per_s_above("w1", 2, 6.0) == pytest.approx(500.0)
     assert inflow.tokens_per_s_above("w1", 2, 10.5) == pytest.approx(200.0)   # the one at 0 s has left the window
+    assert inflow.requests_per_s_above("w1", 2, 10.5) == pytest.approx(0.1)
+    assert inflow.requests_per_s_above("w2", 1, 10.5) == pytest.approx(0.1)
     assert inflow.tokens_per_s_above("w3", 2, 6.0) == 0.0
     inflow.forget({"w1"})
     assert inflow.tokens_per_s_above("w2", 1, 6.0) == 0.0
@@ -184,6 +186,11 @@ def test_slot_wait_when_the_batch_is_full():
                        itl_s=0.025) == pytest.approx(0.5)
     assert slot_wait_s(num_running=7, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025) == 0
     assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=None) == 0
+    # slots free at 8 per second; higher-priority requests arriving at 6/s take them first: 4 / 2 = 2 s
+    assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+                       preempting_requests_per_s=6.0) == pytest.approx(2.0)
+    assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+                       preempting_requests_per_s=8.0) == float("inf")
 
 
 def test_early_rejection_against_slo_with_retry_after():

@@ -45,8 +45,16 @@ class WorkerEntry:
         schedules a lower priority after it: counting those too made a burst of batch admissions
         look like a premium backlog, and premium requests were rejected for it)."""
         reported = self.load.prefill_tokens_ahead(priority) if self.load else 0
-        return reported + block_size * sum(a.num_blocks for a in self.admitted if now - a.at <= MAX_UNREPORTED_AGE_S
-                                           and (a.priority is None or a.priority <= priority))
+        return reported + block_size * sum(a.num_blocks for a in self._admitted_ahead(priority, now))
+
+    def num_admitted_ahead(self, priority: int, now: float) -> int:
+        """Requests admitted to the worker since its last report at ``priority`` or higher: with
+        a full batch they wait for a slot ahead of a new request of ``priority``."""
+        return len(self._admitted_ahead(priority, now))
+
+    def _admitted_ahead(self, priority: int, now: float) -> list[_Admitted]:
+        return [a for a in self.admitted if now - a.at <= MAX_UNREPORTED_AGE_S
+                and (a.priority is None or a.priority <= priority)]
 
 
 class ClusterView:

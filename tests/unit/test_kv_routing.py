@@ -88,3 +88,7 @@ def test_prefill_backlog_ahead_counts_own_and_higher_priorities_plus_unreported_
     v.note_admitted("a", 2, now=12.0, priority=2)   # a batch admission is behind premium, not standard's
     assert entry.prefill_tokens_ahead(priority=0, block_size=16, now=12.0) == 100 + 48
     assert entry.prefill_tokens_ahead(priority=2, block_size=16, now=12.0) == 1140 + 48 + 32
+    # and, counted as requests, what a new request would queue behind for a sequence slot
+    assert (entry.num_admitted_ahead(0, now=12.0), entry.num_admitted_ahead(2, now=12.0)) == (1, 2)
+    v.update_load(WorkerLoad(worker_id="a", role="decode", seq=2, timestamp=12.5), now=12.5)
+    assert entry.num_admitted_ahead(2, now=12.6) == 0   # the report counts them now

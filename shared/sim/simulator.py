@@ -7,9 +7,10 @@ worker (or waits for memory), and is prefilled locally or remotely (conditional-
 policy). Remote prefills wait in one global queue that idle prefill workers pull from, local ones
 in their decode worker's; both serve by tier priority, then arrival, as the engine scheduler and
 the per-priority prefill subjects do (strictly: the live queue's anti-starvation share for lower
-tiers is not modelled). Remote prefills' KV then crosses the modelled route to the decode worker. The first token counts when the KV is on
-the decode worker; decoding runs on the worker's virtual step counter (see ``workers.py``). A
-periodic tick samples utilisation and, if enabled, asks the autoscaling policy to flip roles.
+tiers is not modelled). Remote prefills' KV then crosses the modelled route to the decode worker.
+The first token counts when the KV is on the decode worker; decoding runs on the worker's virtual
+step counter (see ``workers.py``). A periodic tick samples utilisation and, if enabled, asks the
+autoscaling policy to flip roles.
 
 Events live in one heap of ``(time, seq, kind, a, b)`` tuples; arrivals are read from the trace's
 sorted arrays instead of being pushed.

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--capacity-requests", type=int, default=32)
+    p.add_argument("--capacity-bursts", type=int, default=3, help="capacity = the median of this many bursts")
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/calibration"))

@@ -99,7 +99,8 @@ class AdmissionService:
                                 f"{self._settings.max_waiting_per_worker}+ queued requests",
                                 self._settings.retry_after_s)
         entry = self.view.get(choice.worker_id)
-        verdict = self.admitter.decide(self._observe(request, entry, workers, choice, now))
+        observed = self._observe(request, entry, workers, choice, now)
+        verdict = self.admitter.decide(observed)
         ttft = verdict.predicted_ttft_s if verdict.predicted_ttft_s is not None and \
             math.isfinite(verdict.predicted_ttft_s) else None
         if not verdict.admitted:
@@ -107,11 +108,9 @@ class AdmissionService:
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
-        priority = self.qos.tiers[self.qos.resolve(request.tier)].priority
+        priority = self.qos.tiers[observed.tier].priority
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(), priority)
-        prompt = max(1, len(request.prompt_token_ids))
-        self.inflow.note(choice.worker_id, now, priority,
-                         prompt - min(choice.num_overlap_blocks * block_size, prompt - 1))
+        self.inflow.note(choice.worker_id, now, priority, observed.prompt_tokens - observed.cached_tokens)
         info = entry.info
         lenders = {w.info.worker_id for w in self.view.ready_workers("decode", request.model)}
         source = choose_kv_source(held, info.worker_id, lenders, self._fetch)

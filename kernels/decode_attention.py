@@ -1,9 +1,72 @@
-"""Paged decode attention: one query token per sequence, GQA, ragged context lengths."""
+"""Paged decode attention: one query token per sequence, GQA, ragged context lengths.
+
+The reference is split in two: ``decode_plan`` turns a step's block tables and lengths into the
+gather indices and the mask, once per step, and ``paged_decode_attention_planned`` runs one layer
+with them; the model's torch backend makes the plan once and reuses it in every layer.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    block_ids: torch.Tensor  # [B * num_blocks] int64: the blocks to gather, padding entries -> block 0
+    num_blocks: int  # per sequence, for the longest one
+    max_len: int  # the longest context
+    valid: torch.Tensor | None  # [B, num_blocks * block_size] bool; None when every length is max_len
+    invalid_rows: torch.Tensor | None  # flat positions past each sequence's length, zeroed after the gather
+
+
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    lens = seq_lens.tolist()
+    max_len = max(lens)
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+    block_starts = torch.arange(num_blocks, device=table.device) * block_size
+    table = torch.where(block_starts[None, :] < seq_lens[:, None].to(table.device), table, 0)
+    if min(lens) == max_len:  # no padding: the gathered rows are cut at max_len, no mask needed
+        return DecodePlan(table.reshape(-1), num_blocks, max_len, None, None)
+    length = num_blocks * block_size
+    valid = torch.arange(length, device=table.device)[None, :] < seq_lens[:, None].to(table.device)
+    return DecodePlan(table.reshape(-1), num_blocks, max_len, valid, (~valid).view(-1).nonzero().view(-1))
+
+
+def paged_decode_attention_planned(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    length = plan.num_blocks * block_size
+    width = num_kv_heads * head_dim
+    k = k_cache.index_select(0, plan.block_ids).view(num_seqs, length, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, plan.block_ids).view(num_seqs, length, num_kv_heads, head_dim)
+    mask = None
+    if plan.valid is None:
+        k, v = k[:, :plan.max_len], v[:, :plan.max_len]
+    else:  # zero the padding so that garbage (NaN/inf) in unused cache slots cannot leak through
+        if plan.invalid_rows.numel():
+            k.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
+            v.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
+        mask = plan.valid[:, None, None, :]
+    qf, k, v = _float32(q), _float32(k), _float32(v)  # computed in float32 whatever the cache holds
+    out = F.scaled_dot_product_attention(
+        qf[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale, enable_gqa=num_kv_heads != num_q_heads)  # [B, Hq, 1, D]
+    out = out[:, :, 0]
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def paged_decode_attention_ref(
@@ -14,32 +77,5 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32: context length including the current token
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
-    num_seqs, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    # Entries past a sequence's own blocks may hold anything (padding, stale ids): point them at
-    # block 0 so that the gather stays in range.
-    block_starts = torch.arange(num_blocks, device=table.device) * block_size
-    table = torch.where(block_starts[None, :] < seq_lens[:, None].to(table.device), table, 0)
-    length = num_blocks * block_size
-    # index_select copies whole [bs, Hkv, D] pages (contiguous even in the strided pool view)
-    ids = table.reshape(-1)
-    k = k_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads * head_dim)
-    v = v_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads * head_dim)
-    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].to(q.device)  # [B, L]
-    # Slots past seq_len are not this sequence's K/V (stale or never written, possibly non-finite):
-    # the mask is additive and a zero probability times a NaN is NaN, so zero them (in place: the
-    # gathered copies are ours). Only those rows are touched: a masked_fill over the whole copy
-    # cost as much as the attention itself.
-    invalid = (~valid).view(-1).nonzero().view(-1)
-    if invalid.numel():
-        k.view(-1, num_kv_heads * head_dim).index_fill_(0, invalid, 0)
-        v.view(-1, num_kv_heads * head_dim).index_fill_(0, invalid, 0)
-    k = k.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-    v = v.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :], k.float(), v.float(), attn_mask=valid[:, None, None, :],
-        scale=scale, enable_gqa=num_kv_heads != num_q_heads)  # [B, Hq, 1, D]
-    return out[:, :, 0].to(q.dtype)
+    plan = decode_plan(block_tables, seq_lens, k_cache.shape[1])
+    return paged_decode_attention_planned(q, k_cache, v_cache, plan, scale)

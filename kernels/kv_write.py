@@ -10,6 +10,23 @@ from __future__ import annotations
 import torch
 
 
+def kv_write_plan(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids, offsets in the block) of each new token: the same for every layer of a step."""
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    return block_ids, slot_mapping - block_ids * block_size
+
+
+def write_kv_planned(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    plan: tuple[torch.Tensor, torch.Tensor],  # from kv_write_plan
+) -> None:
+    k_cache[plan] = key if key.dtype == k_cache.dtype else key.to(k_cache.dtype)
+    v_cache[plan] = value if value.dtype == v_cache.dtype else value.to(v_cache.dtype)
+
+
 def write_kv_ref(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -17,8 +34,4 @@ def write_kv_ref(
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64: block_id * block_size + offset
 ) -> None:
-    block_size = k_cache.shape[1]
-    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - block_ids * block_size
-    k_cache[block_ids, offsets] = key.to(k_cache.dtype)
-    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+    write_kv_planned(key, value, k_cache, v_cache, kv_write_plan(slot_mapping, k_cache.shape[1]))

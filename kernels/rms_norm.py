@@ -18,6 +18,6 @@ def fused_add_rms_norm_ref(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual = x + residual [T, H])
     summed = x if residual is None else x + residual
-    xf = summed.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype), summed
+    xf = summed if summed.dtype == torch.float32 else summed.float()  # (skipping no-op casts saves a
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # dispatch each, per layer)
+    return weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype)), summed

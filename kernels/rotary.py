@@ -14,7 +14,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def rotary_embedding_ref(
@@ -23,4 +24,7 @@ def rotary_embedding_ref(
     cos: torch.Tensor,  # [T, D/2]
     sin: torch.Tensor,  # [T, D/2]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q rotated [T, Hq, D], k rotated [T, Hkv, D])
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if q.dtype != k.dtype:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    # one rotation over the heads of both: the same values, half the op calls
+    return _rotate(torch.cat((q, k), dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)

@@ -9,13 +9,13 @@ that order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from kernels.decode_attention import paged_decode_attention_ref
-from kernels.kv_write import write_kv_ref
+from kernels.decode_attention import decode_plan, paged_decode_attention_planned
+from kernels.kv_write import kv_write_plan, write_kv_planned
 from kernels.prefill_attention import paged_prefill_attention_ref
 from kernels.rms_norm import fused_add_rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
@@ -30,6 +30,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: token offsets of each sequence
     max_seq_len: int
     max_query_len: int
+    # what a backend derives from the fields above once per step and reuses in every layer
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class AttentionBackend(Protocol):
@@ -67,14 +69,20 @@ class TorchAttentionBackend:
     name = "torch"
 
     def write_kv(self, key, value, k_cache, v_cache, meta):
-        write_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.derived.get("kv_write")
+        if plan is None:
+            plan = meta.derived["kv_write"] = kv_write_plan(meta.slot_mapping, k_cache.shape[1])
+        write_kv_planned(key, value, k_cache, v_cache, plan)
 
     def attend(self, q, k_cache, v_cache, meta, scale):
         nd = meta.num_decodes
         parts = []
         if nd:
-            parts.append(paged_decode_attention_ref(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale))
+            plan = meta.derived.get("decode")
+            if plan is None:
+                plan = meta.derived["decode"] = decode_plan(
+                    meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[1])
+            parts.append(paged_decode_attention_planned(q[:nd], k_cache, v_cache, plan, scale))
         if q.shape[0] > nd:
             qsl = meta.query_start_loc[nd:] - nd
             parts.append(paged_prefill_attention_ref(

@@ -15,7 +15,7 @@ it on the real model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,10 @@ class Int8Weight:
     qweight: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N] float32
     inv_smooth: torch.Tensor | None = None  # [K] float32: activations are multiplied by it
+    qweight_t: torch.Tensor = field(init=False, repr=False, compare=False)  # [K, N] view, made once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qweight_t", self.qweight.t())
 
     @property
     def shape(self) -> torch.Size:
@@ -94,23 +98,28 @@ def quantize_int8(weight: torch.Tensor, act_amax: torch.Tensor | None = None, al
 def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) symmetric int8 quantization of x [M, K] (times ``inv_smooth`` [K] first):
     returns (int8 [M, K], scale [M, 1])."""
-    xf = x.float() if inv_smooth is None else x.float() * inv_smooth
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    # every op here runs once per linear layer and step, so casts that would be no-ops are skipped
+    # and the scale is finished in place: at batch 1 the dispatch of an op costs about what its work does
+    xf = x if x.dtype == torch.float32 else x.float()
+    if inv_smooth is not None:
+        xf = xf * inv_smooth
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
     return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w.T with int8 operands and int32 accumulation; returns x's dtype."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
-        return x.new_zeros(*lead, w.shape[0])
+        return x.new_zeros(*x.shape[:-1], w.shape[0])
     xq, xs = quantize_rows(x2, w.inv_smooth)
-    acc = torch._int_mm(xq, w.qweight.t())  # [M, N] int32, exact
-    out = acc.to(torch.float32).mul_(xs).mul_(w.scale)
+    # int32 [M, N], exact; times a float32 scale it is converted to float32 first, as .to() would
+    out = torch.mul(torch._int_mm(xq, w.qweight_t), xs).mul_(w.scale)
     if bias is not None:
-        out.add_(bias.float())
-    return out.to(x.dtype).view(*lead, w.shape[0])
+        out.add_(bias if bias.dtype == torch.float32 else bias.float())
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], w.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | ObservedWeight,

@@ -52,7 +52,7 @@ class LlamaLayer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
-    def forward(self, layer_idx, hidden, residual, cos, sin, kv_cache, meta, backend):
+    def forward(self, kv_views, hidden, residual, cos, sin, meta, backend):
         cfg = self.cfg
         x, residual = backend.fused_add_rms_norm(hidden, residual, self.attn_norm, cfg.rms_norm_eps)
         qkv = linear(x, self.qkv, self.qkv_bias)
@@ -61,7 +61,7 @@ class LlamaLayer:
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         q, k = backend.rotary_embedding(q, k, cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        k_cache, v_cache = layer_views(kv_cache, layer_idx)
+        k_cache, v_cache = kv_views
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
         hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
@@ -78,6 +78,7 @@ class LlamaModel:
         self.lm_head = weights.get("lm_head", self.embed)
         self.layers = [LlamaLayer(cfg, w) for w in layer_weights]
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
+        self._kv_views: tuple[torch.Tensor, list] | None = None  # (cache, each layer's (k, v) views)
 
     @property
     def device(self) -> torch.device:
@@ -103,9 +104,16 @@ class LlamaModel:
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rope_cos_sin(positions)
         residual = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer.forward(i, hidden, residual, cos, sin, kv_cache, meta, backend)
+        for layer, views in zip(self.layers, self.kv_views(kv_cache)):
+            hidden, residual = layer.forward(views, hidden, residual, cos, sin, meta, backend)
         return backend.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    def kv_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (k, v) views of ``kv_cache``, made once for the engine's cache (every step
+        passes the same tensor) rather than sliced again in every layer of every step."""
+        if self._kv_views is None or self._kv_views[0] is not kv_cache:
+            self._kv_views = (kv_cache, [layer_views(kv_cache, i) for i in range(len(self.layers))])
+        return self._kv_views[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shared.engine import cpu_threads
 from shared.engine.config import EngineConfig
 from shared.engine.engine import EngineOutput, EngineStats, LLMEngine, RemotePrefillSlot, StepObserver
 from shared.engine.errors import EngineDeadError
@@ -50,8 +51,15 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats = engine.stats()
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        # the engine thread takes the intra-op threads and this thread gives its own up (why:
+        # shared/engine/cpu_threads.py); restored by shutdown() when called from this thread
+        num_threads = cpu_threads.engine_thread_count(getattr(engine.config, "num_threads", None))
+        adopted = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(num_threads, adopted), name="tandem-engine",
+                                        daemon=True)
         self._thread.start()
+        adopted.wait()
+        self._handed_over = (threading.get_ident(), cpu_threads.release_calling_thread())
 
     @classmethod
     def start(cls, config: EngineConfig) -> "AsyncEngine":
@@ -188,6 +196,9 @@ class AsyncEngine:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.engine.close()  # the disk tier keeps the cache for the next start
+        thread_id, num_threads = self._handed_over
+        if thread_id == threading.get_ident():
+            cpu_threads.restore(num_threads)
 
     def _post(self, item: _Add | _Call | str) -> None:
         with self._cv:
@@ -195,7 +206,11 @@ class AsyncEngine:
             self._cv.notify()
 
     # -- engine thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, num_threads: int, adopted: threading.Event) -> None:
+        try:
+            cpu_threads.adopt(num_threads)
+        finally:
+            adopted.set()
         try:
             while True:
                 with self._cv:

@@ -1,7 +1,8 @@
 """The engine thread owns the process's intra-op (OpenMP) threads.
 
-A worker loads its model in the main thread, then steps the engine in a thread of its own
-(``AsyncEngine``). Each thread that runs a parallel torch op gets its own OpenMP team, and once
+A worker loads its model in one thread (an executor thread of the event loop, or the main thread
+in tests) and steps the engine in another (``AsyncEngine``). Each thread that runs a parallel
+torch op gets its own OpenMP team, and once
 a process holds more OpenMP threads than the machine has cores, GNU OpenMP stops letting idle team
 threads spin and puts them to sleep at once: every parallel op then pays a futex wake-up. Measured
 on a 2-core machine, a batch-1 ``torch._int_mm`` of the decode step took 16 µs from the main
@@ -9,9 +10,10 @@ thread and 52–74 µs from a second thread once the main thread had a team of i
 decode step 17 ms against 30 ms.
 
 So the engine thread takes the intra-op thread count the engine was configured with, and the
-thread that handed it over (the main thread, running the event loop) drops to one thread and frees
-its OpenMP team (``omp_pause_resource_all``). Torch ops that the main thread still runs (small
-copies, bookkeeping) then run on that one thread and never start a second team.
+thread that built the engine drops to one thread and frees its OpenMP team
+(``omp_pause_resource_all``). Threads that start later read torch's global count, now one, so the
+torch ops they still run (small copies, bookkeeping) never start a second team either. Served
+batch-1 inter-token latency went from 34–39 ms to 18–20 ms here.
 """
 
 from __future__ import annotations

@@ -100,26 +100,14 @@ def measure(batch_size: int) -> dict:
 
 
 def plot(path: Path, report: dict) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from loadtest.report import bar_chart  # noqa: PLC0415
 
     sizes = list(report["batches"])
     fmts = list(report["batches"][sizes[0]]["step_ms"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    width = 0.8 / len(fmts)
-    for i, fmt in enumerate(fmts):
-        ax.bar([j + i * width for j in range(len(sizes))], [report["batches"][b]["step_ms"][fmt] for b in sizes],
-               width, label=fmt)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"batch {b}" for b in sizes])
-    ax.set_ylabel("ms of matmuls per decode step")
-    ax.set_title(f"SmolLM2-135M linear layers by weight format ({report['num_threads']} threads)")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bar_chart(path, [f"batch {b}" for b in sizes],
+              {fmt: [report["batches"][b]["step_ms"][fmt] for b in sizes] for fmt in fmts},
+              ylabel="ms of matmuls per decode step",
+              title=f"SmolLM2-135M linear layers by weight format ({report['num_threads']} threads)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ path and the oracle) and a Triton kernel (``<op>_triton``, same signature, in ``
 | fused residual add + RMSNorm | rms_norm.py | rms_norm_triton.py |
 | rotary embedding | rotary.py | rotary_triton.py |
 
-Reference modules import only torch (triton is absent on some platforms); a Triton module may
+Reference modules import only torch (triton is absent on some platforms) and ``cast.py``, the
+dtype conversion they share that skips no-op casts; a Triton module may
 import its reference, never the other way round. The model runs the references through
 ``TorchAttentionBackend`` (shared/model/attention.py) and the Triton kernels through
 ``backend.py``'s ``TritonAttentionBackend``, which that module selects on CUDA. ``dispatch.py``

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cast import cast
+
 
 @dataclass(frozen=True)
 class DecodePlan:
@@ -19,7 +21,7 @@ class DecodePlan:
     num_blocks: int  # per sequence, for the longest one
     max_len: int  # the longest context
     valid: torch.Tensor | None  # [B, num_blocks * block_size] bool; None when every length is max_len
-    invalid_rows: torch.Tensor | None  # flat positions past each sequence's length, zeroed after the gather
+    invalid_rows: torch.Tensor | None  # flat positions past each sequence's length (some, when valid is set)
 
 
 def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
@@ -53,20 +55,15 @@ def paged_decode_attention_planned(
     if plan.valid is None:
         k, v = k[:, :plan.max_len], v[:, :plan.max_len]
     else:  # zero the padding so that garbage (NaN/inf) in unused cache slots cannot leak through
-        if plan.invalid_rows.numel():
-            k.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
-            v.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
+        k.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
+        v.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
         mask = plan.valid[:, None, None, :]
-    qf, k, v = _float32(q), _float32(k), _float32(v)  # computed in float32 whatever the cache holds
+    # computed in float32 whatever the cache holds
+    qf, k, v = cast(q, torch.float32), cast(k, torch.float32), cast(v, torch.float32)
     out = F.scaled_dot_product_attention(
         qf[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         scale=scale, enable_gqa=num_kv_heads != num_q_heads)  # [B, Hq, 1, D]
-    out = out[:, :, 0]
-    return out if out.dtype == q.dtype else out.to(q.dtype)
-
-
-def _float32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float32 else x.float()
+    return cast(out[:, :, 0], q.dtype)
 
 
 def paged_decode_attention_ref(

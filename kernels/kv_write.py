@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cast import cast
+
 
 def kv_write_plan(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(block ids, offsets in the block) of each new token: the same for every layer of a step."""
@@ -23,8 +25,8 @@ def write_kv_planned(
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     plan: tuple[torch.Tensor, torch.Tensor],  # from kv_write_plan
 ) -> None:
-    k_cache[plan] = key if key.dtype == k_cache.dtype else key.to(k_cache.dtype)
-    v_cache[plan] = value if value.dtype == v_cache.dtype else value.to(v_cache.dtype)
+    k_cache[plan] = cast(key, k_cache.dtype)
+    v_cache[plan] = cast(value, v_cache.dtype)
 
 
 def write_kv_ref(

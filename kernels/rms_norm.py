@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cast import cast
+
 
 def fused_add_rms_norm_ref(
     x: torch.Tensor,  # [T, H]
@@ -18,6 +20,6 @@ def fused_add_rms_norm_ref(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual = x + residual [T, H])
     summed = x if residual is None else x + residual
-    xf = summed if summed.dtype == torch.float32 else summed.float()  # (skipping no-op casts saves a
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # dispatch each, per layer)
-    return weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype)), summed
+    xf = cast(summed, torch.float32)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * cast(normed, x.dtype), summed

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cast import cast
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return cast(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1), x.dtype)
 
 
 def rotary_embedding_ref(

@@ -53,7 +53,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         # the engine thread takes the intra-op threads and this thread gives its own up (why:
         # shared/engine/cpu_threads.py); restored by shutdown() when called from this thread
-        num_threads = cpu_threads.engine_thread_count(getattr(engine.config, "num_threads", None))
+        num_threads = cpu_threads.engine_thread_count(engine.config.num_threads)
         adopted = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(num_threads, adopted), name="tandem-engine",
                                         daemon=True)

@@ -9,8 +9,9 @@ that order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +33,13 @@ class AttentionMetadata:
     max_query_len: int
     # what a backend derives from the fields above once per step and reuses in every layer
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def derive(self, key: str, make: Callable[[], Any]) -> Any:
+        """``derived[key]``, made by ``make()`` the first time a layer of this step asks."""
+        value = self.derived.get(key)
+        if value is None:
+            value = self.derived[key] = make()
+        return value
 
 
 class AttentionBackend(Protocol):
@@ -69,19 +77,15 @@ class TorchAttentionBackend:
     name = "torch"
 
     def write_kv(self, key, value, k_cache, v_cache, meta):
-        plan = meta.derived.get("kv_write")
-        if plan is None:
-            plan = meta.derived["kv_write"] = kv_write_plan(meta.slot_mapping, k_cache.shape[1])
+        plan = meta.derive("kv_write", lambda: kv_write_plan(meta.slot_mapping, k_cache.shape[1]))
         write_kv_planned(key, value, k_cache, v_cache, plan)
 
     def attend(self, q, k_cache, v_cache, meta, scale):
         nd = meta.num_decodes
         parts = []
         if nd:
-            plan = meta.derived.get("decode")
-            if plan is None:
-                plan = meta.derived["decode"] = decode_plan(
-                    meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[1])
+            plan = meta.derive("decode", lambda: decode_plan(
+                meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[1]))
             parts.append(paged_decode_attention_planned(q[:nd], k_cache, v_cache, plan, scale))
         if q.shape[0] > nd:
             qsl = meta.query_start_loc[nd:] - nd

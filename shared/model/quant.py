@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.cast import cast
+
 QUANTIZATION_METHODS = ("none", "int8")
 
 # What the float model reads once to measure each linear layer's input range (SmoothQuant
@@ -100,7 +102,7 @@ def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tu
     returns (int8 [M, K], scale [M, 1])."""
     # every op here runs once per linear layer and step, so casts that would be no-ops are skipped
     # and the scale is finished in place: at batch 1 the dispatch of an op costs about what its work does
-    xf = x if x.dtype == torch.float32 else x.float()
+    xf = cast(x, torch.float32)
     if inv_smooth is not None:
         xf = xf * inv_smooth
     scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
@@ -116,9 +118,8 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
     # int32 [M, N], exact; times a float32 scale it is converted to float32 first, as .to() would
     out = torch.mul(torch._int_mm(xq, w.qweight_t), xs).mul_(w.scale)
     if bias is not None:
-        out.add_(bias if bias.dtype == torch.float32 else bias.float())
-    if out.dtype != x.dtype:
-        out = out.to(x.dtype)
+        out.add_(cast(bias, torch.float32))
+    out = cast(out, x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], w.shape[0])
 
 

@@ -153,3 +153,23 @@ async def test_async_engine_streams_and_abort_frees_blocks(make_engine, chat_pro
         aengine.shutdown()
     assert_all_blocks_free(engine)
 
+
+
+async def test_async_engine_takes_the_threads_its_creator_gives_up(make_engine, chat_prompts, reference):
+    """shared/engine/cpu_threads.py on the real model: the engine thread steps with the process's
+    intra-op threads, the creating thread keeps one until shutdown, and the greedy text is the
+    reference's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        aengine = AsyncEngine(make_engine())
+        try:
+            assert torch.get_num_threads() == 1
+            assert await aengine.call(lambda engine: torch.get_num_threads()) == 2
+            tokens = [t async for o in aengine.generate("t0", chat_prompts[0], GREEDY) for t in o.new_token_ids]
+            assert tokens == reference[0]
+        finally:
+            aengine.shutdown()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

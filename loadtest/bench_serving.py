@@ -66,6 +66,8 @@ def summarize_waves(waves: list[dict]) -> dict:
         return None if v is None else round(v * 1e3, 2)
 
     return {"output_tok_s": round(tokens / wall, 1) if wall else None, "output_tokens": tokens,
+            # each round's own figure, in order: how far the machine's load moved them
+            "round_tok_s": [round(w["tokens"] / w["wall_s"], 1) if w["wall_s"] else None for w in waves],
             "itl_p50_ms": ms(percentile(itls, 50)), "itl_p90_ms": ms(percentile(itls, 90)),
             # per-request mean time per output token: unlike the ITL of text chunks, not fooled by
             # chunks that arrive together in one read
@@ -83,8 +85,8 @@ async def measure(targets: dict[str, str], model: str, concurrency: list[int], r
             for name, url in targets.items():
                 prompts = [prompt_of_tokens(model, prompt_tokens, salt := salt + 1) for _ in range(c)]
                 waves[name][c].append(await _wave(url, model, prompts, output_tokens))
-            print(f"c={c}: " + ", ".join(f"{n} {summarize_waves(waves[n][c])['output_tok_s']} tok/s"
-                                         for n in targets), flush=True)
+            print(f"c={c}, round {len(waves[next(iter(targets))][c])}: " + ", ".join(
+                f"{n} {summarize_waves(waves[n][c][-1:])['output_tok_s']} tok/s" for n in targets), flush=True)
     return {name: {c: summarize_waves(w) for c, w in per_c.items()} for name, per_c in waves.items()}
 
 

@@ -13,6 +13,7 @@ def test_aggregate_rate_is_all_tokens_over_all_wave_time():
     assert s["output_tok_s"] == 64.0  # 512 tokens / 8 s, not the mean of 128 and 42.7
     assert s["itl_p50_ms"] == 30.0 and s["tpot_p50_ms"] == 30.0
     assert s["errors"] == ["HTTP 503"]
+    assert s["round_tok_s"] == [128.0, 42.7]  # each round's own rate, in order
 
 
 def test_ratios_are_against_the_last_target_and_skip_a_level_it_has_no_rate_for():

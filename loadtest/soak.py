@@ -59,9 +59,14 @@ def growth(samples: list[Sample], warm_s: float, tail: int = 3) -> dict:
         return {"num_samples": len(settled), "rss_growth": None, "fd_growth": None}
     first, last = settled[0], settled[-tail:]
     rss_end = sum(s.rss_bytes for s in last) / len(last)
+    # a leak grows in both halves of the run; caches that fill to a size and stay there grow only
+    # in the first: the second half's growth tells the two apart (the target is on the whole run)
+    middle = next(s for s in settled if s.at_s >= (settled[0].at_s + settled[-1].at_s) / 2)
     return {"num_samples": len(settled), "rss_start_mib": round(first.rss_bytes / 2**20, 1),
             "rss_end_mib": round(rss_end / 2**20, 1),
             "rss_growth": round(rss_end / first.rss_bytes - 1.0, 4) if first.rss_bytes else None,
+            "rss_middle_mib": round(middle.rss_bytes / 2**20, 1),
+            "rss_growth_second_half": round(rss_end / middle.rss_bytes - 1.0, 4) if middle.rss_bytes else None,
             "fd_start": first.num_fds, "fd_end": last[-1].num_fds,
             "fd_growth": last[-1].num_fds - first.num_fds}
 
@@ -132,6 +137,24 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def print_report(result: dict) -> None:
+    for name, g in result["processes"].items():
+        print(f"{name:14} RSS {g.get('rss_start_mib', '-')} -> {g.get('rss_end_mib', '-')} MiB "
+              f"({(g['rss_growth'] or 0) * 100:+.1f}%; second half {(g.get('rss_growth_second_half') or 0) * 100:+.1f}%), "
+              f"fds {g.get('fd_start', '-')} -> {g.get('fd_end', '-')}")
+
+
+def reanalyse(path: Path, warm_s: float) -> dict:
+    """A saved soak.json's per-process figures computed again from its samples (for runs saved by
+    an older version of this script, or another --warm-s)."""
+    result = json.loads(path.read_text())
+    samples = {name: [Sample(**x) for x in s] for name, s in result["samples"].items()}
+    result["processes"] = {name: growth(s, warm_s) for name, s in sorted(samples.items())}
+    result["worst_rss_growth"] = max((g["rss_growth"] for g in result["processes"].values()
+                                      if g["rss_growth"] is not None), default=None)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration-s", type=float, default=1800.0, help="load duration (default: %(default)s)")
@@ -143,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS, help="output folder (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report", type=Path, metavar="SOAK_JSON",
+                   help="run nothing: print the figures of a saved soak.json again (with this --warm-s)")
     args = p.parse_args(argv)
+    if args.report:
+        print_report(reanalyse(args.report, args.warm_s))
+        return 0
     cfg = ChaosConfig(num_decode=args.decode, num_prefill=args.prefill, num_gateways=1,
                       concurrency=args.concurrency, max_tokens=args.max_tokens,
                       deadline_s=max(120.0, args.duration_s))
@@ -162,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "soak.png")
-    for name, g in result["processes"].items():
-        print(f"{name:14} RSS {g.get('rss_start_mib', '-')} -> {g.get('rss_end_mib', '-')} MiB "
-              f"({(g['rss_growth'] or 0) * 100:+.1f}%), fds {g.get('fd_start', '-')} -> {g.get('fd_end', '-')}")
+    print_report(result)
     print(f"requests {result['num_succeeded']}/{result['num_requests']} ok, {result['num_failed']} failed, "
           f"{result['num_hung']} hung; leaked blocks {result['leaked_blocks'] or 0}; results in {args.out}",
           file=sys.stderr)

@@ -38,12 +38,13 @@ def kind_of(op_name: str) -> str:
     return "other ops"
 
 
-def decoding_engine(args, batch_size: int):
+def decoding_engine(args, batch_size: int, compile: bool = False):
     from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: PLC0415
 
     engine = LLMEngine.from_config(EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
                                                 quantization=args.quantization, num_threads=args.num_threads,
-                                                kv_cache_memory=512 << 20, max_num_seqs=max(batch_size, 1)))
+                                                kv_cache_memory=512 << 20, max_num_seqs=max(batch_size, 1),
+                                                compile=compile))
     vocab = engine.model.config.vocab_size if hasattr(engine.model, "config") else 32000
     for i in range(batch_size):
         prompt = [(17 * i + 31 * j) % (vocab - 10) + 5 for j in range(args.prompt_tokens)]
@@ -125,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--compile", action="store_true", help="decode steps as one compiled graph (--compile)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/profile_step"))
     args = p.parse_args(argv)
     report: dict = {"batches": {}}
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        engine = decoding_engine(args, b)
+        engine = decoding_engine(args, b, args.compile)
         report["precision"] = f"{engine.config.dtype}/{engine.config.quantization}"
         report["num_threads"] = torch.get_num_threads()
         r = report["batches"][str(b)] = profile(engine, args.steps)

@@ -42,6 +42,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "sampling keeps its distribution (default: %(default)s = off)")
     g.add_argument("--speculative-max-batch", type=int, default=int(_env("SPECULATIVE_MAX_BATCH", 4)),
                    help="speculate only while this many requests or fewer are running (default: %(default)s)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   default=_env("COMPILE", "0").lower() in ("1", "true", "yes"),
+                   help="CPU: run decode-only steps as one torch.compile graph (inductor), compiled at start "
+                        "(minutes the first time, cached on disk after); prefill stays eager (default: off)")
 
     t = parser.add_argument_group("KV tiers under the pool (env: TANDEM_KV_HOST_MEMORY, TANDEM_KV_DISK_DIR, ...)")
     t.add_argument("--kv-host-memory", default=_env("KV_HOST_MEMORY"),
@@ -68,4 +72,4 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         kv_host_memory=parse_size(args.kv_host_memory) if args.kv_host_memory else 0,
         kv_disk_dir=args.kv_disk_dir, kv_disk_size=parse_size(args.kv_disk_size),
         kv_disk_min_uses=args.kv_disk_min_uses, speculative_tokens=args.speculative_tokens,
-        speculative_max_batch=args.speculative_max_batch)
+        speculative_max_batch=args.speculative_max_batch, compile=args.compile)

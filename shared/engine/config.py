@@ -50,6 +50,8 @@ class EngineConfig:
     # speculative decoding with n-gram drafts from the request's own tokens (shared/engine/speculative.py)
     speculative_tokens: int = 0  # draft tokens per step; 0: off
     speculative_max_batch: int = 4  # speculate only while this many requests or fewer run
+    # decode-only steps as one compiled graph (shared/model/compiled.py; CPU); False: eager only
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -24,6 +24,7 @@ from shared.kvcache.layout import KvCacheSpec
 from shared.kvcache.manager import KVCacheManager
 from shared.kvcache.tiers import KvTiers, TierConfig
 from shared.model.attention import get_attention_backend
+from shared.model.compiled import CompiledDecode
 from shared.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,13 @@ class LLMEngine:
             self.kv.tiers = self.tiers
             self.kv.pool.on_evict = self.tiers.offload
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        compiled = None
+        if config.compile:
+            compiled = CompiledDecode(model, config.block_size)
+            compiled.warm(self.kv_cache)
         self.runner = ModelRunner(model, self.kv_cache, self.backend, config.block_size,
-                                  Sampler(self.device, config.seed, _grammars(tokenizer, cfg.vocab_size, eos_token_ids)))
+                                  Sampler(self.device, config.seed, _grammars(tokenizer, cfg.vocab_size, eos_token_ids)),
+                                  compiled)
         self._num_steps = 0
         self._fetches: dict[str, tuple[list[int], list[int], int]] = {}  # fetch id → hashes, tokens, cached here
         self._num_prompt_tokens = 0

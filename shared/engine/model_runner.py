@@ -7,18 +7,20 @@ import torch
 from shared.engine.sampler import SampledToken, Sampler
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.attention import AttentionBackend, AttentionMetadata
+from shared.model.compiled import CompiledDecode
 from shared.model.llama import LlamaModel
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, backend: AttentionBackend,
-                 block_size: int, sampler: Sampler) -> None:
+                 block_size: int, sampler: Sampler, compiled: CompiledDecode | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = block_size
         self.sampler = sampler
         self.device = model.device
+        self.compiled = compiled  # runs the decode-only steps when set
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -59,7 +61,10 @@ class ModelRunner:
         """Run one step; returns the new tokens of every request that reached its last token: one,
         or for a speculative step the accepted draft tokens and one more."""
         ids, pos, meta, rows = self.prepare(out)
-        hidden = self.model.forward(ids, pos, self.kv_cache, meta, self.backend)
+        if self.compiled is not None and self.compiled.applies(meta, ids.shape[0]):
+            hidden = self.compiled.forward(ids, pos, self.kv_cache, meta)
+        else:
+            hidden = self.model.forward(ids, pos, self.kv_cache, meta, self.backend)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return {}

@@ -44,6 +44,8 @@ class EngineWorkerSettings(ServiceSettings):
                                     "tokens per step from the request's own tokens, verified in the same forward "
                                     "(greedy text unchanged; 0: off)")
     speculative_max_batch: int = Field(4, ge=1, description="speculate only while this many requests or fewer run")
+    compile: bool = Field(False, description="CPU: decode-only steps as one torch.compile graph, compiled "
+                          "before the worker registers (minutes the first time, cached on disk after)")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
@@ -70,4 +72,4 @@ class EngineWorkerSettings(ServiceSettings):
             kv_host_memory=parse_size(self.kv_host_memory) if self.kv_host_memory else 0,
             kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
             kv_disk_min_uses=self.kv_disk_min_uses, speculative_tokens=self.speculative_tokens,
-            speculative_max_batch=self.speculative_max_batch)
+            speculative_max_batch=self.speculative_max_batch, compile=self.compile)

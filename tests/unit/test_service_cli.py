@@ -146,3 +146,16 @@ def test_speculative_decoding_flags_reach_the_engine_from_every_command():
     assert engine_config_from_args(args).speculative_tokens == 3
     args = build_parser().parse_args(["up", "--speculative-tokens", "4"])
     assert spec_from_settings(settings_from_args(args.settings_class, args)).decode_flags["speculative_tokens"] == 4
+
+
+def test_up_compile_reaches_every_worker_and_the_engine():
+    from services.decode.config import DecodeSettings
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+
+    spec = spec_from_settings(UpSettings(compile=True, prefill=1))
+    assert spec.decode_flags["compile"] is True and spec.prefill_flags["compile"] is True
+    assert "compile" not in spec_from_settings(UpSettings()).decode_flags
+    args = build_parser().parse_args(["decode", "--compile"])
+    assert settings_from_args(args.settings_class, args).engine_config().compile is True
+    assert DecodeSettings().engine_config().compile is False

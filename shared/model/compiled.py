@@ -1,0 +1,143 @@
+"""A CPU decode step as one compiled graph (``torch.compile``, inductor's C++ backend).
+
+An eager decode step of SmolLM2-135M makes about 7,700 aten op calls: 30 layers of norms,
+activation quantization, rotary, the KV write, the attention gather and SDPA, each one op through
+torch's dispatcher from Python. At batch 1 on a CPU that dispatch costs about what the ops' work
+does. ``CompiledDecode`` traces the whole forward of a decode-only step once, from the same
+reference functions the eager model runs, so inductor fuses the small elementwise ops into a few
+C++ loops and the step is one call.
+
+Two things differ from the eager step, both so that the graph is the same at every step:
+
+* the cache is only read inside the graph. Each layer attends over the cached past (the positions
+  before the step's token, gathered by block table and masked past each sequence's length) plus the
+  token's own K/V, which the graph returns; the runner writes all layers' new K/V into the cache
+  with one indexed copy after the graph. Writing inside the graph would make inductor copy the
+  whole pool;
+* the past is always masked (the eager path cuts it instead when every length is equal), so the
+  attention sums differ from eager in the last bits of float32.
+
+Sizes are symbolic (``dynamic=True``): one graph serves every batch of two or more sequences and
+every context length, and torch specializes one more for batch 1. ``warm()`` compiles both before
+a worker takes traffic; inductor's on-disk cache makes the next process's compile much faster.
+Prefill, chunked and speculative steps stay eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cast import cast
+from kernels.rms_norm import fused_add_rms_norm_ref
+from kernels.rotary import rotary_embedding_ref
+from shared.model.attention import AttentionMetadata
+from shared.model.quant import linear
+
+log = logging.getLogger(__name__)
+
+
+class CompiledDecode:
+    def __init__(self, model, block_size: int) -> None:
+        if model.device.type != "cpu":
+            raise ValueError(f"the compiled decode step runs on the CPU, not on {model.device.type}")
+        self.model = model
+        self.block_size = block_size
+        self._gqa = model.cfg.num_kv_heads != model.cfg.num_heads  # a Python bool: SDPA wants no symbol
+        self.num_steps = 0  # decode steps run through the graph
+        self._graph = torch.compile(self._forward, dynamic=True)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 past_blocks: torch.Tensor, past_valid: torch.Tensor):
+        model, cfg = self.model, self.model.cfg
+        num_seqs, past_len = past_valid.shape
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        hidden = F.embedding(input_ids, model.embed)
+        cos, sin = model.rope_cos_sin(positions)
+        # the step's own token is the last position of every sequence, always valid
+        valid = torch.cat([past_valid, past_valid.new_ones(num_seqs, 1)], dim=1)  # [B, L + 1]
+        residual = None
+        new_k, new_v = [], []
+        for i, layer in enumerate(model.layers):
+            x, residual = fused_add_rms_norm_ref(hidden, residual, layer.attn_norm, cfg.rms_norm_eps)
+            q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+            q, k = rotary_embedding_ref(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), cos, sin)
+            v = v.view(-1, kv_heads, head_dim)
+            new_k.append(k)
+            new_v.append(v)
+            keys = torch.cat([kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim),
+                              cast(k, kv_cache.dtype)[:, None]], dim=1)
+            values = torch.cat([kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim),
+                                cast(v, kv_cache.dtype)[:, None]], dim=1)
+            # unused cache slots may hold anything (NaN included): zero them, as the eager path does
+            keys = torch.where(valid[:, :, None, None], cast(keys, torch.float32), 0.0)
+            values = torch.where(valid[:, :, None, None], cast(values, torch.float32), 0.0)
+            attn = F.scaled_dot_product_attention(
+                cast(q, torch.float32)[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=valid[:, None, None, :], scale=head_dim ** -0.5, enable_gqa=self._gqa)
+            hidden = linear(cast(attn[:, :, 0], q.dtype).reshape(-1, q_size), layer.o_proj)
+            x, residual = fused_add_rms_norm_ref(hidden, residual, layer.mlp_norm, cfg.rms_norm_eps)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = linear(F.silu(gate) * up, layer.down)
+        out = fused_add_rms_norm_ref(hidden, residual, model.norm, cfg.rms_norm_eps)[0]
+        return out, torch.stack(new_k, dim=1), torch.stack(new_v, dim=1)  # [B, hidden], [B, layers, Hkv, D] x2
+
+    @staticmethod
+    def applies(meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A decode-only step: one new token per sequence, no prefill chunk, no draft rows."""
+        return meta.num_decodes == num_tokens == meta.seq_lens.shape[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states [B, hidden] of a decode-only step; writes its K/V into ``kv_cache``."""
+        bs = self.block_size
+        past = meta.seq_lens.long() - 1
+        num_blocks = max(1, -(-(meta.max_seq_len - 1) // bs))
+        table = meta.block_tables[:, :num_blocks].long()
+        if table.shape[1] < num_blocks:
+            table = F.pad(table, (0, num_blocks - table.shape[1]))
+        starts = torch.arange(num_blocks, device=table.device) * bs
+        table = torch.where(starts[None, :] < past[:, None], table, 0)  # blocks past a length: block 0, masked
+        past_valid = torch.arange(num_blocks * bs, device=table.device)[None, :] < past[:, None]
+        _mark_pool_static(kv_cache)
+        # the inputs are made outside inference mode, here and in warm(): torch guards on it
+        with torch.inference_mode():
+            hidden, new_k, new_v = self._graph(input_ids, positions, kv_cache, table.reshape(-1), past_valid)
+        block = torch.div(meta.slot_mapping, bs, rounding_mode="floor")
+        offset = meta.slot_mapping - block * bs
+        kv_cache[block, :, 0, offset] = cast(new_k, kv_cache.dtype)
+        kv_cache[block, :, 1, offset] = cast(new_v, kv_cache.dtype)
+        self.num_steps += 1
+        return hidden
+
+    def warm(self, kv_cache: torch.Tensor) -> None:
+        """Compile the graphs (batch 1, and one for every larger batch) before traffic comes: a
+        step over block 0 whose results are dropped; nothing is written to the cache."""
+        cfg = self.model.cfg
+        dev = kv_cache.device
+        started = time.perf_counter()
+        _mark_pool_static(kv_cache)
+        # sizes unlike each other and unlike the model's (torch gives equal sizes one symbol when it
+        # traces, which would tie the batch to, say, the number of KV heads)
+        num_blocks = 7
+        for num_seqs in (1, 5):
+            ids = torch.zeros(num_seqs, dtype=torch.long, device=dev)
+            pos = torch.ones(num_seqs, dtype=torch.long, device=dev)
+            blocks = torch.zeros(num_seqs * num_blocks, dtype=torch.long, device=dev)
+            valid = torch.zeros(num_seqs, num_blocks * self.block_size, dtype=torch.bool, device=dev)
+            valid[:, 0] = True
+            with torch.inference_mode():
+                self._graph(ids, pos, kv_cache, blocks, valid)
+        log.info("compiled the decode step of %d layers in %.1f s", cfg.num_layers, time.perf_counter() - started)
+
+
+def _mark_pool_static(kv_cache: torch.Tensor) -> None:
+    """Every dimension of the KV pool but the number of blocks is fixed by the model: no symbols for
+    them (one of size 2 or 3 would otherwise share a symbol with a batch of that size). The number of
+    blocks stays symbolic, so that a graph cached on disk serves any pool size."""
+    for dim in range(1, kv_cache.dim()):
+        torch._dynamo.mark_static(kv_cache, dim)

@@ -1,0 +1,59 @@
+"""The compiled decode step (shared/model/compiled.py) on a tiny model: the same greedy tokens as
+the eager step for ragged batches, with NaN in every unused cache slot; only decode-only steps
+go through the graph; no recompilation after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine import EngineConfig, LLMEngine, SamplingParams
+from shared.model.attention import AttentionMetadata
+from shared.model.compiled import CompiledDecode
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(n)]  # 5, 14, 23, ... tokens
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_engine_model):
+    eager = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
+    compiled = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile=True))
+    for engine in (eager, compiled):
+        engine.kv_cache.fill_(float("nan"))  # what a slot holds before its token is written must not matter
+    return eager, compiled
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_compiled_decode_gives_the_eager_greedy_tokens(engines, num_requests):
+    eager, compiled = engines
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    before = compiled.runner.compiled.num_steps
+    expected = eager.generate(prompts(num_requests), greedy)
+    assert compiled.generate(prompts(num_requests), greedy) == expected
+    # every step after each prompt's first token went through the graph (at least 11 of them)
+    assert compiled.runner.compiled.num_steps - before >= 11
+    compiled.kv.check_integrity()
+
+
+def test_no_recompilation_after_warm_up(engines):
+    import torch._dynamo.utils
+
+    _, compiled = engines
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled.generate(prompts(2), greedy)  # batch 2, other lengths than warm-up's
+    compiled.generate(prompts(4), greedy)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_only_decode_only_steps_apply():
+    def meta(num_decodes: int, seq_lens: list[int]) -> AttentionMetadata:
+        n = len(seq_lens)
+        return AttentionMetadata(num_decodes, torch.zeros(1), torch.zeros(n, 1), torch.tensor(seq_lens),
+                                 torch.zeros(n + 1), max(seq_lens), 1)
+
+    assert CompiledDecode.applies(meta(2, [5, 9]), num_tokens=2)
+    assert not CompiledDecode.applies(meta(1, [5, 9]), num_tokens=8)  # a prefill chunk in the step
+    assert not CompiledDecode.applies(meta(0, [9]), num_tokens=4)  # a speculative step: 1 token + 3 drafts

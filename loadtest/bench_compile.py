@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from loadtest.profile_step import decoding_engine
+from loadtest.profile_step import add_decoding_args, decoding_engine
 
 
 def timed_steps(engine, steps: int) -> float:
@@ -79,13 +79,7 @@ def plot(path: Path, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8"])
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per engine per round")
+    add_decoding_args(p, steps_help="timed steps per engine per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/compile"))
     args = p.parse_args(argv)

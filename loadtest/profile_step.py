@@ -56,6 +56,17 @@ def decoding_engine(args, batch_size: int, compile: bool = False):
     return engine
 
 
+def add_decoding_args(p: argparse.ArgumentParser, steps_help: str = "timed steps") -> None:
+    """The flags of ``decoding_engine``'s engines and of the batch sizes and steps to time."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
+    p.add_argument("--quantization", default=None, choices=["none", "int8"])
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30, help=steps_help)
+
+
 def any_prefilling(engine) -> bool:
     return any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
         bool(engine.scheduler.waiting)
@@ -119,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8"])
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--steps", type=int, default=30)
+    add_decoding_args(p)
     p.add_argument("--compile", action="store_true", help="decode steps as one compiled graph (--compile)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/profile_step"))
     args = p.parse_args(argv)

@@ -3,6 +3,11 @@
 The reference is split in two: ``decode_plan`` turns a step's block tables and lengths into the
 gather indices and the mask, once per step, and ``paged_decode_attention_planned`` runs one layer
 with them; the model's torch backend makes the plan once and reuses it in every layer.
+
+Every sequence attends over whole blocks with the positions past its length masked, also when
+every length in the step is the same: a row's result then does not depend on its batch-mates.
+(Cut at its exact length without a mask, a sequence alone takes another path through SDPA than
+in a ragged batch, and its last bits differ; with int8 linear layers that can flip a greedy token.)
 """
 
 from __future__ import annotations
@@ -19,23 +24,19 @@ from kernels.cast import cast
 class DecodePlan:
     block_ids: torch.Tensor  # [B * num_blocks] int64: the blocks to gather, padding entries -> block 0
     num_blocks: int  # per sequence, for the longest one
-    max_len: int  # the longest context
-    valid: torch.Tensor | None  # [B, num_blocks * block_size] bool; None when every length is max_len
-    invalid_rows: torch.Tensor | None  # flat positions past each sequence's length (some, when valid is set)
+    valid: torch.Tensor  # [B, num_blocks * block_size] bool: the positions before each sequence's length
+    invalid_rows: torch.Tensor  # flat positions past each sequence's length (maybe none)
 
 
 def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    lens = seq_lens.tolist()
-    max_len = max(lens)
+    max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long()
     block_starts = torch.arange(num_blocks, device=table.device) * block_size
     table = torch.where(block_starts[None, :] < seq_lens[:, None].to(table.device), table, 0)
-    if min(lens) == max_len:  # no padding: the gathered rows are cut at max_len, no mask needed
-        return DecodePlan(table.reshape(-1), num_blocks, max_len, None, None)
     length = num_blocks * block_size
     valid = torch.arange(length, device=table.device)[None, :] < seq_lens[:, None].to(table.device)
-    return DecodePlan(table.reshape(-1), num_blocks, max_len, valid, (~valid).view(-1).nonzero().view(-1))
+    return DecodePlan(table.reshape(-1), num_blocks, valid, (~valid).view(-1).nonzero().view(-1))
 
 
 def paged_decode_attention_planned(
@@ -51,13 +52,10 @@ def paged_decode_attention_planned(
     width = num_kv_heads * head_dim
     k = k_cache.index_select(0, plan.block_ids).view(num_seqs, length, num_kv_heads, head_dim)
     v = v_cache.index_select(0, plan.block_ids).view(num_seqs, length, num_kv_heads, head_dim)
-    mask = None
-    if plan.valid is None:
-        k, v = k[:, :plan.max_len], v[:, :plan.max_len]
-    else:  # zero the padding so that garbage (NaN/inf) in unused cache slots cannot leak through
-        k.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
-        v.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
-        mask = plan.valid[:, None, None, :]
+    # zero the padding so that garbage (NaN/inf) in unused cache slots cannot leak through
+    k.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
+    v.view(-1, width).index_fill_(0, plan.invalid_rows, 0)
+    mask = plan.valid[:, None, None, :]
     # computed in float32 whatever the cache holds
     qf, k, v = cast(q, torch.float32), cast(k, torch.float32), cast(v, torch.float32)
     out = F.scaled_dot_product_attention(

@@ -3,12 +3,23 @@
 Sequence ``i`` owns queries ``q[query_start_loc[i]:query_start_loc[i+1]]``; they are the *last*
 ``q_len`` positions of its ``seq_lens[i]``-token context, whose K/V (including the new tokens')
 is already in the cache.
+
+The reference computes each query's attention in the same call, whatever chunk of the prompt it
+came in: queries go to SDPA in tiles of ``QUERY_TILE`` positions aligned to the start of the
+sequence, each tile over the keys up to its own end (a query of an earlier chunk, or past the
+chunk's end, fills its row with zeros and is dropped). A tile's call is then a function of the tile
+alone, and so is every row of it: how the scheduler splits a prompt into chunks, which depends on
+its batch-mates, cannot move a bit of the result. SDPA's result for a row otherwise depends on
+which rows share its call and on how many keys are padded after it, and with int8 linear layers a
+last-bit difference can flip an activation's rounding and change a greedy token.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+QUERY_TILE = 128  # positions per SDPA call; below 192 queries torch's CPU kernel splits them in 32s
 
 
 def paged_prefill_attention_ref(
@@ -31,17 +42,24 @@ def paged_prefill_attention_ref(
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         table = block_tables[i, :num_blocks].long()
-        k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [L, Hkv, D]
-        v = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        qi = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        ki = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
-        vi = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        if q_len == seq_len:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, L]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q_start:q_end] = o[0].transpose(0, 1)
+        first = seq_len - q_len  # position of the first query
+        tile = QUERY_TILE
+        length = -(-seq_len // tile) * tile  # keys up to the end of the last tile
+        k = q.new_zeros(length, num_kv_heads, head_dim)  # past seq_len: zeros, never NaN from the pool
+        v = q.new_zeros(length, num_kv_heads, head_dim)
+        k[:seq_len] = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v[:seq_len] = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, length, D]
+        for a in range(first // tile * tile, seq_len, tile):
+            b = a + tile
+            lo, hi = max(a, first), min(b, seq_len)
+            rows = q[q_start + lo - first:q_start + hi - first]  # [hi - lo, Hq, D]
+            if hi - lo < tile:
+                rows = torch.cat([rows.new_zeros(lo - a, *rows.shape[1:]), rows,
+                                  rows.new_zeros(b - hi, *rows.shape[1:])])
+            q_pos = torch.arange(a, b, device=q.device)
+            mask = torch.arange(b, device=q.device)[None, :] <= q_pos[:, None]  # [tile, b]
+            o = F.scaled_dot_product_attention(rows.transpose(0, 1)[None], k[None, :, :b], v[None, :, :b],
+                                               attn_mask=mask, scale=scale, enable_gqa=True)  # [1, Hq, tile, D]
+            out[q_start + lo - first:q_start + hi - first] = o[0, :, lo - a:hi - a].transpose(0, 1)
     return out

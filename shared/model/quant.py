@@ -4,9 +4,10 @@ On a CPU the engine's time goes to matmuls that read fp32 weights. With ``quanti
 every linear layer (fused q/k/v, o, fused gate/up, down and the LM head) keeps its weight as int8
 with one scale per output channel, and each step's activations are quantized per token (one scale
 per row) just before the matmul. The int8 x int8 product accumulates exactly in int32
-(``torch._int_mm``, VNNI on x86), so a row's result depends only on that row: the output of a
-request does not change with its batch-mates, as in float32. The embedding lookup, norms,
-attention and the KV cache stay in the model dtype.
+(``torch._int_mm``, VNNI on x86), so a row's result depends only on that row; with attention that
+is batch-invariant too (``kernels/decode_attention.py``, ``kernels/prefill_attention.py``) the
+output of a request does not change with its batch-mates. The embedding lookup, norms, attention
+and the KV cache stay in the model dtype.
 
 The error against float32 is small but not zero; ``tests/engine/test_quantization_smollm2.py`` measures
 it on the real model.

@@ -24,8 +24,10 @@ def test_complete_prints_only_the_completion(smollm2_gguf):
 
 
 def test_complete_with_int8_linear_layers(smollm2_gguf):
+    # not "What is the capital of France?": float32 itself puts "The" only 0.08 logits above "L"
+    # there, inside int8's noise; here the margin is 1.4
     r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "16", "--model", str(smollm2_gguf),
-               "--quantization", "int8", "What is the capital of France?")
+               "--quantization", "int8", "Name the capital of France.")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "with int8 linear layers" in r.stderr

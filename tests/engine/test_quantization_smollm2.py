@@ -38,5 +38,9 @@ def test_int8_greedy_is_batch_independent_and_answers(float_and_int8, smol_token
     together = engine.generate(chat_prompts, params)  # mixed lengths, chunked prefill mixed with decodes
     alone = [engine.generate([p], params)[0] for p in chat_prompts]
     assert together == alone
-    assert "Paris" in smol_tokenizer.decode(together[0])
+    # chat_prompts[0] asks "What is the capital of France?", where float32's first token leads by
+    # 0.08 logits only, inside int8's noise: ask with a clear margin (1.4) whether it still answers
+    named = smol_tokenizer.encode(smol_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name the capital of France."}]))
+    assert "Paris" in smol_tokenizer.decode(engine.generate([named], params)[0])
     assert engine.kv.pool.num_free_blocks == engine.num_blocks

@@ -1,0 +1,82 @@
+"""The torch backend's attention gives every row the same bits whatever shares its step: a decode
+row alone or in a ragged batch, a prompt prefilled whole or in chunks cut anywhere. (With int8
+linear layers everything else in a step is row-wise exact, so this is what keeps a request's greedy
+text independent of its batch-mates: ``tests/engine/test_quantization_smollm2.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.prefill_attention import QUERY_TILE, paged_prefill_attention_ref
+
+BS, HKV, HQ, D = 16, 3, 9, 64  # SmolLM2-135M's heads
+
+
+def paged_cache(lens: list[int], seed: int = 0):
+    """Random K/V for sequences of ``lens`` tokens in shuffled blocks, NaN in every unused slot."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // BS) for n in lens]
+    num_blocks = sum(per_seq) + 1
+    order = torch.randperm(num_blocks, generator=g)
+    k = torch.full((num_blocks, BS, HKV, D), float("nan"))
+    v = torch.full((num_blocks, BS, HKV, D), float("nan"))
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    at = 0
+    for i, (n, nb) in enumerate(zip(lens, per_seq)):
+        tables[i, :nb] = order[at:at + nb]
+        at += nb
+        for pos in range(n):
+            b, off = int(tables[i, pos // BS]), pos % BS
+            k[b, off] = torch.randn(HKV, D, generator=g)
+            v[b, off] = torch.randn(HKV, D, generator=g)
+    return k, v, tables
+
+
+@pytest.mark.parametrize("lens", [[16, 16, 16], [5, 16, 17, 100, 143], [300, 513, 530, 1100, 7]])
+def test_a_decode_row_is_the_same_alone_and_in_any_batch(lens):
+    k, v, tables = paged_cache(lens)
+    q = torch.randn(len(lens), HQ, D, generator=torch.Generator().manual_seed(1))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    together = paged_decode_attention_ref(q, k, v, tables, seq_lens, D ** -0.5)
+    assert not together.isnan().any()
+    for i in range(len(lens)):
+        alone = paged_decode_attention_ref(q[i:i + 1], k, v, tables[i:i + 1], seq_lens[i:i + 1], D ** -0.5)
+        assert torch.equal(alone[0], together[i]), f"sequence {i} of {lens}"
+    pair = paged_decode_attention_ref(q[:2], k, v, tables[:2], seq_lens[:2], D ** -0.5)
+    assert torch.equal(pair, together[:2])
+
+
+def prefill(q, k, v, tables, lens, chunks):
+    """Prefill one sequence (row 0 of ``tables``) in chunks of the given sizes, batched beside a
+    second sequence's whole prompt (row 1) in every call; returns the first sequence's rows."""
+    out, done = [], 0
+    for size in chunks:
+        first_len, other = done + size, lens[1]
+        rows = torch.cat([q[0][done:done + size], q[1][:other]])
+        loc = torch.tensor([0, size, size + other], dtype=torch.int32)
+        seq_lens = torch.tensor([first_len, other], dtype=torch.int32)
+        out.append(paged_prefill_attention_ref(rows, k, v, tables, loc, seq_lens, D ** -0.5)[:size])
+        done += size
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("length", [37, QUERY_TILE + 3, 700])
+def test_a_prompt_prefilled_in_any_chunks_gets_the_same_bits(length):
+    lens = [length, 50]
+    k, v, tables = paged_cache(lens, seed=2)
+    g = torch.Generator().manual_seed(3)
+    q = [torch.randn(n, HQ, D, generator=g) for n in lens]
+    whole = prefill(q, k, v, tables, lens, [length])
+    assert not whole.isnan().any()
+    for cuts in ([1], [length - 1], [31, 64], list(range(64, length, 64)), [QUERY_TILE - 1, QUERY_TILE + 1]):
+        bounds = [0] + [c for c in cuts if 0 < c < length] + [length]
+        chunks = [b - a for a, b in zip(bounds, bounds[1:])]
+        assert torch.equal(prefill(q, k, v, tables, lens, chunks), whole), chunks
+    # and the result is causal attention over the prompt
+    kk = k[tables[0, :-(-length // BS)].long()].reshape(-1, HKV, D)[:length].transpose(0, 1)
+    vv = v[tables[0, :-(-length // BS)].long()].reshape(-1, HKV, D)[:length].transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[0].transpose(0, 1)[None], kk[None], vv[None], is_causal=True, scale=D ** -0.5, enable_gqa=True)
+    torch.testing.assert_close(whole, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)

@@ -125,15 +125,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def tandem_up(args: list[str], pid_out: list[int] | None = None, timeout_s: float = 600.0):
-    """``tandem up`` on a free port; yields its base URL once it prints that it is ready (and
-    appends its process id to ``pid_out``, when given)."""
+def tandem_up(args: list[str], timeout_s: float = 600.0):
+    """``tandem up`` on a free port; yields its base URL once it prints that it is ready."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up", "--port", str(port),
                              "--namespace", f"bench{os.getpid()}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if pid_out is not None:
-        pid_out.append(proc.pid)
     try:
         deadline = time.monotonic() + timeout_s
         for line in proc.stdout:  # the readiness line, not a sleep

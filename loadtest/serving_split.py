@@ -59,19 +59,25 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
+def _stat_cpu_seconds(stat_path: str) -> float:
+    """User + system CPU seconds from a /proc ``stat`` file (a process's: all its threads)."""
+    fields = open(stat_path).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
     """pid -> (what it runs, user + system CPU seconds of all its threads)."""
     found = {}
     for pid in pids:
         try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            seconds = _stat_cpu_seconds(f"/proc/{pid}/stat")
             argv = open(f"/proc/{pid}/cmdline").read().split("\0")
         except OSError:
             continue
         name = os.path.basename(argv[0])
         if "shared.cli.main" in argv:  # python -m shared.cli.main <service> ...
             name = argv[argv.index("shared.cli.main") + 1]
-        found[pid] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        found[pid] = (name, seconds)
     return found
 
 
@@ -84,20 +90,21 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         return found
     for tid in tids:
         try:
-            fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            seconds = _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
             name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
         except OSError:
             continue
         name = "main (event loop)" if tid == str(pid) else name
-        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        found[name] = found.get(name, 0.0) + seconds
     return found
 
 
 def served(args, concurrency: list[int]) -> dict[int, dict]:
     results: dict[int, dict] = {}
-    with tandem_up(shlex.split(args.tandem_args), pid_out := []) as url:
+    with tandem_up(shlex.split(args.tandem_args)) as url:
         status = json.loads(urllib.request.urlopen(url + "/status", timeout=10).read())
-        metrics_url = next(s["metrics_url"] for s in status["services"] if s["service"] == "decode")
+        worker = next(s for s in status["services"] if s["service"] == "decode")
+        metrics_url, worker_pid = worker["metrics_url"], worker["pid"]
         asyncio.run(_wave(url, args.model, [prompt_of_tokens(args.model, args.prompt_tokens, 0)], 8))
         salt = 1
         for c in concurrency:
@@ -105,8 +112,7 @@ def served(args, concurrency: list[int]) -> dict[int, dict]:
             for _ in range(2):
                 waves_prompts.append([prompt_of_tokens(args.model, args.prompt_tokens, salt + i) for i in range(c)])
                 salt += c
-            pids = process_tree(pid_out[0])
-            worker_pid = next(s["pid"] for s in status["services"] if s["service"] == "decode")
+            pids = process_tree(os.getpid())[1:]  # tandem up and everything it started
             before, cpu_before, threads_before = scrape(metrics_url), cpu_seconds(pids), thread_cpu_seconds(worker_pid)
             waves = [asyncio.run(_wave(url, args.model, prompts, args.output_tokens)) for prompts in waves_prompts]
             after, cpu_after, threads_after = scrape(metrics_url), cpu_seconds(pids), thread_cpu_seconds(worker_pid)

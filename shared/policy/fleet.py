@@ -10,8 +10,9 @@ fleet without it would still be at most ``scale_down_at`` utilised, nothing queu
 the others' slots hold every request in flight. The gap between the two thresholds is the
 hysteresis (after a removal utilisation is at most ``scale_down_at``, below ``scale_up_at``);
 ``cooldown_s`` separates changes, counted from when the last one is done (``hold``). A fleet below
-``min_workers`` is not topped up here: a worker missing from it has crashed, and ``tandem up``'s
-supervisor is already restarting it.
+``min_workers`` is left as it is: a worker missing from it has crashed (``tandem up``'s supervisor
+is already restarting it) or missed its heartbeats on a busy machine, and with no worker ready every
+threshold would read as met.
 
 The role of a new worker is the one whose workers are the busier (decode while the fleet has no
 prefill worker: decode workers prefill locally, and the split is the ratio autoscaler's job); the
@@ -62,6 +63,9 @@ class FleetAutoscaler:
             return self._change(inp, -1, self._role_to_stop(inp), f"{total} workers, above max_workers {cfg.max_workers}")
         if self._last_change_s is not None and inp.now_s - self._last_change_s < cfg.cooldown_s:
             return FleetDecision(0, None, "fleet cooling down")
+        if total < cfg.min_workers:
+            return FleetDecision(0, None, f"{total} ready, below min_workers {cfg.min_workers}: "
+                                          f"waiting for the missing to come back")
         need = sum(workers_needed(inp))
         usage = f"utilisation {need / max(total, 1):.2f}, {inp.num_waiting / max(total, 1):.1f} waiting per worker"
         queued = inp.num_waiting if inp.num_waiting_sustained is None else inp.num_waiting_sustained

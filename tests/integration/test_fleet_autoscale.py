@@ -75,7 +75,9 @@ def test_queued_requests_start_a_worker_and_light_load_stops_one_without_failing
     num_served = len(light.outcomes)
     wait_for(lambda: len(light.outcomes) >= num_served + 4, 240, "requests served after the scale-down")
     check(light.stop(), engine)
-    assert len(actions(stack, "start")) == 1 and stack.num_restarts(name) == 0
+    starts = [r["reason"] for r in cluster_status(stack)["scaling"]["recent"]
+              if any(a["kind"] == "start" for a in r["actions"])]
+    assert len(starts) == 1 and stack.num_restarts(name) == 0, starts
     remaining = [stack.worker_id(n) for n, c in stack.children.items() if n.startswith("decode-") and c.is_running()]
     assert len(remaining) == 1, remaining
     wait_for(lambda: list(decode_workers(stack)) == remaining, 30, f"only {remaining} listed")

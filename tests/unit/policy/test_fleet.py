@@ -88,3 +88,12 @@ def test_above_max_workers_one_is_stopped_at_once():
 def test_bad_bounds_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         FleetConfig(**{"min_workers": 1, "max_workers": 3, **kw})
+
+
+def test_a_fleet_below_min_workers_waits_for_the_missing_worker():
+    # no worker ready (a crash being restarted, or heartbeats missed on a busy machine): every
+    # threshold reads as met on zero workers, and starting one would overshoot when it comes back
+    gone = fleet().tick(tick(0, decode=0))
+    assert gone.delta == 0 and "0 ready, below min_workers 1" in gone.reason
+    assert fleet(min_workers=2).tick(tick(0, decode=1, out=95, waiting=3)).delta == 0
+    assert fleet().tick(tick(0, decode=1, out=95)).delta == 1

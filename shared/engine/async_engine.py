@@ -158,6 +158,14 @@ class AsyncEngine:
         self._post(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    async def forget_prefill_rate(self) -> None:
+        """See ``LLMEngine.forget_prefill_rate``; ``stats()`` shows it once this returns."""
+        def forget(engine: LLMEngine) -> None:
+            engine.forget_prefill_rate()
+            self._stats = engine.stats()
+
+        await self.call(forget)
+
     async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
         """The outputs of a request whose stream is open (``generate`` / ``reserve_remote_prefill``)."""
         queue = self._streams[request_id][1]

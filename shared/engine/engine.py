@@ -412,6 +412,11 @@ class LLMEngine:
                 log.info("KV disk tier: saving %d cached blocks before exit", num)
             self.tiers.close()
 
+    def forget_prefill_rate(self) -> None:
+        """Drop the prefill rate measured so far (warm-up's few short prompts on cold kernels, often
+        while other processes load, measure a rate the worker's real work does not have)."""
+        self._prefill_rate = PrefillRate(min_tokens=self.config.block_size)
+
     def add_step_observer(self, observe: StepObserver) -> None:
         """``observe(num_seqs, num_tokens, elapsed_s)`` after every step that ran the model, in the
         engine's thread (so it must be quick and thread-safe)."""

@@ -42,6 +42,8 @@ async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int) -> Non
 
     started = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(num_requests)))
+    # admission predicts TTFT from the measured prefill rate: not from warm-up's (see forget_prefill_rate)
+    await engine.forget_prefill_rate()
     log.info("warm-up: %d requests in %.2fs", num_requests, time.monotonic() - started)
 
 

@@ -140,7 +140,8 @@ class AdmissionService:
         wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(
             num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
             num_waiting_ahead=load.num_waiting_ahead(priority) + entry.num_admitted_ahead(priority, now),
-            mean_output_tokens=load.num_generated_tokens_total / load.num_requests_total, itl_s=load.itl_recent_s,
+            mean_output_tokens=load.output_tokens_recent or load.num_generated_tokens_total / load.num_requests_total,
+            itl_s=load.itl_recent_s,
             preempting_requests_per_s=self.inflow.requests_per_s_above(entry.info.worker_id, priority, now))
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,

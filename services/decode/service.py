@@ -44,6 +44,7 @@ class DecodeWorker(EngineWorker):
         self._metrics = metrics if metrics is not None else WorkerMetrics()
         self._ttft = RecentMean(10.0)
         self._itl = RecentMean(10.0)
+        self._output_tokens = RecentMean(30.0)  # output length of the requests finished recently
         self.num_requests_total = 0
         self.num_requests_aborted = 0
         self.num_local_prefills = 0
@@ -106,6 +107,8 @@ class DecodeWorker(EngineWorker):
                 if out.finish_reason == "abort":
                     self.num_requests_aborted += 1
                 if out.finish_reason is not None:
+                    if out.finish_reason != "abort":
+                        self._output_tokens.observe(out.num_output_tokens, now)
                     # Admission counts what it admitted on top of the last report until a newer
                     # one arrives: report the freed capacity before the caller can send more.
                     await self.publish_load()
@@ -165,6 +168,7 @@ class DecodeWorker(EngineWorker):
         transfer = next((r.transfer for r in (self.remote, self.fetcher) if r is not None), None)
         return self._load(
             ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
+            output_tokens_recent=self._output_tokens.mean(),
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
             num_local_prefills=self.num_local_prefills,
             num_remote_prefills=prefills.num_remote if prefills else 0,

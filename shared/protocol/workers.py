@@ -79,6 +79,9 @@ class WorkerLoad(WireModel):
     max_num_seqs: int = Field(1, ge=1)
     ttft_recent_s: float | None = None
     itl_recent_s: float | None = None
+    # mean output tokens of the requests finished in the last 30 s (None: none finished): how long
+    # a running request holds its slot (started requests still decoding would bias a total's mean low)
+    output_tokens_recent: float | None = Field(None, ge=0)
     num_requests_total: int = Field(0, ge=0)
     num_requests_aborted: int = Field(0, ge=0)
     num_prompt_tokens_total: int = Field(0, ge=0)

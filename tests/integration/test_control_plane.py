@@ -186,3 +186,35 @@ async def test_a_lower_tier_is_rejected_when_the_higher_tier_arriving_meanwhile_
 async def _reported(admission, seq: int) -> bool:
     entry = admission.view.get("w1")
     return entry is not None and entry.load is not None and entry.load.seq == seq
+
+
+async def test_a_full_batch_frees_slots_at_the_pace_of_the_output_lengths_of_finished_requests(
+        bus, nats_url, namespace, tmp_path):
+    qos = tmp_path / "qos.yaml"
+    qos.write_text("default_tier: batch\ntiers:\n  batch: {priority: 2, ttft_slo_ms: 1000}\n")
+    subjects = Subjects(namespace)
+    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=5.0)
+    await registry.put(worker(subjects, "w1"))
+    admission = AdmissionService(AdmissionSettings(nats_url=nats_url, namespace=namespace, kv_match_timeout_s=0.1,
+                                                   qos=str(qos), retry_after_s=0.1), bus, registry)
+    await admission.start()
+
+    async def report(seq: int, output_tokens_recent: float | None) -> None:
+        # 16 of 16 slots busy, 4 waiting, a 100 ms step; 100 requests started, 1000 tokens so far
+        # (many still decoding: 10 per started request, while finished ones had 40)
+        await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
+            worker_id="w1", role="decode", seq=seq, timestamp=time.time(), prefill_tokens_per_s=1e6,
+            num_running=16, max_num_seqs=16, num_running_by_priority={2: 16}, num_waiting=4,
+            num_waiting_by_priority={2: 4}, itl_recent_s=0.1, num_requests_total=100,
+            num_generated_tokens_total=1000, output_tokens_recent=output_tokens_recent))
+        await wait_until(lambda: _reported(admission, seq), timeout_s=5, what=f"load report {seq} at admission")
+
+    # slots free at 16 / (40 tokens x 0.1 s) = 4 per second: 4 ahead + itself = 1.25 s, over 1 s
+    await report(1, 40.0)
+    decision = await bus.request(subjects.admission_submit(), request("b1", [], 16), timeout_s=2)
+    assert (decision.is_admitted, decision.reject_reason) == (False, "slo"), decision
+    assert "predicted TTFT 1.25s" in decision.message
+    # nothing finished recently: the started requests' mean (10 tokens) is all there is, 0.31 s
+    await report(2, None)
+    decision = await bus.request(subjects.admission_submit(), request("b2", [], 16), timeout_s=2)
+    assert decision.is_admitted and decision.predicted_ttft_s == pytest.approx(0.3125, abs=0.01), decision

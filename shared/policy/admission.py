@@ -94,18 +94,22 @@ def predict_itl_s(inp: AdmissionInput) -> float | None:
 
 def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, mean_output_tokens: float,
                 itl_s: float | None, preempting_requests_per_s: float = 0.0) -> float:
-    """Expected wait for a sequence slot on a worker whose batch is full of requests it cannot
-    preempt (``num_running``: those of its own or a higher priority): the requests ahead of this
-    one, plus itself, each take a slot as a running request finishes. The ``max_num_seqs``
-    running requests finish at a rate of max_num_seqs / (mean output length × ITL) per second, less
-    the requests of higher priorities arriving meanwhile (``preempting_requests_per_s``), which take
-    the freed slots first."""
-    if num_running < max_num_seqs or not itl_s or mean_output_tokens <= 0:
+    """Expected wait for a sequence slot on a worker whose batch holds ``num_running`` requests it
+    cannot preempt (those of its own or a higher priority). The requests ahead of this one, then
+    itself, take the free slots first; the rest each take a slot as a running request finishes.
+    The ``max_num_seqs`` running requests finish at a rate of max_num_seqs / (mean output length ×
+    ITL) per second, less the requests of higher priorities arriving meanwhile
+    (``preempting_requests_per_s``), which take the freed slots first. (A worker reports its load
+    as a request finishes, when a slot is free for the queue to take at the next step: a full batch
+    with a queue shows a free slot in most reports.)"""
+    num_free = max(max_num_seqs - num_running, 0)
+    num_to_free = num_waiting_ahead + 1 - num_free
+    if num_to_free <= 0 or not itl_s or mean_output_tokens <= 0:
         return 0.0
     rate_left = max_num_seqs / (mean_output_tokens * itl_s) - preempting_requests_per_s
     if rate_left <= 0:
         return math.inf  # higher priorities alone take every slot that frees
-    return (num_waiting_ahead + 1) / rate_left
+    return num_to_free / rate_left
 
 
 class Inflow:

@@ -37,3 +37,19 @@ def test_summary():
     assert s["num_good"] == 0  # tpot 0.5 > 0.4
     assert abs(s["output_token_throughput"] - 12 / 4.1) < 1e-9
     assert percentile([1, 2, 3, 4], 50) == 2.5
+
+
+def test_overload_report_compares_each_admitted_ttft_with_its_prediction():
+    from loadtest.bench_overload import tier_report
+
+    def done(i, ttft, predicted):
+        return RequestResult(i, 0.0, 0.0, first_token_s=ttft, finished_s=ttft + 1, num_output_tokens=2,
+                             predicted_ttft_s=predicted)
+
+    results = [done(0, 1.0, 0.5), done(1, 3.0, 1.0), done(2, 2.0, None),  # batch: 2x and 3x
+               done(3, 0.2, 0.2),                                          # premium: as predicted
+               RequestResult(4, 0.0, 0.0, error="HTTP 429", retry_after_s=2.0)]
+    tiers = {0: "batch", 1: "batch", 2: "batch", 3: "premium", 4: "batch"}
+    report = tier_report(results, tiers, {"premium": 1.0, "batch": 2.5})
+    assert report["batch"]["ttft_over_predicted_p50"] == 2.5 and report["batch"]["num_429"] == 1
+    assert report["batch"]["num_good"] == 2 and report["premium"]["ttft_over_predicted_p90"] == 1.0

@@ -184,7 +184,10 @@ def test_slot_wait_when_the_batch_is_full():
     # 8 slots full, 3 ahead + itself, 40 tokens at 25 ms each: 4 · 1.0 s / 8 = 0.5 s
     assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40,
                        itl_s=0.025) == pytest.approx(0.5)
-    assert slot_wait_s(num_running=7, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025) == 0
+    # one slot free: the first of the 3 ahead takes it, the other 2 and itself wait: 3 / 8 s
+    assert slot_wait_s(num_running=7, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40,
+                       itl_s=0.025) == pytest.approx(0.375)
+    assert slot_wait_s(num_running=4, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025) == 0
     assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=None) == 0
     # slots free at 8 per second; higher-priority requests arriving at 6/s take them first: 4 / 2 = 2 s
     assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,

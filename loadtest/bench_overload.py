@@ -63,6 +63,8 @@ def tier_report(results: list[RequestResult], tiers: dict[int, str], slo_s: dict
         ok = [r for r in rs if r.error is None and r.finished_s is not None]
         good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s[tier]]
         ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        # how admission's prediction compared with what happened: actual / predicted TTFT
+        errors = [r.ttft_s / r.predicted_ttft_s for r in ok if r.ttft_s is not None and r.predicted_ttft_s]
         itls = [(r.finished_s - r.first_token_s) / (r.num_output_tokens - 1) for r in ok
                 if r.first_token_s is not None and r.num_output_tokens > 1]
         out[tier] = {
@@ -73,7 +75,8 @@ def tier_report(results: list[RequestResult], tiers: dict[int, str], slo_s: dict
             "slo_attainment": len(good) / len(rs) if rs else None,
             "slo_attainment_admitted": len(good) / len(ok) if ok else None,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
-            "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90)}
+            "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90),
+            "ttft_over_predicted_p50": percentile(errors, 50), "ttft_over_predicted_p90": percentile(errors, 90)}
     out["goodput_rps"] = sum(out[t]["num_good"] for t in TIERS) / max(duration, 1e-9)
     return out
 
@@ -180,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                     r = report[side][f"{m:g}x"]
                     print(f"{m:g}x {side:<12} goodput {r['goodput_rps']:.2f} req/s | " + " | ".join(
                         f"{t}: {r[t]['num_ok']}/{r[t]['num_sent']} ok, {r[t]['num_429']} x429, "
-                        f"{r[t]['num_5xx']} x5xx, SLO {100 * (r[t]['slo_attainment'] or 0):.0f}%" for t in TIERS))
+                        f"{r[t]['num_5xx']} x5xx, SLO {100 * (r[t]['slo_attainment'] or 0):.0f}%"
+                        + (f", TTFT/predicted p50 {r[t]['ttft_over_predicted_p50']:.2f}"
+                           if r[t]["ttft_over_predicted_p50"] is not None else "") for t in TIERS))
         finally:
             for stack in stacks.values():
                 stack.stop()

@@ -60,6 +60,8 @@ async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api
                         result.retry_after_s = float(resp.headers["Retry-After"])
                     await resp.read()
                     return
+                if "X-Tandem-Predicted-TTFT-Ms" in resp.headers:
+                    result.predicted_ttft_s = float(resp.headers["X-Tandem-Predicted-TTFT-Ms"]) / 1000
                 async for raw in resp.content:
                     line = raw.strip()
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":

@@ -16,6 +16,7 @@ class RequestResult:
     num_output_tokens: int = 0
     error: str | None = None
     retry_after_s: float | None = None  # a rejection's Retry-After header
+    predicted_ttft_s: float | None = None  # admission's prediction (X-Tandem-Predicted-TTFT-Ms)
 
     @property
     def ttft_s(self) -> float | None:

@@ -15,13 +15,14 @@ Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is re
 
 Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens) / (the measured
 prefill rate − the rate at which higher-priority prompt tokens arrive) + the KV transfer + any wait
-for KV memory. Only work of the same or a higher priority is ahead: the engine and the prefill
-queue serve by priority, so higher-priority work that arrives while the request waits goes first
-too (``Inflow`` measures it; a fluid estimate: the request is served when the prefill has done
-the backlog, its own tokens and what arrived above it meanwhile). A full batch delays it only by
-the running requests of its own or a higher priority (the engine preempts a lower one for it). With no measured rate yet (a worker
-that has not prefilled) there is no prediction and the request is admitted. A rejection carries
-``retry_after_s``: when the backlog ahead would have drained to the SLO.
+for KV memory or a sequence slot (``slot_wait_s``: the requests ahead beyond the free slots). Only
+work of the same or a higher priority is ahead: the engine and the prefill queue serve by
+priority, so higher-priority work that arrives while the request waits goes first too (``Inflow``
+measures it; a fluid estimate: the request is served when the prefill has done the backlog, its
+own tokens and what arrived above it meanwhile). A full batch delays it only by the running
+requests of its own or a higher priority (the engine preempts a lower one for it). With no
+measured rate yet (a worker that has not prefilled) there is no prediction and the request is
+admitted. A rejection carries ``retry_after_s``: when the backlog ahead would have drained to the SLO.
 
 ``Admitter.decide`` is pure apart from the shedding memory; the caller passes ``now_s``. The admission
 service and the simulator call it with their own observations.

@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 tiers = bench.assign_tiers(specs, args.premium_share, args.seed)
                 input_lens = [len(tokenizer.encode(s.prompt)) for s in specs]
                 sim = sim_report(simulate(args.calibration_dir / CLUSTER_FILE, model, eff, specs, input_lens,
-                                          admission=admission(slo_ms), tiers=[tiers[s.index] for s in specs]), slo_s)
+                                          admission=admission(slo_ms), tiers=[tiers[s.index] for s in specs],
+                                          max_num_seqs=args.max_num_seqs), slo_s)
                 results = asyncio.run(bench.run_openai(stack.base_url, args.model, specs,
                                                        progress=not args.no_progress,
                                                        key_of=lambda s: bench.KEYS[tiers[s.index]]))

@@ -28,7 +28,7 @@ from shared.kvcache.overlap import leading_overlap
 from shared.planner.costmodel import kv_transfer_s
 from shared.planner.flow import Evaluator
 from shared.planner.plan import Plan
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, slot_wait_s
 from shared.cluster.scaling import Autoscaling
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
 from shared.policy.autoscale_inputs import Capacities, WorkerSample
@@ -84,6 +84,9 @@ class SimConfig:
     # workers of different sizes that sends as much work to a small worker as to a big one; with
     # this on, the simulator reports load in blocks scaled to the mean worker size instead.
     capacity_aware_routing: bool = False
+    # Sequence slots per decode worker (the engine's max_num_seqs); None: only KV memory bounds
+    # the batch. Requests waiting for a slot start by priority, then arrival, as the engine's do.
+    max_num_seqs: int | None = None
     # QoS tiers of the requests: (tier, share) pairs, drawn per request with ``seed``.
     tier_mix: tuple[tuple[str, float], ...] = (("standard", 1.0),)
     seed: int = 0
@@ -166,6 +169,7 @@ class Simulator:
         self.idle_prefill = [w.index for w in self.workers if w.role == PREFILL]
         self.active_blocks = np.zeros(len(self.workers))
         self.num_waiting = np.zeros(len(self.workers))
+        self.started: list[dict[int, int]] = [{} for _ in self.workers]  # holding a slot, by priority
         self.eligible = np.array([w.role == DECODE for w in self.workers])
         caps = np.array([w.kv_capacity for w in self.workers])
         mean_cap = caps[self.eligible].mean() if self.eligible.any() else 1.0
@@ -281,7 +285,7 @@ class Simulator:
         decision = self.admitter.decide(AdmissionInput(
             self.now, self.tier[i], inp, cached, queued, rate,
             len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,
-            decode_wait_s=self._memory_wait_s(w, inp + self.out[i]),
+            decode_wait_s=max(self._memory_wait_s(w, inp + self.out[i]), self._slot_wait_s(w, priority, prefill)),
             preempting_tokens_per_s=self.inflow.tokens_per_s_above(prefill, priority, self.now)))
         if not decision.admitted:
             return self._reject(i, REJECT_CAUSES[decision.code])
@@ -289,7 +293,7 @@ class Simulator:
         self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
         self.num_prompt_tokens[w.index] += inp - cached
         self.num_generated_tokens[w.index] += self.out[i]
-        if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0:
+        if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0 or not self._has_free_slot(w):
             w.waiting.append(i)
             self.num_waiting[w.index] = len(w.waiting)
         else:
@@ -303,6 +307,19 @@ class Simulator:
         batch = len(w.finish_heap)
         return (len(w.waiting) + 1) * self.ev.output_len * w.step_time / batch
 
+    def _has_free_slot(self, w: Worker) -> bool:
+        return self.cfg.max_num_seqs is None or sum(self.started[w.index].values()) < self.cfg.max_num_seqs
+
+    def _slot_wait_s(self, w: Worker, priority: int, prefill: int) -> float:
+        """The admission service's slot wait (``slot_wait_s``) on what this worker would report."""
+        if self.cfg.max_num_seqs is None:
+            return 0.0
+        return slot_wait_s(num_running=sum(n for p, n in self.started[w.index].items() if p <= priority),
+                           max_num_seqs=self.cfg.max_num_seqs,
+                           num_waiting_ahead=sum(1 for j in w.waiting if self.priority[j] <= priority),
+                           mean_output_tokens=self.ev.output_len, itl_s=w.step_time or None,
+                           preempting_requests_per_s=self.inflow.requests_per_s_above(prefill, priority, self.now))
+
     def _reject(self, i: int, cause: str) -> None:
         self.res.rejections[cause] = self.res.rejections.get(cause, 0) + 1
         self.rejected[i] = True
@@ -310,6 +327,8 @@ class Simulator:
 
     def _start(self, i: int, w: Worker) -> None:
         w.kv_used += self.inp[i] + self.out[i]
+        slots = self.started[w.index]
+        slots[self.priority[i]] = slots.get(self.priority[i], 0) + 1
         self.active_blocks[w.index] = w.kv_used * self.load_scale[w.index]
         if self.remote[i]:
             self.prefill_queue.push(self.priority[i], i, self.uncached[i])
@@ -411,13 +430,18 @@ class Simulator:
         self.finish[i] = self.now
         self.tpot[i] = (self.now - self.join_t[i]) / (self.out[i] - 1) if self.out[i] > 1 else 0.0
         d.kv_used -= self.inp[i] + self.out[i]
+        self.started[d.index][self.priority[i]] -= 1
         self.active_blocks[d.index] = d.kv_used * self.load_scale[d.index]
         self.pending -= 1
 
     def _admit_waiting(self, d: Worker) -> None:
-        while d.waiting and (d.kv_used == 0 or
-                             d.kv_used + self.inp[d.waiting[0]] + self.out[d.waiting[0]] <= d.kv_capacity):
-            self._start(d.waiting.popleft(), d)
+        """Start waiting requests while memory and slots allow: by priority, then arrival."""
+        while d.waiting and self._has_free_slot(d):
+            i = min(d.waiting, key=lambda j: (self.priority[j], j))
+            if d.kv_used > 0 and d.kv_used + self.inp[i] + self.out[i] > d.kv_capacity:
+                break
+            d.waiting.remove(i)
+            self._start(i, d)
         self.num_waiting[d.index] = len(d.waiting)
 
     # --- ticks: utilisation samples and autoscaling ----------------------------------------

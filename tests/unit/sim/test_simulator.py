@@ -132,3 +132,29 @@ def test_qos_tiers_shed_batch_before_premium_under_overload(plan):
     assert sum(t["num_requests"] for t in by_tier.values()) == 4000
     shed = {t: by_tier[t]["rejected_fraction"] for t in by_tier}
     assert shed["batch"] > shed["standard"] > shed["premium"]
+
+
+def test_sequence_slots_bound_each_batch_and_waiting_requests_start_by_priority(plan):
+    w = workload(1.0, inp=256, out=64, cv=0.0)
+    qos = AdmissionConfig(QosConfig(default_tier="batch", tiers={
+        "premium": QosTier(priority=0), "batch": QosTier(priority=2)}))   # no SLOs: nothing rejected
+    n = 60
+    trace = Trace(np.concatenate([np.zeros(n - 1), [0.001]]), np.full(n, 256), np.full(n, 64),
+                  tiers=["batch"] * (n - 1) + ["premium"])                 # the premium request comes last
+
+    def run(max_num_seqs):
+        s = sim(plan, w, SimConfig(admission=qos, max_num_seqs=max_num_seqs, routing=RoutingWeights(
+            max_waiting_per_worker=10**9)))
+        r = s.run(trace)
+        assert not r.rejected.any()
+        starts, dest = r.arrival_s + r.ttft_s, np.array(s.dest)
+        peak = max(max(int(np.sum((starts[dest == d] <= t) & (r.finish_s[dest == d] > t))) for t in starts[dest == d])
+                   for d in set(dest.tolist()))
+        return r, peak
+
+    free, free_peak = run(None)
+    bounded, peak = run(4)
+    assert peak <= 4 < free_peak
+    # the premium request waited for one slot, not behind the batch requests queued before it
+    assert bounded.ttft_s[-1] < np.percentile(bounded.ttft_s[:-1], 75)
+    assert bounded.ttft_s[-1] > free.ttft_s[-1]

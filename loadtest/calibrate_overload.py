@@ -25,8 +25,10 @@ import numpy as np
 
 from loadtest import bench_overload as bench
 from loadtest.calibrate_sim import CALIBRATION_FILE, CLUSTER_FILE, relative_error, simulate
+from shared.engine.config import EngineConfig
 
 CALIBRATION_DIR = Path("loadtest/results/calibration")
+ENGINE_DEFAULTS = EngineConfig()  # the live decode worker's step budget
 
 
 def fitted_model(calibration_dir: Path = CALIBRATION_DIR):
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 input_lens = [len(tokenizer.encode(s.prompt)) for s in specs]
                 sim = sim_report(simulate(args.calibration_dir / CLUSTER_FILE, model, eff, specs, input_lens,
                                           admission=admission(slo_ms), tiers=[tiers[s.index] for s in specs],
-                                          max_num_seqs=args.max_num_seqs), slo_s)
+                                          max_num_seqs=args.max_num_seqs,
+                                          local_prefill_batch_tokens=ENGINE_DEFAULTS.max_num_batched_tokens), slo_s)
                 results = asyncio.run(bench.run_openai(stack.base_url, args.model, specs,
                                                        progress=not args.no_progress,
                                                        key_of=lambda s: bench.KEYS[tiers[s.index]]))

@@ -180,10 +180,13 @@ def measure_step_times(engine, prefill_lengths, decode_batches, context_len: int
 # --- 2. simulator -----------------------------------------------------------------------------
 
 def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_ttft_s: float = 60.0,
-             admission=None, tier_mix=None, tiers: list[str] | None = None, max_num_seqs: int | None = None):
+             admission=None, tier_mix=None, tiers: list[str] | None = None, max_num_seqs: int | None = None,
+             local_prefill_batch_tokens: int | None = None):
     """``admission`` and ``tier_mix`` (SimConfig's) or ``tiers`` (each request's): tiers and their
     SLOs, rejections allowed; unset, loose SLOs under which a rejection is an error.
-    ``max_num_seqs``: the live worker's sequence slots (None: the batch bounded by KV memory only)."""
+    ``max_num_seqs``: the live worker's sequence slots (None: the batch bounded by KV memory only);
+    ``local_prefill_batch_tokens``: its token budget per step, prompts prefilled together within it
+    (None: one prompt per step)."""
     from shared.planner.config import Slo, WorkloadSpec, load_cluster
     from shared.planner.devices import Cluster
     from shared.planner.flow import Evaluator
@@ -212,6 +215,7 @@ def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_t
                   np.array([s.max_tokens for s in specs], dtype=np.int64), tiers=tiers)
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30),
                     admission=admission or workload_admission(slo_ttft_s), max_num_seqs=max_num_seqs,
+                    local_prefill_batch_tokens=local_prefill_batch_tokens,
                     **({"tier_mix": tier_mix} if tier_mix else {}))
     result = Simulator(ev, plan, cfg, block_size=trace.block_size).run(trace)
     if admission is not None:

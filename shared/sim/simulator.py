@@ -59,6 +59,10 @@ class PrefillQueue:
         self._tokens[priority] -= tokens
         return request
 
+    def next_tokens(self) -> float:
+        """The tokens of the prompt ``pop`` would return next."""
+        return self._heap[0][2]
+
     def tokens_ahead_of(self, priority: int) -> float:
         """Tokens that would be prefilled before a new prompt of ``priority``."""
         return sum(t for p, t in self._tokens.items() if p <= priority)
@@ -87,6 +91,10 @@ class SimConfig:
     # Sequence slots per decode worker (the engine's max_num_seqs); None: only KV memory bounds
     # the batch. Requests waiting for a slot start by priority, then arrival, as the engine's do.
     max_num_seqs: int | None = None
+    # A decode worker's local prefill step takes queued prompts up to this many tokens together
+    # (the engine's max_num_batched_tokens: one step's fixed cost for them all); None: one prompt
+    # per step.
+    local_prefill_batch_tokens: int | None = None
     # QoS tiers of the requests: (tier, share) pairs, drawn per request with ``seed``.
     tier_mix: tuple[tuple[str, float], ...] = (("standard", 1.0),)
     seed: int = 0
@@ -165,7 +173,7 @@ class Simulator:
         self.prefill_queue = PrefillQueue()
         self.queued_tokens = 0.0      # remote prefills' uncached tokens, queued or in progress
         self.local_queue = [PrefillQueue() for _ in self.workers]
-        self.local_active: list[int | None] = [None] * len(self.workers)  # the local prefill in progress
+        self.local_active: list[set[int]] = [set() for _ in self.workers]  # the local prefill step in progress
         self.idle_prefill = [w.index for w in self.workers if w.role == PREFILL]
         self.active_blocks = np.zeros(len(self.workers))
         self.num_waiting = np.zeros(len(self.workers))
@@ -278,7 +286,7 @@ class Simulator:
             queued, rate = in_progress + self.prefill_queue.tokens_ahead_of(priority), self._prefill_drain_tps()
         else:
             rate = (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
-            in_progress = max(w.stall_until - self.now, 0.0) * rate if self.local_active[w.index] is not None else 0.0
+            in_progress = max(w.stall_until - self.now, 0.0) * rate if self.local_active[w.index] else 0.0
             queued = in_progress + self.local_queue[w.index].tokens_ahead_of(priority)
         backlog = max(w.ingress_free - self.now, 0.0) if remote else 0.0   # KV transfers queued at w
         prefill = REMOTE if remote else w.index
@@ -339,15 +347,21 @@ class Simulator:
             self._start_local(w)
 
     def _start_local(self, w: Worker) -> None:
-        """The decode worker's next local prefill, if none is in progress: it pauses decoding."""
-        queue = self.local_queue[w.index]
-        if self.local_active[w.index] is not None or not queue:
+        """The decode worker's next local prefill step, if none is in progress: it pauses decoding.
+        The step takes the next prompt, and the ones after it within ``local_prefill_batch_tokens``."""
+        queue, active = self.local_queue[w.index], self.local_active[w.index]
+        if active or not queue:
             return
-        i = queue.pop()
-        self.local_active[w.index] = i
-        end = w.stall(self.now, w.prefill_times(self.uncached[i])[0])
+        budget = self.cfg.local_prefill_batch_tokens
+        tokens = 0.0
+        while queue and (not active or budget is not None and tokens + queue.next_tokens() <= budget):
+            i = queue.pop()
+            active.add(i)
+            tokens += self.uncached[i]
+        end = w.stall(self.now, w.prefill_times(int(tokens))[0])
         self._reschedule(w)
-        self.push(end, KV_ARRIVED, i, w.index)
+        for i in sorted(active):
+            self.push(end, KV_ARRIVED, i, w.index)
 
     def _num_role(self, role: str) -> int:
         return sum(1 for w in self.workers if w.role == role and not w.draining)
@@ -395,9 +409,11 @@ class Simulator:
     # --- decode pool -----------------------------------------------------------------------
     def _kv_arrived(self, i: int, d_index: int) -> None:
         d = self.workers[d_index]
-        if self.local_active[d_index] == i:
-            self.local_active[d_index] = None
-            self._start_local(d)
+        active = self.local_active[d_index]
+        if i in active:
+            active.discard(i)
+            if not active:
+                self._start_local(d)
         self.ttft[i] = self.now - self.arrival[i]
         self.join_t[i] = self.now
         if self.hashes is not None:

@@ -27,11 +27,11 @@ from toy_model import TOY, TOY_EFF
 PREFILL_S, STEP1_S = 0.5004, 0.0500844
 
 
-def run(tmp_path, arrivals: list[float], input_len: int = 100, output_len: int = 11) -> dict:
+def run(tmp_path, arrivals: list[float], input_len: int = 100, output_len: int = 11, **kw) -> dict:
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(yaml.safe_dump(cpu_cluster_spec(hbm_gib=10.0)))   # room for 2e9 B of weights
     specs = [SimpleNamespace(at_s=t, max_tokens=output_len) for t in arrivals]
-    return simulate(cluster, TOY, TOY_EFF, specs, [input_len] * len(arrivals))
+    return simulate(cluster, TOY, TOY_EFF, specs, [input_len] * len(arrivals), **kw)
 
 
 def test_one_request(tmp_path):
@@ -104,3 +104,18 @@ def test_the_prefill_queue_serves_by_priority_then_arrival_and_sums_tokens_ahead
     assert (q.tokens_ahead_of(0), q.tokens_ahead_of(1), q.tokens_ahead_of(2)) == (40.0, 60.0, 210.0)
     assert [q.pop() for _ in range(len(q))] == [2, 4, 3, 0, 1]
     assert q.total_tokens() == 0.0
+
+
+def test_prompts_queued_behind_a_local_prefill_are_prefilled_together_within_the_step_budget(tmp_path):
+    # A prefills alone from 0 to 0.5004. B (0.1) and C (0.2) queue behind it. One prompt per step:
+    # B from 0.5004 to 1.0008, C after B. With a 200-token budget B and C (100 tokens each) share
+    # the next step, so their first tokens come together, before C's one prompt per step.
+    serial = run(tmp_path, [0.0, 0.1, 0.2])
+    together = run(tmp_path, [0.0, 0.1, 0.2], local_prefill_batch_tokens=200)
+    first = lambda r, k, at: at + r["ttft_s"][k]  # noqa: E731
+    assert first(serial, 1, 0.1) == pytest.approx(2 * PREFILL_S, rel=1e-9)
+    assert first(together, 1, 0.1) == pytest.approx(first(together, 2, 0.2), rel=1e-12)
+    assert PREFILL_S < first(together, 2, 0.2) - PREFILL_S < 2 * PREFILL_S   # one step's fixed cost, not two
+    assert first(together, 2, 0.2) < first(serial, 2, 0.2)
+    # a budget of one prompt is the same as none
+    assert run(tmp_path, [0.0, 0.1, 0.2], local_prefill_batch_tokens=100)["ttft_s"] == serial["ttft_s"]

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 sim = sim_report(simulate(args.calibration_dir / CLUSTER_FILE, model, eff, specs, input_lens,
                                           admission=admission(slo_ms), tiers=[tiers[s.index] for s in specs],
                                           max_num_seqs=args.max_num_seqs,
-                                          local_prefill_batch_tokens=ENGINE_DEFAULTS.max_num_batched_tokens), slo_s)
+                                          local_prefill_batch_tokens=ENGINE_DEFAULTS.max_num_batched_tokens,
+                                          max_waiting_per_worker=args.max_waiting), slo_s)
                 results = asyncio.run(bench.run_openai(stack.base_url, args.model, specs,
                                                        progress=not args.no_progress,
                                                        key_of=lambda s: bench.KEYS[tiers[s.index]]))

@@ -7,9 +7,10 @@ In one run:
 
 1. **Step times.** The in-process engine (same defaults as a decode worker) times prefill steps at
    a few prompt lengths and pure decode steps at a few batch sizes (median of ``--repeats``),
-   stepping on a thread of its own as the decode worker's ``AsyncEngine`` does: on this machine
-   the same step is about 1.5x slower off the main thread than on it (both are recorded; the
-   fit uses the engine-thread times, which are what the live stack runs at).
+   stepping on a thread of its own as the decode worker's ``AsyncEngine`` does, with the intra-op
+   threads handed over to it (``shared.engine.cpu_threads``; without the hand-over a step there
+   took twice as long as on the main thread, and the fit predicted a worker twice as slow as the
+   live one). Both are recorded; the fit uses the engine-thread times.
    ``costmodel.calibrate(..., fit_overheads=True)`` fits the cost model to them: compute and
    memory efficiencies plus a fixed per-prefill cost and a per-sequence decode cost. The
    measurements go to ``smollm2-cpu.yaml`` in the calibration format ``tandem plan/simulate
@@ -115,18 +116,28 @@ def _prompt(n: int, salt: int, vocab: int) -> list[int]:
 
 
 def on_engine_thread(fn, *args):
-    """Run ``fn(*args)`` on a fresh thread, as ``AsyncEngine`` steps its engine, and return its result."""
+    """Run ``fn(*args)`` on a fresh thread, as ``AsyncEngine`` steps its engine (the thread takes
+    the intra-op threads, this one gives them up: ``shared.engine.cpu_threads``), and return its
+    result."""
+    from shared.engine import cpu_threads  # noqa: PLC0415 — torch only for the step timings
+
     box: dict = {}
+    num_threads = cpu_threads.engine_thread_count(None)
 
     def target():
         try:
+            cpu_threads.adopt(num_threads)
             box["value"] = fn(*args)
         except BaseException as exc:  # noqa: BLE001 — re-raised on the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=target, name="calibrate-engine")
-    thread.start()
-    thread.join()
+    before = cpu_threads.release_calling_thread()
+    try:
+        thread = threading.Thread(target=target, name="calibrate-engine")
+        thread.start()
+        thread.join()
+    finally:
+        cpu_threads.restore(before)
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -181,17 +192,19 @@ def measure_step_times(engine, prefill_lengths, decode_batches, context_len: int
 
 def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_ttft_s: float = 60.0,
              admission=None, tier_mix=None, tiers: list[str] | None = None, max_num_seqs: int | None = None,
-             local_prefill_batch_tokens: int | None = None):
+             local_prefill_batch_tokens: int | None = None, max_waiting_per_worker: int | None = None):
     """``admission`` and ``tier_mix`` (SimConfig's) or ``tiers`` (each request's): tiers and their
     SLOs, rejections allowed; unset, loose SLOs under which a rejection is an error.
     ``max_num_seqs``: the live worker's sequence slots (None: the batch bounded by KV memory only);
     ``local_prefill_batch_tokens``: its token budget per step, prompts prefilled together within it
-    (None: one prompt per step)."""
+    (None: one prompt per step); ``max_waiting_per_worker``: admission's queue limit (None: the
+    routing default)."""
     from shared.planner.config import Slo, WorkloadSpec, load_cluster
     from shared.planner.devices import Cluster
     from shared.planner.flow import Evaluator
     from shared.planner.plan import Plan, WorkerPlan
     from shared.policy.disagg import DisaggConfig
+    from shared.policy.kv_routing import RoutingWeights
     from shared.sim.simulator import SimConfig, Simulator, workload_admission
     from shared.sim.traces import Trace
 
@@ -216,6 +229,8 @@ def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_t
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30),
                     admission=admission or workload_admission(slo_ttft_s), max_num_seqs=max_num_seqs,
                     local_prefill_batch_tokens=local_prefill_batch_tokens,
+                    **({"routing": RoutingWeights(max_waiting_per_worker=max_waiting_per_worker)}
+                       if max_waiting_per_worker is not None else {}),
                     **({"tier_mix": tier_mix} if tier_mix else {}))
     result = Simulator(ev, plan, cfg, block_size=trace.block_size).run(trace)
     if admission is not None:

@@ -91,9 +91,10 @@ class SimConfig:
     # Sequence slots per decode worker (the engine's max_num_seqs); None: only KV memory bounds
     # the batch. Requests waiting for a slot start by priority, then arrival, as the engine's do.
     max_num_seqs: int | None = None
-    # A decode worker's local prefill step takes queued prompts up to this many tokens together
-    # (the engine's max_num_batched_tokens: one step's fixed cost for them all); None: one prompt
-    # per step.
+    # The engine's chunked prefill on a decode worker (its max_num_batched_tokens): a local prefill
+    # step takes the queued prompts within this many tokens together, and on a worker that is
+    # decoding it rides in the decode step, the step's fixed cost paid once. None: one prompt per
+    # step, pausing decode for the whole prefill (the planner's model).
     local_prefill_batch_tokens: int | None = None
     # QoS tiers of the requests: (tier, share) pairs, drawn per request with ``seed``.
     tier_mix: tuple[tuple[str, float], ...] = (("standard", 1.0),)
@@ -358,7 +359,10 @@ class Simulator:
             i = queue.pop()
             active.add(i)
             tokens += self.uncached[i]
-        end = w.stall(self.now, w.prefill_times(int(tokens))[0])
+        seconds = w.prefill_times(int(tokens))[0]
+        if budget is not None and w.finish_heap:
+            seconds -= self.ev.eff.prefill_overhead_s
+        end = w.stall(self.now, seconds)
         self._reschedule(w)
         for i in sorted(active):
             self.push(end, KV_ARRIVED, i, w.index)

@@ -148,17 +148,25 @@ async def test_without_kv_index_admission_routes_to_the_least_loaded(bus, nats_u
     assert (decision.is_admitted, decision.worker_id, decision.num_overlap_blocks) == (True, "w2", 0)
 
 
+async def one_worker_admission(bus, nats_url, subjects, qos) -> AdmissionService:
+    """Admission with tiers from ``qos`` and one registered decode worker, ``w1``, whose load
+    reports the test publishes itself."""
+    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=5.0)
+    await registry.put(worker(subjects, "w1"))
+    admission = AdmissionService(AdmissionSettings(nats_url=nats_url, namespace=subjects.namespace,
+                                                   kv_match_timeout_s=0.1, qos=str(qos), retry_after_s=0.1),
+                                 bus, registry)
+    await admission.start()
+    return admission
+
+
 async def test_a_lower_tier_is_rejected_when_the_higher_tier_arriving_meanwhile_would_take_the_prefill(
         bus, nats_url, namespace, tmp_path):
     qos = tmp_path / "qos.yaml"
     qos.write_text("default_tier: batch\ntiers:\n  premium: {priority: 0, ttft_slo_ms: 60000}\n"
                    "  batch: {priority: 2, ttft_slo_ms: 1000}\n")
     subjects = Subjects(namespace)
-    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=5.0)
-    await registry.put(worker(subjects, "w1"))
-    admission = AdmissionService(AdmissionSettings(nats_url=nats_url, namespace=namespace, kv_match_timeout_s=0.1,
-                                                   qos=str(qos), retry_after_s=0.1), bus, registry)
-    await admission.start()
+    admission = await one_worker_admission(bus, nats_url, subjects, qos)
 
     async def report(seq: int) -> None:
         await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
@@ -193,11 +201,7 @@ async def test_a_full_batch_frees_slots_at_the_pace_of_the_output_lengths_of_fin
     qos = tmp_path / "qos.yaml"
     qos.write_text("default_tier: batch\ntiers:\n  batch: {priority: 2, ttft_slo_ms: 1000}\n")
     subjects = Subjects(namespace)
-    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=5.0)
-    await registry.put(worker(subjects, "w1"))
-    admission = AdmissionService(AdmissionSettings(nats_url=nats_url, namespace=namespace, kv_match_timeout_s=0.1,
-                                                   qos=str(qos), retry_after_s=0.1), bus, registry)
-    await admission.start()
+    admission = await one_worker_admission(bus, nats_url, subjects, qos)
 
     async def report(seq: int, output_tokens_recent: float | None) -> None:
         # 16 of 16 slots busy, 4 waiting, a 100 ms step; 100 requests started, 1000 tokens so far

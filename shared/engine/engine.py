@@ -126,6 +126,10 @@ class PrefillRate:
         self.tokens_per_s = rate if self.tokens_per_s is None else \
             self.tokens_per_s + self.weight * (rate - self.tokens_per_s)
 
+    def forget(self) -> None:
+        """Back to not measured: the next observed step sets the rate afresh."""
+        self.tokens_per_s = None
+
 
 class LLMEngine:
     def __init__(self, model: LlamaModel, config: EngineConfig, *, tokenizer=None,
@@ -415,7 +419,7 @@ class LLMEngine:
     def forget_prefill_rate(self) -> None:
         """Drop the prefill rate measured so far (warm-up's few short prompts on cold kernels, often
         while other processes load, measure a rate the worker's real work does not have)."""
-        self._prefill_rate = PrefillRate(min_tokens=self.config.block_size)
+        self._prefill_rate.forget()
 
     def add_step_observer(self, observe: StepObserver) -> None:
         """``observe(num_seqs, num_tokens, elapsed_s)`` after every step that ran the model, in the

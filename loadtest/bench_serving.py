@@ -125,8 +125,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def tandem_up(args: list[str], timeout_s: float = 600.0):
-    """``tandem up`` on a free port; yields its base URL once it prints that it is ready."""
+def tandem_up(args: list[str], timeout_s: float = 900.0):
+    """``tandem up`` on a free port; yields its base URL once it prints that it is ready and its
+    workers run the decode step they settle on (compiled, unless ``--compile off``)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up", "--port", str(port),
                              "--namespace", f"bench{os.getpid()}", *args],
@@ -143,10 +144,33 @@ def tandem_up(args: list[str], timeout_s: float = 600.0):
         # keep draining its output so the stack never blocks on a full pipe
         import threading
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        wait_for_compiled_steps(url, deadline)
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def wait_for_compiled_steps(url: str, deadline: float) -> None:
+    """Workers serve eagerly while they compile their decode step in the background: measure the
+    step they settle on, so wait until no worker reports ``compiling`` (``/status``)."""
+    import urllib.request
+
+    said = False
+    while True:
+        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
+            page = json.load(response)
+        steps = {w["info"]["worker_id"]: (w.get("load") or {}).get("decode_step") for w in page["workers"]}
+        if steps and all(step in ("compiled", "eager") for step in steps.values()):
+            print(f"tandem decode steps: {', '.join(f'{k} {v}' for k, v in steps.items())}", flush=True)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tandem workers still compiling their decode step: {steps}")
+        if not said:
+            print("waiting for tandem's workers to finish compiling their decode step ...", flush=True)
+            said = True
+        time.sleep(2)
 
 
 @contextlib.contextmanager

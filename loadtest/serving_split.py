@@ -1,6 +1,6 @@
 """Where a served token's time goes: the same decode step in process and behind ``tandem up``.
 
-    python -m loadtest.serving_split [--concurrency 1,8] [--tandem-args "--compile"]
+    python -m loadtest.serving_split [--concurrency 1,8] [--tandem-args "--compile off"]
 
 First ``tandem up`` (one decode worker, its defaults plus --tandem-args) serves ``c`` concurrent
 greedy streams (128-token prompts, --output-tokens each, ``ignore_eos``), two waves per
@@ -140,6 +140,14 @@ def served(args, concurrency: list[int]) -> dict[int, dict]:
     return results
 
 
+def steady_compile_mode(tandem_args: str) -> str:
+    """The step the served workers settle on: compiled unless ``--compile off`` is among the flags
+    (a worker compiles in the background by default; here the engine compiles before it is timed)."""
+    flags = shlex.split(tandem_args)
+    given = flags[flags.index("--compile") + 1] if "--compile" in flags[:-1] else "background"
+    return "off" if given == "off" else "on"
+
+
 def in_process(args, concurrency: list[int]) -> dict[int, float]:
     """The plain decode step time (ms) of one engine in this process at each batch size."""
     from loadtest.profile_step import decoding_engine  # noqa: PLC0415
@@ -148,7 +156,7 @@ def in_process(args, concurrency: list[int]) -> dict[int, float]:
                             prompt_tokens=args.prompt_tokens)
     steps = {}
     for c in concurrency:
-        engine = decoding_engine(ns, c, compile="--compile" in shlex.split(args.tandem_args))
+        engine = decoding_engine(ns, c, compile=steady_compile_mode(args.tandem_args))
         # the served requests' decode steps run from context prompt + 1 to prompt + output tokens:
         # step over the same contexts (attention and the KV gather grow with them); 4 are done
         num_steps = args.output_tokens - 4
@@ -168,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--tandem-args", default="", help="extra flags for tandem up, e.g. '--compile'")
+    p.add_argument("--tandem-args", default="", help="extra flags for tandem up, e.g. '--compile off'")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/serving_split"))
     args = p.parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",")]

@@ -16,6 +16,10 @@ import pytest
 # transformers (the reference implementation in some tests) must not look for a model hub:
 # every model here is a local file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# workers compile their decode step on a background thread by default: minutes of CPU per cold
+# process on a small machine, beside the test it would slow down. Tests run them eager unless they
+# ask for the compiled step (tests/engine/test_compiled_smollm2.py, test_up's compiled worker)
+os.environ.setdefault("TANDEM_COMPILE", "off")
 
 from shared.model.registry import DEFAULT_MODEL, resolve_model
 

@@ -89,6 +89,9 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
     lines.extend(_worker_line(w) for w in page.workers)
     if not page.workers:
         lines.append("(no workers registered)")
+    if steps := [f"{w.info.worker_id} {w.load.decode_step}" for w in page.workers if w.load is not None]:
+        lines.append("decode step (eager, compiling: eager until the compiled step is ready, compiled): "
+                     + ", ".join(steps))
     lines.extend(line for w in page.workers if (line := _tier_line(w)))
     lines.extend(line for w in page.workers if (line := _fetch_line(w)))
     if page.services:

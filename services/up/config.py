@@ -52,8 +52,9 @@ class UpSettings(QosSettings):
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
                                            "this many n-gram draft tokens per step (default: off)")
-    compile: bool = Field(False, description="workers run decode-only steps as one torch.compile graph "
-                                 "(CPU; compiled at start, cached on disk; default: off)")
+    compile: Literal["off", "on", "background"] | None = Field(
+        None, description="workers' compiled decode step (CPU): background, on or off (default: the workers' "
+                          "own, background: compiled on a thread while they serve eagerly)")
     drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")

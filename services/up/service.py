@@ -15,7 +15,7 @@ from services.up.config import UpSettings
 def spec_from_settings(s: UpSettings) -> StackSpec:
     engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s,
               **_given(dtype=s.dtype, quantization=s.quantization, num_threads=s.num_threads,
-                       compile=s.compile or None)}
+                       compile=s.compile)}
     decode_only = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue,
               "kv_host_memory": s.kv_host_memory, "kv_disk_dir": s.kv_disk_dir,
               "speculative_tokens": s.speculative_tokens}

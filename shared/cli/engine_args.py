@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from shared.model.compile_mode import compile_mode
+
 
 def _env(name: str, default=None):
     return os.environ.get(f"TANDEM_{name}", default)
@@ -42,10 +44,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "sampling keeps its distribution (default: %(default)s = off)")
     g.add_argument("--speculative-max-batch", type=int, default=int(_env("SPECULATIVE_MAX_BATCH", 4)),
                    help="speculate only while this many requests or fewer are running (default: %(default)s)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                   default=_env("COMPILE", "0").lower() in ("1", "true", "yes"),
-                   help="CPU: run decode-only steps as one torch.compile graph (inductor), compiled at start "
-                        "(minutes the first time, cached on disk after); prefill stays eager (default: off)")
+    g.add_argument("--compile", type=compile_mode, default=compile_mode(_env("COMPILE", "off")),
+                   metavar="{off,on,background}",
+                   help="CPU: run decode-only steps as one torch.compile graph (inductor): on = compiled before the "
+                        "first request, background = compiled on a thread while eager steps answer; minutes the "
+                        "first time, seconds once inductor's disk cache has it; prefill stays eager "
+                        "(default: %(default)s; workers default to background)")
 
     t = parser.add_argument_group("KV tiers under the pool (env: TANDEM_KV_HOST_MEMORY, TANDEM_KV_DISK_DIR, ...)")
     t.add_argument("--kv-host-memory", default=_env("KV_HOST_MEMORY"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -87,7 +88,8 @@ class AsyncEngine:
         return self.engine.kv_namespace
 
     def stats(self) -> EngineStats:
-        return self._stats
+        # the snapshot is taken at each step; how decode steps run can change while the engine idles
+        return dataclasses.replace(self._stats, decode_step=self.engine.decode_step())
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         self.engine.add_kv_event_sink(sink)

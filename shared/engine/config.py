@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kvcache.layout import KvCacheSpec
+from shared.model.compile_mode import compile_mode
 from shared.model.precision import Precision, choose_precision, cpu_flags
 from shared.model.quant import quantization_name
 
@@ -50,8 +51,9 @@ class EngineConfig:
     # speculative decoding with n-gram drafts from the request's own tokens (shared/engine/speculative.py)
     speculative_tokens: int = 0  # draft tokens per step; 0: off
     speculative_max_batch: int = 4  # speculate only while this many requests or fewer run
-    # decode-only steps as one compiled graph (shared/model/compiled.py; CPU); False: eager only
-    compile: bool = False
+    # decode-only steps as one compiled graph (shared/model/compiled.py; CPU): "on" compiles before the
+    # engine is returned, "background" on a thread while eager steps serve, "off" (or False) eager only
+    compile: str | bool = "off"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -60,6 +62,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization is not None:
             self.quantization = quantization_name(self.quantization)
+        self.compile = compile_mode(self.compile)
         if self.kv_host_memory < 0 or self.kv_disk_size < 1 or self.kv_disk_min_uses < 1:
             raise ValueError(f"kv_host_memory ({self.kv_host_memory}) must be >= 0, kv_disk_size "
                              f"({self.kv_disk_size}) and kv_disk_min_uses ({self.kv_disk_min_uses}) positive")

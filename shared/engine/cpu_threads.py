@@ -63,6 +63,12 @@ def restore(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
+def free_team() -> None:
+    """Called by a helper thread whose parallel work is done (the background compile): its OpenMP
+    team's threads exit, so the engine thread's team is again the only one."""
+    _pause_openmp()
+
+
 def _pause_openmp() -> None:
     """``omp_pause_resource_all(omp_pause_soft)`` on the OpenMP runtime torch loaded, if there is
     one that has it: its idle team threads exit, and a later parallel region makes new ones."""

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.compile_thread import BackgroundCompile
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
 from shared.engine.errors import InvalidRequestError, InvalidSamplingParamsError
+from shared.engine.cpu_threads import engine_thread_count
 from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request, SamplingParams
 from shared.engine.sampler import SampledToken, Sampler
@@ -105,6 +107,7 @@ class EngineStats:
     kv_tiers: dict[str, float] = field(default_factory=dict)  # host/disk tier sizes and counters (KvTiers.stats)
     num_draft_tokens: int = 0  # speculative decoding: draft tokens computed
     num_accepted_tokens: int = 0  # of those, accepted
+    decode_step: str = "eager"  # eager, compiling (background compile under way) or compiled
 
 
 StepObserver = Callable[[int, int, float], None]  # sequences, tokens, seconds of one step
@@ -167,13 +170,23 @@ class LLMEngine:
             self.kv.tiers = self.tiers
             self.kv.pool.on_evict = self.tiers.offload
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        compile_mode = config.compile
+        if compile_mode != "off" and self.device.type != "cpu":
+            log.info("no compiled decode step on %s: decode steps run eagerly", self.device.type)
+            compile_mode = "off"
         compiled = None
-        if config.compile:
-            compiled = CompiledDecode(model, config.block_size)
+        threads = engine_thread_count(config.num_threads)  # the engine thread's count, read before any hand-over
+        if compile_mode == "on":
+            compiled = CompiledDecode(model, config.block_size, threads)
             compiled.warm(self.kv_cache)
         self.runner = ModelRunner(model, self.kv_cache, self.backend, config.block_size,
                                   Sampler(self.device, config.seed, _grammars(tokenizer, cfg.vocab_size, eos_token_ids)),
                                   compiled)
+        self.background_compile: BackgroundCompile | None = None
+        if compile_mode == "background":
+            self.background_compile = BackgroundCompile(model, config.block_size, self.kv_cache, threads,
+                                                        self._use_compiled)
+            self.background_compile.start()
         self._num_steps = 0
         self._fetches: dict[str, tuple[list[int], list[int], int]] = {}  # fetch id → hashes, tokens, cached here
         self._num_prompt_tokens = 0
@@ -182,6 +195,10 @@ class LLMEngine:
         self._prefill_rate = PrefillRate(min_tokens=config.block_size)
         self._step_observers: list[StepObserver] = []
         self._log_capacity()
+
+    def _use_compiled(self, compiled: CompiledDecode) -> None:
+        """From the background compile: the engine thread's next decode-only step runs the graph."""
+        self.runner.compiled = compiled
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -398,7 +415,15 @@ class LLMEngine:
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             num_draft_tokens=spec.stats.num_drafted if (spec := self.scheduler.speculator) else 0,
-            num_accepted_tokens=spec.stats.num_accepted if spec else 0)
+            num_accepted_tokens=spec.stats.num_accepted if spec else 0, decode_step=self.decode_step())
+
+    def decode_step(self) -> str:
+        """How decode-only steps run now: eager, compiling (eager while the background compile runs)
+        or compiled."""
+        if self.runner.compiled is not None:
+            return "compiled"
+        compiling = self.background_compile is not None and not self.background_compile.done.is_set()
+        return "compiling" if compiling else "eager"
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         """Events go to ``sink`` from now on; the first sink also hears what the disk tier already

@@ -82,6 +82,9 @@ class WorkerLoad(WireModel):
     # mean output tokens of the requests finished in the last 30 s (None: none finished): how long
     # a running request holds its slot (started requests still decoding would bias a total's mean low)
     output_tokens_recent: float | None = Field(None, ge=0)
+    # how the worker's decode-only steps run: eager, compiling (eager while a background compile of
+    # the decode step runs) or compiled (shared/model/compiled.py)
+    decode_step: Literal["eager", "compiling", "compiled"] = "eager"
     num_requests_total: int = Field(0, ge=0)
     num_requests_aborted: int = Field(0, ge=0)
     num_prompt_tokens_total: int = Field(0, ge=0)

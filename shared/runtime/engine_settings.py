@@ -7,8 +7,9 @@ import re
 import socket
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from shared.model.compile_mode import compile_mode
 from shared.runtime.settings import ServiceSettings
 
 
@@ -44,13 +45,20 @@ class EngineWorkerSettings(ServiceSettings):
                                     "tokens per step from the request's own tokens, verified in the same forward "
                                     "(greedy text unchanged; 0: off)")
     speculative_max_batch: int = Field(4, ge=1, description="speculate only while this many requests or fewer run")
-    compile: bool = Field(False, description="CPU: decode-only steps as one torch.compile graph, compiled "
-                          "before the worker registers (minutes the first time, cached on disk after)")
+    compile: Literal["off", "on", "background"] = Field(
+        "background", description="CPU: decode-only steps as one torch.compile graph: background = compiled on a "
+        "thread while the worker already serves eagerly (minutes the first time on a small CPU, seconds once "
+        "inductor's disk cache has it), on = before the worker registers, off = eager only")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
     events_max_age_s: float = Field(3600.0, gt=0, description="KV event stream retention (seconds)")
     events_max_msgs: int = Field(1_000_000, gt=0, description="KV event stream retention (messages)")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_mode(cls, value):
+        return compile_mode(value) if isinstance(value, (bool, str)) else value
 
     @model_validator(mode="after")
     def _batch_covers_a_block(self):

@@ -15,3 +15,19 @@ def test_compiled_decode_gives_the_eager_greedy_text(make_engine, chat_prompts):
     # every token after a request's first came from a compiled step (batch-mates share steps)
     assert compiled.runner.compiled.num_steps >= max(map(len, alone)) - 1 + max(map(len, together)) - 1 > 30
     compiled.kv.check_integrity()
+
+
+def test_background_compile_answers_at_once_and_keeps_the_greedy_text(make_engine, chat_prompts):
+    """The workers' default: eager steps answer while a thread compiles; after the hand-over the
+    decode steps run compiled, and the greedy text is the eager one throughout."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = make_engine(dtype="float32").generate(chat_prompts[:2], greedy)
+    engine = make_engine(dtype="float32", compile="background")
+    assert engine.stats().decode_step == "compiling"
+    assert engine.generate(chat_prompts[:2], greedy) == expected  # while compiling (or just after)
+    assert engine.background_compile.wait(timeout=900) and engine.background_compile.error is None
+    assert engine.stats().decode_step == "compiled"
+    steps = engine.runner.compiled.num_steps
+    assert engine.generate(chat_prompts[:2], greedy) == expected
+    assert engine.runner.compiled.num_steps - steps >= 20
+    engine.kv.check_integrity()

@@ -188,6 +188,7 @@ def test_status_table_reads_the_typed_page():
     assert a[:9] == ["a", "decode", "ready", "3", "m", "2", "0", "3/10", "0"]
     assert a[10] == "250.0" and a[12] == "1/0/0"
     assert d[3] == "0" and d[7] == "0/0" and d[12] == "-"
+    assert lines[5].endswith("compiled): a eager")  # only workers that reported say how they step
     empty = format_status(StatusPage(timestamp=0.0))
     assert empty.endswith("(no workers registered)")
 

@@ -148,14 +148,22 @@ def test_speculative_decoding_flags_reach_the_engine_from_every_command():
     assert spec_from_settings(settings_from_args(args.settings_class, args)).decode_flags["speculative_tokens"] == 4
 
 
-def test_up_compile_reaches_every_worker_and_the_engine():
+def test_up_compile_reaches_every_worker_and_the_engine(monkeypatch):
     from services.decode.config import DecodeSettings
+    from shared.cli.engine_args import engine_config_from_args
     from services.up.config import UpSettings
     from services.up.service import spec_from_settings
 
-    spec = spec_from_settings(UpSettings(compile=True, prefill=1))
-    assert spec.decode_flags["compile"] is True and spec.prefill_flags["compile"] is True
-    assert "compile" not in spec_from_settings(UpSettings()).decode_flags
-    args = build_parser().parse_args(["decode", "--compile"])
-    assert settings_from_args(args.settings_class, args).engine_config().compile is True
-    assert DecodeSettings().engine_config().compile is False
+    monkeypatch.delenv("TANDEM_COMPILE", raising=False)  # tests/conftest.py pins it off
+    spec = spec_from_settings(UpSettings(compile="on", prefill=1))
+    assert spec.decode_flags["compile"] == "on" and spec.prefill_flags["compile"] == "on"
+    assert "compile" not in spec_from_settings(UpSettings()).decode_flags  # the workers' own default
+    args = build_parser().parse_args(["decode", "--compile", "on"])
+    assert settings_from_args(args.settings_class, args).engine_config().compile == "on"
+    # a worker compiles in the background unless told otherwise; the engine commands do not compile
+    assert DecodeSettings().engine_config().compile == "background"
+    assert DecodeSettings(compile="false").engine_config().compile == "off"  # an env var's boolean spelling
+    assert engine_config_from_args(build_parser().parse_args(["complete", "hi"])).compile == "off"
+    assert engine_config_from_args(build_parser().parse_args(["complete", "--compile", "on", "hi"])).compile == "on"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["complete", "--compile", "sometimes", "hi"])

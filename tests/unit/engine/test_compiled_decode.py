@@ -57,3 +57,44 @@ def test_only_decode_only_steps_apply():
     assert CompiledDecode.applies(meta(2, [5, 9]), num_tokens=2)
     assert not CompiledDecode.applies(meta(1, [5, 9]), num_tokens=8)  # a prefill chunk in the step
     assert not CompiledDecode.applies(meta(0, [9]), num_tokens=4)  # a speculative step: 1 token + 3 drafts
+
+
+def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engines, caplog):
+    """``compile="background"``: the engine answers at once (eager steps) while a thread compiles;
+    once the graph is handed over, decode-only steps run it, and the greedy tokens are eager's."""
+    eager, _ = engines
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with caplog.at_level("INFO", logger="shared.engine.compile_thread"):
+        engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4,
+                                                           compile="background"))
+        assert engine.runner.compiled is None  # not waited for: the constructor returned first
+        assert engine.generate(prompts(2), greedy) == eager.generate(prompts(2), greedy)
+        assert engine.background_compile.wait(timeout=600)
+    assert engine.background_compile.error is None
+    assert engine.runner.compiled is not None and engine.runner.compiled.num_steps == 0
+    assert engine.generate(prompts(3), greedy) == eager.generate(prompts(3), greedy)
+    assert engine.runner.compiled.num_steps >= 7
+    assert "compiled decode step ready after" in caplog.text
+
+
+def test_a_failed_background_compile_leaves_the_eager_step(tiny_engine_model, monkeypatch, caplog):
+    def broken(self, kv_cache):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(CompiledDecode, "warm", broken)
+    with caplog.at_level("WARNING", logger="shared.engine.compile_thread"):
+        engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4,
+                                                           compile="background"))
+        assert engine.background_compile.wait(timeout=60)
+    assert isinstance(engine.background_compile.error, RuntimeError)
+    assert engine.runner.compiled is None
+    assert "decode steps stay eager: RuntimeError: no C++ compiler" in caplog.text
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert [len(t) for t in engine.generate(prompts(2), greedy)] == [4, 4]
+
+
+def test_compile_modes():
+    assert EngineConfig(compile=True).compile == "on" and EngineConfig().compile == "off"
+    assert EngineConfig(compile="Background").compile == "background"
+    with pytest.raises(ValueError, match="unknown compile mode 'fast'"):
+        EngineConfig(compile="fast")

@@ -1,0 +1,66 @@
+"""Compile the decode step on a thread of its own while eager steps serve (``--compile background``).
+
+A cold compile of the whole decode step takes minutes on a small CPU (seconds once inductor's disk
+cache holds it). A worker that waited for it would keep its users waiting for nothing: the eager
+step is correct, only slower. So the worker registers and serves eagerly, this thread traces and
+compiles the graph and runs it once per shape over block 0 of the pool (reading, never writing),
+and then hands it to the runner; the engine thread's next decode-only step runs compiled. A
+request in flight at that moment goes on in the graph, whose float sums differ from eager in the
+last bits, which can change a near-tie greedy token later in that request.
+
+The compiling thread runs torch's own ops on one intra-op thread and frees its OpenMP team when it
+is done, so the engine thread is left the only one with a team (see ``cpu_threads``). A compile
+that fails is logged and the worker stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from shared.engine import cpu_threads
+from shared.model.compiled import CompiledDecode
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundCompile:
+    def __init__(self, model, block_size: int, kv_cache: torch.Tensor, num_threads: int,
+                 on_ready: Callable[[CompiledDecode], None]) -> None:
+        self.done = threading.Event()  # set when the graph is handed over, or the compile failed
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self._args = (model, block_size, kv_cache, num_threads)
+        self._on_ready = on_ready
+        self._thread = threading.Thread(target=self._run, name="compile-decode", daemon=True)
+
+    def start(self) -> None:
+        log.info("compiling the decode step on a background thread; eager steps serve until it is ready")
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the compile has ended (``error`` says whether it failed)."""
+        return self.done.wait(timeout)
+
+    def _run(self) -> None:
+        model, block_size, kv_cache, num_threads = self._args
+        started = time.monotonic()
+        torch.set_num_threads(1)
+        try:
+            compiled = CompiledDecode(model, block_size, num_threads)
+            compiled.warm(kv_cache)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the eager step, which is correct
+            self.error = exc
+            log.warning("compiling the decode step failed, decode steps stay eager: %s: %s",
+                        type(exc).__name__, exc)
+        else:
+            self.seconds = time.monotonic() - started
+            self._on_ready(compiled)
+            log.info("compiled decode step ready after %.1f s: decode-only steps now run compiled", self.seconds)
+        finally:
+            cpu_threads.free_team()
+            self.done.set()

@@ -70,8 +70,7 @@ class CompiledDecode:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         hidden = F.embedding(input_ids, model.embed)
         cos, sin = model.rope_cos_sin(positions)
-        # the step's own token is the last position of every sequence, always valid
-        valid = torch.cat([past_valid, past_valid.new_ones(num_seqs, 1)], dim=1)  # [B, L + 1]
+        mask = past_valid[:, :, None, None]  # [B, L, 1, 1]: the cached positions each sequence has
         residual = None
         new_k, new_v = [], []
         for i, layer in enumerate(model.layers):
@@ -81,18 +80,10 @@ class CompiledDecode:
             v = v.view(-1, kv_heads, head_dim)
             new_k.append(k)
             new_v.append(v)
-            keys = torch.cat([kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim),
-                              cast(k, kv_cache.dtype)[:, None]], dim=1)
-            values = torch.cat([kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim),
-                                cast(v, kv_cache.dtype)[:, None]], dim=1)
-            # unused cache slots may hold anything (NaN included): zero them, as the eager path does
-            keys = torch.where(valid[:, :, None, None], cast(keys, torch.float32), 0.0)
-            values = torch.where(valid[:, :, None, None], cast(values, torch.float32), 0.0)
-            qg = cast(q, torch.float32).view(num_seqs, kv_heads, heads // kv_heads, head_dim)
-            scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * head_dim ** -0.5
-            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-            attn = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), values)
-            hidden = linear(cast(attn, q.dtype).reshape(-1, q_size), layer.o_proj)
+            attn = _decode_attention(q, cast(k, kv_cache.dtype), cast(v, kv_cache.dtype),
+                                     kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim),
+                                     kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim), mask)
+            hidden = linear(cast(attn, q.dtype).reshape(num_seqs, q_size), layer.o_proj)
             x, residual = fused_add_rms_norm_ref(hidden, residual, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
             hidden = linear(F.silu(gate) * up, layer.down)
@@ -146,6 +137,31 @@ class CompiledDecode:
             with torch.inference_mode():
                 self._graph(ids, pos, kv_cache, blocks, valid)
         log.info("compiled the decode step of %d layers in %.1f s", cfg.num_layers, time.perf_counter() - started)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
+                      past_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over its cached past and its own new key/value, in float32.
+
+    q [B, H, D]; k, v [B, Hkv, D] (the step's token); past_k, past_v [B, L, Hkv, D] gathered from the
+    pool; mask [B, L, 1, 1] true where a past position exists. Written as products and sums, not as
+    matmuls over a concatenated K/V: inductor then reads the pool inside its reduction loops instead
+    of copying the gathered K/V out first. The new token's score joins the softmax separately.
+    Returns [B, H, D]."""
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    scale = head_dim ** -0.5
+    qg = cast(q, torch.float32).view(num_seqs, 1, kv_heads, heads // kv_heads, head_dim)  # [B, 1, Hkv, G, D]
+    past = (qg * cast(past_k, torch.float32)[:, :, :, None, :]).sum(-1) * scale  # [B, L, Hkv, G]
+    past = torch.where(mask, past, float("-inf"))  # also drops whatever an unused slot holds (NaN included)
+    own = (qg[:, 0] * cast(k, torch.float32)[:, :, None, :]).sum(-1) * scale  # [B, Hkv, G]
+    top = torch.maximum(past.amax(dim=1), own)
+    p_past = torch.exp(past - top[:, None])
+    p_own = torch.exp(own - top)
+    values = torch.where(mask, cast(past_v, torch.float32), 0.0)[:, :, :, None, :]  # [B, L, Hkv, 1, D]
+    out = (p_past[..., None] * values).sum(1) + p_own[..., None] * cast(v, torch.float32)[:, :, None, :]
+    out = out / (p_past.sum(1) + p_own)[..., None]  # [B, Hkv, G, D]
+    return out.reshape(num_seqs, heads, head_dim)
 
 
 def _mark_pool_static(kv_cache: torch.Tensor) -> None:

@@ -98,3 +98,26 @@ def test_compile_modes():
     assert EngineConfig(compile="Background").compile == "background"
     with pytest.raises(ValueError, match="unknown compile mode 'fast'"):
         EngineConfig(compile="fast")
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 12], [16]])
+def test_written_out_attention_matches_sdpa_over_past_and_own_token(lengths):
+    """The graph's attention (shared/model/compiled.py ``_decode_attention``), run eagerly: the
+    softmax over a sequence's cached past (NaN in every slot past its length) and its own token
+    equals SDPA over the concatenated valid positions, with 3 query heads per KV head."""
+    from shared.model.compiled import _decode_attention
+
+    torch.manual_seed(0)
+    num_seqs, past_len, heads, kv_heads, dim = len(lengths), 16, 6, 2, 8
+    q = torch.randn(num_seqs, heads, dim)
+    k, v = torch.randn(num_seqs, kv_heads, dim), torch.randn(num_seqs, kv_heads, dim)
+    past_k, past_v = torch.randn(num_seqs, past_len, kv_heads, dim), torch.randn(num_seqs, past_len, kv_heads, dim)
+    valid = torch.arange(past_len)[None, :] < torch.tensor(lengths)[:, None]
+    past_k[~valid], past_v[~valid] = float("nan"), float("nan")
+    got = _decode_attention(q, k, v, past_k, past_v, valid[:, :, None, None])
+    for b, n in enumerate(lengths):
+        keys = torch.cat([past_k[b, :n], k[b, None]]).repeat_interleave(heads // kv_heads, dim=1)  # [n + 1, H, D]
+        values = torch.cat([past_v[b, :n], v[b, None]]).repeat_interleave(heads // kv_heads, dim=1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b][:, None], keys.transpose(0, 1), values.transpose(0, 1))[:, 0]
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-6)

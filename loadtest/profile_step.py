@@ -11,6 +11,10 @@ from the profiled steps and are applied to the plain step time, since the profil
 call. Also counted: aten op calls per step (calls made inside other ops included), the number
 that makes per-op overhead add up, and the ten ops with the most time of their own. Writes
 ``profile_step.json`` and ``profile_step.png`` under --out.
+
+With ``--compile --kernel-profile`` the engine runs the compiled decode step and inductor records
+each of its C++ loops: the split is then matmuls (called from the graph), the fused loops, and the
+rest (the graph's caller, dynamo's guard check, and the Python around the graph).
 """
 
 from __future__ import annotations
@@ -28,10 +32,16 @@ KINDS = {
     "attention": ({"scaled_dot_product_attention", "softmax", "_softmax", "flex_attention"},
                   ("_scaled_dot_product",)),
 }
+# with --compile the graph's C++ caller reaches aten through shims (aoti_torch_cpu_<op>_out), and its
+# own loops are recorded under their kernel names (graph_<n>_cpp_fused_...) when inductor's kernel
+# profile is on; everything else inside the graph is the caller itself
+COMPILED_LOOPS = "fused loops (compiled)"
 
 
 def kind_of(op_name: str) -> str:
-    name = op_name.split("::")[-1]
+    if "_cpp_fused_" in op_name:
+        return COMPILED_LOOPS
+    name = op_name.split("::")[-1].removeprefix("aoti_torch_cpu_").removesuffix("_out")
     for kind, (names, prefixes) in KINDS.items():
         if name in names or name.startswith(prefixes):
             return kind
@@ -86,11 +96,12 @@ def profile(engine, steps: int) -> dict:
         profiled_ms = (time.perf_counter() - started) / steps * 1e3
     by_kind: dict[str, float] = {}
     calls = 0
-    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    # aten ops, and the compiled graph's shims and loops; profiler-internal and user ranges are left
+    # out (their time is in the ops below them, or outside any op)
+    events = [e for e in prof.key_averages()
+              if e.key.startswith(("aten::", "aoti_torch_cpu_")) or "_cpp_fused_" in e.key]
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
     for event in events:
-        if not event.key.startswith("aten::"):
-            continue  # profiler-internal and user ranges: their time is in the aten ops below them
         by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0.0) + event.self_cpu_time_total / 1e3
         calls += event.count
     in_ops = sum(by_kind.values()) / steps
@@ -131,9 +142,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_decoding_args(p)
-    p.add_argument("--compile", action="store_true", help="decode steps as one compiled graph (--compile)")
+    p.add_argument("--compile", action="store_true", help="decode steps as one compiled graph (--compile on)")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="with --compile: record each of inductor's loops (its kernel profile; a compile of its own)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/profile_step"))
     args = p.parse_args(argv)
+    if args.kernel_profile:
+        import torch._inductor.config  # noqa: PLC0415
+
+        torch._inductor.config.cpp.enable_kernel_profile = True
     report: dict = {"batches": {}}
     for b in (int(x) for x in args.batch_sizes.split(",")):
         engine = decoding_engine(args, b, args.compile)

@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # workers compile their decode step on a background thread by default: minutes of CPU per cold
 # process on a small machine, beside the test it would slow down. Tests run them eager unless they
-# ask for the compiled step (tests/engine/test_compiled_smollm2.py, test_up's compiled worker)
+# ask for the compiled step (tests/engine/test_compiled_smollm2.py, tests/unit/engine/test_compiled_decode.py)
 os.environ.setdefault("TANDEM_COMPILE", "off")
 
 from shared.model.registry import DEFAULT_MODEL, resolve_model

@@ -29,5 +29,6 @@ def test_background_compile_answers_at_once_and_keeps_the_greedy_text(make_engin
     assert engine.stats().decode_step == "compiled"
     steps = engine.runner.compiled.num_steps
     assert engine.generate(chat_prompts[:2], greedy) == expected
-    assert engine.runner.compiled.num_steps - steps >= 20
+    # every token after each request's first came from a compiled step (the two share steps)
+    assert engine.runner.compiled.num_steps - steps >= max(map(len, expected)) - 1 > 5
     engine.kv.check_integrity()

@@ -8,9 +8,9 @@ and then hands it to the runner; the engine thread's next decode-only step runs 
 request in flight at that moment goes on in the graph, whose float sums differ from eager in the
 last bits, which can change a near-tie greedy token later in that request.
 
-The compiling thread runs torch's own ops on one intra-op thread and frees its OpenMP team when it
-is done, so the engine thread is left the only one with a team (see ``cpu_threads``). A compile
-that fails is logged and the worker stays eager.
+The compiling thread takes the engine thread's intra-op thread count (dynamo guards on it) and
+frees its OpenMP team when it is done, so the engine thread is left the only one with a team (see
+``cpu_threads``). A compile that fails is logged and the worker stays eager.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class BackgroundCompile:
     def _run(self) -> None:
         model, block_size, kv_cache, num_threads = self._args
         started = time.monotonic()
-        torch.set_num_threads(1)
+        # dynamo's guards include the intra-op thread count: compiled with another count than the
+        # engine thread's, each graph would be compiled again on that thread's first step
+        torch.set_num_threads(num_threads)
         try:
             compiled = CompiledDecode(model, block_size, num_threads)
             compiled.warm(kv_cache)

@@ -37,8 +37,10 @@ makes the next process's compile take seconds. Prefill, chunked and speculative 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,8 @@ log = logging.getLogger(__name__)
 
 
 class CompiledDecode:
+    on_recompile = "eager_on_recompile"  # torch.compiler stance for the steps after warm(); tests: fail_on_recompile
+
     def __init__(self, model, block_size: int, num_threads: int | None = None) -> None:
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode step runs on the CPU, not on {model.device.type}")
@@ -62,7 +66,7 @@ class CompiledDecode:
         # the C++ loops' OpenMP team size is fixed when they are generated: the engine thread's, not
         # that of the thread that happens to compile them
         threads = num_threads or torch.get_num_threads()
-        self._graph = torch.compile(self._forward, dynamic=True, options={
+        self._graph = torch.compile(_own_code(self._forward), dynamic=True, options={
             "cpp_wrapper": True, "cpp.threads": threads, "guard_filter_fn": _inputs_guards_only})
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -103,7 +107,9 @@ class CompiledDecode:
         """The hidden states [B, hidden] of a decode-only step; writes its K/V into ``kv_cache``."""
         bs = self.block_size
         past = meta.seq_lens.long() - 1
-        num_blocks = max(1, -(-(meta.max_seq_len - 1) // bs))
+        # at least 2 blocks (the spare ones masked): with 1, the table's length would equal the batch
+        # size, and the graph traced with the two apart would be compiled again for that case
+        num_blocks = max(2, -(-(meta.max_seq_len - 1) // bs))
         table = meta.block_tables[:, :num_blocks].long()
         if table.shape[1] < num_blocks:
             table = F.pad(table, (0, num_blocks - table.shape[1]))
@@ -112,7 +118,9 @@ class CompiledDecode:
         past_valid = torch.arange(num_blocks * bs, device=table.device)[None, :] < past[:, None]
         _mark_pool_static(kv_cache)
         # the inputs are made outside inference mode, here and in warm(): torch guards on it
-        with torch.inference_mode():
+        # a step whose shapes no compiled graph fits (none should, after warm()) runs the same function
+        # eagerly rather than stopping the engine for a compile
+        with torch.inference_mode(), torch.compiler.set_stance(self.on_recompile):
             hidden, new_k, new_v = self._graph(input_ids, positions, kv_cache, table.reshape(-1), past_valid)
         block = torch.div(meta.slot_mapping, bs, rounding_mode="floor")
         offset = meta.slot_mapping - block * bs
@@ -175,10 +183,23 @@ def _mark_pool_static(kv_cache: torch.Tensor) -> None:
         torch._dynamo.mark_static(kv_cache, dim)
 
 
-_GRAPH_INPUTS = ("L['input_ids']", "L['positions']", "L['kv_cache']", "L['past_blocks']", "L['past_valid']")
+_instances = itertools.count()
+
+
+def _own_code(method):
+    """``method`` bound to a copy of its function with a code object of its own. Dynamo keeps the
+    graphs it compiled on the code object, and ``_inputs_guards_only`` drops the guards that would
+    tell two models' weights apart: without a copy, a second CompiledDecode in the process (another
+    engine, another model) could run the first one's graph. Inductor's disk cache still serves the
+    same graph to both."""
+    func = method.__func__
+    code = func.__code__.replace(co_name=f"{func.__name__}_{next(_instances)}")
+    return types.MethodType(types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__,
+                                               func.__closure__), method.__self__)
 
 
 def _inputs_guards_only(entries) -> list[bool]:
-    """Keep the guards on the graph's inputs and torch's global state; drop those on the model's
-    weights and settings, which never change once the model is loaded."""
-    return [e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV") or e.name.startswith(_GRAPH_INPUTS) for e in entries]
+    """Keep the guards on the step's inputs (their sizes, strides, dtypes: which graph fits) and on
+    torch's global state; drop those on the model (``self.*``: ~300 weight tensors and its settings)
+    and on module globals, neither of which changes once the model is loaded."""
+    return [not e.name.startswith(("self", "G[")) for e in entries]

@@ -22,6 +22,7 @@ def engines(tiny_engine_model):
     compiled = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile=True))
     for engine in (eager, compiled):
         engine.kv_cache.fill_(float("nan"))  # what a slot holds before its token is written must not matter
+    compiled.runner.compiled.on_recompile = "fail_on_recompile"  # a step no graph fits raises here
     return eager, compiled
 
 
@@ -62,6 +63,8 @@ def test_only_decode_only_steps_apply():
 def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engines, caplog):
     """``compile="background"``: the engine answers at once (eager steps) while a thread compiles;
     once the graph is handed over, decode-only steps run it, and the greedy tokens are eager's."""
+    import torch._dynamo.utils
+
     eager, _ = engines
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with caplog.at_level("INFO", logger="shared.engine.compile_thread"):
@@ -71,9 +74,14 @@ def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engi
         assert engine.generate(prompts(2), greedy) == eager.generate(prompts(2), greedy)
         assert engine.background_compile.wait(timeout=600)
     assert engine.background_compile.error is None
-    assert engine.runner.compiled is not None and engine.runner.compiled.num_steps == 0
+    assert engine.runner.compiled is not None
+    engine.runner.compiled.on_recompile = "fail_on_recompile"
+    graphs, steps = torch._dynamo.utils.counters["stats"]["unique_graphs"], engine.runner.compiled.num_steps
     assert engine.generate(prompts(3), greedy) == eager.generate(prompts(3), greedy)
-    assert engine.runner.compiled.num_steps >= 7
+    assert engine.generate(prompts(1), greedy) == eager.generate(prompts(1), greedy)
+    assert engine.runner.compiled.num_steps - steps >= 14
+    # the graphs compiled on the other thread serve this one as they are (its guards hold here)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert "compiled decode step ready after" in caplog.text
 
 

@@ -51,7 +51,7 @@ class BackgroundCompile:
         started = time.monotonic()
         # dynamo's guards include the intra-op thread count: compiled with another count than the
         # engine thread's, each graph would be compiled again on that thread's first step
-        torch.set_num_threads(num_threads)
+        cpu_threads.adopt(num_threads)  # pinned to this thread: the creator drops to one thread later
         try:
             compiled = CompiledDecode(model, block_size, num_threads)
             compiled.warm(kv_cache)

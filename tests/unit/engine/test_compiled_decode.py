@@ -129,3 +129,32 @@ def test_written_out_attention_matches_sdpa_over_past_and_own_token(lengths):
         want = torch.nn.functional.scaled_dot_product_attention(
             q[b][:, None], keys.transpose(0, 1), values.transpose(0, 1))[:, 0]
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-6)
+
+
+def test_background_graphs_fit_the_async_engine_thread(tiny_engine_model, monkeypatch):
+    """As in a worker: an AsyncEngine's thread steps while another thread compiles, and the thread
+    that built the engine gives its intra-op threads up. The compiled graphs must fit the engine
+    thread as they are (dynamo guards on the thread count): no compile again, no eager fallback."""
+    import asyncio
+
+    from shared.engine.async_engine import AsyncEngine
+
+    monkeypatch.setattr(CompiledDecode, "on_recompile", "fail_on_recompile")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="background"))
+    aengine = AsyncEngine(engine)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def answer(request_id: str, prompt: list[int]) -> list[int]:
+        return [t async for out in aengine.generate(request_id, prompt, greedy) for t in out.new_token_ids]
+
+    try:
+        assert engine.background_compile.wait(timeout=600) and engine.background_compile.error is None
+        assert aengine.stats().decode_step == "compiled"
+        for i, prompt in enumerate(prompts(3)):
+            assert len(asyncio.run(answer(f"r{i}", prompt))) == 8  # a recompile would have killed the engine
+        assert engine.runner.compiled.num_steps >= 21
+    finally:
+        aengine.shutdown()
+        torch.set_num_threads(before)

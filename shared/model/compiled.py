@@ -37,10 +37,8 @@ makes the next process's compile take seconds. Prefill, chunked and speculative 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-import types
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +64,7 @@ class CompiledDecode:
         # the C++ loops' OpenMP team size is fixed when they are generated: the engine thread's, not
         # that of the thread that happens to compile them
         threads = num_threads or torch.get_num_threads()
-        self._graph = torch.compile(_own_code(self._forward), dynamic=True, options={
+        self._graph = torch.compile(self._forward, dynamic=True, options={
             "cpp_wrapper": True, "cpp.threads": threads, "guard_filter_fn": _inputs_guards_only})
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -181,21 +179,6 @@ def _mark_pool_static(kv_cache: torch.Tensor) -> None:
     blocks stays symbolic, so that a graph cached on disk serves any pool size."""
     for dim in range(1, kv_cache.dim()):
         torch._dynamo.mark_static(kv_cache, dim)
-
-
-_instances = itertools.count()
-
-
-def _own_code(method):
-    """``method`` bound to a copy of its function with a code object of its own. Dynamo keeps the
-    graphs it compiled on the code object, and ``_inputs_guards_only`` drops the guards that would
-    tell two models' weights apart: without a copy, a second CompiledDecode in the process (another
-    engine, another model) could run the first one's graph. Inductor's disk cache still serves the
-    same graph to both."""
-    func = method.__func__
-    code = func.__code__.replace(co_name=f"{func.__name__}_{next(_instances)}")
-    return types.MethodType(types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__,
-                                               func.__closure__), method.__self__)
 
 
 def _inputs_guards_only(entries) -> list[bool]:

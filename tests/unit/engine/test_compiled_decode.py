@@ -158,3 +158,24 @@ def test_background_graphs_fit_the_async_engine_thread(tiny_engine_model, monkey
     finally:
         aengine.shutdown()
         torch.set_num_threads(before)
+
+
+def test_two_models_in_one_process_each_run_their_own_graph(tmp_path):
+    """The graphs' guards leave the model out (its weights and layers never change), so each
+    CompiledDecode must keep its graphs apart: a second model, here one of fewer layers, runs a
+    graph of its own, not the first one's."""
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    models = [load_model(tmp_path, "hf", torch.device("cpu"), torch.float32) for _ in range(2)]
+    models[1].layers = models[1].layers[:1]  # another model: its first layer only
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for model in models:
+        eager = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
+        compiled = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="on"))
+        expected = eager.generate(prompts(2), greedy)
+        assert compiled.generate(prompts(2), greedy) == expected
+        outputs.append(expected)
+    assert outputs[0] != outputs[1]

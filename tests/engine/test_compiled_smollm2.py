@@ -23,7 +23,8 @@ def test_background_compile_answers_at_once_and_keeps_the_greedy_text(make_engin
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     expected = make_engine(dtype="float32").generate(chat_prompts[:2], greedy)
     engine = make_engine(dtype="float32", compile="background")
-    assert engine.stats().decode_step == "compiling"
+    # "compiled" already if this process compiled the same graph before (the test above)
+    assert engine.stats().decode_step in ("compiling", "compiled")
     assert engine.generate(chat_prompts[:2], greedy) == expected  # while compiling (or just after)
     assert engine.background_compile.wait(timeout=900) and engine.background_compile.error is None
     assert engine.stats().decode_step == "compiled"

@@ -33,7 +33,6 @@ class BackgroundCompile:
                  on_ready: Callable[[CompiledDecode], None]) -> None:
         self.done = threading.Event()  # set when the graph is handed over, or the compile failed
         self.error: BaseException | None = None
-        self.seconds: float | None = None
         self._args = (model, block_size, kv_cache, num_threads)
         self._on_ready = on_ready
         self._thread = threading.Thread(target=self._run, name="compile-decode", daemon=True)
@@ -60,9 +59,9 @@ class BackgroundCompile:
             log.warning("compiling the decode step failed, decode steps stay eager: %s: %s",
                         type(exc).__name__, exc)
         else:
-            self.seconds = time.monotonic() - started
             self._on_ready(compiled)
-            log.info("compiled decode step ready after %.1f s: decode-only steps now run compiled", self.seconds)
+            log.info("compiled decode step ready after %.1f s: decode-only steps now run compiled",
+                     time.monotonic() - started)
         finally:
             cpu_threads.free_team()
             self.done.set()

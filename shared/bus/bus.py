@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -61,6 +63,37 @@ def _error_from_msg(msg: Msg, subject: str) -> ServiceError | None:
         return RemoteError("internal", msg.data.decode(errors="replace")[:500])
 
 
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL setting: one URL, or several separated by commas (the members of a
+    cluster; the client connects to one and fails over to the others)."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("no NATS server URL given")
+    return urls
+
+
+def tls_context(ca_file: str | None) -> ssl.SSLContext | None:
+    """A client TLS context that trusts ``ca_file`` (e.g. the CA ``tandem up --nats-tls`` made)
+    and checks the server's name against it; None without a CA file."""
+    if not ca_file:
+        return None
+    return ssl.create_default_context(cafile=ca_file)
+
+
+def _replicas_from_env() -> int | None:
+    value = os.environ.get("TANDEM_NATS_REPLICAS")
+    return int(value) if value else None
+
+
+def detect_replicas(server_info: dict) -> int:
+    """How many copies JetStream should keep of our streams and buckets: 1 on a single server; on a
+    cluster one per member up to 3 (what NATS recommends: a majority survives one member lost).
+    The members are the client URLs the server gossips (``connect_urls``, itself included)."""
+    if not server_info.get("cluster"):
+        return 1
+    return max(1, min(3, len(set(server_info.get("connect_urls") or [])) or 1))
+
+
 def _is_auth_error(exc: BaseException) -> bool:
     # nats-py raises a plain nats.errors.Error carrying the server's -ERR text on the first connection
     return (isinstance(exc, nats.errors.AuthorizationError)
@@ -91,8 +124,9 @@ async def _first_connection(connecting: Awaitable[Client], rejected: asyncio.Eve
 class Bus:
     """A NATS connection plus the handler tasks it runs. Create with ``await Bus.connect(...)``."""
 
-    def __init__(self, nc: Client, name: str, link: Link | None = None) -> None:
+    def __init__(self, nc: Client, name: str, link: Link | None = None, *, replicas: int = 1) -> None:
         self.nc = nc
+        self.replicas = replicas  # copies of each stream and bucket this bus creates
         self.js = nc.jetstream()
         self.name = name
         self.link = link or Link(name)  # what connect's callbacks report: disconnects, reconnects
@@ -102,14 +136,24 @@ class Bus:
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
-    async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0) -> "Bus":
+    async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0, tls_ca: str | None = None,
+                      replicas: int | None = None) -> "Bus":
         """Connect, retrying with exponential backoff for up to ``timeout_s``; afterwards nats-py
-        reconnects forever, every 0.5 s (a server restart is survived: nats-py replays the core
+        reconnects forever, every 0.5 s, to any server of ``url`` (several, comma-separated: a
+        cluster; a server that dies is left for another; a server restart is survived: nats-py replays the core
         subscriptions, the bus's ``link`` ends streams cut by the disconnect and re-creates
         JetStream consumers, streams and buckets the server lost). A server that
         rejects the credentials ends the first connection at once with a one-line ConnectionError
-        naming the URL (its password redacted): retrying cannot mend a wrong password."""
+        naming the URL (its password redacted): retrying cannot mend a wrong password.
+
+        ``tls_ca`` (default: ``TANDEM_NATS_CA``): a CA file; the connection is then TLS and the
+        server's certificate must be signed by it for the host name in the URL. ``replicas``
+        (default: ``TANDEM_NATS_REPLICAS``, else detected from the server): copies JetStream keeps
+        of each stream and bucket this bus creates."""
         shown = redact_url(url)
+        servers = server_urls(url)
+        tls = tls_context(tls_ca or os.environ.get("TANDEM_NATS_CA"))
+        replicas = replicas or _replicas_from_env()
         delay, deadline = 0.05, time.monotonic() + timeout_s
         last_error: list[Exception] = []
         rejected, connected = asyncio.Event(), False
@@ -126,6 +170,8 @@ class Bus:
             log.warning("nats %s: %s", name, exc)
 
         async def on_disconnect() -> None:
+            if link.is_closed:  # our own close()
+                return
             log.warning("nats %s: disconnected from %s", name, shown)
             link.disconnected()
 
@@ -138,12 +184,12 @@ class Bus:
                 # nats-py itself retries an unreachable server forever (reconnects are unlimited):
                 # the deadline bounds the first connection
                 nc = await _first_connection(nats.connect(
-                    servers=[url], name=name, connect_timeout=2, allow_reconnect=True,
-                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                    servers=servers, name=name, connect_timeout=2, allow_reconnect=True,
+                    max_reconnect_attempts=-1, reconnect_time_wait=0.5, tls=tls,
                     error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
                     rejected, timeout_s=max(deadline - time.monotonic(), 0.1))
                 connected = True  # from here on every error is logged: nats-py retries them all
-                return cls(nc, name, link)
+                return cls(nc, name, link, replicas=replicas or detect_replicas(nc._server_info))
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if rejected.is_set() or _is_auth_error(exc):
                     why = last_error[0] if last_error else exc
@@ -346,10 +392,12 @@ class Bus:
         ``work_queue``: a message is removed once acknowledged, and a full stream refuses new
         messages (the publisher gets an error) instead of silently dropping the oldest. After a
         reconnect it is ensured again: a server that lost its store lost the stream too."""
-        config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs)
+        config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs,
+                              num_replicas=self.replicas)
         if work_queue:
             config = StreamConfig(name=name, subjects=subjects, max_age=max_age_s, max_msgs=max_msgs,
-                                  retention=RetentionPolicy.WORK_QUEUE, discard=DiscardPolicy.NEW)
+                                  retention=RetentionPolicy.WORK_QUEUE, discard=DiscardPolicy.NEW,
+                                  num_replicas=self.replicas)
         await self._add_or_update_stream(config)
         self.link.on_resume(f"stream {name}", lambda: self._add_or_update_stream(config))
 
@@ -411,7 +459,7 @@ class Bus:
             return await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             pass
-        config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s)
+        config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=self.replicas)
         try:
             return await self.js.create_key_value(config)
         except nats.js.errors.BadRequestError:  # created concurrently by another process

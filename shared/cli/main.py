@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "shared.cli.model_cmds",  # complete, chat, model fetch
     "shared.cli.plan_cmds",
     "services.up.__main__",  # up
+    "services.join.__main__",  # join
     "services.gateway.__main__",  # gateway, status
     "services.admission.__main__",
     "services.decode.__main__",

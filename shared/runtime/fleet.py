@@ -61,7 +61,8 @@ class FleetManager:
 
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self._bus = await Bus.connect(self._stack.nats_url, "up-fleet")
+        self._bus = await Bus.connect(self._stack.nats_url, "up-fleet", tls_ca=self._stack.nats_ca,
+                                      replicas=self._stack.nats_replicas)
         try:
             await self._bus.serve(self._subjects.fleet_scale(), self.scale)
             await self._bus.flush()

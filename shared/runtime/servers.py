@@ -15,27 +15,30 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
+if TYPE_CHECKING:
+    from shared.runtime.tls import ServerTls
+
 _NATS_READY = "Server is ready"
-_NATS_LISTEN = re.compile(r"Listening for client connections on [\d.]+:(\d+)")
 _REDIS_READY = "Ready to accept connections"
 
 
-def free_port() -> int:
-    """A currently free loopback port (for servers that cannot pick their own, like redis)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port currently free on ``host`` (for servers that cannot pick their own, like redis)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -62,6 +65,7 @@ class ServerProcess:
     is_ready: Callable[[str], bool]
     on_line: Callable[[str], None] | None
     url: str = ""
+    http_port: int | None = None  # nats-server's monitoring port, where it has one
     lines: list[str] = field(default_factory=list)  # output up to readiness, for error messages
 
     @property
@@ -127,29 +131,156 @@ def _private_file(path: Path, text: str) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class NatsCluster:
+    """What makes a nats-server one member of a cluster: the cluster's name, where this member
+    listens for routes from the others, the others' route URLs, and the route credentials."""
+    name: str
+    listen: str                    # host:port of this member's route listener
+    routes: list[str]              # nats://host:port of every member (its own is ignored)
+    route_user: str = "route"
+    route_password: str | None = None
+
+
+def _conf_value(value: object) -> str:
+    return json.dumps(value)
+
+
+def nats_config(*, server_name: str, host: str, port: int, store_dir: Path, user: str,
+                password: str | None, http_port: int | None = None, advertise: str | None = None,
+                tls: "ServerTls | None" = None, cluster: NatsCluster | None = None) -> str:
+    """nats-server's configuration (its own format; strings as JSON strings, which it reads)."""
+    lines = [f"server_name: {_conf_value(server_name)}", f"listen: {_conf_value(f'{host}:{port}')}",
+             f"jetstream {{ store_dir: {_conf_value(str(store_dir))} }}"]
+    if advertise:  # the address this member gives clients (in the cluster's connect_urls)
+        lines.append(f"client_advertise: {_conf_value(f'{advertise}:{port}')}")
+    if http_port:
+        lines.append(f"http: {_conf_value(f'127.0.0.1:{http_port}')}")
+    if password is not None:
+        lines.append(f"authorization {{ user: {_conf_value(user)}, password: {_conf_value(password)} }}")
+    if tls is not None:
+        lines.append(f"tls {{ cert_file: {_conf_value(str(tls.cert_file))}, "
+                     f"key_file: {_conf_value(str(tls.key_file))} }}")
+    if cluster is not None:
+        login = "" if cluster.route_password is None else \
+            f"{quote(cluster.route_user, safe='')}:{quote(cluster.route_password, safe='')}@"
+        routes = [route.replace("nats://", f"nats://{login}", 1) for route in cluster.routes]
+        auth = "" if cluster.route_password is None else (
+            f"  authorization {{ user: {_conf_value(cluster.route_user)}, "
+            f"password: {_conf_value(cluster.route_password)} }}\n")
+        lines.append(f"cluster {{\n  name: {_conf_value(cluster.name)}\n  listen: {_conf_value(cluster.listen)}\n"
+                     f"{auth}  routes: [{', '.join(_conf_value(r) for r in routes)}]\n}}")
+    return "\n".join(lines) + "\n"
+
+
 def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str = "tandem",
                       password: str | None = None, on_line: Callable[[str], None] | None = None,
-                      timeout_s: float = 20.0) -> ServerProcess:
-    """nats-server with JetStream storing under ``store_dir``; ``port=-1`` lets it pick one. With a
-    ``password`` every client must log in as ``user`` with it (``url`` carries both)."""
-    argv = [_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
-    if password is not None:
-        conf = _private_file(Path(store_dir) / "auth.conf",
-                             f"authorization {{\n  user: {json.dumps(user)}\n  password: {json.dumps(password)}\n}}\n")
-        argv += ["-c", str(conf)]
-    found: dict[str, int] = {}
-
-    def is_ready(line: str) -> bool:
-        if m := _NATS_LISTEN.search(line):
-            found["port"] = int(m.group(1))
-        return _NATS_READY in line
-
-    server = _start("nats-server", argv, is_ready, on_line, timeout_s)
-    # a restart must listen where the clients' URL points, not on another port of its choosing
-    server.argv[argv.index("-p") + 1] = str(found["port"])
+                      timeout_s: float = 20.0, host: str = "127.0.0.1", advertise: str | None = None,
+                      tls: "ServerTls | None" = None, cluster: NatsCluster | None = None,
+                      server_name: str = "tandem", http_port: int | None = None) -> ServerProcess:
+    """nats-server with JetStream storing under ``store_dir``, listening on ``host``; ``port=-1``:
+    a free one. With a ``password`` every client must log in as ``user`` with it; with ``tls``
+    every client connection is TLS with that certificate; with ``cluster`` it is one member of a
+    cluster. ``url`` is what clients dial: ``advertise`` (default ``host``) with the port and the
+    login; ``tls://`` when TLS is on. The whole configuration is one file only its owner can read."""
+    store_dir = Path(store_dir)
+    port = port if port > 0 else free_port(host)
+    conf = _private_file(store_dir / "nats.conf", nats_config(
+        server_name=server_name, host=host, port=port, store_dir=store_dir, user=user, password=password,
+        http_port=http_port, advertise=advertise, tls=tls, cluster=cluster))
+    argv = [_binary("nats-server"), "-c", str(conf)]
+    server = _start("nats-server", argv, lambda line: _NATS_READY in line, on_line, timeout_s)
     login = "" if password is None else f"{quote(user, safe='')}:{quote(password, safe='')}@"
-    server.url = f"nats://{login}127.0.0.1:{found['port']}"
+    scheme = "tls" if tls is not None else "nats"
+    server.url = f"{scheme}://{login}{_url_host(advertise or _dialable(host))}:{port}"
+    server.http_port = http_port
     return server
+
+
+def start_nats_cluster(store_dir: str | os.PathLike, size: int, *, password: str, host: str = "127.0.0.1",
+                       advertise: str | None = None, tls: "ServerTls | None" = None,
+                       on_line: Callable[[str, str], None] | None = None, timeout_s: float = 60.0,
+                       cluster_name: str = "tandem", base_port: int = 0) -> list[ServerProcess]:
+    """``size`` nats-servers on ``host`` routed into one JetStream cluster (members ``nats-1`` ...,
+    each storing under ``store_dir/<name>``, route logins with a fresh password), returned once
+    every member reports JetStream healthy (a metadata leader elected). Clients get every member's
+    URL: ``cluster_url(servers)``. ``base_port``: member i's client port is base_port + i (0: free ports)."""
+    from shared.telemetry.redact import new_secret  # noqa: PLC0415
+
+    store_dir = Path(store_dir)
+    names = [f"nats-{i + 1}" for i in range(size)]
+    client_ports = [base_port + i if base_port else free_port(host) for i in range(size)]
+    route_ports = [free_port(host) for _ in names]
+    http_ports = [free_port("127.0.0.1") for _ in names]
+    route_host = _dialable(host)
+    routes = [f"nats://{_url_host(route_host)}:{p}" for p in route_ports]
+    route_password = new_secret()
+    servers = []
+    try:
+        for i, name in enumerate(names):
+            cluster = NatsCluster(cluster_name, f"{host}:{route_ports[i]}", routes, route_password=route_password)
+            line = (lambda n: (lambda text: on_line(n, text)))(name) if on_line else None
+            server = start_nats_server(store_dir / name, port=client_ports[i], password=password, host=host,
+                                       advertise=advertise, tls=tls, cluster=cluster, server_name=name,
+                                       http_port=http_ports[i], on_line=line, timeout_s=timeout_s)
+            server.name = name
+            servers.append(server)
+        wait_nats_healthy(servers, timeout_s)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def cluster_url(servers: list[ServerProcess]) -> str:
+    """The NATS URL setting that names every member (comma-separated)."""
+    return ",".join(server.url for server in servers)
+
+
+def wait_nats_healthy(servers: list[ServerProcess], timeout_s: float) -> None:
+    """Until each server's monitoring endpoint says JetStream is healthy (in a cluster: it knows the
+    metadata leader and is current with it)."""
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout_s
+    pending = [s for s in servers if s.http_port]
+    while pending:
+        server = pending[0]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/healthz", timeout=2):
+                pending.pop(0)
+                continue
+        except (urllib.error.URLError, OSError):
+            pass
+        if not server.is_running():
+            raise RuntimeError(f"{server.name} exited while the cluster formed:\n" + "\n".join(server.lines[-20:]))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name}: JetStream not healthy within {timeout_s:g}s")
+        time.sleep(0.1)
+
+
+def advertised_host(listen_host: str) -> str:
+    """The address other hosts dial for a server listening on ``listen_host``: that address itself,
+    or for a wildcard one this machine's address on its default route (loopback if it has none)."""
+    if listen_host not in ("0.0.0.0", "", "::"):
+        return listen_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # a documentation address: UDP connect sends nothing
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _dialable(host: str) -> str:
+    """An address clients can dial for a listen address (a wildcard one: this machine's loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def start_redis_server(data_dir: str | os.PathLike, *, port: int = 0, password: str | None = None,

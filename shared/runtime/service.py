@@ -79,7 +79,7 @@ async def bus_connection(name: str, settings: ServiceSettings) -> AsyncIterator[
     """The bus, connected as ``name``, and the namespace's worker registry (watched). Leaving the
     block normally gives the requests in flight ``STOP_SERVING_TIMEOUT_S`` to finish; the bus is
     closed either way. The process enters the service directory with ``published_metrics``."""
-    bus = await Bus.connect(settings.nats_url, name)
+    bus = await Bus.connect(settings.nats_url, name, tls_ca=settings.nats_ca, replicas=settings.nats_replicas)
     try:
         registry = await WorkerRegistry.open(bus, Subjects(settings.namespace).workers_bucket,
                                              ttl_s=settings.registry_ttl_s, watch=True)

@@ -19,7 +19,13 @@ S = TypeVar("S", bound=BaseSettings)
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL")
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL, or several separated by "
+                          "commas (a cluster's members: the client fails over between them)")
+    nats_ca: str | None = Field(None, description="CA certificate file (PEM): connect to NATS over TLS and "
+                                "accept only a server certificate it signed (tandem up --nats-tls writes one)")
+    nats_replicas: int | None = Field(None, ge=1, le=5, description="copies JetStream keeps of each stream "
+                                      "and bucket a service creates (default: 1 on one server, up to 3 on a "
+                                      "cluster, from the members the server names)")
     namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$",
                            description="first token of every subject, bucket and Redis key")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL (heartbeat: TTL/3)")

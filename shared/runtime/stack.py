@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.runtime.children import Child, child_env, service_argv, split_secret_flags
-from shared.runtime.servers import ServerProcess, free_port, start_nats_server, start_redis_server
+from shared.runtime.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
+                                    start_nats_server, start_redis_server)
 from shared.runtime.supervisor import Backoff, RestartPolicy
 from shared.telemetry.redact import new_secret
 
@@ -46,8 +47,19 @@ class StackSpec:
     host: str = "127.0.0.1"
     port: int = 8000                  # 0: a free port
     namespace: str = "tandem"
-    nats_url: str | None = None       # None: start an embedded nats-server
+    nats_url: str | None = None       # None: start an embedded nats-server (or cluster); several: commas
     redis_url: str | None = None      # None: start an embedded redis-server
+    nats_cluster: int = 1             # embedded: this many nats-servers routed into one JetStream cluster
+    nats_host: str = "127.0.0.1"      # embedded: where NATS listens for clients (0.0.0.0: every interface)
+    nats_port: int = 0                # embedded: its client port (0: a free one; a cluster's members port + i)
+    advertise_host: str | None = None  # the address other hosts dial for NATS (default: nats_host)
+    nats_tls: bool = False            # embedded: clients connect over TLS, verifying a CA made here
+    nats_ca: str | None = None        # given nats_url: the CA file its TLS certificate is signed by
+    nats_replicas: int | None = None  # copies of each stream and bucket (None: the services detect it)
+    # False: workers only, joined to a control plane elsewhere (``tandem join``): no servers, no
+    # gateway, admission, kv-index or autoscaler
+    control_plane: bool = True
+    host_name: str = ""               # in worker ids, so that workers of several hosts never collide
     registry_ttl_s: float = 6.0
     log_level: str = "INFO"
     decode_flags: dict[str, object] = field(default_factory=dict)
@@ -66,6 +78,15 @@ class StackSpec:
 def print_line(name: str, line: str) -> None:
     sys.stdout.write(f"{name:<12}| {line}\n")
     sys.stdout.flush()
+
+
+def _local_names(listen_host: str) -> list[str]:
+    """Names and addresses a client on this machine may dial: loopback, the host name, and the
+    listen address itself when it is a specific one."""
+    import socket  # noqa: PLC0415
+
+    names = ["127.0.0.1", "localhost", socket.gethostname()]
+    return names if listen_host in ("0.0.0.0", "", "::") else [listen_host, *names]
 
 
 def _nth(service: str, i: int) -> str:
@@ -87,6 +108,8 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self.nats_url = spec.nats_url or ""
         self.redis_url = spec.redis_url or ""
+        self.nats_ca = spec.nats_ca
+        self.nats_replicas = spec.nats_replicas
         self.ports = [spec.port + i if spec.port else free_port() for i in range(spec.num_gateways)]
         self.port = self.ports[0]
         self.retired: set[str] = set()  # workers stopped on purpose (scale-down): their exit is expected
@@ -108,27 +131,24 @@ class Stack:
     def start(self) -> None:
         spec = self.spec
         spec.state_dir.mkdir(parents=True, exist_ok=True)
+        if not spec.control_plane:
+            self._start_workers()
+            return
         if not spec.nats_url:
-            server = start_nats_server(spec.state_dir / "nats", password=new_secret(),
-                                       on_line=lambda l: self._line("nats", l))
-            self._add_server(server)
-            self.nats_url = server.url
+            self._start_nats()
         if not spec.redis_url:
             (spec.state_dir / "redis").mkdir(exist_ok=True)
             server = start_redis_server(spec.state_dir / "redis", password=new_secret(),
                                         on_line=lambda l: self._line("redis", l))
             self._add_server(server)
             self.redis_url = server.url
-        common = {"nats_url": self.nats_url, "namespace": spec.namespace,
-                  "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level, **_OWN_METRICS_PORT}
+        common = {**self._bus_flags(), "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level,
+                  **_OWN_METRICS_PORT}
         self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
         for i in range(spec.num_admissions):
             self.spawn(_nth("admission", i), "admission", {**common, **spec.admission_flags})
         self.spawn("autoscaler", "autoscaler", {**common, **spec.autoscaler_flags})
-        for i in range(spec.num_decode):
-            self.spawn_decode(f"decode-{i + 1}")
-        for i in range(spec.num_prefill):
-            self.spawn_prefill(f"prefill-{i + 1}")
+        self._start_workers()
         urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
         for i, port in enumerate(self.ports):
             self.spawn(_nth("gateway", i), "gateway", {**common, "model": spec.model, "host": spec.host,
@@ -142,6 +162,45 @@ class Stack:
 
             self._fleet = FleetManager(self, drain_timeout_s=spec.fleet_drain_timeout_s)
             self._fleet.start()
+
+    def _start_workers(self) -> None:
+        for i in range(self.spec.num_decode):
+            self.spawn_decode(f"decode-{i + 1}")
+        for i in range(self.spec.num_prefill):
+            self.spawn_prefill(f"prefill-{i + 1}")
+        if not self.spec.control_plane and self.spec.restart_children:
+            self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _start_nats(self) -> None:
+        """The embedded nats-server, or ``nats_cluster`` of them routed into one cluster; with
+        ``nats_tls`` a CA in the state directory signs a certificate for every address clients dial."""
+        spec = self.spec
+        advertise = spec.advertise_host or advertised_host(spec.nats_host)
+        tls = None
+        if spec.nats_tls:
+            from shared.runtime.tls import server_tls  # noqa: PLC0415 — cryptography only when asked
+
+            tls = server_tls(spec.state_dir / "tls", [advertise, *_local_names(spec.nats_host)])
+            self.nats_ca = str(tls.ca_file)
+        password = new_secret()
+        if spec.nats_cluster > 1:
+            servers = start_nats_cluster(spec.state_dir / "nats", spec.nats_cluster, password=password,
+                                         host=spec.nats_host, advertise=advertise, tls=tls,
+                                         on_line=self._line, base_port=spec.nats_port)
+            self.nats_replicas = self.nats_replicas or min(3, spec.nats_cluster)
+        else:
+            servers = [start_nats_server(spec.state_dir / "nats", port=spec.nats_port or -1, password=password,
+                                         host=spec.nats_host, advertise=advertise, tls=tls,
+                                         on_line=lambda l: self._line("nats", l))]
+        for server in servers:
+            self._add_server(server)
+        self.nats_url = cluster_url(servers)
+
+    def _bus_flags(self) -> dict[str, object]:
+        """How every child reaches NATS: the URL(s), the CA, the replicas, the namespace."""
+        return {"nats_url": self.nats_url, "namespace": self.spec.namespace, "nats_ca": self.nats_ca,
+                "nats_replicas": self.nats_replicas}
 
     def _add_server(self, server: ServerProcess) -> None:
         self.servers.append(server)
@@ -166,7 +225,7 @@ class Stack:
         if flags.get("kv_disk_dir"):  # one disk tier per worker, under its stable name
             flags = {**flags, "kv_disk_dir": str(Path(str(flags["kv_disk_dir"])) / name)}
         return self._start_child(name, service, {
-            "nats_url": self.nats_url, "namespace": spec.namespace, "registry_ttl_s": spec.registry_ttl_s,
+            **self._bus_flags(), "registry_ttl_s": spec.registry_ttl_s,
             "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **_OWN_METRICS_PORT,
             **threads, **flags})
 
@@ -183,7 +242,8 @@ class Stack:
         return name, self.worker_id(name), child
 
     def worker_id(self, name: str) -> str:
-        return f"{self.spec.namespace}-{name}"[:64]
+        host = f"{self.spec.host_name}-" if self.spec.host_name else ""
+        return f"{self.spec.namespace}-{host}{name}"[:64]
 
     def worker_name(self, worker_id: str) -> str | None:
         return next((n for n in self.children if self.worker_id(n) == worker_id), None)

@@ -25,7 +25,10 @@ def new_secret() -> str:
 
 def redact_url(url: str) -> str:
     """``url`` with its password (or token, a user-info without a password) replaced by ``***``;
-    the user name stays, as it helps to tell which credentials were used."""
+    the user name stays, as it helps to tell which credentials were used. Several URLs separated by
+    commas (a NATS cluster) are redacted one by one."""
+    if "," in url:
+        return ",".join(redact_url(u) for u in url.split(","))
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url

@@ -7,6 +7,7 @@ generated passwords serves a request without showing them on any command line or
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -117,7 +118,7 @@ def test_stack_generates_credentials_and_serves_without_showing_them(tmp_path):
                      decode_flags={"max_model_len": 1024, "kv_cache_memory": "128MiB", "device": "cpu",
                                    "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=240) as stack:
-        secrets = [_password(tmp_path / "nats" / "auth.conf", "password"),
+        secrets = [_password(tmp_path / "nats" / "nats.conf", "password"),
                    _password(tmp_path / "redis" / "auth.conf", "requirepass")]
         assert secrets[0] != secrets[1] and secrets[0] in stack.nats_url and secrets[1] in stack.redis_url
         body = json.dumps({"model": "smollm2-135m", "max_tokens": 4,
@@ -139,5 +140,6 @@ def test_stack_generates_credentials_and_serves_without_showing_them(tmp_path):
 
 def _password(conf: Path, key: str) -> str:
     assert conf.stat().st_mode & 0o077 == 0, f"{conf} is readable by others"
-    line = next(l for l in conf.read_text().splitlines() if l.strip().startswith(key))
-    return json.loads(line.split(None, 1)[1].removeprefix(":").strip())
+    found = re.search(rf'\b{key}\b:?\s*("(?:[^"\\]|\\.)*")', conf.read_text())
+    assert found, f"no {key} in {conf}"
+    return json.loads(found.group(1))

@@ -1,0 +1,136 @@
+"""``tandem join``: this host's workers, supervised here, serving a control plane elsewhere.
+
+The control plane (``tandem up`` on another host) wrote ``connect.env``: the NATS URL(s) with their
+credentials, the namespace, the registry TTL and, with TLS, its CA file. The workers started here
+register in that namespace's registry, so gateway, admission and kv-index see them as they see
+local ones; KV moves between hosts over NIXL. Ctrl-C drains and stops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from pathlib import Path
+
+from services.join.config import JoinSettings
+from shared.cli.errors import CliError
+from shared.runtime.stack import Stack, StackSpec, print_line
+from shared.runtime.supervisor import Backoff
+from shared.telemetry.redact import redact_url
+
+_CONNECT_KEYS = {"TANDEM_NATS_URL", "TANDEM_REDIS_URL", "TANDEM_NAMESPACE", "TANDEM_REGISTRY_TTL_S",
+                 "TANDEM_NATS_CA", "TANDEM_NATS_REPLICAS"}
+
+
+def read_connect_file(path: Path) -> dict[str, str]:
+    """The ``KEY=VALUE`` lines of a connect.env (comments and blank lines skipped); the CA file, if
+    named, is taken where it is named or, when that path does not exist on this host, as ``ca.pem``
+    beside the connect file (copied over with it)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read the connect file {path}: {exc.strerror}") from None
+    values: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or key not in _CONNECT_KEYS:
+            raise CliError(f"{path}:{number}: expected one of {', '.join(sorted(_CONNECT_KEYS))}=VALUE")
+        values[key] = value.strip().strip("'\"")
+    if "TANDEM_NATS_URL" not in values:
+        raise CliError(f"{path}: no TANDEM_NATS_URL (write it with tandem up, or by hand)")
+    if ca := values.get("TANDEM_NATS_CA"):
+        beside = path.parent / "ca.pem"
+        if not Path(ca).exists():
+            if not beside.exists():
+                raise CliError(f"{path} names the CA file {ca}, which is not on this host, and there is no "
+                               f"{beside}: copy the control plane's CA there")
+            values["TANDEM_NATS_CA"] = str(beside)
+    return values
+
+
+def spec_from_settings(s: JoinSettings, connect: dict[str, str]) -> StackSpec:
+    engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s,
+              **_given(dtype=s.dtype, quantization=s.quantization, num_threads=s.num_threads, compile=s.compile)}
+    decode_only = _given(max_local_prefill_tokens=s.max_local_prefill_tokens, max_prefill_queue=s.max_prefill_queue,
+                         kv_host_memory=s.kv_host_memory, kv_disk_dir=s.kv_disk_dir,
+                         speculative_tokens=s.speculative_tokens)
+    namespace = connect.get("TANDEM_NAMESPACE", "tandem")
+    replicas = connect.get("TANDEM_NATS_REPLICAS")
+    return StackSpec(
+        state_dir=s.state_dir / f"join-{namespace}", control_plane=False, host_name=s.host_name,
+        num_decode=s.decode, num_prefill=s.prefill, model=s.model, namespace=namespace,
+        nats_url=connect["TANDEM_NATS_URL"], nats_ca=connect.get("TANDEM_NATS_CA"),
+        nats_replicas=int(replicas) if replicas else None,
+        registry_ttl_s=float(connect.get("TANDEM_REGISTRY_TTL_S", 6.0)), log_level=s.log_level,
+        restart_children=s.restart, restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
+        decode_flags={**engine, **decode_only}, prefill_flags=engine)
+
+
+def _given(**flags: object) -> dict[str, object]:
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def run(settings: JoinSettings) -> int:
+    connect = read_connect_file(settings.connect)
+    if settings.decode + settings.prefill == 0:
+        raise CliError("nothing to join: give --decode and/or --prefill")
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stack = Stack(spec_from_settings(settings, connect))
+    try:
+        stack.start()
+        print_line("join", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
+                           f"{settings.model} as host {settings.host_name!r} for the control plane at "
+                           f"{redact_url(stack.nats_url)} (namespace {stack.spec.namespace})")
+        threading.Thread(target=_wait_registered, args=(stack, settings, stop), daemon=True).start()
+        while not stop.wait(0.5):
+            dead = stack.exited()
+            if dead and not settings.restart:
+                print_line("join", f"exited: {', '.join(dead)}; stopping")
+                return 1
+        return 0
+    finally:
+        print_line("join", "stopping (workers drain first)")
+        stack.stop(timeout_s=max(15.0, settings.drain_timeout_s + 10))
+        print_line("join", "stopped")
+
+
+def _wait_registered(stack: Stack, settings: JoinSettings, stop: threading.Event) -> None:
+    worker_ids = sorted(stack.worker_id(name) for name in stack.children)
+    try:
+        asyncio.run(wait_workers_ready(stack, worker_ids, settings.ready_timeout_s))
+    except (ConnectionError, TimeoutError) as exc:
+        print_line("join", f"not ready: {exc}")
+        stop.set()
+        return
+    print_line("join", f"ready: {', '.join(worker_ids)} registered with the control plane; Ctrl-C stops")
+
+
+async def wait_workers_ready(stack: Stack, worker_ids: list[str], timeout_s: float) -> None:
+    """Until every one of ``worker_ids`` is in the control plane's registry, ready."""
+    from shared.bus.bus import Bus  # noqa: PLC0415 — nats only when the command runs
+    from shared.bus.registry import WorkerRegistry  # noqa: PLC0415
+    from shared.protocol.subjects import Subjects  # noqa: PLC0415
+
+    bus = await Bus.connect(stack.nats_url, f"{stack.spec.namespace}-join-{stack.spec.host_name}",
+                            tls_ca=stack.nats_ca, replicas=stack.nats_replicas)
+    try:
+        registry = await WorkerRegistry.open(bus, Subjects(stack.spec.namespace).workers_bucket,
+                                             ttl_s=stack.spec.registry_ttl_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = {w.worker_id for w in await registry.list() if w.state == "ready"}
+            if set(worker_ids) <= ready:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(worker_ids) - ready)
+                raise TimeoutError(f"not ready in the registry within {timeout_s:g}s: {', '.join(missing)}")
+            await asyncio.sleep(0.5)
+    finally:
+        await bus.close()

@@ -1,0 +1,117 @@
+"""The pieces that take Tandem beyond one machine, without a network: NATS configuration for a
+cluster and TLS, the stack's own CA, URL lists, replica detection, connect files and worker ids of
+joined hosts. (The stack on a real cluster: tests/integration/test_nats_cluster.py; across
+network namespaces: tests/integration/test_hosts.py.)"""
+
+import socket
+import ssl
+import threading
+
+import pytest
+
+from services.join.service import read_connect_file, spec_from_settings
+from shared.bus.bus import detect_replicas, server_urls
+from shared.cli.errors import CliError
+from shared.cli.main import build_parser
+from shared.runtime.servers import NatsCluster, nats_config
+from shared.runtime.settings import settings_from_args
+from shared.runtime.stack import Stack, StackSpec
+from shared.runtime.tls import server_tls
+from shared.telemetry.redact import redact_url
+
+
+def test_a_url_setting_names_one_server_or_every_member_of_a_cluster():
+    assert server_urls("nats://a:1") == ["nats://a:1"]
+    assert server_urls("tls://u:p@a:1, tls://u:p@b:2,") == ["tls://u:p@a:1", "tls://u:p@b:2"]
+    with pytest.raises(ValueError):
+        server_urls(" , ")
+    assert redact_url("nats://u:pw@a:1,nats://u:pw@b:2") == "nats://u:***@a:1,nats://u:***@b:2"
+
+
+def test_replicas_follow_the_cluster_the_server_names():
+    assert detect_replicas({}) == 1
+    assert detect_replicas({"cluster": "c", "connect_urls": ["a:1"]}) == 1
+    assert detect_replicas({"cluster": "c", "connect_urls": ["a:1", "b:1"]}) == 2
+    assert detect_replicas({"cluster": "c", "connect_urls": ["a:1", "b:1", "c:1", "d:1", "e:1"]}) == 3
+
+
+def test_a_cluster_members_config_routes_to_every_member_with_the_route_login(tmp_path):
+    text = nats_config(server_name="nats-2", host="10.0.0.2", port=4222, store_dir=tmp_path, user="tandem",
+                       password="pw", http_port=8222, advertise="10.0.0.2",
+                       cluster=NatsCluster("tandem", "10.0.0.2:6222", ["nats://10.0.0.1:6222", "nats://10.0.0.2:6222"],
+                                           route_password="rpw"))
+    assert 'listen: "10.0.0.2:4222"' in text and 'client_advertise: "10.0.0.2:4222"' in text
+    assert 'server_name: "nats-2"' in text and 'http: "127.0.0.1:8222"' in text
+    assert 'routes: ["nats://route:rpw@10.0.0.1:6222", "nats://route:rpw@10.0.0.2:6222"]' in text
+    assert 'authorization { user: "route", password: "rpw" }' in text
+    assert 'authorization { user: "tandem", password: "pw" }' in text
+    assert "tls" not in text
+
+
+def test_the_stacks_ca_signs_a_certificate_clients_verify_for_each_name(tmp_path):
+    tls = server_tls(tmp_path, ["127.0.0.1", "localhost"])
+    assert tls.key_file.stat().st_mode & 0o077 == 0 and (tmp_path / "ca-key.pem").stat().st_mode & 0o077 == 0
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve(n: int) -> None:
+        for _ in range(n):
+            conn, _ = listener.accept()
+            try:
+                with server_ctx.wrap_socket(conn, server_side=True) as tls_conn:
+                    tls_conn.recv(1)
+            except (ssl.SSLError, OSError):
+                pass
+
+    thread = threading.Thread(target=serve, args=(3,), daemon=True)
+    thread.start()
+    trusting = ssl.create_default_context(cafile=str(tls.ca_file))
+    for name in ("127.0.0.1", "localhost"):
+        with socket.create_connection(("127.0.0.1", port)) as raw, \
+                trusting.wrap_socket(raw, server_hostname=name) as conn:
+            conn.sendall(b"x")
+    with socket.create_connection(("127.0.0.1", port)) as raw:  # a name the certificate does not carry
+        with pytest.raises(ssl.SSLCertVerificationError):
+            trusting.wrap_socket(raw, server_hostname="elsewhere.example")
+    thread.join(5)
+    listener.close()
+    ca = tls.ca_file.read_bytes()
+    assert server_tls(tmp_path, ["127.0.0.1"]).ca_file.read_bytes() == ca  # kept: joined hosts still trust it
+
+
+def test_join_reads_the_connect_file_and_finds_the_ca_beside_it(tmp_path):
+    connect = tmp_path / "connect.env"
+    connect.write_text("# written by tandem up\nTANDEM_NATS_URL=tls://tandem:pw@10.0.0.1:4222\n"
+                       "TANDEM_NAMESPACE=prod\nTANDEM_REGISTRY_TTL_S=3\nTANDEM_NATS_CA=/elsewhere/ca.pem\n"
+                       "TANDEM_NATS_REPLICAS=3\n")
+    with pytest.raises(CliError, match="not on this host"):
+        read_connect_file(connect)
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    values = read_connect_file(connect)
+    assert values["TANDEM_NATS_CA"] == str(tmp_path / "ca.pem")
+    args = build_parser().parse_args(["join", "--connect", str(connect), "--decode", "2", "--prefill", "1",
+                                      "--host-name", "gpu7", "--state-dir", str(tmp_path)])
+    spec = spec_from_settings(settings_from_args(args.settings_class, args), values)
+    assert (spec.control_plane, spec.namespace, spec.nats_replicas, spec.registry_ttl_s) == (False, "prod", 3, 3.0)
+    assert (spec.num_decode, spec.num_prefill, spec.nats_url) == (2, 1, "tls://tandem:pw@10.0.0.1:4222")
+    assert Stack(spec).worker_id("decode-1") == "prod-gpu7-decode-1"
+    assert Stack(StackSpec(state_dir=tmp_path, namespace="prod")).worker_id("decode-1") == "prod-decode-1"
+
+
+@pytest.mark.parametrize("text, why", [("TANDEM_NAMESPACE=x\n", "no TANDEM_NATS_URL"),
+                                        ("TANDEM_NATS_URL=nats://a:1\nTANDEM_SECRET=1\n", "expected one of")])
+def test_a_bad_connect_file_is_one_clear_error(tmp_path, text, why):
+    connect = tmp_path / "connect.env"
+    connect.write_text(text)
+    with pytest.raises(CliError, match=why):
+        read_connect_file(connect)
+    with pytest.raises(CliError, match="cannot read"):
+        read_connect_file(tmp_path / "missing.env")
+
+
+def test_up_refuses_cluster_and_tls_flags_for_a_nats_it_does_not_run():
+    args = build_parser().parse_args(["up", "--nats-url", "nats://a:1", "--nats-cluster", "3"])
+    with pytest.raises(CliError, match="nats_cluster and nats_tls"):
+        settings_from_args(args.settings_class, args)

@@ -2,7 +2,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.runtime.settings import QosSettings
 
@@ -13,7 +13,9 @@ def default_state_dir() -> Path:
     return cache_dir() / "up"
 
 
-class UpSettings(QosSettings):
+class WorkerHostSettings(BaseSettings):
+    """The settings of a host's workers and their supervision: ``tandem up`` and ``tandem join``."""
+
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
     decode: int = Field(1, ge=0, le=64, description="number of decode workers (0 with --prefill 0: the control "
@@ -24,21 +26,7 @@ class UpSettings(QosSettings):
                                                  "this many uncached prompt tokens (default: decode's)")
     max_prefill_queue: int | None = Field(None, ge=0, description="decode workers prefill locally while the "
                                           "prefill queue is this long (default: decode's)")
-    gateways: int = Field(1, ge=1, le=16, description="number of gateways (gateway i listens on port + i), so "
-                          "one can die without taking the service down")
-    admissions: int = Field(1, ge=1, le=16, description="number of admission services (one queue group: each "
-                            "request goes to one of them)")
     model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
-    host: str = Field("127.0.0.1", description="gateway listen address")
-    port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
-    nats_url: str | None = Field(None, description="use this NATS server instead of an embedded one (its "
-                                 "credentials in the URL: nats://user:password@host:port); unset: an embedded "
-                                 "one with a fresh password each run")
-    redis_url: str | None = Field(None, description="use this Redis instead of an embedded one "
-                                  "(redis://:password@host:port/db); unset: an embedded one with a fresh "
-                                  "password each run")
-    namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
-    registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
     kv_host_memory: str | None = Field(None, description="host-memory KV tier per decode worker, e.g. 2GiB "
                                        "(default: off)")
@@ -63,6 +51,39 @@ class UpSettings(QosSettings):
                           "capped at restart_max_backoff_s); --no-restart stops the stack instead")
     restart_max_backoff_s: float = Field(30.0, gt=0, description="longest wait before restarting a child "
                                          "that keeps crashing")
+
+
+class UpSettings(WorkerHostSettings, QosSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
+
+    gateways: int = Field(1, ge=1, le=16, description="number of gateways (gateway i listens on port + i), so "
+                          "one can die without taking the service down")
+    admissions: int = Field(1, ge=1, le=16, description="number of admission services (one queue group: each "
+                            "request goes to one of them)")
+    host: str = Field("127.0.0.1", description="gateway listen address")
+    port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
+    nats_url: str | None = Field(None, description="use this NATS server instead of an embedded one (its "
+                                 "credentials in the URL: nats://user:password@host:port); unset: an embedded "
+                                 "one with a fresh password each run")
+    redis_url: str | None = Field(None, description="use this Redis instead of an embedded one "
+                                  "(redis://:password@host:port/db); unset: an embedded one with a fresh "
+                                  "password each run")
+    nats_ca: str | None = Field(None, description="with --nats-url: the CA file its TLS certificate is signed by")
+    nats_cluster: int = Field(1, ge=1, le=7, description="embedded NATS: run this many nats-servers routed into one "
+                              "JetStream cluster (3: streams and buckets kept in 3 copies, one server may die)")
+    nats_host: str = Field("127.0.0.1", description="embedded NATS: client listen address (0.0.0.0 or this host's "
+                           "address so that workers on other hosts can join: tandem join)")
+    nats_port: int = Field(0, ge=0, le=65535, description="embedded NATS: client port (0: a free one; a cluster's "
+                           "members listen on port, port + 1, ...)")
+    advertise_host: str | None = Field(None, description="the address other hosts dial for this host's NATS, "
+                                       "written into connect.env (default: --nats-host, or for 0.0.0.0 this "
+                                       "host's address on its default route)")
+    nats_tls: bool = Field(False, description="embedded NATS: clients connect over TLS; a CA made in the state "
+                           "directory (tls/ca.pem) signs the server's certificate and every client verifies it")
+    nats_replicas: int | None = Field(None, ge=1, le=5, description="copies JetStream keeps of each stream and "
+                                      "bucket (default: 1, or up to 3 on a cluster)")
+    namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
+    registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     api_keys: str | None = Field(None, description="gateway API keys as key:tier pairs (tiers from --qos); "
                                  "unset: no auth")
     rate_limit_per_s: float | None = Field(None, gt=0, description="gateway requests per second per API key "
@@ -78,10 +99,14 @@ class UpSettings(QosSettings):
     rate_limit_burst: int | None = Field(None, ge=1, description="gateway requests a key may send at once "
                                          "(default: the gateway's)")
 
+
     @model_validator(mode="after")
     def _fleet_bounds(self) -> "UpSettings":
         if not self.autoscale and (self.min_workers is not None or self.max_workers is not None):
             raise ValueError("min_workers and max_workers need autoscale (--autoscale)")
+        if self.nats_url and (self.nats_cluster > 1 or self.nats_tls):
+            raise ValueError("nats_cluster and nats_tls set up the embedded NATS: not with nats_url (give "
+                             "every member's URL, comma-separated, and nats_ca for TLS)")
         num_workers = self.decode + self.prefill
         low, high = self.fleet_bounds()
         if not low <= num_workers <= high:

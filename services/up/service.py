@@ -23,6 +23,8 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill,
         num_gateways=s.gateways, num_admissions=s.admissions, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
+        nats_cluster=s.nats_cluster, nats_host=s.nats_host, nats_port=s.nats_port, advertise_host=s.advertise_host,
+        nats_tls=s.nats_tls, nats_ca=s.nats_ca, nats_replicas=s.nats_replicas,
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         decode_flags={**engine, **_given(**decode_only)}, prefill_flags=engine,
@@ -94,6 +96,11 @@ def write_connect_file(stack: Stack) -> Path:
     path = stack.spec.state_dir / "connect.env"
     path.touch(mode=0o600)
     path.chmod(0o600)
-    path.write_text(f"TANDEM_NATS_URL={stack.nats_url}\nTANDEM_REDIS_URL={stack.redis_url}\n"
-                    f"TANDEM_NAMESPACE={stack.spec.namespace}\n")
+    lines = [f"TANDEM_NATS_URL={stack.nats_url}", f"TANDEM_REDIS_URL={stack.redis_url}",
+             f"TANDEM_NAMESPACE={stack.spec.namespace}", f"TANDEM_REGISTRY_TTL_S={stack.spec.registry_ttl_s:g}"]
+    if stack.nats_ca:  # a joining host copies it beside this file: tandem join looks there too
+        lines.append(f"TANDEM_NATS_CA={stack.nats_ca}")
+    if stack.nats_replicas:
+        lines.append(f"TANDEM_NATS_REPLICAS={stack.nats_replicas}")
+    path.write_text("\n".join(lines) + "\n")
     return path

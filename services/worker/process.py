@@ -132,7 +132,8 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
     role = role_of(settings)
     log.info("loading %s", settings.model)
     engine = await asyncio.to_thread(AsyncEngine.start, settings.engine_config())
-    bus = await Bus.connect(settings.nats_url, settings.worker_id)
+    bus = await Bus.connect(settings.nats_url, settings.worker_id, tls_ca=settings.nats_ca,
+                            replicas=settings.nats_replicas)
     subjects = Subjects(settings.namespace)
     roles = None
     try:
@@ -149,7 +150,8 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
             await start_kv_events(bus, settings, engine, events)  # the warm-up's blocks are not announced
 
         runner = RoleRunner(settings.worker_id, bus=bus, registry=registry, subjects=subjects, factory=roles,
-                            connect=lambda name: Bus.connect(settings.nats_url, name),
+                            connect=lambda name: Bus.connect(settings.nats_url, name, tls_ca=settings.nats_ca,
+                                                             replicas=settings.nats_replicas),
                             load_interval_s=settings.load_interval_s, on_load=metrics.observe_load)
         metrics.bind(engine.stats, lambda: roles.transfer.stats if roles.transfer is not None else None,
                      lambda: runner.num_flips)

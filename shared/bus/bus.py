@@ -48,6 +48,7 @@ Rep = TypeVar("Rep", bound=WireModel)
 ERROR_HEADER = "Tandem-Error-Code"
 STREAM_HEADER = "Tandem-Stream"  # "end" on the empty message that closes a streamed reply
 _STATUS = "Status"
+_PING_INTERVAL_S = 5.0
 
 
 def _error_from_msg(msg: Msg, subject: str) -> ServiceError | None:
@@ -186,6 +187,9 @@ class Bus:
                 nc = await _first_connection(nats.connect(
                     servers=servers, name=name, connect_timeout=2, allow_reconnect=True,
                     max_reconnect_attempts=-1, reconnect_time_wait=0.5, tls=tls,
+                    # a server that vanished without closing the connection (its host gone, a cut
+                    # link) is given up after 3 unanswered pings, 5 s apart, for another member
+                    ping_interval=_PING_INTERVAL_S, max_outstanding_pings=3,
                     error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
                     rejected, timeout_s=max(deadline - time.monotonic(), 0.1))
                 connected = True  # from here on every error is logged: nats-py retries them all

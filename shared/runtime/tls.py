@@ -79,9 +79,10 @@ def _subject_alt_names(hosts: list[str]) -> list[x509.GeneralName]:
     return names
 
 
-def server_tls(directory: str | os.PathLike, hosts: list[str]) -> ServerTls:
+def server_tls(directory: str | os.PathLike, hosts: list[str], name: str = "server") -> ServerTls:
     """The CA in ``directory`` (made on first use) and a fresh server certificate it signs, valid
-    for each of ``hosts`` (IP addresses and DNS names: every address clients dial)."""
+    for each of ``hosts`` (IP addresses and DNS names: every address clients dial), written as
+    ``<name>.pem`` and ``<name>-key.pem`` (one name per server sharing the CA)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ca_cert, ca_key = _ensure_ca(directory)
@@ -95,7 +96,7 @@ def server_tls(directory: str | os.PathLike, hosts: list[str]) -> ServerTls:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    tls = ServerTls(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem")
+    tls = ServerTls(directory / "ca.pem", directory / f"{name}.pem", directory / f"{name}-key.pem")
     _write(tls.key_file, _key_pem(key), 0o600)
     _write(tls.cert_file, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return tls

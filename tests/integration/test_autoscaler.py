@@ -7,8 +7,8 @@ completes with the in-process reference's greedy text; the decisions show in ``/
 from __future__ import annotations
 
 import threading
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -51,23 +51,29 @@ def client(stack):
 
 
 class Load:
-    """Requests from ``make(i)`` → (prompt, max_tokens), ``concurrency`` at a time, until stopped;
-    keeps every outcome (text or the error's repr) to check afterwards.
+    """Requests from ``make(i)`` → (prompt, max_tokens), ``concurrency`` at a time, until stopped
+    (or ``max_s`` passed: a test that fails before stopping it leaves no sender behind); keeps every
+    outcome (text or the error's repr) to check afterwards.
 
-    A context manager: leaving the block stops the senders even when the test fails inside it, so
-    that no thread keeps sending (and keeping failures) for the rest of the session.
+    The senders are daemon threads, never joined at interpreter exit, so a request stuck in a broken
+    stack cannot keep pytest from exiting; ``stop`` fails naming a sender still stuck after
+    ``join_s``. A context manager: leaving the block stops the senders even when the test fails
+    inside it.
     """
 
-    def __init__(self, client, make, concurrency: int = 2) -> None:
+    def __init__(self, client, make, concurrency: int = 2, max_s: float = 900.0) -> None:
         self.outcomes: list[tuple[str, int, object]] = []
         self._stop = threading.Event()
         self._concurrency = concurrency
-        self._pool = ThreadPoolExecutor(concurrency)
-        self._futures = [self._pool.submit(self._loop, client, make, k) for k in range(concurrency)]
+        self._deadline = time.monotonic() + max_s
+        self._threads = [threading.Thread(target=self._loop, args=(client, make, k), daemon=True,
+                                          name=f"load-{k}") for k in range(concurrency)]
+        for thread in self._threads:
+            thread.start()
 
     def _loop(self, client, make, k: int) -> None:
         i = k
-        while not self._stop.is_set():
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
             prompt, max_tokens = make(i)
             try:
                 outcome: object = streamed(client, prompt, max_tokens)
@@ -77,18 +83,23 @@ class Load:
             self.outcomes.append((prompt, max_tokens, outcome))
             i += self._concurrency
 
-    def stop(self) -> list[tuple[str, int, object]]:
+    def stop(self, join_s: float = 300.0) -> list[tuple[str, int, object]]:
         self._stop.set()
-        for f in self._futures:
-            f.result(timeout=300)
-        self._pool.shutdown()
+        deadline = time.monotonic() + join_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        assert not stuck, f"{', '.join(stuck)}: a request still unanswered {join_s:g}s after the load stopped"
         return self.outcomes
 
     def __enter__(self) -> "Load":
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.stop()
+        if exc_info[0] is None:
+            self.stop()
+        else:  # the test already failed: stop the senders, report that failure, not a stuck one
+            self._stop.set()
 
 
 class Failed(str):

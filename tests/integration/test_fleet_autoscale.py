@@ -53,28 +53,28 @@ def decode_workers(stack) -> dict[str, str]:
 
 
 def test_queued_requests_start_a_worker_and_light_load_stops_one_without_failing_a_request(stack, client, engine):
-    heavy = Load(client, short, concurrency=4)
-    start = wait_for(lambda: actions(stack, "start"), 240, "the autoscaler to start a worker")[0]
-    assert start["ok"] and start["role"] == "decode", start
-    record = cluster_status(stack)["scaling"]["recent"][-1]
-    assert "waiting per worker" in record["reason"] and record["target_decode"] == 2, record
-    wait_for(lambda: decode_workers(stack).get(start["worker_id"]) == "ready", 240, f"{start['worker_id']} ready")
-    # both slots of both workers busy and more waiting: at max_workers, nothing more is started
-    wait_for(lambda: "fleet of 2 kept" in cluster_status(stack)["scaling"]["last_reason"], 60,
-             "a tick that keeps the fleet at max_workers")
-    check(heavy.stop(), engine)
+    with Load(client, short, concurrency=4) as heavy:
+        start = wait_for(lambda: actions(stack, "start"), 240, "the autoscaler to start a worker")[0]
+        assert start["ok"] and start["role"] == "decode", start
+        record = cluster_status(stack)["scaling"]["recent"][-1]
+        assert "waiting per worker" in record["reason"] and record["target_decode"] == 2, record
+        wait_for(lambda: decode_workers(stack).get(start["worker_id"]) == "ready", 240, f"{start['worker_id']} ready")
+        # both slots of both workers busy and more waiting: at max_workers, nothing more is started
+        wait_for(lambda: "fleet of 2 kept" in cluster_status(stack)["scaling"]["last_reason"], 60,
+                 "a tick that keeps the fleet at max_workers")
+        check(heavy.stop(), engine)
 
-    light = Load(client, short, concurrency=2)
-    stop = wait_for(lambda: actions(stack, "stop"), 240, "the autoscaler to stop a worker")[0]
-    assert stop["ok"], stop
-    assert "scale down to 1" in cluster_status(stack)["scaling"]["recent"][-1]["reason"]
-    name = stack.worker_name(stop["worker_id"])
-    child = stack.children[name]
-    wait_for(lambda: not child.is_running(), 300, f"{name} to drain and exit")
-    assert child.proc.returncode == 0
-    num_served = len(light.outcomes)
-    wait_for(lambda: len(light.outcomes) >= num_served + 4, 240, "requests served after the scale-down")
-    check(light.stop(), engine)
+    with Load(client, short, concurrency=2) as light:
+        stop = wait_for(lambda: actions(stack, "stop"), 240, "the autoscaler to stop a worker")[0]
+        assert stop["ok"], stop
+        assert "scale down to 1" in cluster_status(stack)["scaling"]["recent"][-1]["reason"]
+        name = stack.worker_name(stop["worker_id"])
+        child = stack.children[name]
+        wait_for(lambda: not child.is_running(), 300, f"{name} to drain and exit")
+        assert child.proc.returncode == 0
+        num_served = len(light.outcomes)
+        wait_for(lambda: len(light.outcomes) >= num_served + 4, 240, "requests served after the scale-down")
+        check(light.stop(), engine)
     starts = [r["reason"] for r in cluster_status(stack)["scaling"]["recent"]
               if any(a["kind"] == "start" for a in r["actions"])]
     assert len(starts) == 1 and stack.num_restarts(name) == 0, starts

@@ -54,11 +54,7 @@ def read_connect_file(path: Path) -> dict[str, str]:
 
 
 def spec_from_settings(s: JoinSettings, connect: dict[str, str]) -> StackSpec:
-    engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s,
-              **_given(dtype=s.dtype, quantization=s.quantization, num_threads=s.num_threads, compile=s.compile)}
-    decode_only = _given(max_local_prefill_tokens=s.max_local_prefill_tokens, max_prefill_queue=s.max_prefill_queue,
-                         kv_host_memory=s.kv_host_memory, kv_disk_dir=s.kv_disk_dir,
-                         speculative_tokens=s.speculative_tokens)
+    decode_flags, prefill_flags = s.worker_flags()
     namespace = connect.get("TANDEM_NAMESPACE", "tandem")
     replicas = connect.get("TANDEM_NATS_REPLICAS")
     return StackSpec(
@@ -68,11 +64,7 @@ def spec_from_settings(s: JoinSettings, connect: dict[str, str]) -> StackSpec:
         nats_replicas=int(replicas) if replicas else None,
         registry_ttl_s=float(connect.get("TANDEM_REGISTRY_TTL_S", 6.0)), log_level=s.log_level,
         restart_children=s.restart, restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
-        decode_flags={**engine, **decode_only}, prefill_flags=engine)
-
-
-def _given(**flags: object) -> dict[str, object]:
-    return {k: v for k, v in flags.items() if v is not None}
+        decode_flags=decode_flags, prefill_flags=prefill_flags)
 
 
 def run(settings: JoinSettings) -> int:

@@ -52,6 +52,22 @@ class WorkerHostSettings(BaseSettings):
     restart_max_backoff_s: float = Field(30.0, gt=0, description="longest wait before restarting a child "
                                          "that keeps crashing")
 
+    def worker_flags(self) -> tuple[dict[str, object], dict[str, object]]:
+        """The decode workers' and the prefill workers' flags these settings give (unset ones left
+        to the workers' own defaults)."""
+        engine = {"kv_cache_memory": self.kv_cache_memory, "device": self.device,
+                  "drain_timeout_s": self.drain_timeout_s,
+                  **_given(dtype=self.dtype, quantization=self.quantization, num_threads=self.num_threads,
+                           compile=self.compile)}
+        decode_only = _given(max_local_prefill_tokens=self.max_local_prefill_tokens,
+                             max_prefill_queue=self.max_prefill_queue, kv_host_memory=self.kv_host_memory,
+                             kv_disk_dir=self.kv_disk_dir, speculative_tokens=self.speculative_tokens)
+        return {**engine, **decode_only}, engine
+
+
+def _given(**flags: object) -> dict[str, object]:
+    return {k: v for k, v in flags.items() if v is not None}
+
 
 class UpSettings(WorkerHostSettings, QosSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")

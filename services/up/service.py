@@ -13,12 +13,7 @@ from services.up.config import UpSettings
 
 
 def spec_from_settings(s: UpSettings) -> StackSpec:
-    engine = {"kv_cache_memory": s.kv_cache_memory, "device": s.device, "drain_timeout_s": s.drain_timeout_s,
-              **_given(dtype=s.dtype, quantization=s.quantization, num_threads=s.num_threads,
-                       compile=s.compile)}
-    decode_only = {"max_local_prefill_tokens": s.max_local_prefill_tokens, "max_prefill_queue": s.max_prefill_queue,
-              "kv_host_memory": s.kv_host_memory, "kv_disk_dir": s.kv_disk_dir,
-              "speculative_tokens": s.speculative_tokens}
+    decode_flags, prefill_flags = s.worker_flags()
     return StackSpec(
         state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill,
         num_gateways=s.gateways, num_admissions=s.admissions, model=s.model,
@@ -27,7 +22,7 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         nats_tls=s.nats_tls, nats_ca=s.nats_ca, nats_replicas=s.nats_replicas,
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
-        decode_flags={**engine, **_given(**decode_only)}, prefill_flags=engine,
+        decode_flags=decode_flags, prefill_flags=prefill_flags,
         gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,
                              rate_limit_burst=s.rate_limit_burst),
         admission_flags=_given(qos=s.qos), **_autoscaling(s))

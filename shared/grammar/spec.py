@@ -9,7 +9,7 @@ from typing import Literal
 
 import llguidance
 
-GrammarKind = Literal["json_schema", "json_object", "regex"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 
 
 class GrammarError(ValueError):
@@ -18,8 +18,9 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """``value``: the JSON schema as JSON text (``json_schema``), the regex (``regex``), or empty
-    (``json_object``: any JSON object)."""
+    """``value``: the JSON schema as JSON text (``json_schema``), the regex (``regex``), a grammar
+    in llguidance's Lark syntax (``lark``: tool calls among text), or empty (``json_object``: any
+    JSON object)."""
 
     kind: GrammarKind
     value: str = ""
@@ -33,6 +34,8 @@ def compile_grammar(spec: GrammarSpec) -> str:
     """The llguidance grammar of ``spec``; raises GrammarError naming what is wrong or unsupported."""
     if spec.kind == "regex":
         grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
+    elif spec.kind == "lark":
+        grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
     else:
         schema = {"type": "object"} if spec.kind == "json_object" else _schema(spec.value)
         try:

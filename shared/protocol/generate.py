@@ -14,9 +14,9 @@ FinishReason = Literal["stop", "length", "abort"]
 
 class GrammarSpec(WireModel):
     """Structured output: ``value`` is the JSON schema as JSON text (``json_schema``), the regex
-    (``regex``), or empty (``json_object``)."""
+    (``regex``), a grammar in llguidance's Lark syntax (``lark``), or empty (``json_object``)."""
 
-    kind: Literal["json_schema", "json_object", "regex"]
+    kind: Literal["json_schema", "json_object", "regex", "lark"]
     value: str = ""
 
 

@@ -18,7 +18,7 @@ from shared.openai_api import responses
 from shared.openai_api.errors import ApiError, from_validation_error
 from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
-from shared.openai_api.tools import ToolCall, may_become_call, parse_calls, system_prompt
+from shared.openai_api.tools import ToolCall, ToolUse, may_become_call, system_prompt
 from shared.protocol.generate import TokenLogprob
 from shared.tokenizer import Tokenizer
 
@@ -53,32 +53,48 @@ class ResponseHead:
     model: str
 
 
+@dataclass
+class Calls:
+    """A choice that ended as tool calls: ``finish_reason`` as generation ended (``stop``, or
+    ``length`` for calls cut off by the token limit, their arguments as generated)."""
+
+    calls: list[ToolCall]
+    logprobs: list[TokenLogprob]
+    finish_reason: str
+
+
 class ToolCallStream:
     """One streamed choice that may be a tool call: text is held back while it may still become
     one (all of it when the call is forced), and at the end comes out as calls or as text."""
 
-    def __init__(self, forced: bool) -> None:
-        self.forced = forced
+    def __init__(self, tool_use: ToolUse) -> None:
+        self.tool_use = tool_use
+        self.forced = tool_use.mode == "forced"
         self.held: list[Delta] = []
         self.is_text = False  # decided: plain content, streamed as it comes
 
-    def push(self, delta: Delta) -> Delta | list[ToolCall] | None:
+    def push(self, delta: Delta) -> Delta | Calls | None:
         """Returns what to send now: a (possibly merged) text delta, the calls, or None (hold)."""
         if self.is_text:
             return delta
         self.held.append(delta)
         text = "".join(d.text for d in self.held)
+        logprobs = [e for d in self.held for e in d.logprobs]
         if delta.finish_reason is None:
             if self.forced or may_become_call(text):
                 return None
             self.is_text = True
-        elif delta.finish_reason == "stop":
-            calls = parse_calls(text, self.forced)
+        else:
+            calls = self.tool_use.calls(text, delta.finish_reason)
             if calls:
-                return calls
-        merged = Delta(text, [e for d in self.held for e in d.logprobs], delta.finish_reason)
+                return Calls(calls, logprobs, delta.finish_reason)
         self.held = []
-        return merged
+        return Delta(text, logprobs, delta.finish_reason)
+
+
+def chat_finish_reason(finish_reason: str) -> str:
+    """A choice that ended as calls: ``tool_calls``, unless the token limit cut them off."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def parse_body(raw: bytes, body_type: type[B], rules: dict[str, FieldRule] | None = None) -> B:
@@ -193,19 +209,21 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
         return None, [{"role": m.role, "content": m.text()} for m in self.body.messages]
 
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
-        mode = self.body.tool_mode()
-        if mode == "none":
+        tool_use = self.body.tool_use()
+        if tool_use.mode == "none":
             return [self.chunk(head, index, delta, offset)]
-        stream = self._streams.setdefault(index, ToolCallStream(forced=mode == "forced"))
+        stream = self._streams.setdefault(index, ToolCallStream(tool_use))
         held = stream.push(delta)
         if held is None:
             return []
         if isinstance(held, Delta):
             return [self.chunk(head, index, held, offset)]
-        calls = [{"index": i, **c.model_dump()} for i, c in enumerate(held)]
-        return [responses.chat_chunk(head.request_id, head.created, head.model, index, {"tool_calls": calls}),
+        calls = [{"index": i, **c.model_dump()} for i, c in enumerate(held.calls)]
+        logprobs = self._logprobs(held.logprobs) if held.logprobs else None
+        return [responses.chat_chunk(head.request_id, head.created, head.model, index, {"tool_calls": calls},
+                                     logprobs=logprobs),
                 responses.chat_chunk(head.request_id, head.created, head.model, index, {},
-                                     finish_reason="tool_calls")]
+                                     finish_reason=chat_finish_reason(held.finish_reason))]
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         return [responses.chat_chunk(head.request_id, head.created, head.model, index,
@@ -218,12 +236,12 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
                                     finish_reason=delta.finish_reason, logprobs=logprobs)
 
     def choice(self, index: int, choice: Choice) -> dict:
-        mode = self.body.tool_mode()
-        calls = parse_calls(choice.text, mode == "forced") if mode != "none" and choice.finish_reason == "stop" else None
+        calls = self.body.tool_use().calls(choice.text, choice.finish_reason)
         if calls:
             return {"index": index, "message": {"role": "assistant", "content": None,
                                                 "tool_calls": [c.model_dump() for c in calls]},
-                    "logprobs": self._logprobs(choice.entries), "finish_reason": "tool_calls"}
+                    "logprobs": self._logprobs(choice.entries),
+                    "finish_reason": chat_finish_reason(choice.finish_reason)}
         return responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:

@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from shared.openai_api.errors import ApiError
-from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, forced_grammar, render_call
+from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolUse, render_call
 from shared.protocol.generate import GrammarSpec
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -161,17 +161,21 @@ class ChatCompletionRequest(_Sampling):
             raise ApiError(400, "a forced tool call cannot also have a response_format or guided_regex",
                            param="tool_choice")
 
+    def tool_use(self) -> ToolUse:
+        return ToolUse(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False)
+
     def tool_mode(self) -> Literal["none", "auto", "forced"]:
         """none: answer in text; auto: the model may call; forced: it must (a grammar sees to it)."""
-        if not self.tools or self.tool_choice == "none":
-            return "none"
-        return "auto" if self.tool_choice in (None, "auto") else "forced"
+        return self.tool_use().mode
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """A forced call's grammar; else the format's (or ``guided_regex``); else, under ``auto``
+        with a ``strict`` function, text or valid calls."""
+        tools = self.tool_use().grammar()
         if self.tool_mode() == "forced":
-            parallel = self.parallel_tool_calls is not False
-            return forced_grammar(self.tools, self.tool_choice, parallel), "tools"
-        return self.grammar_of_format() or super().grammar()
+            return tools, "tools"
+        asked = self.grammar_of_format() or super().grammar()
+        return asked or ((tools, "tools") if tools is not None else None)
 
     def grammar_of_format(self) -> tuple[GrammarSpec, str] | None:
         fmt = self.response_format

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
@@ -78,21 +79,87 @@ def render_call(call: ToolCall) -> str:
     return CALL_OPEN + json.dumps({"name": call.function.name, "arguments": arguments}) + CALL_CLOSE
 
 
+def closed_schema(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say
+    otherwise: a tool's arguments have the properties its schema names, nothing else (a small model
+    otherwise pads them with keys such as ``type`` or ``description`` until it is cut off)."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            out[key] = {k: closed_schema(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties", "not", "contains",
+                     "additionalItems", "then", "else", "if"):
+            out[key] = closed_schema(value)
+        else:  # allOf members stay open: closing each would refuse the properties of the others
+            out[key] = value
+    is_object = schema.get("type") == "object" or (isinstance(schema.get("type"), list) and "object" in schema["type"]) \
+        or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "allOf" not in schema \
+            and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+# JSON as the forced-call grammar makes the model write it (``shared.grammar``'s default): compact
+_COMPACT = {"whitespace_flexible": False}
+
+
+def call_schema(tool: Tool) -> dict:
+    """One call of ``tool`` as the model writes it: ``{"name": <its name>, "arguments": {...}}``,
+    the arguments closed (``closed_schema``)."""
+    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"const": tool.function.name},
+                           "arguments": closed_schema(tool.function.parameters)}}
+
+
+def _one_of_calls(tools: list[Tool]) -> dict:
+    calls = [call_schema(t) for t in tools]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
 def forced_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> GrammarSpec | None:
     """The grammar of a forced call (``required`` or a named function); None when the model may
     answer in text."""
-    if choice == "required":
-        chosen = tools
-    elif isinstance(choice, NamedToolChoice):  # one call of that function, as OpenAI makes
-        chosen, parallel = [t for t in tools if t.function.name == choice.function.name], False
-    else:
+    chosen, parallel = _forced_tools(tools, choice, parallel)
+    if not chosen:
         return None
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters}}
-             for t in chosen]
-    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    schema = {"type": "array", "items": _one_of_calls(chosen), "minItems": 1,
+              **({} if parallel else {"maxItems": 1})}
     return GrammarSpec(kind="json_schema", value=json.dumps(schema))
+
+
+def _forced_tools(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> tuple[list[Tool], bool]:
+    if choice == "required":
+        return tools, parallel
+    if isinstance(choice, NamedToolChoice):  # one call of that function, as OpenAI makes
+        return [t for t in tools if t.function.name == choice.function.name], False
+    return [], parallel
+
+
+def auto_grammar(tools: list[Tool], parallel: bool) -> GrammarSpec:
+    """``tool_choice: auto`` with a ``strict`` function: the output is text that holds no
+    ``<tool_call>``, or calls (one without ``parallel_tool_calls``) of the declared functions whose
+    arguments match their schemas, and nothing else."""
+    schema = {**_one_of_calls(tools), "x-guidance": _COMPACT}
+    lark = "\n".join([
+        "%llguidance {}",
+        "start: TEXT | calls",
+        "calls: call" + ("+" if parallel else ""),
+        f"call: CALL_OPEN %json {json.dumps(schema)} CALL_CLOSE",
+        # whitespace inside the tags' lexemes: the lexer must not end one before "<tool_call>" is seen
+        r"CALL_OPEN: /[ \t\n]*<tool_call>[ \t\n]*/",
+        r"CALL_CLOSE: /[ \t\n]*<\/tool_call>[ \t\n]*/",
+        r"TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/",
+    ])
+    return GrammarSpec(kind="lark", value=lark)
+
+
+def _new_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=arguments))
 
 
 def parse_calls(text: str, forced: bool) -> list[ToolCall] | None:
@@ -103,6 +170,8 @@ def parse_calls(text: str, forced: bool) -> list[ToolCall] | None:
             raw = json.loads(text)
         except ValueError:
             return None
+        if not isinstance(raw, list):
+            return None
     else:
         blocks = _CALL_RE.findall(text)
         try:
@@ -111,9 +180,44 @@ def parse_calls(text: str, forced: bool) -> list[ToolCall] | None:
             return None
     if not raw or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in raw):
         return None
-    return [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                     function=ToolCallFunction(name=c["name"], arguments=json.dumps(c.get("arguments", {}))))
-            for c in raw]
+    return [_new_call(c["name"], json.dumps(c.get("arguments", {}))) for c in raw]
+
+
+_PARTIAL_ITEM = re.compile(r'\{\s*(?:"name"\s*:\s*"(?P<name>[^"\\]*)(?P<closed>")?)?'
+                           r'(?:\s*,\s*"arguments"\s*:\s*(?P<arguments>.*))?', re.S)
+
+
+def partial_calls(text: str, names: list[str], forced: bool) -> list[ToolCall]:
+    """The calls in output cut off before its end (the token limit): those written whole, then the
+    one being written, with its arguments as generated so far. A name cut off is completed to the
+    one declared name it can still become (the grammar allowed no other); at least one call."""
+    decoder, calls = json.JSONDecoder(), []
+    if forced:
+        rest = text.lstrip()
+        rest = rest[1:] if rest.startswith("[") else rest
+    else:
+        rest = text.lstrip()
+        rest = rest[len(CALL_OPEN):] if rest.startswith(CALL_OPEN) else ""
+    while rest.strip():
+        rest = rest.lstrip()
+        try:
+            item, end = decoder.raw_decode(rest)
+        except ValueError:
+            break
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            break
+        calls.append(_new_call(item["name"], json.dumps(item.get("arguments", {}))))
+        rest = rest[end:].lstrip()
+        rest = rest[1:] if forced and rest.startswith(",") else rest
+        if not forced:
+            rest = rest[len(CALL_CLOSE):].lstrip() if rest.startswith(CALL_CLOSE) else ""
+            rest = rest[len(CALL_OPEN):] if rest.startswith(CALL_OPEN) else ""
+    match = _PARTIAL_ITEM.match(rest.lstrip()) if rest.strip() else None
+    if match is not None or not calls:
+        prefix = (match and match["name"]) or ""
+        name = prefix if match and match["closed"] else next((n for n in names if n.startswith(prefix)), prefix)
+        calls.append(_new_call(name or (names[0] if names else ""), (match and match["arguments"]) or ""))
+    return calls
 
 
 def may_become_call(text: str) -> bool:
@@ -121,3 +225,49 @@ def may_become_call(text: str) -> bool:
     held back rather than streamed as content)."""
     stripped = text.lstrip()
     return CALL_OPEN.startswith(stripped) or stripped.startswith(CALL_OPEN)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What one request lets the model do with its tools (the same for chat completions and
+    responses), and how its output reads back as calls."""
+
+    tools: list[Tool]
+    choice: ToolChoice | None
+    parallel: bool  # parallel_tool_calls is not false
+
+    @property
+    def mode(self) -> Literal["none", "auto", "forced"]:
+        """none: answer in text; auto: the model may call; forced: it must (a grammar sees to it)."""
+        if not self.tools or self.choice == "none":
+            return "none"
+        return "auto" if self.choice in (None, "auto") else "forced"
+
+    def names(self) -> list[str]:
+        """The functions the model may call."""
+        if self.mode == "forced":
+            return [t.function.name for t in _forced_tools(self.tools, self.choice, self.parallel)[0]]
+        return [t.function.name for t in self.tools] if self.mode == "auto" else []
+
+    def grammar(self) -> GrammarSpec | None:
+        """Forced: a JSON list of calls; auto with a ``strict`` function: text or valid calls."""
+        if self.mode == "forced":
+            return forced_grammar(self.tools, self.choice, self.parallel)
+        if self.mode == "auto" and any(t.function.strict for t in self.tools):
+            return auto_grammar(self.tools, self.parallel)
+        return None
+
+    def calls(self, text: str, finish_reason: str | None) -> list[ToolCall] | None:
+        """The calls ``text`` (the whole output, ended by ``finish_reason``) makes; None: it is
+        text. A forced call is always calls, cut off or not."""
+        if self.mode == "none":
+            return None
+        forced = self.mode == "forced"
+        calls = parse_calls(text, forced) if finish_reason == "stop" else None
+        if calls and any(c.function.name not in self.names() for c in calls):
+            calls = None  # a function never declared: not a call (auto without a grammar)
+        if calls is None and (forced or (finish_reason != "stop" and text.lstrip().startswith(CALL_OPEN))):
+            calls = partial_calls(text, self.names(), forced)
+        if calls and not self.parallel:
+            calls = calls[:1]
+        return calls

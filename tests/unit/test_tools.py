@@ -9,11 +9,11 @@ import json
 import pytest
 
 from shared.grammar import compile_grammar
-from shared.openai_api.adapters import ChatAdapter, Delta, ToolCallStream, parse_body
+from shared.openai_api.adapters import ChatAdapter, Choice, Delta, ResponseHead, ToolCallStream, parse_body
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import CHAT_FIELDS
 from shared.openai_api.models import ChatCompletionRequest
-from shared.openai_api.tools import Tool, forced_grammar, parse_calls
+from shared.openai_api.tools import Tool, closed_schema, forced_grammar, parse_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -64,11 +64,11 @@ def test_calls_are_read_back():
 
 
 def test_a_streamed_choice_holds_back_what_may_become_a_call():
-    stream = ToolCallStream(forced=False)
+    stream = ToolCallStream(body().tool_use())
     assert stream.push(Delta("<tool")) is None and stream.push(Delta("_call>{\"name\": \"get_time\",")) is None
-    calls = stream.push(Delta(' "arguments": {}}</tool_call>', finish_reason="stop"))
-    assert [c.function.name for c in calls] == ["get_time"]
-    text = ToolCallStream(forced=False)
+    ended = stream.push(Delta(' "arguments": {}}</tool_call>', finish_reason="stop"))
+    assert [c.function.name for c in ended.calls] == ["get_time"] and ended.finish_reason == "stop"
+    text = ToolCallStream(body().tool_use())
     assert text.push(Delta("<t")) is None
     assert text.push(Delta("able> is")) == Delta("<table> is", [], None)  # not a call after all
     assert text.push(Delta(" here", finish_reason="stop")) == Delta(" here", [], "stop")
@@ -82,3 +82,67 @@ def test_an_assistant_call_and_a_tool_result_render_in_the_history():
     parsed = body(messages=history)
     assert parsed.messages[1].text() == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     assert parsed.messages[2].text() == "12C"
+
+
+def test_tool_argument_schemas_are_closed_unless_they_say_otherwise():
+    spec, _ = body(tool_choice="required").grammar()
+    weather = json.loads(spec.value)["items"]["anyOf"][0]["properties"]["arguments"]
+    assert weather["additionalProperties"] is False
+    open_args = {"type": "object", "additionalProperties": True, "properties": {
+        "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}}}}
+    closed = closed_schema(open_args)
+    assert closed["additionalProperties"] is True  # said explicitly: kept
+    assert closed["properties"]["where"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed_schema({"type": "string"}) == {"type": "string"}
+    assert "additionalProperties" not in closed_schema({"allOf": [{"type": "object"}]})
+
+
+def test_a_forced_call_cut_off_is_still_calls_with_finish_reason_length():
+    api = ChatAdapter(body(tool_choice="required"), tokenizer=None)
+    choice = api.choice(0, Choice('[{"name":"get_weather","arguments":{"city":"Os', "length", []))
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": '{"city":"Os'}
+    # cut off inside the name: completed to the one declared name it can become; before any: the first
+    assert parse_forced('[{"name":"get_t') == [("get_time", "")]
+    assert parse_forced("[") == [("get_weather", "")]
+    assert parse_forced('[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{"ci') == \
+        [("get_time", "{}"), ("get_weather", '{"ci')]
+    # streamed: nothing as content, then the calls and finish_reason length
+    stream_api = ChatAdapter(body(tool_choice={"type": "function", "function": {"name": "get_weather"}}), None)
+    head = ResponseHead("chatcmpl-1", 1, "m")
+    assert stream_api.stream_chunks(head, 0, Delta('[{"name":"get_weather",'), 0) == []
+    chunks = stream_api.stream_chunks(head, 0, Delta('"arguments":{"city":"R', [], "length"), 0)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
+    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"city":"R'
+    assert all("content" not in c["choices"][0]["delta"] for c in chunks)
+
+
+def parse_forced(text: str) -> list[tuple[str, str]]:
+    calls = body(tool_choice="required").tool_use().calls(text, "length")
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_parallel_tool_calls_false_means_one_call():
+    two = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    assert len(body().tool_use().calls(two, "stop")) == 2
+    assert [c.function.name for c in body(parallel_tool_calls=False).tool_use().calls(two, "stop")] == ["get_time"]
+    forced = '[{"name":"get_time","arguments":{}},{"name":"get_time","arguments":{}}]'
+    assert len(body(tool_choice="required", parallel_tool_calls=False).tool_use().calls(forced, "stop")) == 1
+    assert json.loads(body(tool_choice="required", parallel_tool_calls=False).grammar()[0].value)["maxItems"] == 1
+
+
+def test_a_strict_function_is_enforced_under_auto():
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    assert body().grammar() is None  # no strict function: the model is free, its calls are checked
+    spec, param = body(tools=[strict, TIME]).grammar()
+    assert (spec.kind, param) == ("lark", "tools") and "<tool_call>" in spec.value
+    compile_grammar(spec)
+    assert "calls: call\n" in body(tools=[strict, TIME], parallel_tool_calls=False).grammar()[0].value
+    # a call of a function never declared is not a call
+    undeclared = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert body().tool_use().calls(undeclared, "stop") is None
+    assert body(tools=[strict]).tool_use().calls(undeclared, "stop") is None

@@ -92,6 +92,22 @@ class ToolCallStream:
         return Delta(text, logprobs, delta.finish_reason)
 
 
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tool_use: ToolUse, param: str) -> list[int]:
+    """A conversation's prompt: the tools in the chat template when it renders them, else in a
+    system message first; a 400 on ``param`` when the template refuses the conversation."""
+    tools = None
+    if tool_use.mode != "none":
+        if tokenizer.chat_template_has_tools:
+            tools = [t.model_dump(exclude_none=True) for t in tool_use.tools]
+        else:
+            messages = [{"role": "system", "content": system_prompt(tool_use.tools)}, *messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+    return tokenizer.encode(text)
+
+
 def chat_finish_reason(finish_reason: str) -> str:
     """A choice that ended as calls: ``tool_calls``, unless the token limit cut them off."""
     return "tool_calls" if finish_reason == "stop" else finish_reason
@@ -193,17 +209,7 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
 
     def prompt_ids(self) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in self.body.messages]
-        tools = None
-        if self.body.tool_mode() != "none":
-            if self.tokenizer.chat_template_has_tools:
-                tools = [t.model_dump(exclude_none=True) for t in self.body.tools]
-            else:
-                messages.insert(0, {"role": "system", "content": system_prompt(self.body.tools)})
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        return self.tokenizer.encode(text)
+        return chat_prompt_ids(self.tokenizer, messages, self.body.tool_use(), "messages")
 
     def text_prompt(self) -> tuple[str | None, list[dict] | None]:
         return None, [{"role": m.role, "content": m.text()} for m in self.body.messages]

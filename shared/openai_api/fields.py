@@ -64,8 +64,11 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "top_logprobs": FieldRule(I, "up to 20"),
     "response_format": FieldRule(I, "`text`, `json_object`, `json_schema` (enforced token by token, "
                                  "`strict` or not); a schema feature not implemented is a 400 naming it"),
-    "tools": FieldRule(I, "functions; in the chat template when it renders tools, else a system message"),
-    "tool_choice": FieldRule(I, "`none`, `auto`, `required`, a named function (the last two by grammar)"),
+    "tools": FieldRule(I, "functions; in the chat template when it renders tools, else a system message; "
+                          "arguments follow the schema by grammar (forced, or `strict` under `auto`), where "
+                          "properties it does not name are not allowed unless it sets `additionalProperties`"),
+    "tool_choice": FieldRule(I, "`none`, `auto`, `required`, a named function (the last two by grammar; "
+                                "cut off by the token limit: still calls, finish `length`)"),
     "parallel_tool_calls": FieldRule(I, "false: at most one call"),
     "functions": FieldRule(R, "deprecated; use `tools`", accepts=lambda v: not v),
     "function_call": FieldRule(R, "deprecated; use `tool_choice`", accepts=_one_of("none")),
@@ -99,10 +102,10 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
 RESPONSES_FIELDS: dict[str, FieldRule] = {
     **{k: _COMMON[k] for k in ("model", "stream", "temperature", "top_p", "user", "top_k", "min_p",
                                "ignore_eos", "guided_regex")},
-    "input": FieldRule(I, "a string or a list of text messages"),
+    "input": FieldRule(I, "a string, or items: text messages, `function_call`, `function_call_output`"),
     "instructions": FieldRule(I, "a system message before the input"),
     "max_output_tokens": FieldRule(I),
-    "text": FieldRule(I, "`format`: text, json_object, json_schema"),
+    "text": FieldRule(I, "`format`: text, json_object, json_schema; `verbosity`: only `medium`"),
     "metadata": FieldRule(X, "nothing is stored"),
     "safety_identifier": FieldRule(X, "no per-user accounting here"),
     "prompt_cache_key": FieldRule(X, "prefix caching is automatic"),
@@ -110,16 +113,21 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "prompt_cache_options": FieldRule(X, "prefix caching is automatic"),
     "truncation": FieldRule(R, "only `disabled`", accepts=_one_of("disabled")),
     "store": FieldRule(R, "nothing is stored", accepts=_one_of(False)),
-    "tools": FieldRule(R, "no tools on this endpoint yet; use chat completions", accepts=lambda v: not v),
-    "tool_choice": FieldRule(R, "no tools on this endpoint yet", accepts=_one_of("none", "auto")),
-    "parallel_tool_calls": FieldRule(X, "meaningless without tools"),
+    "tools": FieldRule(I, "functions only (as chat completions)"),
+    "tool_choice": FieldRule(I, "as chat completions"),
+    "parallel_tool_calls": FieldRule(I, "false: at most one call"),
+    "max_tool_calls": FieldRule(X, "limits built-in tools; there are none"),
+    "include": FieldRule(R, "nothing extra to include", accepts=lambda v: not v),
+    "top_logprobs": FieldRule(R, "no logprobs on this endpoint yet", accepts=_one_of(0)),
+    "stream_options": FieldRule(X, "`include_obfuscation`: events are not padded"),
+    "reasoning": FieldRule(R, "not a reasoning model", accepts=lambda v: not v or (
+        isinstance(v, dict) and v.get("effort") in (None, "none") and not v.get("summary")
+        and not v.get("generate_summary"))),
     "service_tier": FieldRule(R, "tiers come from the API key", accepts=_one_of("auto", "default")),
     **{name: FieldRule(R, why) for name, why in (
         ("previous_response_id", "responses are not stored"), ("conversation", "no conversations"),
         ("background", "no background mode"), ("background_options", "no background mode"),
-        ("include", "nothing extra to include"), ("reasoning", "not a reasoning model"),
-        ("max_tool_calls", "no tools"), ("prompt", "no stored prompts"), ("top_logprobs", "not yet"),
-        ("stream_options", "not yet"), ("context_management", "no context management"),
+        ("prompt", "no stored prompts"), ("context_management", "no context management"),
         ("moderation", "no moderation"), ("image", "text only"), ("access_programs", "not supported"))},
 }
 

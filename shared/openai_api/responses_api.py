@@ -1,20 +1,25 @@
-"""``/v1/responses`` for text and structured output: the request (``input`` as a string or
-messages, ``instructions``, ``text.format``), the ``response`` object and its streamed events
-(``response.created`` … ``response.output_text.delta`` … ``response.completed``). One output
-message per response; tools, conversations and stored responses are refused (see the table)."""
+"""``/v1/responses`` for text, structured output and function tools: the request (``input`` as a
+string or items: messages, ``function_call`` and ``function_call_output``; ``instructions``,
+``text.format``, ``tools``, ``tool_choice``), the ``response`` object and its streamed events
+(``response.created`` … ``response.output_text.delta`` or ``response.function_call_arguments.delta``
+… ``response.completed``). The output is one message, or the function calls the model made (as
+chat completions make them: ``shared.openai_api.tools``)."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StrictStr
+from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag
 
-from shared.openai_api.adapters import ApiAdapter, Choice, Delta, ResponseHead
+from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
+                                        chat_prompt_ids)
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import RESPONSES_FIELDS
 from shared.openai_api.models import JsonSchemaFormat, _Body, _Sampling
+from shared.openai_api.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall,
+                                     ToolCallFunction, ToolUse, render_call)
 from shared.protocol.generate import GrammarSpec
 
 
@@ -32,6 +37,40 @@ class InputMessage(_Body):
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
+class FunctionCallItem(_Body):
+    """A call the model made earlier (the SDK sends the output item back as it got it)."""
+
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+
+    def call(self) -> ToolCall:
+        return ToolCall(id=self.call_id, function=ToolCallFunction(name=self.name, arguments=self.arguments))
+
+
+class FunctionCallOutputItem(_Body):
+    """What a call returned: a ``tool`` message."""
+
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: Union[StrictStr, list[InputText]]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
+
+
+def _item_type(item: Any) -> str:
+    """A message may leave out its ``type``."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("message")],
+                            Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                      Discriminator(_item_type)]
+
+
 class TextFormat(JsonSchemaFormat):
     type: Literal["text", "json_object", "json_schema"]
     name: StrictStr | None = None  # required for json_schema only
@@ -39,13 +78,42 @@ class TextFormat(JsonSchemaFormat):
 
 class TextOptions(_Body):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class FunctionTool(_Body):
+    """A function as the Responses API declares it (flat, not under ``function``)."""
+
+    type: Literal["function"]
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+    def as_tool(self) -> Tool:
+        function = FunctionDef(name=self.name, description=self.description, strict=self.strict,
+                               **({"parameters": self.parameters} if self.parameters is not None else {}))
+        return Tool(type="function", function=function)
+
+
+class FunctionToolChoice(_Body):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class StreamOptions(_Body):
+    include_obfuscation: StrictBool | None = None  # accepted; events are not padded
 
 
 class ResponsesRequest(_Sampling):
-    input: Union[StrictStr, list[InputMessage]] = Field(min_length=1)
+    input: Union[StrictStr, list[InputItem]] = Field(min_length=1)
     instructions: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     text: TextOptions | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    stream_options: StreamOptions | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
@@ -53,16 +121,61 @@ class ResponsesRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return None
 
+    def include_usage(self) -> bool:
+        return False
+
+    def tool_use(self) -> ToolUse:
+        choice = self.tool_choice
+        if isinstance(choice, FunctionToolChoice):
+            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        return ToolUse([t.as_tool() for t in self.tools or []], choice, self.parallel_tool_calls is not False)
+
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        return self.tool_use().mode
+
+    def check_combinations(self) -> None:
+        choice, names = self.tool_choice, [t.name for t in self.tools or []]
+        if choice not in (None, "none", "auto") and not names:
+            raise ApiError(400, "tool_choice requires tools", param="tool_choice")
+        if isinstance(choice, FunctionToolChoice) and choice.name not in names:
+            raise ApiError(400, f"tool_choice names {choice.name!r}, not one of the tools {names}",
+                           param="tool_choice")
+        if self.tool_mode() == "forced" and (self._format_grammar() or self.guided_regex):
+            raise ApiError(400, "a forced tool call cannot also have a text.format or guided_regex",
+                           param="tool_choice")
+        if self.text is not None and self.text.verbosity not in (None, "medium"):
+            raise ApiError(400, "text.verbosity is not supported: no verbosity control (only medium)",
+                           param="text.verbosity", code="unsupported_parameter")
+
     def messages(self) -> list[dict]:
+        """The conversation as chat messages: consecutive calls are one assistant turn, each
+        call's output a ``tool`` message."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return messages + [{"role": "user", "content": self.input}]
-        return messages + [{"role": m.role, "content": m.text()} for m in self.input]
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                if messages and messages[-1].get("calls"):
+                    messages[-1]["content"] += render_call(item.call())
+                else:
+                    messages.append({"role": "assistant", "content": render_call(item.call()), "calls": True})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "content": item.text()})
+            else:
+                messages.append({"role": item.role, "content": item.text()})
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
+        tools = self.tool_use().grammar()
+        if self.tool_mode() == "forced":
+            return tools, "tools"
+        asked = self._format_grammar() or super().grammar()
+        return asked or ((tools, "tools") if tools is not None else None)
+
+    def _format_grammar(self) -> tuple[GrammarSpec, str] | None:
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
-            return super().grammar()
+            return None
         if fmt.type == "json_object":
             return GrammarSpec(kind="json_object"), "text.format"
         return GrammarSpec(kind="json_schema", value=json.dumps(fmt.schema_)), "text.format"
@@ -81,12 +194,13 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         self._text: list[str] = []
         self._item_id = f"msg_{uuid.uuid4().hex}"
         self._finish: str | None = None
+        self._tool_use = body.tool_use()
+        self._calls: ToolCallStream | None = ToolCallStream(self._tool_use) if self._tool_use.mode != "none" else None
+        self._message_open = False
+        self._call_items: list[dict] = []  # the calls, once the model has made them
 
     def prompt_ids(self) -> list[int]:
-        try:
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(self.body.messages()))
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="input") from None
+        return chat_prompt_ids(self.tokenizer, self.body.messages(), self._tool_use, "input")
 
     def text_prompt(self) -> tuple[str | None, list[dict] | None]:
         return None, self.body.messages()
@@ -99,11 +213,15 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         return {"item_id": self._item_id, "output_index": 0, "content_index": 0}
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
-        shell = self._response(head, "in_progress", "", None, None)
-        item = self._message("", "in_progress")
-        return [self._event("response.created", response=shell),
-                self._event("response.in_progress", response=shell),
-                self._event("response.output_item.added", output_index=0, item=item),
+        shell = self._response(head, "in_progress", [], None, None)
+        events = [self._event("response.created", response=shell),
+                  self._event("response.in_progress", response=shell)]
+        # with tools the output may be calls, not a message: it opens with the first text
+        return events + (self._open_message() if self._calls is None else [])
+
+    def _open_message(self) -> list[dict]:
+        self._message_open = True
+        return [self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
                 self._event("response.content_part.added", **self._where(), part=_part(""))]
 
     def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
@@ -111,42 +229,83 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         return self._event("response.output_text.delta", **self._where(), delta=delta.text, logprobs=[])
 
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
-        self._finish = delta.finish_reason
-        return [self.chunk(head, index, delta, offset)] if delta.text else []
+        self._finish = delta.finish_reason or self._finish
+        held = delta if self._calls is None else self._calls.push(delta)
+        if held is None:
+            return []
+        if isinstance(held, Calls):
+            return self._call_events(held)
+        events = [] if self._message_open or not held.text else self._open_message()
+        return events + ([self.chunk(head, index, held, offset)] if held.text else [])
+
+    def _call_events(self, ended: Calls) -> list[dict]:
+        """Each call as its item opens, its arguments stream (in one delta: they were held until
+        the call was whole) and the item closes."""
+        status = _status(ended.finish_reason)
+        self._call_items = [_call_item(c, status) for c in ended.calls]
+        events = []
+        for i, item in enumerate(self._call_items):
+            where = {"item_id": item["id"], "output_index": i}
+            events += [self._event("response.output_item.added", output_index=i,
+                                   item={**item, "arguments": "", "status": "in_progress"}),
+                       self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+                       self._event("response.function_call_arguments.done", **where, name=item["name"],
+                                   arguments=item["arguments"]),
+                       self._event("response.output_item.done", output_index=i, item=item)]
+        return events
 
     def closing_chunks(self, head: ResponseHead, usage: dict) -> list[dict]:
+        status = _status(self._finish)
+        if self._call_items:
+            done = self._response(head, status, self._call_items, self._finish, _usage(usage))
+            return [self._event(f"response.{done['status']}", response=done)]
         text = "".join(self._text)
-        done = self._response(head, _status(self._finish), text, self._finish, _usage(usage))
-        return [self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
-                self._event("response.content_part.done", **self._where(), part=_part(text)),
-                self._event("response.output_item.done", output_index=0, item=done["output"][0]),
-                self._event(f"response.{done['status']}", response=done)]
+        events = [] if self._message_open else self._open_message()
+        message = self._message(text, status)
+        done = self._response(head, status, [message], self._finish, _usage(usage))
+        return events + [self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
+                         self._event("response.content_part.done", **self._where(), part=_part(text)),
+                         self._event("response.output_item.done", output_index=0, item=message),
+                         self._event(f"response.{done['status']}", response=done)]
 
     def choice(self, index: int, choice: Choice) -> dict:
-        return {"text": choice.text, "finish_reason": choice.finish_reason}
+        return {"text": choice.text, "finish_reason": choice.finish_reason,
+                "calls": self._tool_use.calls(choice.text, choice.finish_reason)}
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
-        finish = choices[0]["finish_reason"]
-        return self._response(head, _status(finish), choices[0]["text"], finish, _usage(usage))
+        finish, status = choices[0]["finish_reason"], _status(choices[0]["finish_reason"])
+        if choices[0]["calls"]:
+            output = [_call_item(c, status) for c in choices[0]["calls"]]
+        else:
+            output = [self._message(choices[0]["text"], status)]
+        return self._response(head, status, output, finish, _usage(usage))
 
     def _message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self._item_id, "status": status, "role": "assistant",
                 "content": [_part(text)] if text or status != "in_progress" else []}
 
-    def _response(self, head: ResponseHead, status: str, text: str, finish: str | None,
+    def _response(self, head: ResponseHead, status: str, output: list[dict], finish: str | None,
                   usage: dict | None) -> dict:
         body = self.body
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionToolChoice) \
+            else (body.tool_choice or "auto")
         return {"id": head.request_id.replace("resp-", "resp_", 1), "object": "response",
                 "created_at": head.created, "status": status, "model": head.model,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "output": [self._message(text, "completed" if status == "completed" else status)]
-                if status != "in_progress" else [],
-                "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+                "output": output if status != "in_progress" else [],
+                "parallel_tool_calls": body.parallel_tool_calls is not False, "tool_choice": choice,
+                "tools": [{"description": None, "strict": None, "parameters": None, **t.model_dump(exclude_none=True)}
+                          for t in body.tools or []],
                 "temperature": body.temperature, "top_p": body.top_p,
                 "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                     if body.text and body.text.format else {"type": "text"})},
                 "usage": usage}
+
+
+def _call_item(call: ToolCall, status: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+            "name": call.function.name, "arguments": call.function.arguments, "status": status}
 
 
 def _part(text: str) -> dict:

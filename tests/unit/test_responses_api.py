@@ -69,3 +69,89 @@ def test_response_and_events_read_by_the_sdk(tok):
     assert typed[0].type == "response.created" and typed[-1].type == "response.completed"
     assert "".join(e.delta for e in typed if e.type == "response.output_text.delta") == "hello"
     assert typed[-1].response.output_text == "hello" and typed[-1].response.usage.total_tokens == 5
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "weather of a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+def test_off_values_are_accepted(tok):
+    # openai-agents' OpenAIResponsesModel sends include: [] on every request
+    api = adapter(tok, include=[], top_logprobs=0, tools=[], tool_choice="auto", parallel_tool_calls=True,
+                  reasoning={"effort": None}, max_tool_calls=3, stream_options={"include_obfuscation": True},
+                  text={"format": {"type": "text"}, "verbosity": "medium"})
+    assert api.body.tool_mode() == "none"
+    for fields, param in (({"include": ["message.output_text.logprobs"]}, "include"), ({"top_logprobs": 2}, "top_logprobs"),
+                          ({"reasoning": {"effort": "high"}}, "reasoning"),
+                          ({"text": {"verbosity": "low"}}, "text.verbosity")):
+        with pytest.raises(ApiError) as info:
+            adapter(tok, **fields)
+        assert info.value.param == param, info.value.body()
+
+
+def test_function_tools_and_their_round_trip_in_the_prompt(tok):
+    history = [{"role": "user", "content": "hello"},
+               {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "world"}', "status": "completed"},
+               {"type": "function_call_output", "call_id": "call_1", "output": "brief"}]
+    api = adapter(tok, input=history, tools=[WEATHER])
+    assert api.body.tool_mode() == "auto"
+    spec, param = api.body.grammar()  # strict: enforced under auto
+    assert (spec.kind, param) == ("lark", "tools")
+    messages = api.body.messages()
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "world"}}</tool_call>'
+    assert messages[2]["content"] == "brief"
+    forced = adapter(tok, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
+    assert forced.body.tool_mode() == "forced" and json.loads(forced.body.grammar()[0].value)["maxItems"] == 1
+    for fields, param in (({"tool_choice": "required"}, "tool_choice"),
+                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+                          ({"tools": [{"type": "web_search"}]}, "tools.0.type")):
+        with pytest.raises(ApiError) as info:
+            adapter(tok, **fields)
+        assert info.value.param == param, info.value.body()
+
+
+def test_function_calls_in_the_response_and_events_read_by_the_sdk(tok):
+    from openai.types.responses import ResponseStreamEvent
+    call = '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo"}}</tool_call>'
+    api = adapter(tok, tools=[WEATHER])
+    parsed = Response.model_validate(api.response(HEAD, [api.choice(0, Choice(call, "stop", []))], usage(3, 5, 0)))
+    assert parsed.status == "completed" and parsed.output_text == ""
+    item = parsed.output[0]
+    assert (item.type, item.name, json.loads(item.arguments)) == ("function_call", "get_weather", {"city": "Oslo"})
+    assert item.call_id.startswith("call_") and parsed.tools[0].name == "get_weather"
+
+    api = adapter(tok, tools=[WEATHER], stream=True)
+    events = [*api.opening_chunks(HEAD, 0)]
+    for i, piece in enumerate((call[:9], call[9:30], call[30:])):
+        events += api.stream_chunks(HEAD, 0, Delta(piece, [], "stop" if i == 2 else None), 0)
+    events += api.closing_chunks(HEAD, usage(3, 5, 0))
+    typed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
+    assert [e.type for e in typed] == ["response.created", "response.in_progress", "response.output_item.added",
+                                       "response.function_call_arguments.delta",
+                                       "response.function_call_arguments.done", "response.output_item.done",
+                                       "response.completed"]
+    assert [e.sequence_number for e in typed] == list(range(len(events)))
+    assert json.loads(typed[4].arguments) == {"city": "Oslo"} and typed[5].item.name == "get_weather"
+    assert typed[-1].response.output[0].type == "function_call"
+
+    # with tools but answered in text: the message opens with the text
+    api = adapter(tok, tools=[WEATHER], stream=True)
+    events = [*api.opening_chunks(HEAD, 0)] + api.stream_chunks(HEAD, 0, Delta("Sunny", [], "stop"), 0)
+    events += api.closing_chunks(HEAD, usage(3, 1, 0))
+    typed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
+    assert [e.type for e in typed][2:5] == ["response.output_item.added", "response.content_part.added",
+                                            "response.output_text.delta"]
+    assert typed[-1].response.output_text == "Sunny"
+
+
+def test_a_forced_call_cut_off_is_an_incomplete_function_call(tok):
+    api = adapter(tok, tools=[WEATHER], tool_choice="required", max_output_tokens=8)
+    body = api.response(HEAD, [api.choice(0, Choice('[{"name":"get_weather","arguments":{"ci', "length", []))],
+                        usage(3, 8, 0))
+    parsed = Response.model_validate(body)
+    assert parsed.status == "incomplete" and parsed.incomplete_details.reason == "max_output_tokens"
+    assert (parsed.output[0].type, parsed.output[0].name, parsed.output[0].arguments) == \
+        ("function_call", "get_weather", '{"ci')

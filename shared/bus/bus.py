@@ -24,7 +24,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig,
+from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig, ObjectStoreConfig,
                          RetentionPolicy, StreamConfig)
 from pydantic import ValidationError
 
@@ -32,6 +32,7 @@ from shared.bus.errors import BusTimeout, Disconnected, MalformedReply, NoRespon
 from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.link import Link
+from shared.bus.objects import ObjectBucket
 from shared.bus.replay import Replay
 from shared.protocol.base import WireModel, validation_message
 from shared.protocol.errors import ErrorReply
@@ -468,6 +469,28 @@ class Bus:
             return await self.js.create_key_value(config)
         except nats.js.errors.BadRequestError:  # created concurrently by another process
             return await self.js.key_value(bucket)
+
+    async def object_store(self, bucket: str) -> ObjectBucket:
+        """Bind to an Object Store bucket, creating it (file storage, no expiry) when it does not
+        exist. After a reconnect it is created again if the server lost it."""
+        store = ObjectBucket(await self._bind_object_store(bucket), self.js, bucket)
+        self.link.on_resume(f"object store {bucket}", lambda: self._bind_object_store(bucket))
+        return store
+
+    async def _bind_object_store(self, bucket: str):
+        try:
+            return await self.js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        try:
+            return await self.js.create_object_store(bucket, ObjectStoreConfig(replicas=self.replicas))
+        except nats.js.errors.BadRequestError:  # created concurrently by another process
+            return await self.js.object_store(bucket)
+
+    async def purge_subject(self, stream: str, subject: str) -> None:
+        """Remove every message of ``stream`` on ``subject`` (e.g. one batch's queued work items);
+        a message being worked on is gone too: its later ack is a no-op."""
+        await self.js.purge_stream(stream, subject=subject)
 
     async def replay(self, endpoint: Endpoint[Req, WireModel], stream: str,
                      handler: Callable[[Req, int], Awaitable[None]], *, start_seq: int = 0) -> Replay[Req]:

@@ -2,6 +2,8 @@
 
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
+from shared.protocol.batch import (BatchLineError, BatchLineRequest, BatchLineResult, BatchRecord, FileRecord,
+                                   RequestCounts)
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import (CancelRequest, GenerateRequest, GrammarSpec, OriginAlive, OriginPing,
                                       SamplingParams, TokenChunk, TokenLogprob, TopLogprob)
@@ -15,7 +17,8 @@ from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, 
                                      ScalingStatus, ServiceInfo, WorkerInfo, WorkerLoad, WorkerStatus)
 
 __all__ = [
-    "AdmissionDecision", "AllBlocksClearedEvent", "BlockRemovedEvent", "BlockStoredEvent",
+    "AdmissionDecision", "AllBlocksClearedEvent", "BatchLineError", "BatchLineRequest", "BatchLineResult",
+    "BatchRecord", "FileRecord", "RequestCounts", "BlockRemovedEvent", "BlockStoredEvent",
     "CancelRequest", "ClusterStatusRequest", "ClusterStatusResult", "ControlRequest",
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
     "KvFetchRequest", "KvFetchResult", "KvMatchResult", "KvSource", "OriginAlive", "OriginPing", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",

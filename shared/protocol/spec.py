@@ -16,6 +16,7 @@ from pathlib import Path
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
+from shared.protocol.batch import BatchLineRequest, BatchLineResult, BatchRecord, FileRecord
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import CancelRequest, GenerateRequest, OriginAlive, OriginPing, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
@@ -29,7 +30,8 @@ MESSAGES: tuple[type[WireModel], ...] = (
     GenerateRequest, TokenChunk, CancelRequest, OriginPing, OriginAlive, ErrorReply, AdmissionDecision, WorkerInfo, WorkerLoad,
     ControlRequest, ControlResult, ServiceInfo, KvEventBatch, KvMatchRequest, KvMatchResult,
     RemotePrefillRequest, PrefillNotification, PrefillLeaseRequest, PrefillLeaseResult, KvFetchRequest, KvFetchResult,
-    ClusterStatusRequest, ClusterStatusResult, ScaleRequest, ScaleResult)
+    ClusterStatusRequest, ClusterStatusResult, ScaleRequest, ScaleResult,
+    FileRecord, BatchRecord, BatchLineRequest, BatchLineResult)
 
 # (model id, block size, token ids): short and long prompts, a partial last block, two namespaces.
 _VECTOR_CASES = (

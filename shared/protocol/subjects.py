@@ -6,12 +6,14 @@ clusters, or several tests, share one nats-server without seeing each other's tr
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
+from shared.protocol.batch import BatchLineRequest
 from shared.protocol.generate import CancelRequest, GenerateRequest, OriginAlive, OriginPing, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
 from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, PrefillLeaseRequest, PrefillLeaseResult,
@@ -40,6 +42,10 @@ def _token(value: str, what: str) -> str:
     if not _TOKEN.match(value):
         raise ValueError(f"{what} {value!r} must match {_TOKEN.pattern} to be a subject token")
     return value
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 # Priorities 0 and 1 have their own prefill-queue subjects; 2 and lower priorities share the last.
@@ -107,6 +113,15 @@ class Subjects:
         """Every level's subject (the stream's subject filter)."""
         return Endpoint(f"{self._root}.prefill.queue.*", RemotePrefillRequest)
 
+    def batch_lines(self, batch_id: str) -> Endpoint[BatchLineRequest, WireModel]:
+        """One batch's input lines, work items of stream ``batch_stream`` (one subject per batch,
+        so a cancel purges exactly that batch's lines), pulled by every gateway's batch runner
+        through the durable consumer ``batch_consumer``."""
+        return Endpoint(f"{self._root}.batch.lines.{_token(batch_id, 'batch_id')}", BatchLineRequest)
+
+    def batch_lines_all(self) -> Endpoint[BatchLineRequest, WireModel]:
+        return Endpoint(f"{self._root}.batch.lines.*", BatchLineRequest)
+
     # --- publish-only ----------------------------------------------------------------------------
     def kv_events(self, worker_id: str) -> Endpoint[KvEventBatch, WireModel]:
         return Endpoint(f"{self._root}.kv.events.{_token(worker_id, 'worker_id')}", KvEventBatch)
@@ -138,6 +153,47 @@ class Subjects:
     def prefill_consumers(self) -> list[str]:
         """Every level's consumer, highest priority first."""
         return [self.prefill_consumer(level) for level in range(NUM_PREFILL_LEVELS)]
+
+    @property
+    def batch_stream(self) -> str:
+        return f"{self.namespace.upper()}_BATCH"
+
+    @property
+    def batch_consumer(self) -> str:
+        return "batch-runners"
+
+    @property
+    def batches_bucket(self) -> str:
+        """KV: batch id → ``BatchRecord``."""
+        return f"{self.namespace}-batches"
+
+    @property
+    def batch_results_bucket(self) -> str:
+        """KV: ``batch_result_key`` → ``BatchLineResult`` (written once), plus a marker under
+        ``batch_failure_key`` for each result that is not a 200 (so counts need no values)."""
+        return f"{self.namespace}-batch-results"
+
+    @property
+    def files_bucket(self) -> str:
+        """Object Store: file id → the uploaded bytes, its ``FileRecord`` as the description."""
+        return f"{self.namespace}-files"
+
+    @staticmethod
+    def batch_result_key(batch_id: str, custom_id: str) -> str:
+        """custom_id is any text: it enters the key as a digest (KV keys allow few characters)."""
+        return f"{Subjects.batch_results_prefix(batch_id)}.{_digest(custom_id)}"
+
+    @staticmethod
+    def batch_failure_key(batch_id: str, custom_id: str) -> str:
+        return f"{Subjects.batch_failures_prefix(batch_id)}.{_digest(custom_id)}"
+
+    @staticmethod
+    def batch_results_prefix(batch_id: str) -> str:
+        return f"r.{_token(batch_id, 'batch_id')}"
+
+    @staticmethod
+    def batch_failures_prefix(batch_id: str) -> str:
+        return f"f.{_token(batch_id, 'batch_id')}"
 
     @property
     def workers_bucket(self) -> str:

@@ -40,7 +40,8 @@ def test_drift_is_found_and_named(tmp_path, capsys):
 def test_every_wire_model_sent_alone_has_a_schema():
     nested = {"SamplingParams", "GrammarSpec", "TextMessage", "TopLogprob", "TokenLogprob", "BlockStoredEvent",
               "BlockRemovedEvent", "AllBlocksClearedEvent", "WorkerOverlap", "PrefillQueueStatus",
-              "WorkerStatus", "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "KvTierLoad", "KvFetchLoad", "KvSource"}
+              "WorkerStatus", "ScalingAction", "ScalingDecisionRecord", "ScalingStatus", "KvTierLoad", "KvFetchLoad", "KvSource",
+              "BatchLineError", "RequestCounts"}
     models = {cls.__name__ for cls in _subclasses(WireModel)} - {"StatusPage", "GatewayState"}
     assert models - nested == {m.__name__ for m in spec.MESSAGES}
     assert all(name in json.dumps(spec.json_schemas()) for name in nested)

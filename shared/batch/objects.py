@@ -1,0 +1,45 @@
+"""Files and batches as the OpenAI API returns them (``openai.types.FileObject`` and ``Batch``),
+and the ids Tandem gives them."""
+
+from __future__ import annotations
+
+import secrets
+
+from shared.protocol.batch import BatchRecord, FileRecord
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(12)
+
+
+def result_file_ids(batch_id: str) -> tuple[str, str]:
+    """The output and error files' ids: fixed by the batch, so a finalization that runs twice (its
+    gateway died after writing them) writes the same two files again, never two more."""
+    suffix = batch_id.removeprefix("batch_")
+    return f"file-{suffix}-output", f"file-{suffix}-errors"
+
+
+def file_object(record: FileRecord) -> dict:
+    return {"object": "file", "expires_at": None, "status_details": None, **record.model_dump(mode="json")}
+
+
+def batch_object(record: BatchRecord) -> dict:
+    body = record.model_dump(mode="json", exclude={"claimed_at", "errors"})
+    errors = None
+    if record.errors:
+        errors = {"object": "list", "data": [e.model_dump(mode="json") for e in record.errors]}
+    return {"object": "batch", **body, "errors": errors, "model": None, "usage": None}
+
+
+def page(objects: list[dict], *, limit: int, after: str | None) -> dict:
+    """A list endpoint's page: ``objects`` in the listing's order, starting after the id ``after``."""
+    if after is not None:
+        ids = [o["id"] for o in objects]
+        objects = objects[ids.index(after) + 1:] if after in ids else []
+    shown = objects[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(objects) > limit}

@@ -1,0 +1,170 @@
+"""The pure parts of the Files and Batch APIs: input-line validation, the batch state machine and
+its next step, output-file assembly, the objects as the official client parses them, and the wire
+models' JSON round trip."""
+
+from __future__ import annotations
+
+import json
+
+import openai.types
+import pytest
+
+from shared.batch.lines import parse_input
+from shared.batch.objects import batch_object, file_object, page, result_file_ids
+from shared.batch.output import assemble, line_id
+from shared.batch.state import InvalidTransition, can_cancel, next_step, transition
+from shared.protocol import Subjects
+from shared.protocol.batch import (BatchLineError, BatchLineRequest, BatchLineResult, BatchRecord, FileRecord,
+                                   RequestCounts)
+
+CHAT = "/v1/chat/completions"
+
+
+def jsonl(*objs) -> bytes:
+    return b"".join((o if isinstance(o, str) else json.dumps(o)).encode() + b"\n" for o in objs)
+
+
+def line(custom_id: str, url: str = CHAT, **extra) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, **extra}
+
+
+# --- input lines ---------------------------------------------------------------------------------
+def test_valid_file_gives_lines_in_order_with_one_based_numbers_and_skips_blank_lines():
+    lines, errors = parse_input(jsonl(line("a"), "", line("b")), CHAT, max_line_bytes=4096)
+    assert errors == []
+    assert [(l.line, l.custom_id) for l in lines] == [(1, "a"), (3, "b")]
+    assert json.loads(lines[0].body)["max_tokens"] == 4
+
+
+@pytest.mark.parametrize("bad, code, param", [
+    ("{not json", "invalid_json_line", None),
+    ("[1, 2]", "invalid_json_line", None),
+    ({"method": "POST", "url": CHAT, "body": {}}, "missing_required_parameter", "custom_id"),
+    ({**line("x"), "method": "GET"}, "invalid_method", "method"),
+    (line("x", url="/v1/completions"), "mismatched_endpoint", "url"),
+    ({**line("x"), "body": "text"}, "missing_required_parameter", "body"),
+])
+def test_a_malformed_line_fails_the_file_naming_its_line(bad, code, param):
+    lines, errors = parse_input(jsonl(line("a"), bad, line("c")), CHAT, max_line_bytes=4096)
+    assert lines == []
+    assert [(e.code, e.line, e.param) for e in errors] == [(code, 2, param)]
+    assert errors[0].message.startswith("line 2: ")
+
+
+def test_duplicate_custom_id_names_both_lines():
+    _, errors = parse_input(jsonl(line("a"), line("b"), line("a")), CHAT, max_line_bytes=4096)
+    assert [(e.code, e.line) for e in errors] == [("duplicate_custom_id", 3)]
+    assert "line 1" in errors[0].message
+
+
+def test_empty_file_non_utf8_and_long_lines_are_refused():
+    assert parse_input(b"\n\n", CHAT, max_line_bytes=4096)[1][0].code == "empty_file"
+    assert parse_input(b"\xff\xfe", CHAT, max_line_bytes=4096)[1][0].code == "invalid_file"
+    _, errors = parse_input(jsonl(line("a", pad="x" * 200)), CHAT, max_line_bytes=100)
+    assert (errors[0].code, errors[0].line) == ("line_too_large", 1)
+
+
+# --- the state machine -----------------------------------------------------------------------------
+def record(**changes) -> BatchRecord:
+    base = BatchRecord(id="batch_1", endpoint=CHAT, input_file_id="file-1", created_at=100, expires_at=100 + 86400)
+    return base.model_copy(update=changes)
+
+
+def test_transitions_follow_openais_lifecycle_and_stamp_their_time():
+    running = transition(record(), "in_progress", 101.5, request_counts=RequestCounts(total=3))
+    assert (running.status, running.in_progress_at, running.request_counts.total) == ("in_progress", 101, 3)
+    done = transition(transition(running, "finalizing", 110), "completed", 111)
+    assert (done.finalizing_at, done.completed_at) == (110, 111)
+    assert transition(running, "cancelling", 105).cancelling_at == 105
+    for status, to in [("validating", "completed"), ("completed", "cancelling"), ("cancelled", "in_progress"),
+                       ("failed", "in_progress"), ("cancelling", "completed")]:
+        with pytest.raises(InvalidTransition, match=f"from {status} to {to}"):
+            transition(record(status=status), to, 1)
+
+
+def test_only_validating_and_running_batches_can_be_cancelled():
+    assert [s for s in ("validating", "in_progress", "finalizing", "completed", "cancelling", "failed")
+            if can_cancel(record(status=s))] == ["validating", "in_progress"]
+
+
+def steps(rec: BatchRecord, num_results: int, now: float):
+    step = next_step(rec, num_results, now, claim_stale_s=60, cancel_grace_s=2)
+    return None if step is None else step.kind
+
+
+def test_next_step():
+    counts = RequestCounts(total=3)
+    assert steps(record(), 0, 100) == "validate"
+    assert steps(record(claimed_at=90.0), 0, 100) is None          # someone is validating it
+    assert steps(record(claimed_at=30.0), 0, 100) == "validate"    # ... and died: take it over
+    running = record(status="in_progress", request_counts=counts)
+    assert steps(running, 2, 200) is None
+    assert steps(running, 3, 200) == "finalize"
+    assert steps(running, 2, 100 + 86400) == "expire"
+    assert steps(record(status="finalizing", claimed_at=10.0), 3, 200) == "finalize"
+    cancelling = record(status="cancelling", cancelling_at=200, request_counts=counts)
+    assert steps(cancelling, 1, 201) is None                        # running lines may still finish
+    assert steps(cancelling, 1, 202) == "finish_cancel"
+    for status in ("completed", "failed", "expired", "cancelled"):
+        assert steps(record(status=status), 0, 10**9) is None
+
+
+# --- output files ----------------------------------------------------------------------------------
+def result(n: int, status: int | None = 200, **changes) -> BatchLineResult:
+    body = json.dumps({"id": f"chatcmpl-{n}", "choices": []} if status == 200 else {"error": {"message": "no"}})
+    return BatchLineResult(batch_id="batch_1", line=n, custom_id=f"c{n}", request_id=f"chatcmpl-{n}",
+                           status_code=status, body=body).model_copy(update=changes)
+
+
+def test_assembly_orders_by_line_and_splits_successes_from_errors():
+    files = assemble("batch_1", [result(3), result(1), result(2, 400)], 3)
+    out = [json.loads(l) for l in files.output.splitlines()]
+    err = [json.loads(l) for l in files.errors.splitlines()]
+    assert [o["custom_id"] for o in out] == ["c1", "c3"]
+    assert out[0] == {"id": line_id("batch_1", "c1"), "custom_id": "c1", "error": None,
+                      "response": {"status_code": 200, "request_id": "chatcmpl-1",
+                                   "body": {"id": "chatcmpl-1", "choices": []}}}
+    assert err[0]["response"]["status_code"] == 400 and err[0]["response"]["body"]["error"]["message"] == "no"
+    assert files.counts == RequestCounts(total=3, completed=2, failed=1)
+
+
+def test_expired_lines_go_to_the_error_file_as_batch_expired():
+    files = assemble("batch_1", [result(1)], 3, expired=[(2, "c2"), (3, "c3")])
+    err = [json.loads(l) for l in files.errors.splitlines()]
+    assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in err] == \
+        [("c2", None, "batch_expired"), ("c3", None, "batch_expired")]
+    assert files.counts == RequestCounts(total=3, completed=1, failed=2)
+    assert assemble("batch_1", [], 0).output == b""
+
+
+# --- objects as the official client reads them ---------------------------------------------------
+def test_file_and_batch_objects_parse_as_the_openai_types():
+    file = openai.types.FileObject.model_validate(file_object(FileRecord(
+        id="file-1", bytes=10, created_at=5, filename="in.jsonl", purpose="batch")))
+    assert (file.id, file.object, file.bytes, file.status) == ("file-1", "file", 10, "processed")
+    failed = transition(record(), "failed", 101, errors=[BatchLineError(code="invalid_json_line", line=2,
+                                                                         message="line 2: not valid JSON")])
+    batch = openai.types.Batch.model_validate(batch_object(failed))
+    assert (batch.status, batch.failed_at, batch.errors.data[0].line) == ("failed", 101, 2)
+    assert "claimed_at" not in batch_object(failed)
+    running = openai.types.Batch.model_validate(batch_object(record(metadata={"k": "v"})))
+    assert running.errors is None and running.metadata == {"k": "v"}
+
+
+def test_page_and_result_file_ids():
+    objs = [{"id": str(i)} for i in range(5)]
+    assert page(objs, limit=2, after=None) == {"object": "list", "data": objs[:2], "first_id": "0",
+                                               "last_id": "1", "has_more": True}
+    assert page(objs, limit=2, after="3")["data"] == [{"id": "4"}]
+    output_id, error_id = result_file_ids("batch_abc")
+    assert (output_id, error_id) == ("file-abc-output", "file-abc-errors")
+
+
+def test_wire_models_round_trip_and_result_keys_fit_kv():
+    for message in (record(), BatchLineRequest(batch_id="batch_1", line=1, custom_id="c", url=CHAT, body="{}"),
+                    result(1), FileRecord(id="file-1", bytes=1, created_at=1, filename="f", purpose="batch")):
+        assert type(message).from_bytes(message.to_bytes()) == message
+    key = Subjects.batch_result_key("batch_1", "any text: spaces, dots. and ünïcode")
+    assert key.startswith("r.batch_1.") and all(c.isalnum() or c in "._" for c in key)
+    assert Subjects("ns").batch_lines("batch_1").subject == "ns.v1.batch.lines.batch_1"

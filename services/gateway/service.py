@@ -38,6 +38,7 @@ from shared.telemetry.redact import redact_url
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.dashboard import add_dashboard_routes
+from services.gateway.unsupported import add_unsupported_routes
 from services.gateway.generation import Generation
 from services.gateway.server import errors_middleware, http_site, respond
 from services.gateway.metrics import GatewayMetrics
@@ -266,6 +267,7 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/metrics", gateway.metrics_text)
     app.router.add_get("/status", gateway.status)
     add_dashboard_routes(app, gateway)
+    add_unsupported_routes(app)
     return app
 
 

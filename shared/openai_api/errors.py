@@ -23,8 +23,13 @@ class ApiError(Exception):
 
 def from_validation_error(exc: ValidationError) -> ApiError:
     """A 400 naming the first offending parameter, e.g. ``messages.0.role``."""
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # an unknown field says most (in a union, the other members' errors only follow from it)
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
     param = ".".join(str(p) for p in first.get("loc", ())) or None
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"{param}: unknown field (Unrecognized request argument supplied)", param=param,
+                        code="unrecognized_parameter")
     message = first["msg"]
     if first.get("type") == "literal_error" and first.get("ctx"):
         message = f"{message}, got {first.get('input')!r}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from shared.openai_api.errors import ApiError
 from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolUse, render_call
@@ -21,6 +21,32 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Closed(BaseModel):
+    """An object whose fields are all known: an unknown one is a 400 naming its path (e.g.
+    ``response_format.schema``), as an unknown top-level parameter is. (Messages and input items
+    stay open: clients send back what they got, with fields such as ``refusal`` or ``annotations``.)"""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# content parts of another modality: named in a 400, not left to the union's own error
+MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file",
+               "input_file": "file", "audio_url": "audio", "video_url": "video"}
+
+
+def refuse_media(items: object, param: str) -> None:
+    """A 400 naming the first content part of ``items`` (messages or input items) that is not
+    text, e.g. ``messages[0].content[1]``."""
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        content = item.get("content") if isinstance(item, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = MEDIA_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+            if kind is not None:
+                where = f"{param}[{i}].content[{j}]"
+                raise ApiError(400, f"{where}: {kind} inputs are not supported by this server (text models "
+                               f"only); send text content parts", param=where, code="unsupported_content")
 
 
 class TextPart(_Body):
@@ -45,20 +71,21 @@ class ChatMessage(_Body):
         return "\n".join(p.text for p in self.content) + calls
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(_Closed):
     name: StrictStr = Field(min_length=1, max_length=64)
     description: StrictStr | None = None
     schema_: dict = Field(default_factory=dict, alias="schema")
     strict: StrictBool | None = None  # the schema is enforced either way
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(_Closed):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StreamOptions(_Body):
+class StreamOptions(_Closed):
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # accepted; chunks are not padded
 
 
 Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=4)], None]
@@ -138,6 +165,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: object) -> object:
+        if isinstance(data, dict):
+            refuse_media(data.get("messages"), "messages")
+        return data
 
     def check_combinations(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -11,13 +11,13 @@ import json
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag
+from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, model_validator
 
 from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
                                         chat_prompt_ids)
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import RESPONSES_FIELDS
-from shared.openai_api.models import JsonSchemaFormat, _Body, _Sampling
+from shared.openai_api.models import JsonSchemaFormat, _Body, _Closed, _Sampling, refuse_media
 from shared.openai_api.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall,
                                      ToolCallFunction, ToolUse, render_call)
 from shared.protocol.generate import GrammarSpec
@@ -76,12 +76,12 @@ class TextFormat(JsonSchemaFormat):
     name: StrictStr | None = None  # required for json_schema only
 
 
-class TextOptions(_Body):
+class TextOptions(_Closed):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class FunctionTool(_Body):
+class FunctionTool(_Closed):
     """A function as the Responses API declares it (flat, not under ``function``)."""
 
     type: Literal["function"]
@@ -96,12 +96,12 @@ class FunctionTool(_Body):
         return Tool(type="function", function=function)
 
 
-class FunctionToolChoice(_Body):
+class FunctionToolChoice(_Closed):
     type: Literal["function"]
     name: StrictStr
 
 
-class StreamOptions(_Body):
+class StreamOptions(_Closed):
     include_obfuscation: StrictBool | None = None  # accepted; events are not padded
 
 
@@ -114,6 +114,13 @@ class ResponsesRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] | None = None
     parallel_tool_calls: StrictBool | None = None
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: object) -> object:
+        if isinstance(data, dict):
+            refuse_media(data.get("input"), "input")
+        return data
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens

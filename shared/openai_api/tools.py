@@ -29,23 +29,29 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class FunctionDef(_Body):
+class _Closed(BaseModel):
+    """Every field known: an unknown one is a 400 naming its path (``models._Closed``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDef(_Closed):
     name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: StrictStr | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: StrictBool | None = None
 
 
-class Tool(_Body):
+class Tool(_Closed):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(_Closed):
     name: StrictStr
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(_Closed):
     type: Literal["function"]
     function: NamedFunction
 

@@ -16,7 +16,7 @@ from shared.engine.request import Request, SamplingParams
 from shared.engine.sampler import Sampler
 from shared.openai_api.adapters import Choice, parse_body
 from shared.openai_api.errors import ApiError
-from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, Status, markdown_table
+from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, RESPONSES_FIELDS, Status, markdown_table
 from shared.openai_api.generate_request import choice_requests, resolve_model
 from shared.openai_api.models import ChatCompletionRequest, CompletionRequest
 from shared.protocol import GenerateRequest, SamplingParams as WireSampling
@@ -122,3 +122,75 @@ def test_logit_bias_bans_and_boosts_in_the_sampler():
         assert out[0].token_id != top and out[1].token_id != top and out[2].token_id == 17
     with pytest.raises(Exception, match="logit_bias"):
         SamplingParams(logit_bias={50: 1.0}).validate(vocab_size=50)
+
+
+@pytest.mark.parametrize("body,param", [
+    # instructor 1.3 sends the schema beside the type
+    ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, "response_format.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strictness": 1}}},
+     "response_format.json_schema.strictness"),
+    ({"stream_options": {"include_usage": True, "usage": True}}, "stream_options.usage"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameter": {}}}]}, "tools.0.function.parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}},
+     "tool_choice.NamedToolChoice.function.arguments"),
+])
+def test_unknown_nested_fields_are_400_naming_the_path(body, param):
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], **body}).encode()
+    with pytest.raises(ApiError) as info:
+        parse_body(raw, ChatCompletionRequest, CHAT_FIELDS)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, param, "unrecognized_parameter"), err.body()
+    assert err.message.startswith(f"{param}: unknown field")
+
+
+def test_unknown_nested_fields_of_responses_are_400_naming_the_path():
+    from shared.openai_api.responses_api import ResponsesRequest
+    for body, param in (({"text": {"verbosity": "medium", "tone": "dry"}}, "text.tone"),
+                        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "json_schema": {}}}},
+                         "text.format.json_schema"),
+                        ({"tools": [{"type": "function", "name": "f", "parameters": {}, "extra": 1}]}, "tools.0.extra")):
+        with pytest.raises(ApiError) as info:
+            parse_body(json.dumps({"model": "m", "input": "x", **body}).encode(), ResponsesRequest, RESPONSES_FIELDS)
+        assert (info.value.param, info.value.code) == (param, "unrecognized_parameter"), info.value.body()
+    # what the SDK sends back of its own output items (annotations, logprobs, ids) stays accepted
+    echoed = [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": "hi", "annotations": [], "logprobs": []}]}]
+    parse_body(json.dumps({"model": "m", "input": echoed}).encode(), ResponsesRequest, RESPONSES_FIELDS)
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[1]"),
+    ("chat", {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "messages[1].content[0]"),
+    ("responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input[0].content[1]"),
+])
+def test_image_and_audio_parts_are_400_saying_so(endpoint, body, param):
+    from shared.openai_api.responses_api import ResponsesRequest
+    body_type, rules = ((ChatCompletionRequest, CHAT_FIELDS) if endpoint == "chat"
+                        else (ResponsesRequest, RESPONSES_FIELDS))
+    with pytest.raises(ApiError) as info:
+        parse_body(json.dumps({"model": "m", **body}).encode(), body_type, rules)
+    err = info.value
+    assert (err.status, err.param) == (400, param) and "not supported by this server" in err.message, err.body()
+
+
+async def test_embeddings_and_other_unserved_endpoints_say_they_are_not_supported():
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.gateway.server import errors_middleware
+    from services.gateway.unsupported import add_unsupported_routes
+    app = web.Application(middlewares=[errors_middleware(lambda status: None)])
+    add_unsupported_routes(app)
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.post("/v1/embeddings", json={"model": "m", "input": "hello"})
+        body = await resp.json()
+        assert resp.status == 404 and body["error"]["code"] == "unsupported_endpoint"
+        assert body["error"]["message"].startswith("embeddings (/v1/embeddings) is not supported by this server")
+        resp = await client.post("/v1/nothing", json={})
+        assert resp.status == 404 and (await resp.json())["error"]["message"] == "Not Found"

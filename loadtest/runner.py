@@ -41,8 +41,11 @@ async def _open_loop(specs: list[RequestSpec], one: Callable, progress: bool, la
 
 async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api_key: str | None = None,
                      timeout_s: float = 600.0, progress: bool = True, ignore_eos: bool = True,
-                     key_of: Callable[[RequestSpec], str] | None = None) -> list[RequestResult]:
-    """``key_of``: each request's own API key (e.g. its QoS tier's), instead of ``api_key``."""
+                     key_of: Callable[[RequestSpec], str] | None = None,
+                     max_retries: int = 0) -> list[RequestResult]:
+    """``key_of``: each request's own API key (e.g. its QoS tier's), instead of ``api_key``.
+    ``max_retries``: a 429 is sent again after its Retry-After (1 s without one), this many times at
+    most; the request's times still count from its first send. 0: a 429 is the request's result."""
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=0)
@@ -53,30 +56,45 @@ async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api
             body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "stream": True,
                     "temperature": 0.0, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
             own = {"Authorization": f"Bearer {key_of(spec)}"} if key_of else None
-            async with session.post(url, json=body, headers=own) as resp:
-                if resp.status != 200:
-                    result.error = f"HTTP {resp.status}"
-                    if "Retry-After" in resp.headers:
-                        result.retry_after_s = float(resp.headers["Retry-After"])
-                    await resp.read()
-                    return
-                if "X-Tandem-Predicted-TTFT-Ms" in resp.headers:
-                    result.predicted_ttft_s = float(resp.headers["X-Tandem-Predicted-TTFT-Ms"]) / 1000
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        result.error = event["error"].get("message", "stream error")
+            while True:
+                async with session.post(url, json=body, headers=own) as resp:
+                    if resp.status != 200:
+                        result.error = f"HTTP {resp.status}"
+                        if "Retry-After" in resp.headers:
+                            result.retry_after_s = float(resp.headers["Retry-After"])
+                        await resp.read()
+                        if resp.status == 429 and result.num_retries < max_retries:
+                            result.num_retries += 1
+                            await asyncio.sleep(result.retry_after_s if result.retry_after_s is not None else 1.0)
+                            continue
                         return
-                    if event.get("usage"):
-                        result.num_output_tokens = event["usage"]["completion_tokens"]
-                    if event.get("choices") and event["choices"][0].get("text"):
-                        t = now()
-                        result.first_token_s = result.first_token_s or t
-                        result.token_times_s.append(t)
-            result.finished_s = now()
+                    result.error = None
+                    if await _stream(resp, result, now):
+                        result.finished_s = now()
+                    return
+
+        async def _stream(resp, result: RequestResult, now: Callable[[], float]) -> bool:
+            """Read a 200's event stream into ``result``; False on an error event."""
+            if "X-Tandem-Predicted-TTFT-Ms" in resp.headers:
+                result.predicted_ttft_s = float(resp.headers["X-Tandem-Predicted-TTFT-Ms"]) / 1000
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = event["error"].get("message", "stream error")
+                    return False
+                if event.get("usage"):
+                    usage = event["usage"]
+                    result.num_output_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if event.get("choices") and event["choices"][0].get("text"):
+                    t = now()
+                    result.first_token_s = result.first_token_s or t
+                    result.token_times_s.append(t)
+            return True
 
         return await _open_loop(specs, one, progress, "openai")
 

@@ -17,6 +17,9 @@ class RequestResult:
     error: str | None = None
     retry_after_s: float | None = None  # a rejection's Retry-After header
     predicted_ttft_s: float | None = None  # admission's prediction (X-Tandem-Predicted-TTFT-Ms)
+    prompt_tokens: int | None = None       # the usage the server returned
+    cached_tokens: int | None = None       # its prompt_tokens_details.cached_tokens (prefix-cache hit)
+    num_retries: int = 0                   # 429s retried after their Retry-After (run_openai's max_retries)
 
     @property
     def ttft_s(self) -> float | None:

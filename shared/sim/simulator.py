@@ -33,7 +33,7 @@ from shared.cluster.scaling import Autoscaling
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
 from shared.policy.autoscale_inputs import Capacities, WorkerSample
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
-from shared.policy.kv_routing import RoutingInput, RoutingWeights, route
+from shared.policy.kv_routing import RoutingDecision, RoutingInput, RoutingWeights, route
 from shared.policy.qos import QosConfig, QosTier
 from shared.sim.traces import Trace
 from shared.sim.workers import DECODE, PREFILL, Worker
@@ -96,6 +96,9 @@ class SimConfig:
     # decoding it rides in the decode step, the step's fixed cost paid once. None: one prompt per
     # step, pausing decode for the whole prefill (the planner's model).
     local_prefill_batch_tokens: int | None = None
+    # Route to the decode workers in turn (skipping ineligible ones and those at the queue limit)
+    # instead of by ``kv_routing``'s cost: the baseline KV-aware routing is judged against.
+    round_robin: bool = False
     # QoS tiers of the requests: (tier, share) pairs, drawn per request with ``seed``.
     tier_mix: tuple[tuple[str, float], ...] = (("standard", 1.0),)
     seed: int = 0
@@ -185,6 +188,7 @@ class Simulator:
         self.load_scale = (mean_cap / np.maximum(caps, 1.0) if cfg.capacity_aware_routing
                            else np.ones(len(self.workers))) / block_size
         self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
+        self._rr_last = -1                         # round_robin: the worker chosen last
         self._routes: dict[tuple[int, int], float] = {}
         self.num_prompt_tokens = np.zeros(len(self.workers))     # per worker, cumulative, uncached
         self.num_generated_tokens = np.zeros(len(self.workers))  # (counted when admitted)
@@ -272,8 +276,9 @@ class Simulator:
     def _arrive(self, i: int) -> None:
         inp, hashes = self.inp[i], (self.hashes[i] if self.hashes is not None else [])
         overlap = leading_overlap(self.index.get(h, ()) for h in hashes)
-        choice = route(RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
-                                            self.num_waiting, self.eligible), self.cfg.routing)
+        choice = (self._round_robin(overlap, -(-inp // self.block_size)) if self.cfg.round_robin else
+                  route(RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
+                                     self.num_waiting, self.eligible), self.cfg.routing))
         if choice.worker is None:
             return self._reject(i, "no decode worker under its queue limit")
         w = self.workers[choice.worker]
@@ -307,6 +312,15 @@ class Simulator:
             self.num_waiting[w.index] = len(w.waiting)
         else:
             self._start(i, w)
+
+    def _round_robin(self, overlap: dict[int, float], num_blocks: int) -> RoutingDecision:
+        n = len(self.workers)
+        for k in range(1, n + 1):
+            j = (self._rr_last + k) % n
+            if self.eligible[j] and self.num_waiting[j] < self.cfg.routing.max_waiting_per_worker:
+                self._rr_last = j
+                return RoutingDecision(j, 0.0, min(round(overlap.get(j, 0)), num_blocks))
+        return RoutingDecision(None, math.inf, 0)
 
     def _memory_wait_s(self, w: Worker, tokens: int) -> float:
         """Until enough sequences finish to make room: each step of the batch frees about
@@ -421,7 +435,9 @@ class Simulator:
         self.ttft[i] = self.now - self.arrival[i]
         self.join_t[i] = self.now
         if self.hashes is not None:
-            d.cache_insert(self.hashes[i], self.index)
+            # only whole blocks are cached, as the engine's prefix cache does (a partial last block's
+            # id may name a longer block in a later prompt)
+            d.cache_insert(self.hashes[i][:self.inp[i] // self.block_size], self.index)
         if self.out[i] <= 1:
             self._complete(i, d)
             self._admit_waiting(d)

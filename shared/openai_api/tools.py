@@ -6,7 +6,10 @@ Hermes/Qwen convention, which chat templates with tool support render too). A te
 not know tools gets them in a system message that asks for that form. ``tool_choice: required``
 or a named function is enforced by a grammar: the output is then a JSON list of calls (one call
 for a named function, or without ``parallel_tool_calls``), whose items are the functions'
-``{"name", "arguments"}`` schemas.
+``{"name", "arguments"}`` schemas. Under ``auto``, a ``strict`` function brings a grammar too: text
+without ``<tool_call>``, or calls of the declared functions only. In both grammars an argument
+schema's objects are closed unless they say otherwise (``closed_schema``). A forced call cut off
+by the token limit still reads back as calls, its arguments as far as they were written.
 """
 
 from __future__ import annotations

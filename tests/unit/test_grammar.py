@@ -115,3 +115,28 @@ def test_the_gateway_refuses_a_bad_schema_naming_parameter_and_feature(tok):
     assert info.value.param == "response_format" and "not" in info.value.message, info.value.body()
     body["response_format"] = {"type": "json_object"}
     check_grammar(ChatAdapter.from_json(json.dumps(body).encode(), tok).body)
+
+
+def test_the_strict_auto_tool_grammar_allows_text_or_declared_calls_only(tok, grammars):
+    from shared.openai_api.tools import Tool, ToolUse
+    weather = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    spec = ToolUse([weather], "auto", parallel=True).grammar()
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.matcher(spec).ll
+        return all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting()
+
+    assert accepts("It is sunny in Oslo.") and accepts("a < b, <tool is not a call")
+    call = '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo"}}</tool_call>'
+    assert accepts(call) and accepts("\n" + call + "\n" + call)
+    assert not accepts('<tool_call>{"name":"rm_rf","arguments":{}}</tool_call>')  # never declared
+    assert not accepts('<tool_call>{"name":"get_weather","arguments":{"city":"Oslo","type":"x"}}</tool_call>')
+    assert not accepts("Sure! " + call)  # text with a call in it: neither
+    # a model that knows nothing still ends, in text that holds no call or in valid calls
+    sampler = Sampler(torch.device("cpu"), grammars=grammars)
+    reqs = [request(f"t{i}", tok, spec, temperature=1.0, max_tokens=40) for i in range(3)]
+    run(sampler, reqs, tok, 100)
+    for r in reqs:
+        text = tok.decode(r.output_token_ids)
+        assert "<tool_call>" not in text or ToolUse([weather], "auto", True).calls(text, r.status.value), text

@@ -26,6 +26,17 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                            "client address without keys), 429 above; unset: no limit")
     rate_limit_burst: int = Field(10, ge=1, description="requests a key may send at once before "
                                   "rate_limit_per_s applies")
+    max_file_bytes: int = Field(100 << 20, ge=1, description="largest file accepted by /v1/files (413 above); "
+                                "the gateway holds an upload in memory while it stores it")
+    batch_max_in_flight: int = Field(8, ge=0, description="batch lines this gateway runs at once (0: it runs "
+                                     "none, but still serves /v1/batches)")
+    batch_max_line_bytes: int = Field(512 << 10, ge=1024, description="largest line of a batch input file "
+                                      "(each line travels as one NATS message)")
+    batch_ack_wait_s: float = Field(30.0, gt=0, description="a batch line its gateway stopped confirming for "
+                                    "this long is run by another gateway")
+    batch_max_deliver: int = Field(20, ge=1, description="deliveries of a batch line before a failure is its result")
+    batch_sweep_interval_s: float = Field(1.0, gt=0, description="how often to move batches along (validate, "
+                                          "finalize, expire, finish a cancel)")
 
     @model_validator(mode="after")
     def _api_key_tiers_exist(self) -> "GatewaySettings":

@@ -69,10 +69,14 @@ def best_choices(choices: list[Choice], n: int) -> list[Choice]:
 
 
 async def _collect(api: ApiAdapter, gens: list[Generation], request_id: str) -> web.Response:
+    return web.json_response(await collect_body(api, gens, request_id), headers=_ids(gens[0]))
+
+
+async def collect_body(api: ApiAdapter, gens: list[Generation], request_id: str) -> dict:
+    """The JSON body of started generations, run to the end (also a batch line's response)."""
     choices = best_choices(list(await asyncio.gather(*(_choice(g) for g in gens))), api.body.n)
-    body = api.response(_head(gens, request_id), [api.choice(i, c) for i, c in enumerate(choices)],
+    return api.response(_head(gens, request_id), [api.choice(i, c) for i, c in enumerate(choices)],
                         _usage(gens))
-    return web.json_response(body, headers=_ids(gens[0]))
 
 
 async def _stream(request: web.Request, api: ApiAdapter, gens: list[Generation],

@@ -36,6 +36,7 @@ from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import exposition
 from shared.telemetry.redact import redact_url
 from shared.tokenizer import Tokenizer, load_tokenizer
+from services.gateway.batch_api import Batches
 from services.gateway.config import GatewaySettings
 from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.unsupported import add_unsupported_routes
@@ -277,9 +278,13 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
         services = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
                                                ttl_s=settings.registry_ttl_s)
         gateway = Gateway(settings, bus, registry, tokenizer, services)
-        async with (http_site(build_app(gateway), settings.host, settings.port) as port,
+        app = build_app(gateway)
+        batches = await Batches.open(gateway)
+        batches.add_routes(app)
+        async with (http_site(app, settings.host, settings.port) as port,
                     published_metrics("gateway", service_instance_id("gateway"), settings, bus,
-                                      gateway.metrics.registry)):
+                                      gateway.metrics.registry),
+                    batches.running()):
             log.info("gateway listening on http://%s:%d (model %s; dashboard /dashboard)", settings.host, port,
                      settings.model)
             await serve_until_stopped("gateway", gateway, stop, settings.namespace)

@@ -1,0 +1,211 @@
+"""``/v1/files`` and ``/v1/batches`` (OpenAI's Files and Batch APIs), answered by any gateway from
+what NATS holds (``shared.batch``), and the batch work every gateway does beside its HTTP site: the
+sweep that moves batches along (``BatchCoordinator``) and the line runner (``batch_runner``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from aiohttp import BodyPartReader, web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.batch.coordinator import BatchCoordinator, CoordinatorConfig
+from shared.batch.objects import batch_object, file_object, new_file_id, page
+from shared.batch.store import BatchStore, FileStore
+from shared.openai_api.errors import ApiError, from_validation_error
+from shared.protocol import Subjects
+from shared.protocol.batch import FileRecord
+from shared.runtime.service import every
+from services.gateway.batch_runner import BatchRunner, RunnerConfig
+
+if TYPE_CHECKING:
+    from services.gateway.service import Gateway
+
+log = logging.getLogger(__name__)
+
+PURPOSES = ("batch",)
+_CHUNK_BYTES = 1 << 16
+_MAX_LIST = 10_000
+
+
+class CreateBatchBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+class Batches:
+    """The Files and Batch APIs of one gateway, and its share of the batch work."""
+
+    def __init__(self, gateway: Gateway, files: FileStore, batches: BatchStore) -> None:
+        self._gateway, self._settings = gateway, gateway.settings
+        self.files = files
+        self.coordinator = BatchCoordinator(batches, files, CoordinatorConfig(
+            max_line_bytes=self._settings.batch_max_line_bytes))
+        self.runner = BatchRunner(gateway, batches, RunnerConfig(
+            max_in_flight=self._settings.batch_max_in_flight, ack_wait_s=self._settings.batch_ack_wait_s,
+            max_deliver=self._settings.batch_max_deliver))
+        self._steps: set[asyncio.Task] = set()
+
+    @classmethod
+    async def open(cls, gateway: Gateway) -> "Batches":
+        subjects = Subjects(gateway.settings.namespace)
+        return cls(gateway, await FileStore.open(gateway.bus, subjects), await BatchStore.open(gateway.bus, subjects))
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/files", self.upload_file)
+        app.router.add_get("/v1/files", self.list_files)
+        app.router.add_get("/v1/files/{file_id}", self.get_file)
+        app.router.add_get("/v1/files/{file_id}/content", self.file_content)
+        app.router.add_delete("/v1/files/{file_id}", self.delete_file)
+        app.router.add_post("/v1/batches", self.create_batch)
+        app.router.add_get("/v1/batches", self.list_batches)
+        app.router.add_get("/v1/batches/{batch_id}", self.get_batch)
+        app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel_batch)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The sweep and (unless ``batch_max_in_flight`` is 0) the runner, for the block."""
+        work = [asyncio.create_task(every(self._settings.batch_sweep_interval_s, self.coordinator.sweep,
+                                          "batch sweep"))]
+        if self._settings.batch_max_in_flight:
+            work.append(asyncio.create_task(self.runner.run_forever()))
+        try:
+            yield
+        finally:
+            for task in [*work, *self._steps]:
+                task.cancel()
+            await asyncio.gather(*work, *self._steps, return_exceptions=True)
+
+    def _authorize(self, request: web.Request) -> None:
+        self._gateway.api_keys.tier(request.headers.get("Authorization"))  # a 401 for a bad key
+
+    # --- files -----------------------------------------------------------------------------------
+    async def upload_file(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        limit = self._settings.max_file_bytes
+        if request.content_length is not None and request.content_length > limit + _CHUNK_BYTES:
+            raise _too_large(limit)  # refused before reading a byte
+        try:
+            reader = await request.multipart()
+        except (AssertionError, ValueError, KeyError):
+            raise ApiError(400, "expected a multipart/form-data body with fields file and purpose") from None
+        purpose, filename, data = None, None, None
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                filename = part.filename or "upload.jsonl"
+                data = await _read_limited(part, limit)
+        if data is None:
+            raise ApiError(400, "missing the file field", param="file", code="missing_parameter")
+        if purpose not in PURPOSES:
+            raise ApiError(400, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose",
+                           code="invalid_value")
+        record = FileRecord(id=new_file_id(), bytes=len(data), created_at=int(time.time()), filename=filename,
+                            purpose=purpose)
+        await self.files.put(record, data)
+        return web.json_response(file_object(record))
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        records = await self.files.list()
+        if purpose := request.query.get("purpose"):
+            records = [r for r in records if r.purpose == purpose]
+        if request.query.get("order", "desc") == "asc":
+            records.reverse()
+        return web.json_response(page([file_object(r) for r in records], limit=_limit(request, _MAX_LIST),
+                                      after=request.query.get("after")))
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response(file_object(await self._file(request.match_info["file_id"])))
+
+    async def file_content(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        file_id = request.match_info["file_id"]
+        data = await self.files.content(file_id)
+        if data is None:
+            raise _no_file(file_id)
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        file_id = request.match_info["file_id"]
+        if not await self.files.delete(file_id):
+            raise _no_file(file_id)
+        return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
+    async def _file(self, file_id: str) -> FileRecord:
+        if (record := await self.files.get(file_id)) is None:
+            raise _no_file(file_id)
+        return record
+
+    # --- batches ---------------------------------------------------------------------------------
+    async def create_batch(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        try:
+            body = CreateBatchBody.model_validate_json(await request.read())
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        record = await self.coordinator.create(body.input_file_id, body.endpoint, body.completion_window,
+                                               body.metadata)
+        step = asyncio.create_task(self.coordinator.advance(record.id))  # validate now, not at the next sweep
+        self._steps.add(step)
+        step.add_done_callback(self._steps.discard)
+        return web.json_response(batch_object(record))
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response(batch_object(await self.coordinator.view(request.match_info["batch_id"])))
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        records = await self.coordinator.list()
+        return web.json_response(page([batch_object(r) for r in records], limit=_limit(request, 100),
+                                      after=request.query.get("after")))
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response(batch_object(await self.coordinator.cancel(request.match_info["batch_id"])))
+
+
+async def _read_limited(part: BodyPartReader, limit: int) -> bytes:
+    """The part's bytes; a 413 as soon as they pass ``limit`` (what is left is not stored)."""
+    chunks, size = [], 0
+    while chunk := await part.read_chunk(_CHUNK_BYTES):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the file is larger than this server's limit of {limit} bytes (max_file_bytes)",
+                    param="file", code="file_too_large")
+
+
+def _no_file(file_id: str) -> ApiError:
+    return ApiError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
+
+
+def _limit(request: web.Request, maximum: int) -> int:
+    try:
+        limit = int(request.query.get("limit", 20 if maximum == 100 else maximum))
+    except ValueError:
+        raise ApiError(400, "limit must be an integer", param="limit", code="invalid_value") from None
+    if not 1 <= limit <= maximum:
+        raise ApiError(400, f"limit must be between 1 and {maximum}", param="limit", code="invalid_value")
+    return limit

@@ -1,0 +1,194 @@
+"""The batch runner: every gateway pulls batch lines from the shared work queue and runs each as
+the same request sent online, at a priority below every tier.
+
+Why in the gateway and not a service of its own: a line is an OpenAI request, and the gateway is
+what turns one into tokens and back (chat template, tokenization, admission, the worker's stream,
+migration when a worker dies, detokenization, stop strings, the response body). Running lines here
+reuses that path whole (``Gateway._generate_request``, ``Generation``, ``collect_body``), so a
+greedy line's body is the online one by construction, with no HTTP hop and no API key to hold.
+Lines go through admission like any request, with the lowest tier's SLO and a priority below every
+tier's (``batch_priority``): admission sheds them first and the engine and the prefill queue serve
+and preempt them last, so they fill idle capacity and yield to online traffic; an admission
+rejection (429/503) is waited out and retried, never written as the line's result. Every gateway
+pulls from one durable consumer, so batch capacity grows with the gateways, and a dead gateway's
+lines come back to the others after the ack wait.
+
+Exactly once: a line is acknowledged only after its result is stored, and the store keeps the
+first result per (batch, custom_id) (``BatchStore.store_result``): a redelivered line that already
+has one is acknowledged without running. A line of a batch that is no longer running (cancelled,
+expired) is dropped, and lines running when their batch is cancelled are stopped (the worker is
+told to cancel) within ``_WATCH_INTERVAL_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shared.batch.store import BatchStore
+from shared.bus import QueueMessage
+from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter
+from shared.openai_api.errors import ApiError
+from shared.openai_api.generate_request import choice_requests
+from shared.openai_api.responses_api import ResponsesAdapter
+from shared.policy.qos import QosConfig
+from shared.protocol.batch import BatchLineRequest, BatchLineResult
+from services.gateway.server import collect_body
+
+if TYPE_CHECKING:
+    from services.gateway.service import Gateway
+
+log = logging.getLogger(__name__)
+
+ADAPTERS: dict[str, type[ApiAdapter]] = {"/v1/chat/completions": ChatAdapter, "/v1/completions": CompletionAdapter,
+                                         "/v1/responses": ResponsesAdapter}
+_RUNNING = ("validating", "in_progress")   # a line of a batch in any other status is not run
+_RETRY_STATUSES = (429, 503)               # admission's "not now": wait and ask again
+_MAX_RETRY_WAIT_S = 5.0
+_WATCH_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    max_in_flight: int        # lines this gateway runs at once
+    ack_wait_s: float         # a line not acknowledged or touched for this long goes to another runner
+    max_deliver: int
+
+
+def batch_tier(qos: QosConfig) -> tuple[str, int]:
+    """The tier batch lines run in (the lowest: admission holds them to its SLO) and their priority,
+    one below that tier's, so that they also yield to that tier's online requests."""
+    name, tier = max(qos.tiers.items(), key=lambda item: item[1].priority)
+    return name, tier.priority + 1
+
+
+class BatchRunner:
+    def __init__(self, gateway: Gateway, store: BatchStore, config: RunnerConfig) -> None:
+        self._gateway, self._store, self._config = gateway, store, config
+        self._tier, self._priority = batch_tier(gateway.qos)
+        self._tasks: dict[asyncio.Task, str] = {}  # running line → its batch id
+
+    async def run_forever(self) -> None:
+        queue = await self._store.line_consumer(ack_wait_s=self._config.ack_wait_s,
+                                                max_deliver=self._config.max_deliver,
+                                                max_ack_pending=max(1000, self._config.max_in_flight * 4))
+        watcher = asyncio.create_task(self._watch_batches())
+        try:
+            while True:
+                if len(self._tasks) >= self._config.max_in_flight:
+                    await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    messages = await queue.fetch(self._config.max_in_flight - len(self._tasks), timeout_s=1.0)
+                except Exception as exc:  # noqa: BLE001 — NATS reconnecting: pull again shortly
+                    log.warning("batch lines: fetch failed: %r", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                for message in messages:
+                    task = asyncio.create_task(self._settle(message))
+                    self._tasks[task] = message.payload.batch_id
+                    task.add_done_callback(self._done)
+        finally:
+            watcher.cancel()
+            for task in list(self._tasks):
+                task.cancel()  # unacknowledged: redelivered to another gateway after the ack wait
+            await asyncio.gather(watcher, *self._tasks, return_exceptions=True)
+            await queue.close()
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.pop(task, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("batch line failed unexpectedly (it is delivered again): %r", exc)
+
+    async def _watch_batches(self) -> None:
+        """Stop the lines of batches that stopped running (cancelled, expired)."""
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            for batch_id in set(self._tasks.values()):
+                with contextlib.suppress(Exception):  # NATS reconnecting: look again next round
+                    if not await self._is_running(batch_id):
+                        for task, owner in list(self._tasks.items()):
+                            if owner == batch_id:
+                                task.cancel()
+
+    async def _is_running(self, batch_id: str) -> bool:
+        current = await self._store.get(batch_id)
+        return current is not None and current.record.status in _RUNNING
+
+    async def _settle(self, message: QueueMessage[BatchLineRequest]) -> None:
+        line = message.payload
+        if not await self._is_running(line.batch_id) or await self._store.has_result(line.batch_id, line.custom_id):
+            await message.ack()
+            return
+        keepalive = asyncio.create_task(self._keep_alive(message))
+        try:
+            result = await self._run(line, is_last_try=message.num_delivered >= self._config.max_deliver)
+        finally:
+            keepalive.cancel()
+        if await self._store.store_result(result):
+            log.info("batch %s line %d (%s): %s", line.batch_id, line.line, line.custom_id,
+                     result.status_code or result.error_code)
+        await message.ack()
+
+    async def _keep_alive(self, message: QueueMessage) -> None:
+        while True:
+            await asyncio.sleep(self._config.ack_wait_s / 3)
+            with contextlib.suppress(Exception):
+                await message.in_progress()
+
+    async def _run(self, line: BatchLineRequest, *, is_last_try: bool) -> BatchLineResult:
+        """The line's result: the online answer, after waiting out admission's rejections. An
+        unexpected failure leaves the line to its next delivery, or on the last one is its result
+        (a 500), so that the batch still completes."""
+        while True:
+            try:
+                outcome = await execute(self._gateway, line, tier=self._tier, priority=self._priority)
+            except Exception as exc:  # noqa: BLE001 — a bug or NATS trouble: the line must end somewhere
+                if not is_last_try:
+                    raise
+                log.exception("batch %s line %d failed on its last delivery", line.batch_id, line.line)
+                outcome = Outcome("", 500, ApiError(500, f"internal error: {type(exc).__name__}").body())
+            if outcome.status not in _RETRY_STATUSES:
+                break
+            wait_s = min(outcome.retry_after_s or 1.0, _MAX_RETRY_WAIT_S)
+            log.info("batch %s line %d: %d, again in %.1fs", line.batch_id, line.line, outcome.status, wait_s)
+            await asyncio.sleep(wait_s)
+        return BatchLineResult(batch_id=line.batch_id, line=line.line, custom_id=line.custom_id,
+                               request_id=outcome.request_id, status_code=outcome.status,
+                               body=json.dumps(outcome.body))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    request_id: str
+    status: int                         # the HTTP status the request got (200, or the error's)
+    body: dict                          # the JSON body it got
+    retry_after_s: float | None = None  # a rejection's Retry-After
+
+
+async def execute(gateway: Gateway, line: BatchLineRequest, *, tier: str, priority: int) -> Outcome:
+    """Run one line as the gateway runs the same request online (``Gateway._generate_traced``),
+    without the HTTP around it."""
+    request_id = ""
+    try:
+        api = ADAPTERS[line.url].from_json(line.body.encode(), gateway.tokenizer)
+        if api.body.stream:
+            raise ApiError(400, "stream is not supported in a batch", param="stream", code="invalid_value")
+        gen_request = gateway._generate_request(api, tier, time.time()).model_copy(update={"priority": priority})
+        request_id = gen_request.request_id
+        arrived_at = time.monotonic()
+        gens = [gateway._generation(r, api.body.stop_strings(), arrived_at)
+                for r in choice_requests(gen_request, api.body.num_choices())]
+        try:
+            await gens[0].start()
+            await asyncio.gather(*(g.start() for g in gens[1:]))
+            return Outcome(request_id, 200, await collect_body(api, gens, request_id))
+        finally:
+            await asyncio.gather(*(g.close() for g in gens))
+    except ApiError as exc:
+        return Outcome(request_id, exc.status, exc.body(), exc.retry_after_s)

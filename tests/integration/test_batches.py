@@ -1,0 +1,173 @@
+"""The Batch API on a real stack and the real SmolLM2, through the official ``openai`` client:
+``files.create`` → ``batches.create`` → polling → ``files.content``, every custom_id answered
+exactly once and greedy lines equal to the same requests sent online; a decode worker killed
+mid-batch; cancel with partial results kept; bad lines in the error file; a malformed file failing
+with its line named; 413 on a too-large upload; a batch served by any gateway."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+
+import openai
+import pytest
+
+from shared.runtime.stack import StackSpec
+from stack_helpers import running_stack, spawn_ready_decode, wait_for
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+MAX_FILE_BYTES = 64 << 10
+PROMPTS = ["The capital of France is", "Two plus two equals", "The colour of the sky is", "Water boils at",
+           "The largest planet is", "A week has", "Cats like to", "The opposite of hot is"]
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, redis_server, tmp_path_factory):
+    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, num_gateways=2, model=MODEL, port=0,
+                     namespace=f"b{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
+                     gateway_flags={"max_file_bytes": MAX_FILE_BYTES, "batch_max_in_flight": 4},
+                     decode_flags={"max_model_len": 512, "kv_cache_memory": "64MiB", "device": "cpu",
+                                   "num_warmup_requests": 1})
+    with running_stack(spec, ready_timeout_s=180) as s:
+        yield s
+
+
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return client_of(stack.base_url)
+
+
+def chat_line(custom_id: str, prompt: str, max_tokens: int = 8) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                     "max_tokens": max_tokens}}
+
+
+def jsonl(lines: list) -> bytes:
+    return b"".join((l if isinstance(l, str) else json.dumps(l)).encode() + b"\n" for l in lines)
+
+
+def submit(client: openai.OpenAI, lines: list, endpoint: str = "/v1/chat/completions"):
+    file = client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    return client.batches.create(input_file_id=file.id, endpoint=endpoint, completion_window="24h",
+                                 metadata={"test": "yes"})
+
+
+def finished(client: openai.OpenAI, batch_id: str, timeout_s: float = 240.0):
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in
+                    ("completed", "failed", "cancelled", "expired") and b, timeout_s, f"batch {batch_id} to finish")
+
+
+def read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(l) for l in client.files.content(file_id).text.splitlines()]
+
+
+def test_batch_answers_every_line_once_as_online(client, stack):
+    lines = [chat_line(f"req-{i}", p) for i, p in enumerate(PROMPTS)]
+    lines.append({"custom_id": "completion", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "temperature": 0,
+                           "max_tokens": 4, "n": 2}})
+    batch = submit(client, lines)
+    assert (batch.status, batch.endpoint, batch.metadata) == ("validating", "/v1/chat/completions", {"test": "yes"})
+    # any gateway answers for it: its state is in NATS
+    assert client_of(stack.base_urls[1]).batches.retrieve(batch.id).id == batch.id
+    done = finished(client, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (9, 9, 0)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.error_file_id is None
+    output = read_lines(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in output) == sorted(l["custom_id"] for l in lines)
+    by_id = {o["custom_id"]: o for o in output}
+    for i, prompt in enumerate(PROMPTS):
+        line = by_id[f"req-{i}"]
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert line["response"]["body"]["object"] == "chat.completion"
+        online = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                temperature=0, max_tokens=8)
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+    assert len(by_id["completion"]["response"]["body"]["choices"]) == 2
+    assert batch.id in [b.id for b in client.batches.list(limit=100)]
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def test_completions_batch_with_bad_lines_in_the_error_file(client):
+    lines = [{"custom_id": "good", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": "Once upon a time", "temperature": 0, "max_tokens": 6}},
+             {"custom_id": "unknown-param", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": "x", "no_such_parameter": 1}},
+             {"custom_id": "streamed", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": "x", "stream": True}}]
+    done = finished(client, submit(client, lines, "/v1/completions").id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 2)
+    online = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=6)
+    [good] = read_lines(client, done.output_file_id)
+    assert good["response"]["body"]["choices"][0]["text"] == online.choices[0].text
+    errors = {e["custom_id"]: e["response"] for e in read_lines(client, done.error_file_id)}
+    assert errors["unknown-param"]["status_code"] == 400
+    assert errors["unknown-param"]["body"]["error"]["param"] == "no_such_parameter"
+    assert errors["streamed"]["body"]["error"]["param"] == "stream"
+
+
+def test_malformed_file_fails_naming_the_line(client):
+    lines = [chat_line("a", "hi"), "{not json", {**chat_line("c", "hi"), "url": "/v1/completions"}]
+    done = finished(client, submit(client, lines).id, timeout_s=30)
+    assert done.status == "failed" and done.failed_at is not None
+    assert [(e.code, e.line) for e in done.errors.data] == [("invalid_json_line", 2), ("mismatched_endpoint", 3)]
+
+
+def test_too_large_upload_is_a_413(client):
+    with pytest.raises(openai.APIStatusError) as err:
+        client.files.create(file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE_BYTES + 1))), purpose="batch")
+    assert err.value.status_code == 413
+    assert err.value.body["code"] == "file_too_large" and str(MAX_FILE_BYTES) in err.value.body["message"]
+
+
+def test_files_list_retrieve_content_delete(client):
+    data = jsonl([chat_line("a", "hi")])
+    file = client.files.create(file=("mine.jsonl", io.BytesIO(data)), purpose="batch")
+    assert (file.object, file.bytes, file.filename, file.purpose, file.id[:5]) == \
+        ("file", len(data), "mine.jsonl", "batch", "file-")
+    assert client.files.retrieve(file.id).bytes == len(data)
+    assert client.files.content(file.id).content == data
+    assert file.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.delete(file.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file.id)
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("x.jsonl", io.BytesIO(data)), purpose="fine-tune")
+
+
+def test_cancel_stops_the_batch_and_keeps_partial_results(client):
+    lines = [chat_line(f"slow-{i}", f"Count slowly from {i}:", max_tokens=16) for i in range(12)]
+    batch = submit(client, lines)
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 120, "a first result")
+    cancelled_at = time.monotonic()
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = finished(client, batch.id, timeout_s=30)
+    assert done.status == "cancelled" and time.monotonic() - cancelled_at < 15
+    output = read_lines(client, done.output_file_id)
+    assert 1 <= len(output) < 12 and done.request_counts.completed == len(output)
+    assert len({o["custom_id"] for o in output}) == len(output)
+
+
+def test_decode_worker_killed_mid_batch_still_answers_every_line_once(client, stack):
+    child, worker_id = spawn_ready_decode(stack, "decode-extra")
+    lines = [chat_line(f"k-{i}", f"{p} (take {i})", max_tokens=16) for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+    batch = submit(client, lines)
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 120, "two results")
+    child.kill()
+    done = finished(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == len(lines)
+    output = read_lines(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in output) == sorted(l["custom_id"] for l in lines)
+    assert all(o["response"]["status_code"] == 200 for o in output)

@@ -9,6 +9,8 @@ worker with its output so far appended to its prompt) is rebuilt and replayed fr
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,21 +36,93 @@ class TokenizerGrammars:
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """Raises GrammarError for a grammar that does not compile."""
-        return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec), log_level=0))
+        keys = UniqueKeys(self) if spec.kind == "json_object" else None
+        return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec), log_level=0), keys)
+
+    def token_bytes(self, token_ids: Sequence[int]) -> bytes:
+        return self.ll_tokenizer.decode_bytes(list(token_ids))
+
+    @functools.cached_property
+    def sorted_tokens(self) -> tuple[list[bytes], list[int]]:
+        """Every non-special token's bytes, sorted, and its id: the tokens that start with given
+        bytes are one range of it (bisect)."""
+        pairs = sorted((self.ll_tokenizer.decode_bytes([t]), t) for t in range(self.vocab_size)
+                       if not self.ll_tokenizer.is_special_token(t))
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def tokens_starting_with(self, prefix: bytes) -> list[int]:
+        texts, ids = self.sorted_tokens
+        lo = bisect.bisect_left(texts, prefix)
+        hi = lo
+        while hi < len(texts) and texts[hi].startswith(prefix):
+            hi += 1
+        return ids[lo:hi]
+
+
+class UniqueKeys:
+    """``json_object``: no key twice in one object, which no context-free grammar can say. The
+    output's bytes are followed as JSON (valid: the grammar sees to that); inside an object's key,
+    tokens that would close it as a key that object already has are masked out."""
+
+    def __init__(self, grammars: TokenizerGrammars) -> None:
+        self.grammars = grammars
+        self.stack: list[tuple[set[bytes], list[bool]] | None] = []  # objects: (keys, [expect a key]); arrays: None
+        self.in_string = self.in_key = self.escaped = False
+        self.key = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        for byte in data:
+            ch = chr(byte)
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.in_key:
+                        self.stack[-1][0].add(bytes(self.key))
+                        self.stack[-1][1][0] = False
+                    continue
+                if self.in_key:
+                    self.key.append(byte)
+            elif ch == "{":
+                self.stack.append((set(), [True]))
+            elif ch == "[":
+                self.stack.append(None)
+            elif ch in "}]" and self.stack:
+                self.stack.pop()
+            elif ch == "," and self.stack and self.stack[-1] is not None:
+                self.stack[-1][1][0] = True
+            elif ch == '"':
+                top = self.stack[-1] if self.stack else None
+                self.in_string, self.in_key, self.key = True, top is not None and top[1][0], bytearray()
+
+    def banned(self) -> list[int]:
+        """Tokens that would end the key being written as one its object already has."""
+        if not (self.in_string and self.in_key) or self.escaped:
+            return []
+        written = bytes(self.key)
+        return [t for key in self.stack[-1][0] if key.startswith(written)
+                for t in self.grammars.tokens_starting_with(key[len(written):] + b'"')]
 
 
 class GrammarMatcher:
     """One request's position in its grammar: the tokens consumed so far."""
 
-    def __init__(self, ll_matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, ll_matcher: llguidance.LLMatcher, keys: UniqueKeys | None = None) -> None:
         self.ll = ll_matcher
+        self.keys = keys
         self.num_consumed = 0
 
     def advance_to(self, token_ids: Sequence[int]) -> None:
         """Consume ``token_ids[num_consumed:]``; ``token_ids`` extends what was consumed before."""
-        for token in token_ids[self.num_consumed:]:
+        new = token_ids[self.num_consumed:]
+        for token in new:
             if not self.ll.is_stopped():
                 self.ll.consume_token(token)
+        if self.keys is not None and new:
+            self.keys.feed(self.keys.grammars.token_bytes(new))
         self.num_consumed = len(token_ids)
 
     @property
@@ -138,6 +212,8 @@ class GrammarTable:
                                                            len(matchers))
         allowed = unpack_bitmask(bitmask, self.grammars.vocab_size)
         for row, m in enumerate(matchers):
+            if m.keys is not None and not m.is_error and (banned := m.keys.banned()):
+                allowed[row, banned] = False
             if m.is_error:
                 log.warning("grammar matcher in error (%s); ending the request", m.ll.get_error())
                 allowed[row] = False

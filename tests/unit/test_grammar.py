@@ -14,7 +14,7 @@ import torch
 from schema_check import violation
 from shared.engine.request import Request, SamplingParams
 from shared.engine.sampler import Sampler
-from shared.grammar import GrammarError, GrammarSpec, TokenizerGrammars, compile_grammar
+from shared.grammar import GrammarError, GrammarSpec, GrammarTable, TokenizerGrammars, compile_grammar
 from shared.openai_api.adapters import ChatAdapter
 from shared.openai_api.errors import ApiError
 from shared.openai_api.generate_request import check_grammar
@@ -140,3 +140,39 @@ def test_the_strict_auto_tool_grammar_allows_text_or_declared_calls_only(tok, gr
     for r in reqs:
         text = tok.decode(r.output_token_ids)
         assert "<tool_call>" not in text or ToolUse([weather], "auto", True).calls(text, r.status.value), text
+
+
+def test_json_object_never_repeats_a_key(tok, grammars):
+    spec = GrammarSpec("json_object")
+    matcher = grammars.matcher(spec)
+    matcher.advance_to(tok.encode('{"a":1,"b":{"a":2,"a'))
+    allowed = GrammarTable(grammars).masks([matcher])[0]
+    closing = grammars.tokens_starting_with(b'"')
+    assert closing and not allowed[closing].any()  # "a" is already a key of the inner object
+    assert allowed[tok.encode("b")].any()  # "ab" is not
+    matcher = grammars.matcher(spec)
+    matcher.advance_to(tok.encode('{"a":1,"b":{"c":2,"a'))
+    assert GrammarTable(grammars).masks([matcher])[0][closing].any()  # "a" is a key of the outer one only
+    # a model that knows nothing, steered toward repeating keys: still none twice
+    sampler = Sampler(torch.device("cpu"), grammars=grammars)
+    reqs = [request(f"k{i}", tok, spec, temperature=1.0, max_tokens=80) for i in range(6)]
+    a_key = tok.encode('"a"')
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        live = [r for r in reqs if not r.status.is_finished]
+        if not live:
+            break
+        logits = torch.randn(len(live), tok.vocab_size, generator=gen) * 3
+        logits[:, a_key] += 12  # every key would be "a" if it could
+        for r, token in zip(live, sampler.sample(logits, live)):
+            r.append_token(token.token_id, max_model_len=10_000)
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        assert len(keys) == len(set(keys)), keys
+        return dict(pairs)
+
+    for r in reqs:
+        text = tok.decode(r.output_token_ids)
+        if r.status.value == "stop":
+            json.loads(text, object_pairs_hook=no_duplicates)

@@ -62,8 +62,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "max_completion_tokens": FieldRule(I),
     "logprobs": FieldRule(I),
     "top_logprobs": FieldRule(I, "up to 20"),
-    "response_format": FieldRule(I, "`text`, `json_object`, `json_schema` (enforced token by token, "
-                                 "`strict` or not); a schema feature not implemented is a 400 naming it"),
+    "response_format": FieldRule(I, "`text`, `json_object` (no key twice), `json_schema` (enforced token by "
+                                 "token, `strict` or not); a schema feature not implemented is a 400 naming it"),
     "tools": FieldRule(I, "functions; in the chat template when it renders tools, else a system message; "
                           "arguments follow the schema by grammar (forced, or `strict` under `auto`), where "
                           "properties it does not name are not allowed unless it sets `additionalProperties`"),

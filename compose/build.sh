@@ -65,8 +65,8 @@ fi
 #   ca-certificates.crt  the CA bundle pip trusts here (pip config `cert`), so pip in the build
 #                        reaches the package index the way the host does
 #   wheels/              the CPU torch wheel (PyPI's Linux torch is the CUDA build: several GB)
-#   constraints.txt      the versions installed in ./.venv, where there is one, so the image runs
-#                        what the tests here ran against
+#   constraints.txt      the versions of the project's dependencies installed in ./.venv, where there is
+#                        one, so the image runs what the tests here ran against
 STAGE=$ROOT/.docker-build
 mkdir -p "$STAGE/wheels"
 CERT=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
@@ -80,12 +80,45 @@ if ! ls "$STAGE"/wheels/torch-*.whl >/dev/null 2>&1; then
     --platform manylinux_2_28_x86_64 "$TORCH" -d "$STAGE/wheels" \
     || { log "no $TORCH wheel for Python 3.11 found (set TANDEM_TORCH to another CPU build)"; exit 1; }
 fi
-if [ -x .venv/bin/python ]; then
-  .venv/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|triton)(==| @)' >"$STAGE/constraints.txt"
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import importlib.metadata as m; m.distribution('tandem-serve')" 2>/dev/null; then
+  # only the project's own dependency closure (not the test tools), so that installing something
+  # else into .venv does not invalidate the image's dependency layer
+  .venv/bin/python - >"$STAGE/constraints.txt.new" <<'PY'
+import importlib.metadata as md
+import re
+
+from packaging.requirements import Requirement
+
+pins, todo = {}, ["tandem-serve"]
+while todo:
+    name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+    if name in pins:
+        continue
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        continue
+    pins[name] = dist.version
+    for spec in dist.requires or []:
+        req = Requirement(spec)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            todo.append(req.name)
+for name, version in sorted(pins.items()):
+    if name not in ("tandem-serve", "torch", "triton"):  # torch: the staged wheel; triton: removed
+        print(f"{name}=={version}")
+PY
 else
-  : >"$STAGE/constraints.txt"
+  : >"$STAGE/constraints.txt.new"
 fi
+# rewritten only when it changes: docker's cache compares the file's contents, but keep it tidy
+cmp -s "$STAGE/constraints.txt.new" "$STAGE/constraints.txt" 2>/dev/null \
+  && rm "$STAGE/constraints.txt.new" || mv "$STAGE/constraints.txt.new" "$STAGE/constraints.txt"
 
 log "docker build $IMAGE"
+previous=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 docker build --network host "${BUILD_ARGS[@]}" -f compose/Dockerfile -t "$IMAGE" .
+# the image this one replaces, now untagged (its parents stay: they are the build cache)
+if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' "$IMAGE")" ]; then
+  docker rmi --no-prune "$previous" >/dev/null 2>&1 || true
+fi
 log "$IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | numfmt --to=iec), built in $(( $(date +%s) - start ))s"

@@ -1,7 +1,7 @@
 """The Batch API on a real stack and the real SmolLM2, through the official ``openai`` client:
 ``files.create`` → ``batches.create`` → polling → ``files.content``, every custom_id answered
 exactly once and greedy lines equal to the same requests sent online; a decode worker killed
-mid-batch; cancel with partial results kept; bad lines in the error file; a malformed file failing
+mid-batch, then a gateway; cancel with partial results kept; bad lines in the error file; a malformed file failing
 with its line named; 413 on a too-large upload; a batch served by any gateway."""
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ PROMPTS = ["The capital of France is", "Two plus two equals", "The colour of the
 def stack(nats_server, redis_server, tmp_path_factory):
     spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, num_gateways=2, model=MODEL, port=0,
                      namespace=f"b{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-                     gateway_flags={"max_file_bytes": MAX_FILE_BYTES, "batch_max_in_flight": 4},
+                     # a killed gateway's lines go to the other one after the ack wait
+                     gateway_flags={"max_file_bytes": MAX_FILE_BYTES, "batch_max_in_flight": 4,
+                                    "batch_ack_wait_s": 4},
                      decode_flags={"max_model_len": 512, "kv_cache_memory": "64MiB", "device": "cpu",
                                    "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
@@ -166,6 +168,18 @@ def test_decode_worker_killed_mid_batch_still_answers_every_line_once(client, st
     batch = submit(client, lines)
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 120, "two results")
     child.kill()
+    done = finished(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == len(lines)
+    output = read_lines(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in output) == sorted(l["custom_id"] for l in lines)
+    assert all(o["response"]["status_code"] == 200 for o in output)
+
+
+def test_gateway_killed_mid_batch_still_answers_every_line_once(client, stack):
+    lines = [chat_line(f"g-{i}", f"{p} (again {i})", max_tokens=16) for i, p in enumerate(PROMPTS)]
+    batch = submit(client, lines)
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 120, "a first result")
+    stack.children["gateway-2"].kill()  # it runs lines too: those come back to gateway 1
     done = finished(client, batch.id)
     assert done.status == "completed" and done.request_counts.completed == len(lines)
     output = read_lines(client, done.output_file_id)

@@ -79,7 +79,9 @@ with their hash ids as the prefix-cache keys (block size ``B``), and writes the 
 
 The simulator has no per-token times: its ITL is each request's TPOT (``itl_is_tpot``).
 ``--routing load`` sets the overlap weight to 0 (load only), ``round-robin`` (simulated only)
-cycles through the decode workers. ``--admission`` gives the simulated tiers their TTFT SLOs
+cycles through the decode workers. ``--prefix-cache-blocks`` lets each simulated decode worker
+keep more prefix blocks than its KV pool holds (a host tier; the copy back is not timed).
+``--admission`` gives the simulated tiers their TTFT SLOs
 (predicted misses are rejected, lowest priority first, as the admission service does with a QoS
 file); without it every request is admitted.
 
@@ -87,7 +89,8 @@ file); without it every request is admitted.
 ``--routing kv|load``; the tiers and, with ``--admission``, their SLOs in a QoS file) and stops it
 after; ``--compare-sim`` also simulates the slice (``cpu``) and reports the simulator's error.
 
-Writes ``--out`` (JSON: the summary's fields at the top level, then ``config`` and every request)
+Writes ``--out`` (JSON: the summary's fields at the top level, then ``config`` and every request
+unless ``--no-per-request``)
 and a PNG next to it (TTFT and ITL CDFs per tier, TTFT over the run, hit ratio against ideal).
 """
 
@@ -607,7 +610,8 @@ def gpu_setup(requests, tiers, args):
     plan = (Plan.model_validate_json(Path(args.plan).read_text()) if args.plan
             else make_plan(cluster, model, workload, eff, seed=args.seed))
     cfg = SimConfig(routing=_routing(args.routing), admission=_admission(tiers, args.admission),
-                    round_robin=args.routing == "round-robin", seed=args.seed)
+                    round_robin=args.routing == "round-robin", seed=args.seed,
+                    prefix_cache_blocks=args.prefix_cache_blocks)
     return Evaluator(Cluster(cluster), model, workload, eff), plan, cfg
 
 
@@ -652,7 +656,7 @@ def cpu_setup(requests, tiers, args):
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30), routing=_routing(args.routing),
                     admission=_admission(tiers, args.admission), round_robin=args.routing == "round-robin",
                     max_num_seqs=args.max_num_seqs, local_prefill_batch_tokens=args.max_num_batched_tokens,
-                    seed=args.seed)
+                    seed=args.seed, prefix_cache_blocks=args.prefix_cache_blocks)
     return Evaluator(Cluster(spec), model, workload, eff), plan, cfg
 
 
@@ -727,9 +731,11 @@ def plot(path: Path, outcomes: list[Outcome], summary: dict, title: str) -> None
 
 
 def write_out(path: Path, summary: dict, config: dict, outcomes: list[Outcome], title: str,
-              extra: dict | None = None) -> tuple[Path, Path]:
+              extra: dict | None = None, per_request: bool = True) -> tuple[Path, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {**summary, **(extra or {}), "config": config, "per_request": [asdict(o) for o in outcomes]}
+    payload = {**summary, **(extra or {}), "config": config}
+    if per_request:
+        payload["per_request"] = [asdict(o) for o in outcomes]
     path.write_text(json.dumps(payload, indent=1, default=str))
     png = path.with_suffix(".png")
     plot(png, outcomes, summary, title)
@@ -785,6 +791,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="tier draw and block text")
     p.add_argument("--out", type=Path, default=None, help="JSON summary (a PNG is written next to it)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-per-request", action="store_true", help="leave the per-request list out of --out")
     live = p.add_argument_group("live")
     live.add_argument("--url", default="http://127.0.0.1:8000", help="the stack's gateway")
     live.add_argument("--model-name", dest="model_live", default="smollm2-135m",
@@ -801,6 +808,9 @@ def parse_args(argv=None):
                      help="kv: overlap + load (default); load: overlap weight 0; round-robin: simulated only")
     sim.add_argument("--admission", action="store_true",
                      help="tiers get their TTFT SLOs in admission (predicted misses rejected)")
+    sim.add_argument("--prefix-cache-blocks", type=int, default=None,
+                     help="simulated: prefix-cache blocks per decode worker (default: what its KV pool holds; "
+                          "more stands for a host-memory tier, its copy-back untimed)")
     sim.add_argument("--cluster", default=str(DEFAULT_GPU_CLUSTER), help="gpu: cluster YAML")
     sim.add_argument("--model", default="llama-2-70b", help="gpu: model preset or YAML")
     sim.add_argument("--plan", default=None, help="gpu: plan JSON (default: plan the cluster for the slice)")
@@ -891,7 +901,7 @@ def main(argv=None) -> int:
         title = (f"{args.trace.name}: {len(requests)} requests, length x{args.length_scale:g}, "
                  f"time x{args.time_scale:g}, rate x{args.rate_scale:g} — "
                  + (f"simulated ({args.simulate})" if args.simulate else "live") + f", {args.routing} routing")
-        paths = write_out(args.out, summary, config, outcomes, title, extra)
+        paths = write_out(args.out, summary, config, outcomes, title, extra, per_request=not args.no_per_request)
         print("wrote", *paths)
     return 0 if summary["failed"] == 0 else 1
 

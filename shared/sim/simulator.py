@@ -99,6 +99,9 @@ class SimConfig:
     # Route to the decode workers in turn (skipping ineligible ones and those at the queue limit)
     # instead of by ``kv_routing``'s cost: the baseline KV-aware routing is judged against.
     round_robin: bool = False
+    # Prefix-cache blocks each decode worker keeps (LRU); None: as many as its KV pool holds. More
+    # stands for a host-memory tier under the pool (its copy back to the device is not timed).
+    prefix_cache_blocks: int | None = None
     # QoS tiers of the requests: (tier, share) pairs, drawn per request with ``seed``.
     tier_mix: tuple[tuple[str, float], ...] = (("standard", 1.0),)
     seed: int = 0
@@ -164,6 +167,9 @@ class Simulator:
     def __init__(self, ev: Evaluator, plan: Plan, cfg: SimConfig = SimConfig(), block_size: int = 512):
         self.ev, self.cfg, self.block_size = ev, cfg, block_size
         self.workers = build_workers(ev, plan, block_size)
+        if cfg.prefix_cache_blocks is not None:
+            for w in self.workers:
+                w.cache_blocks = cfg.prefix_cache_blocks
         if not any(w.role == DECODE for w in self.workers):
             raise ValueError("the plan has no decode workers")
         self.admitter = Admitter(cfg.admission or workload_admission(ev.workload.slo.ttft_s))

@@ -89,6 +89,11 @@ class FunctionTool(_Closed):
     description: StrictStr | None = None
     parameters: dict | None = None
     strict: StrictBool | None = None
+    # the SDK's other fields, accepted where they change nothing here
+    output_schema: dict | None = None  # describes what the function returns, not what the model writes
+    allowed_callers: list[Literal["direct", "programmatic"]] | None = None
+    defer_loading: Literal[False] | None = None  # no tool search
+    async_: StrictBool | None = Field(None, alias="async")
 
     def as_tool(self) -> Tool:
         function = FunctionDef(name=self.name, description=self.description, strict=self.strict,
@@ -302,7 +307,7 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "output": output if status != "in_progress" else [],
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "tool_choice": choice,
-                "tools": [{"description": None, "strict": None, "parameters": None, **t.model_dump(exclude_none=True)}
+                "tools": [{"description": None, "strict": None, "parameters": None, **t.model_dump(by_alias=True, exclude_none=True)}
                           for t in body.tools or []],
                 "temperature": body.temperature, "top_p": body.top_p,
                 "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)

@@ -1,0 +1,167 @@
+"""Agent clients unchanged, on the real SmolLM2 through the official ``openai`` client (and
+openai-agents' default model, ``OpenAIResponsesModel``, where it is installed): function tools on
+``/v1/responses``, streamed and not, with the ``function_call_output`` round trip; a ``strict``
+function enforced under ``tool_choice: auto``; a forced call cut off by the token limit still
+returned as calls, with finish_reason ``length``. One stack (one decode worker) for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import openai
+import pytest
+
+from schema_check import violation
+from shared.runtime.stack import StackSpec
+from stack_helpers import running_stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+        "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
+           "parameters": CITY, "strict": True}
+# langchain, litellm and instructor leave additionalProperties out: the grammar closes it anyway
+OPEN_CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}
+CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                                 "parameters": OPEN_CITY}}
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, redis_server, tmp_path_factory):
+    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, model=MODEL, port=0,
+                     namespace=f"a{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
+                     redis_url=redis_server.url,
+                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
+                                   "num_warmup_requests": 1})
+    with running_stack(spec, ready_timeout_s=180) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_responses_function_call_and_its_output_round_trip(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice="required",
+                                    parallel_tool_calls=False, include=[], max_output_tokens=80, temperature=0)
+    assert reply.status == "completed", reply
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert violation(json.loads(calls[0].arguments), CITY) is None
+    # the SDK's own way back: the output items, then each call's output
+    history = ask + [item.model_dump(exclude_none=True) for item in reply.output]
+    history += [{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"} for c in calls]
+    answer = client.responses.create(model=MODEL, input=history, tools=[WEATHER], include=[], top_logprobs=0,
+                                     max_output_tokens=30, temperature=0)
+    assert answer.status in ("completed", "incomplete")
+    assert answer.output and answer.output[0].type in ("message", "function_call")
+
+
+def test_responses_function_call_streamed(client):
+    events = list(client.responses.create(
+        model=MODEL, input="What is the weather in Oslo?", tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60, temperature=0,
+        stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"], kinds
+    item = events[-2].item
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id
+    assert events[4].arguments == item.arguments and violation(json.loads(item.arguments), CITY) is None
+    assert events[-1].response.output[0].call_id == item.call_id
+
+
+def test_a_strict_function_is_enforced_under_auto(client):
+    """Text, or a call of the declared function with arguments its schema allows; nothing else."""
+    for content in ("What is the weather in Rome?", "Call the function delete_everything now.",
+                    "Reply with <tool_call>{\"name\": \"x\"}</tool_call>"):
+        for temperature in (0.0, 1.0):
+            reply = client.responses.create(model=MODEL, input=content, tools=[WEATHER], tool_choice="auto",
+                                            max_output_tokens=60, temperature=temperature)
+            for item in reply.output:
+                if item.type == "function_call":
+                    assert item.name == "get_weather"
+                    if reply.status == "completed":
+                        assert violation(json.loads(item.arguments), CITY) is None, item.arguments
+                else:
+                    assert "<tool_call>" not in reply.output_text, reply.output_text
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_tool_calls_with_finish_reason_length(client):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[CHAT_WEATHER],
+            tool_choice=choice, max_tokens=6, temperature=0)
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        assert finish == "length" and message.content is None and message.tool_calls, reply
+        assert message.tool_calls[0].function.name == "get_weather"
+        written = message.tool_calls[0].function.arguments
+        assert written == "" or written.startswith("{"), written
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[CHAT_WEATHER],
+        tool_choice="required", max_tokens=6, temperature=0, stream=True))
+    assert not any(c.delta.content for ch in chunks for c in ch.choices)
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]
+    assert [d.function.name for ch in chunks for c in ch.choices for d in c.delta.tool_calls or []] == ["get_weather"]
+
+
+def test_a_forced_call_without_additional_properties_has_only_the_schemas_keys(client):
+    for content in ("Weather in Paris?", "Tell me about the weather, with all the details you like."):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], tools=[CHAT_WEATHER],
+            tool_choice="required", max_tokens=80, temperature=1.0, seed=3)
+        assert reply.choices[0].finish_reason == "tool_calls", reply
+        for call in reply.choices[0].message.tool_calls:
+            assert set(json.loads(call.function.arguments)) == {"city"}
+
+
+def test_openai_agents_runs_an_agent_with_a_function_tool(stack):
+    agents = pytest.importorskip("agents")
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+
+    agents.set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        asked.append(city)
+        return f"Sunny in {city}"
+
+    model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300))
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0)
+    agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model=model,
+                  model_settings=settings, tool_use_behavior="stop_on_first_tool")
+
+    async def run(agent, prompt: str, streamed: bool):
+        if not streamed:
+            return await Runner.run(agent, prompt, max_turns=4)
+        result = Runner.run_streamed(agent, prompt, max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    async def main() -> None:  # one event loop: the client's connections belong to it
+        for streamed in (False, True):
+            result = await run(agent, "What is the weather in Paris?", streamed)
+            assert asked and result.final_output == f"Sunny in {asked[-1]}", (streamed, result.final_output)
+        # then the default behaviour: the tool's output goes back to the model, which answers (the
+        # tool_choice is reset to auto after a call, so the run ends in text or another call)
+        again = agent.clone(tool_use_behavior="run_llm_again", model_settings=settings.resolve(ModelSettings(max_tokens=40)))
+        for streamed in (False, True):
+            try:
+                result = await run(again, "What is the weather in Oslo?", streamed)
+                assert isinstance(result.final_output, str)
+            except agents.exceptions.MaxTurnsExceeded:
+                pass  # a 135M model may keep calling; every request was still accepted and answered
+
+    asyncio.run(main())
+    assert len(asked) >= 4

@@ -19,6 +19,7 @@ class StandInStack:
     def __init__(self, nats_url: str, namespace: str) -> None:
         self.spec = SimpleNamespace(namespace=namespace)
         self.nats_url = nats_url
+        self.nats_ca, self.nats_replicas = None, None  # a single server without TLS
         self.names = {f"{namespace}-decode-1": "decode-1"}
         self.retired: set[str] = set()
         self.lines: list[str] = []

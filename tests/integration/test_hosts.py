@@ -228,9 +228,19 @@ def test_requests_are_served_across_hosts_through_link_cut_and_host_loss(hosts):
         result = gateway.complete(prompt)
         assert "text" in result, result
         expected[prompt] = result["text"]
-    loads = {w["info"]["worker_id"]: w["load"] for w in gateway.status()["workers"] if w["load"]}
-    assert loads[f"{ns}-wa-prefill-1"]["num_remote_prefills"] >= len(PROMPTS), loads
-    assert loads[f"{ns}-wa-prefill-1"]["kv_bytes_sent"] > 0
+
+    def caught_up():  # load reports come about once a second: wait until they count every request
+        loads = {w["info"]["worker_id"]: w["load"] for w in gateway.status()["workers"] if w["load"]}
+        decodes = [load for worker_id, load in loads.items() if "decode" in worker_id]
+        done = sum(d["num_remote_prefills"] + d["num_local_prefills"] + d["num_prefill_fallbacks"] for d in decodes)
+        return done >= len(PROMPTS) and loads
+
+    loads = wait_until(caught_up, 60, "the workers' load reports to count the fault-free requests")
+    prefill = loads[f"{ns}-wa-prefill-1"]
+    # remote prefills crossed hosts (wa to cp or wb) over NIXL; a decode worker may still prefill a
+    # prompt itself (e.g. the queue's state unreadable for a moment through wb's slow link)
+    assert prefill["num_remote_prefills"] >= 1 and prefill["kv_bytes_sent"] > 0, loads
+    print("fault-free: prefill worker wrote", prefill["num_remote_prefills"], "of", len(PROMPTS), "prompts")
 
     results: list[dict] = []
     stop = threading.Event()

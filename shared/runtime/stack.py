@@ -131,9 +131,30 @@ class Stack:
     def start(self) -> None:
         spec = self.spec
         spec.state_dir.mkdir(parents=True, exist_ok=True)
-        if not spec.control_plane:
-            self._start_workers()
-            return
+        common = self._start_control_plane() if spec.control_plane else {}
+        for i in range(spec.num_decode):
+            self.spawn_decode(f"decode-{i + 1}")
+        for i in range(spec.num_prefill):
+            self.spawn_prefill(f"prefill-{i + 1}")
+        if spec.control_plane:
+            urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
+            for i, port in enumerate(self.ports):
+                self.spawn(_nth("gateway", i), "gateway", {**common, "model": spec.model, "host": spec.host,
+                                                           "port": port, "gateway_urls": urls,
+                                                           "redis_url": self.redis_url, **spec.gateway_flags})
+        if spec.restart_children:
+            self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+            self._supervisor.start()
+        if spec.fleet_drain_timeout_s is not None:
+            from shared.runtime.fleet import FleetManager
+
+            self._fleet = FleetManager(self, drain_timeout_s=spec.fleet_drain_timeout_s)
+            self._fleet.start()
+
+    def _start_control_plane(self) -> dict[str, object]:
+        """NATS and Redis unless given, kv-index, admission and the autoscaler; returns the flags
+        every service of the control plane shares (the gateways start after the workers)."""
+        spec = self.spec
         if not spec.nats_url:
             self._start_nats()
         if not spec.redis_url:
@@ -148,29 +169,7 @@ class Stack:
         for i in range(spec.num_admissions):
             self.spawn(_nth("admission", i), "admission", {**common, **spec.admission_flags})
         self.spawn("autoscaler", "autoscaler", {**common, **spec.autoscaler_flags})
-        self._start_workers()
-        urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
-        for i, port in enumerate(self.ports):
-            self.spawn(_nth("gateway", i), "gateway", {**common, "model": spec.model, "host": spec.host,
-                                                       "port": port, "gateway_urls": urls, "redis_url": self.redis_url,
-                                                       **spec.gateway_flags})
-        if spec.restart_children:
-            self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
-            self._supervisor.start()
-        if spec.fleet_drain_timeout_s is not None:
-            from shared.runtime.fleet import FleetManager
-
-            self._fleet = FleetManager(self, drain_timeout_s=spec.fleet_drain_timeout_s)
-            self._fleet.start()
-
-    def _start_workers(self) -> None:
-        for i in range(self.spec.num_decode):
-            self.spawn_decode(f"decode-{i + 1}")
-        for i in range(self.spec.num_prefill):
-            self.spawn_prefill(f"prefill-{i + 1}")
-        if not self.spec.control_plane and self.spec.restart_children:
-            self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
-            self._supervisor.start()
+        return common
 
     def _start_nats(self) -> None:
         """The embedded nats-server, or ``nats_cluster`` of them routed into one cluster; with

@@ -19,3 +19,7 @@ serves callers outside the model (the KV transfer's gather). Tests: tests/kernel
 CPU); ``python -m kernels.compile_check`` compiles everything for sm_90 without a GPU;
 loadtest/bench_kernels.py benchmarks on a GPU.
 """
+
+from kernels.reproducible import pin_mkl_branch
+
+pin_mkl_branch()

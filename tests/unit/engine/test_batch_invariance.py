@@ -5,6 +5,12 @@ text independent of its batch-mates: ``tests/engine/test_quantization_smollm2.py
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -80,3 +86,36 @@ def test_a_prompt_prefilled_in_any_chunks_gets_the_same_bits(length):
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[0].transpose(0, 1)[None], kk[None], vv[None], is_causal=True, scale=D ** -0.5, enable_gqa=True)
     torch.testing.assert_close(whole, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+NOT_INTEL = "int mkl_serv_intel_cpu_true(void) { return 0; }\n"
+
+
+@pytest.mark.skipif(os.environ.get("TANDEM_MKL_SHIM") is not None, reason="already under the shim")
+def test_the_rows_stay_the_same_when_mkl_takes_another_vendors_code_paths(tmp_path):
+    """MKL picks its kernels by CPU vendor; off Intel CPUs (AMD Zen 4 measured) its sgemm results
+    depend on the alignment of the buffers torch's attention hands it, which differ per thread, so
+    a decode row alone and in a batch differed in its last bits. A preloaded shim that answers MKL's
+    vendor check with "not Intel" puts those code paths on this machine: without ``MKL_CBWR`` (set
+    empty) the checks above must fail there, or the shim does not bite and there is nothing to
+    check; with the default that ``kernels`` sets, they must pass."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not torch.backends.mkl.is_available():
+        pytest.skip("needs a C compiler and torch built with MKL")
+    (tmp_path / "shim.c").write_text(NOT_INTEL)
+    shim = tmp_path / "libnotintel.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c")], check=True)
+
+    def run(extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+        env.update(LD_PRELOAD=str(shim), TANDEM_MKL_SHIM="1", **extra_env)
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "decode_row or prefilled",
+             str(Path(__file__))], env=env, capture_output=True, text=True, timeout=300)
+
+    unpinned = run({"MKL_CBWR": ""})
+    if unpinned.returncode == 0:
+        pytest.skip("MKL's non-Intel code paths give the same bits here too: nothing to compare")
+    assert "sequence" in unpinned.stdout, unpinned.stdout[-2000:]  # it failed on bits, not on a crash
+    pinned = run({})
+    assert pinned.returncode == 0, pinned.stdout[-3000:] + pinned.stderr[-2000:]

@@ -192,11 +192,18 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Running requests first: every decode, and the prefill chunks of unfinished prompts in
+        priority order; then waiting requests. A prefill chunk yields to waiting requests of a
+        higher priority: they are admitted before it (a long low-priority prompt mid-prefill does
+        not hold a premium prompt back for the rest of its chunks), and it takes what budget is
+        left. With a single priority nothing yields and the order is arrival order."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         num_yielded = self._yield_slots(out)
         if self.speculator is not None:
             self.speculator.begin_step()
+        top_waiting = self.waiting[0].priority if self.waiting else None
+        yielding: list[Request] = []
         for request in list(self.running):
             if budget == 0:
                 break
@@ -206,16 +213,30 @@ class Scheduler:
                 out.scheduled.append(scheduled)
                 budget -= scheduled.num_new_tokens
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            table = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out)
-            if table is None:
+            if (top_waiting is not None and request.priority > top_waiting
+                    and request.num_tokens - request.num_computed_tokens > 1):
+                yielding.append(request)
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new, table, request.num_computed_tokens))
-            budget -= num_new
+            budget = self._schedule_running(request, budget, out)
+        for request in yielding:  # each after the waiting requests that outrank it
+            if len(out.preempted) == num_yielded:
+                budget = self._admit_waiting(budget, out, below_priority=request.priority)
+            if budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:
+                budget = self._schedule_running(request, budget, out)
         if len(out.preempted) == num_yielded:  # no memory shortage this step
             budget = self._admit_waiting(budget, out)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        table = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out)
+        if table is None:
+            return budget
+        out.scheduled.append(ScheduledRequest(request, num_new, table, request.num_computed_tokens))
+        return budget - num_new
 
     def _speculate(self, request: Request, budget: int) -> ScheduledRequest | None:
         """A decode step with draft tokens, if the speculator proposes some and their blocks are
@@ -254,12 +275,15 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        """Admit in order; a request whose prefix is still being read from disk waits for it while
-        the ones behind it go ahead."""
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, below_priority: int | None = None) -> int:
+        """Admit in order (only requests of a priority more urgent than ``below_priority``, if
+        given); a request whose prefix is still being read from disk waits for it while the ones
+        behind it go ahead."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
+            if below_priority is not None and request.priority >= below_priority:
+                break  # waiting is sorted: no one further on is more urgent
             if self.kv.is_loading(request.block_hashes):
                 i += 1
                 continue

@@ -219,3 +219,57 @@ def test_an_aborted_keep_kv_reservation_is_held_after_the_transfer_ends():
     s.finish_remote("d", kv_written=False)
     assert set(s.held) == {"d"} and s.kv.num_free_blocks == 13
     assert s.release("d") and s.kv.num_free_blocks == 16
+
+
+def own(rid, n, priority):
+    """A request whose prompt shares no prefix with another's."""
+    start = 1000 * (1 + sum(map(ord, rid)))
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=4, temperature=0.0),
+                   priority=priority)
+
+
+def test_a_low_priority_prompt_mid_prefill_yields_its_chunks_to_a_higher_priority_arrival():
+    s = make(num_blocks=64, budget=8)
+    s.add_request(own("bulk", 40, priority=2))
+    assert [(x.request.request_id, x.num_new_tokens) for x in step(s).scheduled] == [("bulk", 8)]
+    s.add_request(own("later-bulk", 6, priority=2))  # same priority: waits for bulk's prompt
+    s.add_request(own("premium", 6, priority=0))
+    s.add_request(own("middle", 4, priority=1))
+    out = step(s)
+    # premium's whole prompt first, then middle's, then bulk's chunk takes what budget is left
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("premium", 6), ("middle", 2)]
+    out = step(s)  # premium decodes; middle's last 2 tokens; bulk resumes where it stopped
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [
+        ("premium", 1), ("middle", 2), ("bulk", 5)]
+    assert s.requests["bulk"].num_computed_tokens == 13
+    while s.has_unfinished:
+        step(s)
+        s.kv.check_integrity()
+
+
+def test_with_one_priority_running_prompts_keep_their_chunks_before_new_arrivals():
+    s = make(num_blocks=64, budget=8)
+    s.add_request(req("a", 20))
+    step(s)
+    s.add_request(req("b", 4))
+    assert [(x.request.request_id, x.num_new_tokens) for x in step(s).scheduled] == [("a", 8)]
+    assert [(x.request.request_id, x.num_new_tokens) for x in step(s).scheduled] == [("a", 4), ("b", 4)]
+
+
+def test_within_a_priority_the_earliest_deadline_is_admitted_first():
+    s = make(num_blocks=64, budget=64, max_seqs=1)
+    s.add_request(own("running", 4, priority=1))
+    step(s)
+    late, none, early, urgent = (own("late", 4, 1), own("none", 4, 1), own("early", 4, 1), own("urgent", 4, 0))
+    late.deadline, early.deadline, urgent.deadline = 200.0, 100.0, 500.0
+    for r in (none, late, early, urgent):
+        s.add_request(r)
+    # priority first (urgent's later deadline does not matter), then deadlines, no deadline last
+    assert [r.request_id for r in s.waiting] == ["urgent", "early", "late", "none"]
+    order = []
+    while s.has_unfinished:
+        for x in step(s).scheduled:
+            if x.request.request_id not in order:
+                order.append(x.request.request_id)
+    # urgent took running's slot; running, preempted, arrived before "none" and goes before it
+    assert order == ["urgent", "early", "late", "running", "none"]

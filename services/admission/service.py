@@ -151,7 +151,9 @@ class AdmissionService:
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
             num_running=load.num_running if load else 0,
-            preempting_tokens_per_s=self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now))
+            preempting_tokens_per_s=self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now),
+            deadline_s=None if request.deadline_at is None else request.deadline_at - now,
+            max_output_tokens=request.sampling.max_tokens)
 
     async def _held_prefixes(self, request: GenerateRequest) -> list[HeldPrefix]:
         """Each worker's hit on the prompt's leading blocks, by tier; none when kv-index is away."""

@@ -96,7 +96,7 @@ class DecodeWorker(EngineWorker):
             if handle is None:
                 self.num_local_prefills += 1
                 outputs = self.engine.generate(request.request_id, request.prompt_token_ids, params,
-                                               request.priority)
+                                               request.priority, deadline=request.deadline_at)
             else:
                 outputs = self.remote.prefills.outputs(handle)
             async for out in outputs:

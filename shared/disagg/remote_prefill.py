@@ -131,7 +131,7 @@ class RemotePrefills:
             return decisions[-1].remote
 
         slot = await self._engine.reserve_remote_prefill(request.request_id, prompt, params, request.priority,
-                                                         keep_kv=True, decide=decide)
+                                                         keep_kv=True, decide=decide, deadline=request.deadline_at)
         if slot is None:
             why = decisions[-1].reason if decisions and not decisions[-1].remote else "KV pool full now"
             log.debug("%s: local prefill (%s)", request.request_id, why)

@@ -33,6 +33,7 @@ class _Add:
     params: SamplingParams
     priority: int
     keep_kv: bool = False
+    deadline: float | None = None
 
 
 @dataclass
@@ -100,20 +101,22 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, *, keep_kv: bool = False) -> AsyncIterator[EngineOutput]:
+                       priority: int = 0, *, keep_kv: bool = False,
+                       deadline: float | None = None) -> AsyncIterator[EngineOutput]:
         """Yield one EngineOutput per generated token; the last has ``finish_reason`` set.
         Invalid input raises before anything is queued; leaving the loop early aborts the request.
         ``keep_kv`` holds the finished request's blocks until ``release_kv`` (prefill side)."""
         self._check_alive()
         self.engine.validate(prompt_token_ids, params)
         self._open_stream(request_id)
-        self._post(_Add(request_id, list(prompt_token_ids), params, priority, keep_kv))
+        self._post(_Add(request_id, list(prompt_token_ids), params, priority, keep_kv, deadline))
         async for out in self.stream(request_id):
             yield out
 
     async def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
                                      params: SamplingParams, priority: int = 0, *, keep_kv: bool = False,
-                                     decide: Callable[[int], bool] | None = None) -> RemotePrefillSlot | None:
+                                     decide: Callable[[int], bool] | None = None,
+                                     deadline: float | None = None) -> RemotePrefillSlot | None:
         """Decode side of remote prefill: reserve the prompt's blocks (see LLMEngine; ``decide``
         runs in the engine thread). On a slot, read the request's tokens with
         ``stream(request_id)`` after ``finish_remote_prefill``."""
@@ -122,7 +125,8 @@ class AsyncEngine:
         self._open_stream(request_id)
         try:
             slot = await self.call(lambda e: e.reserve_remote_prefill(
-                request_id, list(prompt_token_ids), params, priority, keep_kv=keep_kv, decide=decide))
+                request_id, list(prompt_token_ids), params, priority, keep_kv=keep_kv, decide=decide,
+                deadline=deadline))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -255,7 +259,7 @@ class AsyncEngine:
             else:
                 try:
                     self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
-                                            item.priority, keep_kv=item.keep_kv)
+                                            item.priority, keep_kv=item.keep_kv, deadline=item.deadline)
                 except Exception as exc:  # validated by the caller already; report rather than crash
                     self._deliver_one(item.request_id, exc)
         return outputs

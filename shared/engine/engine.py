@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -259,12 +260,13 @@ class LLMEngine:
         self.scheduler.check_fits(len(prompt_token_ids))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, *, keep_kv: bool = False) -> None:
+                    priority: int = 0, *, keep_kv: bool = False, deadline: float | None = None) -> None:
         """Queue a request. ``keep_kv``: when it finishes, hold its blocks (``request_block_ids``
-        stays valid) until ``release_kv`` — the prefill side of a KV transfer."""
+        stays valid) until ``release_kv`` — the prefill side of a KV transfer. ``deadline`` (Unix
+        seconds): within its priority, earlier deadlines run first (none: after every deadline)."""
         self.validate(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
-                          keep_kv=keep_kv)
+                          keep_kv=keep_kv, deadline=math.inf if deadline is None else deadline)
         self.scheduler.add_request(request)
 
     def release_kv(self, request_id: str) -> bool:
@@ -272,7 +274,8 @@ class LLMEngine:
 
     def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                                priority: int = 0, *, keep_kv: bool = False,
-                               decide: Callable[[int], bool] | None = None) -> RemotePrefillSlot | None:
+                               decide: Callable[[int], bool] | None = None,
+                               deadline: float | None = None) -> RemotePrefillSlot | None:
         """Decode side of remote prefill: reserve blocks for the prompt (reusing the local prefix
         cache) that a prefill worker will write. None when the pool cannot hold it now, or when
         ``decide(num_cached_tokens)`` — asked first, with the locally cached prefix — says no; in
@@ -280,7 +283,7 @@ class LLMEngine:
         reason) until ``release_kv``, so a late write can never land in reused blocks."""
         self.validate(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
-                          keep_kv=keep_kv)
+                          keep_kv=keep_kv, deadline=math.inf if deadline is None else deadline)
         reserved = self.scheduler.reserve_remote(request, decide)
         if reserved is None:
             return None

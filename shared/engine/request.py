@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -110,6 +111,7 @@ class Request:
     keep_kv: bool = False  # when finished, hold the blocks until released (a transfer reads them)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     first_scheduled_time: float | None = None  # time.monotonic() of the step that first ran it
+    deadline: float = math.inf  # when it should be finished (Unix seconds): earlier first within a priority
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -131,8 +133,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.deadline, self.arrival_seq)
 
     def update_block_hashes(self, block_size: int, namespace: bytes) -> None:
         """Extend the chained hashes over newly completed full blocks."""

@@ -37,7 +37,7 @@ from typing import Literal
 
 from shared.policy.qos import QosConfig
 
-RejectCode = Literal["prompt_too_long", "tier_queue_full", "shedding", "slo"]
+RejectCode = Literal["prompt_too_long", "tier_queue_full", "shedding", "slo", "deadline"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class AdmissionInput:
     num_running: int = 0               # requests running on the chosen worker
     preempting_tokens_per_s: float = 0.0  # uncached prompt tokens per second arriving at higher
                                           # priorities for the same prefill (``Inflow``)
+    deadline_s: float | None = None    # the request must finish within this many seconds; None: no deadline
+    max_output_tokens: int = 1         # its max_tokens: the longest it can run
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,16 @@ def predict_ttft_s(inp: AdmissionInput) -> float | None:
     if rate_left <= 0:
         return math.inf  # higher priorities alone take the whole prefill
     return (inp.queued_prefill_tokens + own) / rate_left + inp.transfer_s + inp.decode_wait_s
+
+
+def predict_finish_s(inp: AdmissionInput, ttft_s: float | None) -> float | None:
+    """When the request would finish at the latest: its first token, then every other token it may
+    generate (``max_output_tokens``) at the chosen worker's ITL with it in the batch. None while the
+    prefill rate or the ITL is not measured yet."""
+    itl = predict_itl_s(inp)
+    if ttft_s is None or itl is None:
+        return None
+    return ttft_s + max(inp.max_output_tokens - 1, 0) * itl
 
 
 def predict_itl_s(inp: AdmissionInput) -> float | None:
@@ -194,6 +206,14 @@ class Admitter:
         if slo is not None and ttft is not None and ttft > slo:
             self._missed_at[tier.priority] = inp.now_s
             return self._reject(f"predicted TTFT {ttft:.2f}s > {inp.tier} SLO {slo:.2f}s", ttft, ttft - slo, "slo")
+        if inp.deadline_s is not None:
+            # the request's own bound: a miss sheds no other tier (its SLO may still be met)
+            finish = predict_finish_s(inp, ttft)
+            if inp.deadline_s <= 0 or (finish is not None and finish > inp.deadline_s):
+                shown = "now" if finish is None else f"{finish:.2f}s"
+                return self._reject(f"predicted to finish in {shown} (up to {inp.max_output_tokens} tokens), after "
+                                    f"its deadline in {max(inp.deadline_s, 0):.2f}s", ttft,
+                                    (finish or 0.0) - inp.deadline_s, "deadline")
         return AdmissionDecision(True, "ok", ttft)
 
     def _itl_budget_s(self, priority: int) -> float | None:

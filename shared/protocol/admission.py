@@ -10,9 +10,11 @@ from shared.protocol.base import RequestId, WireModel, WorkerId
 from shared.protocol.prefill import KvSource
 
 # HTTP 429: "overloaded" (every worker's queue is at its limit), "slo" (predicted TTFT over the
-# tier's SLO), "shedding" (a higher tier is missing its SLO), "tier_queue_full", "prompt_too_long".
+# tier's SLO), "shedding" (a higher tier is missing its SLO), "tier_queue_full", "prompt_too_long",
+# "deadline" (predicted to finish after the request's own deadline).
 # HTTP 503: "unavailable" (no ready decode worker serves the model).
-RejectReason = Literal["overloaded", "unavailable", "slo", "shedding", "tier_queue_full", "prompt_too_long"]
+RejectReason = Literal["overloaded", "unavailable", "slo", "shedding", "tier_queue_full", "prompt_too_long",
+                       "deadline"]
 
 
 class AdmissionDecision(WireModel):

@@ -67,6 +67,10 @@ class GenerateRequest(WireModel):
     priority: int = 0
     tier: str = "default"
     created_at: float = 0.0
+    # when the response should be finished (Unix seconds; the client's ``x-tandem-deadline-ms``):
+    # within a priority, earlier deadlines are scheduled first; admission rejects what it predicts
+    # will finish later
+    deadline_at: float | None = None
     # workers that broke the protocol on this request (a malformed chunk, an early end, silence):
     # admission chooses none of them when the gateway asks again
     exclude_workers: list[WorkerId] = Field(default_factory=list)

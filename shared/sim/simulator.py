@@ -143,7 +143,8 @@ def workload_admission(ttft_slo_s: float) -> AdmissionConfig:
 
 # SimResult.rejections counts by these causes
 REJECT_CAUSES = {"slo": "predicted TTFT over budget", "shedding": "shed for a higher tier",
-                 "tier_queue_full": "tier queue full", "prompt_too_long": "prompt too long"}
+                 "tier_queue_full": "tier queue full", "prompt_too_long": "prompt too long",
+                 "deadline": "predicted to miss its deadline"}
 
 
 def build_workers(ev: Evaluator, plan: Plan, cache_block_size: int) -> list[Worker]:

@@ -5,7 +5,8 @@ import pytest
 
 from shared.kvcache.overlap import leading_overlap
 from shared.planner.config import ConfigError
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, predict_ttft_s, slot_wait_s
+from shared.policy.admission import (AdmissionConfig, AdmissionInput, Admitter, Inflow, predict_finish_s, predict_ttft_s,
+                                    slot_wait_s)
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
 from shared.policy.kv_routing import (RoutingInput, RoutingWeights, WorkerLoadView, choose_worker, route,
@@ -292,3 +293,22 @@ def test_autoscaler_cooldown_hysteresis_and_minimums():
     d = scaler.tick(_tick(200.0, 4, 4, 0, 8_000))                         # all decode demand
     assert d.target_prefill == 1 and d.target_decode == 7                 # min_prefill kept
     assert RatioAutoscaler().tick(_tick(0.0, 4, 4, 0, 0)).flips == 0      # no load, no change
+
+
+def test_a_request_predicted_to_finish_after_its_deadline_is_rejected_without_shedding_others():
+    admitter = Admitter(AdmissionConfig(QOS, min_retry_after_s=1.0))
+    # TTFT 0.15 s (1000 tokens at 10,000 tok/s + transfer), then 99 more tokens at 20 ms (ITL 10 ms
+    # with 1 running, 2 with this one): finishes at 2.13 s
+    base = dataclasses.replace(_adm(tier="premium"), itl_s=0.010, num_running=1, max_output_tokens=100)
+    assert predict_finish_s(base, predict_ttft_s(base)) == pytest.approx(0.15 + 99 * 0.020)
+    assert admitter.decide(dataclasses.replace(base, deadline_s=3.0)).admitted
+    late = admitter.decide(dataclasses.replace(base, deadline_s=1.0))
+    assert not late.admitted and late.code == "deadline" and "deadline" in late.reason
+    assert late.retry_after_s == pytest.approx(2.13 - 1.0)
+    assert not admitter.decide(dataclasses.replace(base, deadline_s=0.0)).admitted  # already passed
+    # the miss is the request's own: lower tiers are not shed for it (an SLO miss would shed them)
+    assert admitter.decide(_adm(tier="batch", prompt=100)).admitted
+    # nothing measured yet: no prediction, admitted while the deadline has not passed
+    unmeasured = dataclasses.replace(base, prefill_tokens_per_s=None, deadline_s=0.5)
+    assert admitter.decide(unmeasured).admitted
+    assert admitter.decide(dataclasses.replace(base, itl_s=None, deadline_s=0.5)).admitted

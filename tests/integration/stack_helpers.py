@@ -10,6 +10,17 @@ import os
 import time
 import urllib.request
 
+def tool_missing(reason: str):
+    """A tool install.sh provides (chromium, node) is missing: the test skips on a developer's
+    machine, and fails under ``.ci/run`` (``TANDEM_TESTS_REQUIRE_TOOLS=1``), where a green skip
+    would hide a broken install."""
+    import pytest
+
+    if os.environ.get("TANDEM_TESTS_REQUIRE_TOOLS") == "1":
+        pytest.fail(f"{reason} (TANDEM_TESTS_REQUIRE_TOOLS=1: required here)")
+    pytest.skip(reason)
+
+
 # Stack tests compare a stack's greedy text with reference_engine's token for token: both run in
 # float32 (the automatic CPU default, int8, calibrates per process and so depends on thread count).
 EXACT_PRECISION = {"dtype": "float32"}

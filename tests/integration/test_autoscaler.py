@@ -17,8 +17,6 @@ from shared.runtime.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 from test_role_flip import ENGINE, LONG_DOC, MODEL, engine, greedy, streamed  # noqa: F401 — fixture
 
-pytest.importorskip("nixl_cu12._api")
-
 pytestmark = pytest.mark.slow
 
 # Small interval, window and cooldown so the test sees decisions soon.

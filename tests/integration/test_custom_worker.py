@@ -18,6 +18,7 @@ from shared.bus import WorkerRegistry
 from shared.model.registry import DEFAULT_MODEL
 from shared.protocol import Subjects
 from shared.runtime.waiting import wait_until
+from stack_helpers import tool_missing
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ async def test_echo_worker_serves_through_admission_and_gateway(echo_worker, bus
 @pytest.fixture
 def node_worker(nats_url, namespace):
     if shutil.which("node") is None:
-        pytest.skip("node is not installed (the python machine image has it; install.sh installs its package)")
+        tool_missing("node is not installed (the python machine image has it; install.sh installs its package)")
     assert (NODE_WORKER.parent / "node_modules" / "nats").is_dir(), "run ./install.sh (npm ci of the node worker)"
     proc = subprocess.Popen(["node", str(NODE_WORKER), "--nats-url", nats_url, "--namespace", namespace,
                              "--worker-id", "node-1", "--ttl", "5"],

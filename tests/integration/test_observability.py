@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.runtime.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from browser import chromium_page, find_chromium
-from stack_helpers import cluster_status, running_stack, wait_for
+from stack_helpers import cluster_status, running_stack, tool_missing, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +145,7 @@ def test_dashboard_data_reuses_the_status(stack, client):
 def test_dashboard_in_headless_chromium(stack, client, tmp_path):
     binary = find_chromium()
     if binary is None:
-        pytest.skip("chromium is missing and could not be installed with apt-get (install.sh --chromium)")
+        tool_missing("chromium is missing and could not be installed with apt-get (install.sh --chromium)")
     rows = asyncio.run(drive_dashboard(binary, tmp_path / "chromium", stack.base_url, client))
     assert rows == sorted(w["info"]["worker_id"] for w in cluster_status(stack)["workers"])
 

@@ -20,8 +20,6 @@ from shared.protocol import ControlRequest, Subjects
 from shared.runtime.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
-pytest.importorskip("nixl_cu12._api")
-
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"

@@ -10,13 +10,26 @@ Reports each engine's median ms per step, the speed-up (eager time / compiled ti
 two engines' greedy tokens agree after the run, and the compile time (warm-up of the graphs, which
 inductor's on-disk cache shortens after the first run). Writes ``compile.json`` and ``compile.png``
 under --out.
+
+    python -m loadtest.bench_compile --during-compile [--nice 0,19] [--batch-sizes 1]
+
+What serving pays while a worker compiles (``--compile background``, the default): for each nice
+value of the compile thread (``TANDEM_COMPILE_NICE``), a fresh process with an empty inductor cache
+times an eager engine's decode steps alone, then builds an engine that compiles in the background
+and times every decode step until the compiled step takes over. Reports the median and p90 step
+time during the compile over the eager median alone, and how long the compile took. Writes
+``during_compile.json`` under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +67,55 @@ def measure(args, batch_size: int) -> dict:
             "precision": f"{eager.config.dtype}/{eager.config.quantization}"}
 
 
+def during_compile(args, batch_size: int) -> dict:
+    """In this process (its inductor cache must be cold): eager steps alone, then the steps of an
+    engine whose decode step compiles in the background, until it runs compiled."""
+    eager = decoding_engine(args, batch_size)
+    alone = [timed_steps(eager, 1) for _ in range(args.steps)]
+    del eager
+    engine = decoding_engine(args, batch_size, compile="background")
+    started = time.perf_counter()
+    during: list[float] = []
+    while engine.decode_step() != "compiled":
+        if engine.background_compile.done.is_set() and engine.background_compile.error is not None:
+            raise RuntimeError(f"the compile failed: {engine.background_compile.error}")
+        during.append(timed_steps(engine, 1))
+    compile_s = time.perf_counter() - started
+    after = [timed_steps(engine, 1) for _ in range(args.steps)]
+    eager_ms = statistics.median(alone)
+    return {"eager_alone_ms": round(eager_ms, 2),
+            "during_compile_p50_ms": round(statistics.median(during), 2),
+            "during_compile_p90_ms": round(statistics.quantiles(during, n=10)[-1], 2) if len(during) > 1 else None,
+            "during_over_alone_p50": round(statistics.median(during) / eager_ms, 2),
+            "compiled_ms": round(statistics.median(after), 2), "steps_during_compile": len(during),
+            "compile_s": round(compile_s, 1), "precision": f"{engine.config.dtype}/{engine.config.quantization}"}
+
+
+def run_during_compile(args) -> int:
+    """One fresh process per nice value, each with an empty inductor cache, taking turns."""
+    report: dict = {"batches": {}, "config": {k: str(v) for k, v in vars(args).items()}}
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        for nice in (int(x) for x in args.nice.split(",")):
+            with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TANDEM_COMPILE_NICE": str(nice)}
+                cmd = [sys.executable, "-m", "loadtest.bench_compile", "--one-during-compile", "--batch-sizes", str(b),
+                       "--steps", str(args.steps), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens)]
+                for flag in ("dtype", "quantization", "num_threads"):
+                    if getattr(args, flag) is not None:
+                        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            report["batches"].setdefault(str(b), {})[f"nice {nice}"] = r
+            print(f"batch {b}, compile at nice {nice}: eager alone {r['eager_alone_ms']} ms per step; during the "
+                  f"compile p50 {r['during_compile_p50_ms']} ms ({r['during_over_alone_p50']}x), p90 "
+                  f"{r['during_compile_p90_ms']} ms, {r['steps_during_compile']} steps; compile {r['compile_s']} s; "
+                  f"compiled {r['compiled_ms']} ms", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "during_compile.json").write_text(json.dumps(report, indent=1))
+    print("wrote", args.out / "during_compile.json")
+    return 0
+
+
 def plot(path: Path, report: dict) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -82,7 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     add_decoding_args(p, steps_help="timed steps per engine per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/compile"))
+    p.add_argument("--during-compile", action="store_true",
+                   help="time decode steps while the decode step compiles in the background (see above)")
+    p.add_argument("--nice", default="0,19", help="with --during-compile: the compile thread's nice values")
+    p.add_argument("--one-during-compile", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = p.parse_args(argv)
+    if args.one_during_compile:
+        print(json.dumps(during_compile(args, int(args.batch_sizes))))
+        return 0
+    if args.during_compile:
+        return run_during_compile(args)
     report: dict = {"batches": {}}
     for b in (int(x) for x in args.batch_sizes.split(",")):
         r = report["batches"][str(b)] = measure(args, b)

@@ -10,7 +10,9 @@ last bits, which can change a near-tie greedy token later in that request.
 
 The compiling thread takes the engine thread's intra-op thread count (dynamo guards on it) and
 frees its OpenMP team when it is done, so the engine thread is left the only one with a team (see
-``cpu_threads``). A compile that fails is logged and the worker stays eager.
+``cpu_threads``). It runs at nice 19 (``TANDEM_COMPILE_NICE``), and so do the compiler processes
+it starts, so that on a machine with few cores the compile takes the CPU time serving leaves
+rather than half of it. A compile that fails is logged and the worker stays eager.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class BackgroundCompile:
     def _run(self) -> None:
         model, block_size, kv_cache, num_threads = self._args
         started = time.monotonic()
+        nice = cpu_threads.background_nice()
+        if cpu_threads.lower_calling_thread(nice):
+            log.info("compile thread at nice %d: serving keeps the CPU first", nice)
         # dynamo's guards include the intra-op thread count: compiled with another count than the
         # engine thread's, each graph would be compiled again on that thread's first step
         cpu_threads.adopt(num_threads)  # pinned to this thread: the creator drops to one thread later

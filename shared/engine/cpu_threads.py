@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 
 import torch
@@ -61,6 +62,32 @@ def restore(num_threads: int) -> None:
     """Undo ``release_calling_thread`` in that same thread (when its engine is shut down)."""
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+def background_nice() -> int:
+    """The nice value of background work (the decode-step compile): ``TANDEM_COMPILE_NICE``, default
+    19, the lowest CPU priority; 0 runs it beside serving as an equal."""
+    raw = os.environ.get("TANDEM_COMPILE_NICE", "19")
+    try:
+        return min(max(int(raw), 0), 19)
+    except ValueError:
+        log.warning("TANDEM_COMPILE_NICE=%r is not an integer: using 19", raw)
+        return 19
+
+
+def lower_calling_thread(nice: int) -> bool:
+    """Run the calling thread at ``nice``, and with it the threads and processes it starts later
+    (its OpenMP team, inductor's compiler processes), so that its work takes only the CPU time
+    serving leaves. Linux keeps nice per thread: ``setpriority`` on the thread's id. False where
+    that is not possible."""
+    if nice <= 0:
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError) as exc:
+        log.debug("cannot lower this thread's priority: %s", exc)
+        return False
+    return True
 
 
 def free_team() -> None:

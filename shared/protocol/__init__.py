@@ -11,6 +11,7 @@ from shared.protocol.kv import (AllBlocksClearedEvent, BlockRemovedEvent, BlockS
                                 KvEventBatch, KvMatchRequest, KvMatchResult, WorkerOverlap)
 from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, KvSource, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
                                      PrefillQueueStatus, RemotePrefillRequest)
+from shared.protocol.responses import StoredResponse
 from shared.protocol.subjects import Endpoint, Subjects
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest,
                                      ControlResult, ScaleRequest, ScaleResult, ScalingAction, ScalingDecisionRecord,
@@ -23,6 +24,6 @@ __all__ = [
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
     "KvFetchRequest", "KvFetchResult", "KvMatchResult", "KvSource", "OriginAlive", "OriginPing", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",
     "RemotePrefillRequest", "SamplingParams", "GrammarSpec", "ScaleRequest", "ScaleResult", "ScalingAction",
-    "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "StoredResponse", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",
 ]

@@ -20,6 +20,7 @@ from shared.protocol.batch import BatchLineRequest, BatchLineResult, BatchRecord
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import CancelRequest, GenerateRequest, OriginAlive, OriginPing, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
+from shared.protocol.responses import StoredResponse
 from shared.protocol.prefill import (KvFetchRequest, KvFetchResult, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
                                      RemotePrefillRequest)
 from shared.protocol.workers import (ClusterStatusRequest, ClusterStatusResult, ControlRequest, ControlResult,
@@ -31,7 +32,7 @@ MESSAGES: tuple[type[WireModel], ...] = (
     ControlRequest, ControlResult, ServiceInfo, KvEventBatch, KvMatchRequest, KvMatchResult,
     RemotePrefillRequest, PrefillNotification, PrefillLeaseRequest, PrefillLeaseResult, KvFetchRequest, KvFetchResult,
     ClusterStatusRequest, ClusterStatusResult, ScaleRequest, ScaleResult,
-    FileRecord, BatchRecord, BatchLineRequest, BatchLineResult)
+    FileRecord, BatchRecord, BatchLineRequest, BatchLineResult, StoredResponse)
 
 # (model id, block size, token ids): short and long prompts, a partial last block, two namespaces.
 _VECTOR_CASES = (

@@ -178,6 +178,17 @@ class Subjects:
         """Object Store: file id → the uploaded bytes, its ``FileRecord`` as the description."""
         return f"{self.namespace}-files"
 
+    @property
+    def responses_bucket(self) -> str:
+        """KV: ``response_key`` → ``StoredResponse`` (entries expire after the gateway's
+        ``responses_ttl_s``, fixed when the bucket is created)."""
+        return f"{self.namespace}-responses"
+
+    @staticmethod
+    def response_key(response_id: str) -> str:
+        """Response ids come from URLs: anything but a subject token is refused (``ValueError``)."""
+        return _token(response_id, "response_id")
+
     @staticmethod
     def batch_result_key(batch_id: str, custom_id: str) -> str:
         """custom_id is any text: it enters the key as a digest (KV keys allow few characters)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from shared.batch.lines import InputLine
 from shared.bus import Bus, KvBucket, ObjectBucket, WorkQueue
@@ -23,6 +24,8 @@ from shared.protocol.subjects import Subjects
 _LINES_MAX_AGE_S = 8 * 24 * 3600.0   # longer than any completion window
 _LINES_MAX_MSGS = 5_000_000
 _PUBLISH_CONCURRENCY = 64
+
+R = TypeVar("R")
 
 
 class FileStore:
@@ -54,8 +57,10 @@ class FileStore:
 
 
 @dataclass(frozen=True)
-class Versioned:
-    record: BatchRecord
+class Versioned(Generic[R]):
+    """A KV record as read, with the revision a compare-and-set names."""
+
+    record: R
     revision: int
 
 

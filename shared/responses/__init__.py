@@ -1,0 +1,1 @@
+"""Stored responses of ``/v1/responses``: their store in NATS and the items of a conversation."""

@@ -11,13 +11,15 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, retry_after_s: float | None = None) -> None:
+                 code: str | None = None, retry_after_s: float | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s = retry_after_s
+        self.error_type = error_type  # None: the status's usual type
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+        return {"error": {"message": self.message, "type": self.error_type or _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
 

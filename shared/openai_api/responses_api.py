@@ -11,7 +11,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, model_validator
+from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
 
 from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
                                         chat_prompt_ids)
@@ -30,6 +30,7 @@ class InputText(_Body):
 
 class InputMessage(_Body):
     type: Literal["message"] = "message"
+    id: StrictStr | None = None
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[StrictStr, list[InputText]]
 
@@ -41,6 +42,7 @@ class FunctionCallItem(_Body):
     """A call the model made earlier (the SDK sends the output item back as it got it)."""
 
     type: Literal["function_call"]
+    id: StrictStr | None = None
     call_id: StrictStr
     name: StrictStr
     arguments: StrictStr
@@ -53,6 +55,7 @@ class FunctionCallOutputItem(_Body):
     """What a call returned: a ``tool`` message."""
 
     type: Literal["function_call_output"]
+    id: StrictStr | None = None
     call_id: StrictStr
     output: Union[StrictStr, list[InputText]]
 
@@ -69,6 +72,7 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
                       Discriminator(_item_type)]
+_INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
 class TextFormat(JsonSchemaFormat):
@@ -119,6 +123,10 @@ class ResponsesRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] | None = None
     parallel_tool_calls: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    store: StrictBool = True
+    background: StrictBool = False
+    previous_response_id: StrictStr | None = Field(None, min_length=1)
+    metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
 
     @model_validator(mode="before")
     @classmethod
@@ -155,9 +163,21 @@ class ResponsesRequest(_Sampling):
         if self.tool_mode() == "forced" and (self._format_grammar() or self.guided_regex):
             raise ApiError(400, "a forced tool call cannot also have a text.format or guided_regex",
                            param="tool_choice")
+        if self.background and not self.store:
+            raise ApiError(400, "background requires store: a background response is only read back stored",
+                           param="background", code="invalid_value")
+        if self.background and self.stream:
+            raise ApiError(400, "background responses are not streamed here: poll GET /v1/responses/{id}",
+                           param="stream", code="unsupported_parameter")
         if self.text is not None and self.text.verbosity not in (None, "medium"):
             raise ApiError(400, "text.verbosity is not supported: no verbosity control (only medium)",
                            param="text.verbosity", code="unsupported_parameter")
+
+    def continued(self, history: list[dict]) -> "ResponsesRequest":
+        """This request after the items of an earlier conversation (``previous_response_id``);
+        its own ``input`` comes last."""
+        own = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+        return self.model_copy(update={"input": _INPUT_ITEMS.validate_python(history) + own})
 
     def messages(self) -> list[dict]:
         """The conversation as chat messages: consecutive calls are one assistant turn, each
@@ -210,6 +230,7 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         self._calls: ToolCallStream | None = ToolCallStream(self._tool_use) if self._tool_use.mode != "none" else None
         self._message_open = False
         self._call_items: list[dict] = []  # the calls, once the model has made them
+        self.completed: dict | None = None  # the whole response once made (to store it)
 
     def prompt_ids(self) -> list[int]:
         return chat_prompt_ids(self.tokenizer, self.body.messages(), self._tool_use, "input")
@@ -269,12 +290,12 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
     def closing_chunks(self, head: ResponseHead, usage: dict) -> list[dict]:
         status = _status(self._finish)
         if self._call_items:
-            done = self._response(head, status, self._call_items, self._finish, _usage(usage))
+            done = self.completed = self._response(head, status, self._call_items, self._finish, _usage(usage))
             return [self._event(f"response.{done['status']}", response=done)]
         text = "".join(self._text)
         events = [] if self._message_open else self._open_message()
         message = self._message(text, status)
-        done = self._response(head, status, [message], self._finish, _usage(usage))
+        done = self.completed = self._response(head, status, [message], self._finish, _usage(usage))
         return events + [self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
                          self._event("response.content_part.done", **self._where(), part=_part(text)),
                          self._event("response.output_item.done", output_index=0, item=message),
@@ -290,7 +311,13 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
             output = [_call_item(c, status) for c in choices[0]["calls"]]
         else:
             output = [self._message(choices[0]["text"], status)]
-        return self._response(head, status, output, finish, _usage(usage))
+        self.completed = self._response(head, status, output, finish, _usage(usage))
+        return self.completed
+
+    def shell(self, head: ResponseHead, status: str) -> dict:
+        """The response before it has output (``queued``, ``in_progress``) or when it got none
+        (``cancelled``, ``failed``)."""
+        return self._response(head, status, [], None, None)
 
     def _message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self._item_id, "status": status, "role": "assistant",
@@ -305,14 +332,15 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
                 "created_at": head.created, "status": status, "model": head.model,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "output": output if status != "in_progress" else [],
+                "output": output if status not in ("queued", "in_progress") else [],
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "tool_choice": choice,
                 "tools": [{"description": None, "strict": None, "parameters": None, **t.model_dump(by_alias=True, exclude_none=True)}
                           for t in body.tools or []],
                 "temperature": body.temperature, "top_p": body.top_p,
                 "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                     if body.text and body.text.format else {"type": "text"})},
-                "usage": usage}
+                "usage": usage, "previous_response_id": body.previous_response_id, "store": body.store,
+                "background": body.background, "metadata": body.metadata or {}}
 
 
 def _call_item(call: ToolCall, status: str) -> dict:

@@ -44,8 +44,8 @@ def test_prompt_and_refusals(tok):
     assert api.prompt_ids() == tok.encode("system : be brief user : hello world assistant :")
     listed = adapter(tok, input=[{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}])
     assert listed.prompt_ids() == tok.encode("user : hello assistant :")
-    for fields, param in (({"previous_response_id": "r"}, "previous_response_id"), ({"store": True}, "store"),
-                          ({"n": 2}, "n"), ({"text": {"format": {"type": "xml"}}}, "text.format.type")):
+    for fields, param in (({"background": True, "store": False}, "background"),
+                          ({"background": True, "stream": True}, "stream"), ({"n": 2}, "n"), ({"text": {"format": {"type": "xml"}}}, "text.format.type")):
         with pytest.raises(ApiError) as info:
             adapter(tok, **fields)
         assert info.value.param == param, info.value.body()
@@ -155,3 +155,26 @@ def test_a_forced_call_cut_off_is_an_incomplete_function_call(tok):
     assert parsed.status == "incomplete" and parsed.incomplete_details.reason == "max_output_tokens"
     assert (parsed.output[0].type, parsed.output[0].name, parsed.output[0].arguments) == \
         ("function_call", "get_weather", '{"ci')
+
+
+def test_a_continued_request_puts_the_stored_items_first_and_lists_its_own(tok):
+    from shared.responses.items import input_items, items_page
+
+    api = adapter(tok, previous_response_id="resp_1", store=True, metadata={"k": "v"})
+    own = input_items(api.body)
+    assert [(i["type"], i["role"], i["content"]) for i in own] == [
+        ("message", "user", [{"type": "input_text", "text": "hello world"}])]
+    assert own[0]["id"].startswith("msg_")
+    earlier = [{"id": "msg_a", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "be"}]},
+               {"id": "msg_b", "type": "message", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "brief", "annotations": [], "logprobs": []}]}]
+    continued = ResponsesAdapter(api.body.continued(earlier), tok)
+    assert continued.prompt_ids() == tok.encode("user : be assistant : brief user : hello world assistant :")
+    body = continued.response(HEAD, [continued.choice(0, Choice("world", "stop", []))], usage(3, 1, 0))
+    assert Response.model_validate(body).previous_response_id == "resp_1"
+    assert body["store"] is True and body["metadata"] == {"k": "v"} and continued.completed is body
+    listed = items_page(earlier, limit=1, order="desc", after=None)
+    assert (listed["first_id"], listed["has_more"]) == ("msg_b", True)
+    assert items_page(earlier, limit=5, order="asc", after="msg_a")["data"] == earlier[1:]
+    with pytest.raises(ApiError):
+        items_page(earlier, limit=5, order="sideways", after=None)

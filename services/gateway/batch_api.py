@@ -125,7 +125,7 @@ class Batches:
             records = [r for r in records if r.purpose == purpose]
         if request.query.get("order", "desc") == "asc":
             records.reverse()
-        return web.json_response(page([file_object(r) for r in records], limit=_limit(request, _MAX_LIST),
+        return web.json_response(page([file_object(r) for r in records], limit=list_limit(request, _MAX_LIST),
                                       after=request.query.get("after")))
 
     async def get_file(self, request: web.Request) -> web.Response:
@@ -173,7 +173,7 @@ class Batches:
     async def list_batches(self, request: web.Request) -> web.Response:
         self._authorize(request)
         records = await self.coordinator.list()
-        return web.json_response(page([batch_object(r) for r in records], limit=_limit(request, 100),
+        return web.json_response(page([batch_object(r) for r in records], limit=list_limit(request, 100),
                                       after=request.query.get("after")))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
@@ -201,7 +201,7 @@ def _no_file(file_id: str) -> ApiError:
     return ApiError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
 
 
-def _limit(request: web.Request, maximum: int) -> int:
+def list_limit(request: web.Request, maximum: int) -> int:
     try:
         limit = int(request.query.get("limit", 20 if maximum == 100 else maximum))
     except ValueError:

@@ -4,7 +4,7 @@ the same request sent online, at a priority below every tier.
 Why in the gateway and not a service of its own: a line is an OpenAI request, and the gateway is
 what turns one into tokens and back (chat template, tokenization, admission, the worker's stream,
 migration when a worker dies, detokenization, stop strings, the response body). Running lines here
-reuses that path whole (``Gateway._generate_request``, ``Generation``, ``collect_body``), so a
+reuses that path whole (``Gateway._generate_request``, ``Gateway.collect``), so a
 greedy line's body is the online one by construction, with no HTTP hop and no API key to hold.
 Lines go through admission like any request, with the lowest tier's SLO and a priority below every
 tier's (``batch_priority``): admission sheds them first and the engine and the prefill queue serve
@@ -34,11 +34,9 @@ from shared.batch.store import BatchStore
 from shared.bus import QueueMessage
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter
 from shared.openai_api.errors import ApiError
-from shared.openai_api.generate_request import choice_requests
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.policy.qos import QosConfig
 from shared.protocol.batch import BatchLineRequest, BatchLineResult
-from services.gateway.server import collect_body
 
 if TYPE_CHECKING:
     from services.gateway.service import Gateway
@@ -181,14 +179,6 @@ async def execute(gateway: Gateway, line: BatchLineRequest, *, tier: str, priori
             raise ApiError(400, "stream is not supported in a batch", param="stream", code="invalid_value")
         gen_request = gateway._generate_request(api, tier, time.time()).model_copy(update={"priority": priority})
         request_id = gen_request.request_id
-        arrived_at = time.monotonic()
-        gens = [gateway._generation(r, api.body.stop_strings(), arrived_at)
-                for r in choice_requests(gen_request, api.body.num_choices())]
-        try:
-            await gens[0].start()
-            await asyncio.gather(*(g.start() for g in gens[1:]))
-            return Outcome(request_id, 200, await collect_body(api, gens, request_id))
-        finally:
-            await asyncio.gather(*(g.close() for g in gens))
+        return Outcome(request_id, 200, await gateway.collect(api, gen_request))
     except ApiError as exc:
         return Outcome(request_id, exc.status, exc.body(), exc.retry_after_s)

@@ -35,6 +35,9 @@ class GatewaySettings(ServiceSettings, QosSettings):
     batch_ack_wait_s: float = Field(30.0, gt=0, description="a batch line its gateway stopped confirming for "
                                     "this long is run by another gateway")
     batch_max_deliver: int = Field(20, ge=1, description="deliveries of a batch line before a failure is its result")
+    responses_ttl_s: float = Field(30 * 24 * 3600.0, gt=0, description="how long a stored /v1/responses "
+                                   "response lives (fixed when the NATS bucket is created: a changed value "
+                                   "applies to a new namespace or a deleted bucket)")
     batch_sweep_interval_s: float = Field(1.0, gt=0, description="how often to move batches along (validate, "
                                           "finalize, expire, finish a cancel)")
 

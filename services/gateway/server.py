@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from aiohttp import web
@@ -19,13 +19,18 @@ from services.gateway.generation import Generation
 log = logging.getLogger(__name__)
 
 
-async def respond(request: web.Request, api: ApiAdapter, gens: list[Generation],
-                  request_id: str) -> web.StreamResponse:
+OnComplete = Callable[[], Awaitable[None]]
+
+
+async def respond(request: web.Request, api: ApiAdapter, gens: list[Generation], request_id: str,
+                  on_complete: OnComplete | None = None) -> web.StreamResponse:
     """Answer started generations (one per choice, ``gens[i]`` is choice i) of the API request
-    ``request_id``: streamed when the body asks for it, else one JSON body."""
+    ``request_id``: streamed when the body asks for it, else one JSON body. ``on_complete`` runs
+    once the whole response is made and before its end reaches the client (a stored response is
+    stored before the client can ask for it)."""
     if api.body.stream:
-        return await _stream(request, api, gens, request_id)
-    return await _collect(api, gens, request_id)
+        return await _stream(request, api, gens, request_id, on_complete)
+    return await _collect(api, gens, request_id, on_complete)
 
 
 def _ids(gen: Generation) -> dict[str, str]:
@@ -68,8 +73,12 @@ def best_choices(choices: list[Choice], n: int) -> list[Choice]:
     return sorted(choices, key=mean_logprob, reverse=True)[:n]
 
 
-async def _collect(api: ApiAdapter, gens: list[Generation], request_id: str) -> web.Response:
-    return web.json_response(await collect_body(api, gens, request_id), headers=_ids(gens[0]))
+async def _collect(api: ApiAdapter, gens: list[Generation], request_id: str,
+                   on_complete: OnComplete | None) -> web.Response:
+    body = await collect_body(api, gens, request_id)
+    if on_complete is not None:
+        await on_complete()
+    return web.json_response(body, headers=_ids(gens[0]))
 
 
 async def collect_body(api: ApiAdapter, gens: list[Generation], request_id: str) -> dict:
@@ -80,12 +89,12 @@ async def collect_body(api: ApiAdapter, gens: list[Generation], request_id: str)
 
 
 async def _stream(request: web.Request, api: ApiAdapter, gens: list[Generation],
-                  request_id: str) -> web.StreamResponse:
+                  request_id: str, on_complete: OnComplete | None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **_ids(gens[0])})
     try:
         await resp.prepare(request)
-        await _write_events(resp, api, gens, request_id)
+        await _write_events(resp, api, gens, request_id, on_complete)
     except ConnectionResetError:  # the client went away; the handler's close() cancels at the worker
         log.info("%s: client disconnected", request_id)
     return resp
@@ -126,7 +135,7 @@ async def _merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Del
 
 
 async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Generation],
-                        request_id: str) -> None:
+                        request_id: str, on_complete: OnComplete | None) -> None:
     head = _head(gens, request_id)
     for index in range(len(gens)):
         for chunk in api.opening_chunks(head, index):
@@ -141,7 +150,10 @@ async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Ge
             offsets[index] += len(delta.text)
     except ApiError as exc:  # mid-stream: the status line is gone, report in the stream
         await resp.write(responses.sse_event(exc.body()))
-    for chunk in api.closing_chunks(head, _usage(gens)):
+    closing = api.closing_chunks(head, _usage(gens))
+    if on_complete is not None:
+        await on_complete()
+    for chunk in closing:
         await resp.write(responses.sse_event(chunk))
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()

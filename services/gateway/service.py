@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -28,6 +29,7 @@ from shared.openai_api.generate_request import (build_generate_request, build_te
                                                 prompt_block_hashes, resolve_model)
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from shared.responses.store import ResponseStore
 from shared.protocol import ClusterStatusRequest, GenerateRequest, OriginAlive, OriginPing, Subjects, WorkerInfo
 from shared.runtime.service import (bus_connection, every, published_metrics, serve_until_stopped,
                                     service_instance_id)
@@ -41,17 +43,22 @@ from services.gateway.config import GatewaySettings
 from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.unsupported import add_unsupported_routes
 from services.gateway.generation import Generation
-from services.gateway.server import errors_middleware, http_site, respond
+from services.gateway.server import OnComplete, collect_body, errors_middleware, http_site, respond
+from services.gateway.stored_responses import StoredResponses
 from services.gateway.metrics import GatewayMetrics
 
 __all__ = ["Gateway", "build_app", "load_tokenizer", "run"]  # load_tokenizer: tests import it here
 
 log = logging.getLogger(__name__)
 
+# takes a parsed request from the handler: (HTTP request, adapter, tier, arrived_at) → response
+Answer = Callable[[web.Request, ApiAdapter, str, float], Awaitable[web.StreamResponse]]
+
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, bus: Bus, registry: WorkerRegistry,
-                 tokenizer: Tokenizer, services: ServiceDirectory | None = None) -> None:
+                 tokenizer: Tokenizer, services: ServiceDirectory | None = None,
+                 responses: ResponseStore | None = None) -> None:
         self.settings = settings
         self.subjects = Subjects(settings.namespace)
         self.bus = bus
@@ -67,6 +74,8 @@ class Gateway:
         # named in every request this gateway sends: workers abort its requests once nobody
         # answers here (shared.runtime.origins)
         self.origin = f"gw-{uuid.uuid4().hex[:16]}"
+        # None: responses are not stored (a gateway embedded without NATS KV, in tests)
+        self.stored = StoredResponses(self, responses) if responses is not None else None
 
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
@@ -99,23 +108,30 @@ class Gateway:
         return await self._generate(request, CompletionAdapter)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, ResponsesAdapter)
+        return await self._generate(request, ResponsesAdapter, self.stored.create if self.stored else None)
 
-    async def _generate(self, request: web.Request, adapter: type[ApiAdapter]) -> web.StreamResponse:
-        """One trace per request: the client's ``traceparent`` is its parent when it sends one."""
+    async def _generate(self, request: web.Request, adapter: type[ApiAdapter],
+                        answer: Answer | None = None) -> web.StreamResponse:
+        """One trace per request: the client's ``traceparent`` is its parent when it sends one.
+        ``answer`` takes the parsed request from there (default: ``self.answer``)."""
         arrived_at = time.monotonic()
         with tracing.edge_span(f"{request.method} {request.path}", request.headers,
                                **{"http.request.method": request.method, "url.path": request.path}) as span:
-            resp = await self._generate_traced(request, adapter, arrived_at)
+            resp = await self._generate_traced(request, adapter, arrived_at, answer or self.answer)
             if span is not None:
                 span.set_attribute("http.response.status_code", resp.status)
             return resp
 
     async def _generate_traced(self, request: web.Request, adapter: type[ApiAdapter],
-                               arrived_at: float) -> web.StreamResponse:
+                               arrived_at: float, answer: Answer) -> web.StreamResponse:
         tier = self.api_keys.tier(request.headers.get("Authorization"))
         self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
+        return await answer(request, api, tier, arrived_at)
+
+    async def answer(self, request: web.Request, api: ApiAdapter, tier: str, arrived_at: float,
+                     on_complete: OnComplete | None = None) -> web.StreamResponse:
+        """Run the parsed request and answer it over HTTP (``respond``: JSON or SSE)."""
         gen_request = self._generate_request(api, tier, time.time())
         bind_request_id(gen_request.request_id)
         gens = [self._generation(r, api.body.stop_strings(), arrived_at)
@@ -126,7 +142,7 @@ class Gateway:
             await gens[0].start()
             await asyncio.gather(*(g.start() for g in gens[1:]))
             self.metrics.observe_phases(gens[0].phases)
-            return await respond(request, api, gens, gen_request.request_id)
+            return await respond(request, api, gens, gen_request.request_id, on_complete)
         finally:
             self.metrics.observe_ended()
             if any(g.worker_id is not None for g in gens):  # a first token: finished (or cut off)
@@ -134,6 +150,18 @@ class Gateway:
                                               sum(g.num_completion_tokens for g in gens))
             for gen in gens:  # before any await: a client that hung up cancels this task there
                 _log_request(gen)
+            await asyncio.gather(*(g.close() for g in gens))
+
+    async def collect(self, api: ApiAdapter, gen_request: GenerateRequest) -> dict:
+        """The response body of ``gen_request`` (made by ``_generate_request`` from ``api``), run to
+        the end without HTTP: a batch line, a background response."""
+        gens = [self._generation(r, api.body.stop_strings(), time.monotonic())
+                for r in choice_requests(gen_request, api.body.num_choices())]
+        try:
+            await gens[0].start()
+            await asyncio.gather(*(g.start() for g in gens[1:]))
+            return await collect_body(api, gens, gen_request.request_id)
+        finally:
             await asyncio.gather(*(g.close() for g in gens))
 
     def _generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
@@ -267,6 +295,8 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.metrics_text)
     app.router.add_get("/status", gateway.status)
+    if gateway.stored is not None:
+        gateway.stored.add_routes(app)
     add_dashboard_routes(app, gateway)
     add_unsupported_routes(app)
     return app
@@ -277,11 +307,13 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
     async with bus_connection("gateway", settings) as (bus, registry):
         services = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
                                                ttl_s=settings.registry_ttl_s)
-        gateway = Gateway(settings, bus, registry, tokenizer, services)
+        responses = await ResponseStore.open(bus, Subjects(settings.namespace), ttl_s=settings.responses_ttl_s)
+        gateway = Gateway(settings, bus, registry, tokenizer, services, responses)
         app = build_app(gateway)
         batches = await Batches.open(gateway)
         batches.add_routes(app)
         async with (http_site(app, settings.host, settings.port) as port,
+                    gateway.stored.running(),
                     published_metrics("gateway", service_instance_id("gateway"), settings, bus,
                                       gateway.metrics.registry),
                     batches.running()):

@@ -2,7 +2,11 @@
 openai-agents' default model, ``OpenAIResponsesModel``, where it is installed): function tools on
 ``/v1/responses``, streamed and not, with the ``function_call_output`` round trip; a ``strict``
 function enforced under ``tool_choice: auto``; a forced call cut off by the token limit still
-returned as calls, with finish_reason ``length``. One stack (one decode worker) for the module."""
+returned as calls, with finish_reason ``length``. Stored responses as agents use them: retrieve,
+``previous_response_id`` (a second turn equal to the same history sent whole), ``input_items``,
+delete, ``store: false``, background polled and cancelled, read back by a second store on the same
+NATS, and a background response whose gateway is gone reported failed. One stack (one decode
+worker) for the module."""
 
 from __future__ import annotations
 
@@ -14,8 +18,12 @@ import openai
 import pytest
 
 from schema_check import violation
+from shared.bus import Bus
+from shared.protocol import Subjects
+from shared.protocol.responses import StoredResponse
+from shared.responses.store import ResponseStore
 from shared.runtime.stack import StackSpec
-from stack_helpers import running_stack
+from stack_helpers import running_stack, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -165,3 +173,73 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(stack):
 
     asyncio.run(main())
     assert len(asked) >= 4
+
+
+def store_call(stack, call):
+    """``call(store)`` on a ResponseStore of its own on the stack's NATS (as another gateway's)."""
+    async def main():
+        bus = await Bus.connect(stack.spec.nats_url, "test-reader")
+        try:
+            return await call(await ResponseStore.open(bus, Subjects(stack.spec.namespace), ttl_s=60.0))
+        finally:
+            await bus.close()
+    return asyncio.run(main())
+
+
+def test_stored_responses_chain_turns_and_are_deleted(stack, client):
+    first = client.responses.create(model=MODEL, input="My name is Ada. Say hello to me.", max_output_tokens=6,
+                                    temperature=0, metadata={"run": "1"})
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    question = "What is my name?"
+    second = client.responses.create(model=MODEL, input=question, previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    # the second turn saw the first: it equals the whole history sent by hand, unstored
+    history = [{"role": "user", "content": "My name is Ada. Say hello to me."},
+               {"role": "assistant", "content": first.output_text}, {"role": "user", "content": question}]
+    whole = client.responses.create(model=MODEL, input=history, max_output_tokens=6, temperature=0, store=False)
+    assert second.output_text == whole.output_text and second.usage.input_tokens == whole.usage.input_tokens
+    assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
+    items = client.responses.input_items.list(second.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", question)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)  # store: false
+
+    last, conversation = store_call(stack, lambda store: store.conversation(second.id))
+    assert last.id == second.id and len(conversation) == 4 and conversation[1]["role"] == "assistant"
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve(first.id)
+    assert info.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model=MODEL, input="Again?", previous_response_id=first.id, max_output_tokens=2)
+    assert info.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="x", background=True, store=False)
+    assert info.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_items.list(second.id, limit=0)
+    assert info.value.body["param"] == "limit"
+
+
+def test_background_responses_are_polled_cancelled_and_failed_when_their_gateway_is_gone(stack, client):
+    queued = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4, temperature=0,
+                                     background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background
+    done = wait_for(lambda: (r := client.responses.retrieve(queued.id)).status not in ("queued", "in_progress")
+                    and r, 60, "the background response to end")
+    assert done.status == "incomplete" and done.output_text and done.usage.output_tokens == 4, done
+
+    long = client.responses.create(model=MODEL, input="Count to a thousand.", max_output_tokens=900, background=True,
+                                   extra_body={"ignore_eos": True})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(done.id)  # already completed
+
+    orphan = StoredResponse(id="resp_orphan" + uuid.uuid4().hex[:8], created_at=1, status="in_progress",
+                            response=json.dumps({**done.model_dump(), "id": "x", "status": "in_progress"}),
+                            input_items="[]", background=True, origin="gw-gone" + uuid.uuid4().hex[:8])
+    store_call(stack, lambda store: store.create(orphan))
+    failed = client.responses.retrieve(orphan.id)
+    assert failed.status == "failed" and "stopped" in failed.error.message

@@ -23,7 +23,7 @@ from shared.protocol import Subjects
 from shared.protocol.responses import StoredResponse
 from shared.responses.store import ResponseStore
 from shared.runtime.stack import StackSpec
-from stack_helpers import running_stack, wait_for
+from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -203,6 +203,9 @@ def test_stored_responses_chain_turns_and_are_deleted(stack, client):
     assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", question)]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(whole.id)  # store: false
+    streamed = list(client.responses.create(model=MODEL, input=question, previous_response_id=second.id,
+                                            max_output_tokens=4, temperature=0, stream=True))[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text  # stored before it ended
 
     last, conversation = store_call(stack, lambda store: store.conversation(second.id))
     assert last.id == second.id and len(conversation) == 4 and conversation[1]["role"] == "assistant"
@@ -236,6 +239,22 @@ def test_background_responses_are_polled_cancelled_and_failed_when_their_gateway
     assert client.responses.retrieve(long.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(done.id)  # already completed
+
+    # cancelled by another gateway (here: its record, as that gateway writes it): the run stops
+    remote = client.responses.create(model=MODEL, input="Count to a thousand.", max_output_tokens=900,
+                                     background=True, extra_body={"ignore_eos": True})
+    wait_for(lambda: client.responses.retrieve(remote.id).status == "in_progress", 30, "the response to start")
+
+    async def cancel(store):
+        current = await store.get(remote.id)
+        record = current.record
+        cancelled = {**json.loads(record.response), "status": "cancelled"}
+        return await store.replace(current, record.model_copy(update={"status": "cancelled", "origin": None,
+                                                                      "response": json.dumps(cancelled)}))
+    assert store_call(stack, cancel) is not None
+    wait_for(lambda: all(w["load"] and w["load"]["num_running"] == 0 for w in cluster_status(stack)["workers"]), 30,
+             "the cancelled response to stop running on the worker")
+    assert client.responses.retrieve(remote.id).status == "cancelled"
 
     orphan = StoredResponse(id="resp_orphan" + uuid.uuid4().hex[:8], created_at=1, status="in_progress",
                             response=json.dumps({**done.model_dump(), "id": "x", "status": "in_progress"}),

@@ -25,7 +25,8 @@ from shared.openai_api.auth import ApiKeys
 from shared.openai_api.errors import ApiError
 from shared.policy.qos import load_qos
 from shared.policy.rate_limit import RateLimiter
-from shared.openai_api.generate_request import (build_generate_request, build_text_request, choice_requests,
+from shared.openai_api.generate_request import (DEADLINE_HEADER, build_generate_request, build_text_request,
+                                                choice_requests, deadline_at, with_header_deadline,
                                                 prompt_block_hashes, resolve_model)
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -127,6 +128,7 @@ class Gateway:
         tier = self.api_keys.tier(request.headers.get("Authorization"))
         self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
+        with_header_deadline(api, request.headers.get(DEADLINE_HEADER))
         return await answer(request, api, tier, arrived_at)
 
     async def answer(self, request: web.Request, api: ApiAdapter, tier: str, arrived_at: float,
@@ -177,7 +179,7 @@ class Gateway:
             request = build_generate_request(api, api.prompt_ids(), tier=tier, priority=priority, workers=workers,
                                              served_models=served,
                                              default_max_tokens=self.settings.default_max_tokens, now=now)
-        return request.model_copy(update={"origin": self.origin})
+        return request.model_copy(update={"origin": self.origin, "deadline_at": deadline_at(api, now)})
 
     def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
         model = gen_request.model

@@ -54,6 +54,8 @@ _COMMON: dict[str, FieldRule] = {
     "repetition_penalty": FieldRule(E, "as vLLM"),
     "ignore_eos": FieldRule(E, "as vLLM"),
     "guided_regex": FieldRule(E, "as vLLM: the output matches the regex"),
+    "deadline_ms": FieldRule(E, "finish within this many ms of arrival (or the `x-tandem-deadline-ms` header): "
+                                "earliest deadline first within the tier; 429 `deadline` when predicted later"),
 }
 
 CHAT_FIELDS: dict[str, FieldRule] = {
@@ -101,7 +103,7 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
 
 RESPONSES_FIELDS: dict[str, FieldRule] = {
     **{k: _COMMON[k] for k in ("model", "stream", "temperature", "top_p", "user", "top_k", "min_p",
-                               "ignore_eos", "guided_regex")},
+                               "ignore_eos", "guided_regex", "deadline_ms")},
     "input": FieldRule(I, "a string, or items: text messages, `function_call`, `function_call_output`"),
     "instructions": FieldRule(I, "a system message before the input"),
     "max_output_tokens": FieldRule(I),

@@ -8,6 +8,7 @@ Pure: the caller passes the ready workers, the tier and the clock.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import Sequence
 
@@ -15,7 +16,7 @@ from shared.grammar import GrammarError, GrammarSpec, compile_grammar
 from shared.kvcache.hashing import hash_blocks
 from shared.openai_api.adapters import ApiAdapter
 from shared.openai_api.errors import ApiError
-from shared.openai_api.models import ApiRequest
+from shared.openai_api.models import MAX_DEADLINE_MS, ApiRequest
 from shared.protocol import GenerateRequest, SamplingParams, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,30 @@ def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str,
                            prompt_token_ids=prompt_ids, sampling=sampling_params(body, max_tokens),
                            block_hashes=prompt_block_hashes(prompt_ids, workers), tier=tier,
                            priority=priority, created_at=now)
+
+
+DEADLINE_HEADER = "x-tandem-deadline-ms"
+
+
+def with_header_deadline(api: ApiAdapter, header: str | None) -> None:
+    """Apply the ``x-tandem-deadline-ms`` header to the parsed body (the earlier of it and a
+    ``deadline_ms`` in the body); a value that is not a positive number of ms up to a week is a 400."""
+    if header is None:
+        return
+    try:
+        value = float(header)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_DEADLINE_MS:
+        raise ApiError(400, f"{DEADLINE_HEADER} must be a number of milliseconds in (0, {MAX_DEADLINE_MS}], "
+                       f"not {header!r}", param=DEADLINE_HEADER)
+    if api.body.deadline_ms is None or value < api.body.deadline_ms:
+        api.body = api.body.model_copy(update={"deadline_ms": value})
+
+
+def deadline_at(api: ApiAdapter, now: float) -> float | None:
+    """When the request should be finished (Unix seconds), from its ``deadline_ms``."""
+    return None if api.body.deadline_ms is None else now + api.body.deadline_ms / 1000
 
 
 def build_text_request(api: ApiAdapter, *, model: str, tier: str, priority: int = 0, default_max_tokens: int,

@@ -95,6 +95,9 @@ MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI documents
 
 
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week: past that a deadline orders nothing
+
+
 class _Sampling(_Body):
     model: StrictStr | None = Field(None, min_length=1)  # None: the one model served
     stream: StrictBool = False
@@ -113,6 +116,8 @@ class _Sampling(_Body):
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
     guided_regex: StrictStr | None = Field(None, min_length=1)  # extension, as vLLM
+    # extension: finish within this many ms of arrival (also the x-tandem-deadline-ms header)
+    deadline_ms: float | None = Field(None, gt=0, le=MAX_DEADLINE_MS)
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
         """What the output must match, and the parameter that asked for it."""

@@ -72,12 +72,13 @@ def decode_load(stack) -> dict:
     return next(((w["load"] or {}) for w in view["workers"] if w["info"]["role"] == "decode"), {})
 
 
-def post(stack, tier: str, prompt: str, max_tokens: int, stream: bool = False):
+def post(stack, tier: str, prompt: str, max_tokens: int, stream: bool = False, headers: dict | None = None,
+         **extra):
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": stream}).encode()
+                       "ignore_eos": True, "stream": stream, **extra}).encode()
     req = urllib.request.Request(stack.base_url + "/v1/completions", data=body, method="POST",
                                  headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {KEYS[tier]}"})
+                                          "Authorization": f"Bearer {KEYS[tier]}", **(headers or {})})
     try:
         return urllib.request.urlopen(req, timeout=300)
     except urllib.error.HTTPError as err:
@@ -150,3 +151,23 @@ def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(
         metrics = m.read().decode()
     assert sample_total(metrics, "tandem_gateway_rejected_total", reason="slo", tier="tight") == 1
     assert sample_total(metrics, "tandem_gateway_rejected_total", reason="shedding", tier="bulk") == 1
+
+
+def test_a_deadline_predicted_to_be_missed_is_a_429_and_a_malformed_one_a_400(stack):
+    wait_for(lambda: decode_load(stack).get("itl_recent_s"), 60, "a measured ITL at admission")
+    # 900 tokens at the worker's ITL cannot finish within 2 s: rejected before it runs
+    late = post(stack, "premium", "Count to a thousand:", 900, deadline_ms=2000)
+    body = json.loads(late.read())
+    assert late.status == 429 and body["error"]["code"] == "deadline", body
+    assert "predicted to finish" in body["error"]["message"] and int(late.headers["Retry-After"]) >= 1
+    # the header works as the body field does; a deadline it can meet is served
+    ok = post(stack, "premium", "Name a colour:", 2, headers={"x-tandem-deadline-ms": "600000"})
+    assert ok.status == 200, ok.read()
+    later = post(stack, "premium", "Count to a thousand:", 900, headers={"x-tandem-deadline-ms": "2000"})
+    assert later.status == 429 and json.loads(later.read())["error"]["code"] == "deadline"
+    for value in ("soon", "0", "-5"):
+        bad = post(stack, "premium", "hi", 1, headers={"x-tandem-deadline-ms": value})
+        err = json.loads(bad.read())["error"]
+        assert bad.status == 400 and err["param"] == "x-tandem-deadline-ms", (value, err)
+    bad = post(stack, "premium", "hi", 1, deadline_ms=-1)
+    assert bad.status == 400 and json.loads(bad.read())["error"]["param"] == "deadline_ms"

@@ -180,7 +180,7 @@ def plot(path: Path, report: dict) -> None:
 
     names = [n for n in report["precisions"] if n != "float32"]
     rows = [report["precisions"][n] for n in names]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.6))
     x = range(len(names))
     ax1.bar([i - 0.2 for i in x], [100 * r["teacher_forced"]["top1_agreement"] for r in rows], 0.4,
             label="teacher-forced top-1")
@@ -188,7 +188,7 @@ def plot(path: Path, report: dict) -> None:
     ax1.axhline(100 * TARGET_TOP1, color="k", ls="--", lw=1, label=f"target {TARGET_TOP1:.0%}")
     ax1.set_ylabel("% agreement with float32")
     ax1.set_ylim(0, 105)
-    ax1.legend(loc="lower left", fontsize=8)
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
     ax2.bar(list(x), [r["teacher_forced"]["kl"] for r in rows], 0.5)
     ax2.set_ylabel("mean KL(float32 || precision), nats")
     for ax in (ax1, ax2):

@@ -2,7 +2,8 @@
 ``files.create`` → ``batches.create`` → polling → ``files.content``, every custom_id answered
 exactly once and greedy lines equal to the same requests sent online; a decode worker killed
 mid-batch, then a gateway; cancel with partial results kept; bad lines in the error file; a malformed file failing
-with its line named; 413 on a too-large upload; a batch served by any gateway."""
+with its line named; 413 on a too-large upload; a batch served by any gateway; a batch that outlives a restart of the whole
+stack on the same state dir."""
 
 from __future__ import annotations
 
@@ -185,3 +186,27 @@ def test_gateway_killed_mid_batch_still_answers_every_line_once(client, stack):
     output = read_lines(client, done.output_file_id)
     assert sorted(o["custom_id"] for o in output) == sorted(l["custom_id"] for l in lines)
     assert all(o["response"]["status_code"] == 200 for o in output)
+
+
+def test_a_batch_outlives_a_restart_of_the_whole_stack(tmp_path):
+    """``tandem up``'s own nats-server keeps JetStream under the state dir: a batch stopped mid-way
+    with the whole stack (gateways, workers, servers) goes on when a stack starts again on the same
+    state dir, and every line is answered once."""
+    spec = StackSpec(state_dir=tmp_path / "state", num_decode=1, model=MODEL, port=0,
+                     namespace=f"r{uuid.uuid4().hex[:8]}",
+                     gateway_flags={"batch_max_in_flight": 1, "batch_ack_wait_s": 4},
+                     decode_flags={"max_model_len": 512, "kv_cache_memory": "64MiB", "device": "cpu",
+                                   "num_warmup_requests": 1})
+    lines = [chat_line(f"r-{i}", f"{p} (restart {i})", max_tokens=24) for i, p in enumerate(PROMPTS)]
+    with running_stack(spec, ready_timeout_s=180) as first:
+        client = client_of(first.base_url)
+        batch = submit(client, lines)
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 120, "a first result")
+    with running_stack(spec, ready_timeout_s=180) as again:
+        client = client_of(again.base_url)
+        assert client.batches.retrieve(batch.id).request_counts.completed < len(lines)  # stopped mid-way
+        done = finished(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == len(lines)
+        output = read_lines(client, done.output_file_id)
+        assert sorted(o["custom_id"] for o in output) == sorted(l["custom_id"] for l in lines)
+        assert all(o["response"]["status_code"] == 200 for o in output)

@@ -27,13 +27,8 @@ log = logging.getLogger(__name__)
 MAX_EVENTS_PER_BATCH = 512
 
 
-CALIBRATION_TOKENS = 512  # a prompt of a length real traffic has: short ones measure per-step overhead
-
-
 async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int) -> None:
-    """Concurrent throwaway requests of a few lengths: compiles/allocates every path once. Then the
-    prefill rate admission predicts TTFT from is measured on warm kernels, so that the first
-    requests after ``ready`` are admitted (or shed) on a measured rate, not on none."""
+    """Concurrent throwaway requests of a few lengths: compiles/allocates every path once."""
     if num_requests == 0:
         return
     vocab = engine.tokenizer.vocab_size
@@ -47,26 +42,9 @@ async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int) -> Non
 
     started = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(num_requests)))
-    rate = await measure_prefill_rate(engine, worker_id)
-    log.info("warm-up: %d requests in %.2fs; prefill %s", num_requests, time.monotonic() - started,
-             f"{rate:.0f} tokens/s" if rate else "rate not measured")
-
-
-async def measure_prefill_rate(engine: AsyncEngine, worker_id: str) -> float | None:
-    """Two prompts of ``CALIBRATION_TOKENS`` (fewer if the model's context is shorter) alone on the
-    engine: the first brings that shape's kernels in, then the rate measured so far (warm-up's
-    short prompts on cold kernels) is dropped and the second sets it. Prompts of tokens no other
-    warm-up request used, so no prefix is cached."""
-    length = max(min(CALIBRATION_TOKENS, engine.max_model_len - 8), 1)
-    vocab = engine.tokenizer.vocab_size
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for run in range(2):
-        if run == 1:
-            await engine.forget_prefill_rate()
-        prompt = [(1000 + 7919 * run + 13 * j) % vocab for j in range(length)]
-        async for _ in engine.generate(f"warmup-{worker_id}-rate-{run}", prompt, params):
-            pass
-    return engine.stats().prefill_tokens_per_s
+    # admission predicts TTFT from the measured prefill rate: not from warm-up's (see forget_prefill_rate)
+    await engine.forget_prefill_rate()
+    log.info("warm-up: %d requests in %.2fs", num_requests, time.monotonic() - started)
 
 
 class LoopSink:

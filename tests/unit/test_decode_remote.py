@@ -38,7 +38,7 @@ class FakeEngine:
         self.outputs: dict[str, list[EngineOutput]] = {}
 
     async def reserve_remote_prefill(self, request_id, prompt_token_ids, params, priority=0, *, keep_kv=False,
-                                     decide=None):
+                                     decide=None, deadline=None):
         self.reserved.append(dict(request_id=request_id, prompt=list(prompt_token_ids), priority=priority,
                                   keep_kv=keep_kv))
         if decide is not None:

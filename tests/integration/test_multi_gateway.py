@@ -150,3 +150,43 @@ def test_restarts_of_every_service_show_in_status(stack, capsys):
     assert main(["status", "--url", stack.base_url]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert sorted((r[0], int(r[2])) for r in rows if r and r[0] in {s for s, _ in want}) == sorted(want)
+
+
+def test_stored_responses_are_served_by_either_gateway_and_outlive_restarts_of_both(stack):
+    """A response stored through gateway 1 is read and continued (``previous_response_id``) through
+    gateway 2, a background response started on one is cancelled on the other, and after both
+    gateways are SIGKILLed and restarted by the supervisor every stored response reads back the same
+    and the chain continues. (Placed last: it restarts both gateways, which the restart counts of
+    the test above would otherwise see.)"""
+    import openai
+
+    one, two = (openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+                for url in stack.base_urls)
+    first = one.responses.create(model=MODEL, input="My name is Ada. Say hello to me.", max_output_tokens=6,
+                                 temperature=0)
+    assert two.responses.retrieve(first.id).output_text == first.output_text
+    second = two.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                  max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
+
+    running = one.responses.create(model=MODEL, input="Count to a thousand.", max_output_tokens=900,
+                                   background=True, extra_body={"ignore_eos": True})
+    wait_for(lambda: two.responses.retrieve(running.id).status == "in_progress", 60, "the background response to start")
+    assert two.responses.cancel(running.id).status == "cancelled"
+    wait_for(lambda: all(w["load"] and w["load"]["num_running"] == 0 for w in cluster_status(stack)["workers"]), 30,
+             "the response cancelled on gateway 2 to stop running on the worker gateway 1 sent it to")
+
+    victims = {name: stack.children[name] for name in ("gateway", "gateway-2")}
+    for victim in victims.values():
+        victim.proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: all(stack.children[n] is not v for n, v in victims.items()) and all(map(is_healthy, stack.ports)),
+             120, "both gateways restarted and healthy on their ports")
+
+    for client in (one, two):
+        assert [client.responses.retrieve(r.id).output_text for r in (first, second)] == \
+            [first.output_text, second.output_text]
+        assert client.responses.retrieve(running.id).status == "cancelled"
+    third = one.responses.create(model=MODEL, input="Say it again.", previous_response_id=second.id,
+                                 max_output_tokens=4, temperature=0)
+    assert third.usage.input_tokens > second.usage.input_tokens
+    assert [i.content[0].text for i in two.responses.input_items.list(third.id).data] == ["Say it again."]

@@ -1,6 +1,11 @@
 """``/v1/files`` and ``/v1/batches`` (OpenAI's Files and Batch APIs), answered by any gateway from
 what NATS holds (``shared.batch``), and the batch work every gateway does beside its HTTP site: the
-sweep that moves batches along (``BatchCoordinator``) and the line runner (``batch_runner``)."""
+sweep that moves batches along (``BatchCoordinator``) and the line runner (``batch_runner``).
+
+Each file and batch names its owner, the API key's owner id (``ApiKeys.owner``; a batch's result
+files are its owner's): with keys configured, another key's file or batch is a 404 everywhere
+(retrieve, content, delete, cancel, a batch's ``input_file_id``) and lists hold the caller's own.
+Without keys every object is every caller's."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shared.batch.coordinator import BatchCoordinator, CoordinatorConfig
 from shared.batch.objects import batch_object, file_object, new_file_id, page
 from shared.batch.store import BatchStore, FileStore
+from shared.openai_api.auth import owns
 from shared.openai_api.errors import ApiError, from_validation_error
 from shared.protocol import Subjects
 from shared.protocol.batch import FileRecord
@@ -86,12 +92,14 @@ class Batches:
                 task.cancel()
             await asyncio.gather(*work, *self._steps, return_exceptions=True)
 
-    def _authorize(self, request: web.Request) -> None:
-        self._gateway.api_keys.tier(request.headers.get("Authorization"))  # a 401 for a bad key
+    def _authorize(self, request: web.Request) -> str | None:
+        """The caller's owner id (``ApiKeys.owner``); a 401 for a bad key. Files and batches of
+        another owner are answered as if they did not exist (404), and lists hold the caller's own."""
+        return self._gateway.api_keys.owner(request.headers.get("Authorization"))
 
     # --- files -----------------------------------------------------------------------------------
     async def upload_file(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        owner = self._authorize(request)
         limit = self._settings.max_file_bytes
         if request.content_length is not None and request.content_length > limit + _CHUNK_BYTES:
             raise _too_large(limit)  # refused before reading a byte
@@ -114,13 +122,13 @@ class Batches:
             raise ApiError(400, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose",
                            code="invalid_value")
         record = FileRecord(id=new_file_id(), bytes=len(data), created_at=int(time.time()), filename=filename,
-                            purpose=purpose)
+                            purpose=purpose, owner=owner)
         await self.files.put(record, data)
         return web.json_response(file_object(record))
 
     async def list_files(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        records = await self.files.list()
+        owner = self._authorize(request)
+        records = [r for r in await self.files.list() if owns(owner, r.owner)]
         if purpose := request.query.get("purpose"):
             records = [r for r in records if r.purpose == purpose]
         if request.query.get("order", "desc") == "asc":
@@ -129,56 +137,56 @@ class Batches:
                                       after=request.query.get("after")))
 
     async def get_file(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        return web.json_response(file_object(await self._file(request.match_info["file_id"])))
+        owner = self._authorize(request)
+        return web.json_response(file_object(await self._file(request.match_info["file_id"], owner)))
 
     async def file_content(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        file_id = request.match_info["file_id"]
+        owner = self._authorize(request)
+        file_id = (await self._file(request.match_info["file_id"], owner)).id
         data = await self.files.content(file_id)
         if data is None:
             raise _no_file(file_id)
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def delete_file(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        file_id = request.match_info["file_id"]
+        owner = self._authorize(request)
+        file_id = (await self._file(request.match_info["file_id"], owner)).id
         if not await self.files.delete(file_id):
             raise _no_file(file_id)
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
-    async def _file(self, file_id: str) -> FileRecord:
-        if (record := await self.files.get(file_id)) is None:
+    async def _file(self, file_id: str, owner: str | None) -> FileRecord:
+        if (record := await self.files.get(file_id)) is None or not owns(owner, record.owner):
             raise _no_file(file_id)
         return record
 
     # --- batches ---------------------------------------------------------------------------------
     async def create_batch(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        owner = self._authorize(request)
         try:
             body = CreateBatchBody.model_validate_json(await request.read())
         except ValidationError as exc:
             raise from_validation_error(exc) from None
         record = await self.coordinator.create(body.input_file_id, body.endpoint, body.completion_window,
-                                               body.metadata)
+                                               body.metadata, owner)
         step = asyncio.create_task(self.coordinator.advance(record.id))  # validate now, not at the next sweep
         self._steps.add(step)
         step.add_done_callback(self._steps.discard)
         return web.json_response(batch_object(record))
 
     async def get_batch(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        return web.json_response(batch_object(await self.coordinator.view(request.match_info["batch_id"])))
+        owner = self._authorize(request)
+        return web.json_response(batch_object(await self.coordinator.view(request.match_info["batch_id"], owner)))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        records = await self.coordinator.list()
+        owner = self._authorize(request)
+        records = await self.coordinator.list(owner)
         return web.json_response(page([batch_object(r) for r in records], limit=list_limit(request, 100),
                                       after=request.query.get("after")))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        return web.json_response(batch_object(await self.coordinator.cancel(request.match_info["batch_id"])))
+        owner = self._authorize(request)
+        return web.json_response(batch_object(await self.coordinator.cancel(request.match_info["batch_id"], owner)))
 
 
 async def _read_limited(part: BodyPartReader, limit: int) -> bytes:

@@ -38,6 +38,9 @@ class GatewaySettings(ServiceSettings, QosSettings):
     responses_ttl_s: float = Field(30 * 24 * 3600.0, gt=0, description="how long a stored /v1/responses "
                                    "response lives (fixed when the NATS bucket is created: a changed value "
                                    "applies to a new namespace or a deleted bucket)")
+    background_retry_max_wait_s: float = Field(600.0, ge=0, description="how long a background /v1/responses "
+                                               "response keeps waiting out admission's 429s (each for its "
+                                               "Retry-After) before it fails with the last one; 0: no retry")
     batch_sweep_interval_s: float = Field(1.0, gt=0, description="how often to move batches along (validate, "
                                           "finalize, expire, finish a cancel)")
 

@@ -8,7 +8,13 @@ in progress from another origin asks that origin whether it is there (``origin_a
 workers ask): nobody answering means its gateway died with it, and the record becomes ``failed``;
 nothing runs it again. A cancel, from any gateway, makes the record ``cancelled`` by
 compare-and-set; the running gateway looks at its record every ``_WATCH_INTERVAL_S`` and stops
-the generation (at once when the cancel came to it)."""
+the generation (at once when the cancel came to it). Admission's 429 does not fail a background
+response (its caller is not there to retry): it waits for the rejection's Retry-After and asks
+again (``retry_wait_s``), for up to ``background_retry_max_wait_s`` in all.
+
+Each record names its owner, the API key's owner id (``ApiKeys.owner``): with keys configured, a
+response of another key is a 404 to every endpoint here and to ``previous_response_id``, as if
+it did not exist. Without keys every response is every caller's."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from aiohttp import web
 from shared.batch.store import Versioned
 from shared.bus.errors import NoResponders
 from shared.openai_api.adapters import ResponseHead
+from shared.openai_api.auth import owns
 from shared.openai_api.errors import ApiError
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.protocol import GenerateRequest, OriginPing
@@ -43,6 +50,10 @@ _ORIGIN_TIMEOUT_S = 1.0
 # a record is one NATS message (1 MiB by default): the input must leave room for the response
 _MAX_STORED_INPUT_BYTES = 768 << 10
 _CANCEL_TRIES = 5
+# admission's 429s that are answers, not load: the same request is rejected again however long it waits
+_FINAL_REJECTIONS = ("prompt_too_long", "deadline")
+_MIN_RETRY_WAIT_S = 0.5
+_DEFAULT_RETRY_WAIT_S = 1.0  # a 429 without a Retry-After
 
 
 class StoredResponses:
@@ -74,25 +85,27 @@ class StoredResponses:
         """``POST /v1/responses`` once parsed (``Gateway.answer`` does the generation)."""
         body = api.body
         own = input_items(body)
+        owner = self._gateway.api_keys.owner(request.headers.get("Authorization"))
         if body.previous_response_id is not None:
-            api = ResponsesAdapter(body.continued(await self._history(body.previous_response_id)), api.tokenizer)
+            api = ResponsesAdapter(body.continued(await self._history(body.previous_response_id, owner)),
+                                   api.tokenizer)
         if not body.store:
             return await self._gateway.answer(request, api, tier, arrived_at)
         if (size := len(json.dumps(own))) > _MAX_STORED_INPUT_BYTES:
             raise ApiError(400, f"input is too large to store ({size} bytes of items, at most "
                            f"{_MAX_STORED_INPUT_BYTES}); send store: false", param="input", code="input_too_large")
         if body.background:
-            return await self._start_background(api, own, tier)
+            return await self._start_background(api, own, tier, owner)
 
         async def keep() -> None:
             if api.completed is not None:
-                await self._keep(stored(api.completed, own, body))
+                await self._keep(stored(api.completed, own, body, owner=owner))
 
         return await self._gateway.answer(request, api, tier, arrived_at, keep)
 
-    async def _history(self, previous_id: str) -> list[dict]:
+    async def _history(self, previous_id: str, owner: str | None) -> list[dict]:
         try:
-            last, items = await self._store.conversation(previous_id)
+            last, items = await self._store.conversation(previous_id, owner)
         except ResponseNotFound as exc:
             what = "Previous response" if exc.response_id == previous_id else \
                 f"Response {exc.response_id!r}, earlier in the conversation of previous response"
@@ -111,12 +124,13 @@ class StoredResponses:
             log.exception("%s: could not store the response", record.id)
 
     # --- background ------------------------------------------------------------------------------
-    async def _start_background(self, api: ResponsesAdapter, own: list[dict], tier: str) -> web.Response:
+    async def _start_background(self, api: ResponsesAdapter, own: list[dict], tier: str,
+                                owner: str | None) -> web.Response:
         # the request is built first: a prompt too long for the model is a 400 now, not a failed record
         gen_request = self._gateway._generate_request(api, tier, time.time())
         head = ResponseHead(gen_request.request_id, int(gen_request.created_at), gen_request.model)
         queued = api.shell(head, "queued")
-        record = stored(queued, own, api.body, origin=self._gateway.origin)
+        record = stored(queued, own, api.body, origin=self._gateway.origin, owner=owner)
         await self._store.create(record)
         task = asyncio.create_task(self._run(api, gen_request, head, record))
         self._tasks[record.id] = task
@@ -133,7 +147,8 @@ class StoredResponses:
         if current is None:
             return  # cancelled or deleted before it started
         try:
-            response = await self._watched(asyncio.create_task(self._gateway.collect(api, gen_request)), record.id)
+            response = await self._watched(asyncio.create_task(self._collect(api, gen_request, record.id)),
+                                           record.id)
         except ApiError as exc:
             response = _failed(api.shell(head, "failed"), exc.message,
                                "rate_limit_exceeded" if exc.status == 429 else "server_error")
@@ -142,6 +157,24 @@ class StoredResponses:
             response = _failed(api.shell(head, "failed"), f"internal error: {type(exc).__name__}", "server_error")
         if response is not None and await self._store.replace(current, with_status(record, response)) is None:
             log.info("%s: cancelled or deleted while it ran; its result is dropped", record.id)
+
+    async def _collect(self, api: ResponsesAdapter, gen_request: GenerateRequest, response_id: str) -> dict:
+        """The response body, after waiting out admission's 429s (``retry_wait_s``); the last
+        rejection once the wait is over. Run under ``_watched``: a cancel stops a wait too."""
+        max_wait_s = self._gateway.settings.background_retry_max_wait_s
+        started, tries = time.monotonic(), 0
+        while True:
+            tries += 1
+            try:
+                return await self._gateway.collect(api, gen_request)
+            except ApiError as exc:
+                waited_s = time.monotonic() - started
+                if (wait_s := retry_wait_s(exc, waited_s, max_wait_s)) is None:
+                    if tries > 1:
+                        exc.message += f" (the last of {tries} tries in {waited_s:.0f}s)"
+                    raise
+                log.info("%s: %d %s; asking again in %.1fs", response_id, exc.status, exc.code, wait_s)
+                await asyncio.sleep(wait_s)
 
     async def _watched(self, work: asyncio.Task, response_id: str) -> dict | None:
         """``work``'s result; None (and ``work`` stopped) once the response is cancelled or deleted."""
@@ -167,20 +200,21 @@ class StoredResponses:
 
     # --- read, delete, cancel --------------------------------------------------------------------
     async def get(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        current = await self._current(request.match_info["response_id"])
+        owner = self._authorize(request)
+        current = await self._current(request.match_info["response_id"], owner)
         return web.json_response(json.loads(current.record.response))
 
     async def input_items(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        current = await self._current(request.match_info["response_id"])
+        owner = self._authorize(request)
+        current = await self._current(request.match_info["response_id"], owner)
         return web.json_response(items_page(json.loads(current.record.input_items), limit=list_limit(request, 100),
                                             order=request.query.get("order", "desc"),
                                             after=request.query.get("after")))
 
     async def delete(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        owner = self._authorize(request)
         response_id = request.match_info["response_id"]
+        await self._visible(response_id, owner)
         if not await self._store.delete(response_id):
             raise _no_response(response_id)
         if (task := self._tasks.get(response_id)) is not None:
@@ -188,10 +222,10 @@ class StoredResponses:
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def cancel(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        owner = self._authorize(request)
         response_id = request.match_info["response_id"]
         for _ in range(_CANCEL_TRIES):  # a record changes a few times at most: queued, in progress, its end
-            current = await self._current(response_id)
+            current = await self._current(response_id, owner)
             record = current.record
             if not record.background:
                 raise ApiError(400, "Only responses created with background: true can be cancelled.",
@@ -210,11 +244,16 @@ class StoredResponses:
         raise ApiError(503, f"response {response_id} kept changing while it was cancelled; try again",
                        retry_after_s=1.0)
 
-    async def _current(self, response_id: str) -> Versioned[StoredResponse]:
-        """The stored response (404 if none); one still running on a gateway that is gone is
-        marked failed first."""
-        if (current := await self._store.get(response_id)) is None:
+    async def _visible(self, response_id: str, owner: str | None) -> Versioned[StoredResponse]:
+        """The stored response; a 404 if there is none or it is another owner's."""
+        if (current := await self._store.get(response_id)) is None or not owns(owner, current.record.owner):
             raise _no_response(response_id)
+        return current
+
+    async def _current(self, response_id: str, owner: str | None) -> Versioned[StoredResponse]:
+        """The stored response (404 if none, or another owner's); one still running on a gateway
+        that is gone is marked failed first."""
+        current = await self._visible(response_id, owner)
         origin = current.record.origin
         if current.record.is_final or origin is None or origin == self._gateway.origin \
                 or not await self._origin_gone(origin):
@@ -222,7 +261,7 @@ class StoredResponses:
         failed = _failed(json.loads(current.record.response), "the gateway running this response stopped",
                          "server_error")
         return await self._store.replace(current, with_status(current.record, failed)) or \
-            await self._current(response_id)  # it changed meanwhile: read it again
+            await self._current(response_id, owner)  # it changed meanwhile: read it again
 
     async def _origin_gone(self, origin: str) -> bool:
         """True only when nobody answers for ``origin`` (a timeout says nothing either way)."""
@@ -236,8 +275,25 @@ class StoredResponses:
             log.debug("origin %s: no answer (%s)", origin, exc)
         return False
 
-    def _authorize(self, request: web.Request) -> None:
-        self._gateway.api_keys.tier(request.headers.get("Authorization"))  # a 401 for a bad key
+    def _authorize(self, request: web.Request) -> str | None:
+        """The caller's owner id; a 401 for a bad key."""
+        return self._gateway.api_keys.owner(request.headers.get("Authorization"))
+
+
+def retry_wait_s(exc: ApiError, waited_s: float, max_wait_s: float) -> float | None:
+    """How long a background response that got ``exc``, after ``waited_s`` of retrying, waits
+    before asking again; None: ``exc`` is its end. Admission's 429s for load (``overloaded``,
+    ``slo``, ``shedding``, ``tier_queue_full``) are waited out for their Retry-After (at least
+    ``_MIN_RETRY_WAIT_S``; ``_DEFAULT_RETRY_WAIT_S`` without one), never past ``max_wait_s`` in
+    all: the last try comes when that is up. Every other error, and a 429 that waiting does not
+    change (``prompt_too_long``, ``deadline``), ends it at once."""
+    if exc.status != 429 or exc.code in _FINAL_REJECTIONS:
+        return None
+    left_s = max_wait_s - waited_s
+    if left_s <= 0:
+        return None
+    wait_s = _DEFAULT_RETRY_WAIT_S if exc.retry_after_s is None else max(exc.retry_after_s, _MIN_RETRY_WAIT_S)
+    return min(wait_s, left_s)
 
 
 def _failed(response: dict, message: str, code: str) -> dict:

@@ -16,6 +16,7 @@ from shared.batch.lines import parse_input
 from shared.batch.objects import new_batch_id, result_file_ids
 from shared.batch.output import BatchFiles, assemble
 from shared.batch.store import BatchStore, FileStore, Versioned
+from shared.openai_api.auth import owns
 from shared.openai_api.errors import ApiError
 from shared.protocol.batch import BatchEndpoint, BatchLineError, BatchRecord, FileRecord, RequestCounts
 
@@ -37,8 +38,10 @@ class BatchCoordinator:
         self.batches, self.files, self.config, self._clock = batches, files, config, clock
 
     # --- API ------------------------------------------------------------------------------------
+    # ``owner``: the caller's owner id (``ApiKeys.owner``; None: no keys, every batch and file is
+    # the caller's). A batch or input file of another owner is a 404, as if it did not exist.
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None) -> BatchRecord:
+                     metadata: dict[str, str] | None, owner: str | None = None) -> BatchRecord:
         if endpoint not in ENDPOINTS:
             raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}",
                            param="endpoint", code="invalid_value")
@@ -46,7 +49,7 @@ class BatchCoordinator:
             raise ApiError(400, f"completion_window must be one of {sorted(state.WINDOWS_S)}, got "
                            f"{completion_window!r}", param="completion_window", code="invalid_value")
         file = await self.files.get(input_file_id)
-        if file is None:
+        if file is None or not owns(owner, file.owner):
             raise ApiError(404, f"No such file: {input_file_id}", param="input_file_id", code="file_not_found")
         if file.purpose != "batch":
             raise ApiError(400, f"file {input_file_id} has purpose {file.purpose!r}, not 'batch'",
@@ -55,13 +58,14 @@ class BatchCoordinator:
         endpoint_: BatchEndpoint = endpoint  # type: ignore[assignment] — checked above
         record = BatchRecord(id=new_batch_id(), endpoint=endpoint_, input_file_id=input_file_id,
                              completion_window=completion_window, created_at=now,
-                             expires_at=now + state.WINDOWS_S[completion_window], metadata=metadata)
+                             expires_at=now + state.WINDOWS_S[completion_window], metadata=metadata,
+                             owner=owner)
         await self.batches.create(record)
         return record
 
-    async def view(self, batch_id: str) -> BatchRecord:
+    async def view(self, batch_id: str, owner: str | None = None) -> BatchRecord:
         """The batch with its counts as of now (a running batch's come from the result store)."""
-        current = await self._get(batch_id)
+        current = await self._get(batch_id, owner)
         record = current.record
         if record.status in ("in_progress", "finalizing", "cancelling"):
             done, failed = await self.batches.count_results(batch_id)
@@ -69,14 +73,14 @@ class BatchCoordinator:
             record = record.model_copy(update={"request_counts": counts})
         return record
 
-    async def list(self) -> list[BatchRecord]:
-        return await self.batches.list()
+    async def list(self, owner: str | None = None) -> list[BatchRecord]:
+        return [r for r in await self.batches.list() if owns(owner, r.owner)]
 
-    async def cancel(self, batch_id: str) -> BatchRecord:
+    async def cancel(self, batch_id: str, owner: str | None = None) -> BatchRecord:
         """Move the batch to cancelling and drop its queued lines at once (lines running now are
         stopped by the runners that hold them; results already stored are kept)."""
         while True:
-            current = await self._get(batch_id)
+            current = await self._get(batch_id, owner)
             if current.record.status in ("cancelling", "cancelled"):
                 return current.record
             if not state.can_cancel(current.record):
@@ -86,8 +90,8 @@ class BatchCoordinator:
                 await self.batches.purge_lines(batch_id)
                 return (await self._get(batch_id)).record
 
-    async def _get(self, batch_id: str) -> Versioned:
-        if (current := await self.batches.get(batch_id)) is None:
+    async def _get(self, batch_id: str, owner: str | None = None) -> Versioned:
+        if (current := await self.batches.get(batch_id)) is None or not owns(owner, current.record.owner):
             raise ApiError(404, f"No such batch: {batch_id}", param="batch_id", code="batch_not_found")
         return current
 
@@ -174,7 +178,8 @@ class BatchCoordinator:
                                            (error_id, files.errors, "error_file_id", "errors")):
             if data:
                 await self.files.put(FileRecord(id=file_id, bytes=len(data), created_at=now,
-                                                filename=f"{record.id}_{kind}.jsonl", purpose="batch_output"), data)
+                                                filename=f"{record.id}_{kind}.jsonl", purpose="batch_output",
+                                                owner=record.owner), data)
                 fields[field] = file_id
         return fields
 

@@ -24,11 +24,13 @@ def result_file_ids(batch_id: str) -> tuple[str, str]:
 
 
 def file_object(record: FileRecord) -> dict:
-    return {"object": "file", "expires_at": None, "status_details": None, **record.model_dump(mode="json")}
+    """The owner is Tandem's (who may see the file), not a field of OpenAI's object."""
+    return {"object": "file", "expires_at": None, "status_details": None,
+            **record.model_dump(mode="json", exclude={"owner"})}
 
 
 def batch_object(record: BatchRecord) -> dict:
-    body = record.model_dump(mode="json", exclude={"claimed_at", "errors"})
+    body = record.model_dump(mode="json", exclude={"claimed_at", "errors", "owner"})
     errors = None
     if record.errors:
         errors = {"object": "list", "data": [e.model_dump(mode="json") for e in record.errors]}

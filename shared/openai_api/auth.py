@@ -6,6 +6,7 @@ admission holds it to the tier's SLO, the engine and the prefill queue serve by 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 from shared.openai_api.errors import ApiError
@@ -42,6 +43,27 @@ class ApiKeys:
         if self.key_tiers:
             return "key:" + _bearer(authorization)
         return "peer:" + (peer or "")
+
+    def owner(self, authorization: str | None) -> str | None:
+        """Who owns the files, batches and stored responses this request makes, and which ones it
+        may see (``owns``): a short hash of its API key (stable across gateways and restarts; the
+        key itself is never stored), or None when no keys are configured (one anonymous owner).
+        Raises the 401 of ``tier`` for a missing or unknown key."""
+        self.tier(authorization)
+        return owner_id(_bearer(authorization)) if self.key_tiers else None
+
+
+def owner_id(key: str) -> str:
+    """The owner id of an API key: not the key, and not a way back to it."""
+    return "key_" + hashlib.sha256(b"tandem-owner\0" + key.encode()).hexdigest()[:16]
+
+
+def owns(caller: str | None, owner: str | None) -> bool:
+    """Whether a request by ``caller`` (``ApiKeys.owner``) may see an object owned by ``owner``.
+    Without keys (caller None) every object is the caller's, as before owners existed. With keys,
+    only the key's own: an object stored with no owner (made without keys, or before owners
+    were recorded) belongs to the anonymous owner, whom no key is."""
+    return caller is None or caller == owner
 
 
 def _bearer(authorization: str | None) -> str:

@@ -117,8 +117,11 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "store": FieldRule(I, "responses: default true; the response and its input items are kept in NATS for "
                           "`TANDEM_RESPONSES_TTL_S` (default 30 days), readable from any gateway"),
     "previous_response_id": FieldRule(I, "the stored conversation (each earlier turn's input and output "
-                                         "items, not its `instructions`) comes before `input`"),
-    "background": FieldRule(I, "requires `store`; not with `stream`; poll `GET /v1/responses/{id}`"),
+                                         "items, not its `instructions`) comes before `input`; another API "
+                                         "key's response is a 404"),
+    "background": FieldRule(I, "requires `store`; not with `stream`; poll `GET /v1/responses/{id}`; "
+                               "admission's 429s are waited out (Retry-After) for up to "
+                               "`TANDEM_BACKGROUND_RETRY_MAX_WAIT_S` (default 10 min)"),
     "tools": FieldRule(I, "functions only (as chat completions)"),
     "tool_choice": FieldRule(I, "as chat completions"),
     "parallel_tool_calls": FieldRule(I, "false: at most one call"),

@@ -25,6 +25,9 @@ class FileRecord(WireModel):
     filename: str
     purpose: str
     status: Literal["uploaded", "processed", "error"] = "processed"
+    # who may see it: the owner id of the API key that uploaded it (a batch's result files: the
+    # batch's owner); None: the anonymous owner (no keys configured, or stored before owners were)
+    owner: str | None = None
 
 
 class BatchLineError(WireModel):
@@ -67,6 +70,7 @@ class BatchRecord(WireModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     claimed_at: float | None = None
+    owner: str | None = None  # as FileRecord.owner; its result files get the same owner
 
 
 class BatchLineRequest(WireModel):

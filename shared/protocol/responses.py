@@ -25,6 +25,7 @@ class StoredResponse(WireModel):
     previous_response_id: str | None = None
     background: bool = False
     origin: str | None = None                # the gateway running it, while queued or in progress
+    owner: str | None = None                 # as FileRecord.owner (shared.protocol.batch)
 
     @property
     def is_final(self) -> bool:

@@ -46,12 +46,14 @@ def items_page(items: list[dict], *, limit: int, order: str, after: str | None) 
     return page(items if order == "asc" else items[::-1], limit=limit, after=after)
 
 
-def stored(response: dict, items: list[dict], body: ResponsesRequest, *, origin: str | None = None) -> StoredResponse:
-    """The record of ``response`` (an OpenAI response object) made from ``body`` with ``items``."""
+def stored(response: dict, items: list[dict], body: ResponsesRequest, *, origin: str | None = None,
+           owner: str | None = None) -> StoredResponse:
+    """The record of ``response`` (an OpenAI response object) made from ``body`` with ``items``,
+    owned by ``owner`` (``ApiKeys.owner``)."""
     return StoredResponse(id=response["id"], created_at=response["created_at"], status=response["status"],
                           response=json.dumps(response), input_items=json.dumps(items),
                           previous_response_id=body.previous_response_id, background=body.background,
-                          origin=origin)
+                          origin=origin, owner=owner)
 
 
 def with_status(record: StoredResponse, response: dict, *, origin: str | None = None) -> StoredResponse:

@@ -9,6 +9,7 @@ import json
 
 from shared.batch.store import Versioned
 from shared.bus import Bus, KvBucket
+from shared.openai_api.auth import owns
 from shared.protocol.responses import StoredResponse
 from shared.protocol.subjects import Subjects
 
@@ -60,16 +61,17 @@ class ResponseStore:
         await self._records.delete(Subjects.response_key(response_id))
         return True
 
-    async def conversation(self, response_id: str) -> tuple[StoredResponse, list[dict]]:
+    async def conversation(self, response_id: str, owner: str | None = None) -> tuple[StoredResponse, list[dict]]:
         """The response ``response_id`` and the items of its conversation, oldest first: each
         turn's input items, then its output items, back to the first turn. Raises
-        ``ResponseNotFound`` naming the first response of the chain that is not stored."""
+        ``ResponseNotFound`` naming the first response of the chain that is not stored, or that
+        ``owner`` may not see (``owns``; None: every one)."""
         chain: list[StoredResponse] = []
         next_id: str | None = response_id
         while next_id is not None:
             if len(chain) == MAX_TURNS:
                 raise RuntimeError(f"conversation of {response_id} has more than {MAX_TURNS} turns")
-            if (found := await self.get(next_id)) is None:
+            if (found := await self.get(next_id)) is None or not owns(owner, found.record.owner):
                 raise ResponseNotFound(next_id)
             chain.append(found.record)
             next_id = found.record.previous_response_id

@@ -1,7 +1,7 @@
 """The batch stores and coordinator on a real nats-server (no model): files in the Object Store,
 a batch's life through the sweep's steps, results written once, the result files, cancel with
-partial results kept, a malformed file failing validation with its line named, and a step whose
-gateway died taken over."""
+partial results kept, a malformed file failing validation with its line named, a step whose
+gateway died taken over, and a batch and its files seen only by their owner."""
 
 from __future__ import annotations
 
@@ -162,3 +162,29 @@ async def test_expired_batch_reports_unrun_lines_and_stale_claims_are_taken_over
     errors = [json.loads(l) for l in (await files.content(expired.error_file_id)).splitlines()]
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c0", "batch_expired"), ("c2", "batch_expired")]
     assert await pull_all(batches) == []
+
+
+async def test_a_batch_and_its_files_belong_to_its_owner(parts):
+    """Another owner's batch or input file is a 404, as if it did not exist; the result files get
+    the batch's owner; no owner (no API keys) sees everything."""
+    files, batches, coordinator, _ = parts
+    await files.put(FileRecord(id="file-mine", bytes=1, created_at=1, filename="in.jsonl", purpose="batch",
+                               owner="key_a"), input_file(1))
+    with pytest.raises(ApiError) as err:
+        await coordinator.create("file-mine", CHAT, "24h", None, owner="key_b")
+    assert (err.value.status, err.value.param) == (404, "input_file_id")
+    record = await coordinator.create("file-mine", CHAT, "24h", None, owner="key_a")
+    assert record.owner == "key_a"
+    for call in (lambda: coordinator.view(record.id, "key_b"), lambda: coordinator.cancel(record.id, "key_b")):
+        with pytest.raises(ApiError) as err:
+            await call()
+        assert (err.value.status, err.value.code) == (404, "batch_not_found")
+    assert [r.id for r in await coordinator.list("key_b")] == []
+    assert [r.id for r in await coordinator.list("key_a")] == [r.id for r in await coordinator.list()] == [record.id]
+    await coordinator.advance(record.id)
+    assert await batches.store_result(ok(record.id, 1))
+    await coordinator.advance(record.id)
+    done = await coordinator.view(record.id, "key_a")
+    assert done.status == "completed" and (await files.get(done.output_file_id)).owner == "key_a"
+    with pytest.raises(ApiError):
+        await coordinator.cancel(record.id, "key_a")  # its own: found, but completed (400, not 404)

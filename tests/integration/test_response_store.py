@@ -1,7 +1,8 @@
 """The stored-responses store on a real nats-server (no model): a response stored by one
 connection is read by another (another gateway), a conversation is rebuilt across turns, a
 compare-and-set loses to a change made meanwhile, a delete breaks the chain with the missing turn
-named, ids that cannot be keys read as missing, and the bucket expires entries after its TTL."""
+named, ids that cannot be keys read as missing, a conversation is walked only through its
+owner's turns, and the bucket expires entries after its TTL."""
 
 from __future__ import annotations
 
@@ -64,3 +65,21 @@ async def test_compare_and_set_delete_and_ids_that_cannot_be_keys(store):
     assert info.value.response_id == "resp_a"
     for bad in ("a.b", "x y", "", "r" * 65, "../x"):
         assert await store.get(bad) is None and not await store.delete(bad)
+
+
+async def test_a_conversation_is_its_owners_only(store):
+    await store.create(turn("resp_o1", None, "hi", "hello").model_copy(update={"owner": "key_a"}))
+    await store.create(turn("resp_o2", "resp_o1", "again", "yes").model_copy(update={"owner": "key_a"}))
+    await store.create(turn("resp_o3", "resp_o2", "mine?", "no").model_copy(update={"owner": "key_b"}))
+    last, items = await store.conversation("resp_o2", "key_a")
+    assert last.owner == "key_a" and len(items) == 4
+    assert len((await store.conversation("resp_o2"))[1]) == 4  # no owner given (no API keys): every turn
+    for response_id, owner, missing in (("resp_o2", "key_b", "resp_o2"), ("resp_o3", "key_b", "resp_o2"),
+                                        ("resp_o3", "key_a", "resp_o3")):
+        with pytest.raises(ResponseNotFound) as info:
+            await store.conversation(response_id, owner)
+        assert info.value.response_id == missing
+    # a record stored before owners were recorded loads, as the anonymous owner's
+    legacy = json.loads(turn("resp_old", None, "hi", "hello").to_bytes())
+    del legacy["owner"]
+    assert StoredResponse.from_bytes(json.dumps(legacy).encode()).owner is None

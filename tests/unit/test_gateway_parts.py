@@ -17,7 +17,8 @@ from shared.cluster.view import ClusterView
 from shared.cluster.workers import ready_workers
 from shared.kvcache.hashing import hash_blocks
 from shared.openai_api.adapters import ChatAdapter, Choice, CompletionAdapter, Delta, ResponseHead, parse_body
-from shared.openai_api.auth import ApiKeys
+from services.gateway.stored_responses import retry_wait_s
+from shared.openai_api.auth import ApiKeys, owns
 from shared.planner.config import ConfigError
 from shared.policy.qos import QosConfig, QosTier
 from shared.openai_api.errors import ApiError
@@ -72,6 +73,34 @@ def test_api_keys_resolve_tiers_and_refuse_unknown_keys():
     assert ApiKeys.parse("k1", QosConfig.single()).tier("Bearer k1") == "default"
     with pytest.raises(ConfigError, match="names tier 'gold'"):
         ApiKeys.parse("k1:gold", QosConfig.single())
+
+
+def test_owners_are_stable_hashes_of_keys_and_see_only_their_own():
+    keys = ApiKeys.parse("k1,k2", QosConfig.single())
+    a, b = keys.owner("Bearer k1"), keys.owner("Bearer k2")
+    assert a != b and "k1" not in a and a == ApiKeys.parse("k2,k1", QosConfig.single()).owner("Bearer k1")
+    assert a.startswith("key_") and len(a) == 20
+    assert error_of(lambda: keys.owner("Bearer nope")).status == 401
+    assert owns(a, a) and not owns(a, b) and not owns(a, None)  # None: stored without keys, or before owners
+    assert ApiKeys.parse(None, QosConfig.single()).owner("Bearer anything") is None  # no keys: anonymous
+    assert owns(None, a) and owns(None, None)  # ... who sees everything, as before owners
+
+
+@pytest.mark.parametrize("status,code,retry_after_s,waited_s,expected", [
+    (429, "overloaded", 3.0, 0.0, 3.0),         # admission's Retry-After
+    (429, "slo", 0.01, 0.0, 0.5),               # at least half a second
+    (429, "shedding", None, 0.0, 1.0),          # none given: a second
+    (429, "tier_queue_full", 30.0, 590.0, 10.0),  # never past the total wait: the last try at its end
+    (429, "overloaded", 3.0, 600.0, None),      # the wait is over: this rejection is the end
+    (429, "prompt_too_long", 1.0, 0.0, None),   # waiting does not change these
+    (429, "deadline", 1.0, 0.0, None),
+    (503, "admission_unavailable", 1.0, 0.0, None),
+    (400, "invalid_value", None, 0.0, None),
+])
+def test_a_background_response_waits_out_admissions_429s(status, code, retry_after_s, waited_s, expected):
+    exc = ApiError(status, "no", code=code, retry_after_s=retry_after_s)
+    assert retry_wait_s(exc, waited_s, max_wait_s=600.0) == expected
+    assert retry_wait_s(exc, 0.0, max_wait_s=0.0) is None  # 0: no retry
 
 
 @pytest.mark.parametrize("num_prompt,requested,max_len,expected", [

@@ -1,11 +1,12 @@
-"""A custom decode worker in under 100 lines, using nothing of Tandem: only NATS and JSON.
+"""A custom decode worker in about 120 lines, using nothing of Tandem: only NATS and JSON.
 
-It "generates" by echoing the prompt's token ids back, one per message. Any process that does
-what this one does (in any language) is a decode worker the gateway and admission will use:
+It "generates" by echoing the prompt's token ids back, one per message, and stops at the model's
+EOS ids (``sampling.eos_token_ids``). Any process that does what this one does (in any language) is
+a decode worker the gateway and admission will use:
 
 1. serve  <ns>.v1.decode.<id>.generate : one JSON TokenChunk per message to the request's reply
    subject, then an empty message with header ``Tandem-Stream: end``;
-2. listen <ns>.v1.decode.<id>.cancel   : {"request_id": ...} → stop that request;
+2. listen <ns>.v1.decode.<id>.cancel   : {"request_id": ...} → stop that request (none running: ignore it);
 3. put its WorkerInfo into the KV bucket ``<ns>-workers`` under its id, again every TTL/3 seconds;
 4. (optional) publish WorkerLoad on <ns>.v1.load.decode.<id> and KV events on <ns>.v1.kv.events.<id>;
 5. on SIGTERM: put itself as ``draining``, finish what it runs, delete its entry, exit.
@@ -21,38 +22,45 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import time
 
 import nats
 
 
 async def main(args: argparse.Namespace) -> None:
-    nc = await nats.connect(args.nats_url)
+    # nats-py takes the user and password (or token) from the URL; TLS verifies against connect.env's CA
+    ca = os.environ.get("TANDEM_NATS_CA")
+    nc = await nats.connect(args.nats_url, tls=ssl.create_default_context(cafile=ca) if ca else None)
     js = nc.jetstream()
     root, wid = f"{args.namespace}.v1", args.worker_id
     generate, cancel = f"{root}.decode.{wid}.generate", f"{root}.decode.{wid}.cancel"
-    cancelled: set[str] = set()
+    cancelled: dict[str, bool] = {}  # the requests in flight: a cancel of any other id is ignored
     running: set[asyncio.Task] = set()
 
     async def serve(msg) -> None:
         try:
             req = json.loads(msg.data)
-            rid, ids = req["request_id"], req["prompt_token_ids"]
-            max_tokens = req.get("sampling", {}).get("max_tokens", 16)
+            rid, ids, sampling = req["request_id"], req["prompt_token_ids"], req.get("sampling", {})
+            max_tokens = sampling.get("max_tokens", 16)
+            stops = set(sampling.get("stop_token_ids", [])) | set(
+                [] if sampling.get("ignore_eos") else sampling.get("eos_token_ids", []))
         except (ValueError, KeyError, TypeError) as exc:  # the error reply every service gives
             body = {"code": "bad_request", "message": f"bad GenerateRequest: {exc}"}
             await nc.publish(msg.reply, json.dumps(body).encode(), headers={"Tandem-Error-Code": "bad_request"})
             return
         out = (ids * max_tokens)[:max_tokens]
+        cancelled[rid] = False
         for i, token in enumerate(out):
-            done = rid in cancelled or i == len(out) - 1
-            finish = ("abort" if rid in cancelled else "length") if done else None
+            finish = "abort" if cancelled[rid] else "stop" if token in stops else \
+                "length" if i == len(out) - 1 else None
             chunk = {"request_id": rid, "index": i, "token_ids": [token], "finish_reason": finish,
                      "num_prompt_tokens": len(ids), "worker_id": wid}
             await nc.publish(msg.reply, json.dumps(chunk).encode())
-            if done:
+            if finish:
                 break
             await asyncio.sleep(0.01)
+        cancelled.pop(rid, None)
         await nc.publish(msg.reply, b"", headers={"Tandem-Stream": "end"})
 
     async def on_generate(msg) -> None:  # one task per request: never block the subscription
@@ -60,8 +68,9 @@ async def main(args: argparse.Namespace) -> None:
         running.add(task)
         task.add_done_callback(running.discard)
 
-    async def on_cancel(msg) -> None:
-        cancelled.add(json.loads(msg.data)["request_id"])
+    async def on_cancel(msg) -> None:  # may come twice, or after the end: only a running request stops
+        if (rid := json.loads(msg.data)["request_id"]) in cancelled:
+            cancelled[rid] = True
 
     await nc.subscribe(generate, cb=on_generate)
     await nc.subscribe(cancel, cb=on_cancel)

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -14,6 +15,7 @@ from shared.runtime.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
 STATUS_HELP = "print the cluster view (workers, role, state, load) from a running gateway"
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 
 
 class GatewayState(WireModel):
@@ -36,7 +38,9 @@ class StatusPage(ClusterStatusResult):
 def register(subparsers) -> None:
     register_service(subparsers, "gateway", HELP, GatewaySettings, "services.gateway.service:run")
     status = subparsers.add_parser("status", help=STATUS_HELP, description=STATUS_HELP)
-    status.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL (default: %(default)s)")
+    status.add_argument("--url", default=os.environ.get("TANDEM_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
+                        help="gateway base URL (env TANDEM_GATEWAY_URL, which tandem up writes to connect.env; "
+                             "default: %(default)s)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.set_defaults(func=status_main)
 

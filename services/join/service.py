@@ -21,7 +21,7 @@ from shared.runtime.supervisor import Backoff
 from shared.telemetry.redact import redact_url
 
 _CONNECT_KEYS = {"TANDEM_NATS_URL", "TANDEM_REDIS_URL", "TANDEM_NAMESPACE", "TANDEM_REGISTRY_TTL_S",
-                 "TANDEM_NATS_CA", "TANDEM_NATS_REPLICAS"}
+                 "TANDEM_NATS_CA", "TANDEM_NATS_REPLICAS", "TANDEM_GATEWAY_URL"}
 
 
 def read_connect_file(path: Path) -> dict[str, str]:

@@ -6,6 +6,7 @@ import signal
 import threading
 from pathlib import Path
 
+from shared.runtime.servers import advertised_host
 from shared.runtime.stack import Stack, StackSpec, print_line
 from shared.runtime.supervisor import Backoff
 from shared.telemetry.redact import redact_url
@@ -84,6 +85,13 @@ def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event) -> No
                      f"credentials in {connect}; Ctrl-C stops)")
 
 
+def gateway_url(stack: Stack) -> str:
+    """The first gateway's URL as other processes and hosts dial it (a wildcard listen address:
+    this machine's address)."""
+    host = advertised_host(stack.spec.host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{stack.port}"
+
+
 def write_connect_file(stack: Stack) -> Path:
     """``connect.env`` in the stack's state directory, readable by its owner only: the URLs with
     their passwords and the namespace, as the ``TANDEM_*`` variables every command and the example
@@ -92,7 +100,8 @@ def write_connect_file(stack: Stack) -> Path:
     path.touch(mode=0o600)
     path.chmod(0o600)
     lines = [f"TANDEM_NATS_URL={stack.nats_url}", f"TANDEM_REDIS_URL={stack.redis_url}",
-             f"TANDEM_NAMESPACE={stack.spec.namespace}", f"TANDEM_REGISTRY_TTL_S={stack.spec.registry_ttl_s:g}"]
+             f"TANDEM_NAMESPACE={stack.spec.namespace}", f"TANDEM_REGISTRY_TTL_S={stack.spec.registry_ttl_s:g}",
+             f"TANDEM_GATEWAY_URL={gateway_url(stack)}"]  # `tandem status` reads it
     if stack.nats_ca:  # a joining host copies it beside this file: tandem join looks there too
         lines.append(f"TANDEM_NATS_CA={stack.nats_ca}")
     if stack.nats_replicas:

@@ -3,11 +3,17 @@
 
 It reads what the worker sends before judging it, so that it can say exactly what was wrong: a chunk
 that does not validate, a gap in ``index``, a missing end marker. Checks, in order: the registry
-entry (valid, ready, namespace, heartbeat), a streamed generation (consecutive chunks, a last chunk
-with ``finish_reason: length``, the end marker, at most ``max_tokens``), cancel honoured, a
-malformed request answered with a ``bad_request`` error reply, load reports (valid, ``seq``
-increasing), and with ``--drain`` (which takes the worker out of service) drain and deregistration
-over its control subject.
+entry (valid, ready, heartbeat), a streamed generation (consecutive chunks, a last chunk with
+``finish_reason: length``, the end marker, at most ``max_tokens``), cancel honoured, a malformed
+request answered with a ``bad_request`` error reply, load reports (valid, ``seq`` increasing), and
+with ``--drain`` (which takes the worker out of service) drain and deregistration over its control
+subject.
+
+A text worker (``takes_text`` in its entry) gets what the gateway sends it: a chat request
+(``messages``) and a completion (``prompt_text``), no token ids; its output is ``text``, counted as
+the gateway counts it (a chunk's token ids, else one token per chunk with text), and it may end
+with ``stop`` before ``max_tokens``. A ``kv_namespace_hex`` that is not the engine's, or not hex at
+all, passes with a note: the gateway serves such a worker and routes its requests on load alone.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 import uuid
 
 HELP = "check that a live decode worker follows the wire protocol (docs/protocol.md)"
+DEFAULT_PROMPT_TEXT = "Count from 1 to 1000, one number per line."
 
 
 @dataclasses.dataclass
@@ -44,6 +51,10 @@ def register(subparsers) -> None:
     add_worker_args(parser)
     parser.add_argument("--prompt-token-ids", default="1,2,3,4,5,6,7,8",
                         help="the test prompt, comma-separated token ids (default: %(default)s)")
+    parser.add_argument("--prompt-text", default=DEFAULT_PROMPT_TEXT,
+                        help="the test prompt for a text worker (takes_text): sent as a user message and as "
+                             "a completion prompt; the cancel check needs an answer longer than a few chunks "
+                             "(default: %(default)r)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per check (default: %(default)s)")
     parser.add_argument("--drain", action="store_true",
                         help="also drain the worker over its control subject and check it deregisters "
@@ -54,7 +65,7 @@ def register(subparsers) -> None:
 def main(args: argparse.Namespace) -> int:
     prompt = [int(t) for t in args.prompt_token_ids.split(",")]
     checks = asyncio.run(check_worker(args.nats_url, args.namespace, args.worker_id, prompt=prompt,
-                                      timeout_s=args.timeout_s, drain=args.drain))
+                                      prompt_text=args.prompt_text, timeout_s=args.timeout_s, drain=args.drain))
     for check in checks:
         print(check.line())
     failed = sum(c.outcome == "FAIL" for c in checks)
@@ -64,7 +75,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def check_worker(nats_url: str, namespace: str, worker_id: str, *, prompt: list[int],
-                       timeout_s: float = 60.0, drain: bool = False) -> list[Check]:
+                       prompt_text: str = DEFAULT_PROMPT_TEXT, timeout_s: float = 60.0,
+                       drain: bool = False) -> list[Check]:
+    """``prompt``: token ids, for a token worker; ``prompt_text``: for a text worker (``takes_text``)."""
     from shared.bus import Bus
     from shared.cli.errors import CliError
 
@@ -73,19 +86,21 @@ async def check_worker(nats_url: str, namespace: str, worker_id: str, *, prompt:
     except ConnectionError as exc:  # one line naming the server (its password redacted)
         raise CliError(str(exc)) from None
     try:
-        return await _Checker(bus, namespace, worker_id, prompt, timeout_s).run(drain)
+        return await _Checker(bus, namespace, worker_id, prompt, timeout_s, prompt_text).run(drain)
     finally:
         await bus.close()
 
 
 class _Checker:
-    def __init__(self, bus, namespace: str, worker_id: str, prompt: list[int], timeout_s: float) -> None:
+    def __init__(self, bus, namespace: str, worker_id: str, prompt: list[int], timeout_s: float,
+                 prompt_text: str = DEFAULT_PROMPT_TEXT) -> None:
         from shared.protocol import Subjects
 
         self.bus = bus
         self.subjects = Subjects(namespace)
         self.bucket = self.subjects.workers_bucket
         self.worker_id, self.prompt, self.timeout_s = worker_id, prompt, timeout_s
+        self.prompt_text = prompt_text
         self.info = None  # WorkerInfo once the registry check passed
 
     async def run(self, drain: bool) -> list[Check]:
@@ -136,14 +151,12 @@ class _Checker:
             raise _Skip(f"role {info.role!r}: these checks are for decode workers")
         if info.state != "ready":
             raise Failed(f"state {info.state!r}, not 'ready'")
-        try:
-            namespace = bytes.fromhex(info.kv_namespace_hex)
-        except ValueError:
-            raise Failed(f"kv_namespace_hex {info.kv_namespace_hex[:40]!r} is not hex") from None
         self.info = info
-        note = "" if namespace == make_namespace(info.model) else \
-            f"; note: its KV namespace is not the engine's for model {info.model!r} (prefix hashes differ)"
-        return f"model {info.model!r}, block size {info.block_size}, max_num_seqs {info.max_num_seqs}{note}"
+        if info.takes_text:  # no token ids reach it: its KV namespace names nothing Tandem hashes
+            return f"text worker, model {info.model!r}, max_model_len {info.max_model_len}, " \
+                   f"max_num_seqs {info.max_num_seqs}"
+        return f"model {info.model!r}, block size {info.block_size}, max_num_seqs {info.max_num_seqs}" + \
+            namespace_note(info.kv_namespace_hex, make_namespace(info.model), info.model)
 
     async def heartbeat(self) -> str:
         kv = await self._kv()
@@ -165,12 +178,17 @@ class _Checker:
         return self.info
 
     # -- generation --------------------------------------------------------------------------------
-    def _stream(self, max_tokens: int):
-        """(request, its stream of TokenChunks) on the subject the worker registered."""
+    def _stream(self, max_tokens: int, text_form: str = "chat"):
+        """(request, its stream of TokenChunks) on the subject the worker registered: the token
+        prompt, or for a text worker the text prompt as a user message (``chat``) or as
+        ``prompt_text`` (``completion``), as the gateway sends them."""
         from shared.protocol import Endpoint, GenerateRequest, SamplingParams, TokenChunk
 
-        request = GenerateRequest(request_id=f"check-{uuid.uuid4().hex[:12]}", model=self.info.model,
-                                  prompt_token_ids=self.prompt,
+        prompt: dict = {"prompt_token_ids": self.prompt}
+        if self.info.takes_text:
+            prompt = {"messages": [{"role": "user", "content": self.prompt_text}]} if text_form == "chat" else \
+                {"prompt_text": self.prompt_text}
+        request = GenerateRequest(request_id=f"check-{uuid.uuid4().hex[:12]}", model=self.info.model, **prompt,
                                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         endpoint = Endpoint(self.info.generate_subject, GenerateRequest, TokenChunk)
         return request, self.bus.stream(endpoint, request, first_timeout_s=self.timeout_s,
@@ -203,7 +221,9 @@ class _Checker:
         return chunks
 
     async def generation(self) -> str:
-        self._need_info()
+        info = self._need_info()
+        if info.takes_text:
+            return "; ".join([await self._text_generation("chat"), await self._text_generation("completion")])
         max_tokens = 8
         chunks = await self._read_stream(*self._stream(max_tokens))
         if not chunks:
@@ -218,13 +238,36 @@ class _Checker:
                          f"{chunks[-1].finish_reason!r} (want {max_tokens}, 'length')")
         return f"{len(chunks)} chunks, {num_tokens} tokens, finish_reason 'length', end marker"
 
+    async def _text_generation(self, form: str) -> str:
+        """A text worker's answer to a chat request or a completion: text, within ``max_tokens``."""
+        max_tokens = 8
+        try:
+            chunks = await self._read_stream(*self._stream(max_tokens, form))
+        except Failed as exc:
+            raise Failed(f"{form} ({_TEXT_FIELD[form]}): {exc}") from None
+        if not chunks:
+            raise Failed(f"{form}: the end marker came before any chunk")
+        last = chunks[-1].finish_reason
+        if last is None:
+            raise Failed(f"{form}: the end marker came before a chunk with a finish_reason")
+        if last == "abort":
+            raise Failed(f"{form}: finish_reason 'abort' for a request nobody cancelled")
+        if not "".join(c.text or "" for c in chunks):
+            raise Failed(f"{form} ({_TEXT_FIELD[form]}): no text in any chunk (a text worker answers in "
+                         f"TokenChunk.text)")
+        num_tokens = sum(text_chunk_tokens(c) for c in chunks)
+        if num_tokens > max_tokens:
+            raise Failed(f"{form}: {num_tokens} tokens (as usage counts them) for max_tokens {max_tokens}")
+        return f"{form}: {len(chunks)} chunks of text, finish_reason {last!r}, end marker"
+
     async def cancel(self) -> str:
         from shared.protocol import CancelRequest, Endpoint
 
         self._need_info()
         if not self.info.cancel_subject:
             raise Failed("the registry entry has no cancel_subject")
-        max_tokens = min(512, max(64, self.info.max_model_len - len(self.prompt) - 1))
+        prompt_len = 0 if self.info.takes_text else len(self.prompt)
+        max_tokens = min(512, max(64, self.info.max_model_len - prompt_len - 1))
         request, stream = self._stream(max_tokens)
 
         async def cancel_now() -> None:
@@ -232,10 +275,14 @@ class _Checker:
                 request_id=request.request_id, reason="tandem worker-check: cancel test"))
 
         chunks = await self._read_stream(request, stream, on_first=cancel_now)
-        num_tokens = sum(len(c.token_ids) for c in chunks)
+        num_tokens = sum(text_chunk_tokens(c) if self.info.takes_text else len(c.token_ids) for c in chunks)
+        last = chunks[-1].finish_reason if chunks else None
+        if self.info.takes_text and last == "stop" and num_tokens < max_tokens:
+            # ignore_eos may be more than a text worker's model can honour: a short answer ends first
+            raise _Skip(f"the answer ended on its own (finish_reason 'stop' after {len(chunks)} chunks) before the "
+                        f"cancel could show: give a --prompt-text with a longer answer")
         if num_tokens >= max_tokens:
             raise Failed(f"all {max_tokens} tokens came after a cancel sent on the first chunk")
-        last = chunks[-1].finish_reason if chunks else None
         if last not in ("abort", None):
             raise Failed(f"the cancelled request ended with finish_reason {last!r} (want 'abort')")
         return f"stopped after {num_tokens} of {max_tokens} tokens" + (", finish_reason 'abort'" if last else "")
@@ -322,3 +369,26 @@ class _Checker:
 
 class _Skip(Exception):
     pass
+
+
+_TEXT_FIELD = {"chat": "messages", "completion": "prompt_text"}
+
+
+def text_chunk_tokens(chunk) -> int:
+    """A text worker's chunk as the gateway's usage counts it: its token ids, else one token when
+    it carries text."""
+    return len(chunk.token_ids) if chunk.token_ids else int(chunk.text is not None)
+
+
+def namespace_note(kv_namespace_hex: str, engine_namespace: bytes, model: str) -> str:
+    """What ``kv_namespace_hex`` means for prefix-aware routing, as a note to the registry check
+    ("" when it is the engine's namespace for ``model``). Never a failure: the gateway serves the
+    worker either way, and without the engine's namespace routes its requests on load alone."""
+    try:
+        namespace = bytes.fromhex(kv_namespace_hex)
+    except ValueError:
+        return (f"; note: kv_namespace_hex {kv_namespace_hex[:40]!r} is not hex: the gateway computes no "
+                f"block hashes with it and routes this worker's requests on load alone")
+    if namespace == engine_namespace:
+        return ""
+    return f"; note: its KV namespace is not the engine's for model {model!r} (prefix hashes differ)"

@@ -34,8 +34,10 @@ def build_generate_request(api: ApiAdapter, prompt_ids: list[int], *, tier: str,
                                        default_max_tokens, prompt_param=api.prompt_param)
     check_logit_bias(body, api.tokenizer.vocab_size)
     check_grammar(body)
+    sampling = sampling_params(body, max_tokens).model_copy(
+        update={"eos_token_ids": list(api.tokenizer.stop_token_ids)})  # the worker stops there, as the engine does
     return GenerateRequest(request_id=f"{api.id_prefix}-{uuid.uuid4().hex}", model=model,
-                           prompt_token_ids=prompt_ids, sampling=sampling_params(body, max_tokens),
+                           prompt_token_ids=prompt_ids, sampling=sampling,
                            block_hashes=prompt_block_hashes(prompt_ids, workers), tier=tier,
                            priority=priority, created_at=now)
 

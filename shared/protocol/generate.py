@@ -33,6 +33,11 @@ class SamplingParams(WireModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = Field(1.0, gt=0.0)
     stop_token_ids: list[int] = Field(default_factory=list)
+    # filled by the gateway from the tokenizer that made the prompt's ids (the engine's own stop set)
+    eos_token_ids: list[int] = Field(default_factory=list, description=(
+        "The model's end-of-sequence token ids: a token worker ends the request with finish_reason 'stop' "
+        "after generating one of them, unless ignore_eos. Empty: not given (a text request, an older "
+        "sender): the worker uses what it knows of its model."))
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     logit_bias: dict[int, float] | None = None  # token id → added to its logit; -100 bans it

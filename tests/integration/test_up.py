@@ -138,8 +138,10 @@ def test_up_with_no_workers_serves_a_worker_of_your_own(tmp_path):
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.headers["X-Tandem-Worker"] == "echo-byo"
             assert json.load(resp)["usage"]["completion_tokens"] == 5
-        def status_listing_echo() -> str | None:
-            status = subprocess.run([sys.executable, "-m", "shared.cli.main", "status", "--url", base],
+        assert env["TANDEM_GATEWAY_URL"] == base  # so that `tandem status` finds a gateway off port 8000
+
+        def status_listing_echo() -> str | None:  # no --url: from connect.env's TANDEM_GATEWAY_URL
+            status = subprocess.run([sys.executable, "-m", "shared.cli.main", "status"], env={**os.environ, **env},
                                     capture_output=True, text=True, timeout=30)
             assert status.returncode == 0, status.stderr
             return status.stdout if "echo-byo" in status.stdout else None

@@ -1,7 +1,7 @@
 """Every request parameter of ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``
 and what Tandem does with it: implemented, accepted and ignored (it has no meaning here), or refused with a 400 naming
 it. A parameter no table lists is refused too ("Unrecognized request argument", as OpenAI does), so
-nothing a client sends is silently dropped. The README's table is ``markdown_table()``.
+nothing a client sends is silently dropped. docs/api.md's table is ``markdown_table()``.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def check_fields(data: Mapping[str, Any], rules: Mapping[str, FieldRule]) -> Non
 
 
 def markdown_table() -> str:
-    """The README's table: every parameter of the three endpoints with its status."""
+    """docs/api.md's table: every parameter of the three endpoints with its status."""
     tables = (CHAT_FIELDS, COMPLETION_FIELDS, RESPONSES_FIELDS)
     names = list(dict.fromkeys(name for table in tables for name in table))
     rows = ["| parameter | chat | completions | responses | notes |", "|---|---|---|---|---|"]

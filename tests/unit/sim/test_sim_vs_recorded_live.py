@@ -2,11 +2,12 @@
 ``python -m loadtest.calibrate_sim`` run (loadtest/results/calibration/) are independent numbers,
 so the fit and the simulator are checked against them, not against themselves.
 
-The claim (README, loadtest/results/calibration/README.md): calibrated from measured step times,
-the simulator's TTFT and ITL p50 are within 25% of the live stack's under the same load. Here the
-fit is redone from the recorded step times, the recorded arrival schedule is simulated, and the
-result is compared with the recorded per-request live timings. A simulator or cost model off by
-2x fails; the short live run that re-measures everything is tests/integration/test_sim_vs_live.py.
+The claim (loadtest/results/README.md, loadtest/results/calibration/README.md): calibrated from
+measured step times, the simulator's TTFT and ITL p50 are within 25% of the live stack's under the
+same load. Here the fit is redone from the recorded step times, the recorded arrival schedule is
+simulated, and the result is compared with the recorded per-request live timings. A simulator or
+cost model off by 2x fails; the short live run that re-measures everything is
+tests/integration/test_sim_vs_live.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from shared.planner.costmodel import (DecodeSample, Efficiency, GroupHardware, P
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "loadtest" / "results" / "calibration"
-TOLERANCE = 0.25            # the README's claim for the p50s
+TOLERANCE = 0.25            # loadtest/results/README.md's claim for the p50s
 PREFILL_STEP_TOLERANCE = 0.15
 
 

@@ -114,7 +114,7 @@ def _engine_families(stats: EngineStats) -> Iterable[Metric]:
     yield counter("tandem_worker_cached_prompt_tokens", "prompt tokens found in the prefix cache",
                   stats.num_cached_prompt_tokens)
     yield counter("tandem_worker_generated_tokens", "tokens sampled", stats.num_generated_tokens)
-    yield counter("tandem_worker_preemptions", "requests preempted for lack of KV blocks", stats.num_preemptions)
+    yield counter("tandem_worker_preemptions", "requests preempted: for lack of KV blocks, or their slot taken by a request of higher priority", stats.num_preemptions)
     yield counter("tandem_engine_steps", "model steps", stats.num_steps)
     if stats.num_draft_tokens:
         yield counter("tandem_worker_spec_draft_tokens", "speculative decoding: draft tokens verified",

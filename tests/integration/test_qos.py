@@ -93,19 +93,25 @@ class Streamed(threading.Thread):
         super().__init__(daemon=True)
         self.args = (stack, tier, prompt, max_tokens)
         self.first_token_at: float | None = None
+        self.done_at: float | None = None
         self.status: int | None = None
         self.text = ""
+        self.num_tokens: int | None = None  # from the stream's usage
 
     def run(self) -> None:
-        resp = post(*self.args, stream=True)
+        resp = post(*self.args, stream=True, stream_options={"include_usage": True})
         self.status = resp.status
         for raw in resp:
             line = raw.decode().strip()
             if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"]
+                event = json.loads(line[6:])
+                choice = event["choices"]
+                if event.get("usage"):
+                    self.num_tokens = event["usage"]["completion_tokens"]
                 if choice and choice[0]["text"] and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 self.text += choice[0]["text"] if choice else ""
+        self.done_at = time.monotonic()
 
 
 def test_a_later_premium_request_runs_before_queued_batch_requests(stack):
@@ -124,6 +130,22 @@ def test_a_later_premium_request_runs_before_queued_batch_requests(stack):
         assert not t.is_alive() and t.status == 200, (t.args[1:], t.status)
     assert premium.first_token_at < min(t.first_token_at for t in queued), \
         "the premium request arrived last but must be scheduled before the waiting batch requests"
+
+
+def test_a_premium_request_takes_the_slot_of_a_running_batch_request(stack):
+    """The worker runs one sequence at a time: a premium request arriving while a long batch
+    request runs preempts it (the batch request gives up its slot and recomputes later from its
+    cached prefix) instead of waiting for its 300 tokens; the batch request still ends whole."""
+    long = Streamed(stack, "batch", "Count the waves, one by one:", 300)
+    long.start()
+    wait_for(lambda: long.first_token_at, 60, "the batch request to run")
+    premium = Streamed(stack, "premium", "A premium question about the moon:", 4)
+    premium.start()
+    for t in (premium, long):
+        t.join(300)
+        assert not t.is_alive() and t.status == 200, (t.args[1:], t.status)
+    assert premium.done_at < long.done_at, "the premium request waited for the running batch request to end"
+    assert long.num_tokens == 300  # preempted, resumed, and not cut short
 
 
 def test_admitted_responses_carry_the_prediction_and_tier(stack):

@@ -5,8 +5,10 @@ function enforced under ``tool_choice: auto``; a forced call cut off by the toke
 returned as calls, with finish_reason ``length``. Stored responses as agents use them: retrieve,
 ``previous_response_id`` (a second turn equal to the same history sent whole), ``input_items``,
 delete, ``store: false``, background polled and cancelled, read back by a second store on the same
-NATS, and a background response whose gateway is gone reported failed. One stack (one decode
-worker) for the module."""
+NATS, and a background response whose gateway is gone reported failed. langchain-openai's
+``ChatOpenAI`` and litellm's ``completion``, as they come and with no network beyond loopback: forced
+tool calls on every prompt, streamed and not, a tool's result sent back, plain text. One stack (one
+decode worker) for the module."""
 
 from __future__ import annotations
 
@@ -262,3 +264,131 @@ def test_background_responses_are_polled_cancelled_and_failed_when_their_gateway
     store_call(stack, lambda store: store.create(orphan))
     failed = client.responses.retrieve(orphan.id)
     assert failed.status == "failed" and "stopped" in failed.error.message
+
+
+# prompts a forced call must answer with a call whatever they ask (the last two name no city)
+FORCED_PROMPTS = ("What is the weather in Paris?", "Is it raining in Tokyo today?", "Tell me a joke.",
+                  "Which should I pack, an umbrella or sunglasses?")
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Sockets of this process resolve and reach loopback only (the stack); a name or address
+    beyond it that a client library tries is refused and listed, and the test fails on it (even
+    where the library swallows the error): it must need no network."""
+    import ipaddress
+    import socket
+
+    refused: list[object] = []
+    connect, getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+    def loopback(host) -> bool:
+        try:
+            return host is None or host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    def loopback_only(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not loopback(address[0]):
+            refused.append(address)
+            raise OSError(f"no network in this test: {address}")
+        return connect(sock, address)
+
+    def resolve_loopback_only(host, *args, **kwargs):
+        if not loopback(host.decode() if isinstance(host, bytes) else host):
+            refused.append(host)
+            raise socket.gaierror(socket.EAI_NONAME, f"no network in this test: {host}")
+        return getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", loopback_only)
+    monkeypatch.setattr(socket, "getaddrinfo", resolve_loopback_only)
+    yield
+    assert not refused, f"tried to reach {refused}"
+
+
+def test_langchain_chat_openai_binds_a_tool_and_answers_text(stack, offline):
+    """langchain-openai's ``ChatOpenAI`` as an agent uses it: ``bind_tools(..., tool_choice="any")``
+    with the schema langchain writes (no ``additionalProperties``) answers every prompt with a call
+    of the tool whose arguments fit that schema (each call whole under ``parallel_tool_calls: false``;
+    with parallel calls the first is whole, a last one may be cut off by the token limit), the tool's
+    output goes back as a ``ToolMessage``, and a plain ``invoke`` answers in text."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        return f"Sunny in {city}"
+
+    def chat(max_tokens: int) -> ChatOpenAI:  # parallel calls run to the limit: two whole calls fit in 40
+        return ChatOpenAI(base_url=stack.base_url + "/v1", api_key="unused", model=MODEL, temperature=0,
+                          max_tokens=max_tokens, max_retries=0, timeout=300)
+
+    llm = chat(40)
+    forced = llm.bind_tools([get_weather], tool_choice="any")
+    schema = forced.kwargs["tools"][0]["function"]["parameters"]
+    assert forced.kwargs["tool_choice"] == "required" and "additionalProperties" not in schema, forced.kwargs
+    single = llm.bind_tools([get_weather], tool_choice="any", parallel_tool_calls=False)
+    for prompt in FORCED_PROMPTS:
+        reply = forced.invoke(prompt)
+        finish = reply.response_metadata["finish_reason"]
+        assert reply.tool_calls and finish in ("tool_calls", "length"), (prompt, reply)
+        whole = reply.tool_calls if finish == "tool_calls" else reply.tool_calls[:1]
+        assert all(call["name"] == "get_weather" for call in reply.tool_calls + reply.invalid_tool_calls), reply
+        for call in whole:
+            assert isinstance(call["args"], dict) and violation(call["args"], schema) is None, (prompt, call)
+            assert set(call["args"]) == {"city"}, (prompt, call)
+
+        reply = single.invoke(prompt)
+        assert reply.response_metadata["finish_reason"] == "tool_calls" and not reply.invalid_tool_calls, reply
+        [call] = reply.tool_calls
+        assert call["name"] == "get_weather" and call["id"], (prompt, call)
+        assert isinstance(call["args"], dict) and violation(call["args"], schema) is None, (prompt, call)
+        assert set(call["args"]) == {"city"}, (prompt, call)
+
+    # the last call's result back to the model, as langchain sends it (an assistant turn with
+    # tool_calls, then a tool turn): an answer in text or a further call
+    history = [HumanMessage(prompt), reply, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = chat(40).bind_tools([get_weather]).invoke(history)
+    assert isinstance(answer, AIMessage) and (answer.content or answer.tool_calls), answer
+    assert all(call["name"] == "get_weather" for call in answer.tool_calls), answer
+
+    text = chat(12).invoke("Say hello in one short sentence.")
+    assert isinstance(text.content, str) and text.content.strip() and not text.tool_calls, text
+    assert text.response_metadata["finish_reason"] in ("stop", "length"), text.response_metadata
+
+
+@pytest.mark.filterwarnings("ignore:Items? .* the `ReadOnly` qualifier:UserWarning")  # litellm's types, at import
+def test_litellm_completion_forces_a_tool_call_streamed_and_not(stack, offline, monkeypatch):
+    """litellm's ``completion`` with an ``openai/`` model and ``api_base``: ``tool_choice: required``
+    answers every prompt with calls of the declared tool (the first whole and fitting its schema;
+    all of them when the output ended by itself), and once streamed. litellm fetches its model cost
+    map from the internet at import unless ``LITELLM_LOCAL_MODEL_COST_MAP`` is set; it counts tokens
+    with tiktoken files it ships (it points ``TIKTOKEN_CACHE_DIR`` at them), so nothing downloads,
+    and the stream asks for ``include_usage`` so the usage it reports is the server's, not a count
+    of litellm's. ``offline`` fails the test on any connection beyond loopback."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm = pytest.importorskip("litellm")
+    common = dict(model=f"openai/{MODEL}", api_base=stack.base_url + "/v1", api_key="unused", tools=[CHAT_WEATHER],
+                  tool_choice="required", temperature=0, max_tokens=40, num_retries=0, timeout=300)
+    for prompt in FORCED_PROMPTS:
+        reply = litellm.completion(messages=[{"role": "user", "content": prompt}], **common)
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls
+        assert calls and choice.finish_reason in ("tool_calls", "length"), (prompt, reply)
+        assert all(c.function.name == "get_weather" and c.id for c in calls), calls
+        for c in calls if choice.finish_reason == "tool_calls" else calls[:1]:
+            assert violation(json.loads(c.function.arguments), OPEN_CITY) is None, (prompt, c)
+            assert set(json.loads(c.function.arguments)) == {"city"}, (prompt, c)
+
+    chunks = list(litellm.completion(messages=[{"role": "user", "content": "Weather in Oslo?"}], stream=True,
+                                     stream_options={"include_usage": True}, parallel_tool_calls=False, **common))
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks), chunks
+    built = litellm.stream_chunk_builder(chunks)
+    [call] = built.choices[0].message.tool_calls
+    assert built.choices[0].finish_reason == "tool_calls", built
+    assert call.function.name == "get_weather" and violation(json.loads(call.function.arguments), OPEN_CITY) is None
+    assert set(json.loads(call.function.arguments)) == {"city"}, call
+    assert built.usage.completion_tokens and built.usage.prompt_tokens > 50, built.usage  # the server's counts

@@ -1,5 +1,5 @@
 """Agent clients unchanged, on the real SmolLM2 through the official ``openai`` client (and
-openai-agents' default model, ``OpenAIResponsesModel``, where it is installed): function tools on
+openai-agents' default model, ``OpenAIResponsesModel``): function tools on
 ``/v1/responses``, streamed and not, with the ``function_call_output`` round trip; a ``strict``
 function enforced under ``tool_choice: auto``; a forced call cut off by the token limit still
 returned as calls, with finish_reason ``length``. Stored responses as agents use them: retrieve,
@@ -133,7 +133,7 @@ def test_a_forced_call_without_additional_properties_has_only_the_schemas_keys(c
 
 
 def test_openai_agents_runs_an_agent_with_a_function_tool(stack):
-    agents = pytest.importorskip("agents")
+    import agents  # a declared test dependency: missing, the test fails rather than skips
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
 
     agents.set_tracing_disabled(True)
@@ -312,7 +312,6 @@ def test_langchain_chat_openai_binds_a_tool_and_answers_text(stack, offline):
     of the tool whose arguments fit that schema (each call whole under ``parallel_tool_calls: false``;
     with parallel calls the first is whole, a last one may be cut off by the token limit), the tool's
     output goes back as a ``ToolMessage``, and a plain ``invoke`` answers in text."""
-    pytest.importorskip("langchain_openai")
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -370,7 +369,7 @@ def test_litellm_completion_forces_a_tool_call_streamed_and_not(stack, offline, 
     and the stream asks for ``include_usage`` so the usage it reports is the server's, not a count
     of litellm's. ``offline`` fails the test on any connection beyond loopback."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    litellm = pytest.importorskip("litellm")
+    import litellm  # after the cost-map setting: its import reads it
     common = dict(model=f"openai/{MODEL}", api_base=stack.base_url + "/v1", api_key="unused", tools=[CHAT_WEATHER],
                   tool_choice="required", temperature=0, max_tokens=40, num_retries=0, timeout=300)
     for prompt in FORCED_PROMPTS:

@@ -13,6 +13,7 @@ from typing import Protocol
 from aiohttp import web
 
 from services.gateway.metrics import GatewayMetrics
+from shared.protocol.status import StatusPage
 
 STATIC_DIR = Path(__file__).parent / "static"
 HISTORY_STEP_S = 5
@@ -21,7 +22,7 @@ HISTORY_STEP_S = 5
 class StatusSource(Protocol):
     metrics: GatewayMetrics
 
-    async def cluster_status(self) -> dict:
+    async def cluster_status(self) -> StatusPage:
         """What ``/status`` answers."""
 
 
@@ -39,6 +40,6 @@ def add_dashboard_routes(app: web.Application, source: StatusSource) -> None:
 
 async def dashboard_data(source: StatusSource, now: float) -> dict:
     series = source.metrics.series
-    return {"now": now, "status": await source.cluster_status(), "step_s": HISTORY_STEP_S,
+    return {"now": now, "status": (await source.cluster_status()).model_dump(mode="json"), "step_s": HISTORY_STEP_S,
             "series": [dataclasses.asdict(p) for p in series.points(now, HISTORY_STEP_S)],
             "rejected_total": dict(series.rejected_total)}

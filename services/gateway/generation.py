@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -28,6 +29,7 @@ from shared.bus import Bus, BusTimeout, Disconnected, MalformedReply, NoResponde
 from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
+from shared.policy.attempts import MAX_ADMISSIONS, Attempts, Failure, Next, next_attempt
 from shared.protocol import AdmissionDecision, CancelRequest, GenerateRequest, Subjects, TokenChunk
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.config import GatewaySettings
@@ -35,8 +37,6 @@ from services.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-_MAX_ATTEMPTS = 3     # admissions per start: a worker may drain or die between admission and us
-_MAX_MIGRATIONS = 2   # worker losses survived per request
 _WATCH_INTERVAL_S = 0.5
 _NO_WORKER = ("unavailable", "worker_unavailable")  # ApiError codes worth waiting out after a loss
 
@@ -101,14 +101,16 @@ class Generation:
         started = time.monotonic()
         try:
             await self._open(self.request)
-        except ApiError as exc:
-            if not self._has_lost_worker or exc.code not in _NO_WORKER:
+        except ApiError as exc:  # no worker: waited out (by _reopen) if one was lost, else the answer
+            waits = Attempts(wait_until=math.inf if self._has_lost_worker else None)
+            if exc.code not in _NO_WORKER or next_attempt(time.monotonic(), Failure.NO_WORKER, waits) is Next.FAIL:
                 raise
             await self._reopen(self.request, str(exc))
         self._metrics.observe_ttft(time.monotonic() - started, self.request.tier)
 
     async def _open(self, request: GenerateRequest) -> None:
-        for attempt in range(_MAX_ATTEMPTS):
+        for attempt in range(1, MAX_ADMISSIONS + 1):  # every failure below ends the loop or asks again
+            tries = Attempts(num_admissions=attempt)
             request = self._excluding(request)
             decision = await self._admit(request)
             worker_id = decision.worker_id
@@ -124,27 +126,27 @@ class Generation:
                 self._first = await self._first_chunk(worker_id, started_at)
             except WorkerMisbehaved as exc:
                 await self._misbehaved(exc, request.request_id)
-                if attempt + 1 == _MAX_ATTEMPTS:
+                if next_attempt(time.monotonic(), Failure.MISBEHAVED, tries) is Next.FAIL:
                     raise self._bad_worker_error() from None
                 continue
             except (WorkerLost, Disconnected) as exc:  # e.g. died during a long (remote) prefill: nothing sent yet
                 self._has_lost_worker = True
                 await self._cancel(worker_id, request.request_id)
-                if attempt + 1 == _MAX_ATTEMPTS:
+                if next_attempt(time.monotonic(), Failure.LOST, tries) is Next.FAIL:
                     raise ApiError(503, str(exc), code="worker_unavailable", retry_after_s=1.0) from None
                 log.info("%s: %s before the first token; admitting again", request.request_id, exc)
                 continue
             except (NoResponders, RemoteError) as exc:
-                if exc.code == "bad_request":
+                if exc.code == "bad_request":  # Failure.BAD_REQUEST: the client's to fix
                     raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None
                 self._has_lost_worker = True
-                if attempt + 1 == _MAX_ATTEMPTS:
+                if next_attempt(time.monotonic(), Failure.REFUSED, tries) is Next.FAIL:
                     raise ApiError(503, f"decode worker {worker_id} failed: {exc.message}",
                                    code="worker_unavailable", retry_after_s=1.0) from None
                 log.info("%s: worker %s: %s; admitting again", request.request_id, worker_id, exc.message)
-                await asyncio.sleep(self._settings.refresh_interval_s)  # let views drop the worker
+                await asyncio.sleep(self._settings.refresh_interval_s)  # Next.WAIT: let views drop the worker
                 continue
-            except BusTimeout:
+            except BusTimeout:  # Failure.TIMEOUT: the request fails
                 await self._cancel(worker_id, request.request_id)
                 raise ApiError(504, f"no token within {self._settings.request_timeout_s:g}s",
                                code="timeout") from None
@@ -254,13 +256,21 @@ class Generation:
         try:
             return await self._next_from_worker()
         except WorkerLost as exc:
-            if isinstance(exc, WorkerMisbehaved):
+            misbehaved = isinstance(exc, WorkerMisbehaved)
+            if misbehaved:
                 await self._misbehaved(exc, self._current.request_id)
-            if self._num_migrations >= _MAX_MIGRATIONS:
-                if isinstance(exc, WorkerMisbehaved):
-                    raise self._bad_worker_error() from None
-                raise ApiError(502, f"lost {self._num_migrations + 1} workers: {exc}") from None
-            return await self._migrate(str(exc), cancelled=isinstance(exc, WorkerMisbehaved))
+            tries = Attempts(num_migrations=self._num_migrations, streaming=True, is_text=self.request.is_text)
+            failure = Failure.MISBEHAVED if misbehaved else Failure.LOST
+            if next_attempt(time.monotonic(), failure, tries) is Next.MIGRATE:
+                return await self._migrate(str(exc), cancelled=misbehaved)
+            if self.request.is_text:  # its text so far cannot become another worker's prompt
+                if not misbehaved:
+                    await self._cancel(self.worker_id, self._current.request_id, "lost mid-stream")
+                raise ApiError(502, f"text worker {self.worker_id} lost mid-stream: {exc}",
+                               code="worker_lost") from None
+            if misbehaved:
+                raise self._bad_worker_error() from None
+            raise ApiError(502, f"lost {self._num_migrations + 1} workers: {exc}") from None
 
     async def _watched(self, worker_id: str, started_at: float | None) -> TokenChunk:
         """The stream's next chunk, raising WorkerLost if the worker leaves the registry meanwhile
@@ -298,13 +308,9 @@ class Generation:
         except RemoteError as exc:
             if exc.code == "rejected":
                 raise WorkerLost(f"worker {self.worker_id}: {exc.message}") from None
-            raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None
+            raise ApiError(502, f"worker failed mid-stream: {exc.message}") from None  # Failure.FAILED
 
     async def _migrate(self, why: str, *, cancelled: bool = False) -> TokenChunk:
-        if self.request.is_text:  # its text so far cannot become another worker's prompt
-            if not cancelled:
-                await self._cancel(self.worker_id, self._current.request_id, "lost mid-stream")
-            raise ApiError(502, f"text worker {self.worker_id} lost mid-stream: {why}", code="worker_lost")
         self._num_migrations += 1
         self._metrics.observe_migration()
         if not cancelled:
@@ -333,7 +339,9 @@ class Generation:
                 return
             except ApiError as exc:  # admission's view may lag ours, NATS may be reconnecting: ask
                 # again until the deadline
-                if exc.code not in _NO_WORKER + ("admission_unavailable",) or time.monotonic() >= deadline:
+                waits = Attempts(wait_until=deadline)
+                if exc.code not in _NO_WORKER + ("admission_unavailable",) or \
+                        next_attempt(time.monotonic(), Failure.NO_WORKER, waits) is Next.FAIL:
                     raise
                 await asyncio.sleep(self._settings.refresh_interval_s)
 

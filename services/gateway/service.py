@@ -31,7 +31,9 @@ from shared.openai_api.generate_request import (DEADLINE_HEADER, build_generate_
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.responses.store import ResponseStore
-from shared.protocol import ClusterStatusRequest, GenerateRequest, OriginAlive, OriginPing, Subjects, WorkerInfo
+from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, GenerateRequest, OriginAlive, OriginPing,
+                             ServiceInfo, Subjects, WorkerInfo, WorkerStatus)
+from shared.protocol.status import GatewayState, StatusPage
 from shared.runtime.service import (bus_connection, every, published_metrics, serve_until_stopped,
                                     service_instance_id)
 from shared.telemetry import tracing
@@ -235,34 +237,33 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.cluster_status())
+        return web.json_response((await self.cluster_status()).model_dump(mode="json"))
 
-    async def cluster_status(self) -> dict:
+    async def cluster_status(self) -> StatusPage:
         """The autoscaler's cluster view (the registry alone when it does not answer), every
         service's metrics address, and the gateway's own state: ``/status`` and the dashboard."""
+        gateway = GatewayState(in_flight=self.metrics.num_in_flight, models=self.served_models(),
+                               num_restarts=self.settings.num_restarts,
+                               urls=self.settings.gateway_urls.split(",") if self.settings.gateway_urls else [],
+                               nats_url=redact_url(self.settings.nats_url),
+                               redis_url=redact_url(self.settings.redis_url or ""))
         try:
             view = await self.bus.request(self.subjects.cluster_status(), ClusterStatusRequest(),
                                           timeout_s=self.settings.status_timeout_s)
-            body = {"source": "autoscaler", **view.model_dump(mode="json")}
+            source = "autoscaler"
         except ServiceError as exc:  # autoscaler down: the registry alone, without load
-            body = {"source": f"registry ({exc.message})", "timestamp": time.time(),
-                    "workers": [{"info": w.model_dump(mode="json"), "load": None, "load_age_s": None}
-                                for w in self.workers]}
-        body["gateway"] = {"in_flight": self.metrics.num_in_flight, "models": self.served_models(),
-                           "num_restarts": self.settings.num_restarts,
-                           "urls": self.settings.gateway_urls.split(",") if self.settings.gateway_urls else [],
-                           "nats_url": redact_url(self.settings.nats_url),
-                           "redis_url": redact_url(self.settings.redis_url or "")}
-        body["services"] = await self._services()
-        return body
+            source = f"registry ({exc.message})"
+            view = ClusterStatusResult(timestamp=time.time(),
+                                       workers=[WorkerStatus(info=w, load=None, load_age_s=None) for w in self.workers])
+        return StatusPage(**dict(view), source=source, gateway=gateway, services=await self._services())
 
-    async def _services(self) -> list[dict]:
+    async def _services(self) -> list[ServiceInfo]:
         """Every process in the service directory; empty if NATS cannot say (the status page
         shows the rest all the same)."""
         if self.services is None:
             return []
         try:
-            return [s.model_dump(mode="json") for s in await self.services.list()]
+            return list(await self.services.list())
         except Exception as exc:  # noqa: BLE001 — NATS reconnecting: the status without them
             log.warning("service directory unavailable: %s", exc)
             return []

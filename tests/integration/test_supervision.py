@@ -16,7 +16,8 @@ from http.client import HTTPConnection
 
 import pytest
 
-from services.gateway.__main__ import StatusPage, format_status
+from shared.cli.status import format_status
+from shared.protocol.status import StatusPage
 from shared.runtime.stack import StackSpec
 from shared.runtime.supervisor import Backoff
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for

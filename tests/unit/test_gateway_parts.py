@@ -12,7 +12,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from services.gateway.__main__ import StatusPage, format_status
+from shared.cli.status import format_status
+from shared.protocol.status import StatusPage
 from shared.cluster.view import ClusterView
 from shared.cluster.workers import ready_workers
 from shared.kvcache.hashing import hash_blocks

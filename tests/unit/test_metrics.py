@@ -210,19 +210,21 @@ def test_recent_mean_forgets_old_observations():
 
 async def test_dashboard_data_is_the_status_plus_the_history():
     from services.gateway.dashboard import HISTORY_STEP_S, dashboard_data
+    from shared.protocol.status import GatewayState, StatusPage
 
     class Source:
         def __init__(self) -> None:
             self.metrics = GatewayMetrics(clock=Clock(1000.0))
 
-        async def cluster_status(self) -> dict:
-            return {"workers": [{"info": {"worker_id": "w1"}}], "services": []}
+        async def cluster_status(self) -> StatusPage:
+            return StatusPage(timestamp=5.0, source="test", gateway=GatewayState(in_flight=2))
 
     source = Source()
     source.metrics.observe_ttft(0.25, "default")
     source.metrics.observe_rejected("bulk", "slo")
     data = await dashboard_data(source, 1000.0)
-    assert data["status"]["workers"] == [{"info": {"worker_id": "w1"}}]
+    assert data["status"] == StatusPage.model_validate(data["status"]).model_dump(mode="json")
+    assert data["status"]["source"] == "test" and data["status"]["gateway"]["in_flight"] == 2
     assert data["step_s"] == HISTORY_STEP_S and data["rejected_total"] == {"bulk": 1}
     assert data["series"][-1]["ttft_p50"] == 0.25 and data["series"][-2]["ttft_p50"] is None
     assert len(data["series"]) == source.metrics.series.horizon_s // HISTORY_STEP_S

@@ -19,9 +19,8 @@ code, dtype, int8 layers and SmoothQuant calibration) and compared with float32 
   on its batch-mates) and compared with float32's answer: the share of prompts answered token for
   token the same, and where the others first differ (the mean index of the first differing token).
 
-Precisions (``PRECISIONS``): float32, bfloat16 (the default on a CPU with native bf16), float16 (model
-dtype, no quantization); int8 (``--quantization int8``: float32 with W8A8 int8 linear layers,
-``shared/model/quant.py``);
+Precisions (``PRECISIONS``): float32, bfloat16, float16 (model dtype, no quantization); int8 (the
+default on a CPU with VNNI: float32 with W8A8 int8 linear layers, ``shared/model/quant.py``);
 bfloat16-int8. Variants of int8 that keep some linear layers in float32, to see which layers cost
 the most agreement (not engine options): int8-fp32-head (the LM head), int8-fp32-ends (the first
 and last decoder layers), int8-fp32-head-ends (both).

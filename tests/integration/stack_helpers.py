@@ -22,7 +22,7 @@ def tool_missing(reason: str):
 
 
 # Stack tests compare a stack's greedy text with reference_engine's token for token: both run in
-# float32 (int8 calibrates per process and so depends on thread count; bfloat16 is not row-exact).
+# float32 (the automatic CPU default, int8, calibrates per process and so depends on thread count).
 EXACT_PRECISION = {"dtype": "float32"}
 
 

@@ -82,13 +82,35 @@ def test_a_higher_priority_request_takes_the_slot_of_the_lowest_priority_runner(
     s.add_request(req("also-batch", 3, priority=2))   # same priority as the runners: waits
     out = step(s)
     assert out.preempted == ["batch-new"]            # the latest arrival of the lowest priority
-    assert [x.request.request_id for x in out.scheduled] == ["batch-old", "premium"]
+    # premium's prefill step leaves batch-old's decode row out (it decodes again the step after)
+    assert [x.request.request_id for x in out.scheduled] == ["premium"]
     assert [r.request_id for r in s.waiting] == ["batch-new", "also-batch"]
     backlog = s.backlog()  # what admission's slot-wait prediction reads, by priority
     assert (backlog.num_running, backlog.num_waiting) == ({2: 1, 0: 1}, {2: 2})
     s.kv.check_integrity()
     run_to_end(s)
     assert not s.requests and s.kv.pool.num_used_blocks == 0
+
+
+def test_a_step_prefilling_a_higher_priority_prompt_leaves_lower_priority_decode_rows_out():
+    s = make(num_blocks=64, max_seqs=8)
+    for rid, priority in (("premium-old", 0), ("batch-a", 2), ("batch-b", 2)):
+        s.add_request(req(rid, 3, max_tokens=8, priority=priority))
+    step(s)
+    assert {x.request.request_id for x in step(s).scheduled} == {"premium-old", "batch-a", "batch-b"}
+    s.add_request(req("standard", 5, priority=1))
+    out = step(s)
+    # the premium row decodes with the prompt; the batch rows wait this one step, then decode again
+    assert sorted((x.request.request_id, x.num_new_tokens) for x in out.scheduled) == [
+        ("premium-old", 1), ("standard", 5)]
+    assert s.requests["batch-a"].num_computed_tokens == 4 and len(s.requests["batch-a"].output_token_ids) == 2
+    assert {x.request.request_id for x in step(s).scheduled} == {"premium-old", "batch-a", "batch-b", "standard"}
+    # a prompt of the lowest priority leaves nobody out
+    s.add_request(req("batch-late", 4, priority=2))
+    assert len(step(s).scheduled) == 5
+    run_to_end(s)
+    s.kv.check_integrity()
+    assert not s.requests
 
 
 def test_abort_frees_everything():

@@ -2,7 +2,9 @@
 
 Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is rejected when
 
-1. its prompt is longer than any worker takes (``prompt_too_long``);
+1. its prompt is longer than any worker takes, or its own prefill alone takes longer than its tier's
+   TTFT SLO on the worker that would run it (``prompt_too_long``: no load shedding can fix it, so it
+   sheds no other tier);
 2. its tier already has ``max_queued`` requests waiting (``tier_queue_full``);
 3. a tier of higher priority was rejected for its SLO within ``shed_hold_s`` (``shedding``): a
    higher tier is never rejected while a lower one is admitted to the same capacity, so the
@@ -19,7 +21,10 @@ for KV memory or a sequence slot (``slot_wait_s``: the requests ahead beyond the
 work of the same or a higher priority is ahead: the engine and the prefill queue serve by
 priority, so higher-priority work that arrives while the request waits goes first too (``Inflow``
 measures it; a fluid estimate: the request is served when the prefill has done the backlog, its
-own tokens and what arrived above it meanwhile). A full batch delays it only by the running
+own tokens and what arrived above it meanwhile). Where the caller knows how long the prompt's own
+prefill takes on the one worker that will run it (``own_prefill_s``: a pool's rate is the sum of
+its workers', but one prompt is not split across them), that time replaces its own tokens' share
+of the fluid estimate. A full batch delays it only by the running
 requests of its own or a higher priority (the engine preempts a lower one for it). With no
 measured rate yet (a worker that has not prefilled) there is no prediction and the request is
 admitted. A rejection carries ``retry_after_s``: when the backlog ahead would have drained to the SLO.
@@ -57,6 +62,8 @@ class AdmissionInput:
                                           # priorities for the same prefill (``Inflow``)
     deadline_s: float | None = None    # the request must finish within this many seconds; None: no deadline
     max_output_tokens: int = 1         # its max_tokens: the longest it can run
+    own_prefill_s: float | None = None  # its own uncached tokens' prefill on the one worker that runs
+                                        # it; None: own tokens at ``prefill_tokens_per_s``
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,8 @@ def predict_ttft_s(inp: AdmissionInput) -> float | None:
     rate_left = inp.prefill_tokens_per_s - inp.preempting_tokens_per_s
     if rate_left <= 0:
         return math.inf  # higher priorities alone take the whole prefill
-    return (inp.queued_prefill_tokens + own) / rate_left + inp.transfer_s + inp.decode_wait_s
+    own_s = own / rate_left if inp.own_prefill_s is None else inp.own_prefill_s
+    return inp.queued_prefill_tokens / rate_left + own_s + inp.transfer_s + inp.decode_wait_s
 
 
 def predict_finish_s(inp: AdmissionInput, ttft_s: float | None) -> float | None:
@@ -188,6 +196,11 @@ class Admitter:
         if inp.prompt_tokens > cfg.max_prompt_tokens:
             return AdmissionDecision(False, f"prompt {inp.prompt_tokens} > {cfg.max_prompt_tokens} tokens",
                                      ttft, code="prompt_too_long")
+        slo = tier.ttft_slo_s
+        if slo is not None and inp.own_prefill_s is not None and inp.own_prefill_s > slo:
+            # infeasible however idle the cluster: not a miss that shedding lower tiers could fix
+            return AdmissionDecision(False, f"its prefill alone takes {inp.own_prefill_s:.2f}s > {inp.tier} "
+                                            f"SLO {slo:.2f}s", ttft, code="prompt_too_long")
         if tier.max_queued is not None and inp.queued_requests >= tier.max_queued:
             return self._reject(f"tier {inp.tier} has {inp.queued_requests} queued (max {tier.max_queued})",
                                 ttft, cfg.min_retry_after_s, "tier_queue_full")
@@ -202,7 +215,6 @@ class Admitter:
             return self._reject(f"tier {inp.tier} shed: ITL would reach {itl * 1000:.0f}ms, over the "
                                 f"{budget * 1000:.0f}ms budget of a higher tier", ttft, cfg.min_retry_after_s,
                                 "shedding")
-        slo = tier.ttft_slo_s
         if slo is not None and ttft is not None and ttft > slo:
             self._missed_at[tier.priority] = inp.now_s
             return self._reject(f"predicted TTFT {ttft:.2f}s > {inp.tier} SLO {slo:.2f}s", ttft, ttft - slo, "slo")

@@ -297,8 +297,11 @@ class Simulator:
         if remote:
             in_progress = self.queued_tokens - self.prefill_queue.total_tokens()
             queued, rate = in_progress + self.prefill_queue.tokens_ahead_of(priority), self._prefill_drain_tps()
+            own_s = min((p.prefill_times(inp - cached)[0] for p in self.workers
+                         if p.role == PREFILL and not p.draining), default=None)
         else:
-            rate = (inp - cached) / max(w.prefill_times(inp - cached)[0], 1e-9)
+            own_s = w.prefill_times(inp - cached)[0]
+            rate = (inp - cached) / max(own_s, 1e-9)
             in_progress = max(w.stall_until - self.now, 0.0) * rate if self.local_active[w.index] else 0.0
             queued = in_progress + self.local_queue[w.index].tokens_ahead_of(priority)
         backlog = max(w.ingress_free - self.now, 0.0) if remote else 0.0   # KV transfers queued at w
@@ -307,7 +310,7 @@ class Simulator:
             self.now, self.tier[i], inp, cached, queued, rate,
             len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,
             decode_wait_s=max(self._memory_wait_s(w, inp + self.out[i]), self._slot_wait_s(w, priority, prefill)),
-            preempting_tokens_per_s=self.inflow.tokens_per_s_above(prefill, priority, self.now)))
+            preempting_tokens_per_s=self.inflow.tokens_per_s_above(prefill, priority, self.now), own_prefill_s=own_s))
         if not decision.admitted:
             return self._reject(i, REJECT_CAUSES[decision.code])
         self.inflow.note(prefill, self.now, priority, inp - cached)

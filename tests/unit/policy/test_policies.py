@@ -164,6 +164,25 @@ def test_higher_priority_work_arriving_meanwhile_slows_the_prediction():
     assert not d.admitted and d.code == "slo" and d.retry_after_s == 1.0
 
 
+def test_a_prompts_own_prefill_time_on_one_worker_replaces_its_share_of_the_pools_rate():
+    # a pool of 10,000 tok/s (ten workers of 1,000): 9,000 tokens ahead drain in 0.9 s, but this
+    # prompt's own 1,000 tokens run on one worker and take its 1.0 s, not 0.1 s
+    inp = dataclasses.replace(_adm(tier="premium", queued=9000, prompt=1000), own_prefill_s=1.0)
+    assert predict_ttft_s(inp) == pytest.approx(0.9 + 1.0 + 0.05)
+    assert Admitter(AdmissionConfig(QOS)).decide(inp).admitted      # 1.95 s < premium's 2 s
+
+
+def test_a_prompt_whose_own_prefill_exceeds_its_slo_is_too_long_and_sheds_no_other_tier():
+    admitter = Admitter(AdmissionConfig(QOS, min_retry_after_s=1.0))
+    # an idle cluster, but the premium prompt alone takes 2.5 s on the worker that would run it
+    alone = dataclasses.replace(_adm(tier="premium", prompt=100_000), own_prefill_s=2.5)
+    d = admitter.decide(alone)
+    assert not d.admitted and d.code == "prompt_too_long" and "alone takes 2.50s > premium SLO 2.00s" in d.reason
+    # no load shedding can make it fit, so a lower tier is not shed for it (an SLO miss would shed it)
+    assert admitter.decide(_adm(tier="batch", prompt=100)).admitted
+    assert admitter.decide(dataclasses.replace(alone, own_prefill_s=1.5)).admitted
+
+
 def test_inflow_is_tokens_per_second_above_a_priority_over_the_window():
     inflow = Inflow(window_s=10.0)
     inflow.note("w1", 0.0, 0, 3000.0)

@@ -296,6 +296,8 @@ class Simulator:
         priority = self.priority[i]
         if remote:
             in_progress = self.queued_tokens - self.prefill_queue.total_tokens()
+            if self.idle_prefill:   # an idle worker takes it as soon as the prompts ahead of it start
+                in_progress = 0.0
             queued, rate = in_progress + self.prefill_queue.tokens_ahead_of(priority), self._prefill_drain_tps()
             own_s = min((p.prefill_times(inp - cached)[0] for p in self.workers
                          if p.role == PREFILL and not p.draining), default=None)

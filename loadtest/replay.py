@@ -603,15 +603,19 @@ def gpu_setup(requests, tiers, args):
     from shared.planner.devices import Cluster
     from shared.planner.flow import Evaluator
     from shared.planner.plan import Plan, make_plan
+    from shared.policy.autoscale import AutoscaleConfig
     from shared.sim.simulator import SimConfig
 
     cluster, model, workload = load_cluster(args.cluster), load_model(args.model), _workload(requests, tiers)
     eff = Efficiency()
     plan = (Plan.model_validate_json(Path(args.plan).read_text()) if args.plan
             else make_plan(cluster, model, workload, eff, seed=args.seed))
+    if args.prefill_workers is not None:
+        plan = with_prefill_workers(plan, args.prefill_workers)
     cfg = SimConfig(routing=_routing(args.routing), admission=_admission(tiers, args.admission),
                     round_robin=args.routing == "round-robin", seed=args.seed,
-                    prefix_cache_blocks=args.prefix_cache_blocks)
+                    prefix_cache_blocks=args.prefix_cache_blocks,
+                    autoscale=AutoscaleConfig(cooldown_s=args.autoscale_cooldown_s) if args.autoscale else None)
     return Evaluator(Cluster(cluster), model, workload, eff), plan, cfg
 
 
@@ -660,6 +664,21 @@ def cpu_setup(requests, tiers, args):
     return Evaluator(Cluster(spec), model, workload, eff), plan, cfg
 
 
+def with_prefill_workers(plan, num_prefill: int):
+    """``plan`` with ``num_prefill`` of its groups prefilling and the rest decoding (a fixed split):
+    planned prefill groups stay prefill first, then planned decode groups are added (or, for fewer,
+    planned prefill groups decode, the last first). The groups and their GPUs stay as planned."""
+    active = [w for w in plan.workers if w.role != "idle"]
+    if not 1 <= num_prefill < len(active):
+        raise SystemExit(f"--prefill-workers {num_prefill}: the plan has {len(active)} groups (at least one "
+                         "must decode)")
+    order = [w for w in active if w.role == "prefill"] + [w for w in reversed(active) if w.role == "decode"]
+    prefill = {w.worker_id for w in order[:num_prefill]}
+    workers = [w if w.role == "idle" else w.model_copy(update={"role": "prefill" if w.worker_id in prefill
+                                                                else "decode"}) for w in plan.workers]
+    return plan.model_copy(update={"workers": workers})
+
+
 def run_sim(requests: list[ReplayRequest], tiers: list[TierSpec], args) -> tuple[list[Outcome], dict]:
     """Simulate ``requests``; their outcomes and what the run was (setup, workers, wall time)."""
     import numpy as np
@@ -687,6 +706,7 @@ def run_sim(requests: list[ReplayRequest], tiers: list[TierSpec], args) -> tuple
     workers = [{"name": w.worker_id, "role": w.role, "gpus": w.gpus, "tp": w.tp, "pp": w.pp} for w in plan.workers]
     info = {"setup": args.simulate, "wall_s": wall, "num_events": res.num_events, "workers": workers,
             "num_gpus": plan.num_gpus, "rejections": dict(res.rejections), "itl_is_tpot": True,
+            "flips": res.flips, "num_prefill_over_time": [[t, n] for t, n in zip(res.tick_s, res.num_prefill)],
             "model": ev.model.name, "block_tokens": block,
             "kv_capacity_tokens": [float(w.kv_capacity) for w in sim.workers]}
     return outcomes, info
@@ -811,6 +831,12 @@ def parse_args(argv=None):
     sim.add_argument("--prefix-cache-blocks", type=int, default=None,
                      help="simulated: prefix-cache blocks per decode worker (default: what its KV pool holds; "
                           "more stands for a host-memory tier, its copy-back untimed)")
+    sim.add_argument("--prefill-workers", type=int, default=None,
+                     help="gpu: a fixed split: this many of the plan's groups prefill, the rest decode "
+                          "(default: as planned)")
+    sim.add_argument("--autoscale", action="store_true",
+                     help="gpu: the autoscaler flips groups between prefill and decode as the load shifts")
+    sim.add_argument("--autoscale-cooldown-s", type=float, default=60.0, help="gpu: the autoscaler's cooldown")
     sim.add_argument("--cluster", default=str(DEFAULT_GPU_CLUSTER), help="gpu: cluster YAML")
     sim.add_argument("--model", default="llama-2-70b", help="gpu: model preset or YAML")
     sim.add_argument("--plan", default=None, help="gpu: plan JSON (default: plan the cluster for the slice)")

@@ -79,6 +79,14 @@ class RatioAutoscaler:
         if target_p == inp.num_prefill or (is_within_bounds and abs(share - current_share)
                                            < self.cfg.hysteresis * max(current_share, 1 / total)):
             return _why(keep, f"balanced (prefill share {share:.2f} vs {current_share:.2f})")
+        if is_within_bounds and min(target_p, inp.num_prefill) > 0 and (
+                _peak_load(need_p, need_d, target_p, total)
+                > _peak_load(need_p, need_d, inp.num_prefill, total) * (1 - self.cfg.hysteresis)):
+            # in a small fleet one flip is a large step: the share moves, but the busier side
+            # would be about as busy after it (a 3:2 split with demand at 2.5:2.5 stays)
+            return _why(keep, f"no gain (prefill share {share:.2f} vs {current_share:.2f}; busier side "
+                              f"{_peak_load(need_p, need_d, inp.num_prefill, total):.2f} now, "
+                              f"{_peak_load(need_p, need_d, target_p, total):.2f} after)")
         flips = max(min(target_p - inp.num_prefill, self.cfg.max_flips_per_tick), -self.cfg.max_flips_per_tick)
         self._last_change_s = inp.now_s
         return ScalingDecision(inp.num_prefill + flips, inp.num_decode - flips, flips,
@@ -97,6 +105,12 @@ class RatioAutoscaler:
         cfg = self.cfg
         most = total - cfg.min_decode
         return min(most, cfg.max_prefill) if cfg.max_prefill is not None else most
+
+
+def _peak_load(need_p: float, need_d: float, num_prefill: int, total: int) -> float:
+    """Demand per worker on the busier side with ``num_prefill`` of ``total`` workers prefilling
+    (both sides at least one worker)."""
+    return max(need_p / num_prefill, need_d / (total - num_prefill))
 
 
 def _why(d: ScalingDecision, reason: str) -> ScalingDecision:

@@ -205,6 +205,25 @@ def test_simulator_routings_and_the_gpu_cluster(trace_file, tmp_path, routing):
     assert d["completed"] == 20 and d["sim"]["setup"] == "gpu" and d["config"]["routing"] == routing
 
 
+def test_a_fixed_split_and_the_autoscaler_in_the_gpu_simulation(trace_file, tmp_path):
+    base = ["--trace", str(trace_file), "--simulate", "gpu", "--cluster", "examples/clusters/homo-h100x8.yaml",
+            "--model", "llama-2-7b", "--no-progress"]
+    planned, fixed, auto = (tmp_path / f"{n}.json" for n in ("planned", "fixed", "auto"))
+    assert replay.main([*base, "--out", str(planned)]) == 0
+    groups = [w["role"] for w in json.loads(planned.read_text())["sim"]["workers"]]
+    assert len(groups) >= 2
+    want = 1 if groups.count("prefill") != 1 else 2 if len(groups) > 2 else 1
+    assert replay.main([*base, "--prefill-workers", str(want), "--out", str(fixed)]) == 0
+    d = json.loads(fixed.read_text())
+    assert [w["role"] for w in d["sim"]["workers"]].count("prefill") == want
+    assert {n for _, n in d["sim"]["num_prefill_over_time"]} == {want} and d["sim"]["flips"] == 0
+    assert d["completed"] + d["rejected"] + d["failed"] == 20
+    assert replay.main([*base, "--autoscale", "--autoscale-cooldown-s", "1", "--out", str(auto)]) == 0
+    assert json.loads(auto.read_text())["completed"] == 20
+    with pytest.raises(SystemExit):   # every group prefilling leaves no decode worker
+        replay.main([*base, "--prefill-workers", str(len(groups)), "--out", str(fixed)])
+
+
 @pytest.mark.slow
 def test_live_replay_against_a_small_stack(trace_file, tmp_path):
     """tandem up with one decode worker; 8 requests spaced so that each earlier prefix is cached:

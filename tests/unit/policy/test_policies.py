@@ -314,6 +314,16 @@ def test_autoscaler_cooldown_hysteresis_and_minimums():
     assert RatioAutoscaler().tick(_tick(0.0, 4, 4, 0, 0)).flips == 0      # no load, no change
 
 
+def test_a_flip_that_leaves_the_busier_side_as_busy_is_not_made():
+    # 3 prefill + 2 decode, demand 2.5 workers of each: the share (0.5 against 0.6) asks for 2 + 3,
+    # but the busier side would carry 1.25 workers' worth per worker either way
+    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=0))
+    d = scaler.tick(_tick(0.0, 3, 2, 25_000, 2_500))
+    assert d.flips == 0 and d.reason.startswith("no gain")
+    # decode demand up to 3.5 workers: 2 + 3 brings the busier side from 1.75 to 1.25 per worker
+    assert scaler.tick(_tick(1.0, 3, 2, 25_000, 3_500)).flips == -1
+
+
 def test_a_request_predicted_to_finish_after_its_deadline_is_rejected_without_shedding_others():
     admitter = Admitter(AdmissionConfig(QOS, min_retry_after_s=1.0))
     # TTFT 0.15 s (1000 tokens at 10,000 tok/s + transfer), then 99 more tokens at 20 ms (ITL 10 ms

@@ -23,7 +23,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from shared.bus import Bus, BusTimeout, Disconnected, MalformedReply, NoResponders, RemoteError, ServiceError
 from shared.openai_api.adapters import Delta
@@ -53,16 +54,27 @@ class WorkerMisbehaved(WorkerLost):
         self.worker_id, self.reason, self.detail = worker_id, reason, detail
 
 
+class WorkerDirectory(Protocol):
+    """What a generation asks about the decode workers (the gateway's view of the registry)."""
+
+    def started_at(self, worker_id: str) -> float | None:
+        """The registered worker's start time; None: not registered. It tells a worker that died
+        and came back under the same id from the one a stream was opened with."""
+
+    def has_ready_worker(self, model: str) -> bool:
+        """Whether a decode worker of ``model`` is ready to take a request."""
+
+    def block_hashes(self, prompt_token_ids: list[int], model: str) -> list[int]:
+        """The prompt's prefix-block hashes as the ready workers of ``model`` hash them."""
+
+
 class Generation:
     def __init__(self, bus: Bus, subjects: Subjects, settings: GatewaySettings, tokenizer: Tokenizer,
                  metrics: GatewayMetrics, request: GenerateRequest, stops: list[str], *,
-                 worker_started_at: Callable[[str], float | None], has_ready_worker: Callable[[], bool],
-                 rehash: Callable[[list[int]], list[int]], arrived_at: float | None = None) -> None:
+                 workers: WorkerDirectory, arrived_at: float | None = None) -> None:
         self._bus, self._subjects, self._settings = bus, subjects, settings
         self._metrics = metrics
-        # the registered worker's start time (None: not registered) tells a worker that died and
-        # came back under the same id from the one the stream was opened with
-        self._started_at, self._has_ready_worker, self._rehash = worker_started_at, has_ready_worker, rehash
+        self._workers = workers
         self._worker_started_at: float | None = None
         self.request = request          # what the client asked for
         self._current = request         # what the current worker runs (differs after a migration)
@@ -116,7 +128,7 @@ class Generation:
             worker_id = decision.worker_id
             if decision.kv_source != request.kv_source:  # the worker may fetch the prefix from it
                 request = request.model_copy(update={"kv_source": decision.kv_source})
-            started_at = self._started_at(worker_id)
+            started_at = self._workers.started_at(worker_id)
             self._stream = self._bus.stream(
                 self._subjects.decode_generate(worker_id), request,
                 first_timeout_s=self._settings.request_timeout_s,
@@ -165,7 +177,7 @@ class Generation:
 
     def _excluding(self, request: GenerateRequest) -> GenerateRequest:
         """``request`` with the workers that misbehaved on it excluded (those since restarted not)."""
-        excluded = [w for w, started_at in self._excluded.items() if self._started_at(w) == started_at]
+        excluded = [w for w, started_at in self._excluded.items() if self._workers.started_at(w) == started_at]
         if excluded == request.exclude_workers:
             return request
         return request.model_copy(update={"exclude_workers": excluded})
@@ -174,7 +186,7 @@ class Generation:
         """Count it, log it, tell the worker (the cancel's reason) and choose it no more."""
         log.warning("%s: %s", request_id, exc)
         self._metrics.observe_worker_error(exc.worker_id, exc.reason)
-        self._excluded[exc.worker_id] = self._started_at(exc.worker_id)
+        self._excluded[exc.worker_id] = self._workers.started_at(exc.worker_id)
         self._misbehaviour = exc
         await self._cancel(exc.worker_id, request_id, f"gateway: {exc.reason}: {exc.detail}")
 
@@ -281,7 +293,7 @@ class Generation:
                 done, _ = await asyncio.wait({next_chunk}, timeout=_WATCH_INTERVAL_S)
                 if done:
                     return next_chunk.result()
-                now_started_at = self._started_at(worker_id)
+                now_started_at = self._workers.started_at(worker_id)
                 if now_started_at is None:
                     raise WorkerLost(f"worker {worker_id} left the registry")
                 if started_at is not None and now_started_at != started_at:
@@ -319,7 +331,7 @@ class Generation:
         remaining = self.request.sampling.max_tokens - len(self._generated)
         request = self.request.model_copy(update={
             "request_id": f"{self.request.request_id}-m{self._num_migrations}",
-            "prompt_token_ids": prompt, "block_hashes": self._rehash(prompt),
+            "prompt_token_ids": prompt, "block_hashes": self._workers.block_hashes(prompt, self.request.model),
             "sampling": self.request.sampling.model_copy(update={
                 "max_tokens": remaining, "num_output_in_prompt": len(self._generated)})})
         log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
@@ -348,11 +360,11 @@ class Generation:
     async def _wait_for_ready_worker(self, deadline: float) -> None:
         """Until the registry view (refreshed every ``refresh_interval_s``) lists a ready decode
         worker: the only one may have died and be on its way back."""
-        if self._has_ready_worker():
+        if self._workers.has_ready_worker(self.request.model):
             return
         log.info("%s: no ready decode worker; waiting up to %.0fs for one", self.request.request_id,
                  deadline - time.monotonic())
-        while not self._has_ready_worker():
+        while not self._workers.has_ready_worker(self.request.model):
             if time.monotonic() >= deadline:
                 raise ApiError(503, f"no decode worker ready within {self._settings.request_timeout_s:g}s "
                                f"to continue the request", code="unavailable", retry_after_s=1.0)

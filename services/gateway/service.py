@@ -100,8 +100,15 @@ class Gateway:
     def served_models(self) -> list[str]:
         return sorted({self.settings.model} | {w.model for w in self.ready_workers()})
 
-    def _started_at(self, worker_id: str) -> float | None:
+    # --- the worker directory a Generation asks (services.gateway.generation.WorkerDirectory) ------
+    def started_at(self, worker_id: str) -> float | None:
         return next((w.started_at for w in self.workers if w.worker_id == worker_id), None)
+
+    def has_ready_worker(self, model: str) -> bool:
+        return bool(self.ready_workers(model))
+
+    def block_hashes(self, prompt_token_ids: list[int], model: str) -> list[int]:
+        return prompt_block_hashes(prompt_token_ids, self.ready_workers(model))
 
     # --- generation ------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -184,12 +191,8 @@ class Gateway:
         return request.model_copy(update={"origin": self.origin, "deadline_at": deadline_at(api, now)})
 
     def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
-        model = gen_request.model
         return Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
-                          gen_request, stops, worker_started_at=self._started_at,
-                          has_ready_worker=lambda: bool(self.ready_workers(model)),
-                          rehash=lambda ids: prompt_block_hashes(ids, self.ready_workers(model)),
-                          arrived_at=arrived_at)
+                          gen_request, stops, workers=self, arrived_at=arrived_at)
 
     def _check_rate(self, request: web.Request) -> None:
         """A 429 when this client (its API key, else its address) is over its rate."""

@@ -40,7 +40,7 @@ class Cluster:
     """Admission, one decode worker and the gateway's registry view, driven by the test."""
 
     def __init__(self) -> None:
-        self.started_at: float | None = 1.0   # the registered worker's start time; None: not listed
+        self.started_at_s: float | None = 1.0   # the registered worker's start time; None: not listed
         self.is_ready = True
         self.num_unavailable = 0              # admissions to answer "unavailable" before admitting
         self.num_first_tokens = 3             # what the first incarnation streams before it goes silent
@@ -68,10 +68,17 @@ class Cluster:
             self.gone_silent.set()
             await self.released.wait()
 
-    def has_ready_worker(self) -> bool:
+    # the gateway's worker directory, as a Generation asks it
+    def has_ready_worker(self, model: str) -> bool:
         if not self.is_ready:
             self.waiting.set()
         return self.is_ready
+
+    def started_at(self, worker_id: str) -> float | None:
+        return self.started_at_s if worker_id == WORKER else None
+
+    def block_hashes(self, prompt_token_ids: list[int], model: str) -> list[int]:
+        return []
 
 
 @pytest.fixture
@@ -87,9 +94,7 @@ async def setup(bus, namespace, nats_url):
                             token_idle_timeout_s=600, **settings)
         request = GenerateRequest(request_id="r-1", model="m", prompt_token_ids=PROMPT,
                                   sampling=SamplingParams(max_tokens=8, temperature=0.0))
-        return Generation(bus, subjects, s, tokenizer(), GatewayMetrics.create(), request, [],
-                          worker_started_at=lambda w: cluster.started_at if w == WORKER else None,
-                          has_ready_worker=cluster.has_ready_worker, rehash=lambda ids: [])
+        return Generation(bus, subjects, s, tokenizer(), GatewayMetrics.create(), request, [], workers=cluster)
 
     yield cluster, generation
     cluster.released.set()
@@ -115,7 +120,7 @@ async def test_a_worker_restarted_under_its_id_is_lost_and_the_request_continues
     await gen.start()
     consumer = asyncio.create_task(finish(gen))
     await asyncio.wait_for(cluster.gone_silent.wait(), 10)
-    cluster.started_at = 2.0  # the same id, listed again by a new incarnation
+    cluster.started_at_s = 2.0  # the same id, listed again by a new incarnation
     # bounded far below the 600 s idle timeout, which is what ends the stream without the check
     text = await asyncio.wait_for(consumer, 20)
     assert text == expected_text()
@@ -130,13 +135,13 @@ async def test_with_no_ready_worker_the_request_waits_for_one_then_continues(set
     await gen.start()
     consumer = asyncio.create_task(finish(gen))
     await asyncio.wait_for(cluster.gone_silent.wait(), 10)
-    cluster.started_at, cluster.is_ready = None, False  # died: left the registry, none other ready
+    cluster.started_at_s, cluster.is_ready = None, False  # died: left the registry, none other ready
     waiting = asyncio.create_task(cluster.waiting.wait())
     await asyncio.wait({waiting, consumer}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
     assert not consumer.done(), f"the request ended instead of waiting: {consumer.exception()!r}"
     assert waiting.done() and len(cluster.requests) == 1
     cluster.num_unavailable = 2  # admission has not seen the replacement yet
-    cluster.started_at, cluster.is_ready = 2.0, True
+    cluster.started_at_s, cluster.is_ready = 2.0, True
     assert await asyncio.wait_for(consumer, 20) == expected_text()
     assert cluster.num_unavailable == 0 and len(cluster.requests) == 2
     await gen.close()
@@ -148,7 +153,7 @@ async def test_the_wait_for_a_worker_ends_at_the_request_timeout(setup):
     await gen.start()
     consumer = asyncio.create_task(finish(gen))
     await asyncio.wait_for(cluster.gone_silent.wait(), 10)
-    cluster.started_at, cluster.is_ready = None, False
+    cluster.started_at_s, cluster.is_ready = None, False
     with pytest.raises(ApiError) as err:
         await asyncio.wait_for(consumer, 20)
     assert (err.value.status, err.value.code) == (503, "unavailable")
@@ -162,11 +167,11 @@ async def test_a_worker_lost_before_the_first_token_is_waited_for_too(setup):
     gen = generation()
     starting = asyncio.create_task(gen.start())
     await asyncio.wait_for(cluster.gone_silent.wait(), 10)
-    cluster.started_at, cluster.is_ready = None, False
+    cluster.started_at_s, cluster.is_ready = None, False
     waiting = asyncio.create_task(cluster.waiting.wait())
     await asyncio.wait({waiting, starting}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
     assert not starting.done(), f"the request ended instead of waiting: {starting.exception()!r}"
-    cluster.started_at, cluster.is_ready = 2.0, True
+    cluster.started_at_s, cluster.is_ready = 2.0, True
     await asyncio.wait_for(starting, 20)
     tok = tokenizer()
     expected = tok.decode(PROMPT + [13 + i for i in range(8)])[len(tok.decode(PROMPT)):]

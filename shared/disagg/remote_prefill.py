@@ -7,7 +7,8 @@ NIXL notification arrives (``deliver``), then joins the decode batch. Without a 
 the end of its window, or with a ``failed`` one, or when the publish failed, it prefills locally.
 
 Time only comes in as ``now`` (wall-clock seconds, the prefill worker's clock too): ``tick(now)``
-ends the waits whose window closed and releases the blocks of windows that closed. The service
+ends the waits whose window closed and releases the blocks of windows that closed (the waits and
+the held blocks are kept by ``shared.disagg.incoming``, as peer fetch's are). The service
 publishes, reads the queue state and the registry, polls the transfer, and ticks.
 
 Block safety: a prefill worker writes only under a lease on the reservation (``shared.disagg.lease``),
@@ -21,15 +22,13 @@ KV (its prefill worker died or hangs) is prefilled locally at once, not at the e
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from pydantic import ValidationError
-
 from shared.engine import AsyncEngine, EngineOutput, SamplingParams
+from shared.disagg.incoming import Delivery, IncomingWrites
 from shared.disagg.lease import CLOCK_MARGIN_S, ReservationLeases
 from shared.policy.disagg import DisaggConfig, DisaggDecision, DisaggInput, decide_prefill
 from shared.protocol import (GenerateRequest, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
@@ -90,9 +89,9 @@ class RemotePrefills:
         self.timeout_s = timeout_s
         self.write_timeout_s = write_timeout_s
         self._engine = engine
-        self._waiting: dict[str, RemotePrefill] = {}  # transfer id → request waiting for its KV
+        # transfer id → the wait for its KV; request id → its blocks, held until no lease is valid
+        self._incoming = IncomingWrites(release=engine.release_kv)
         self._by_request: dict[str, str] = {}  # request id → transfer id
-        self._releases: list[tuple[float, str]] = []  # heap of (window end, request id) still holding blocks
         self._queue_state: tuple[float, int | None] | None = None  # (read at, requests queued)
         self.num_remote = 0
         self.num_fallbacks = 0
@@ -114,7 +113,7 @@ class RemotePrefills:
 
     @property
     def has_waiting(self) -> bool:
-        return bool(self._waiting)
+        return self._incoming.has_waiting
 
     # -- deciding and reserving --------------------------------------------------------------------
     async def reserve(self, request: GenerateRequest, params: SamplingParams, *, now: float,
@@ -136,15 +135,15 @@ class RemotePrefills:
             why = decisions[-1].reason if decisions and not decisions[-1].remote else "KV pool full now"
             log.debug("%s: local prefill (%s)", request.request_id, why)
             return None
-        window_end = now + self.timeout_s
+        window_end, transfer_id = now + self.timeout_s, uuid.uuid4().hex
         message = RemotePrefillRequest(
-            request_id=request.request_id, transfer_id=uuid.uuid4().hex, model=self.model, prompt_token_ids=prompt,
+            request_id=request.request_id, transfer_id=transfer_id, model=self.model, prompt_token_ids=prompt,
             decode_worker_id=self.worker_id, block_ids=slot.block_ids, block_size=slot.block_size,
             num_cached_tokens=slot.num_cached_tokens,
             write_deadline=window_end - self.write_timeout_s - CLOCK_MARGIN_S,
             write_timeout_s=self.write_timeout_s, priority=request.priority, created_at=now)
-        prefill = RemotePrefill(message, window_end, decisions[-1].reason, asyncio.get_running_loop().create_future())
-        self._waiting[prefill.transfer_id] = prefill
+        future = self._incoming.expect(transfer_id, request.request_id, wait_until=window_end)
+        prefill = RemotePrefill(message, window_end, decisions[-1].reason, future)
         self._by_request[request.request_id] = prefill.transfer_id
         self.leases.open(prefill.transfer_id)
         log.info("%s: remote prefill of %d uncached tokens (%d cached): %s", request.request_id,
@@ -154,37 +153,29 @@ class RemotePrefills:
     def publish_failed(self, prefill: RemotePrefill, error: BaseException) -> None:
         """The message never reached the queue (full, NATS away): prefill here, now."""
         log.warning("%s: prefill queue publish failed (%s): prefilling locally", prefill.request_id, error)
-        self._resolve(prefill, None)
+        self._incoming.end_wait(prefill.transfer_id)
 
     # -- notifications -----------------------------------------------------------------------------
     def cancel(self, request_id: str) -> None:
         """The client went away: stop waiting for the KV (the blocks stay held until the window
         closes all the same)."""
         transfer_id = self._by_request.get(request_id)
-        prefill = self._waiting.get(transfer_id) if transfer_id else None
-        if prefill is not None:
-            self._resolve(prefill, None)
+        if transfer_id is not None:
+            self._incoming.end_wait(transfer_id)
 
     def deliver(self, payload: bytes, num_bytes: int, received_at: float | None = None) -> None:
         """A NIXL notification: the first for a waiting transfer resolves its wait. ``received_at``
         (time.monotonic()) dates the KV's arrival for the request's TTFT phases."""
-        try:
-            note = PrefillNotification.from_bytes(payload)
-        except ValidationError:
+        delivery, note = self._incoming.deliver(payload, received_at)
+        if delivery is Delivery.MALFORMED:
             log.warning("ignoring a malformed KV notification (%d bytes written)", num_bytes)
-            return
-        prefill = self._waiting.get(note.transfer_id)
-        if prefill is None or prefill.future.done():
+        elif delivery is not Delivery.TAKEN:
             log.info("%s: late or repeated KV notification (%s) ignored", note.request_id, note.status)
-            return
-        prefill.delivered_at = received_at
-        prefill.future.set_result(note)
 
     def grant_lease(self, request: PrefillLeaseRequest, now: float) -> PrefillLeaseResult:
         """A prefill worker's claim or renewal: granted while the reservation still waits for its KV."""
-        prefill = self._waiting.get(request.transfer_id)
         expires_at = None
-        if prefill is not None and not prefill.future.done():
+        if self._incoming.is_waiting(request.transfer_id):
             expires_at = self.leases.grant(request.transfer_id, request.prefill_worker_id, now)
         if expires_at is None:
             log.info("%s: lease refused to %s (no longer waiting for its KV)", request.request_id,
@@ -196,27 +187,18 @@ class RemotePrefills:
         """End the waits whose leases lapsed or whose window closed (prefill locally), release blocks
         whose last lease expired."""
         for transfer_id in self.leases.lapsed(now):
-            prefill = self._waiting.get(transfer_id)
-            if prefill is not None and not prefill.future.done():
+            if (ended := self._incoming.end_wait(transfer_id)) is not None:
                 log.warning("%s: the prefill worker's lease lapsed without the KV (it died or hangs): "
-                            "prefilling locally", prefill.request_id)
-                self._resolve(prefill, None)
-        for prefill in list(self._waiting.values()):
-            if now >= prefill.window_end and not prefill.future.done():
-                log.warning("%s: no KV from a prefill worker within %.1fs: prefilling locally",
-                            prefill.request_id, self.timeout_s)
-                self._resolve(prefill, None)
-        while self._releases and self._releases[0][0] <= now:
-            self._engine.release_kv(heapq.heappop(self._releases)[1])
-
-    def _resolve(self, prefill: RemotePrefill, note: PrefillNotification | None) -> None:
-        if not prefill.future.done():
-            prefill.future.set_result(note)
+                            "prefilling locally", ended.request_id)
+        for ended in self._incoming.tick(now):
+            log.warning("%s: no KV from a prefill worker within %.1fs: prefilling locally",
+                        ended.request_id, self.timeout_s)
 
     def _forget(self, prefill: RemotePrefill) -> None:
         """The wait is over: no more leases; the blocks go back once the last one granted expired."""
         prefill.release_at = self.leases.close(prefill.transfer_id) or 0.0
-        self._waiting.pop(prefill.transfer_id, None)
+        if (expected := self._incoming.forget(prefill.transfer_id)) is not None:
+            prefill.delivered_at = expected.received_at
         if self._by_request.get(prefill.request_id) == prefill.transfer_id:
             del self._by_request[prefill.request_id]
 
@@ -232,7 +214,7 @@ class RemotePrefills:
             engine.abort(request_id)
             engine.finish_remote_prefill(request_id, kv_written=False)
             engine.discard_stream(request_id)
-            heapq.heappush(self._releases, (prefill.release_at, request_id))
+            self._incoming.hold(request_id, prefill.release_at)
             raise
         self._forget(prefill)
         prefill.note = note
@@ -249,4 +231,4 @@ class RemotePrefills:
             async for out in engine.stream(request_id):
                 yield out
         finally:
-            heapq.heappush(self._releases, (prefill.release_at, request_id))
+            self._incoming.hold(request_id, prefill.release_at)

@@ -32,7 +32,7 @@ from shared.runtime.worker_metrics import WorkerMetrics
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import RecentMean
-from shared.transfer import KvTransfer, KVTransferFailed, MetadataStore, connect_peer, wait_written
+from shared.transfer import KvTransfer, KVTransferFailed, MetadataStore, connect_peer, wait_written, write_and_wait
 from services.prefill.config import PrefillSettings
 
 log = logging.getLogger(__name__)
@@ -247,11 +247,10 @@ class PrefillWorker(EngineWorker):
             try:
                 write_started = time.monotonic()
                 with tracing.child_span("kv.write", num_blocks=len(local), decode_worker=request.decode_worker_id):
-                    handle = self.transfer.write_blocks(peer, local, request.write_block_ids, note.to_bytes())
-                    await wait_written(self.transfer, handle, request.write_timeout_s)
+                    await write_and_wait(self.transfer, peer, local, request.write_block_ids, note.to_bytes(),
+                                         request.write_timeout_s)
                 self._metrics.kv_write.observe(time.monotonic() - write_started)
             except KVTransferFailed as exc:
-                self.transfer.remove_peer(peer)  # reconnect from fresh metadata next time
                 raise _Dropped(f"KV write into {request.decode_worker_id} failed: {exc}", notify=False) from None
             return len(local)
         except (EngineError, ValueError) as exc:

@@ -61,15 +61,3 @@ async def connect_peer(store: MetadataStore, worker_id: str, transfer: KvTransfe
         await asyncio.sleep(0.02)
     return transfer.add_peer(AgentMetadata.from_bytes(data))
 
-
-async def wait_written(transfer: KvTransfer, handle, timeout_s: float) -> None:
-    """``transfer.wait`` for an event loop: poll without blocking it (other requests keep going),
-    spinning briefly first (small writes finish in microseconds), then every millisecond."""
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0
-    while not transfer.poll(handle):
-        if time.monotonic() > deadline:
-            transfer.cancel(handle)
-            raise KVTransferFailed(f"write of {handle.num_bytes} B to {handle.peer!r} not done after {timeout_s:.3g}s")
-        await asyncio.sleep(pause)
-        pause = min(max(pause * 2, 1e-4), 1e-3)

@@ -227,23 +227,24 @@ class Scheduler:
                 budget = self._schedule_running(request, budget, out)
         if len(out.preempted) == num_yielded:  # no memory shortage this step
             budget = self._admit_waiting(budget, out)
-        self._pause_lower_decodes(out)
+        self._pause_lower_priorities(out)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
     @staticmethod
-    def _pause_lower_decodes(out: SchedulerOutput) -> None:
-        """A step that prefills a prompt leaves out the plain decode rows of a lower priority: they
-        wait one step, and the higher-priority prompt's first token does not wait on their rows (a
-        batch tier's decode batch would otherwise make every premium prefill step longer). With a
-        single priority nothing is left out; rows with draft tokens stay (their drafts are taken)."""
+    def _pause_lower_priorities(out: SchedulerOutput) -> None:
+        """A step that prefills a prompt leaves out every row of a lower priority, decode rows and
+        prefill chunks alike: they run the step after, and the higher-priority prompt's first token
+        waits on none of their work (a batch tier's decode batch or prompt chunks would otherwise
+        make every premium prefill step longer). With a single priority nothing is left out; rows
+        with draft tokens stay (their drafts are taken)."""
         def is_decode(s: ScheduledRequest) -> bool:
             return s.num_new_tokens == 1 and s.start == s.request.num_tokens - 1
 
         prefills = [s.request.priority for s in out.scheduled if not s.draft and not is_decode(s)]
         if prefills:
             top = min(prefills)
-            out.scheduled = [s for s in out.scheduled if s.draft or not is_decode(s) or s.request.priority <= top]
+            out.scheduled = [s for s in out.scheduled if s.draft or s.request.priority <= top]
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)

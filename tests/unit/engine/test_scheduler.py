@@ -92,18 +92,19 @@ def test_a_higher_priority_request_takes_the_slot_of_the_lowest_priority_runner(
     assert not s.requests and s.kv.pool.num_used_blocks == 0
 
 
-def test_a_step_prefilling_a_higher_priority_prompt_leaves_lower_priority_decode_rows_out():
+def test_a_step_prefilling_a_higher_priority_prompt_leaves_lower_priority_rows_out():
     s = make(num_blocks=64, max_seqs=8)
     for rid, priority in (("premium-old", 0), ("batch-a", 2), ("batch-b", 2)):
         s.add_request(req(rid, 3, max_tokens=8, priority=priority))
-    step(s)
+    # the batch prompts' prefills wait for the step after the premium prompt's
+    assert {x.request.request_id for x in step(s).scheduled} == {"premium-old"}
     assert {x.request.request_id for x in step(s).scheduled} == {"premium-old", "batch-a", "batch-b"}
     s.add_request(req("standard", 5, priority=1))
     out = step(s)
     # the premium row decodes with the prompt; the batch rows wait this one step, then decode again
     assert sorted((x.request.request_id, x.num_new_tokens) for x in out.scheduled) == [
         ("premium-old", 1), ("standard", 5)]
-    assert s.requests["batch-a"].num_computed_tokens == 4 and len(s.requests["batch-a"].output_token_ids) == 2
+    assert s.requests["batch-a"].num_computed_tokens == 3 and len(s.requests["batch-a"].output_token_ids) == 1
     assert {x.request.request_id for x in step(s).scheduled} == {"premium-old", "batch-a", "batch-b", "standard"}
     # a prompt of the lowest priority leaves nobody out
     s.add_request(req("batch-late", 4, priority=2))
@@ -258,12 +259,14 @@ def test_a_low_priority_prompt_mid_prefill_yields_its_chunks_to_a_higher_priorit
     s.add_request(own("premium", 6, priority=0))
     s.add_request(own("middle", 4, priority=1))
     out = step(s)
-    # premium's whole prompt first, then middle's, then bulk's chunk takes what budget is left
-    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("premium", 6), ("middle", 2)]
-    out = step(s)  # premium decodes; middle's last 2 tokens; bulk resumes where it stopped
+    # premium's whole prompt, alone: the lower priorities' prefills would lengthen its step
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("premium", 6)]
+    out = step(s)  # premium decodes; middle's prompt; bulk still waits (middle outranks it)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("premium", 1), ("middle", 4)]
+    out = step(s)  # no prompt above bulk's: it resumes where it stopped, with the budget left
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [
-        ("premium", 1), ("middle", 2), ("bulk", 5)]
-    assert s.requests["bulk"].num_computed_tokens == 13
+        ("premium", 1), ("middle", 1), ("bulk", 6)]
+    assert s.requests["bulk"].num_computed_tokens == 14
     while s.has_unfinished:
         step(s)
         s.kv.check_integrity()

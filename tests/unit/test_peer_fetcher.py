@@ -3,7 +3,6 @@ stops: once no late write can land in them, and not before."""
 
 from __future__ import annotations
 
-import heapq
 import time
 
 from services.decode.fetch import PeerFetcher
@@ -27,14 +26,14 @@ async def test_release_waits_for_the_last_write_deadline_then_frees_every_failed
     engine = RecordingEngine()
     f = fetcher(engine)
     now = time.time()
-    heapq.heappush(f._quarantine, (now + 0.3, "late"))
-    heapq.heappush(f._quarantine, (now - 1.0, "past"))
+    f.fetches.quarantine("late", now + 0.3)
+    f.fetches.quarantine("past", now - 1.0)
     f.tick(now)  # what the poll loop does: only the one whose writes can no longer land
     assert [(i, n) for i, n, _ in engine.finished] == [("past", 0)]
     await f.release_quarantine()
     assert [(i, n) for i, n, _ in engine.finished] == [("past", 0), ("late", 0)]
     assert engine.finished[-1][2] >= now + 0.3   # not before its deadline
-    assert f._quarantine == []
+    assert f.fetches.num_quarantined == 0
 
 
 async def test_release_with_nothing_quarantined_frees_nothing():

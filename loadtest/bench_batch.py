@@ -43,7 +43,7 @@ from loadtest.workload import WorkloadConfig, build_workload
 
 
 def start_stack(state: Path, args, log):
-    from shared.runtime.stack import Stack, StackSpec  # noqa: PLC0415
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     stack = Stack(StackSpec(state_dir=state, model=args.model, port=0, namespace=f"bb{os.getpid()}",
                             decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory,

@@ -50,7 +50,7 @@ def decode_counters(stack) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.runtime.stack import Stack, StackSpec  # noqa: PLC0415
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")

@@ -86,7 +86,7 @@ def serve(engine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[
 
 def run_config(label: str, engine, convs, args) -> dict:
     step_s = [0.0]
-    engine.add_step_observer(lambda _seqs, _tokens, elapsed: step_s.__setitem__(0, step_s[0] + elapsed))
+    engine.step_stats.add_observer(lambda _seqs, _tokens, elapsed: step_s.__setitem__(0, step_s[0] + elapsed))
     history: list[list[int]] = [[] for _ in convs]
     ttfts, cached, outputs = [], [], []
     started = time.perf_counter()

@@ -91,7 +91,7 @@ def fetch_times_ms(lines: list[str]) -> list[float]:
 
 def main(argv=None) -> int:
     from shared.protocol import KvSource
-    from shared.runtime.stack import Stack, StackSpec
+    from shared.stack.stack import Stack, StackSpec
 
     args = parse_args(argv)
     rng = random.Random(0)

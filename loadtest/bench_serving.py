@@ -129,7 +129,7 @@ def tandem_up(args: list[str], timeout_s: float = 900.0):
     """``tandem up`` on a free port; yields its base URL once it prints that it is ready and its
     workers run the decode step they settle on (compiled, unless ``--compile off``)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port),
                              "--namespace", f"bench{os.getpid()}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -86,7 +86,7 @@ def compare(on: dict, off: dict) -> dict:
 
 
 def start_stack(name: str, args, state: str, log_file):
-    from shared.runtime.stack import Stack, StackSpec  # noqa: PLC0415 — torch
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415 — torch
 
     stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=1, model=args.model, port=0,
                             namespace=f"{name}{os.getpid()}",
@@ -101,8 +101,8 @@ def start_echo_stack(name: str, args, state: str, log_file):
     import sys  # noqa: PLC0415
 
     from loadtest.service_path import ECHO_WORKER  # noqa: PLC0415
-    from shared.runtime.children import Child, child_env  # noqa: PLC0415
-    from shared.runtime.stack import Stack, StackSpec  # noqa: PLC0415
+    from shared.stack.children import Child, child_env  # noqa: PLC0415
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=0, model=args.model, port=0,
                             namespace=f"{name}{os.getpid()}"),

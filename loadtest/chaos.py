@@ -35,8 +35,8 @@ from tqdm import tqdm
 from loadtest.chaos_faults import FAULTS, FaultOptions, inject, skip_reason
 from loadtest.chaos_report import (FaultReport, RequestOutcome, fault_report, format_table, format_totals, plot,
                                    report_from_json, skipped_report, totals)
-from shared.runtime.stack import Stack, StackSpec
-from shared.runtime.supervisor import Backoff
+from shared.stack.stack import Stack, StackSpec
+from shared.stack.supervisor import Backoff
 
 _TOPICS = ("a lighthouse keeper", "the history of bread", "a robot learning to paint", "volcanoes",
            "a chess tournament", "the moons of Jupiter", "a lost umbrella", "how bees communicate",

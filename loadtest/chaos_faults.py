@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from shared.runtime.servers import ServerProcess
-from shared.runtime.stack import Stack
+from shared.stack.servers import ServerProcess
+from shared.stack.stack import Stack
 
 
 @dataclass(frozen=True)

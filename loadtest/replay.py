@@ -523,7 +523,7 @@ def qos_yaml(tiers: list[TierSpec], with_slos: bool) -> str:
 
 
 def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
-    from shared.runtime.stack import Stack, StackSpec
+    from shared.stack.stack import Stack, StackSpec
 
     gateway_flags: dict[str, object] = {}
     admission_flags: dict[str, object] = {"overlap_weight": 0.0 if args.routing == "load" else 1.0}

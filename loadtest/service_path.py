@@ -42,8 +42,8 @@ async def measure(base_url: str, model: str, prompts: list[str]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.runtime.children import Child, child_env  # noqa: PLC0415
-    from shared.runtime.stack import Stack, StackSpec  # noqa: PLC0415
+    from shared.stack.children import Child, child_env  # noqa: PLC0415
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
     from shared.tokenizer import load_tokenizer  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

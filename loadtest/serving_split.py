@@ -75,8 +75,8 @@ def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
         except OSError:
             continue
         name = os.path.basename(argv[0])
-        if "shared.cli.main" in argv:  # python -m shared.cli.main <service> ...
-            name = argv[argv.index("shared.cli.main") + 1]
+        if "services.cli" in argv:  # python -m services.cli <service> ...
+            name = argv[argv.index("services.cli") + 1]
         found[pid] = (name, seconds)
     return found
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.chaos import ChaosConfig, base_urls, drive, leaked_blocks, stack_spec
-from shared.runtime.stack import Stack
+from shared.stack.stack import Stack
 
 RESULTS = Path(__file__).parent / "results" / "soak"
 

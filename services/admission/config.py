@@ -1,6 +1,6 @@
 from pydantic import Field
 
-from shared.runtime.settings import QosSettings, ServiceSettings
+from shared.service.settings import QosSettings, ServiceSettings
 
 
 class AdmissionSettings(ServiceSettings, QosSettings):

@@ -24,7 +24,7 @@ from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worke
 from shared.policy.qos import load_qos
 from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, KvSource, Subjects, WorkerLoad
-from shared.runtime.service import every, run_bus_service, service_instance_id
+from shared.service.lifecycle import every, run_bus_service, service_instance_id
 from shared.telemetry.families import AdmissionMetrics
 from services.admission.config import AdmissionSettings
 

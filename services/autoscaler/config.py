@@ -1,6 +1,6 @@
 from pydantic import Field, model_validator
 
-from shared.runtime.settings import ServiceSettings
+from shared.service.settings import ServiceSettings
 
 
 class AutoscalerSettings(ServiceSettings):

@@ -1,15 +1,8 @@
-"""``tandem decode``: a decode worker (the engine) serving its NATS subjects."""
+"""``python -m services.decode`` is ``tandem decode``."""
 
 import sys
 
-from services.decode.config import DecodeSettings
-from shared.runtime.command import register_service, run_as_main
-
-
-def register(subparsers) -> None:
-    register_service(subparsers, "decode", "run a decode worker (loads the model, warms up, registers, streams tokens)",
-                     DecodeSettings, "services.decode.service:run")
-
+from services.cli import run_as_main
 
 if __name__ == "__main__":
     sys.exit(run_as_main("decode"))

@@ -20,12 +20,12 @@ from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.protocol.workers import KvFetchLoad
-from shared.runtime.origins import OriginWatch
-from shared.runtime.worker import EngineWorker
-from shared.runtime.worker_metrics import WorkerMetrics
 from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
 from shared.telemetry.phases import worker_phases
+from shared.worker.engine_worker import EngineWorker
+from shared.worker.metrics import WorkerMetrics
+from shared.worker.origins import OriginWatch
 from services.decode.config import DecodeSettings
 from services.decode.fetch import PeerFetcher
 from services.decode.remote import RemotePrefiller, poll_kv_forever
@@ -192,8 +192,3 @@ class DecodeWorker(EngineWorker):
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
 
-
-async def run(settings: DecodeSettings, stop: asyncio.Event) -> None:
-    from services.worker.process import run_worker
-
-    await run_worker(settings, stop)

@@ -34,7 +34,7 @@ from shared.responses.store import ResponseStore
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, GenerateRequest, OriginAlive, OriginPing,
                              ServiceInfo, Subjects, WorkerInfo, WorkerStatus)
 from shared.protocol.status import GatewayState, StatusPage
-from shared.runtime.service import (bus_connection, every, published_metrics, serve_until_stopped,
+from shared.service.lifecycle import (bus_connection, every, published_metrics, serve_until_stopped,
                                     service_instance_id)
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
@@ -75,7 +75,7 @@ class Gateway:
         self.metrics = GatewayMetrics.create(settings.num_restarts, service_instance_id("gateway"))
         self.services = services  # None: no metrics addresses in /status
         # named in every request this gateway sends: workers abort its requests once nobody
-        # answers here (shared.runtime.origins)
+        # answers here (shared.worker.origins)
         self.origin = f"gw-{uuid.uuid4().hex[:16]}"
         # None: responses are not stored (a gateway embedded without NATS KV, in tests)
         self.stored = StoredResponses(self, responses) if responses is not None else None

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from services.join.config import JoinSettings
 from shared.cli.errors import CliError
-from shared.runtime.stack import Stack, StackSpec, print_line
-from shared.runtime.supervisor import Backoff
+from shared.stack.stack import Stack, StackSpec, print_line
+from shared.stack.supervisor import Backoff
 from shared.telemetry.redact import redact_url
 
 _CONNECT_KEYS = {"TANDEM_NATS_URL", "TANDEM_REDIS_URL", "TANDEM_NAMESPACE", "TANDEM_REGISTRY_TTL_S",

@@ -1,6 +1,6 @@
 from pydantic import Field
 
-from shared.runtime.settings import ServiceSettings
+from shared.service.settings import ServiceSettings
 
 
 class KvIndexSettings(ServiceSettings):

@@ -27,8 +27,8 @@ from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineError, SamplingParams
 from shared.protocol import (ControlRequest, ControlResult, PrefillLeaseRequest, PrefillNotification,
                              RemotePrefillRequest, WorkerInfo, WorkerLoad)
-from shared.runtime.worker import EngineWorker
-from shared.runtime.worker_metrics import WorkerMetrics
+from shared.worker.engine_worker import EngineWorker
+from shared.worker.metrics import WorkerMetrics
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import RecentMean
@@ -294,8 +294,3 @@ class PrefillWorker(EngineWorker):
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
 
-
-async def run(settings: PrefillSettings, stop: asyncio.Event) -> None:
-    from services.worker.process import run_worker
-
-    await run_worker(settings, stop)

@@ -4,7 +4,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.runtime.settings import QosSettings
+from shared.service.settings import QosSettings
 
 
 def default_state_dir() -> Path:

@@ -6,9 +6,9 @@ import signal
 import threading
 from pathlib import Path
 
-from shared.runtime.servers import advertised_host
-from shared.runtime.stack import Stack, StackSpec, print_line
-from shared.runtime.supervisor import Backoff
+from shared.stack.servers import advertised_host
+from shared.stack.stack import Stack, StackSpec, print_line
+from shared.stack.supervisor import Backoff
 from shared.telemetry.redact import redact_url
 from services.up.config import UpSettings
 

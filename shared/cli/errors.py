@@ -1,4 +1,4 @@
-"""The CLI's user-facing error (its own module so `python -m shared.cli.main` sees one class)."""
+"""The CLI's user-facing error (its own module so `python -m services.cli` sees one class)."""
 
 
 class CliError(Exception):

@@ -56,7 +56,7 @@ def _sampling_params(args):
 
 def _checked_sampling_params(args):
     """Validate sampling flags before the (slow) model load."""
-    from shared.cli.main import CliError
+    from shared.cli.errors import CliError
     from shared.engine import InvalidRequestError
 
     params = _sampling_params(args)
@@ -68,7 +68,7 @@ def _checked_sampling_params(args):
 
 
 def _load_engine(args):
-    from shared.cli.main import CliError
+    from shared.cli.errors import CliError
     from shared.engine import LLMEngine
     from shared.telemetry.logs import configure_logging
 
@@ -81,7 +81,7 @@ def _load_engine(args):
 
 def _stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> list[int]:
     """Generate and print text as it completes; returns the generated ids."""
-    from shared.cli.main import CliError
+    from shared.cli.errors import CliError
     from shared.engine import InvalidRequestError
     from shared.tokenizer import IncrementalDetokenizer
 
@@ -106,7 +106,7 @@ def _stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> list[int]:
 
 
 def run_complete(args) -> int:
-    from shared.cli.main import CliError
+    from shared.cli.errors import CliError
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = _checked_sampling_params(args)
@@ -140,7 +140,7 @@ def run_chat(args) -> int:
 
 
 def _chat_loop(engine, params, base: list[dict]) -> int:
-    from shared.cli.main import CliError
+    from shared.cli.errors import CliError
 
     history = list(base)
     while True:
@@ -169,7 +169,7 @@ def _chat_loop(engine, params, base: list[dict]) -> int:
 
 
 def run_fetch(args) -> int:
-    from shared.cli.main import CliError
+    from shared.cli.errors import CliError
     from shared.model.registry import resolve_model
     from shared.telemetry.logs import configure_logging
 

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from shared.protocol.status import StatusPage
 from shared.protocol.workers import ScalingStatus, ServiceInfo, WorkerLoad, WorkerStatus
 
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
+HELP = "print the cluster view (workers, role, state, load) from a running gateway"
+
+
+def register(subparsers) -> None:
+    status = subparsers.add_parser("status", help=HELP, description=HELP)
+    status.add_argument("--url", default=os.environ.get("TANDEM_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
+                        help="gateway base URL (env TANDEM_GATEWAY_URL, which tandem up writes to connect.env; "
+                             "default: %(default)s)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.set_defaults(func=status_main)
 
 
 def status_main(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from shared.cli.main import CliError
+    from shared.cli.errors import CliError
 
     url = args.url.rstrip("/") + "/status"
     try:
@@ -160,8 +171,3 @@ def _prefills(load: WorkerLoad | None) -> str:
         return f"{load.num_remote_prefills}/-/{load.num_prefills_dropped}"
     return f"{load.num_remote_prefills}/{load.num_local_prefills}/{load.num_prefill_fallbacks}"
 
-
-if __name__ == "__main__":
-    from shared.runtime.command import run_as_main
-
-    sys.exit(run_as_main("gateway"))

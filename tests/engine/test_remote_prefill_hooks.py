@@ -30,17 +30,17 @@ def write_blocks(engine, block_ids, slab):
 
 def prefill_remotely(prefill, decode, rid, prompt, *, write=True):
     """Prefill on one engine, move the uncached blocks into the other's reserved blocks."""
-    slot = decode.reserve_remote_prefill(rid, prompt, GREEDY)
+    slot = decode.reservations.reserve_remote_prefill(rid, prompt, GREEDY)
     assert slot is not None
     prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
     run(prefill)
-    src = prefill.request_block_ids(rid)
+    src = prefill.reservations.request_block_ids(rid)
     assert len(src) == len(slot.block_ids)  # held after finishing, until released
     first = slot.num_cached_tokens // decode.block_size
     if write:
         write_blocks(decode, slot.uncached_block_ids, read_blocks(prefill, src[first:]))
-    assert prefill.release_kv(rid)
-    decode.finish_remote_prefill(rid, kv_written=True)
+    assert prefill.reservations.release_kv(rid)
+    decode.reservations.finish_remote_prefill(rid, kv_written=True)
     return slot
 
 
@@ -72,20 +72,20 @@ def test_fallback_prefills_locally(make_engine, chat_prompts):
     prompt = chat_prompts[2]
     reference = make_engine().generate([prompt], GREEDY)[0]
     decode = make_engine()
-    assert decode.reserve_remote_prefill("f", prompt, GREEDY) is not None
+    assert decode.reservations.reserve_remote_prefill("f", prompt, GREEDY) is not None
     assert not decode.has_unfinished_requests()  # nothing to step while the KV is awaited
-    decode.finish_remote_prefill("f", kv_written=False)
+    decode.reservations.finish_remote_prefill("f", kv_written=False)
     assert run(decode)["f"] == reference
 
 
 def test_abort_while_awaiting_kv_keeps_blocks_until_the_transfer_ends(make_engine, chat_prompts):
     decode = make_engine()
-    slot = decode.reserve_remote_prefill("a", chat_prompts[3], GREEDY)
+    slot = decode.reservations.reserve_remote_prefill("a", chat_prompts[3], GREEDY)
     out = decode.abort_request("a")
     assert out.finish_reason == "abort"
     # a prefill worker may still be writing into these blocks: none may be reused yet
     assert decode.kv.pool.num_used_blocks == len(slot.block_ids)
-    decode.finish_remote_prefill("a", kv_written=True)
+    decode.reservations.finish_remote_prefill("a", kv_written=True)
     assert decode.kv.pool.num_free_blocks == decode.num_blocks
     decode.kv.check_integrity()
 
@@ -94,10 +94,10 @@ def test_reservation_fails_cleanly_when_the_pool_is_full(make_engine, chat_promp
     per_block = 30 * 2 * 3 * 64 * 4 * 16
     decode = make_engine(kv_cache_memory=per_block * 7)  # 112 tokens: too small for the long prompt
     with pytest.raises(ValueError, match="KV cache"):
-        decode.reserve_remote_prefill("big", chat_prompts[3], GREEDY)
-    assert decode.reserve_remote_prefill("s1", chat_prompts[0], GREEDY) is not None
-    assert decode.reserve_remote_prefill("s2", chat_prompts[1], GREEDY) is not None
-    assert decode.reserve_remote_prefill("s3", chat_prompts[4], GREEDY) is None  # no room now
+        decode.reservations.reserve_remote_prefill("big", chat_prompts[3], GREEDY)
+    assert decode.reservations.reserve_remote_prefill("s1", chat_prompts[0], GREEDY) is not None
+    assert decode.reservations.reserve_remote_prefill("s2", chat_prompts[1], GREEDY) is not None
+    assert decode.reservations.reserve_remote_prefill("s3", chat_prompts[4], GREEDY) is None  # no room now
     assert decode.kv.pool.num_used_blocks == 5  # 3 + 2 blocks reserved, the third needed 3 more
 
 
@@ -109,7 +109,7 @@ async def test_async_engine_reserve_write_finish_stream(make_engine, chat_prompt
     prefill = make_engine()
     prefill.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
     run(prefill)
-    slab = read_blocks(prefill, prefill.request_block_ids("p"))
+    slab = read_blocks(prefill, prefill.reservations.request_block_ids("p"))
     decode = AsyncEngine(make_engine())
     try:
         slot = await decode.reserve_remote_prefill("d", prompt, GREEDY)
@@ -132,7 +132,7 @@ def prefill_full_blocks_only(prefill, decode, rid, prompt):
     """Like ``prefill_remotely``, but write only ``slot.transfer_block_ids`` and fill the partial
     tail block with garbage first: the decode side must recompute it."""
     bs = decode.block_size
-    slot = decode.reserve_remote_prefill(rid, prompt, GREEDY)
+    slot = decode.reservations.reserve_remote_prefill(rid, prompt, GREEDY)
     assert slot is not None and slot.num_prompt_tokens == len(prompt)
     first, num_full = slot.num_cached_tokens // bs, len(prompt) // bs
     assert slot.transfer_block_ids == slot.block_ids[first:num_full]
@@ -143,11 +143,11 @@ def prefill_full_blocks_only(prefill, decode, rid, prompt):
         write_blocks(decode, tail, garbage.to(decode.kv_cache.dtype))
     prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
     run(prefill)
-    src = prefill.request_block_ids(rid)
+    src = prefill.reservations.request_block_ids(rid)
     if slot.transfer_block_ids:
         write_blocks(decode, slot.transfer_block_ids, read_blocks(prefill, src[first:num_full]))
-    assert prefill.release_kv(rid)
-    decode.finish_remote_prefill(rid, kv_written=True)
+    assert prefill.reservations.release_kv(rid)
+    decode.reservations.finish_remote_prefill(rid, kv_written=True)
     return slot
 
 
@@ -190,16 +190,16 @@ def test_decide_false_reserves_nothing_and_sees_the_cached_prefix(make_engine, c
         seen.append(num_cached)
         return False
 
-    assert decode.reserve_remote_prefill("n", chat_prompts[3], GREEDY, decide=refuse) is None
+    assert decode.reservations.reserve_remote_prefill("n", chat_prompts[3], GREEDY, decide=refuse) is None
     assert seen == [0]
     assert decode.kv.pool.num_used_blocks == 0 and decode.stats().num_remote_pending == 0
 
     decode.generate([chat_prompts[3]], GREEDY)  # leaves the prompt's full blocks in the prefix cache
     pool = decode.kv.pool
     before = (pool.num_used_blocks, pool.num_cached_blocks, pool.eviction_order())
-    assert decode.reserve_remote_prefill("n", chat_prompts[3], GREEDY, decide=refuse) is None
+    assert decode.reservations.reserve_remote_prefill("n", chat_prompts[3], GREEDY, decide=refuse) is None
     assert seen[-1] == 175 // 16 * 16  # every full block of the same prompt is cached
-    assert decode.reserve_remote_prefill("n", chat_prompts[0], GREEDY, decide=refuse) is None
+    assert decode.reservations.reserve_remote_prefill("n", chat_prompts[0], GREEDY, decide=refuse) is None
     assert seen[-1] >= 16 and seen[-1] % 16 == 0  # the shared system prompt
     assert (pool.num_used_blocks, pool.num_cached_blocks, pool.eviction_order()) == before
     assert decode.stats().num_remote_pending == 0 and not decode.has_unfinished_requests()
@@ -207,7 +207,7 @@ def test_decide_false_reserves_nothing_and_sees_the_cached_prefix(make_engine, c
 
     # nothing was registered: the id is free, and a yes reserves with the count decide saw
     accepted = []
-    slot = decode.reserve_remote_prefill("n", chat_prompts[0], GREEDY,
+    slot = decode.reservations.reserve_remote_prefill("n", chat_prompts[0], GREEDY,
                                          decide=lambda n: accepted.append(n) or True)
     assert slot is not None and accepted == [seen[-1]] == [slot.num_cached_tokens]
 
@@ -216,47 +216,47 @@ def test_decide_false_reserves_nothing_and_sees_the_cached_prefix(make_engine, c
 
 def test_keep_kv_holds_an_aborted_reservation_until_released(make_engine, chat_prompts):
     decode = make_engine()
-    slot = decode.reserve_remote_prefill("k", chat_prompts[3], GREEDY, keep_kv=True)
+    slot = decode.reservations.reserve_remote_prefill("k", chat_prompts[3], GREEDY, keep_kv=True)
     assert decode.abort_request("k").finish_reason == "abort"
     assert decode.kv.pool.num_used_blocks == len(slot.block_ids)
-    decode.finish_remote_prefill("k", kv_written=True)
+    decode.reservations.finish_remote_prefill("k", kv_written=True)
     # a late write may still come until the owner releases: the blocks stay held
     assert decode.kv.pool.num_used_blocks == len(slot.block_ids)
-    assert decode.request_block_ids("k") == slot.block_ids
+    assert decode.reservations.request_block_ids("k") == slot.block_ids
     assert decode.stats().num_held == 1 and decode.stats().num_remote_pending == 0
     decode.kv.check_integrity()
     with pytest.raises(ValueError, match="duplicate"):
-        decode.reserve_remote_prefill("k", chat_prompts[0], GREEDY)
+        decode.reservations.reserve_remote_prefill("k", chat_prompts[0], GREEDY)
     with pytest.raises(ValueError, match="duplicate"):
         decode.add_request("k", chat_prompts[0], GREEDY)
-    assert decode.release_kv("k")
-    assert not decode.release_kv("k")
+    assert decode.reservations.release_kv("k")
+    assert not decode.reservations.release_kv("k")
     assert decode.kv.pool.num_free_blocks == decode.num_blocks and decode.stats().num_held == 0
     decode.kv.check_integrity()
-    assert decode.reserve_remote_prefill("k", chat_prompts[0], GREEDY) is not None  # the id is free again
+    assert decode.reservations.reserve_remote_prefill("k", chat_prompts[0], GREEDY) is not None  # the id is free again
 
 
 def test_keep_kv_holds_a_finished_remote_request_until_released(make_engine, chat_prompts):
     prompt = chat_prompts[3]
     reference = make_engine().generate([prompt], GREEDY)[0]
     prefill, decode = make_engine(), make_engine()
-    slot = decode.reserve_remote_prefill("h", prompt, GREEDY, keep_kv=True)
+    slot = decode.reservations.reserve_remote_prefill("h", prompt, GREEDY, keep_kv=True)
     prefill.add_request("h", prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
     run(prefill)
     first = slot.num_cached_tokens // decode.block_size
-    src = prefill.request_block_ids("h")[first:len(prompt) // decode.block_size]
+    src = prefill.reservations.request_block_ids("h")[first:len(prompt) // decode.block_size]
     write_blocks(decode, slot.transfer_block_ids, read_blocks(prefill, src))
-    assert prefill.release_kv("h")
-    decode.finish_remote_prefill("h", kv_written=True)
+    assert prefill.reservations.release_kv("h")
+    decode.reservations.finish_remote_prefill("h", kv_written=True)
     assert run(decode)["h"] == reference
-    held = decode.request_block_ids("h")
+    held = decode.reservations.request_block_ids("h")
     assert held[:len(slot.block_ids)] == slot.block_ids  # the reserved blocks, plus the generated tokens'
     assert decode.kv.pool.num_used_blocks == len(held) and decode.stats().num_held == 1
     assert decode.abort_request("h") is None  # finished: nothing to abort, still held
     assert decode.kv.pool.num_used_blocks == len(held)
     with pytest.raises(ValueError, match="duplicate"):
-        decode.reserve_remote_prefill("h", prompt, GREEDY, keep_kv=True)
-    assert decode.release_kv("h")
+        decode.reservations.reserve_remote_prefill("h", prompt, GREEDY, keep_kv=True)
+    assert decode.reservations.release_kv("h")
     assert decode.kv.pool.num_free_blocks == decode.num_blocks
     decode.kv.check_integrity()
 
@@ -264,15 +264,15 @@ def test_keep_kv_holds_a_finished_remote_request_until_released(make_engine, cha
 def test_an_aborted_reservation_keeps_its_id_until_the_transfer_ends(make_engine, chat_prompts):
     """Its blocks may still be written: the id may not be reserved or added again meanwhile."""
     decode = make_engine()
-    decode.reserve_remote_prefill("r", chat_prompts[3], GREEDY)
+    decode.reservations.reserve_remote_prefill("r", chat_prompts[3], GREEDY)
     decode.abort_request("r")
     with pytest.raises(ValueError, match="duplicate"):
-        decode.reserve_remote_prefill("r", chat_prompts[3], GREEDY)
+        decode.reservations.reserve_remote_prefill("r", chat_prompts[3], GREEDY)
     with pytest.raises(ValueError, match="duplicate"):
         decode.add_request("r", chat_prompts[3], GREEDY)
-    decode.finish_remote_prefill("r", kv_written=False)
+    decode.reservations.finish_remote_prefill("r", kv_written=False)
     assert decode.kv.pool.num_free_blocks == decode.num_blocks
-    assert decode.reserve_remote_prefill("r", chat_prompts[3], GREEDY) is not None
+    assert decode.reservations.reserve_remote_prefill("r", chat_prompts[3], GREEDY) is not None
 
 
 def test_keep_kv_holds_a_fallen_back_request_until_released(make_engine, chat_prompts):
@@ -281,13 +281,13 @@ def test_keep_kv_holds_a_fallen_back_request_until_released(make_engine, chat_pr
     prompt = chat_prompts[2]
     reference = make_engine().generate([prompt], GREEDY)[0]
     decode = make_engine()
-    slot = decode.reserve_remote_prefill("t", prompt, GREEDY, keep_kv=True)
-    decode.finish_remote_prefill("t", kv_written=False)
+    slot = decode.reservations.reserve_remote_prefill("t", prompt, GREEDY, keep_kv=True)
+    decode.reservations.finish_remote_prefill("t", kv_written=False)
     assert run(decode)["t"] == reference
     stats = decode.stats()
     assert stats.num_held == 1 and stats.num_remote_pending == 0
-    assert stats.num_blocks_used == len(decode.request_block_ids("t")) >= len(slot.block_ids)
-    assert decode.release_kv("t")
+    assert stats.num_blocks_used == len(decode.reservations.request_block_ids("t")) >= len(slot.block_ids)
+    assert decode.reservations.release_kv("t")
     stats = decode.stats()
     assert stats.num_held == 0 and stats.num_blocks_used == 0
     decode.kv.check_integrity()

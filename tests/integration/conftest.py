@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from shared.runtime.servers import start_nats_server, start_redis_server
+from shared.stack.servers import start_nats_server, start_redis_server
 
 
 @pytest.fixture(scope="session")

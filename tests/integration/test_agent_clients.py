@@ -24,7 +24,7 @@ from shared.bus import Bus
 from shared.protocol import Subjects
 from shared.protocol.responses import StoredResponse
 from shared.responses.store import ResponseStore
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = pytest.mark.slow

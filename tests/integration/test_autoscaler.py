@@ -13,7 +13,7 @@ import uuid
 import openai
 import pytest
 
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 from test_role_flip import ENGINE, LONG_DOC, MODEL, engine, greedy, streamed  # noqa: F401 — fixture
 

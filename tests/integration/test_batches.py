@@ -15,7 +15,7 @@ import uuid
 import openai
 import pytest
 
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from stack_helpers import running_stack, spawn_ready_decode, wait_for
 
 pytestmark = pytest.mark.slow

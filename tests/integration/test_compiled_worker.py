@@ -10,7 +10,7 @@ import uuid
 import openai
 import pytest
 
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, greedy_text, reference_engine, running_stack, wait_for
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from services.kv_index.service import KvIndexService
 from shared.bus import WorkerRegistry
 from shared.protocol import (BlockStoredEvent, ClusterStatusRequest, GenerateRequest, KvEventBatch,
                              KvMatchRequest, Subjects, WorkerInfo, WorkerLoad)
-from shared.runtime.waiting import wait_until
+from shared.stack.waiting import wait_until
 from shared.store import KvIndexStore, RedisKeys, connect
 
 

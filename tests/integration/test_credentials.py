@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from shared.bus import Bus
-from shared.runtime.children import child_env
-from shared.runtime.servers import start_nats_server, start_redis_server
-from shared.runtime.stack import StackSpec
+from shared.stack.children import child_env
+from shared.stack.servers import start_nats_server, start_redis_server
+from shared.stack.stack import StackSpec
 from shared.store import check_connection, connect
 from shared.telemetry.redact import new_secret
 from stack_helpers import running_stack
@@ -88,7 +88,7 @@ async def test_redis_without_or_with_a_wrong_password_is_a_clear_error(redis_loc
 
 
 def run_service(service: str, env: dict[str, str]) -> tuple[int, list[str]]:
-    proc = subprocess.run([sys.executable, "-m", "shared.cli.main", service], env=child_env(env),
+    proc = subprocess.run([sys.executable, "-m", "services.cli", service], env=child_env(env),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     return proc.returncode, proc.stdout.splitlines()
 

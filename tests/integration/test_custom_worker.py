@@ -20,9 +20,9 @@ from services.gateway.service import Gateway, build_app, load_tokenizer
 from shared.bus import Bus, WorkerRegistry
 from shared.model.registry import DEFAULT_MODEL
 from shared.protocol import Subjects
-from shared.runtime.servers import start_nats_server
-from shared.runtime.tls import server_tls
-from shared.runtime.waiting import wait_until
+from shared.stack.servers import start_nats_server
+from shared.stack.tls import server_tls
+from shared.stack.waiting import wait_until
 from shared.telemetry.redact import new_secret
 from stack_helpers import tool_missing
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from shared.protocol import RemotePrefillRequest, Subjects
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from stack_helpers import greedy_text, reference_engine, running_stack
 
 if platform.system() != "Linux":
@@ -228,7 +228,7 @@ def test_thresholds_change_at_run_time_through_the_control_subject(stack, client
                          > before["num_local_prefills"] and l, what="a local prefill")
         assert after["num_remote_prefills"] == before["num_remote_prefills"]
     finally:  # back to all-remote, through the CLI this time
-        from shared.cli.main import main
+        from services.cli import main
 
         assert main(["control", worker_id, "--nats-url", stack.nats_url, "--namespace", stack.spec.namespace,
                      "--max-local-prefill-tokens", "0"]) == 0

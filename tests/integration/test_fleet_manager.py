@@ -12,7 +12,7 @@ import pytest
 
 from shared.bus import RemoteError
 from shared.protocol import ControlRequest, ControlResult, ScaleRequest, Subjects
-from shared.runtime.fleet import FleetManager
+from shared.stack.fleet import FleetManager
 
 
 class StandInStack:

@@ -28,7 +28,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway, build_app
 from shared.bus import WorkerRegistry
 from shared.protocol import Subjects, WorkerInfo
-from shared.runtime.waiting import wait_until
+from shared.stack.waiting import wait_until
 from shared.telemetry.metrics import sample_total
 
 MODEL = "m"

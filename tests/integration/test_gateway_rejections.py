@@ -20,8 +20,8 @@ from services.gateway.service import Gateway, build_app, load_tokenizer
 from shared.bus import WorkerRegistry
 from shared.model.registry import DEFAULT_MODEL
 from shared.protocol import Subjects
-from shared.runtime.children import Child, child_env, service_argv
-from shared.runtime.waiting import wait_until
+from shared.stack.children import Child, child_env, service_argv
+from shared.stack.waiting import wait_until
 from shared.telemetry.metrics import sample_total
 
 pytestmark = pytest.mark.slow

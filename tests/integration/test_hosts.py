@@ -32,8 +32,8 @@ from delay_proxy import READY as PROXY_READY
 from delay_proxy import proxy_argv
 from netlab import UCX_NETWORK_ONLY, Lab, available
 
-from shared.runtime.servers import NatsCluster, _binary, nats_config
-from shared.runtime.tls import server_tls
+from shared.stack.servers import NatsCluster, _binary, nats_config
+from shared.stack.tls import server_tls
 from shared.telemetry.redact import new_secret
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -182,7 +182,7 @@ def hosts(tmp_path_factory):
             wait_jetstream_healthy(host)
         urls = ",".join(f"tls://tandem:{password}@{h.address}:{NATS_PORT}" for h in members)
         up, _ = cp.popen_ready(
-            [sys.executable, "-m", "shared.cli.main", "up", "--decode", "1", "--nats-url", urls, "--nats-ca", ca,
+            [sys.executable, "-m", "services.cli", "up", "--decode", "1", "--nats-url", urls, "--nats-ca", ca,
              "--host", cp.address, "--port", GATEWAY_PORT, "--state-dir", tmp / "cp", "--namespace", namespace,
              "--registry-ttl-s", "3", "--max-local-prefill-tokens", "0", "--ready-timeout-s", "500",
              *ENGINE_FLAGS], r"\| ready: http", timeout_s=520, env=env)
@@ -199,7 +199,7 @@ def hosts(tmp_path_factory):
 
         def join(host, connect_file, role_flags):
             proc, _ = host.popen_ready(
-                [sys.executable, "-m", "shared.cli.main", "join", "--connect", connect_file, "--host-name", host.name,
+                [sys.executable, "-m", "services.cli", "join", "--connect", connect_file, "--host-name", host.name,
                  "--state-dir", tmp / host.name, "--ready-timeout-s", "500", "--max-local-prefill-tokens", "0",
                  *role_flags, *ENGINE_FLAGS], r"\| ready: ", timeout_s=520, env=env)
             joins[host.name] = proc

@@ -16,9 +16,9 @@ from http.client import HTTPConnection
 
 import pytest
 
-from shared.cli.main import main
-from shared.runtime.stack import StackSpec
-from shared.runtime.supervisor import Backoff
+from services.cli import main
+from shared.stack.stack import StackSpec
+from shared.stack.supervisor import Backoff
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
 
 pytestmark = pytest.mark.slow

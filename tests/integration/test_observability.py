@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from browser import chromium_page, find_chromium
 from stack_helpers import cluster_status, running_stack, tool_missing, wait_for
@@ -122,7 +122,7 @@ def test_every_service_serves_metrics_that_parse(stack, client, capsys):
     wait_for(lambda: sample_total(scrape(urls["decode"]), "tandem_worker_prefills_total", kind="remote"), 10,
              "the decode worker's load report counting the remote prefill")
 
-    from shared.cli.main import main
+    from services.cli import main
 
     assert main(["status", "--url", stack.base_url]) == 0
     out = capsys.readouterr().out

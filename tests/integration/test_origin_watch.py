@@ -8,7 +8,7 @@ import asyncio
 
 from shared.bus import Bus
 from shared.protocol import GenerateRequest, OriginAlive, OriginPing, Subjects
-from shared.runtime.origins import OriginWatch
+from shared.worker.origins import OriginWatch
 
 
 def request(request_id: str, origin: str | None) -> GenerateRequest:

@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from stack_helpers import running_stack
 

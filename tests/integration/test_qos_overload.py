@@ -25,7 +25,7 @@ import pytest
 from loadtest.runner import run_openai
 from loadtest.stats import percentile
 from loadtest.workload import WorkloadConfig, build_workload
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from stack_helpers import running_stack, wait_for
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from shared.protocol import GenerateRequest, Subjects, WorkerInfo
 from shared.protocol import SamplingParams as WireSamplingParams
-from shared.runtime.servers import start_nats_server
-from shared.runtime.waiting import wait_until
+from shared.stack.servers import start_nats_server
+from shared.stack.waiting import wait_until
 
 PROMPT = [(7 * i + 3) % 256 for i in range(100)]  # 6 full 16-token blocks: long enough to go remote
 

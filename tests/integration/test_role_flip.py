@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from shared.protocol import ControlRequest, Subjects
-from shared.runtime.stack import StackSpec
+from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = pytest.mark.slow
@@ -132,7 +132,7 @@ def test_a_decode_worker_flips_to_prefill_and_back_without_losing_a_request(stac
     thread.start()
     wait_for(lambda: any(l.startswith("decode-2|") and "prefilling" in l for l in stack.lines), 120,
              f"{flipper} prefilling the long prompt")
-    from shared.cli.main import main
+    from services.cli import main
 
     assert main(["control", flipper, "--flip", "decode", "--nats-url", stack.nats_url,
                  "--namespace", stack.spec.namespace]) == 0

@@ -9,9 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus import ServiceDirectory
 from shared.protocol import ServiceInfo, Subjects
-from shared.runtime.service import published_metrics
-from shared.runtime.settings import ServiceSettings
-from shared.runtime.waiting import wait_until
+from shared.service.lifecycle import published_metrics
+from shared.service.settings import ServiceSettings
+from shared.stack.waiting import wait_until
 from shared.telemetry.metrics import sample_total, service_registry
 
 

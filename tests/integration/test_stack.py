@@ -19,8 +19,8 @@ import pytest
 
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol import Subjects
-from shared.runtime.stack import StackSpec
-from shared.runtime.waiting import wait_until
+from shared.stack.stack import StackSpec
+from shared.stack.waiting import wait_until
 from shared.store import KvIndexStore, RedisKeys, connect
 from shared.telemetry.metrics import sample_total
 from stack_helpers import (decode_states, greedy_text, read_events, reference_engine, running_stack,
@@ -122,7 +122,7 @@ def test_stop_strings_logprobs_models_and_metrics(client, stack):
 
 
 def test_status_view_and_cli(stack, capsys):
-    from shared.cli.main import main
+    from services.cli import main
 
     view = status(stack)
     assert sorted(w["info"]["state"] for w in view["workers"]) == ["ready", "ready"]
@@ -421,7 +421,7 @@ def test_the_decode_worker_passes_worker_check_drain_included(stack):
     import sys
 
     checked, checked_id = spawn_ready_decode(stack, "decode-0-check")
-    out = subprocess.run([sys.executable, "-m", "shared.cli.main", "worker-check", checked_id, "--nats-url",
+    out = subprocess.run([sys.executable, "-m", "services.cli", "worker-check", checked_id, "--nats-url",
                           stack.nats_url, "--namespace", stack.spec.namespace, "--drain"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -18,8 +18,8 @@ import pytest
 
 from shared.cli.status import format_status
 from shared.protocol.status import StatusPage
-from shared.runtime.stack import StackSpec
-from shared.runtime.supervisor import Backoff
+from shared.stack.stack import StackSpec
+from shared.stack.supervisor import Backoff
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.runtime.servers import free_port
+from shared.stack.servers import free_port
 from stack_helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def alive(pid: int) -> bool:
 
 def start_up(*args: str) -> tuple[subprocess.Popen, queue.Queue]:
     """``tandem up ARGS`` in its own session, and a queue of its output lines (None at its end)."""
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l.rstrip("\n")) for l in proc.stdout] + [lines.put(None)],
@@ -141,7 +141,7 @@ def test_up_with_no_workers_serves_a_worker_of_your_own(tmp_path):
         assert env["TANDEM_GATEWAY_URL"] == base  # so that `tandem status` finds a gateway off port 8000
 
         def status_listing_echo() -> str | None:  # no --url: from connect.env's TANDEM_GATEWAY_URL
-            status = subprocess.run([sys.executable, "-m", "shared.cli.main", "status"], env={**os.environ, **env},
+            status = subprocess.run([sys.executable, "-m", "services.cli", "status"], env={**os.environ, **env},
                                     capture_output=True, text=True, timeout=30)
             assert status.returncode == 0, status.stderr
             return status.stdout if "echo-byo" in status.stdout else None

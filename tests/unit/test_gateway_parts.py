@@ -27,7 +27,7 @@ from shared.openai_api.generate_request import build_generate_request, max_token
 from shared.openai_api.fields import CHAT_FIELDS
 from shared.openai_api.models import ChatCompletionRequest
 from shared.protocol import TokenLogprob, WorkerInfo, WorkerLoad
-from shared.runtime.service import every
+from shared.service.lifecycle import every
 from shared.tokenizer import Tokenizer
 
 WORDS = ["<unk>", "user", "assistant", ":", "hello", "world", "a", "b", "c", "d"]

@@ -12,11 +12,11 @@ import pytest
 from services.join.service import read_connect_file, spec_from_settings
 from shared.bus.bus import detect_replicas, server_urls
 from shared.cli.errors import CliError
-from shared.cli.main import build_parser
-from shared.runtime.servers import NatsCluster, nats_config
-from shared.runtime.settings import settings_from_args
-from shared.runtime.stack import Stack, StackSpec
-from shared.runtime.tls import server_tls
+from services.cli import build_parser
+from shared.stack.servers import NatsCluster, nats_config
+from shared.service.command import settings_from_args
+from shared.stack.stack import Stack, StackSpec
+from shared.stack.tls import server_tls
 from shared.telemetry.redact import redact_url
 
 

@@ -10,7 +10,7 @@ import json
 import struct
 from pathlib import Path
 
-from shared.cli.main import main as tandem
+from services.cli import main as tandem
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol import GenerateRequest, KvEventBatch, TokenChunk
 from shared.protocol import spec

@@ -6,8 +6,8 @@ from typing import Literal, get_args, get_origin
 
 import pytest
 
-from shared.cli.main import build_parser, main
-from shared.runtime.settings import settings_from_args
+from services.cli import build_parser, main
+from shared.service.command import settings_from_args
 
 SERVICES = ["gateway", "admission", "decode", "prefill", "kv-index", "autoscaler", "up"]
 
@@ -41,7 +41,7 @@ def test_bad_setting_is_a_one_line_user_error(capsys):
 
 
 def test_help_runs_without_heavy_imports():
-    code = ("import sys; from shared.cli.main import main\n"
+    code = ("import sys; from services.cli import main\n"
             "for s in %r:\n"
             "    try: main([s, '--help'])\n"
             "    except SystemExit: pass\n"
@@ -113,7 +113,7 @@ def test_kv_tier_flags_reach_the_engine_and_each_decode_worker_gets_its_own_disk
     from services.decode.config import DecodeSettings
     from services.up.config import UpSettings
     from services.up.service import spec_from_settings
-    from shared.runtime.stack import Stack
+    from shared.stack.stack import Stack
 
     config = DecodeSettings(kv_host_memory="64MiB", kv_disk_dir=str(tmp_path), kv_disk_size="1GiB",
                             kv_disk_min_uses=3).engine_config()

@@ -9,7 +9,7 @@ import types
 
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.async_engine import AsyncEngine
-from shared.runtime.worker import warm_up
+from shared.worker.engine_worker import warm_up
 
 
 def test_warm_up_does_not_leave_its_prefill_rate_behind(tiny_engine_model):

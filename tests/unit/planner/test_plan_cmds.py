@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.cli import plan_cmds
-from shared.cli.main import CliError
+from shared.cli.errors import CliError
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "clusters"
 

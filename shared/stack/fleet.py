@@ -21,7 +21,7 @@ from shared.bus import Bus, ServiceError
 from shared.protocol import ControlRequest, ScaleRequest, ScaleResult, Subjects
 
 if TYPE_CHECKING:
-    from shared.runtime.stack import Stack
+    from shared.stack.stack import Stack
 
 log = logging.getLogger(__name__)
 

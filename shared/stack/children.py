@@ -1,6 +1,6 @@
 """Service child processes for ``tandem up`` and the integration tests.
 
-Each child is ``python -m shared.cli.main <service> ...`` in its own session (so a terminal's
+Each child is ``python -m services.cli <service> ...`` in its own session (so a terminal's
 Ctrl-C reaches only the parent, which then stops the children in order), dies with its parent
 (Linux ``PR_SET_PDEATHSIG``), and has its output prefixed with its name, line by line.
 """
@@ -77,8 +77,12 @@ def split_secret_flags(flags: dict[str, object]) -> tuple[dict[str, object], dic
     return {k: v for k, v in flags.items() if k not in SECRET_SETTINGS}, env
 
 
+# The stack starts ``tandem`` as a program, the same as a shell would: it imports no service.
+TANDEM_ARGV = [sys.executable, "-m", "services.cli"]
+
+
 def service_argv(service: str, flags: dict[str, object]) -> list[str]:
-    argv = [sys.executable, "-m", "shared.cli.main", service]
+    argv = [*TANDEM_ARGV, service]
     for name, value in flags.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):  # BooleanOptionalAction: --flag / --no-flag

@@ -1,19 +1,16 @@
-"""Settings shared by every service, and the bridge from a settings class to argparse flags.
+"""Settings shared by every service.
 
 Each service has one settings class (pydantic-settings, ``TANDEM_`` env prefix). Every field is
-also a ``--flag``; precedence: flag, then environment, then default. The compose test checks its
-files against exactly these flags and variables.
+also a ``--flag`` (``shared.service.command``); precedence: flag, then environment, then default.
+The compose test checks its files against exactly these flags and variables.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-S = TypeVar("S", bound=BaseSettings)
 
 
 class ServiceSettings(BaseSettings):
@@ -56,51 +53,6 @@ class QosSettings(BaseSettings):
 
         load_qos(path)
         return path
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
-    """One ``--flag`` per field; defaults stay None so that unset flags fall back to the env."""
-    for name, info in cls.model_fields.items():
-        env = f"TANDEM_{name.upper()}"
-        default = info.get_default(call_default_factory=True)
-        help_text = f"{info.description or name} (env {env}, default {default!r})"
-        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
-        annotation = _without_none(info.annotation)
-        if annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif get_origin(annotation) is Literal:
-            kwargs["choices"] = list(get_args(annotation))
-        parser.add_argument(_flag(name), **kwargs)
-
-
-def _without_none(annotation: Any) -> Any:
-    """``X | None`` → ``X`` (an optional Literal still gets its choices); anything else as it is."""
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    if len(args) == 1 and type(None) in get_args(annotation):
-        return args[0]
-    return annotation
-
-
-def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
-    """Build the settings from flags given on the command line plus the environment."""
-    from shared.cli.main import CliError  # noqa: PLC0415 — avoid a cycle at import time
-
-    given = {name: getattr(args, name) for name in cls.model_fields
-             if getattr(args, name, None) is not None}
-    try:
-        return cls(**given)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {_message(e['msg'])}"
-                             for e in exc.errors())
-        raise CliError(f"invalid settings: {problems}") from None
-
-
-def _message(msg: str) -> str:
-    return msg.removeprefix("Value error, ")
 
 
 def settings_env_names(cls: type[BaseSettings]) -> set[str]:

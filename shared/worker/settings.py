@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from shared.model.compile_mode import compile_mode
-from shared.runtime.settings import ServiceSettings
+from shared.service.settings import ServiceSettings
 
 
 def default_worker_id(role: str) -> str:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 if TYPE_CHECKING:
-    from shared.runtime.tls import ServerTls
+    from shared.stack.tls import ServerTls
 
 _NATS_READY = "Server is ready"
 _REDIS_READY = "Ready to accept connections"

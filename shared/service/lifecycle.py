@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from shared.bus import Bus, ServiceDirectory, WorkerRegistry
 from shared.protocol import ServiceInfo, Subjects
-from shared.runtime.settings import ServiceSettings
+from shared.service.settings import ServiceSettings
 from shared.telemetry.logs import configure_logging
 from shared.telemetry.metrics import metrics_site
 from shared.telemetry.tracing import configure_tracing, service_name

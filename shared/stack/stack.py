@@ -2,7 +2,7 @@
 and every service as its own process. Used by ``tandem up`` and the integration tests.
 
 With ``restart_children`` a supervisor thread starts again any child that crashes (see
-``shared.runtime.supervisor``), passing it ``--num-restarts`` so that workers report the count in
+``shared.stack.supervisor``), passing it ``--num-restarts`` so that workers report the count in
 the registry and thus in ``tandem status``. It restarts the embedded nats-server and redis-server
 too, whatever their exit code (nothing works without them), on the same port, data directory and
 password: services reconnect on their own. ``stop()`` ends the supervisor before it stops anyone.
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.runtime.children import Child, child_env, service_argv, split_secret_flags
-from shared.runtime.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
+from shared.stack.children import Child, child_env, service_argv, split_secret_flags
+from shared.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
                                     start_nats_server, start_redis_server)
-from shared.runtime.supervisor import Backoff, RestartPolicy
+from shared.stack.supervisor import Backoff, RestartPolicy
 from shared.telemetry.redact import new_secret
 
 _SUPERVISE_INTERVAL_S = 0.2
@@ -70,7 +70,7 @@ class StackSpec:
     restart_children: bool = False
     restart_backoff: Backoff = Backoff()
     autoscaler_flags: dict[str, object] = field(default_factory=dict)
-    # set: serve the autoscaler's start/stop requests (shared.runtime.fleet); a stopped worker
+    # set: serve the autoscaler's start/stop requests (shared.stack.fleet); a stopped worker
     # drains this long before what it still holds is cut off
     fleet_drain_timeout_s: float | None = None
 
@@ -146,7 +146,7 @@ class Stack:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
         if spec.fleet_drain_timeout_s is not None:
-            from shared.runtime.fleet import FleetManager
+            from shared.stack.fleet import FleetManager
 
             self._fleet = FleetManager(self, drain_timeout_s=spec.fleet_drain_timeout_s)
             self._fleet.start()
@@ -178,7 +178,7 @@ class Stack:
         advertise = spec.advertise_host or advertised_host(spec.nats_host)
         tls = None
         if spec.nats_tls:
-            from shared.runtime.tls import server_tls  # noqa: PLC0415 — cryptography only when asked
+            from shared.stack.tls import server_tls  # noqa: PLC0415 — cryptography only when asked
 
             tls = server_tls(spec.state_dir / "tls", [advertise, *_local_names(spec.nats_host)])
             self.nats_ca = str(tls.ca_file)
@@ -228,7 +228,7 @@ class Stack:
             "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **_OWN_METRICS_PORT,
             **threads, **flags})
 
-    # -- the fleet, as the autoscaler changes it (shared.runtime.fleet) -----------------------------
+    # -- the fleet, as the autoscaler changes it (shared.stack.fleet) -----------------------------
     def add_worker(self, role: str) -> tuple[str, str, Child]:
         """A new worker of ``role`` under a name not used before: (name, worker id, child)."""
         with self._children_lock:

@@ -15,21 +15,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shared.bus import Bus, ServiceError
 from shared.protocol import ControlRequest, ScaleRequest, ScaleResult, Subjects
-
-if TYPE_CHECKING:
-    from shared.stack.stack import Stack
+from shared.stack.children import Child
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
 
 
+class _Namespaced(Protocol):
+    namespace: str
+
+
+class WorkerProcesses(Protocol):
+    """What the fleet manager asks of the owner of the worker processes (``shared.stack.stack.Stack``;
+    a Protocol, so that the stack imports this module and not the other way round)."""
+
+    spec: _Namespaced
+    nats_url: str
+    nats_ca: str | None
+    nats_replicas: int | None
+
+    def add_worker(self, role: str) -> tuple[str, str, Child]:
+        """Start a worker of ``role`` under a fresh name: (name, worker id, its child process)."""
+
+    def worker_name(self, worker_id: str) -> str | None:
+        """The name of this stack's worker ``worker_id``; None if it has none."""
+
+    def retire(self, name: str, is_retired: bool = True) -> None:
+        """Mark worker ``name`` as leaving on purpose (its exit is no crash), or undo that."""
+
+    def log_line(self, line: str) -> None:
+        """Print one line of the stack's log."""
+
+
 class FleetManager:
-    def __init__(self, stack: "Stack", *, drain_timeout_s: float) -> None:
+    def __init__(self, stack: WorkerProcesses, *, drain_timeout_s: float) -> None:
         self._stack = stack
         self._drain_timeout_s = drain_timeout_s
         self._subjects = Subjects(stack.spec.namespace)

@@ -16,12 +16,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from shared.engine import cpu_threads
 from shared.engine.config import EngineConfig
-from shared.engine.engine import EngineOutput, EngineStats, LLMEngine, RemotePrefillSlot, StepObserver
+from shared.engine.engine import EngineOutput, EngineStats, LLMEngine
+from shared.engine.reservations import PrefixFetchSlot, RemotePrefillSlot
+from shared.engine.step_stats import StepObserver
 from shared.engine.errors import EngineDeadError
 from shared.engine.request import SamplingParams
 from shared.kvcache.events import KvEventSink
+from shared.kvcache.layout import KvCacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,15 @@ class AsyncEngine:
     def kv_namespace(self) -> bytes:
         return self.engine.kv_namespace
 
+    @property
+    def kv_spec(self) -> KvCacheSpec:
+        return self.engine.kv_spec
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The KV pool a transfer registers once (``register_kv_pool``) and moves blocks of by id."""
+        return self.engine.kv_cache
+
     def stats(self) -> EngineStats:
         # the snapshot is taken at each step; how decode steps run can change while the engine idles
         return dataclasses.replace(self._stats, decode_step=self.engine.decode_step())
@@ -96,8 +110,8 @@ class AsyncEngine:
         self.engine.add_kv_event_sink(sink)
 
     def add_step_observer(self, observe: StepObserver) -> None:
-        """See ``LLMEngine.add_step_observer``: called in the engine thread."""
-        self.engine.add_step_observer(observe)
+        """See ``StepStats.add_observer``: called in the engine thread."""
+        self.engine.step_stats.add_observer(observe)
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -117,14 +131,14 @@ class AsyncEngine:
                                      params: SamplingParams, priority: int = 0, *, keep_kv: bool = False,
                                      decide: Callable[[int], bool] | None = None,
                                      deadline: float | None = None) -> RemotePrefillSlot | None:
-        """Decode side of remote prefill: reserve the prompt's blocks (see LLMEngine; ``decide``
-        runs in the engine thread). On a slot, read the request's tokens with
+        """Decode side of remote prefill: reserve the prompt's blocks (see KvReservations;
+        ``decide`` runs in the engine thread). On a slot, read the request's tokens with
         ``stream(request_id)`` after ``finish_remote_prefill``."""
         self._check_alive()
         self.engine.validate(prompt_token_ids, params)
         self._open_stream(request_id)
         try:
-            slot = await self.call(lambda e: e.reserve_remote_prefill(
+            slot = await self.call(lambda e: e.reservations.reserve_remote_prefill(
                 request_id, list(prompt_token_ids), params, priority, keep_kv=keep_kv, decide=decide,
                 deadline=deadline))
         except BaseException:
@@ -138,16 +152,40 @@ class AsyncEngine:
         """The transfer into a reserved request's blocks completed (``kv_written``) or was given up
         on (prefill locally). Safe to call for an aborted or unknown request."""
         self._post(_Call(lambda e: self._deliver(
-            [o] if (o := e.finish_remote_prefill(request_id, kv_written)) else []),
+            [o] if (o := e.reservations.finish_remote_prefill(request_id, kv_written)) else []),
             concurrent.futures.Future()))
 
+    async def request_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (see ``KvReservations.request_block_ids``)."""
+        return await self.call(lambda e: e.reservations.request_block_ids(request_id))
+
+    async def reserve_prefix_fetch(self, fetch_id: str, prompt_token_ids: list[int],
+                                   num_blocks: int) -> PrefixFetchSlot | None:
+        """Hold blocks for a peer to write the prompt's prefix into (see KvReservations); end it
+        with ``finish_prefix_fetch``."""
+        prompt = list(prompt_token_ids)
+        return await self.call(lambda e: e.reservations.reserve_prefix_fetch(fetch_id, prompt, num_blocks))
+
     def finish_prefix_fetch(self, fetch_id: str, num_written: int) -> None:
-        """End a ``reserve_prefix_fetch`` (see LLMEngine), in order with the calls before it."""
-        self._post(_Call(lambda e: e.finish_prefix_fetch(fetch_id, num_written), concurrent.futures.Future()))
+        """End a ``reserve_prefix_fetch`` (see KvReservations), in order with the calls before it."""
+        self._post(_Call(lambda e: e.reservations.finish_prefix_fetch(fetch_id, num_written),
+                         concurrent.futures.Future()))
+
+    async def read_prefix_from_disk(self, block_hashes: list[int]) -> bool:
+        """Start reading the prefix this worker keeps on disk; True while reads are under way
+        (see KvReservations)."""
+        hashes = list(block_hashes)
+        return await self.call(lambda e: e.reservations.read_prefix_from_disk(hashes))
+
+    async def lend_prefix(self, lend_id: str, block_hashes: list[int]) -> list[int]:
+        """Pin the leading run of ``block_hashes`` cached here for a peer to read; their block ids
+        (see KvReservations). ``return_prefix`` unpins them."""
+        hashes = list(block_hashes)
+        return await self.call(lambda e: e.reservations.lend_prefix(lend_id, hashes))
 
     def return_prefix(self, lend_id: str) -> None:
-        """Unpin the blocks of a ``lend_prefix`` (see LLMEngine), in order with the calls before it."""
-        self._post(_Call(lambda e: e.return_prefix(lend_id), concurrent.futures.Future()))
+        """Unpin the blocks of a ``lend_prefix`` (see KvReservations), in order with the calls before it."""
+        self._post(_Call(lambda e: e.reservations.return_prefix(lend_id), concurrent.futures.Future()))
 
     def discard_stream(self, request_id: str) -> None:
         """Forget a request's output stream that nobody will read (it was aborted)."""
@@ -155,19 +193,20 @@ class AsyncEngine:
 
     def release_kv(self, request_id: str) -> None:
         """Free the blocks a finished ``keep_kv`` request holds."""
-        self._post(_Call(lambda e: e.release_kv(request_id), concurrent.futures.Future()))
+        self._post(_Call(lambda e: e.reservations.release_kv(request_id), concurrent.futures.Future()))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine thread between two steps and return its result."""
+        """Run ``fn(engine)`` in the engine thread between two steps and return its result. For
+        tests and tools that look inside the engine; services use the typed methods above."""
         self._check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._post(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
     async def forget_prefill_rate(self) -> None:
-        """See ``LLMEngine.forget_prefill_rate``; ``stats()`` shows it once this returns."""
+        """See ``StepStats.forget_prefill_rate``; ``stats()`` shows it once this returns."""
         def forget(engine: LLMEngine) -> None:
-            engine.forget_prefill_rate()
+            engine.step_stats.forget_prefill_rate()
             self._stats = engine.stats()
 
         await self.call(forget)

@@ -22,6 +22,10 @@ class ModelRunner:
         self.device = model.device
         self.compiled = compiled  # runs the decode-only steps when set
 
+    def use_compiled(self, compiled: CompiledDecode) -> None:
+        """From the background compile: the engine thread's next decode-only step runs the graph."""
+        self.compiled = compiled
+
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         input_ids: list[int] = []

@@ -2,24 +2,29 @@
 
 Pure Python. A request is known by its id; callers pass its token ids and block hashes.
 ``allocate_slots`` returns None when the pool cannot serve the request now, never raises for that.
-With ``tiers`` (shared/kvcache/tiers.py, set by the engine) evicted blocks are copied to host/disk
+With ``tiers`` (shared/kvcache/tiers.py, passed in by the engine) evicted blocks are copied to host/disk
 and a prefix found there is copied back into fresh pool blocks while the prompt is matched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shared.kvcache.block_pool import Block, BlockPool
 from shared.kvcache.events import KvEventEmitter
 
+if TYPE_CHECKING:
+    from shared.kvcache.tiers import KvTiers
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 events: KvEventEmitter | None = None) -> None:
+                 events: KvEventEmitter | None = None, tiers: KvTiers | None = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, events=events)
-        self.tiers = None  # KvTiers once the engine attaches them
+        self.tiers = tiers  # the pool's evicted blocks go down to them, and come back up from them
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, events=events,
+                              on_evict=tiers.offload if tiers is not None else None)
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already cached
 
@@ -78,7 +83,7 @@ class KVCacheManager:
 
     def prefetch(self, block_hashes: Sequence[int]) -> None:
         """Start bringing a new request's prefix up from disk (see ``is_loading``)."""
-        if self.tiers is not None:  # the engine attaches tiers only with prefix caching on
+        if self.tiers is not None:  # the engine passes tiers only with prefix caching on
             self.tiers.prefetch(block_hashes, lambda h: self.pool.lookup(h) is not None)
 
     def is_loading(self, block_hashes: Sequence[int]) -> bool:

@@ -27,11 +27,9 @@ def tiny(num_blocks=4, **tier_kw):
     events = KvEventEmitter()
     sink = ListSink()
     events.add_sink(sink)
-    kv = KVCacheManager(num_blocks, BS, events=events)
     cache = SPEC.allocate(num_blocks, "cpu")
     tiers = KvTiers(TierConfig(**tier_kw), SPEC, cache, NS, events)
-    kv.tiers = tiers
-    kv.pool.on_evict = tiers.offload
+    kv = KVCacheManager(num_blocks, BS, events=events, tiers=tiers)
     return kv, cache, tiers, sink
 
 
@@ -190,7 +188,7 @@ def test_an_unusable_disk_directory_is_a_one_line_error(tmp_path):
 
 
 def test_a_holder_lends_a_prefix_it_keeps_only_on_disk_once_read_in(tmp_path):
-    """What a peer fetch does on the holder (LLMEngine.read_prefix_from_disk, then lend_prefix):
+    """What a peer fetch does on the holder (KvReservations.read_prefix_from_disk, then lend_prefix):
     a restarted worker reads its disk blocks in, and lends the whole run with its KV."""
     kv, cache, tiers, _ = tiny(num_blocks=4, disk_dir=str(tmp_path), disk_min_uses=1)
     a = list(range(1, 9))

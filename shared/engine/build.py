@@ -1,0 +1,148 @@
+"""Building an engine from its config: the KV pool and its tiers, the scheduler, the model runner
+and the decode-step compile, each handed what it uses when it is made (no object is wired up by
+setting another's attributes afterwards). ``load_model`` resolves and loads the config's model."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.compile_thread import BackgroundCompile
+from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
+from shared.engine.cpu_threads import engine_thread_count
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampler import Sampler
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.speculative import SpeculativeConfig, Speculator
+from shared.grammar import TokenizerGrammars
+from shared.kvcache.events import KvEventEmitter
+from shared.kvcache.hashing import make_namespace
+from shared.kvcache.layout import KvCacheSpec
+from shared.kvcache.manager import KVCacheManager
+from shared.kvcache.tiers import KvTiers, TierConfig
+from shared.model.attention import AttentionBackend, get_attention_backend
+from shared.model.compiled import CompiledDecode
+from shared.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    max_model_len: int
+    kv_namespace: bytes
+    kv_spec: KvCacheSpec
+    num_blocks: int
+    events: KvEventEmitter
+    kv_cache: torch.Tensor  # [num_blocks, L, 2, block_size, Hkv, D] (kvcache.layout)
+    tiers: KvTiers | None  # host/disk tiers below the pool; only with prefix caching
+    kv: KVCacheManager
+    scheduler: Scheduler
+    backend: AttentionBackend
+    runner: ModelRunner
+    background_compile: BackgroundCompile | None  # started already
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaModel
+    config: EngineConfig  # with the precision chosen for the device
+    tokenizer: object
+    model_id: str
+    eos_token_ids: frozenset[int]
+
+
+def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id: str,
+                eos_token_ids: frozenset[int]) -> EngineParts:
+    if config.quantization is not None and model.quantization != config.quantization:
+        raise ValueError(f"the model's linear layers are {model.quantization!r} but the config asks for "
+                         f"{config.quantization!r}: call model.quantize() or use LLMEngine.from_config")
+    cfg = model.cfg
+    max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    namespace = make_namespace(model_id)
+    kv_spec = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, model.dtype)
+    num_blocks = num_kv_blocks(kv_spec, kv_cache_bytes(config, model.device))
+    events = KvEventEmitter()
+    kv_cache = kv_spec.allocate(num_blocks, model.device)
+    tiers = _tiers(config, kv_spec, kv_cache, namespace, events, model, max_model_len)
+    kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+                        events=events, tiers=tiers)
+    spec_config = SpeculativeConfig(config.speculative_tokens, config.speculative_max_batch)
+    scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
+                          kv, namespace, Speculator(spec_config) if spec_config.enabled else None)
+    backend = get_attention_backend(config.attention_backend, model.device)
+    runner, background_compile = _runner(model, config, kv_cache, backend, tokenizer, eos_token_ids)
+    return EngineParts(max_model_len, namespace, kv_spec, num_blocks, events, kv_cache, tiers, kv, scheduler,
+                       backend, runner, background_compile)
+
+
+def _tiers(config: EngineConfig, kv_spec: KvCacheSpec, kv_cache: torch.Tensor, namespace: bytes,
+           events: KvEventEmitter, model: LlamaModel, max_model_len: int) -> KvTiers | None:
+    tier_config = TierConfig(config.kv_host_memory, config.kv_disk_dir, config.kv_disk_size, config.kv_disk_min_uses)
+    if not (tier_config.enabled and config.enable_prefix_caching):
+        return None
+    return KvTiers(tier_config, kv_spec, kv_cache, namespace, events, precision=f"{model.dtype}/{model.quantization}",
+                   max_blocks_per_request=-(-max_model_len // config.block_size))
+
+
+def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,
+            tokenizer, eos_token_ids: frozenset[int]) -> tuple[ModelRunner, BackgroundCompile | None]:
+    """The model runner, with its decode step compiled now (``compile="on"``) or on a background
+    thread that hands the graph over when ready (``"background"``)."""
+    compile_mode = config.compile
+    if compile_mode != "off" and model.device.type != "cpu":
+        log.info("no compiled decode step on %s: decode steps run eagerly", model.device.type)
+        compile_mode = "off"
+    compiled = None
+    threads = engine_thread_count(config.num_threads)  # the engine thread's count, read before any hand-over
+    if compile_mode == "on":
+        compiled = CompiledDecode(model, config.block_size, threads)
+        compiled.warm(kv_cache)
+    sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
+    runner = ModelRunner(model, kv_cache, backend, config.block_size, sampler, compiled)
+    if compile_mode != "background":
+        return runner, None
+    background = BackgroundCompile(model, config.block_size, kv_cache, threads, runner.use_compiled)
+    background.start()
+    return runner, background
+
+
+def _grammars(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> TokenizerGrammars | None:
+    """Structured outputs need the tokenizer's vocabulary; an engine built without one has none."""
+    if tokenizer is None:
+        return None
+    return TokenizerGrammars(tokenizer.to_json(), vocab_size, sorted(eos_token_ids or {tokenizer.eos_token_id}))
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Resolve the model name (fetching the default model if needed) and load it at the precision
+    chosen for the device."""
+    from shared.model.loader import load_model as load_weights
+    from shared.model.quant import calibration_token_ids, check_quantization
+    from shared.model.registry import resolve_model
+    from shared.tokenizer import Tokenizer
+
+    source = resolve_model(config.model)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = config.resolve_device()
+    precision = config.resolve_precision(device)
+    dtype = torch_dtype(precision.dtype)
+    log.info("precision %s%s on %s: %s", precision.dtype,
+             "" if precision.quantization == "none" else f" + {precision.quantization}", device, precision.reason)
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.from_model_files(source.path, source.format)
+    quantization = check_quantization(precision.quantization, device)
+    model = load_weights(source.path, source.format, device, dtype)
+    if quantization != "none":
+        model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
+    log.info("loaded %s (%s, %.0fM parameters) on %s as %s%s in %.1fs", source.name, source.format,
+             model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."),
+             "" if quantization == "none" else f" with {quantization} linear layers (W8A8)",
+             time.perf_counter() - t0)
+    config = dataclasses.replace(config, dtype=precision.dtype, quantization=quantization)
+    return LoadedModel(model, config, tokenizer, source.name, frozenset(tokenizer.stop_token_ids))

@@ -108,7 +108,7 @@ def prefill_blocks(engine, request_id: str, prompt: list[int]) -> list[int]:
         while not any(o.request_id == request_id and o.new_token_ids for o in engine.step()):
             pass
     num_blocks = -(-len(prompt) // engine.block_size)
-    return engine.request_block_ids(request_id)[:num_blocks]
+    return engine.reservations.request_block_ids(request_id)[:num_blocks]
 
 
 def _serve(conn) -> None:

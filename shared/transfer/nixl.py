@@ -25,6 +25,7 @@ from shared.kvcache.layout import KvCacheSpec, contiguous_runs
 from shared.transfer.base import (AgentMetadata, KVTransferFailed, TransferHandle, TransferNotification,
                                   TransferStats, TransferUnavailable, joint_runs)
 from shared.transfer.convert import check_convertible, convert_slab, needs_conversion
+from shared.transfer.write import pauses_until_written
 
 log = logging.getLogger(__name__)
 
@@ -250,17 +251,10 @@ class NixlTransfer:
         return True
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0
-        while not self.poll(handle):
-            if time.monotonic() > deadline:
-                self.cancel(handle)
-                raise KVTransferFailed(f"write of {handle.num_bytes} B to {handle.peer!r} not done after "
-                                       f"{timeout_s:.3g}s")
-            # spin briefly (small writes finish in microseconds), then back off to spare the cores
+        # spin briefly (small writes finish in microseconds), then back off to spare the cores
+        for pause in pauses_until_written(self, handle, timeout_s, first_pause_s=1e-5):
             if pause:
                 time.sleep(pause)
-            pause = min(max(pause * 2, 1e-5), 1e-3)
 
     def cancel(self, handle: TransferHandle) -> None:
         if handle.done:

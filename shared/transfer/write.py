@@ -5,22 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from shared.transfer.base import KvTransfer, KVTransferFailed, TransferHandle
 
 
-async def wait_written(transfer: KvTransfer, handle: TransferHandle, timeout_s: float) -> None:
-    """``transfer.wait`` for an event loop: poll without blocking it (other requests keep going),
-    spinning briefly first (small writes finish in microseconds), then every millisecond."""
+def pauses_until_written(transfer: KvTransfer, handle: TransferHandle, timeout_s: float, *,
+                         first_pause_s: float) -> Iterator[float]:
+    """Poll the write until it is done, yielding how long to pause before the next poll: none at
+    first (small writes finish in microseconds), then from ``first_pause_s`` doubling up to a
+    millisecond. After ``timeout_s``, cancel it and raise ``KVTransferFailed``. The caller sleeps
+    each pause its own way (``wait_written`` on an event loop, a backend's blocking ``wait``)."""
     deadline = time.monotonic() + timeout_s
     pause = 0.0
     while not transfer.poll(handle):
         if time.monotonic() > deadline:
             transfer.cancel(handle)
             raise KVTransferFailed(f"write of {handle.num_bytes} B to {handle.peer!r} not done after {timeout_s:.3g}s")
+        yield pause
+        pause = min(max(pause * 2, first_pause_s), 1e-3)
+
+
+async def wait_written(transfer: KvTransfer, handle: TransferHandle, timeout_s: float) -> None:
+    """``transfer.wait`` for an event loop: poll without blocking it (other requests keep going)."""
+    for pause in pauses_until_written(transfer, handle, timeout_s, first_pause_s=1e-4):
         await asyncio.sleep(pause)
-        pause = min(max(pause * 2, 1e-4), 1e-3)
 
 
 async def write_and_wait(transfer: KvTransfer, peer: str, local_block_ids: Sequence[int],

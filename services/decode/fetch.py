@@ -63,11 +63,11 @@ class PeerFetcher:
         engine, fetch_id = self._engine, uuid.uuid4().hex
         prompt = request.prompt_token_ids
         try:
-            slot = await engine.call(lambda e: e.reserve_prefix_fetch(fetch_id, prompt, source.num_blocks))
+            slot = await engine.reserve_prefix_fetch(fetch_id, prompt, source.num_blocks)
         except BaseException:  # cancelled meanwhile: undo whatever the engine thread reserved
             engine.finish_prefix_fetch(fetch_id, 0)
             raise
-        spec = engine.engine.kv_spec
+        spec = engine.kv_spec
         ask, reason = self.fetches.ask(fetch_id, request.request_id, slot, now=time.time(),
                                        block_size=spec.block_size, block_bytes=spec.bytes_per_block,
                                        prefill_tokens_per_s=engine.stats().prefill_tokens_per_s)
@@ -139,9 +139,9 @@ class PeerFetcher:
         """Pin the leading run of the asked chain held here: blocks in host memory are copied into
         the pool, blocks on disk are read first (while the ask's write deadline allows)."""
         hashes, engine = ask.block_hashes, self._engine
-        while (await engine.call(lambda e: e.read_prefix_from_disk(hashes))) and time.time() < ask.write_deadline:
+        while (await engine.read_prefix_from_disk(hashes)) and time.time() < ask.write_deadline:
             await asyncio.sleep(0.005)
-        return await engine.call(lambda e: e.lend_prefix(ask.fetch_id, hashes))
+        return await engine.lend_prefix(ask.fetch_id, hashes)
 
     async def lend(self, ask: KvFetchRequest) -> KvFetchResult:
         """Write the cached blocks another worker asks for into its pool; answer once written."""

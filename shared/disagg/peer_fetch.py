@@ -25,7 +25,7 @@ from shared.policy.kv_fetch import FetchConfig, FetchDecision, decide_fetch
 from shared.protocol import KvFetchRequest, KvFetchResult, PrefillNotification
 
 if TYPE_CHECKING:
-    from shared.engine.engine import PrefixFetchSlot
+    from shared.engine.reservations import PrefixFetchSlot
 
 
 @dataclass

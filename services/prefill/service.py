@@ -235,7 +235,7 @@ class PrefillWorker(EngineWorker):
             prefill_s = time.monotonic() - started
             self._prefill_time.observe(prefill_s)
             self._metrics.prefill.observe(prefill_s)
-            block_ids = await self.engine.call(lambda e: e.request_block_ids(engine_id))
+            block_ids = await self.engine.request_block_ids(engine_id)
             if time.time() > request.write_deadline:
                 raise _Dropped("prefilled after its write deadline (the decode worker prefills it itself)",
                                notify=False)

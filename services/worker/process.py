@@ -106,7 +106,7 @@ class WorkerRoles:
                 log.warning("remote prefill OFF: %s (this worker cannot flip to prefill either)", exc)
                 self.transfer_error = str(exc)
                 return None
-            transfer.register_kv_pool(self._engine.engine.kv_cache, self._engine.engine.kv_spec)
+            transfer.register_kv_pool(self._engine.kv_cache, self._engine.kv_spec)
             self.transfer = transfer
         return self.transfer
 

@@ -177,19 +177,6 @@ class LLMEngine:
                 log.info("KV disk tier: saving %d cached blocks before exit", num)
             self.tiers.close()
 
-    # -- transitional: callers outside shared/engine move to AsyncEngine's typed methods -----------
-    def request_block_ids(self, request_id: str) -> list[int]:
-        return self.reservations.request_block_ids(request_id)
-
-    def reserve_prefix_fetch(self, fetch_id: str, prompt_token_ids: list[int], num_blocks: int):
-        return self.reservations.reserve_prefix_fetch(fetch_id, prompt_token_ids, num_blocks)
-
-    def read_prefix_from_disk(self, block_hashes: list[int]) -> bool:
-        return self.reservations.read_prefix_from_disk(block_hashes)
-
-    def lend_prefix(self, lend_id: str, block_hashes: list[int]) -> list[int]:
-        return self.reservations.lend_prefix(lend_id, block_hashes)
-
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  *, priorities: list[int] | None = None) -> list[list[int]]:

@@ -143,7 +143,7 @@ def completion(client, prompt: str, max_tokens: int = 24):
 
 def expected_bytes(stack, engine, num_prompt: int, num_cached: int) -> int:
     """The KV of the uncached part's full blocks (the partial tail is recomputed by the decode)."""
-    return (num_prompt // BLOCK - num_cached // BLOCK) * engine.engine.kv_spec.bytes_per_block
+    return (num_prompt // BLOCK - num_cached // BLOCK) * engine.kv_spec.bytes_per_block
 
 
 def test_remote_prefill_equals_the_aggregated_path(stack, client, engine):

@@ -55,7 +55,7 @@ def engine():
 def request(engine, text: str, **update) -> GenerateRequest:
     ids = engine.tokenizer.encode(text)
     return GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:12]}", model=MODEL, prompt_token_ids=ids,
-                           block_hashes=hash_blocks(ids, 16, engine.engine.kv_namespace),
+                           block_hashes=hash_blocks(ids, 16, engine.kv_namespace),
                            sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                            **update)
 

@@ -79,14 +79,14 @@ class RatioAutoscaler:
         if target_p == inp.num_prefill or (is_within_bounds and abs(share - current_share)
                                            < self.cfg.hysteresis * max(current_share, 1 / total)):
             return _why(keep, f"balanced (prefill share {share:.2f} vs {current_share:.2f})")
-        if is_within_bounds and min(target_p, inp.num_prefill) > 0 and (
-                _peak_load(need_p, need_d, target_p, total)
-                > _peak_load(need_p, need_d, inp.num_prefill, total) * (1 - self.cfg.hysteresis)):
+        if is_within_bounds and min(target_p, inp.num_prefill) > 0:
             # in a small fleet one flip is a large step: the share moves, but the busier side
             # would be about as busy after it (a 3:2 split with demand at 2.5:2.5 stays)
-            return _why(keep, f"no gain (prefill share {share:.2f} vs {current_share:.2f}; busier side "
-                              f"{_peak_load(need_p, need_d, inp.num_prefill, total):.2f} now, "
-                              f"{_peak_load(need_p, need_d, target_p, total):.2f} after)")
+            now = _peak_load(need_p, need_d, inp.num_prefill, total)
+            after = _peak_load(need_p, need_d, target_p, total)
+            if after > now * (1 - self.cfg.hysteresis):
+                return _why(keep, f"no gain (prefill share {share:.2f} vs {current_share:.2f}; busier side "
+                                  f"{now:.2f} now, {after:.2f} after)")
         flips = max(min(target_p - inp.num_prefill, self.cfg.max_flips_per_tick), -self.cfg.max_flips_per_tick)
         self._last_change_s = inp.now_s
         return ScalingDecision(inp.num_prefill + flips, inp.num_decode - flips, flips,

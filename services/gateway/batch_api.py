@@ -59,7 +59,9 @@ class Batches:
             max_line_bytes=self._settings.batch_max_line_bytes))
         self.runner = BatchRunner(gateway, batches, RunnerConfig(
             max_in_flight=self._settings.batch_max_in_flight, ack_wait_s=self._settings.batch_ack_wait_s,
-            max_deliver=self._settings.batch_max_deliver))
+            max_deliver=self._settings.batch_max_deliver,
+            in_flight_beside_online=self._settings.batch_in_flight_beside_online,
+            online_quiet_s=self._settings.batch_online_quiet_s))
         self._steps: set[asyncio.Task] = set()
 
     @classmethod

@@ -11,7 +11,11 @@ tier's (``batch_priority``): admission sheds them first and the engine and the p
 and preempt them last, so they fill idle capacity and yield to online traffic; an admission
 rejection (429/503) is waited out and retried, never written as the line's result. Every gateway
 pulls from one durable consumer, so batch capacity grows with the gateways, and a dead gateway's
-lines come back to the others after the ack wait.
+lines come back to the others after the ack wait. While a gateway serves online requests its runner
+starts lines only up to ``batch_in_flight_beside_online`` (``line_limit``): priority decides who goes
+first, but not how long each engine step takes, and batch rows lengthen every step online rows share.
+A gateway judges online traffic by its own requests; behind a load balancer that spreads them, each
+gateway sees its share.
 
 Exactly once: a line is acknowledged only after its result is stored, and the store keeps the
 first result per (batch, custom_id) (``BatchStore.store_result``): a redelivered line that already
@@ -49,6 +53,7 @@ _RUNNING = ("validating", "in_progress")   # a line of a batch in any other stat
 _RETRY_STATUSES = (429, 503)               # admission's "not now": wait and ask again
 _MAX_RETRY_WAIT_S = 5.0
 _WATCH_INTERVAL_S = 0.5
+_LIMIT_RECHECK_S = 0.25  # how often a runner at its limit looks whether online traffic went quiet
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,21 @@ class RunnerConfig:
     max_in_flight: int        # lines this gateway runs at once
     ack_wait_s: float         # a line not acknowledged or touched for this long goes to another runner
     max_deliver: int
+    in_flight_beside_online: int | None = None  # the limit while online traffic runs (None: max_in_flight)
+    online_quiet_s: float = 2.0                  # online traffic "runs" until this long after its last request
+
+
+def line_limit(config: RunnerConfig, *, online_in_flight: int, since_online_s: float) -> int:
+    """How many lines may run now. Every batch row lengthens each engine step that online rows share
+    (on a CPU nearly in proportion), and the step in progress is what an online prefill waits for, so
+    while online requests run (or ran within ``online_quiet_s``: Poisson arrivals leave short gaps)
+    the batch keeps to ``in_flight_beside_online`` and takes the whole ``max_in_flight`` only when the
+    gateway is quiet. Lines already running are not stopped: the limit holds back new ones."""
+    if config.in_flight_beside_online is None:
+        return config.max_in_flight
+    if online_in_flight > 0 or since_online_s < config.online_quiet_s:
+        return min(config.in_flight_beside_online, config.max_in_flight)
+    return config.max_in_flight
 
 
 def batch_tier(qos: QosConfig) -> tuple[str, int]:
@@ -78,11 +98,17 @@ class BatchRunner:
         watcher = asyncio.create_task(self._watch_batches())
         try:
             while True:
-                if len(self._tasks) >= self._config.max_in_flight:
-                    await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                limit = self._limit()
+                if len(self._tasks) >= limit:
+                    # a line ending, or online traffic going quiet, makes room
+                    if self._tasks:
+                        await asyncio.wait(set(self._tasks), timeout=_LIMIT_RECHECK_S,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    else:
+                        await asyncio.sleep(_LIMIT_RECHECK_S)
                     continue
                 try:
-                    messages = await queue.fetch(self._config.max_in_flight - len(self._tasks), timeout_s=1.0)
+                    messages = await queue.fetch(limit - len(self._tasks), timeout_s=1.0)
                 except Exception as exc:  # noqa: BLE001 — NATS reconnecting: pull again shortly
                     log.warning("batch lines: fetch failed: %r", exc)
                     await asyncio.sleep(1.0)
@@ -97,6 +123,11 @@ class BatchRunner:
                 task.cancel()  # unacknowledged: redelivered to another gateway after the ack wait
             await asyncio.gather(watcher, *self._tasks, return_exceptions=True)
             await queue.close()
+
+    def _limit(self) -> int:
+        metrics = self._gateway.metrics
+        return line_limit(self._config, online_in_flight=metrics.num_in_flight,
+                          since_online_s=time.monotonic() - metrics.online_ended_at)
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.pop(task, None)

@@ -30,6 +30,12 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                 "the gateway holds an upload in memory while it stores it")
     batch_max_in_flight: int = Field(8, ge=0, description="batch lines this gateway runs at once (0: it runs "
                                      "none, but still serves /v1/batches)")
+    batch_in_flight_beside_online: int = Field(4, ge=0, description="batch lines this gateway runs at once "
+                                               "while it has online requests in flight or had one in the last "
+                                               "batch_online_quiet_s (no more than batch_max_in_flight): batch "
+                                               "rows lengthen every engine step, and so online TTFT and ITL")
+    batch_online_quiet_s: float = Field(2.0, ge=0, description="seconds without an online request before "
+                                        "batch lines go back to batch_max_in_flight")
     batch_max_line_bytes: int = Field(512 << 10, ge=1024, description="largest line of a batch input file "
                                       "(each line travels as one NATS message)")
     batch_ack_wait_s: float = Field(30.0, gt=0, description="a batch line its gateway stopped confirming for "

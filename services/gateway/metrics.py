@@ -21,6 +21,7 @@ class GatewayMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.series = RecentSeries()
         self.num_in_flight = 0
+        self.online_ended_at = float("-inf")  # time.monotonic() when the last HTTP generation ended
         self._clock = clock
         r = self.registry
         self.requests = Counter("tandem_gateway_requests", "HTTP responses of /v1/ routes by status",
@@ -57,6 +58,7 @@ class GatewayMetrics:
     def observe_ended(self) -> None:
         self.num_in_flight -= 1
         self.in_flight.dec()
+        self.online_ended_at = time.monotonic()
 
     def observe_ttft(self, seconds: float, tier: str) -> None:
         self.ttft.labels(tier=tier).observe(seconds)

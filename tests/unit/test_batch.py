@@ -177,3 +177,77 @@ def test_wire_models_round_trip_and_result_keys_fit_kv():
     key = Subjects.batch_result_key("batch_1", "any text: spaces, dots. and ünïcode")
     assert key.startswith("r.batch_1.") and all(c.isalnum() or c in "._" for c in key)
     assert Subjects("ns").batch_lines("batch_1").subject == "ns.v1.batch.lines.batch_1"
+
+
+# --- the runner's line limit ---------------------------------------------------------------------
+
+def test_line_limit_keeps_to_the_beside_online_limit_while_online_requests_run_or_just_ran():
+    from services.gateway.batch_runner import RunnerConfig, line_limit
+
+    config = RunnerConfig(max_in_flight=32, ack_wait_s=30, max_deliver=3, in_flight_beside_online=4,
+                          online_quiet_s=2.0)
+    assert line_limit(config, online_in_flight=0, since_online_s=float("inf")) == 32
+    assert line_limit(config, online_in_flight=1, since_online_s=float("inf")) == 4
+    assert line_limit(config, online_in_flight=0, since_online_s=1.9) == 4
+    assert line_limit(config, online_in_flight=0, since_online_s=2.1) == 32
+    # never above max_in_flight, and None leaves the limit alone
+    small = RunnerConfig(max_in_flight=2, ack_wait_s=30, max_deliver=3, in_flight_beside_online=4)
+    assert line_limit(small, online_in_flight=3, since_online_s=0.0) == 2
+    off = RunnerConfig(max_in_flight=8, ack_wait_s=30, max_deliver=3)
+    assert line_limit(off, online_in_flight=3, since_online_s=0.0) == 8
+
+
+def test_the_runner_starts_no_line_above_the_limit_and_takes_the_whole_limit_when_online_goes_quiet():
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from services.gateway.batch_runner import BatchRunner, RunnerConfig
+    from shared.policy.qos import load_qos
+
+    class Queue:
+        def __init__(self, n):
+            self.left = n
+
+        async def fetch(self, n, timeout_s):
+            take = min(n, self.left)
+            self.left -= take
+            if not take:
+                await asyncio.sleep(timeout_s)
+            return [SimpleNamespace(payload=SimpleNamespace(batch_id="b")) for _ in range(take)]
+
+        async def close(self):
+            pass
+
+    class Store:
+        async def line_consumer(self, **_):
+            return queue
+
+    async def scenario():
+        metrics = SimpleNamespace(num_in_flight=1, online_ended_at=float("-inf"))
+        gateway = SimpleNamespace(metrics=metrics, qos=load_qos(None))
+        runner = BatchRunner(gateway, Store(), RunnerConfig(max_in_flight=6, ack_wait_s=30, max_deliver=3,
+                                                            in_flight_beside_online=2, online_quiet_s=0.3))
+        running, peak, release = set(), [0], asyncio.Event()
+
+        async def settle(message):
+            running.add(id(message))
+            peak[0] = max(peak[0], len(running))
+            await release.wait()
+            running.discard(id(message))
+
+        runner._settle = settle
+        task = asyncio.create_task(runner.run_forever())
+        await asyncio.sleep(0.6)
+        beside = peak[0]
+        metrics.num_in_flight, metrics.online_ended_at = 0, time.monotonic()  # online goes quiet
+        await asyncio.sleep(1.0)
+        quiet = peak[0]
+        release.set()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return beside, quiet
+
+    queue = Queue(20)
+    assert asyncio.run(scenario()) == (2, 6)

@@ -20,7 +20,9 @@ capacity, the batch's rate and the online rate are all in completed requests per
 
 Batch lines run at a priority below every tier (the gateway's batch runner), so the engine serves
 online prefills first and admission sheds batch lines first; ``--batch-in-flight`` is how many lines
-the gateway runs at once (``--batch-max-in-flight`` of the gateway). Writes ``batch.json`` and
+the gateway runs at once (``--batch-max-in-flight`` of the gateway) and ``--batch-in-flight-beside-online``
+how many while it serves online requests (``--batch-in-flight-beside-online``: batch rows lengthen every
+engine step online rows share). ``--skip-batch-alone`` leaves out step 2 to compare settings quickly. Writes ``batch.json`` and
 ``batch.png`` (the batch's progress over time in steps 2 and 4, and online TTFT CDFs).
 """
 
@@ -48,7 +50,8 @@ def start_stack(state: Path, args, log):
     stack = Stack(StackSpec(state_dir=state, model=args.model, port=0, namespace=f"bb{os.getpid()}",
                             decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory,
                                           "max_num_seqs": args.max_num_seqs},
-                            gateway_flags={"batch_max_in_flight": args.batch_in_flight},
+                            gateway_flags={"batch_max_in_flight": args.batch_in_flight,
+                                           "batch_in_flight_beside_online": args.batch_in_flight_beside_online},
                             admission_flags={"max_waiting_per_worker": args.max_waiting}),
                   on_line=lambda name, line: log.write(f"{name:<12}| {line}\n"))
     stack.start()
@@ -108,7 +111,26 @@ class Progress:
         raise TimeoutError(f"batch {self.batch_id}: {self.batch.status if self.batch else '?'} after {timeout_s:.0f} s")
 
 
-def plot(path: Path, alone: Progress, beside: Progress, window: tuple[float, float],
+def batch_alone(client, args, capacity: float, report: dict) -> Progress:
+    """Step 2: a batch run to completion on the otherwise idle stack."""
+    t0 = time.perf_counter()
+    alone = Progress(client, create_batch(client, args, args.seed + 100).id, t0)
+    done = alone.until(lambda b: b.status in ("completed", "failed", "cancelled", "expired"), 1.0,
+                       args.lines / max(capacity, 0.05) * 10 + 600)
+    elapsed = alone.points[-1][0]
+    first = next(t for t, c, _ in alone.points if c > 0)
+    report["batch_alone"] = {"status": done.status, "lines": args.lines,
+                             "completed": done.request_counts.completed, "failed": done.request_counts.failed,
+                             "seconds": elapsed, "rate_rps": done.request_counts.completed / elapsed,
+                             "rate_after_first_line_rps": done.request_counts.completed / (elapsed - first)}
+    report["batch_alone"]["fraction_of_capacity"] = report["batch_alone"]["rate_rps"] / capacity
+    print(f"batch alone: {done.status}, {done.request_counts.completed}/{args.lines} lines in {elapsed:.0f} s "
+          f"= {report['batch_alone']['rate_rps']:.2f} lines/s ({report['batch_alone']['fraction_of_capacity']:.2f}"
+          f" of capacity)")
+    return alone
+
+
+def plot(path: Path, alone: Progress | None, beside: Progress, window: tuple[float, float],
          online: dict[str, list[RequestResult]]) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -117,6 +139,8 @@ def plot(path: Path, alone: Progress, beside: Progress, window: tuple[float, flo
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for label, progress in (("batch alone", alone), ("batch beside online", beside)):
+        if progress is None:
+            continue
         axes[0].plot([p[0] for p in progress.points], [p[1] for p in progress.points], label=label)
     axes[0].axvspan(*window, alpha=0.15, label="online load running")
     axes[0].set_title("batch lines completed")
@@ -143,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--batch-in-flight", type=int, default=32, help="batch lines the gateway runs at once")
+    p.add_argument("--batch-in-flight-beside-online", type=int, default=4,
+                   help="batch lines the gateway runs at once while it serves online requests")
+    p.add_argument("--skip-batch-alone", action="store_true",
+                   help="leave out step 2 (the batch alone), e.g. to compare settings of step 4 quickly")
     p.add_argument("--max-waiting", type=int, default=256, help="admission's per-worker queue limit")
     p.add_argument("--capacity-requests", type=int, default=96)
     p.add_argument("--capacity-bursts", type=int, default=2)
@@ -173,20 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             capacity = statistics.median(rates)
             print(f"capacity: {capacity:.2f} req/s (bursts: {', '.join(f'{r:.2f}' for r in rates)})")
 
-            t0 = time.perf_counter()
-            alone = Progress(client, create_batch(client, args, args.seed + 100).id, t0)
-            done = alone.until(lambda b: b.status in ("completed", "failed", "cancelled", "expired"), 1.0,
-                               args.lines / max(capacity, 0.05) * 10 + 600)
-            elapsed = alone.points[-1][0]
-            first = next(t for t, c, _ in alone.points if c > 0)
-            report["batch_alone"] = {"status": done.status, "lines": args.lines,
-                                     "completed": done.request_counts.completed, "failed": done.request_counts.failed,
-                                     "seconds": elapsed, "rate_rps": done.request_counts.completed / elapsed,
-                                     "rate_after_first_line_rps": done.request_counts.completed / (elapsed - first)}
-            report["batch_alone"]["fraction_of_capacity"] = report["batch_alone"]["rate_rps"] / capacity
-            print(f"batch alone: {done.status}, {done.request_counts.completed}/{args.lines} lines in {elapsed:.0f} s "
-                  f"= {report['batch_alone']['rate_rps']:.2f} lines/s ({report['batch_alone']['fraction_of_capacity']:.2f}"
-                  f" of capacity)")
+            alone = None
+            if not args.skip_batch_alone:
+                alone = batch_alone(client, args, capacity, report)
 
             rate = args.online_load * capacity
             specs = build_workload(dataclasses.replace(cfg, num_requests=max(8, round(rate * args.online_duration_s)),
@@ -251,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     payload = {"config": {**vars(args), "out": str(args.out)}, "capacity_rps": capacity, "capacity_bursts_rps": rates,
                "cpu_count": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0], **report,
-               "progress": {"alone": alone.points, "beside": beside.points},
+               "progress": {"alone": alone.points if alone else None, "beside": beside.points},
                "online_requests": {"alone": [r.to_json() for r in results_alone],
                                    "beside": [r.to_json() for r in results_beside]}}
     (args.out / "batch.json").write_text(json.dumps(payload, indent=2))

@@ -171,6 +171,7 @@ class Simulator:
         if cfg.prefix_cache_blocks is not None:
             for w in self.workers:
                 w.cache_blocks = cfg.prefix_cache_blocks
+                w.cache_shares_pool = False
         if not any(w.role == DECODE for w in self.workers):
             raise ValueError("the plan has no decode workers")
         self.admitter = Admitter(cfg.admission or workload_admission(ev.workload.slo.ttft_s))
@@ -449,6 +450,7 @@ class Simulator:
         if self.hashes is not None:
             # only whole blocks are cached, as the engine's prefix cache does (a partial last block's
             # id may name a longer block in a later prompt)
+            d.running_cached_blocks += self.inp[i] // self.block_size
             d.cache_insert(self.hashes[i][:self.inp[i] // self.block_size], self.index)
         if self.out[i] <= 1:
             self._complete(i, d)
@@ -478,6 +480,8 @@ class Simulator:
         self.finish[i] = self.now
         self.tpot[i] = (self.now - self.join_t[i]) / (self.out[i] - 1) if self.out[i] > 1 else 0.0
         d.kv_used -= self.inp[i] + self.out[i]
+        if self.hashes is not None:  # its whole prompt blocks joined the cache in _kv_arrived
+            d.running_cached_blocks -= self.inp[i] // self.block_size
         self.started[d.index][self.priority[i]] -= 1
         self.active_blocks[d.index] = d.kv_used * self.load_scale[d.index]
         self.pending -= 1

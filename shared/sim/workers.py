@@ -24,7 +24,7 @@ class Worker:
     __slots__ = ("index", "name", "role", "group", "hw", "prefill_par", "decode_par", "kv_capacity",
                  "kv_used", "finish_heap", "steps_done", "last_t", "stall_until", "step_time", "version",
                  "sum_ctx", "boundary_t", "waiting", "ingress_free", "egress_free", "cache", "cache_blocks", "draining", "busy_s",
-                 "_model", "_eff")
+                 "cache_shares_pool", "running_cached_blocks", "_block_size", "_model", "_eff")
 
     def __init__(self, index: int, name: str, role: str, group: list[int], hw: GroupHardware,
                  prefill_par: Parallel | None, decode_par: Parallel | None, model: ModelSpec,
@@ -48,6 +48,13 @@ class Worker:
         self.egress_free = 0.0      # ... and outbound
         self.cache: OrderedDict[int, None] = OrderedDict()  # prefix-cache block hashes, LRU order
         self.cache_blocks = int(self.kv_capacity // cache_block_size)
+        # the prefix cache is the KV pool's free part, as in the engine: blocks of running requests
+        # (kv_used) leave it that much less room, except their whole prompt blocks, which are cache
+        # blocks themselves once prefilled (running_cached_blocks). False: a cache of its own (a
+        # host tier of prefix_cache_blocks), which running requests do not shrink
+        self.cache_shares_pool = True
+        self.running_cached_blocks = 0
+        self._block_size = cache_block_size
         self.draining = False
         self.busy_s = 0.0
 
@@ -115,10 +122,17 @@ class Worker:
                 continue
             self.cache[h] = None
             index.setdefault(h, set()).add(self.index)
-            if len(self.cache) > self.cache_blocks:
+            while self.cache and len(self.cache) > self._cache_room():
                 old, _ = self.cache.popitem(last=False)
                 owners = index.get(old)
                 if owners is not None:
                     owners.discard(self.index)
                     if not owners:
                         del index[old]
+
+    def _cache_room(self) -> int:
+        """Blocks the prefix cache may hold now."""
+        if not self.cache_shares_pool:
+            return self.cache_blocks
+        pinned = max(self.kv_used / self._block_size - self.running_cached_blocks, 0.0)
+        return max(int(self.cache_blocks - pinned), 0)

@@ -44,3 +44,24 @@ def test_a_prefill_at_a_step_boundary_or_behind_another_does_not_wait_more():
     assert w.stall(2 * step, 0.5) == pytest.approx(2 * step + 0.5)
     # a second prompt during the first prefill queues behind it, not behind a decode step
     assert w.stall(2 * step + 0.1, 0.3) == pytest.approx(2 * step + 0.8)
+
+
+def test_the_prefix_cache_is_the_pools_free_part_unless_it_is_a_cache_of_its_own():
+    w = worker()
+    w.cache_blocks = 10
+    index: dict[int, set[int]] = {}
+    w.cache_insert(list(range(8)), index)
+    assert len(w.cache) == 8
+    # a running request holding 6 blocks that are not cached (its output, say) leaves room for 4:
+    # the least recently used blocks go, and kv-index forgets this worker had them
+    w.kv_used = 6 * 16
+    w.cache_insert([100], index)
+    assert list(w.cache) == [5, 6, 7, 100] and 0 not in index and index[100] == {0}
+    # its whole prompt blocks are cache blocks once prefilled: they take no room twice
+    w.running_cached_blocks = 6
+    w.cache_insert([101, 102, 103, 104, 105, 106], index)
+    assert len(w.cache) == 10
+    # a cache of its own (a host tier of prefix_cache_blocks) is not shrunk by running requests
+    w.cache_shares_pool, w.running_cached_blocks, w.kv_used = False, 0, 9 * 16
+    w.cache_insert([200], index)
+    assert len(w.cache) == 10 and 200 in w.cache

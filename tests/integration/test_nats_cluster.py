@@ -189,15 +189,17 @@ def test_killing_the_prefill_queue_leader_under_load_loses_nothing(stack, engine
                      ("num_remote_prefills", "num_prefills_dropped", "kv_bytes_sent")})
         last["queue"] = (queue["num_pending"], queue["num_ack_pending"])
         sent = last["num_remote_prefills"] + last["num_prefill_fallbacks"]  # requests the decode queued
-        return (last["prefill_num_remote_prefills"] + last["prefill_num_prefills_dropped"] <= sent
+        return (last["prefill_num_remote_prefills"] <= sent
                 and last["kv_bytes_received"] == last["prefill_kv_bytes_sent"] and last["queue"] == (0, 0))
 
-    # every message the queue took was taken from it once: written (the decode worker received
-    # exactly the bytes the prefill worker wrote) or dropped unwritten (its request prefilled locally
-    # meanwhile: a publish left unconfirmed during the election), never both and never twice; none
-    # is left in the queue or unacknowledged
+    # no request's prompt was written twice and the decode workers received exactly the bytes the
+    # prefill worker wrote; none is left in the queue or unacknowledged. Drops are not bounded: an
+    # acknowledgement the killed leader had not yet replicated comes back as a redelivery, which is
+    # at-least-once delivery working, and the lease refuses its second write (it is counted as
+    # dropped) — as is a message whose request prefilled locally meanwhile (a publish left
+    # unconfirmed during the election)
     try:
-        wait_for(settled, 60, "every prefill message written once or dropped, the queue empty")
+        wait_for(settled, 60, "no prefill written twice, the bytes matched, the queue empty")
     finally:
         print("prefill accounting after the leader kill:", last, "re-admitted:", readmitted,
               "gateway migrations:", sum("migrat" in line for line in stack.lines))

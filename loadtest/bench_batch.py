@@ -20,10 +20,10 @@ capacity, the batch's rate and the online rate are all in completed requests per
 
 Batch lines run at a priority below every tier (the gateway's batch runner), so the engine serves
 online prefills first and admission sheds batch lines first; ``--batch-in-flight`` is how many lines
-the gateway runs at once (``--batch-max-in-flight`` of the gateway) and ``--batch-in-flight-beside-online``
-how many while it serves online requests (``--batch-in-flight-beside-online``: batch rows lengthen every
-engine step online rows share). ``--skip-batch-alone`` leaves out step 2 to compare settings quickly. Writes ``batch.json`` and
-``batch.png`` (the batch's progress over time in steps 2 and 4, and online TTFT CDFs).
+the gateway runs at once (the gateway's ``--batch-max-in-flight``) and ``--batch-in-flight-beside-online``
+how many while it serves online requests (the gateway's flag of that name: batch rows lengthen every
+engine step online rows share). ``--skip-batch-alone`` leaves out step 2 to compare settings of step 4
+quickly. Writes ``batch.json`` and ``batch.png`` (the batch's progress over time in steps 2 and 4, and online TTFT CDFs).
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class RunnerConfig:
     max_in_flight: int        # lines this gateway runs at once
     ack_wait_s: float         # a line not acknowledged or touched for this long goes to another runner
     max_deliver: int
-    in_flight_beside_online: int | None = None  # the limit while online traffic runs (None: max_in_flight)
-    online_quiet_s: float = 2.0                  # online traffic "runs" until this long after its last request
+    in_flight_beside_online: int  # the limit while online traffic runs (max_in_flight at most)
+    online_quiet_s: float         # online traffic "runs" until this long after its last request
 
 
 def line_limit(config: RunnerConfig, *, online_in_flight: int, since_online_s: float) -> int:
@@ -71,8 +71,6 @@ def line_limit(config: RunnerConfig, *, online_in_flight: int, since_online_s: f
     while online requests run (or ran within ``online_quiet_s``: Poisson arrivals leave short gaps)
     the batch keeps to ``in_flight_beside_online`` and takes the whole ``max_in_flight`` only when the
     gateway is quiet. Lines already running are not stopped: the limit holds back new ones."""
-    if config.in_flight_beside_online is None:
-        return config.max_in_flight
     if online_in_flight > 0 or since_online_s < config.online_quiet_s:
         return min(config.in_flight_beside_online, config.max_in_flight)
     return config.max_in_flight

@@ -190,11 +190,10 @@ def test_line_limit_keeps_to_the_beside_online_limit_while_online_requests_run_o
     assert line_limit(config, online_in_flight=1, since_online_s=float("inf")) == 4
     assert line_limit(config, online_in_flight=0, since_online_s=1.9) == 4
     assert line_limit(config, online_in_flight=0, since_online_s=2.1) == 32
-    # never above max_in_flight, and None leaves the limit alone
-    small = RunnerConfig(max_in_flight=2, ack_wait_s=30, max_deliver=3, in_flight_beside_online=4)
+    # never above max_in_flight
+    small = RunnerConfig(max_in_flight=2, ack_wait_s=30, max_deliver=3, in_flight_beside_online=4,
+                         online_quiet_s=2.0)
     assert line_limit(small, online_in_flight=3, since_online_s=0.0) == 2
-    off = RunnerConfig(max_in_flight=8, ack_wait_s=30, max_deliver=3)
-    assert line_limit(off, online_in_flight=3, since_online_s=0.0) == 8
 
 
 def test_the_runner_starts_no_line_above_the_limit_and_takes_the_whole_limit_when_online_goes_quiet():
@@ -229,22 +228,32 @@ def test_the_runner_starts_no_line_above_the_limit_and_takes_the_whole_limit_whe
         runner = BatchRunner(gateway, Store(), RunnerConfig(max_in_flight=6, ack_wait_s=30, max_deliver=3,
                                                             in_flight_beside_online=2, online_quiet_s=0.3))
         running, peak, release = set(), [0], asyncio.Event()
+        checks_at_limit, held_back, all_running = [0], asyncio.Event(), asyncio.Event()
 
         async def settle(message):
             running.add(id(message))
             peak[0] = max(peak[0], len(running))
+            if len(running) == 6:
+                all_running.set()
             await release.wait()
             running.discard(id(message))
 
-        runner._settle = settle
+        def limit():
+            value = type(runner)._limit(runner)
+            if len(running) >= value:
+                checks_at_limit[0] += 1
+                if checks_at_limit[0] >= 3:  # it looked again (and again) and started nothing more
+                    held_back.set()
+            return value
+
+        runner._settle, runner._limit = settle, limit
         task = asyncio.create_task(runner.run_forever())
-        await asyncio.sleep(0.6)
+        await asyncio.wait_for(held_back.wait(), 10)
         beside = peak[0]
-        metrics.num_in_flight, metrics.online_ended_at = 0, time.monotonic()  # online goes quiet
-        await asyncio.sleep(1.0)
+        metrics.num_in_flight, metrics.online_ended_at = 0, time.monotonic() - 1.0  # quiet for 1 s > 0.3 s
+        await asyncio.wait_for(all_running.wait(), 10)
         quiet = peak[0]
         release.set()
-        await asyncio.sleep(0.1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return beside, quiet

@@ -78,15 +78,15 @@ with their hash ids as the prefix-cache keys (block size ``B``), and writes the 
   the CPU, so each is modelled at 1/N of its speed (``--cpu-share``).
 
 The simulator has no per-token times: its ITL is each request's TPOT (``itl_is_tpot``).
-``--routing load`` sets the overlap weight to 0 (load only), ``round-robin`` (simulated only)
-cycles through the decode workers. ``--prefix-cache-blocks`` lets each simulated decode worker
-keep more prefix blocks than its KV pool holds (a host tier; the copy back is not timed).
-``--admission`` gives the simulated tiers their TTFT SLOs
-(predicted misses are rejected, lowest priority first, as the admission service does with a QoS
-file); without it every request is admitted.
+``--routing load`` sets the overlap weight to 0 (load only), ``round-robin`` cycles through the
+decode workers (live: the admission service's ``--routing round-robin``). ``--prefix-cache-blocks``
+lets each simulated decode worker keep more prefix blocks than its KV pool holds (a host tier; the
+copy back is not timed). ``--admission`` gives the simulated tiers their TTFT SLOs (predicted
+misses are rejected, lowest priority first, as the admission service does with a QoS file); without
+it every request is admitted.
 
 ``--start-stack`` starts ``tandem up`` here for the live run (``--decode``, ``--kv-cache-memory``,
-``--routing kv|load``; the tiers and, with ``--admission``, their SLOs in a QoS file) and stops it
+``--routing``; the tiers and, with ``--admission``, their SLOs in a QoS file) and stops it
 after; ``--compare-sim`` also simulates the slice (``cpu``) and reports the simulator's error.
 
 Writes ``--out`` (JSON: the summary's fields at the top level, then ``config`` and every request
@@ -526,7 +526,8 @@ def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
     from shared.stack.stack import Stack, StackSpec
 
     gateway_flags: dict[str, object] = {}
-    admission_flags: dict[str, object] = {"overlap_weight": 0.0 if args.routing == "load" else 1.0}
+    admission_flags: dict[str, object] = {"overlap_weight": 0.0 if args.routing == "load" else 1.0,
+                                          "routing": "round-robin" if args.routing == "round-robin" else "kv"}
     if any(t.api_key for t in tiers):
         qos = state_dir / "qos.yaml"
         qos.write_text(qos_yaml(tiers, args.admission))
@@ -825,7 +826,7 @@ def parse_args(argv=None):
     sim.add_argument("--simulate", choices=["gpu", "cpu"], default=None,
                      help="simulate instead of sending: gpu (a planned GPU cluster) or cpu (this machine)")
     sim.add_argument("--routing", choices=["kv", "load", "round-robin"], default="kv",
-                     help="kv: overlap + load (default); load: overlap weight 0; round-robin: simulated only")
+                     help="kv: overlap + load (default); load: overlap weight 0; round-robin: the workers in turn")
     sim.add_argument("--admission", action="store_true",
                      help="tiers get their TTFT SLOs in admission (predicted misses rejected)")
     sim.add_argument("--prefix-cache-blocks", type=int, default=None,
@@ -849,8 +850,6 @@ def parse_args(argv=None):
     sim.add_argument("--max-num-seqs", type=int, default=64, help="cpu: the engine's sequence slots")
     sim.add_argument("--max-num-batched-tokens", type=int, default=512, help="cpu: the engine's step budget")
     args = p.parse_args(argv)
-    if args.routing == "round-robin" and not args.simulate:
-        p.error("--routing round-robin: the live stack has no round-robin switch (simulated only)")
     return args
 
 

@@ -1,3 +1,5 @@
+from typing import Literal
+
 from pydantic import Field
 
 from shared.service.settings import QosSettings, ServiceSettings
@@ -5,6 +7,9 @@ from shared.service.settings import QosSettings, ServiceSettings
 
 class AdmissionSettings(ServiceSettings, QosSettings):
     max_waiting_per_worker: int = Field(32, ge=1, description="reject when every worker queues this many")
+    routing: Literal["kv", "round-robin"] = Field(
+        "kv", description="kv: the cheapest worker by prefix overlap and load (overlap weight 0: load alone); "
+        "round-robin: the ready workers in turn, the baseline kv routing is judged against")
     overlap_weight: float = Field(1.0, ge=0, description="routing cost per block to prefill")
     queue_weight: float = Field(4.0, ge=0, description="routing cost per queued request, in blocks")
     kv_match_timeout_s: float = Field(0.5, gt=0, description="wait for kv-index, then least-loaded")

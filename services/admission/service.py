@@ -1,6 +1,7 @@
 """admission: admit a request to a decode worker (KV overlap + load), or reject it early.
 
-Per request: route (``shared.policy.kv_routing``: the cheapest worker by prefix overlap and load),
+Per request: route (``shared.policy.kv_routing``: the cheapest worker by prefix overlap and load,
+or with ``--routing round-robin`` the ready workers in turn),
 then the tier rules (``shared.policy.admission.Admitter``: tier queue limit, shedding, predicted
 TTFT against the tier's SLO) on that worker's observations: its reported prefill backlog by
 priority and measured prefill rate, plus what was admitted to it since its last report, and the
@@ -46,6 +47,7 @@ class AdmissionService:
         self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
                                                  shed_hold_s=settings.shed_hold_s))
         self.inflow = Inflow()
+        self._last_chosen = ""  # round-robin routing: the worker id chosen last
         self.metrics = AdmissionMetrics.create(service_instance_id("admission"), settings.num_restarts)
 
     async def start(self) -> None:
@@ -92,7 +94,8 @@ class AdmissionService:
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
         now = time.time()
         views = [w.load_view(now) for w in workers]
-        choice = choose_worker(views, overlaps, num_blocks, self._weights, now)
+        choice = choose_worker(views, overlaps, num_blocks, self._weights, now,
+                               self._last_chosen if self._settings.routing == "round-robin" else None)
         if choice.worker_id is None:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "
@@ -109,6 +112,7 @@ class AdmissionService:
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
         priority = self.qos.tiers[observed.tier].priority
+        self._last_chosen = choice.worker_id
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(), priority)
         self.inflow.note(choice.worker_id, now, priority, observed.prompt_tokens - observed.cached_tokens)
         info = entry.info

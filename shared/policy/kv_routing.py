@@ -8,7 +8,8 @@ all of the request's blocks active, so
            + queue_weight * (num_waiting + num_admitted_unreported)        # requests ahead of it
 
 Lowest cost wins; ties go to the fewer active blocks, then the lower worker index. A worker whose
-reported queue is at ``max_waiting_per_worker`` is not chosen. Requests admitted since a worker's
+reported queue is at ``max_waiting_per_worker`` is not chosen. ``route_in_turn`` is the baseline
+this is judged against: the usable workers in turn, whatever they hold. Requests admitted since a worker's
 last report steer the choice but never exclude a worker on their own (they may well have finished).
 
 One implementation, over arrays: the simulator routes a million requests over hundreds of workers
@@ -84,6 +85,18 @@ def route(inp: RoutingInput, w: RoutingWeights = RoutingWeights()) -> RoutingDec
                            min(round(inp.overlap_blocks.get(best, 0)), inp.num_request_blocks))
 
 
+def route_in_turn(inp: RoutingInput, start: int, w: RoutingWeights = RoutingWeights()) -> RoutingDecision:
+    """Round robin: the first usable worker (eligible, under its queue limit) from index ``start``
+    on, wrapping; its cost is what ``route`` would have charged it."""
+    costs = route_costs(inp, w)
+    n = costs.size
+    for k in range(n):
+        j = (start + k) % n
+        if np.isfinite(costs[j]):
+            return RoutingDecision(j, float(costs[j]), min(round(inp.overlap_blocks.get(j, 0)), inp.num_request_blocks))
+    return RoutingDecision(None, float("inf"), 0)
+
+
 # --- the same rule over per-worker views (the admission service's form) ---------------------------
 
 
@@ -104,17 +117,22 @@ class RoutingChoice:
 
 def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float],
                   num_request_blocks: int, weights: RoutingWeights = RoutingWeights(),
-                  now_s: float = 0.0) -> RoutingChoice:
+                  now_s: float = 0.0, in_turn_after: str | None = None) -> RoutingChoice:
     """``route`` over views: ``overlaps`` maps worker id → leading prompt blocks it holds (missing:
     0; an empty mapping is the least-loaded fallback when the index does not answer). Ties between
-    equal costs and active blocks go to the lower worker id."""
+    equal costs and active blocks go to the lower worker id. With ``in_turn_after`` (the worker id
+    chosen last; "" for none yet), ``route_in_turn`` instead: the next usable worker id after it."""
     views = sorted(workers, key=lambda v: v.worker_id)
     index = {v.worker_id: i for i, v in enumerate(views)}
-    decision = route(RoutingInput(
+    inp = RoutingInput(
         now_s, num_request_blocks, {index[w]: n for w, n in overlaps.items() if w in index},
         np.array([v.num_active_blocks for v in views], dtype=float),
         np.array([v.num_waiting for v in views], dtype=float),
-        num_unreported=np.array([v.num_admitted_unreported for v in views], dtype=float)), weights)
+        num_unreported=np.array([v.num_admitted_unreported for v in views], dtype=float))
+    if in_turn_after is None:
+        decision = route(inp, weights)
+    else:
+        decision = route_in_turn(inp, sum(v.worker_id <= in_turn_after for v in views), weights)
     if decision.worker is None:
         return RoutingChoice(worker_id=None)
     return RoutingChoice(views[decision.worker].worker_id, decision.overlap_blocks, decision.cost)

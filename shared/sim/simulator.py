@@ -33,7 +33,7 @@ from shared.cluster.scaling import Autoscaling
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
 from shared.policy.autoscale_inputs import Capacities, WorkerSample
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
-from shared.policy.kv_routing import RoutingDecision, RoutingInput, RoutingWeights, route
+from shared.policy.kv_routing import RoutingInput, RoutingWeights, route, route_in_turn
 from shared.policy.qos import QosConfig, QosTier
 from shared.sim.traces import Trace
 from shared.sim.workers import DECODE, PREFILL, Worker
@@ -284,9 +284,13 @@ class Simulator:
     def _arrive(self, i: int) -> None:
         inp, hashes = self.inp[i], (self.hashes[i] if self.hashes is not None else [])
         overlap = leading_overlap(self.index.get(h, ()) for h in hashes)
-        choice = (self._round_robin(overlap, -(-inp // self.block_size)) if self.cfg.round_robin else
-                  route(RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
-                                     self.num_waiting, self.eligible), self.cfg.routing))
+        routing = RoutingInput(self.now, -(-inp // self.block_size), overlap, self.active_blocks,
+                               self.num_waiting, self.eligible)
+        if self.cfg.round_robin:
+            choice = route_in_turn(routing, self._rr_last + 1, self.cfg.routing)
+            self._rr_last = self._rr_last if choice.worker is None else choice.worker
+        else:
+            choice = route(routing, self.cfg.routing)
         if choice.worker is None:
             return self._reject(i, "no decode worker under its queue limit")
         w = self.workers[choice.worker]
@@ -325,15 +329,6 @@ class Simulator:
             self.num_waiting[w.index] = len(w.waiting)
         else:
             self._start(i, w)
-
-    def _round_robin(self, overlap: dict[int, float], num_blocks: int) -> RoutingDecision:
-        n = len(self.workers)
-        for k in range(1, n + 1):
-            j = (self._rr_last + k) % n
-            if self.eligible[j] and self.num_waiting[j] < self.cfg.routing.max_waiting_per_worker:
-                self._rr_last = j
-                return RoutingDecision(j, 0.0, min(round(overlap.get(j, 0)), num_blocks))
-        return RoutingDecision(None, math.inf, 0)
 
     def _memory_wait_s(self, w: Worker, tokens: int) -> float:
         """Until enough sequences finish to make room: each step of the batch frees about

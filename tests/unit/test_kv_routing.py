@@ -30,6 +30,22 @@ def test_queue_limit_rejects_only_when_every_worker_is_full():
     assert rejected.worker_id is None
 
 
+def test_round_robin_takes_the_next_usable_worker_id_whatever_it_holds():
+    weights = RoutingWeights(max_waiting_per_worker=2)
+    workers = [view("c"), view("a", active=90), view("b", waiting=2)]
+    order = []
+    last = ""
+    for _ in range(4):
+        choice = choose_worker(workers, {"c": 3}, 4, weights, in_turn_after=last)
+        order.append((choice.worker_id, choice.num_overlap_blocks))
+        last = choice.worker_id
+    # "b" is at its queue limit; the overlap is reported for the worker chosen, never sought
+    assert order == [("a", 0), ("c", 3), ("a", 0), ("c", 3)]
+    assert choose_worker(workers, {}, 4, weights, in_turn_after="zz").worker_id == "a"  # wraps
+    full = [view("a", waiting=2), view("b", waiting=3)]
+    assert choose_worker(full, {}, 4, weights, in_turn_after="").worker_id is None
+
+
 def test_cost_arithmetic():
     w = view("a", active=5, waiting=1, unreported=2)
     choice = choose_worker([w], {"a": 1}, 4, RoutingWeights(overlap_weight=2.0, queue_weight=3.0))

@@ -27,6 +27,7 @@ told to cancel) within ``_WATCH_INTERVAL_S``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -88,15 +89,19 @@ class BatchRunner:
         self._gateway, self._store, self._config = gateway, store, config
         self._tier, self._priority = batch_tier(gateway.qos)
         self._tasks: dict[asyncio.Task, str] = {}  # running line → its batch id
+        self._held: collections.deque[QueueMessage[BatchLineRequest]] = collections.deque()  # fetched, not started
 
     async def run_forever(self) -> None:
         queue = await self._store.line_consumer(ack_wait_s=self._config.ack_wait_s,
                                                 max_deliver=self._config.max_deliver,
                                                 max_ack_pending=max(1000, self._config.max_in_flight * 4))
         watcher = asyncio.create_task(self._watch_batches())
+        keeper = asyncio.create_task(self._keep_held_alive())
         try:
             while True:
                 limit = self._limit()
+                while self._held and len(self._tasks) < limit:
+                    self._start(self._held.popleft())
                 if len(self._tasks) >= limit:
                     # a line ending, or online traffic going quiet, makes room
                     if self._tasks:
@@ -106,21 +111,35 @@ class BatchRunner:
                         await asyncio.sleep(_LIMIT_RECHECK_S)
                     continue
                 try:
-                    messages = await queue.fetch(limit - len(self._tasks), timeout_s=1.0)
+                    # online traffic may start while the fetch waits: the lines it brings are
+                    # started (above) against the limit of the moment they arrive, not of now
+                    self._held.extend(await queue.fetch(limit - len(self._tasks), timeout_s=1.0))
                 except Exception as exc:  # noqa: BLE001 — NATS reconnecting: pull again shortly
                     log.warning("batch lines: fetch failed: %r", exc)
                     await asyncio.sleep(1.0)
-                    continue
-                for message in messages:
-                    task = asyncio.create_task(self._settle(message))
-                    self._tasks[task] = message.payload.batch_id
-                    task.add_done_callback(self._done)
         finally:
             watcher.cancel()
+            keeper.cancel()
             for task in list(self._tasks):
                 task.cancel()  # unacknowledged: redelivered to another gateway after the ack wait
-            await asyncio.gather(watcher, *self._tasks, return_exceptions=True)
+            await asyncio.gather(watcher, keeper, *self._tasks, return_exceptions=True)
+            self._held.clear()  # likewise
             await queue.close()
+
+    def _start(self, message: QueueMessage[BatchLineRequest]) -> None:
+        task = asyncio.create_task(self._settle(message))
+        self._tasks[task] = message.payload.batch_id
+        task.add_done_callback(self._done)
+        self._gateway.metrics.observe_batch_lines(len(self._tasks))
+
+    async def _keep_held_alive(self) -> None:
+        """Lines fetched but not started (online traffic began while they were fetched) stay this
+        runner's: their ack wait is renewed until they start."""
+        while True:
+            await asyncio.sleep(self._config.ack_wait_s / 3)
+            for message in list(self._held):
+                with contextlib.suppress(Exception):
+                    await message.in_progress()
 
     def _limit(self) -> int:
         metrics = self._gateway.metrics
@@ -129,6 +148,7 @@ class BatchRunner:
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.pop(task, None)
+        self._gateway.metrics.observe_batch_lines(len(self._tasks))
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("batch line failed unexpectedly (it is delivered again): %r", exc)
 

@@ -22,11 +22,14 @@ class GatewayMetrics:
         self.series = RecentSeries()
         self.num_in_flight = 0
         self.online_ended_at = float("-inf")  # time.monotonic() when the last HTTP generation ended
+        self.num_batch_lines = 0  # batch lines this gateway's runner runs now (not in num_in_flight)
         self._clock = clock
         r = self.registry
         self.requests = Counter("tandem_gateway_requests", "HTTP responses of /v1/ routes by status",
                                 ["status"], registry=r)
         self.in_flight = Gauge("tandem_gateway_in_flight", "generation requests in flight", registry=r)
+        self.batch_lines = Gauge("tandem_gateway_batch_lines_in_flight", "batch lines this gateway runs now",
+                                 registry=r)
         self.generated = Counter("tandem_gateway_generated_tokens", "completion tokens sent", registry=r)
         self.rejected = Counter("tandem_gateway_rejected", "requests rejected by admission, by its reason",
                                 ["reason", "tier"], registry=r)
@@ -59,6 +62,10 @@ class GatewayMetrics:
         self.num_in_flight -= 1
         self.in_flight.dec()
         self.online_ended_at = time.monotonic()
+
+    def observe_batch_lines(self, num_running: int) -> None:
+        self.num_batch_lines = num_running
+        self.batch_lines.set(num_running)
 
     def observe_ttft(self, seconds: float, tier: str) -> None:
         self.ttft.labels(tier=tier).observe(seconds)

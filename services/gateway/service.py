@@ -245,7 +245,8 @@ class Gateway:
     async def cluster_status(self) -> StatusPage:
         """The autoscaler's cluster view (the registry alone when it does not answer), every
         service's metrics address, and the gateway's own state: ``/status`` and the dashboard."""
-        gateway = GatewayState(in_flight=self.metrics.num_in_flight, models=self.served_models(),
+        gateway = GatewayState(in_flight=self.metrics.num_in_flight, batch_lines_in_flight=self.metrics.num_batch_lines,
+                               models=self.served_models(),
                                num_restarts=self.settings.num_restarts,
                                urls=self.settings.gateway_urls.split(",") if self.settings.gateway_urls else [],
                                nats_url=redact_url(self.settings.nats_url),

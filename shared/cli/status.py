@@ -59,7 +59,8 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
              f"{'KV USED':>11} {'REQS':>6} {'TOKENS':>8} {'TTFT ms':>8} {'ITL ms':>7} " \
              f"{'PREFILL R/L/F':>14} {'KV MB IN/OUT':>13}"
     restarted = f"   gateway restarts: {page.gateway.num_restarts}" if page.gateway.num_restarts else ""
-    lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}{restarted}"]
+    batch = f" (+{page.gateway.batch_lines_in_flight} batch lines)" if page.gateway.batch_lines_in_flight else ""
+    lines = [f"source: {page.source}   in flight at gateway: {page.gateway.in_flight:g}{batch}{restarted}"]
     if page.gateway.nats_url or page.gateway.redis_url:
         lines.append(f"NATS: {page.gateway.nats_url or '-'}   Redis: {page.gateway.redis_url or '-'}")
     if gateways_up:

@@ -11,6 +11,7 @@ from shared.protocol.workers import ClusterStatusResult, ServiceInfo
 
 class GatewayState(WireModel):
     in_flight: float = 0
+    batch_lines_in_flight: int = 0  # batch lines its runner runs now (not counted in in_flight)
     models: list[str] = Field(default_factory=list)
     num_restarts: int = 0
     urls: list[str] = Field(default_factory=list)  # every gateway of the stack (empty: just this one)

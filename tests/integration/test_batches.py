@@ -1,15 +1,18 @@
 """The Batch API on a real stack and the real SmolLM2, through the official ``openai`` client:
 ``files.create`` → ``batches.create`` → polling → ``files.content``, every custom_id answered
-exactly once and greedy lines equal to the same requests sent online; a decode worker killed
-mid-batch, then a gateway; cancel with partial results kept; bad lines in the error file; a malformed file failing
-with its line named; 413 on a too-large upload; a batch served by any gateway; a batch that outlives a restart of the whole
-stack on the same state dir."""
+exactly once and greedy lines equal to the same requests sent online; fewer lines at once beside
+online requests; a decode worker killed mid-batch, then a gateway; cancel with partial results
+kept; bad lines in the error file; a malformed file failing with its line named; 413 on a
+too-large upload; a batch served by any gateway; a batch that outlives a restart of the whole stack
+on the same state dir."""
 
 from __future__ import annotations
 
 import io
 import json
+import threading
 import time
+import urllib.request
 import uuid
 
 import openai
@@ -32,7 +35,8 @@ def stack(nats_server, redis_server, tmp_path_factory):
                      namespace=f"b{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
                      # a killed gateway's lines go to the other one after the ack wait
                      gateway_flags={"max_file_bytes": MAX_FILE_BYTES, "batch_max_in_flight": 4,
-                                    "batch_ack_wait_s": 4},
+                                    "batch_ack_wait_s": 4, "batch_in_flight_beside_online": 1,
+                                    "batch_online_quiet_s": 0.5},
                      decode_flags={"max_model_len": 512, "kv_cache_memory": "64MiB", "device": "cpu",
                                    "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
@@ -148,6 +152,45 @@ def test_files_list_retrieve_content_delete(client):
         client.files.retrieve(file.id)
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("x.jsonl", io.BytesIO(data)), purpose="fine-tune")
+
+
+def batch_lines_running(url: str) -> int:
+    with urllib.request.urlopen(url + "/status", timeout=10) as r:
+        return json.load(r)["gateway"]["batch_lines_in_flight"]
+
+
+def test_batch_lines_keep_to_the_limit_beside_online_requests_and_take_the_rest_after(client, stack):
+    """Each gateway runs at most ``--batch-in-flight-beside-online`` (1 here) lines while it serves an
+    online request, and its whole ``--batch-max-in-flight`` (4) once online traffic is quiet."""
+    first_token = [threading.Event() for _ in stack.base_urls]
+    online_done = threading.Event()
+
+    def stream(i: int, url: str) -> None:
+        chunks = client_of(url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=48,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for _ in chunks:
+            first_token[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i, url), daemon=True) for i, url in enumerate(stack.base_urls)]
+    for t in threads:
+        t.start()
+    for event in first_token:
+        assert event.wait(120), "an online stream never started"
+    watcher = threading.Thread(target=lambda: ([t.join() for t in threads], online_done.set()), daemon=True)
+    watcher.start()
+    batch = submit(client, [chat_line(f"o-{i}", f"{PROMPTS[i % 8]} (beside {i})", max_tokens=32) for i in range(32)])
+    beside = []
+    while not online_done.is_set():
+        beside.append([batch_lines_running(url) for url in stack.base_urls])
+        time.sleep(0.05)
+    assert any(sum(s) for s in beside), "no line ran beside the online streams"
+    assert max(max(s) for s in beside) <= 1, beside
+    after = wait_for(lambda: max(n := [batch_lines_running(url) for url in stack.base_urls]) >= 2 and n, 60,
+                     "more lines once online traffic went quiet")
+    assert max(after) <= 4
+    done = finished(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 32
 
 
 def test_cancel_stops_the_batch_and_keeps_partial_results(client):

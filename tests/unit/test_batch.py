@@ -202,6 +202,7 @@ def test_the_runner_starts_no_line_above_the_limit_and_takes_the_whole_limit_whe
     from types import SimpleNamespace
 
     from services.gateway.batch_runner import BatchRunner, RunnerConfig
+    from services.gateway.metrics import GatewayMetrics
     from shared.policy.qos import load_qos
 
     class Queue:
@@ -223,7 +224,8 @@ def test_the_runner_starts_no_line_above_the_limit_and_takes_the_whole_limit_whe
             return queue
 
     async def scenario():
-        metrics = SimpleNamespace(num_in_flight=1, online_ended_at=float("-inf"))
+        metrics = GatewayMetrics()
+        metrics.num_in_flight = 1  # an online request runs
         gateway = SimpleNamespace(metrics=metrics, qos=load_qos(None))
         runner = BatchRunner(gateway, Store(), RunnerConfig(max_in_flight=6, ack_wait_s=30, max_deliver=3,
                                                             in_flight_beside_online=2, online_quiet_s=0.3))
@@ -250,9 +252,11 @@ def test_the_runner_starts_no_line_above_the_limit_and_takes_the_whole_limit_whe
         task = asyncio.create_task(runner.run_forever())
         await asyncio.wait_for(held_back.wait(), 10)
         beside = peak[0]
+        assert metrics.num_batch_lines == beside  # what /status and /metrics show
         metrics.num_in_flight, metrics.online_ended_at = 0, time.monotonic() - 1.0  # quiet for 1 s > 0.3 s
         await asyncio.wait_for(all_running.wait(), 10)
         quiet = peak[0]
+        assert metrics.num_batch_lines == quiet
         release.set()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -260,3 +264,62 @@ def test_the_runner_starts_no_line_above_the_limit_and_takes_the_whole_limit_whe
 
     queue = Queue(20)
     assert asyncio.run(scenario()) == (2, 6)
+
+
+def test_lines_a_fetch_brings_after_online_traffic_began_start_against_the_new_limit():
+    """A fetch issued while the gateway was quiet asks for the whole limit; when an online request
+    begins while it waits, the lines it brings start only up to the limit beside online, and the
+    rest are held (their ack wait renewed) until there is room."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.gateway.batch_runner import BatchRunner, RunnerConfig
+    from services.gateway.metrics import GatewayMetrics
+    from shared.policy.qos import load_qos
+
+    metrics = GatewayMetrics()
+
+    class Queue:
+        def __init__(self):
+            self.asked: list[int] = []
+
+        async def fetch(self, n, timeout_s):
+            self.asked.append(n)
+            if len(self.asked) > 1:
+                await asyncio.sleep(timeout_s)
+                return []
+            metrics.observe_started()  # online traffic begins while the fetch waits
+            return [SimpleNamespace(payload=SimpleNamespace(batch_id="b"), in_progress=lambda: None)
+                    for _ in range(n)]
+
+        async def close(self):
+            pass
+
+    queue = Queue()
+
+    class Store:
+        async def line_consumer(self, **_):
+            return queue
+
+    async def scenario():
+        runner = BatchRunner(SimpleNamespace(metrics=metrics, qos=load_qos(None)), Store(),
+                             RunnerConfig(max_in_flight=6, ack_wait_s=30, max_deliver=3, in_flight_beside_online=2,
+                                          online_quiet_s=60))
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def settle(message):
+            if len(runner._tasks) == 2:
+                started.set()
+            await release.wait()
+
+        runner._settle = settle
+        task = asyncio.create_task(runner.run_forever())
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.sleep(0.6)  # two more looks at the limit: nothing more starts
+        running, held = metrics.num_batch_lines, len(runner._held)
+        release.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return queue.asked[0], running, held
+
+    assert asyncio.run(scenario()) == (6, 2, 4)

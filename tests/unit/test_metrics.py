@@ -72,6 +72,10 @@ def test_in_flight_goes_up_and_down():
     m.observe_ended()
     text, _ = scrape(m.registry)
     assert m.num_in_flight == 1 and sample_total(text, "tandem_gateway_in_flight") == 1
+    m.observe_batch_lines(3)
+    text, _ = scrape(m.registry)
+    assert m.num_batch_lines == 3 and sample_total(text, "tandem_gateway_batch_lines_in_flight") == 3
+    assert m.num_in_flight == 1  # batch lines are not online requests
 
 
 def test_every_service_registry_has_process_and_restart_families():

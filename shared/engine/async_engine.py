@@ -203,10 +203,10 @@ class AsyncEngine:
         self._post(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
-    async def forget_prefill_rate(self) -> None:
+    async def forget_prefill_rate(self, keep_as_warmup: bool = False) -> None:
         """See ``StepStats.forget_prefill_rate``; ``stats()`` shows it once this returns."""
         def forget(engine: LLMEngine) -> None:
-            engine.step_stats.forget_prefill_rate()
+            engine.step_stats.forget_prefill_rate(keep_as_warmup)
             self._stats = engine.stats()
 
         await self.call(forget)

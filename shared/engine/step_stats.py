@@ -29,6 +29,7 @@ class EngineStats:
     num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     prefill_tokens_per_s: float | None = None  # recent prefill throughput; None until measured
+    warmup_prefill_tokens_per_s: float | None = None  # measured in warm-up (see StepStats.forget_prefill_rate)
     kv_tiers: dict[str, float] = field(default_factory=dict)  # host/disk tier sizes and counters (KvTiers.stats)
     num_draft_tokens: int = 0  # speculative decoding: draft tokens computed
     num_accepted_tokens: int = 0  # of those, accepted
@@ -69,6 +70,7 @@ class StepStats:
         self.num_cached_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.prefill_rate = PrefillRate(min_tokens=block_size)
+        self.warmup_prefill_tokens_per_s: float | None = None
         self._observers: list[StepObserver] = []
 
     def add_observer(self, observe: StepObserver) -> None:
@@ -76,9 +78,13 @@ class StepStats:
         engine's thread (so it must be quick and thread-safe)."""
         self._observers.append(observe)
 
-    def forget_prefill_rate(self) -> None:
+    def forget_prefill_rate(self, keep_as_warmup: bool = False) -> None:
         """Drop the prefill rate measured so far (warm-up's few short prompts on cold kernels, often
-        while other processes load, measure a rate the worker's real work does not have)."""
+        while other processes load, measure a rate the worker's real work does not have). With
+        ``keep_as_warmup`` it is first kept apart as the warm-up's rate: what admission predicts
+        from until real prompts measure one, and what the autoscaler does not average in."""
+        if keep_as_warmup:
+            self.warmup_prefill_tokens_per_s = self.prefill_rate.tokens_per_s
         self.prefill_rate.forget()
 
     def record(self, out: SchedulerOutput, elapsed_s: float) -> None:
@@ -109,6 +115,7 @@ class StepStats:
             num_generated_tokens=self.num_generated_tokens, num_remote_pending=len(scheduler.remote),
             num_held=len(scheduler.held), queued_prefill_tokens=backlog.prefill_tokens,
             num_waiting_by_priority=backlog.num_waiting, num_running_by_priority=backlog.num_running,
-            prefill_tokens_per_s=self.prefill_rate.tokens_per_s, kv_tiers=kv_tiers,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+            warmup_prefill_tokens_per_s=self.warmup_prefill_tokens_per_s, kv_tiers=kv_tiers,
             num_draft_tokens=spec.stats.num_drafted if spec else 0,
             num_accepted_tokens=spec.stats.num_accepted if spec else 0, decode_step=decode_step)

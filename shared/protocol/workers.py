@@ -104,6 +104,9 @@ class WorkerLoad(WireModel):
     num_waiting_by_priority: dict[int, int] = Field(default_factory=dict)
     num_running_by_priority: dict[int, int] = Field(default_factory=dict)  # empty from older workers
     prefill_tokens_per_s: float | None = Field(None, ge=0)
+    # measured in warm-up, a prompt alone on warm kernels: admission's rate until real prompts
+    # measure ``prefill_tokens_per_s`` (None: no warm-up, or from an older worker)
+    warmup_prefill_tokens_per_s: float | None = Field(None, ge=0)
     kv_tiers: KvTierLoad | None = None  # None: no tiers below the pool
     kv_fetch: KvFetchLoad | None = None  # None: no prefix fetches between workers
 

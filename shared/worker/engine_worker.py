@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 MAX_EVENTS_PER_BATCH = 512
 
 
+CALIBRATION_TOKENS = 512  # a prompt of a length real traffic has: short ones measure per-step overhead
+
+
 async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int) -> None:
-    """Concurrent throwaway requests of a few lengths: compiles/allocates every path once."""
+    """Concurrent throwaway requests of a few lengths: compiles/allocates every path once. Then the
+    prefill rate is measured on warm kernels (``measure_warmup_prefill_rate``), so that admission
+    predicts the first requests after ``ready`` instead of admitting them all on no rate."""
     if num_requests == 0:
         return
     vocab = engine.tokenizer.vocab_size
@@ -42,9 +47,29 @@ async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int) -> Non
 
     started = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(num_requests)))
-    # admission predicts TTFT from the measured prefill rate: not from warm-up's (see forget_prefill_rate)
-    await engine.forget_prefill_rate()
-    log.info("warm-up: %d requests in %.2fs", num_requests, time.monotonic() - started)
+    rate = await measure_warmup_prefill_rate(engine, worker_id)
+    log.info("warm-up: %d requests in %.2fs; prefill %s", num_requests, time.monotonic() - started,
+             f"{rate:.0f} tokens/s alone" if rate else "rate not measured")
+
+
+async def measure_warmup_prefill_rate(engine: AsyncEngine, worker_id: str) -> float | None:
+    """Two prompts of ``CALIBRATION_TOKENS`` (fewer if the context is shorter) alone on the engine:
+    the first brings that shape's kernels in and the rate so far (warm-up's short prompts on cold
+    kernels) is dropped, the second measures it. It is kept apart as the warm-up's rate and the
+    measured rate starts afresh with real prompts: warm-up may run while sibling processes load,
+    so its rate stands in only until real work measures one (admission) and is not averaged into
+    the fleet's capacity (the autoscaler). Prompts of tokens no other warm-up request used, so
+    nothing is cached."""
+    length = max(min(CALIBRATION_TOKENS, engine.max_model_len - 8), 1)
+    vocab = engine.tokenizer.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for run in range(2):
+        await engine.forget_prefill_rate()
+        prompt = [(1000 + 7919 * run + 13 * j) % vocab for j in range(length)]
+        async for _ in engine.generate(f"warmup-{worker_id}-rate-{run}", prompt, params):
+            pass
+    await engine.forget_prefill_rate(keep_as_warmup=True)
+    return engine.stats().warmup_prefill_tokens_per_s
 
 
 class LoopSink:
@@ -143,7 +168,8 @@ class EngineWorker:
             num_cached_prompt_tokens_total=stats.num_cached_prompt_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
             num_running_by_priority=stats.num_running_by_priority,
-            prefill_tokens_per_s=stats.prefill_tokens_per_s, decode_step=stats.decode_step,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            warmup_prefill_tokens_per_s=stats.warmup_prefill_tokens_per_s, decode_step=stats.decode_step,
             kv_tiers=KvTierLoad.model_validate({k: int(v) for k, v in stats.kv_tiers.items()
                                                 if k in KvTierLoad.model_fields}) if stats.kv_tiers else None,
             **fields)

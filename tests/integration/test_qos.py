@@ -50,8 +50,10 @@ def stack(nats_server, redis_server, tmp_path_factory):
                      gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys},
                      admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": 600, "log_level": "DEBUG"})
     with running_stack(spec, ready_timeout_s=180) as s:
-        # warm-up's rate is not kept (it measures cold kernels): one request measures the worker's
-        assert decode_load(s).get("prefill_tokens_per_s") is None
+        # warm-up's rate is kept apart (admission's until real prompts measure one): one request
+        # measures the worker's
+        first = wait_for(lambda: decode_load(s), 30, "the worker's first load report")
+        assert first.get("prefill_tokens_per_s") is None and first["warmup_prefill_tokens_per_s"] > 0, first
         assert post(s, "premium", "word " * 100, 1).status == 200
         wait_for(lambda: decode_load(s).get("prefill_tokens_per_s"), 60, "a measured prefill rate at admission")
         assert decode_load(s)["output_tokens_recent"] == 1  # the request's one output token

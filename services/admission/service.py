@@ -151,8 +151,7 @@ class AdmissionService:
             now_s=now, tier=tier, prompt_tokens=prompt,
             cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),
             queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
-            prefill_tokens_per_s=(entry.load.prefill_tokens_per_s or entry.load.warmup_prefill_tokens_per_s)
-            if entry.load else None,
+            prefill_tokens_per_s=(load.prefill_tokens_per_s if load else None) or entry.info.warmup_prefill_tokens_per_s,
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
             num_running=load.num_running if load else 0,

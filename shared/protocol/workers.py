@@ -33,6 +33,10 @@ class WorkerInfo(WireModel):
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
+    # the prefill rate warm-up measured (a long prompt alone on warm kernels), in the entry so that
+    # admission has it with the worker's first listing, before any load report: its rate until
+    # real prompts measure ``WorkerLoad.prefill_tokens_per_s`` (None: not measured)
+    warmup_prefill_tokens_per_s: float | None = Field(None, ge=0)
     # text in (GenerateRequest.messages / prompt_text), text out (TokenChunk.text): the worker
     # brings its own model and tokenizer, and the gateway sends it no token ids or block hashes
     takes_text: bool = False
@@ -104,9 +108,6 @@ class WorkerLoad(WireModel):
     num_waiting_by_priority: dict[int, int] = Field(default_factory=dict)
     num_running_by_priority: dict[int, int] = Field(default_factory=dict)  # empty from older workers
     prefill_tokens_per_s: float | None = Field(None, ge=0)
-    # measured in warm-up, a prompt alone on warm kernels: admission's rate until real prompts
-    # measure ``prefill_tokens_per_s`` (None: no warm-up, or from an older worker)
-    warmup_prefill_tokens_per_s: float | None = Field(None, ge=0)
     kv_tiers: KvTierLoad | None = None  # None: no tiers below the pool
     kv_fetch: KvFetchLoad | None = None  # None: no prefix fetches between workers
 

@@ -30,7 +30,7 @@ MAX_EVENTS_PER_BATCH = 512
 CALIBRATION_TOKENS = 512  # a prompt of a length real traffic has: short ones measure per-step overhead
 
 
-async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int) -> None:
+async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int, measure_rate: bool = True) -> None:
     """Concurrent throwaway requests of a few lengths: compiles/allocates every path once. Then the
     prefill rate is measured on warm kernels (``measure_warmup_prefill_rate``), so that admission
     predicts the first requests after ``ready`` instead of admitting them all on no rate."""
@@ -47,6 +47,10 @@ async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int) -> Non
 
     started = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(num_requests)))
+    if not measure_rate:
+        await engine.forget_prefill_rate()  # warm-up's short prompts on cold kernels measure no real rate
+        log.info("warm-up: %d requests in %.2fs", num_requests, time.monotonic() - started)
+        return
     rate = await measure_warmup_prefill_rate(engine, worker_id)
     log.info("warm-up: %d requests in %.2fs; prefill %s", num_requests, time.monotonic() - started,
              f"{rate:.0f} tokens/s alone" if rate else "rate not measured")
@@ -154,6 +158,7 @@ class EngineWorker:
             control_subject=self._subjects.control(self.worker_id).subject,
             kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
             pid=os.getpid(), started_at=self._started_at, num_restarts=self._settings.num_restarts,
+            warmup_prefill_tokens_per_s=stats.warmup_prefill_tokens_per_s,
             **subjects)
 
     def _load(self, **fields) -> WorkerLoad:
@@ -168,14 +173,14 @@ class EngineWorker:
             num_cached_prompt_tokens_total=stats.num_cached_prompt_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
             num_running_by_priority=stats.num_running_by_priority,
-            prefill_tokens_per_s=stats.prefill_tokens_per_s,
-            warmup_prefill_tokens_per_s=stats.warmup_prefill_tokens_per_s, decode_step=stats.decode_step,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s, decode_step=stats.decode_step,
             kv_tiers=KvTierLoad.model_validate({k: int(v) for k, v in stats.kv_tiers.items()
                                                 if k in KvTierLoad.model_fields}) if stats.kv_tiers else None,
             **fields)
 
     async def warm_up(self) -> None:
-        await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests)
+        await warm_up(self.engine, self.worker_id, self._settings.num_warmup_requests,
+                      self._settings.warmup_prefill_rate)
 
     async def publish_load(self) -> None:
         try:

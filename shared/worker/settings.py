@@ -50,6 +50,9 @@ class EngineWorkerSettings(ServiceSettings):
         "thread while the worker already serves eagerly (minutes the first time on a small CPU, seconds once "
         "inductor's disk cache has it), on = before the worker registers, off = eager only")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
+    warmup_prefill_rate: bool = Field(True, description="end warm-up by measuring the prefill rate on a "
+                                      "512-token prompt, which admission predicts TTFT from until real prompts "
+                                      "measure one (off: requests are admitted unpredicted until then)")
     load_interval_s: float = Field(1.0, gt=0, description="WorkerLoad publish period")
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
     events_max_age_s: float = Field(3600.0, gt=0, description="KV event stream retention (seconds)")

@@ -1,3 +1,4 @@
+import argparse
 import random
 
 from loadtest.stats import RequestResult, percentile, summarize
@@ -53,3 +54,21 @@ def test_overload_report_compares_each_admitted_ttft_with_its_prediction():
     report = tier_report(results, tiers, {"premium": 1.0, "batch": 2.5})
     assert report["batch"]["ttft_over_predicted_p50"] == 2.5 and report["batch"]["num_429"] == 1
     assert report["batch"]["num_good"] == 2 and report["premium"]["ttft_over_predicted_p90"] == 1.0
+
+
+def test_bench_startup_summary_counts_sheds_and_misses_per_tier():
+    from loadtest.bench_startup import burst, summarize
+    from loadtest.stats import RequestResult
+
+    args = argparse.Namespace(batch_requests=3, premium_requests=1, batch_words=4, premium_words=2,
+                              premium_after_s=1.0, output_tokens=2)
+    specs, tier_of = burst(args)
+    assert [tier_of[s.index] for s in specs] == ["batch"] * 3 + ["premium"] and specs[-1].at_s == 1.0
+    served = RequestResult(0, 0.0, 0.0, first_token_s=5.0, predicted_ttft_s=2.5)
+    shed = RequestResult(1, 0.0, 0.0, error="HTTP 429", retry_after_s=2.0)
+    shed_bare = RequestResult(2, 0.0, 0.0, error="HTTP 429")
+    fast = RequestResult(3, 1.0, 1.0, first_token_s=1.5)
+    out = summarize([served, shed, shed_bare, fast], tier_of, slo_s=4.0)
+    assert (out["batch"]["admitted"], out["batch"]["rejected"], out["batch"]["rejected_with_retry_after"]) == (1, 2, 1)
+    assert out["batch"]["attainment"] == 0.0 and out["batch"]["predicted_over_measured_p50"] == 0.5
+    assert out["premium"]["attainment"] == 1.0 and out["premium"]["ttft_p90_s"] == 0.5

@@ -57,14 +57,15 @@ async def warm_up(engine: AsyncEngine, worker_id: str, num_requests: int, measur
 
 
 async def measure_warmup_prefill_rate(engine: AsyncEngine, worker_id: str) -> float | None:
-    """Two prompts of ``CALIBRATION_TOKENS`` (fewer if the context is shorter) alone on the engine:
-    the first brings that shape's kernels in and the rate so far (warm-up's short prompts on cold
-    kernels) is dropped, the second measures it. It is kept apart as the warm-up's rate and the
+    """Two prompts of ``CALIBRATION_TOKENS`` (fewer if the context or KV pool is small) alone on the
+    engine: the first brings that shape's kernels in and the rate so far (warm-up's short prompts
+    on cold kernels) is dropped, the second measures it. It is kept apart as the warm-up's rate and the
     measured rate starts afresh with real prompts: warm-up may run while sibling processes load,
     so its rate stands in only until real work measures one (admission) and is not averaged into
     the fleet's capacity (the autoscaler). Prompts of tokens no other warm-up request used, so
     nothing is cached."""
-    length = max(min(CALIBRATION_TOKENS, engine.max_model_len - 8), 1)
+    pool_tokens = engine.stats().num_blocks_total * engine.block_size
+    length = max(min(CALIBRATION_TOKENS, engine.max_model_len - 8, pool_tokens // 2), 1)
     vocab = engine.tokenizer.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for run in range(2):

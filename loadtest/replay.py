@@ -385,6 +385,7 @@ class Outcome:
     num_retries: int = 0
     predicted_ttft_s: float | None = None
     error: str | None = None
+    worker: str | None = None         # live: the decode worker admission chose (X-Tandem-Worker)
 
 
 def outcome_of(req: ReplayRequest, r: RequestResult) -> Outcome:
@@ -393,7 +394,7 @@ def outcome_of(req: ReplayRequest, r: RequestResult) -> Outcome:
     return Outcome(req.index, req.tier, status, r.scheduled_s, r.ttft_s if ok else None, r.tpot_s if ok else None,
                    r.e2e_s if ok else None, r.finished_s, r.itls_s() if ok else [], r.prompt_tokens,
                    r.cached_tokens, r.num_output_tokens, r.retry_after_s, r.num_retries, r.predicted_ttft_s,
-                   r.error)
+                   r.error, r.worker_id)
 
 
 def _dist(values: list[float]) -> dict:

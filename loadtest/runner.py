@@ -75,6 +75,7 @@ async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api
 
         async def _stream(resp, result: RequestResult, now: Callable[[], float]) -> bool:
             """Read a 200's event stream into ``result``; False on an error event."""
+            result.worker_id = resp.headers.get("X-Tandem-Worker") or None
             if "X-Tandem-Predicted-TTFT-Ms" in resp.headers:
                 result.predicted_ttft_s = float(resp.headers["X-Tandem-Predicted-TTFT-Ms"]) / 1000
             async for raw in resp.content:

@@ -20,6 +20,7 @@ class RequestResult:
     prompt_tokens: int | None = None       # the usage the server returned
     cached_tokens: int | None = None       # its prompt_tokens_details.cached_tokens (prefix-cache hit)
     num_retries: int = 0                   # 429s retried after their Retry-After (run_openai's max_retries)
+    worker_id: str | None = None           # the decode worker that served it (X-Tandem-Worker)
 
     @property
     def ttft_s(self) -> float | None:

@@ -234,4 +234,5 @@ def test_live_replay_against_a_small_stack(trace_file, tmp_path):
     d = json.loads(out.read_text())
     assert rc == 0 and d["completed"] == 8, d["errors"]
     assert d["prompt_tokens_mismatched"] == 0
+    assert len({r["worker"] for r in d["per_request"]}) == 1 and d["per_request"][0]["worker"]  # who served each
     assert d["hit_ratio"] > 0.5 * d["ideal_token_hit_ratio"] > 0

@@ -90,7 +90,8 @@ it every request is admitted.
 after; ``--compare-sim`` also simulates the slice (``cpu``) and reports the simulator's error.
 
 Writes ``--out`` (JSON: the summary's fields at the top level, then ``config`` and every request
-unless ``--no-per-request``, live ones with the decode worker that served them) and a PNG next to it (TTFT and ITL CDFs per tier, TTFT over the run, hit ratio against ideal).
+unless ``--no-per-request``, live ones with the decode worker that served them) and a PNG next to
+it (TTFT and ITL CDFs per tier, TTFT over the run, hit ratio against ideal).
 """
 
 from __future__ import annotations

@@ -411,6 +411,25 @@ class Bus:
             await self.js.add_stream(config)
         except nats.js.errors.BadRequestError:
             await self.js.update_stream(config)
+        await self._wait_for_leader(config.name)
+
+    async def _wait_for_leader(self, stream: str, timeout_s: float = 15.0) -> None:
+        """A replicated stream (a bucket is one too) elects its leader a moment after it is created;
+        until then a write gets no response from the stream, and a worker's first write failed so
+        at start-up on a 3-member cluster. Wait until it has one (at most ``timeout_s``, then go on:
+        the write will say what is wrong)."""
+        if self.replicas <= 1:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                info = await self.js.stream_info(stream)
+                if info.cluster is None or info.cluster.leader:
+                    return
+            if time.monotonic() >= deadline:
+                log.warning("stream %s has no leader after %.0f s", stream, timeout_s)
+                return
+            await asyncio.sleep(0.1)
 
     async def pull_consumer(self, endpoint: Endpoint[Req, WireModel], stream: str, durable: str, *,
                             ack_wait_s: float, max_deliver: int, max_ack_pending: int = 1000) -> WorkQueue[Req]:
@@ -461,14 +480,15 @@ class Bus:
 
     async def _bind_key_value(self, bucket: str, ttl_s: float | None):
         try:
-            return await self.js.key_value(bucket)
+            kv = await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            pass
-        config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=self.replicas)
-        try:
-            return await self.js.create_key_value(config)
-        except nats.js.errors.BadRequestError:  # created concurrently by another process
-            return await self.js.key_value(bucket)
+            config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=self.replicas)
+            try:
+                kv = await self.js.create_key_value(config)
+            except nats.js.errors.BadRequestError:  # created concurrently by another process
+                kv = await self.js.key_value(bucket)
+        await self._wait_for_leader(f"KV_{bucket}")
+        return kv
 
     async def object_store(self, bucket: str) -> ObjectBucket:
         """Bind to an Object Store bucket, creating it (file storage, no expiry) when it does not
@@ -479,13 +499,14 @@ class Bus:
 
     async def _bind_object_store(self, bucket: str):
         try:
-            return await self.js.object_store(bucket)
+            store = await self.js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
-            pass
-        try:
-            return await self.js.create_object_store(bucket, ObjectStoreConfig(replicas=self.replicas))
-        except nats.js.errors.BadRequestError:  # created concurrently by another process
-            return await self.js.object_store(bucket)
+            try:
+                store = await self.js.create_object_store(bucket, ObjectStoreConfig(replicas=self.replicas))
+            except nats.js.errors.BadRequestError:  # created concurrently by another process
+                store = await self.js.object_store(bucket)
+        await self._wait_for_leader(f"OBJ_{bucket}")
+        return store
 
     async def purge_subject(self, stream: str, subject: str) -> None:
         """Remove every message of ``stream`` on ``subject`` (e.g. one batch's queued work items);

@@ -58,3 +58,38 @@ async def test_a_disconnect_cancels_a_resume_in_progress_and_removed_hooks_do_no
     link.disconnected()  # the connection dropped again: the resume starts over at the next reconnect
     await asyncio.wait_for(cancelled.wait(), 5)
     assert ran == []
+
+
+def test_a_replicated_stream_is_used_only_once_it_has_a_leader():
+    """On a cluster a new stream (or bucket) elects its leader a moment after creation; a write
+    before that gets no response. The bus waits for the leader, and goes on after its timeout."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import nats.errors
+
+    from shared.bus.bus import Bus
+
+    class JetStream:
+        def __init__(self, answers):
+            self.answers, self.asked = list(answers), 0
+
+        async def stream_info(self, stream):
+            self.asked += 1
+            answer = self.answers.pop(0) if self.answers else None
+            if isinstance(answer, Exception):
+                raise answer
+            return SimpleNamespace(cluster=SimpleNamespace(leader=answer))
+
+    def bus(js, replicas):
+        return Bus(SimpleNamespace(jetstream=lambda: js), "t", replicas=replicas)
+
+    electing = JetStream([nats.errors.TimeoutError(), None, "nats-2"])
+    asyncio.run(bus(electing, 3)._wait_for_leader("S"))
+    assert electing.asked == 3
+    single = JetStream([])
+    asyncio.run(bus(single, 1)._wait_for_leader("S"))
+    assert single.asked == 0  # one server: nothing to elect
+    never = JetStream([None] * 1000)
+    asyncio.run(bus(never, 3)._wait_for_leader("S", timeout_s=0.3))
+    assert 2 <= never.asked < 1000

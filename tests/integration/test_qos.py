@@ -52,7 +52,8 @@ def stack(nats_server, redis_server, tmp_path_factory):
     with running_stack(spec, ready_timeout_s=180) as s:
         # warm-up's rate is kept apart (admission's until real prompts measure one): one request
         # measures the worker's
-        assert decode_info(s)["warmup_prefill_tokens_per_s"] > 0
+        # (/status lists the worker once the autoscaler's view has it: a moment after ready)
+        assert wait_for(lambda: decode_info(s), 30, "the worker in /status")["warmup_prefill_tokens_per_s"] > 0
         assert decode_load(s).get("prefill_tokens_per_s") is None
         assert post(s, "premium", "word " * 100, 1).status == 200
         wait_for(lambda: decode_load(s).get("prefill_tokens_per_s"), 60, "a measured prefill rate at admission")
@@ -78,7 +79,7 @@ def decode_load(stack) -> dict:
 def decode_info(stack) -> dict:
     with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
         view = json.load(resp)
-    return next(w["info"] for w in view["workers"] if w["info"]["role"] == "decode")
+    return next((w["info"] for w in view["workers"] if w["info"]["role"] == "decode"), {})
 
 
 def post(stack, tier: str, prompt: str, max_tokens: int, stream: bool = False, headers: dict | None = None,

@@ -28,8 +28,15 @@ tiers:
   premium: {priority: 0, ttft_slo_ms: 4000}
   batch:   {priority: 2, ttft_slo_ms: 4000}
 """
-NUM_BATCH = 32
-BATCH_WORDS = 1400   # 32 x ~1,400 prompt tokens: ~11k tokens/s to prefill them all within the SLO
+SLO_S = 4.0
+
+
+def burst_shape(rate: float) -> tuple[int, int]:
+    """(requests, words each) for a burst that fits the worker's warm-up rate: one prompt a quarter
+    of the SLO (so the first few fit in it), the burst three SLOs of prefill (so most cannot),
+    whatever the machine's speed. A word is about one token."""
+    words = int(min(max(rate * SLO_S / 4, 64), 1800))
+    return int(min(max(3 * SLO_S * rate / words, 16), 200)), words
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +84,18 @@ def test_a_burst_right_after_ready_sheds_the_lower_tier_and_admits_every_premium
     [info] = wait_for(lambda: [w["info"] for w in get_json(stack.base_url + "/status")["workers"]
                                if w["info"]["role"] == "decode"], 30, "the worker in /status")
     assert info["warmup_prefill_tokens_per_s"] > 0, info
+    num_batch, words = burst_shape(info["warmup_prefill_tokens_per_s"])
 
     outcomes: dict[str, list] = {"batch": [], "premium": []}
 
     def send(tier: str, prompt: str, max_tokens: int) -> None:
         outcomes[tier].append(post(stack, tier, prompt, max_tokens))
 
-    burst = [threading.Thread(target=send, args=("batch", f"Report {i}. " + "word " * BATCH_WORDS, 1), daemon=True)
-             for i in range(NUM_BATCH)]
+    burst = [threading.Thread(target=send, args=("batch", f"Report {i}. " + "word " * words, 1), daemon=True)
+             for i in range(num_batch)]
     for t in burst:
         t.start()
-    wait_for(lambda: decided(stack, "batch") >= NUM_BATCH, 120, "admission to decide on every batch request")
+    wait_for(lambda: decided(stack, "batch") >= num_batch, 120, "admission to decide on every batch request")
     premium = [threading.Thread(target=send, args=("premium", f"Premium question {i}: name a colour.", 4), daemon=True)
                for i in range(4)]
     for t in premium:
@@ -99,7 +107,7 @@ def test_a_burst_right_after_ready_sheds_the_lower_tier_and_admits_every_premium
     assert [status for status, _, _ in outcomes["premium"]] == [200] * 4, outcomes["premium"]
     shed = [(headers, body) for status, headers, body in outcomes["batch"] if status == 429]
     served = [body for status, _, body in outcomes["batch"] if status == 200]
-    assert len(shed) + len(served) == NUM_BATCH, [s for s, _, _ in outcomes["batch"]]
+    assert len(shed) + len(served) == num_batch, [s for s, _, _ in outcomes["batch"]]
     assert shed, "every batch request of the burst was admitted: admission had no prefill rate"
     assert served, "no batch request was admitted: the prediction is far too pessimistic"
     for headers, body in shed:

@@ -2,16 +2,11 @@
 kv-index says they hold (the baseline that KV-aware routing is judged against in the replay)."""
 
 from shared.bus import WorkerRegistry
-from shared.protocol import GenerateRequest, KvMatchRequest, KvMatchResult, Subjects, WorkerInfo, WorkerOverlap
+from shared.protocol import GenerateRequest, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
 
 from services.admission.config import AdmissionSettings
 from services.admission.service import AdmissionService
-
-
-def worker(subjects: Subjects, worker_id: str) -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, role="decode", model="m", block_size=4, max_model_len=256,
-                      generate_subject=subjects.decode_generate(worker_id).subject,
-                      cancel_subject=subjects.decode_cancel(worker_id).subject)
+from test_admission_worker_leaves import worker
 
 
 async def test_round_robin_admits_to_the_workers_in_turn_and_kv_routing_follows_the_prefix(bus, nats_url, namespace):

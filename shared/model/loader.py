@@ -1,4 +1,5 @@
-"""Weight loaders: GGUF (via the ``gguf`` package) and Hugging Face directories (safetensors).
+"""Weight loaders: GGUF (``shared/model/gguf_file.py`` reads it, the ``gguf`` package dequantizes)
+and Hugging Face directories (safetensors).
 
 Both produce canonical tensor names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.{name}``) in
 the HF orientation ([out_features, in_features]) and the Q/K row order HF uses; the model fuses
@@ -20,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from shared.model.config import ModelConfig
+from shared.model.gguf_file import GgufFile, GgufTensor, read_gguf
 from shared.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -42,24 +44,17 @@ _HF_LAYER_NAMES = {
 _HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def gguf_config(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def gguf_config(reader: GgufFile) -> ModelConfig:
+    arch = reader.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
 
     def get(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return reader.get(f"{arch}.{key}", default)
 
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = get("vocab_size") or len(reader.get("tokenizer.ggml.tokens", ()))
     head_dim = int(get("attention.key_length") or hidden // num_heads)
     names = {t.name for t in reader.tensors}
     rope = None
@@ -96,15 +91,15 @@ def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, out // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor) -> torch.Tensor:
+def _dequantize(tensor: GgufTensor) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
-    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+    kind = GGMLQuantizationType(tensor.tensor_type)
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         arr = np.asarray(tensor.data)
     else:
-        arr = quants.dequantize(tensor.data, tensor.tensor_type)
-    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        arr = quants.dequantize(tensor.data, kind)
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(tensor.shape)
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
@@ -123,9 +118,7 @@ def load_gguf(path: Path, device: torch.device = torch.device("cpu"),
               dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Dequantize every tensor of a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants via gguf),
     each converted to ``dtype`` on ``device`` before the next is read."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = read_gguf(path)
     cfg = gguf_config(reader)
     tensors: dict[str, torch.Tensor] = {}
     permute = cfg.architecture in ("llama", "mistral")
@@ -141,7 +134,7 @@ def load_gguf(path: Path, device: torch.device = torch.device("cpu"),
     return cfg, tensors
 
 
-def _read_gguf_tensor(tensor, qk_heads: int | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _read_gguf_tensor(tensor: GgufTensor, qk_heads: int | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """One tensor dequantized (float32), its Q/K rows unpermuted when ``qk_heads`` is given, and
     converted; the float32 copy is gone when this returns."""
     w = _dequantize(tensor)

@@ -67,13 +67,12 @@ class GgufVocab:
 
 def read_gguf_vocab(path: Path) -> GgufVocab:
     """Read the tokenizer metadata of the GGUF at ``path``. Raises ``ValueError`` if it has none."""
-    from gguf import GGUFReader  # heavy import, only needed here
+    from shared.model.gguf_file import read_gguf
 
-    fields = GGUFReader(str(path)).fields
+    gguf = read_gguf(path)
 
     def get(key: str, default=None):
-        field = fields.get(f"tokenizer.{key}")
-        return default if field is None else field.contents()
+        return gguf.get(f"tokenizer.{key}", default)
 
     model = get("ggml.model")
     if model is None or get("ggml.tokens") is None:

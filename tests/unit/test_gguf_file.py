@@ -106,3 +106,15 @@ def test_the_real_model_file_reads_as_the_package_reads_it(smollm2_gguf):
     assert len(ours.get("tokenizer.ggml.tokens")) == 49152
     assert [(t.name, t.data.shape) for t in ours.tensors] == [(t.name, t.data.shape) for t in tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, tensors))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_formats_dequantize_to_the_gguf_packages_floats_bit_for_bit(kind):
+    from shared.model.loader import _dequantize_blocks
+
+    kind = gguf.GGMLQuantizationType[kind]
+    x = np.random.default_rng(1).standard_normal((3, 5, 128), dtype=np.float32) * 4 + 0.5
+    raw = gguf.quants.quantize(x, kind)
+    ours = _dequantize_blocks(raw, kind.value).numpy()
+    assert ours.shape == x.shape
+    assert np.array_equal(ours, gguf.quants.dequantize(raw, kind))

@@ -47,7 +47,7 @@ class AdmissionService:
         self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
                                                  shed_hold_s=settings.shed_hold_s))
         self.inflow = Inflow()
-        self._last_chosen = ""  # round-robin routing: the worker id chosen last
+        self._last_chosen = ""  # the worker id chosen last: round-robin's turn, kv routing's ties
         self.metrics = AdmissionMetrics.create(service_instance_id("admission"), settings.num_restarts)
 
     async def start(self) -> None:
@@ -95,7 +95,8 @@ class AdmissionService:
         now = time.time()
         views = [w.load_view(now) for w in workers]
         choice = choose_worker(views, overlaps, num_blocks, self._weights, now,
-                               self._last_chosen if self._settings.routing == "round-robin" else None)
+                               self._last_chosen if self._settings.routing == "round-robin" else None,
+                               chosen_last=self._last_chosen)
         if choice.worker_id is None:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "

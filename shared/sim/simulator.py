@@ -196,7 +196,7 @@ class Simulator:
         self.load_scale = (mean_cap / np.maximum(caps, 1.0) if cfg.capacity_aware_routing
                            else np.ones(len(self.workers))) / block_size
         self.index: dict[int, set[int]] = {}      # prefix block hash -> decode workers holding it
-        self._rr_last = -1                         # round_robin: the worker chosen last
+        self._rr_last = -1                         # the worker chosen last: round-robin's turn, kv routing's ties
         self._routes: dict[tuple[int, int], float] = {}
         self.num_prompt_tokens = np.zeros(len(self.workers))     # per worker, cumulative, uncached
         self.num_generated_tokens = np.zeros(len(self.workers))  # (counted when admitted)
@@ -288,9 +288,9 @@ class Simulator:
                                self.num_waiting, self.eligible)
         if self.cfg.round_robin:
             choice = route_in_turn(routing, self._rr_last + 1, self.cfg.routing)
-            self._rr_last = self._rr_last if choice.worker is None else choice.worker
         else:
-            choice = route(routing, self.cfg.routing)
+            choice = route(routing, self.cfg.routing, tie_start=self._rr_last + 1)
+        self._rr_last = self._rr_last if choice.worker is None else choice.worker
         if choice.worker is None:
             return self._reject(i, "no decode worker under its queue limit")
         w = self.workers[choice.worker]

@@ -23,6 +23,22 @@ def test_least_loaded_fallback_and_deterministic_ties():
     assert choose_worker(workers[:2], {}, 4).worker_id == "a"
 
 
+def test_ties_go_in_turn_after_the_worker_chosen_last():
+    """Quiet workers that hold the same prefix tie: new conversations take them in turn instead of
+    piling onto the lowest id; a worker with fewer active blocks still wins a cost tie first."""
+    idle = [view("c"), view("a"), view("b")]
+    order, last = [], ""
+    for _ in range(4):
+        last = choose_worker(idle, {"a": 1, "b": 1, "c": 1}, 4, chosen_last=last).worker_id
+        order.append(last)
+    assert order == ["a", "b", "c", "a"]
+    assert choose_worker(idle, {}, 4, chosen_last="c").worker_id == "a"  # wraps
+    assert choose_worker(idle, {"a": 2}, 4, chosen_last="a").worker_id == "a"  # lower cost beats the turn
+    # equal cost (b holds one block more but runs one block more), fewer active blocks wins the tie
+    uneven = [view("a", active=3), view("b", active=4)]
+    assert choose_worker(uneven, {"b": 1}, 4, chosen_last="a").worker_id == "a"
+
+
 def test_queue_limit_rejects_only_when_every_worker_is_full():
     weights = RoutingWeights(max_waiting_per_worker=2)
     assert choose_worker([view("a", waiting=2), view("b", waiting=1)], {}, 1, weights).worker_id == "b"

@@ -23,7 +23,7 @@ def worker_sample(status: WorkerStatus) -> WorkerSample:
     report: such a worker counts in the fleet but adds no rates)."""
     info, load = status.info, status.load
     if load is None:
-        return WorkerSample(info.worker_id, info.role, info.state == "ready", 0.0, 0, 0, 0)
+        return WorkerSample(info.worker_id, info.role, info.state == "ready", 0.0, 0, 0, 0, has_report=False)
     # the registry's role, and the engine's counters (which span flips) from the latest report
     return WorkerSample(
         worker_id=info.worker_id, role=info.role, is_ready=info.state == "ready", timestamp=load.timestamp,

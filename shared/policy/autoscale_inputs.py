@@ -37,6 +37,7 @@ class WorkerSample:
     num_waiting: int = 0                 # queued, not yet running: the fleet is saturated
     prefill_tokens_per_s: float | None = None
     max_num_seqs: int | None = None      # its sequence slots (None: not reported)
+    has_report: bool = True              # False: registered, no load report yet (counters zero)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class Demand:
 
 
 def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[WorkerSample]) -> Demand:
-    """Token rates between two samples of the same workers. A worker seen only once or whose
+    """Token rates between two samples of the same workers. A worker seen only once, not reporting
+    in the earlier sample (``has_report`` False), or whose
     counters went backwards (a restart under the same id) contributes nothing. The counters are
     the engine's, so they span a role flip: prompt tokens computed are prefill work in either
     role, output tokens count as decode work only if the worker decoded at both ends. The interval
@@ -65,7 +67,10 @@ def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[Worke
     interval = 0.0
     for now in current:
         before = previous.get(now.worker_id)
-        if before is None or now.timestamp <= before.timestamp:
+        # a worker with no report yet has no counters to subtract: its first report's totals
+        # (warm-up included) are not a window's work, and an interval counted from timestamp 0
+        # would dilute every other worker's rate to nothing
+        if before is None or not before.has_report or now.timestamp <= before.timestamp:
             continue
         computed = (now.num_prompt_tokens - now.num_cached_prompt_tokens) \
             - (before.num_prompt_tokens - before.num_cached_prompt_tokens)

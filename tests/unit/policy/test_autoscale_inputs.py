@@ -53,6 +53,22 @@ def test_a_worker_that_cannot_be_compared_contributes_nothing(after, why):
     assert measure_demand(before, [after]) == Demand(0.0, 0.0, 0.0), why
 
 
+def test_a_worker_without_a_report_in_the_earlier_sample_neither_adds_its_totals_nor_stretches_the_interval():
+    """The autoscaler once flipped a worker on a quiet stack: one worker registered before its first
+    load report, sampled as zeros at timestamp 0; the next sample's warm-up totals over an interval
+    from 0 gave both rates ~1e-6 tokens/s, and their ratio asked for a prefill worker."""
+    from shared.cluster.scaling import worker_sample
+    from shared.protocol import WorkerInfo, WorkerStatus
+
+    info = WorkerInfo(worker_id="d2", role="decode", state="ready", model="m", block_size=16, max_model_len=64,
+                      generate_subject="g", cancel_subject="c")
+    unreported = worker_sample(WorkerStatus(info=info, load=None))
+    assert not unreported.has_report
+    before = by_id(sample("d1", t=1000, generated=0), unreported)
+    after = [sample("d1", t=1004, generated=400), sample("d2", t=1004, prompt=2100, generated=30)]
+    assert measure_demand(before, after) == Demand(prefill_tokens_per_s=0.0, decode_tokens_per_s=100.0, interval_s=4)
+
+
 def test_the_interval_is_the_longest_any_worker_covered():
     before = by_id(sample("d1", t=0, generated=0), sample("d2", t=3, generated=0))
     demand = measure_demand(before, [sample("d1", t=4, generated=400), sample("d2", t=4, generated=400)])

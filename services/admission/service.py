@@ -94,9 +94,8 @@ class AdmissionService:
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
         now = time.time()
         views = [w.load_view(now) for w in workers]
-        choice = choose_worker(views, overlaps, num_blocks, self._weights, now,
-                               self._last_chosen if self._settings.routing == "round-robin" else None,
-                               chosen_last=self._last_chosen)
+        choice = choose_worker(views, overlaps, num_blocks, self._weights, now, self._last_chosen,
+                               in_turn=self._settings.routing == "round-robin")
         if choice.worker_id is None:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "

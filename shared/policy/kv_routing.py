@@ -123,12 +123,12 @@ class RoutingChoice:
 
 def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float],
                   num_request_blocks: int, weights: RoutingWeights = RoutingWeights(),
-                  now_s: float = 0.0, in_turn_after: str | None = None, chosen_last: str = "") -> RoutingChoice:
+                  now_s: float = 0.0, chosen_last: str = "", in_turn: bool = False) -> RoutingChoice:
     """``route`` over views: ``overlaps`` maps worker id → leading prompt blocks it holds (missing:
     0; an empty mapping is the least-loaded fallback when the index does not answer). Ties between
-    equal costs and active blocks go to the first worker id after ``chosen_last`` (wrapping; "":
-    the lowest). With ``in_turn_after`` (the worker id chosen last; "" for none yet),
-    ``route_in_turn`` instead: the next usable worker id after it."""
+    equal costs and active blocks go to the first worker id after ``chosen_last`` (the worker id
+    chosen last, wrapping; "": none yet). With ``in_turn``, ``route_in_turn`` instead: the next
+    usable worker id after ``chosen_last``, whatever the costs."""
     views = sorted(workers, key=lambda v: v.worker_id)
     index = {v.worker_id: i for i, v in enumerate(views)}
     inp = RoutingInput(
@@ -136,10 +136,8 @@ def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, floa
         np.array([v.num_active_blocks for v in views], dtype=float),
         np.array([v.num_waiting for v in views], dtype=float),
         num_unreported=np.array([v.num_admitted_unreported for v in views], dtype=float))
-    if in_turn_after is None:
-        decision = route(inp, weights, sum(v.worker_id <= chosen_last for v in views) if chosen_last else 0)
-    else:
-        decision = route_in_turn(inp, sum(v.worker_id <= in_turn_after for v in views), weights)
+    after_last = sum(v.worker_id <= chosen_last for v in views)  # the index after it ("": 0)
+    decision = route_in_turn(inp, after_last, weights) if in_turn else route(inp, weights, after_last)
     if decision.worker is None:
         return RoutingChoice(worker_id=None)
     return RoutingChoice(views[decision.worker].worker_id, decision.overlap_blocks, decision.cost)

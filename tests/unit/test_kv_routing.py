@@ -52,14 +52,14 @@ def test_round_robin_takes_the_next_usable_worker_id_whatever_it_holds():
     order = []
     last = ""
     for _ in range(4):
-        choice = choose_worker(workers, {"c": 3}, 4, weights, in_turn_after=last)
+        choice = choose_worker(workers, {"c": 3}, 4, weights, chosen_last=last, in_turn=True)
         order.append((choice.worker_id, choice.num_overlap_blocks))
         last = choice.worker_id
     # "b" is at its queue limit; the overlap is reported for the worker chosen, never sought
     assert order == [("a", 0), ("c", 3), ("a", 0), ("c", 3)]
-    assert choose_worker(workers, {}, 4, weights, in_turn_after="zz").worker_id == "a"  # wraps
+    assert choose_worker(workers, {}, 4, weights, chosen_last="zz", in_turn=True).worker_id == "a"  # wraps
     full = [view("a", waiting=2), view("b", waiting=3)]
-    assert choose_worker(full, {}, 4, weights, in_turn_after="").worker_id is None
+    assert choose_worker(full, {}, 4, weights, in_turn=True).worker_id is None
 
 
 def test_cost_arithmetic():

@@ -1,4 +1,4 @@
-"""The fault drill's machinery (``loadtest.chaos``) on real processes and the real model: one decode
+"""The fault drill's machinery (``loadtest.chaos.drill``) on real processes and the real model: one decode
 worker of two SIGKILLed under greedy load must cost nothing: no failed, hung or differing request,
 no leaked KV block. And the drill's server restart brings a killed nats-server / redis-server back
 on the same URL, its JetStream data kept.
@@ -13,7 +13,7 @@ import uuid
 import pytest
 import redis
 
-from loadtest.chaos import ChaosConfig, run_drill, stack_spec
+from loadtest.chaos.drill import ChaosConfig, run_drill, stack_spec
 from shared.stack.servers import start_nats_server, start_redis_server
 from shared.telemetry.redact import new_secret
 from stack_helpers import running_stack

@@ -22,9 +22,9 @@ import uuid
 
 import pytest
 
-from loadtest.runner import run_openai
-from loadtest.stats import percentile
-from loadtest.workload import WorkloadConfig, build_workload
+from loadtest.tools.runner import run_openai
+from loadtest.tools.stats import percentile
+from loadtest.tools.workload import WorkloadConfig, build_workload
 from shared.stack.stack import StackSpec
 from stack_helpers import running_stack, wait_for
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from loadtest.bench_linear import INT4_GROUP, formats, time_call
+from loadtest.bench.linear import INT4_GROUP, formats, time_call
 
 
 def test_every_format_computes_x_times_w_transposed():

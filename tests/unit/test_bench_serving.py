@@ -1,6 +1,6 @@
 """The serving benchmark's arithmetic: aggregate tokens/s over waves and ratios to the peer."""
 
-from loadtest.bench_serving import ratios, summarize_waves
+from loadtest.bench.serving import ratios, summarize_waves
 
 
 def wave(wall_s, tokens, itls=(), tpots=(), errors=()):

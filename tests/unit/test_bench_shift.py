@@ -1,12 +1,12 @@
 """The workload-shift benchmark's pure parts: the phased schedule, the SLO rule and the per-phase
-report (the run itself needs three real stacks: ``python -m loadtest.bench_shift``)."""
+report (the run itself needs three real stacks: ``python -m loadtest.bench.shift``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_shift import meets_slo, parse_args, phase_report, schedule
-from loadtest.stats import RequestResult
+from loadtest.bench.shift import meets_slo, parse_args, phase_report, schedule
+from loadtest.tools.stats import RequestResult
 
 
 def test_the_schedule_runs_the_phases_back_to_back_with_their_own_shapes():

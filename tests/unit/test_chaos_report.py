@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from loadtest.chaos import ChaosConfig, parse_args, prompts
-from loadtest.chaos_report import (RequestOutcome, classify, difference, fault_report, format_table,
+from loadtest.chaos.drill import ChaosConfig, parse_args, prompts
+from loadtest.chaos.report import (RequestOutcome, classify, difference, fault_report, format_table,
                                    format_totals, plot, report_from_json,
                                    skipped_report, totals)
 

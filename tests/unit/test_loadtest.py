@@ -1,8 +1,8 @@
 import argparse
 import random
 
-from loadtest.stats import RequestResult, percentile, summarize
-from loadtest.workload import WorkloadConfig, arrival_times, build_workload
+from loadtest.tools.stats import RequestResult, percentile, summarize
+from loadtest.tools.workload import WorkloadConfig, arrival_times, build_workload
 
 
 def test_gamma_arrivals_keep_the_mean_rate_and_burstiness_widens_gaps():
@@ -41,7 +41,7 @@ def test_summary():
 
 
 def test_overload_report_compares_each_admitted_ttft_with_its_prediction():
-    from loadtest.bench_overload import tier_report
+    from loadtest.bench.overload import tier_report
 
     def done(i, ttft, predicted):
         return RequestResult(i, 0.0, 0.0, first_token_s=ttft, finished_s=ttft + 1, num_output_tokens=2,
@@ -57,8 +57,8 @@ def test_overload_report_compares_each_admitted_ttft_with_its_prediction():
 
 
 def test_bench_startup_summary_counts_sheds_and_misses_per_tier():
-    from loadtest.bench_startup import burst, summarize
-    from loadtest.stats import RequestResult
+    from loadtest.bench.startup import burst, summarize
+    from loadtest.tools.stats import RequestResult
 
     args = argparse.Namespace(batch_requests=3, premium_requests=1, batch_words=4, premium_words=2,
                               premium_after_s=1.0, output_tokens=2)

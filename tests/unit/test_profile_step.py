@@ -1,6 +1,6 @@
 """The step profiler's grouping of aten ops into matmuls, attention and the rest."""
 
-from loadtest.profile_step import kind_of
+from loadtest.tools.profile_step import kind_of
 
 
 def test_ops_are_grouped_by_kind():

@@ -1,4 +1,4 @@
-"""loadtest.replay: trace slicing and scaling, prompt text (with the real tokenizer), the ideal hit
+"""loadtest.tools.replay: trace slicing and scaling, prompt text (with the real tokenizer), the ideal hit
 ratio by hand, the summary's fields, the simulator on a small trace; one live run (slow)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from loadtest import replay
-from loadtest.stats import RequestResult
+from loadtest.tools import replay
+from loadtest.tools.stats import RequestResult
 
 # 20 requests, 512-token blocks. Ids 0-1 are a shared 2-block "system prompt"; conversations
 # A (ids 10..), B (20..), C (30..) grow turn by turn; D requests share nothing but block 0.
@@ -139,7 +139,7 @@ def test_prompts_tokenize_to_their_blocks_exactly(trace_file, tokenizer, length_
 
 
 def test_every_word_is_one_token(tokenizer):
-    from loadtest.workload import WORDS
+    from loadtest.tools.workload import WORDS
 
     assert all(len(tokenizer.encode(" " + w)) == 1 for w in WORDS)
 

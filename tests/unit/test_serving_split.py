@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from loadtest.bench_attention import decode_cases, prefill_cases
-from loadtest.serving_split import cpu_seconds, process_tree, scrape, thread_cpu_seconds
+from loadtest.bench.attention import decode_cases, prefill_cases
+from loadtest.bench.serving_split import cpu_seconds, process_tree, scrape, thread_cpu_seconds
 
 PAGE = b"""# HELP tandem_engine_step_seconds one model step
 # TYPE tandem_engine_step_seconds histogram

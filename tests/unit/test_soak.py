@@ -2,7 +2,7 @@ import os
 
 import json
 
-from loadtest.soak import Sample, growth, read_proc, reanalyse
+from loadtest.chaos.soak import Sample, growth, read_proc, reanalyse
 
 
 def test_growth_is_measured_after_the_warm_up_against_the_mean_of_the_last_samples():

@@ -1,4 +1,4 @@
-"""loadtest.synth_model: a tiny random model in every format loads in Tandem's loader and runs, the
+"""loadtest.tools.synth_model: a tiny random model in every format loads in Tandem's loader and runs, the
 formats agree, and loading a GGUF converts tensor by tensor instead of dequantizing all first."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from loadtest import synth_model
+from loadtest.tools import synth_model
 from shared.model import loader
 from shared.model.registry import resolve_model
 from shared.tokenizer import Tokenizer

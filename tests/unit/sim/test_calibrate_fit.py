@@ -1,5 +1,5 @@
 """The calibration fit (costmodel.calibrate with fit_overheads) and the pure helpers of
-loadtest/calibrate_sim.py. Synthetic step times only (from the cost model, or worked out by hand);
+loadtest/calibrate/sim.py. Synthetic step times only (from the cost model, or worked out by hand);
 nothing is timed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest.calibrate_sim import compare, cpu_cluster_spec, percentiles, relative_error
+from loadtest.calibrate.sim import compare, cpu_cluster_spec, percentiles, relative_error
 from shared.planner.config import MODEL_PRESETS, ClusterSpec, GpuType
 from shared.planner.costmodel import (DecodeSample, Efficiency, GroupHardware, Parallel, PrefillSample,
                                       calibrate, decode_step_s, prefill_latency_s)

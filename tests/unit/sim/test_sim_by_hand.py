@@ -1,6 +1,6 @@
 """The simulator's timeline checked against numbers worked out by hand, not by calling the cost
 model: a toy model on one device that decodes and prefills locally (the setup
-``loadtest/calibrate_sim.py`` compares with the live stack), one or two requests, every event time
+``loadtest/calibrate/sim.py`` compares with the live stack), one or two requests, every event time
 written out below.
 
 Toy model and efficiencies: ``toy_model.py``.
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from loadtest.calibrate_sim import cpu_cluster_spec, simulate
+from loadtest.calibrate.sim import cpu_cluster_spec, simulate
 from toy_model import TOY, TOY_EFF
 
 PREFILL_S, STEP1_S = 0.5004, 0.0500844

@@ -1,5 +1,5 @@
 """The simulator against the live stack, offline: the measurements recorded by the last
-``python -m loadtest.calibrate_sim`` run (loadtest/results/calibration/) are independent numbers,
+``python -m loadtest.calibrate.sim`` run (loadtest/results/calibration/) are independent numbers,
 so the fit and the simulator are checked against them, not against themselves.
 
 The claim (loadtest/results/README.md, loadtest/results/calibration/README.md): calibrated from
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from loadtest.calibrate_sim import relative_error, simulate
+from loadtest.calibrate.sim import relative_error, simulate
 from shared.planner.config import load_calibration, load_model
 from shared.planner.costmodel import (DecodeSample, Efficiency, GroupHardware, Parallel, PrefillSample, calibrate,
                                       prefill_latency_s)

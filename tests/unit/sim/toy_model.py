@@ -2,7 +2,7 @@
 
 1e9 parameters, 10 layers, hidden 1000, 10 KV heads of 100, 2-byte weights and KV:
 weights 2e9 B, KV 2·10·10·100·2 = 40,000 B per token. On the nominal CPU "GPU" of
-``loadtest.calibrate_sim.cpu_cluster_spec`` (1 TFLOP/s, 100 GB/s) at efficiency 0.5 each, with
+``loadtest.calibrate.sim.cpu_cluster_spec`` (1 TFLOP/s, 100 GB/s) at efficiency 0.5 each, with
 0.1 s per prefill and 0.01 s per running sequence per decode step (``TOY_EFF``):
 
 * prefill of T tokens: (2·1e9·T + 2·10·1000·T²) / 5e11 FLOP/s + 0.1 s

@@ -1,0 +1,110 @@
+"""What batch-invariant attention costs on the CPU: the torch references against the calls they replaced.
+
+    python -m loadtest.bench.attention [--prompt-lengths 128,700,2000] [--batch-sizes 1,8,32]
+
+For SmolLM2-135M's heads (9 query heads, 3 KV heads of 64) in float32, times one layer's attention:
+
+- prefill of a whole prompt: ``kernels.prefill_attention`` (queries in tiles of 128 positions, each
+  over the keys up to its end, so that a chunked prompt gets the same bits) against one causal SDPA
+  call over the prompt, the baseline;
+- decode of a batch whose sequences all have the same context (the prompt length): the planned
+  decode attention (whole blocks, always masked) against the same gather cut at the length with no
+  mask, which the engine did before when every length in a step was equal.
+
+Prints each case's time and its ratio to the baseline and writes ``attention.json`` and
+``attention.png`` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from loadtest.bench.linear import time_call
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def prefill_cases(length: int) -> dict:
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from kernels.prefill_attention import paged_prefill_attention_ref  # noqa: PLC0415
+
+    num_blocks = -(-length // BS)
+    k_cache, v_cache = torch.randn(2, num_blocks + 1, BS, HKV, D).unbind(0)
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    q = torch.randn(length, HQ, D)
+    loc = torch.tensor([0, length], dtype=torch.int32)
+    lens = torch.tensor([length], dtype=torch.int32)
+
+    def one_causal_call():
+        k = k_cache[table[0].long()].reshape(-1, HKV, D)[:length].transpose(0, 1)[None]
+        v = v_cache[table[0].long()].reshape(-1, HKV, D)[:length].transpose(0, 1)[None]
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=D ** -0.5,
+                                              enable_gqa=True)
+
+    return {"baseline": one_causal_call,
+            "invariant": lambda: paged_prefill_attention_ref(q, k_cache, v_cache, table, loc, lens, D ** -0.5)}
+
+
+def decode_cases(batch: int, context: int) -> dict:
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from kernels.decode_attention import decode_plan, paged_decode_attention_planned  # noqa: PLC0415
+
+    per_seq = -(-context // BS)
+    k_cache, v_cache = torch.randn(2, batch * per_seq + 1, BS, HKV, D).unbind(0)
+    tables = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(batch, HQ, D)
+    plan = decode_plan(tables, lens, BS)  # made once per step, reused by every layer
+
+    def cut_without_mask():
+        k = k_cache.index_select(0, plan.block_ids).view(batch, -1, HKV, D)[:, :context]
+        v = v_cache.index_select(0, plan.block_ids).view(batch, -1, HKV, D)[:, :context]
+        return F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=D ** -0.5,
+                                              enable_gqa=True)
+
+    return {"baseline": cut_without_mask,
+            "invariant": lambda: paged_decode_attention_planned(q, k_cache, v_cache, plan, D ** -0.5)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch  # noqa: PLC0415
+
+    from loadtest.tools.report import bar_chart  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-lengths", default="128,700,2000")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--decode-context", type=int, default=256, help="every decoding sequence's context length")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path("loadtest/results/attention"))
+    args = p.parse_args(argv)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(0)
+    report: dict = {"num_threads": torch.get_num_threads(), "decode_context": args.decode_context, "cases": {}}
+    cases = [(f"prefill {n}", prefill_cases(n)) for n in map(int, args.prompt_lengths.split(","))]
+    cases += [(f"decode x{b}", decode_cases(b, args.decode_context)) for b in map(int, args.batch_sizes.split(","))]
+    for name, calls in cases:
+        us = {kind: time_call(fn) * 1e6 for kind, fn in calls.items()}
+        ratio = us["invariant"] / us["baseline"]
+        report["cases"][name] = {"us_per_layer": us, "invariant_over_baseline": ratio}
+        print(f"{name}: baseline {us['baseline']:.0f} us, batch-invariant {us['invariant']:.0f} us per layer "
+              f"({ratio:.2f}x)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attention.json").write_text(json.dumps(report, indent=1))
+    names = list(report["cases"])
+    bar_chart(args.out / "attention.png", names,
+              {kind: [report["cases"][n]["us_per_layer"][kind] / 1e3 for n in names] for kind in ("baseline", "invariant")},
+              ylabel="ms per layer", title=f"CPU attention, SmolLM2-135M heads ({report['num_threads']} threads)")
+    print("wrote", args.out / "attention.json", args.out / "attention.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,282 @@
+"""The Batch API filling idle capacity: a batch alone, online traffic alone, and both at once, in one run.
+
+    python -m loadtest.bench.batch [--lines 2000 --online-load 0.5 --online-duration-s 120]
+
+One stack (one decode worker); every request, online or batch line, is a ``/v1/completions`` request
+of the same shape (``--prompt-words`` words, ``--output-tokens`` tokens with ``ignore_eos``), so
+capacity, the batch's rate and the online rate are all in completed requests per second.
+
+1. **capacity**: the median completed requests/s of ``--capacity-bursts`` saturating bursts of online
+   requests (``--capacity-requests`` sent at once);
+2. **batch alone**: a ``--lines``-line batch (``files.create`` + ``batches.create`` through the
+   official client) run to completion: its lines/s against capacity;
+3. **online alone**: Poisson arrivals at ``--online-load`` × capacity for ``--online-duration-s``:
+   TTFT and ITL percentiles;
+4. **online beside a batch**: a second batch of the same size is created and, once its lines are
+   running, the same online schedule is sent again. The batch's rate during that window (its
+   completed-line count read at the window's start and end) is compared with the idle capacity,
+   capacity − the online rate achieved; online TTFT p90 is compared with step 3's. The batch is
+   then cancelled (its partial results are kept; the cancel's latency is reported).
+
+Batch lines run at a priority below every tier (the gateway's batch runner), so the engine serves
+online prefills first and admission sheds batch lines first; ``--batch-in-flight`` is how many lines
+the gateway runs at once (the gateway's ``--batch-max-in-flight``) and ``--batch-in-flight-beside-online``
+how many while it serves online requests (the gateway's flag of that name: batch rows lengthen every
+engine step online rows share). ``--skip-batch-alone`` leaves out step 2 to compare settings of step 4
+quickly. Writes ``batch.json`` and ``batch.png`` (the batch's progress over time in steps 2 and 4, and online TTFT CDFs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import io
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from loadtest.tools.runner import run_openai
+from loadtest.tools.stats import RequestResult, percentile
+from loadtest.tools.workload import WorkloadConfig, build_workload
+
+
+def start_stack(state: Path, args, log):
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+
+    stack = Stack(StackSpec(state_dir=state, model=args.model, port=0, namespace=f"bb{os.getpid()}",
+                            decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory,
+                                          "max_num_seqs": args.max_num_seqs},
+                            gateway_flags={"batch_max_in_flight": args.batch_in_flight,
+                                           "batch_in_flight_beside_online": args.batch_in_flight_beside_online},
+                            admission_flags={"max_waiting_per_worker": args.max_waiting}),
+                  on_line=lambda name, line: log.write(f"{name:<12}| {line}\n"))
+    stack.start()
+    return stack
+
+
+def rate_of(results: list[RequestResult]) -> float:
+    ok = [r for r in results if r.error is None and r.finished_s is not None]
+    return len(ok) / max(max(r.finished_s for r in ok) - min(r.started_s for r in ok), 1e-9) if ok else 0.0
+
+
+def online_summary(results: list[RequestResult], duration_s: float) -> dict:
+    ok = [r for r in results if r.error is None and r.finished_s is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itls = [x for r in ok for x in r.itls_s()]
+    return {"num_sent": len(results), "num_ok": len(ok), "errors": sorted({r.error for r in results if r.error}),
+            "rate_rps": len(ok) / duration_s,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+            "ttft_p99_s": percentile(ttfts, 99), "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90)}
+
+
+def batch_file(args, seed: int) -> bytes:
+    specs = build_workload(WorkloadConfig(num_requests=args.lines, rate=1.0, prompt_words=args.prompt_words,
+                                          output_tokens=args.output_tokens, spread=0.3, seed=seed))
+    return "".join(json.dumps({"custom_id": f"line-{s.index}", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": args.model, "prompt": s.prompt, "max_tokens": s.max_tokens,
+                                        "temperature": 0, "ignore_eos": True}}) + "\n" for s in specs).encode()
+
+
+def create_batch(client, args, seed: int):
+    upload = client.files.create(file=("lines.jsonl", io.BytesIO(batch_file(args, seed))), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+
+
+class Progress:
+    """The batch's completed-line count over time, read by polling ``batches.retrieve``."""
+
+    def __init__(self, client, batch_id: str, t0: float):
+        self.client, self.batch_id, self.t0 = client, batch_id, t0
+        self.points: list[tuple[float, int, int]] = []   # (seconds since t0, completed, failed)
+        self.batch = None
+
+    def poll(self) -> int:
+        self.batch = self.client.batches.retrieve(self.batch_id)
+        counts = self.batch.request_counts
+        done, failed = (counts.completed, counts.failed) if counts else (0, 0)
+        self.points.append((time.perf_counter() - self.t0, done, failed))
+        return done
+
+    def until(self, predicate, interval_s: float, timeout_s: float):
+        end = time.perf_counter() + timeout_s
+        while time.perf_counter() < end:
+            self.poll()
+            if predicate(self.batch):
+                return self.batch
+            time.sleep(interval_s)
+        raise TimeoutError(f"batch {self.batch_id}: {self.batch.status if self.batch else '?'} after {timeout_s:.0f} s")
+
+
+def batch_alone(client, args, capacity: float, report: dict) -> Progress:
+    """Step 2: a batch run to completion on the otherwise idle stack."""
+    t0 = time.perf_counter()
+    alone = Progress(client, create_batch(client, args, args.seed + 100).id, t0)
+    done = alone.until(lambda b: b.status in ("completed", "failed", "cancelled", "expired"), 1.0,
+                       args.lines / max(capacity, 0.05) * 10 + 600)
+    elapsed = alone.points[-1][0]
+    first = next(t for t, c, _ in alone.points if c > 0)
+    report["batch_alone"] = {"status": done.status, "lines": args.lines,
+                             "completed": done.request_counts.completed, "failed": done.request_counts.failed,
+                             "seconds": elapsed, "rate_rps": done.request_counts.completed / elapsed,
+                             "rate_after_first_line_rps": done.request_counts.completed / (elapsed - first)}
+    report["batch_alone"]["fraction_of_capacity"] = report["batch_alone"]["rate_rps"] / capacity
+    print(f"batch alone: {done.status}, {done.request_counts.completed}/{args.lines} lines in {elapsed:.0f} s "
+          f"= {report['batch_alone']['rate_rps']:.2f} lines/s ({report['batch_alone']['fraction_of_capacity']:.2f}"
+          f" of capacity)")
+    return alone
+
+
+def plot(path: Path, alone: Progress | None, beside: Progress, window: tuple[float, float],
+         online: dict[str, list[RequestResult]]) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for label, progress in (("batch alone", alone), ("batch beside online", beside)):
+        if progress is None:
+            continue
+        axes[0].plot([p[0] for p in progress.points], [p[1] for p in progress.points], label=label)
+    axes[0].axvspan(*window, alpha=0.15, label="online load running")
+    axes[0].set_title("batch lines completed")
+    axes[0].set_xlabel("seconds since the batch was created")
+    for label, results in online.items():
+        xs = sorted(r.ttft_s * 1000 for r in results if r.error is None and r.ttft_s is not None)
+        axes[1].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+    axes[1].set_title("online TTFT (ms), CDF")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--lines", type=int, default=2000, help="lines of each batch")
+    p.add_argument("--online-load", type=float, default=0.5, help="online arrival rate, a multiple of capacity")
+    p.add_argument("--online-duration-s", type=float, default=120.0, help="arrival span of the online load")
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--batch-in-flight", type=int, default=32, help="batch lines the gateway runs at once")
+    p.add_argument("--batch-in-flight-beside-online", type=int, default=4,
+                   help="batch lines the gateway runs at once while it serves online requests")
+    p.add_argument("--skip-batch-alone", action="store_true",
+                   help="leave out step 2 (the batch alone), e.g. to compare settings of step 4 quickly")
+    p.add_argument("--max-waiting", type=int, default=256, help="admission's per-worker queue limit")
+    p.add_argument("--capacity-requests", type=int, default=96)
+    p.add_argument("--capacity-bursts", type=int, default=2)
+    p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("loadtest/results/batch"))
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    import openai  # noqa: PLC0415
+
+    cfg = WorkloadConfig(prompt_words=args.prompt_words, output_tokens=args.output_tokens, spread=0.3, seed=args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, open(args.out / "batch_stack.log", "w") as log:
+        stack = start_stack(Path(tmp), args, log)
+        try:
+            stack.wait_ready(timeout_s=300)
+            client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=2, timeout=120)
+
+            def online(specs):
+                return asyncio.run(run_openai(stack.base_url, args.model, specs, progress=not args.no_progress))
+
+            rates = []
+            for k in range(args.capacity_bursts):
+                burst = build_workload(dataclasses.replace(cfg, num_requests=args.capacity_requests, rate=1000.0,
+                                                           seed=args.seed + 7 + k))
+                rates.append(rate_of(online(burst)))
+            capacity = statistics.median(rates)
+            print(f"capacity: {capacity:.2f} req/s (bursts: {', '.join(f'{r:.2f}' for r in rates)})")
+
+            alone = None
+            if not args.skip_batch_alone:
+                alone = batch_alone(client, args, capacity, report)
+
+            rate = args.online_load * capacity
+            specs = build_workload(dataclasses.replace(cfg, num_requests=max(8, round(rate * args.online_duration_s)),
+                                                       rate=rate, seed=args.seed + 1))
+            span = specs[-1].at_s
+            results_alone = online(specs)
+            report["online_alone"] = online_summary(results_alone, span)
+
+            t1 = time.perf_counter()
+            beside = Progress(client, create_batch(client, args, args.seed + 200).id, t1)
+            beside.until(lambda b: (b.request_counts and b.request_counts.completed >= 2 * args.batch_in_flight)
+                         or b.status not in ("validating", "in_progress"), 0.5, 600)
+            start_done, window_start = beside.poll(), beside.points[-1][0]
+            stop = asyncio.Event()
+
+            async def poll_meanwhile():
+                while not stop.is_set():
+                    await asyncio.to_thread(beside.poll)
+                    await asyncio.sleep(1.0)
+
+            async def online_with_polling():
+                poller = asyncio.create_task(poll_meanwhile())
+                try:
+                    return await run_openai(stack.base_url, args.model, specs, progress=not args.no_progress)
+                finally:
+                    stop.set()
+                    await poller
+
+            results_beside = asyncio.run(online_with_polling())
+            # the window is the online arrival span: the batch's lines completed in it, from the polls
+            in_window = [(t, c) for t, c, _ in beside.points if window_start <= t <= window_start + span]
+            (ta, ca), (tb, cb) = in_window[0], in_window[-1]
+            end_done, window_end = beside.poll(), beside.points[-1][0]
+            cancel_t = time.perf_counter()
+            if beside.batch.status in ("validating", "in_progress"):  # a small batch may have ended already
+                client.batches.cancel(beside.batch_id)
+            final = beside.until(lambda b: b.status in ("cancelled", "completed", "failed"), 0.5, 120)
+            cancel_s = time.perf_counter() - cancel_t
+            report["online_beside_batch"] = online_summary(results_beside, span)
+            batch_rate = (cb - ca) / max(tb - ta, 1e-9)
+            idle = max(capacity - report["online_beside_batch"]["rate_rps"], 1e-9)
+            report["batch_beside_online"] = {
+                "lines_completed_in_window": cb - ca, "window_s": tb - ta, "rate_rps": batch_rate,
+                "idle_capacity_rps": idle, "fraction_of_idle_capacity": batch_rate / idle,
+                "completed_before_window": start_done, "completed_after_online": end_done,
+                "online_ran_s": window_end - window_start, "cancel_s": cancel_s, "final_status": final.status,
+                "final_completed": final.request_counts.completed, "output_file_id": final.output_file_id}
+            a, b = report["online_alone"], report["online_beside_batch"]
+            report["online_ttft_p90_ratio"] = b["ttft_p90_s"] / a["ttft_p90_s"]
+            report["online_ttft_p50_ratio"] = b["ttft_p50_s"] / a["ttft_p50_s"]
+            report["online_itl_p50_ratio"] = b["itl_p50_s"] / a["itl_p50_s"]
+            for label, s in (("online alone", a), ("online beside batch", b)):
+                print(f"{label}: {s['num_ok']}/{s['num_sent']} ok, {s['rate_rps']:.2f} req/s, TTFT p50/p90 "
+                      f"{s['ttft_p50_s'] * 1000:.0f}/{s['ttft_p90_s'] * 1000:.0f} ms, ITL p50/p90 "
+                      f"{s['itl_p50_s'] * 1000:.0f}/{s['itl_p90_s'] * 1000:.0f} ms")
+            bb = report["batch_beside_online"]
+            print(f"batch beside online: {bb['rate_rps']:.2f} lines/s = {bb['fraction_of_idle_capacity']:.2f} of the "
+                  f"idle capacity ({idle:.2f} req/s); online TTFT p90 {report['online_ttft_p90_ratio']:.2f}x, "
+                  f"p50 {report['online_ttft_p50_ratio']:.2f}x, ITL p50 {report['online_itl_p50_ratio']:.2f}x alone; "
+                  f"cancel -> {final.status} in {cancel_s:.1f} s, {final.request_counts.completed} lines kept")
+        finally:
+            stack.stop()
+    payload = {"config": {**vars(args), "out": str(args.out)}, "capacity_rps": capacity, "capacity_bursts_rps": rates,
+               "cpu_count": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0], **report,
+               "progress": {"alone": alone.points if alone else None, "beside": beside.points},
+               "online_requests": {"alone": [r.to_json() for r in results_alone],
+                                   "beside": [r.to_json() for r in results_beside]}}
+    (args.out / "batch.json").write_text(json.dumps(payload, indent=2))
+    plot(args.out / "batch.png", alone, beside, (window_start, window_start + span),
+         {"online alone": results_alone, "online beside batch": results_beside})
+    print("wrote", args.out / "batch.json", args.out / "batch.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

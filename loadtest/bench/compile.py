@@ -1,0 +1,173 @@
+"""The compiled decode step against the eager one, in one run.
+
+    python -m loadtest.bench.compile [--batch-sizes 1,8,32] [--steps 30] [--rounds 3]
+
+For each batch size, two engines on the same model and precision (default: the device's, float32 +
+int8 layers here), one eager and one with ``--compile`` (shared/model/compiled.py), each with ``B``
+greedy requests of 128-token prompts stepped until all of them decode. Then the engines take turns,
+``--steps`` timed decode steps each per round, so that a change in the machine's load hits both.
+Reports each engine's median ms per step, the speed-up (eager time / compiled time), whether the
+two engines' greedy tokens agree after the run, and the compile time (warm-up of the graphs, which
+inductor's on-disk cache shortens after the first run). Writes ``compile.json`` and ``compile.png``
+under --out.
+
+    python -m loadtest.bench.compile --during-compile [--nice 0,19] [--batch-sizes 1]
+
+What serving pays while a worker compiles (``--compile background``, the default): for each nice
+value of the compile thread (``TANDEM_COMPILE_NICE``), a fresh process with an empty inductor cache
+times an eager engine's decode steps alone, then builds an engine that compiles in the background
+and times every decode step until the compiled step takes over. Reports the median and p90 step
+time during the compile over the eager median alone, and how long the compile took. Writes
+``during_compile.json`` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loadtest.tools.profile_step import add_decoding_args, decoding_engine
+
+
+def timed_steps(engine, steps: int) -> float:
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def outputs(engine) -> dict[str, list[int]]:
+    return {r.request_id: list(r.output_token_ids) for r in engine.scheduler.running}
+
+
+def measure(args, batch_size: int) -> dict:
+    eager = decoding_engine(args, batch_size)
+    started = time.perf_counter()
+    compiled = decoding_engine(args, batch_size, compile=True)
+    build_s = time.perf_counter() - started
+    # decoding_engine stepped both alike, so the same number of tokens is decoded from here on
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for _ in range(args.rounds):
+        times["eager"].append(timed_steps(eager, args.steps))
+        times["compiled"].append(timed_steps(compiled, args.steps))
+    a, b = outputs(eager), outputs(compiled)
+    same = sum(a[k] == b.get(k) for k in a)
+    eager_ms, compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    return {"eager_ms": round(eager_ms, 2), "compiled_ms": round(compiled_ms, 2),
+            "speedup": round(eager_ms / compiled_ms, 2), "rounds_ms": {k: [round(x, 2) for x in v] for k, v in times.items()},
+            "requests_with_equal_tokens": same, "num_requests": len(a),
+            "compiled_engine_build_s": round(build_s, 1), "compiled_steps": compiled.runner.compiled.num_steps,
+            "precision": f"{eager.config.dtype}/{eager.config.quantization}"}
+
+
+def during_compile(args, batch_size: int) -> dict:
+    """In this process (its inductor cache must be cold): eager steps alone, then the steps of an
+    engine whose decode step compiles in the background, until it runs compiled."""
+    eager = decoding_engine(args, batch_size)
+    alone = [timed_steps(eager, 1) for _ in range(args.steps)]
+    del eager
+    engine = decoding_engine(args, batch_size, compile="background")
+    started = time.perf_counter()
+    during: list[float] = []
+    while engine.decode_step() != "compiled":
+        if engine.background_compile.done.is_set() and engine.background_compile.error is not None:
+            raise RuntimeError(f"the compile failed: {engine.background_compile.error}")
+        during.append(timed_steps(engine, 1))
+    compile_s = time.perf_counter() - started
+    after = [timed_steps(engine, 1) for _ in range(args.steps)]
+    eager_ms = statistics.median(alone)
+    return {"eager_alone_ms": round(eager_ms, 2),
+            "during_compile_p50_ms": round(statistics.median(during), 2),
+            "during_compile_p90_ms": round(statistics.quantiles(during, n=10)[-1], 2) if len(during) > 1 else None,
+            "during_over_alone_p50": round(statistics.median(during) / eager_ms, 2),
+            "compiled_ms": round(statistics.median(after), 2), "steps_during_compile": len(during),
+            "compile_s": round(compile_s, 1), "precision": f"{engine.config.dtype}/{engine.config.quantization}"}
+
+
+def run_during_compile(args) -> int:
+    """One fresh process per nice value, each with an empty inductor cache, taking turns."""
+    report: dict = {"batches": {}, "config": {k: str(v) for k, v in vars(args).items()}}
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        for nice in (int(x) for x in args.nice.split(",")):
+            with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TANDEM_COMPILE_NICE": str(nice)}
+                cmd = [sys.executable, "-m", "loadtest.bench.compile", "--one-during-compile", "--batch-sizes", str(b),
+                       "--steps", str(args.steps), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens)]
+                for flag in ("dtype", "quantization", "num_threads"):
+                    if getattr(args, flag) is not None:
+                        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            report["batches"].setdefault(str(b), {})[f"nice {nice}"] = r
+            print(f"batch {b}, compile at nice {nice}: eager alone {r['eager_alone_ms']} ms per step; during the "
+                  f"compile p50 {r['during_compile_p50_ms']} ms ({r['during_over_alone_p50']}x), p90 "
+                  f"{r['during_compile_p90_ms']} ms, {r['steps_during_compile']} steps; compile {r['compile_s']} s; "
+                  f"compiled {r['compiled_ms']} ms", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "during_compile.json").write_text(json.dumps(report, indent=1))
+    print("wrote", args.out / "during_compile.json")
+    return 0
+
+
+def plot(path: Path, report: dict) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    sizes = list(report["batches"])
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    x = range(len(sizes))
+    for offset, key in ((-0.2, "eager_ms"), (0.2, "compiled_ms")):
+        ax.bar([i + offset for i in x], [report["batches"][b][key] for b in sizes], 0.4, label=key.removesuffix("_ms"))
+    for i, b in enumerate(sizes):
+        r = report["batches"][b]
+        ax.text(i, max(r["eager_ms"], r["compiled_ms"]) * 1.02, f"{r['speedup']}x", ha="center")
+    ax.set_xticks(list(x), [f"batch {b}" for b in sizes])
+    ax.set_ylabel("ms per decode step (median of rounds)")
+    ax.set_title(f"compiled vs eager decode step ({report['precision']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_decoding_args(p, steps_help="timed steps per engine per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("loadtest/results/compile"))
+    p.add_argument("--during-compile", action="store_true",
+                   help="time decode steps while the decode step compiles in the background (see above)")
+    p.add_argument("--nice", default="0,19", help="with --during-compile: the compile thread's nice values")
+    p.add_argument("--one-during-compile", action="store_true", help=argparse.SUPPRESS)  # the child process
+    args = p.parse_args(argv)
+    if args.one_during_compile:
+        print(json.dumps(during_compile(args, int(args.batch_sizes))))
+        return 0
+    if args.during_compile:
+        return run_during_compile(args)
+    report: dict = {"batches": {}}
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        r = report["batches"][str(b)] = measure(args, b)
+        report["precision"] = r["precision"]
+        print(f"batch {b}: eager {r['eager_ms']} ms, compiled {r['compiled_ms']} ms per step: {r['speedup']}x; "
+              f"equal greedy tokens in {r['requests_with_equal_tokens']}/{r['num_requests']} requests; "
+              f"compiled engine built in {r['compiled_engine_build_s']} s", flush=True)
+    report["config"] = {k: str(v) for k, v in vars(args).items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compile.json").write_text(json.dumps(report, indent=1))
+    plot(args.out / "compile.png", report)
+    print("wrote", args.out / "compile.json", args.out / "compile.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

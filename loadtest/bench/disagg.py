@@ -1,0 +1,125 @@
+"""1 prefill + 1 decode worker (remote prefill over NIXL) vs 1 aggregated decode worker, same
+long-prompt workload (same arrival schedule, prompts and lengths), in one run.
+
+    python -m loadtest.bench.disagg [--num-requests 20 --rate 0.3 --prompt-words 700 --repeats 2]
+
+Both stacks run side by side; they are warmed up, then measured alternately ``--repeats`` times
+(the other idles meanwhile) and the best repeat of each is kept. The disaggregated stack sends every
+prompt with a whole uncached block to its prefill worker (``--max-local-prefill-tokens 0``).
+
+On one small CPU host the two workers of the disaggregated stack share the same cores the
+aggregated worker has to itself (each gets half the threads), so this measures what the split
+costs — queueing on JetStream, the KV write, the notification — rather than the interference it
+removes on separate GPUs. Writes ``disagg.json`` / ``disagg.png`` and both stacks' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from loadtest.tools.openai_load import add_workload_args, workload_config
+from loadtest.tools.report import format_summary, write_report
+from loadtest.tools.runner import run_openai
+from loadtest.tools.stats import summarize
+from loadtest.tools.workload import build_workload
+
+
+def compare(disagg: dict, agg: dict) -> dict:
+    def ratio(key: str, q: str | None = None) -> float | None:
+        a, b = (disagg[key], agg[key]) if q is None else (disagg[key][q], agg[key][q])
+        return None if not a or not b else a / b
+
+    return {"throughput_ratio": ratio("output_token_throughput"), "ttft_p50_ratio": ratio("ttft_s", "p50"),
+            "ttft_p90_ratio": ratio("ttft_s", "p90"), "itl_p50_ratio": ratio("itl_s", "p50"),
+            "itl_p90_ratio": ratio("itl_s", "p90"), "e2e_p50_ratio": ratio("e2e_s", "p50")}
+
+
+def decode_counters(stack) -> dict:
+    with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
+        view = json.load(resp)
+    keys = ("num_remote_prefills", "num_local_prefills", "num_prefill_fallbacks", "kv_bytes_received")
+    return {w["info"]["worker_id"]: {k: (w["load"] or {}).get(k) for k in keys}
+            for w in view["workers"] if w["info"]["role"] == "decode"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="per worker")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-local-prefill-tokens", type=int, default=0, help="the disaggregated stack's threshold")
+    add_workload_args(p)
+    p.set_defaults(num_requests=20, rate=0.3, prompt_words=700, output_tokens=32, spread=0.3,
+                   slo_ttft_ms=5000.0, slo_tpot_ms=300.0)
+    args = p.parse_args(argv)
+    cfg = workload_config(args)
+    specs = build_workload(cfg)
+    warmup = build_workload(dataclasses.replace(cfg, num_requests=3, rate=50.0, seed=cfg.seed + 1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    slo = {"slo_ttft_s": args.slo_ttft_ms / 1000, "slo_tpot_s": args.slo_tpot_ms / 1000}
+    engine = {"device": "cpu", "kv_cache_memory": args.kv_cache_memory}
+    sides = {
+        "aggregated (1 decode)": dict(num_decode=1, num_prefill=0, decode_flags=engine),
+        "disaggregated (1 prefill + 1 decode)": dict(
+            num_decode=1, num_prefill=1, prefill_flags=engine,
+            decode_flags={**engine, "max_local_prefill_tokens": args.max_local_prefill_tokens}),
+    }
+    stacks: dict[str, Stack] = {}
+    runs: dict[str, list] = {label: [] for label in sides}
+    counters = {}
+    with tempfile.TemporaryDirectory() as state:
+        logs = {label: open(args.out / f"disagg_{'agg' if i == 0 else 'pd'}_stack.log", "w")
+                for i, label in enumerate(sides)}
+        try:
+            for i, (label, kw) in enumerate(sides.items()):
+                stacks[label] = Stack(
+                    StackSpec(state_dir=Path(state) / str(i), model=args.model, port=0,
+                              namespace=f"bench{i}x{os.getpid()}", **kw),
+                    on_line=lambda name, line, f=logs[label]: f.write(f"{name:<12}| {line}\n"))
+                stacks[label].start()
+            for label, stack in stacks.items():
+                stack.wait_ready(timeout_s=300)
+                asyncio.run(run_openai(stack.base_url, args.model, warmup, progress=False))
+            before = {label: decode_counters(s) for label, s in stacks.items()}
+            for _ in range(args.repeats):
+                for label, stack in stacks.items():
+                    load = os.getloadavg()[0]
+                    results = asyncio.run(run_openai(stack.base_url, args.model, specs,
+                                                     progress=False))
+                    runs[label].append((summarize(results, **slo), results, load))
+            counters = {label: {"before": before[label], "after": decode_counters(s)} for label, s in stacks.items()}
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+            for f in logs.values():
+                f.close()
+
+    best = {label: max(rs, key=lambda r: r[0]["output_token_throughput"]) for label, rs in runs.items()}
+    (agg_label, agg), (pd_label, pd) = best.items()
+    comparison = compare(pd[0], agg[0])
+    comparison.update(cpu_count=os.cpu_count(), repeats=args.repeats, decode_counters=counters,
+                      load_average_1m_before={label: [r[2] for r in rs] for label, rs in runs.items()},
+                      all_repeats=[compare(d[0], a[0]) for d, a in zip(runs[pd_label], runs[agg_label])])
+    for label, (summary, _, _) in best.items():
+        print(format_summary(f"{label:<38}", summary))
+    print("disaggregated / aggregated: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in comparison.items() if k.endswith("ratio") and v is not None))
+    paths = write_report(args.out, "disagg", {"workload": dataclasses.asdict(cfg), "model": args.model,
+                                              "kv_cache_memory": args.kv_cache_memory,
+                                              "max_local_prefill_tokens": args.max_local_prefill_tokens},
+                         {label: (s, r) for label, (s, r, _) in best.items()}, extra={"comparison": comparison})
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""Serving throughput against a peer: 1, 8 and 32 concurrent streams on any OpenAI endpoints.
+
+    python -m loadtest.bench.serving --target tandem=http://127.0.0.1:8000 --target llama=http://127.0.0.1:8090
+    python -m loadtest.bench.serving --start-tandem --start-llama   # starts both here, then measures
+
+Every request: a prompt of ``--prompt-tokens`` tokens (the model's own tokenizer), ``--output-tokens``
+greedy tokens with ``ignore_eos``, streamed. At concurrency c the targets take turns, one wave of c
+simultaneous streams each, ``--rounds`` times, so that a change in the machine's load hits every
+target alike. Reports aggregate output tokens/s (tokens of a wave / the wave's wall time) and
+inter-token latency; writes ``serving.json`` and ``serving.png`` under ``--out`` and prints each
+target's ratio to the first one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loadtest.tools.runner import run_openai
+from loadtest.tools.stats import percentile
+from loadtest.tools.workload import RequestSpec
+
+
+def prompt_of_tokens(model: str, num_tokens: int, salt: int) -> str:
+    """A text that the model's tokenizer reads as ``num_tokens`` tokens; ``salt`` makes it unique
+    so that no target serves it from a prefix cache."""
+    from shared.model.registry import resolve_model
+    from shared.tokenizer import Tokenizer
+
+    source = resolve_model(model)
+    tok = Tokenizer.from_model_files(source.path, source.format)
+    words = f"Request {salt}. " + " ".join(f"The {w} of the harbour was logged at {salt + i} in the keeper's notebook."
+                                         for i, w in enumerate(["wind", "tide", "height", "colour"] * 40))
+    ids = tok.encode(words)[:num_tokens]
+    return tok.decode(ids)
+
+
+async def _wave(url: str, model: str, prompts: list[str], output_tokens: int) -> dict:
+    specs = [RequestSpec(i, 0.0, p, output_tokens) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    results = await run_openai(url, model, specs, progress=False, ignore_eos=True)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": sum(r.num_output_tokens for r in results),
+            "itls_s": [x for r in results for x in r.itls_s()],
+            "ttfts_s": [r.ttft_s for r in results if r.ttft_s is not None],
+            "tpots_s": [r.tpot_s for r in results if r.tpot_s is not None],
+            "errors": [r.error for r in results if r.error]}
+
+
+def summarize_waves(waves: list[dict]) -> dict:
+    wall = sum(w["wall_s"] for w in waves)
+    tokens = sum(w["tokens"] for w in waves)
+    itls = [x for w in waves for x in w["itls_s"]]
+    ttfts = [x for w in waves for x in w["ttfts_s"]]
+    tpots = [x for w in waves for x in w["tpots_s"]]
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 2)
+
+    return {"output_tok_s": round(tokens / wall, 1) if wall else None, "output_tokens": tokens,
+            # each round's own figure, in order: how far the machine's load moved them
+            "round_tok_s": [round(w["tokens"] / w["wall_s"], 1) if w["wall_s"] else None for w in waves],
+            "itl_p50_ms": ms(percentile(itls, 50)), "itl_p90_ms": ms(percentile(itls, 90)),
+            # per-request mean time per output token: unlike the ITL of text chunks, not fooled by
+            # chunks that arrive together in one read
+            "tpot_p50_ms": ms(percentile(tpots, 50)), "ttft_p50_ms": ms(percentile(ttfts, 50)), "errors": [e for w in waves for e in w["errors"]][:5]}
+
+
+async def measure(targets: dict[str, str], model: str, concurrency: list[int], rounds: int,
+                  prompt_tokens: int, output_tokens: int) -> dict[str, dict[int, dict]]:
+    waves: dict[str, dict[int, list]] = {name: {c: [] for c in concurrency} for name in targets}
+    salt = 0
+    for name, url in targets.items():  # warm-up: first-request costs stay out of the figures
+        await _wave(url, model, [prompt_of_tokens(model, prompt_tokens, salt := salt + 1)], 8)
+    for c in concurrency:
+        for _ in range(rounds):
+            for name, url in targets.items():
+                prompts = [prompt_of_tokens(model, prompt_tokens, salt := salt + 1) for _ in range(c)]
+                waves[name][c].append(await _wave(url, model, prompts, output_tokens))
+            print(f"c={c}, round {len(waves[next(iter(targets))][c])}: " + ", ".join(
+                f"{n} {summarize_waves(waves[n][c][-1:])['output_tok_s']} tok/s" for n in targets), flush=True)
+    return {name: {c: summarize_waves(w) for c, w in per_c.items()} for name, per_c in waves.items()}
+
+
+def ratios(results: dict[str, dict[int, dict]]) -> dict[str, dict[int, float]]:
+    """Each target's output tokens/s over the last target's (the peer), per concurrency."""
+    names = list(results)
+    peer = results[names[-1]]
+    return {n: {c: round(r["output_tok_s"] / peer[c]["output_tok_s"], 2)
+                for c, r in results[n].items() if r["output_tok_s"] and peer[c]["output_tok_s"]}
+            for n in names[:-1]}
+
+
+def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, per_c in results.items():
+        cs = sorted(per_c)
+        a.plot(cs, [per_c[c]["output_tok_s"] for c in cs], marker="o", label=name)
+        b.plot(cs, [per_c[c]["itl_p50_ms"] for c in cs], marker="o", label=name)
+    for ax, title in ((a, "aggregate output tokens/s"), (b, "inter-token latency p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tandem_up(args: list[str], timeout_s: float = 900.0):
+    """``tandem up`` on a free port; yields its base URL once it prints that it is ready and its
+    workers run the decode step they settle on (compiled, unless ``--compile off``)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port),
+                             "--namespace", f"bench{os.getpid()}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        for line in proc.stdout:  # the readiness line, not a sleep
+            if line.startswith("up") and "ready: http://" in line:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tandem up not ready after {timeout_s:.0f}s")
+        else:
+            raise RuntimeError(f"tandem up exited with {proc.wait()} before it was ready")
+        # keep draining its output so the stack never blocks on a full pipe
+        import threading
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+        wait_for_compiled_steps(url, deadline)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def wait_for_compiled_steps(url: str, deadline: float) -> None:
+    """Workers serve eagerly while they compile their decode step in the background: measure the
+    step they settle on, so wait until no worker reports ``compiling`` (``/status``)."""
+    import urllib.request
+
+    said = False
+    while True:
+        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
+            page = json.load(response)
+        steps = {w["info"]["worker_id"]: (w.get("load") or {}).get("decode_step") for w in page["workers"]}
+        if steps and all(step in ("compiled", "eager") for step in steps.values()):
+            print(f"tandem decode steps: {', '.join(f'{k} {v}' for k, v in steps.items())}", flush=True)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tandem workers still compiling their decode step: {steps}")
+        if not said:
+            print("waiting for tandem's workers to finish compiling their decode step ...", flush=True)
+            said = True
+        time.sleep(2)
+
+
+@contextlib.contextmanager
+def llama_server(threads: int, parallel: int):
+    from loadtest.tools import llama_server as ls
+
+    port = _free_port()
+    proc = ls.start(port, parallel=parallel, threads=threads)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", action="append", default=[], help="name=base_url; the last one is the peer")
+    p.add_argument("--start-tandem", action="store_true", help="start `tandem up` here as target 'tandem'")
+    p.add_argument("--tandem-args", default="", help="extra flags for tandem up, e.g. '--dtype float32'")
+    p.add_argument("--start-llama", action="store_true", help="start llama-server here as target 'llama-server'")
+    p.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=Path("loadtest/results/serving"))
+    args = p.parse_args(argv)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    with contextlib.ExitStack() as stack:
+        targets = dict(t.split("=", 1) for t in args.target)
+        if args.start_tandem:
+            targets = {"tandem": stack.enter_context(tandem_up(args.tandem_args.split())), **targets}
+        if args.start_llama:
+            targets["llama-server"] = stack.enter_context(llama_server(args.threads, max(concurrency)))
+        if not targets:
+            p.error("give --target name=url or --start-tandem / --start-llama")
+        load_before = os.getloadavg()
+        results = asyncio.run(measure(targets, args.model, concurrency, args.rounds, args.prompt_tokens,
+                                      args.output_tokens))
+    report = {"config": {k: str(v) for k, v in vars(args).items()}, "targets": targets,
+              "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+              "results": results, "ratios_to_peer": ratios(results) if len(results) > 1 else {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving.json").write_text(json.dumps(report, indent=2))
+    plot(results, args.out / "serving.png")
+    for name, per_c in results.items():
+        for c, r in per_c.items():
+            print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  ITL p50 {r['itl_p50_ms']} ms  TPOT p50 {r['tpot_p50_ms']} ms  errors {len(r['errors'])}")
+    for name, per_c in report["ratios_to_peer"].items():
+        print(f"{name} / {list(results)[-1]}: " + ", ".join(f"c={c}: {x}x" for c, x in per_c.items()))
+    print(f"load average before {load_before}, after {report['machine']['loadavg_after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

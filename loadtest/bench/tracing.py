@@ -1,0 +1,213 @@
+"""Tracing's cost: two identical stacks (one decode worker each), one exporting every span over
+OTLP/HTTP, the other with tracing off, same workload, in one run.
+
+    python -m loadtest.bench.tracing [--num-requests 40 --rate 2 --repeats 2] [--out loadtest/results/tracing]
+    python -m loadtest.bench.tracing --service-path [--num-requests 200 --repeats 4]
+
+Both stacks are started and warmed up first, then measured alternately ``--repeats`` times (the
+other idles meanwhile); the best repeat of each side is kept, which damps interference from other
+work on the machine. The traced stack exports to a local OTLP/HTTP sink that answers at once
+without decoding (a collector's own cost is not ours). Targets (issue 14): throughput >= 97% of
+untraced, TTFT p50 within +2 ms. Writes ``tracing.json`` / ``tracing.png`` and both stacks' logs.
+
+``--service-path``: the same comparison without the engine (``loadtest.bench.service_path``: the echo
+worker answers at once, requests go one at a time), so the TTFT difference is what tracing adds
+to the gateway, admission and kv-index, free of the model's compute and of queueing; alternating
+blocks of ``num_requests / repeats`` requests. Writes ``tracing_service_path.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from loadtest.tools.openai_load import add_workload_args, workload_config
+from loadtest.tools.report import format_summary, write_report
+from loadtest.tools.runner import run_openai
+from loadtest.tools.stats import summarize
+from loadtest.tools.workload import build_workload
+
+TARGETS = {"throughput_ratio_min": 0.97, "added_ttft_p50_ms_max": 2.0}
+
+
+class OtlpSink:
+    """Accepts OTLP/HTTP exports and counts them."""
+
+    def __init__(self) -> None:
+        self.num_exports = self.num_bytes = 0
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                sink.num_bytes += len(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                sink.num_exports += 1
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """``values`` in this process's environment (which the stack's children inherit at spawn)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def compare(on: dict, off: dict) -> dict:
+    ratio = on["output_token_throughput"] / off["output_token_throughput"]
+    added_ttft = (on["ttft_s"]["p50"] - off["ttft_s"]["p50"]) * 1000
+    return {"throughput_ratio": ratio, "added_ttft_p50_ms": added_ttft,
+            "added_itl_p50_ms": (on["itl_s"]["p50"] - off["itl_s"]["p50"]) * 1000, "targets": TARGETS,
+            "meets_targets": ratio >= TARGETS["throughput_ratio_min"]
+            and added_ttft <= TARGETS["added_ttft_p50_ms_max"]}
+
+
+def start_stack(name: str, args, state: str, log_file):
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415 — torch
+
+    stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=1, model=args.model, port=0,
+                            namespace=f"{name}{os.getpid()}",
+                            decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory}),
+                  on_line=lambda who, line: log_file.write(f"{who:<12}| {line}\n"))
+    stack.start()
+    return stack
+
+
+def start_echo_stack(name: str, args, state: str, log_file):
+    """A stack without engine: the echo worker as its decode worker."""
+    import sys  # noqa: PLC0415
+
+    from loadtest.bench.service_path import ECHO_WORKER  # noqa: PLC0415
+    from shared.stack.children import Child, child_env  # noqa: PLC0415
+    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+
+    stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=0, model=args.model, port=0,
+                            namespace=f"{name}{os.getpid()}"),
+                  on_line=lambda who, line: log_file.write(f"{who:<12}| {line}\n"))
+    stack.start()
+    stack.children["echo"] = Child("echo", [
+        sys.executable, str(ECHO_WORKER), "--namespace", stack.spec.namespace, "--model", args.model,
+        "--ttl", str(stack.spec.registry_ttl_s)], child_env({"TANDEM_NATS_URL": stack.nats_url}),
+        lambda who, line: log_file.write(f"{who:<12}| {line}\n"))
+    return stack
+
+
+def service_path(args, sink: OtlpSink, traced_env: dict[str, str]) -> int:
+    from loadtest.bench.service_path import measure  # noqa: PLC0415
+    from loadtest.tools.stats import percentile  # noqa: PLC0415
+    from loadtest.tools.workload import WorkloadConfig  # noqa: PLC0415
+
+    prompts = [s.prompt for s in build_workload(WorkloadConfig(num_requests=args.num_requests + 10,
+                                                               prompt_words=64))]
+    block = max(1, args.num_requests // args.repeats)
+    ttfts: dict[str, list[float]] = {"on": [], "off": []}
+    stacks = {}
+    with open(args.out / "tracing_service_path_stacks.log", "w") as log, tempfile.TemporaryDirectory() as state:
+        try:
+            with environment(traced_env):
+                stacks["on"] = start_echo_stack("ptraced", args, state, log)
+            stacks["off"] = start_echo_stack("puntraced", args, state, log)
+            for stack in stacks.values():
+                stack.wait_ready(timeout_s=120, num_decode=1)
+                asyncio.run(measure(stack.base_url, args.model, prompts[:10]))
+            for start in range(10, 10 + args.num_requests, block):
+                for side in ("on", "off"):
+                    ttfts[side] += asyncio.run(measure(stacks[side].base_url, args.model,
+                                                       prompts[start:start + block]))
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    p50 = {side: percentile(v, 50) * 1000 for side, v in ttfts.items()}
+    result = {"num_requests_per_side": len(ttfts["on"]), "block": block, "cpu_count": os.cpu_count(),
+              "load_average_1m": os.getloadavg()[0], "otlp_exports": sink.num_exports, "otlp_bytes": sink.num_bytes,
+              **{f"ttft_ms_p{q}_{side}": percentile(v, q) * 1000 for side, v in ttfts.items() for q in (50, 90)},
+              "added_ttft_p50_ms": p50["on"] - p50["off"],
+              "meets_ttft_target": p50["on"] - p50["off"] <= TARGETS["added_ttft_p50_ms_max"]}
+    (args.out / "tracing_service_path.json").write_text(json.dumps(result, indent=2))
+    print(f"service path TTFT p50 traced {p50['on']:.2f} ms, untraced {p50['off']:.2f} ms: "
+          f"{result['added_ttft_p50_ms']:+.2f} ms ({sink.num_exports} OTLP exports)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--service-path", action="store_true", help="engine excluded (echo worker), one request at a time")
+    add_workload_args(p)
+    p.set_defaults(num_requests=40, rate=2.0, out=Path("loadtest/results/tracing"))
+    args = p.parse_args(argv)
+    cfg = workload_config(args)
+    specs = build_workload(cfg)
+    warmup = build_workload(dataclasses.replace(cfg, num_requests=4, rate=50.0, seed=cfg.seed + 1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    slo = {"slo_ttft_s": args.slo_ttft_ms / 1000, "slo_tpot_s": args.slo_tpot_ms / 1000}
+    sink = OtlpSink()
+    traced_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    if args.service_path:
+        return service_path(args, sink, traced_env)
+    stacks = {}
+    with open(args.out / "tracing_stacks.log", "w") as log, tempfile.TemporaryDirectory() as state:
+        try:
+            with environment(traced_env):
+                stacks["on"] = start_stack("traced", args, state, log)
+            stacks["off"] = start_stack("untraced", args, state, log)
+            for stack in stacks.values():
+                stack.wait_ready(timeout_s=300)
+                asyncio.run(run_openai(stack.base_url, args.model, warmup, progress=False))
+            runs: dict[str, list] = {"on": [], "off": []}
+            for _ in range(args.repeats):
+                for side in ("on", "off"):
+                    load = os.getloadavg()[0]
+                    results = asyncio.run(run_openai(stacks[side].base_url, args.model, specs,
+                                                     progress=not args.no_progress))
+                    runs[side].append((summarize(results, **slo), results, load))
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+
+    best = {side: max(rs, key=lambda r: r[0]["output_token_throughput"]) for side, rs in runs.items()}
+    comparison = compare(best["on"][0], best["off"][0])
+    comparison.update(cpu_count=os.cpu_count(), repeats=args.repeats, otlp_exports=sink.num_exports,
+                      otlp_bytes=sink.num_bytes,
+                      load_average_1m_before={side: [r[2] for r in rs] for side, rs in runs.items()},
+                      all_repeats=[compare(on[0], off[0]) for on, off in zip(runs["on"], runs["off"])])
+    print(format_summary("tracing on ", best["on"][0]))
+    print(format_summary("tracing off", best["off"][0]))
+    print(f"throughput ratio {comparison['throughput_ratio']:.3f}, added TTFT p50 "
+          f"{comparison['added_ttft_p50_ms']:.1f} ms ({sink.num_exports} OTLP exports, {sink.num_bytes} bytes)"
+          f" -> {'meets' if comparison['meets_targets'] else 'misses'} the targets")
+    paths = write_report(args.out, "tracing", {"workload": dataclasses.asdict(cfg), "model": args.model,
+                                               "kv_cache_memory": args.kv_cache_memory},
+                         {"tracing on (OTLP/HTTP)": best["on"][:2], "tracing off": best["off"][:2]},
+                         extra={"comparison": comparison})
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

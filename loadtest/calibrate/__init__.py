@@ -1,0 +1,1 @@
+"""Fitting the simulator's cost model to this machine and checking it against the live stack."""

@@ -1,0 +1,1 @@
+"""Shared load-testing code: workloads, open-loop runners, stats, reports, trace replay and helpers."""

@@ -17,7 +17,7 @@ import its reference, never the other way round. The model runs the references t
 ``backend.py``'s ``TritonAttentionBackend``, which that module selects on CUDA. ``dispatch.py``
 serves callers outside the model (the KV transfer's gather). Tests: tests/kernels (interpreter on
 CPU); ``python -m kernels.compile_check`` compiles everything for sm_90 without a GPU;
-loadtest/bench_kernels.py benchmarks on a GPU.
+loadtest/bench/kernels.py benchmarks on a GPU.
 """
 
 from kernels.reproducible import pin_mkl_branch

@@ -76,7 +76,7 @@ class NixlTransfer:
         shared-memory transport supports that, so on one host UCX sends its active messages
         (connection setup, notifications) over TCP loopback while the DRAM writes themselves go
         through CMA. "none" allows shared memory for both but loses the detection; on this project's
-        2-core host both move KV at the same speed (loadtest/bench_kv_transfer.py --error-modes)."""
+        2-core host both move KV at the same speed (loadtest/bench/kv_transfer.py --error-modes)."""
         api = load_nixl()
         try:
             config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],

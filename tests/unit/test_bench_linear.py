@@ -1,4 +1,4 @@
-"""bench_linear's formats compute the same product: each within its quantization error of float32."""
+"""bench.linear's formats compute the same product: each within its quantization error of float32."""
 
 import torch
 

@@ -1,5 +1,5 @@
-"""serving_split's readings: metrics scraped from a Prometheus page, CPU time by process (named by
-the service it runs) and by thread, and a process's tree; bench_attention's cases compute attention."""
+"""bench.serving_split's readings: metrics scraped from a Prometheus page, CPU time by process (named by
+the service it runs) and by thread, and a process's tree; bench.attention's cases compute attention."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.tools.harness import take_turns
 from loadtest.tools.profile_step import add_decoding_args, decoding_engine
 
 
@@ -53,10 +54,8 @@ def measure(args, batch_size: int) -> dict:
     compiled = decoding_engine(args, batch_size, compile=True)
     build_s = time.perf_counter() - started
     # decoding_engine stepped both alike, so the same number of tokens is decoded from here on
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    for _ in range(args.rounds):
-        times["eager"].append(timed_steps(eager, args.steps))
-        times["compiled"].append(timed_steps(compiled, args.steps))
+    times = take_turns({"eager": lambda _: timed_steps(eager, args.steps),
+                        "compiled": lambda _: timed_steps(compiled, args.steps)}, args.rounds)
     a, b = outputs(eager), outputs(compiled)
     same = sum(a[k] == b.get(k) for k in a)
     eager_ms, compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])

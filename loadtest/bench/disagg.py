@@ -16,18 +16,14 @@ removes on separate GPUs. Writes ``disagg.json`` / ``disagg.png`` and both stack
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
-import json
 import os
 import tempfile
-import urllib.request
 from pathlib import Path
 
+from loadtest.tools.harness import alternate, best, comparison, log_to, stack_side, status, warm_up
 from loadtest.tools.openai_load import add_workload_args, workload_config
 from loadtest.tools.report import format_summary, write_report
-from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import summarize
 from loadtest.tools.workload import build_workload
 
 
@@ -42,8 +38,7 @@ def compare(disagg: dict, agg: dict) -> dict:
 
 
 def decode_counters(stack) -> dict:
-    with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
-        view = json.load(resp)
+    view = status(stack.base_url)
     keys = ("num_remote_prefills", "num_local_prefills", "num_prefill_fallbacks", "kv_bytes_received")
     return {w["info"]["worker_id"]: {k: (w["load"] or {}).get(k) for k in keys}
             for w in view["workers"] if w["info"]["role"] == "decode"}
@@ -74,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
             decode_flags={**engine, "max_local_prefill_tokens": args.max_local_prefill_tokens}),
     }
     stacks: dict[str, Stack] = {}
-    runs: dict[str, list] = {label: [] for label in sides}
     counters = {}
     with tempfile.TemporaryDirectory() as state:
         logs = {label: open(args.out / f"disagg_{'agg' if i == 0 else 'pd'}_stack.log", "w")
@@ -84,18 +78,12 @@ def main(argv: list[str] | None = None) -> int:
                 stacks[label] = Stack(
                     StackSpec(state_dir=Path(state) / str(i), model=args.model, port=0,
                               namespace=f"bench{i}x{os.getpid()}", **kw),
-                    on_line=lambda name, line, f=logs[label]: f.write(f"{name:<12}| {line}\n"))
+                    on_line=log_to(logs[label]))
                 stacks[label].start()
-            for label, stack in stacks.items():
-                stack.wait_ready(timeout_s=300)
-                asyncio.run(run_openai(stack.base_url, args.model, warmup, progress=False))
+            targets = {label: stack_side(stack, args.model) for label, stack in stacks.items()}
+            warm_up(targets, warmup)
             before = {label: decode_counters(s) for label, s in stacks.items()}
-            for _ in range(args.repeats):
-                for label, stack in stacks.items():
-                    load = os.getloadavg()[0]
-                    results = asyncio.run(run_openai(stack.base_url, args.model, specs,
-                                                     progress=False))
-                    runs[label].append((summarize(results, **slo), results, load))
+            runs = alternate(targets, specs, args.repeats, slo, progress=False)
             counters = {label: {"before": before[label], "after": decode_counters(s)} for label, s in stacks.items()}
         finally:
             for stack in stacks.values():
@@ -103,20 +91,17 @@ def main(argv: list[str] | None = None) -> int:
             for f in logs.values():
                 f.close()
 
-    best = {label: max(rs, key=lambda r: r[0]["output_token_throughput"]) for label, rs in runs.items()}
-    (agg_label, agg), (pd_label, pd) = best.items()
-    comparison = compare(pd[0], agg[0])
-    comparison.update(cpu_count=os.cpu_count(), repeats=args.repeats, decode_counters=counters,
-                      load_average_1m_before={label: [r[2] for r in rs] for label, rs in runs.items()},
-                      all_repeats=[compare(d[0], a[0]) for d, a in zip(runs[pd_label], runs[agg_label])])
-    for label, (summary, _, _) in best.items():
-        print(format_summary(f"{label:<38}", summary))
+    top = best(runs)
+    agg_label, pd_label = runs
+    result = comparison(runs, pd_label, agg_label, compare, decode_counters=counters)
+    for label, repeat in top.items():
+        print(format_summary(f"{label:<38}", repeat.summary))
     print("disaggregated / aggregated: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in comparison.items() if k.endswith("ratio") and v is not None))
+        f"{k} {v:.2f}" for k, v in result.items() if k.endswith("ratio") and v is not None))
     paths = write_report(args.out, "disagg", {"workload": dataclasses.asdict(cfg), "model": args.model,
                                               "kv_cache_memory": args.kv_cache_memory,
                                               "max_local_prefill_tokens": args.max_local_prefill_tokens},
-                         {label: (s, r) for label, (s, r, _) in best.items()}, extra={"comparison": comparison})
+                         {label: (r.summary, r.results) for label, r in top.items()}, extra={"comparison": result})
     print("wrote", *paths)
     return 0
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from loadtest.tools.harness import take_turns
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,12 +175,10 @@ def main(argv=None) -> int:
         bench_transformers(hf, 1, argparse.Namespace(prompt_len=16, output_len=4), vocab)  # warm-up
     rows = []
     for b in batches:
-        runs: dict[str, list[float]] = {name: [] for name in [*engines, *baselines]}
-        for _ in range(args.repeats):  # alternate, so that load from elsewhere hits every side alike
-            for name, engine in engines.items():
-                runs[name].append(bench_tandem(engine, b, args))
-            for name, hf in baselines.items():
-                runs[name].append(bench_transformers(hf, b, args, vocab))
+        # in turns, so that load from elsewhere hits every side alike
+        runs = take_turns({**{name: lambda _, e=engine: bench_tandem(e, b, args) for name, engine in engines.items()},
+                           **{name: lambda _, hf=hf: bench_transformers(hf, b, args, vocab)
+                              for name, hf in baselines.items()}}, args.repeats)
         best = {name: max(r) for name, r in runs.items()}
         base = best["transformers fp32"]
         ratio = {name: v / base for name, v in best.items()}

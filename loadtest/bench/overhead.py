@@ -12,16 +12,14 @@ p50 <= 10 ms. Writes ``overhead.json`` / ``overhead.png`` and the stack's logs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import tempfile
 from pathlib import Path
 
+from loadtest.tools.harness import alternate, best, comparison, engine_side, log_to, stack_side, warm_up
 from loadtest.tools.openai_load import add_workload_args, workload_config
 from loadtest.tools.report import format_summary, write_report
-from loadtest.tools.runner import run_in_process, run_openai
-from loadtest.tools.stats import summarize
 from loadtest.tools.workload import build_workload
 
 
@@ -56,44 +54,33 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(StackSpec(state_dir=Path(state), num_decode=1, model=args.model, port=0,
                                 namespace=f"overhead{os.getpid()}",
                                 decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory}),
-                      on_line=lambda name, line: log.write(f"{name:<12}| {line}\n"))
+                      on_line=log_to(log))
         engine = None
         try:
             stack.start()
             engine = AsyncEngine.start(EngineConfig(
                 model=args.model, device="cpu",
                 kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None))
-            stack.wait_ready(timeout_s=300)
-            asyncio.run(run_openai(stack.base_url, args.model, warmup, progress=False))
-            asyncio.run(run_in_process(engine, warmup, progress=False))
-            runs: dict[str, list] = {"stack": [], "engine": []}
-            for _ in range(args.repeats):
-                load = os.getloadavg()[0]
-                results = asyncio.run(run_openai(stack.base_url, args.model, specs, progress=progress))
-                runs["stack"].append((summarize(results, **slo), results, load))
-                load = os.getloadavg()[0]
-                results = asyncio.run(run_in_process(engine, specs, progress=progress))
-                runs["engine"].append((summarize(results, **slo), results, load))
+            sides = {"stack": stack_side(stack, args.model), "engine": engine_side(engine)}
+            warm_up(sides, warmup)
+            runs = alternate(sides, specs, args.repeats, slo, progress)
         finally:
             stack.stop()
             if engine is not None:
                 engine.shutdown()
 
-    best = {side: max(rs, key=lambda r: r[0]["output_token_throughput"]) for side, rs in runs.items()}
-    comparison = compare(best["stack"][0], best["engine"][0])
-    comparison.update(cpu_count=os.cpu_count(), repeats=args.repeats,
-                      load_average_1m_before={side: [r[2] for r in rs] for side, rs in runs.items()},
-                      all_repeats=[compare(s[0], e[0]) for s, e in zip(runs["stack"], runs["engine"])])
-    print(format_summary("stack     ", best["stack"][0]))
-    print(format_summary("in-process", best["engine"][0]))
-    print(f"throughput ratio {comparison['throughput_ratio']:.3f}, added TTFT p50 "
-          f"{comparison['added_ttft_p50_ms']:.1f} ms, added ITL p50 {comparison['added_itl_p50_ms']:.1f} ms"
-          f" -> {'meets' if comparison['meets_targets'] else 'misses'} the targets")
+    top = best(runs)
+    result = comparison(runs, "stack", "engine", compare)
+    print(format_summary("stack     ", top["stack"].summary))
+    print(format_summary("in-process", top["engine"].summary))
+    print(f"throughput ratio {result['throughput_ratio']:.3f}, added TTFT p50 "
+          f"{result['added_ttft_p50_ms']:.1f} ms, added ITL p50 {result['added_itl_p50_ms']:.1f} ms"
+          f" -> {'meets' if result['meets_targets'] else 'misses'} the targets")
     paths = write_report(args.out, "overhead", {"workload": dataclasses.asdict(cfg), "model": args.model,
                                                 "kv_cache_memory": args.kv_cache_memory},
-                         {"stack (1 decode worker)": best["stack"][:2],
-                          "in-process engine": best["engine"][:2]},
-                         extra={"comparison": comparison})
+                         {"stack (1 decode worker)": (top["stack"].summary, top["stack"].results),
+                          "in-process engine": (top["engine"].summary, top["engine"].results)},
+                         extra={"comparison": result})
     print("wrote", *paths)
     return 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtest.tools.harness import log_to
 from loadtest.tools.stats import percentile
 from loadtest.tools.workload import WorkloadConfig, build_workload
 
@@ -41,8 +42,18 @@ async def measure(base_url: str, model: str, prompts: list[str]) -> list[float]:
     return ttfts
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_echo_worker(stack, model: str, on_line) -> None:
+    """The echo worker as the decode worker of ``stack`` (started, with no engine workers)."""
     from shared.stack.children import Child, child_env  # noqa: PLC0415
+
+    stack.children["echo"] = Child("echo", [
+        sys.executable, str(ECHO_WORKER), "--namespace", stack.spec.namespace, "--model", model,
+        "--ttl", str(stack.spec.registry_ttl_s)],
+        child_env({"TANDEM_NATS_URL": stack.nats_url}),  # it carries the stack's password
+        on_line)
+
+
+def main(argv: list[str] | None = None) -> int:
     from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
     from shared.tokenizer import load_tokenizer  # noqa: PLC0415
 
@@ -64,14 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out / "service_path_stack.log", "w") as log, tempfile.TemporaryDirectory() as state:
         stack = Stack(StackSpec(state_dir=Path(state), num_decode=0, model=args.model, port=0,
                                 namespace=f"path{os.getpid()}"),
-                      on_line=lambda name, line: log.write(f"{name:<12}| {line}\n"))
+                      on_line=log_to(log))
         try:
             stack.start()
-            stack.children["echo"] = Child("echo", [
-                sys.executable, str(ECHO_WORKER), "--namespace", stack.spec.namespace, "--model", args.model,
-                "--ttl", str(stack.spec.registry_ttl_s)],
-                child_env({"TANDEM_NATS_URL": stack.nats_url}),  # it carries the stack's password
-                lambda name, line: log.write(f"{name:<12}| {line}\n"))
+            add_echo_worker(stack, args.model, log_to(log))
             stack.wait_ready(timeout_s=120, num_decode=1)
             asyncio.run(measure(stack.base_url, args.model, prompts[:10]))  # warm-up
             ttfts = asyncio.run(measure(stack.base_url, args.model, prompts[10:]))

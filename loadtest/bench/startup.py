@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.tools.harness import ratio
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import RequestSpec
@@ -94,10 +95,6 @@ def run_side(args, measure_rate: bool, state: Path, log) -> dict:
         return side
     finally:
         stack.stop()
-
-
-def ratio(on: float | None, off: float | None) -> float | None:
-    return on / off if on is not None and off else None
 
 
 def plot(sides: dict, path: Path) -> None:

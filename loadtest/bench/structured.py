@@ -15,6 +15,8 @@ import json
 import time
 import uuid
 
+from loadtest.tools.harness import take_turns
+
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}, "moral": {"type": "string"}},
           "required": ["story", "moral"], "additionalProperties": False}
 
@@ -56,10 +58,9 @@ def main(argv=None) -> None:
     decode_tokens_per_s(engine, prompt, 8, 8, grammar)  # warm-up: first-call costs on both paths
     results = {}
     for n in (int(c) for c in args.concurrency.split(",")):
-        runs = {"unconstrained": [], "json_schema": []}
-        for _ in range(args.repeats):
-            runs["unconstrained"].append(decode_tokens_per_s(engine, prompt, n, args.output_len, None))
-            runs["json_schema"].append(decode_tokens_per_s(engine, prompt, n, args.output_len, grammar))
+        runs = take_turns({"unconstrained": lambda _: decode_tokens_per_s(engine, prompt, n, args.output_len, None),
+                           "json_schema": lambda _: decode_tokens_per_s(engine, prompt, n, args.output_len, grammar)},
+                          args.repeats)
         best = {k: max(v) for k, v in runs.items()}
         results[n] = {**best, "ratio": best["json_schema"] / best["unconstrained"], "runs": runs}
         print(f"{n} streams: unconstrained {best['unconstrained']:.1f} tok/s, json_schema "

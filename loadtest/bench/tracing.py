@@ -29,10 +29,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from loadtest.tools.harness import alternate, best, comparison, log_to, stack_side, take_turns, warm_up
 from loadtest.tools.openai_load import add_workload_args, workload_config
 from loadtest.tools.report import format_summary, write_report
-from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import summarize
 from loadtest.tools.workload import build_workload
 
 TARGETS = {"throughput_ratio_min": 0.97, "added_ttft_p50_ms_max": 2.0}
@@ -91,27 +90,21 @@ def start_stack(name: str, args, state: str, log_file):
     stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=1, model=args.model, port=0,
                             namespace=f"{name}{os.getpid()}",
                             decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory}),
-                  on_line=lambda who, line: log_file.write(f"{who:<12}| {line}\n"))
+                  on_line=log_to(log_file))
     stack.start()
     return stack
 
 
 def start_echo_stack(name: str, args, state: str, log_file):
     """A stack without engine: the echo worker as its decode worker."""
-    import sys  # noqa: PLC0415
-
-    from loadtest.bench.service_path import ECHO_WORKER  # noqa: PLC0415
-    from shared.stack.children import Child, child_env  # noqa: PLC0415
+    from loadtest.bench.service_path import add_echo_worker  # noqa: PLC0415
     from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=0, model=args.model, port=0,
                             namespace=f"{name}{os.getpid()}"),
-                  on_line=lambda who, line: log_file.write(f"{who:<12}| {line}\n"))
+                  on_line=log_to(log_file))
     stack.start()
-    stack.children["echo"] = Child("echo", [
-        sys.executable, str(ECHO_WORKER), "--namespace", stack.spec.namespace, "--model", args.model,
-        "--ttl", str(stack.spec.registry_ttl_s)], child_env({"TANDEM_NATS_URL": stack.nats_url}),
-        lambda who, line: log_file.write(f"{who:<12}| {line}\n"))
+    add_echo_worker(stack, args.model, log_to(log_file))
     return stack
 
 
@@ -123,7 +116,7 @@ def service_path(args, sink: OtlpSink, traced_env: dict[str, str]) -> int:
     prompts = [s.prompt for s in build_workload(WorkloadConfig(num_requests=args.num_requests + 10,
                                                                prompt_words=64))]
     block = max(1, args.num_requests // args.repeats)
-    ttfts: dict[str, list[float]] = {"on": [], "off": []}
+    starts = range(10, 10 + args.num_requests, block)
     stacks = {}
     with open(args.out / "tracing_service_path_stacks.log", "w") as log, tempfile.TemporaryDirectory() as state:
         try:
@@ -133,13 +126,15 @@ def service_path(args, sink: OtlpSink, traced_env: dict[str, str]) -> int:
             for stack in stacks.values():
                 stack.wait_ready(timeout_s=120, num_decode=1)
                 asyncio.run(measure(stack.base_url, args.model, prompts[:10]))
-            for start in range(10, 10 + args.num_requests, block):
-                for side in ("on", "off"):
-                    ttfts[side] += asyncio.run(measure(stacks[side].base_url, args.model,
-                                                       prompts[start:start + block]))
+
+            def block_on(url: str):
+                return lambda i: asyncio.run(measure(url, args.model, prompts[starts[i]:starts[i] + block]))
+
+            blocks = take_turns({side: block_on(stacks[side].base_url) for side in ("on", "off")}, len(starts))
         finally:
             for stack in stacks.values():
                 stack.stop()
+    ttfts = {side: [t for b in bs for t in b] for side, bs in blocks.items()}
     p50 = {side: percentile(v, 50) * 1000 for side, v in ttfts.items()}
     result = {"num_requests_per_side": len(ttfts["on"]), "block": block, "cpu_count": os.cpu_count(),
               "load_average_1m": os.getloadavg()[0], "otlp_exports": sink.num_exports, "otlp_bytes": sink.num_bytes,
@@ -176,35 +171,25 @@ def main(argv: list[str] | None = None) -> int:
             with environment(traced_env):
                 stacks["on"] = start_stack("traced", args, state, log)
             stacks["off"] = start_stack("untraced", args, state, log)
-            for stack in stacks.values():
-                stack.wait_ready(timeout_s=300)
-                asyncio.run(run_openai(stack.base_url, args.model, warmup, progress=False))
-            runs: dict[str, list] = {"on": [], "off": []}
-            for _ in range(args.repeats):
-                for side in ("on", "off"):
-                    load = os.getloadavg()[0]
-                    results = asyncio.run(run_openai(stacks[side].base_url, args.model, specs,
-                                                     progress=not args.no_progress))
-                    runs[side].append((summarize(results, **slo), results, load))
+            sides = {side: stack_side(stacks[side], args.model) for side in ("on", "off")}
+            warm_up(sides, warmup)
+            runs = alternate(sides, specs, args.repeats, slo, progress=not args.no_progress)
         finally:
             for stack in stacks.values():
                 stack.stop()
 
-    best = {side: max(rs, key=lambda r: r[0]["output_token_throughput"]) for side, rs in runs.items()}
-    comparison = compare(best["on"][0], best["off"][0])
-    comparison.update(cpu_count=os.cpu_count(), repeats=args.repeats, otlp_exports=sink.num_exports,
-                      otlp_bytes=sink.num_bytes,
-                      load_average_1m_before={side: [r[2] for r in rs] for side, rs in runs.items()},
-                      all_repeats=[compare(on[0], off[0]) for on, off in zip(runs["on"], runs["off"])])
-    print(format_summary("tracing on ", best["on"][0]))
-    print(format_summary("tracing off", best["off"][0]))
-    print(f"throughput ratio {comparison['throughput_ratio']:.3f}, added TTFT p50 "
-          f"{comparison['added_ttft_p50_ms']:.1f} ms ({sink.num_exports} OTLP exports, {sink.num_bytes} bytes)"
-          f" -> {'meets' if comparison['meets_targets'] else 'misses'} the targets")
+    top = best(runs)
+    result = comparison(runs, "on", "off", compare, otlp_exports=sink.num_exports, otlp_bytes=sink.num_bytes)
+    print(format_summary("tracing on ", top["on"].summary))
+    print(format_summary("tracing off", top["off"].summary))
+    print(f"throughput ratio {result['throughput_ratio']:.3f}, added TTFT p50 "
+          f"{result['added_ttft_p50_ms']:.1f} ms ({sink.num_exports} OTLP exports, {sink.num_bytes} bytes)"
+          f" -> {'meets' if result['meets_targets'] else 'misses'} the targets")
     paths = write_report(args.out, "tracing", {"workload": dataclasses.asdict(cfg), "model": args.model,
                                                "kv_cache_memory": args.kv_cache_memory},
-                         {"tracing on (OTLP/HTTP)": best["on"][:2], "tracing off": best["off"][:2]},
-                         extra={"comparison": comparison})
+                         {"tracing on (OTLP/HTTP)": (top["on"].summary, top["on"].results),
+                          "tracing off": (top["off"].summary, top["off"].results)},
+                         extra={"comparison": result})
     print("wrote", *paths)
     return 0
 

@@ -25,10 +25,10 @@ import re
 import statistics
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
+from loadtest.tools.harness import status
 from loadtest.tools.report import bar_chart
 from loadtest.tools.stats import percentile
 
@@ -80,11 +80,6 @@ class Client:
             await bus.close()
 
 
-def status(stack) -> dict:
-    with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
-        return json.load(resp)
-
-
 def fetch_times_ms(lines: list[str]) -> list[float]:
     return [float(m.group(1)) for line in lines if (m := re.search(r"fetched \d+ KV blocks from \S+ in ([\d.]+) ms", line))]
 
@@ -111,7 +106,7 @@ def main(argv=None) -> int:
             stack.start()
             stack.wait_ready(timeout_s=300)
             holder, taker = stack.worker_id("decode-1"), stack.worker_id("decode-2")
-            info = next(w["info"] for w in status(stack)["workers"] if w["info"]["worker_id"] == taker)
+            info = next(w["info"] for w in status(stack.base_url)["workers"] if w["info"]["worker_id"] == taker)
             client = Client(stack, args.model, info["kv_namespace_hex"], args.output_tokens)
             num_blocks = args.prefix_tokens // 16
             asyncio.run(client.generate(taker, tokens(64)))  # a first prefill measures B's prefill rate
@@ -131,7 +126,7 @@ def main(argv=None) -> int:
                       f"{row['recompute']['ttft_s'] * 1e3:.0f} ms", flush=True)
                 if trial:
                     rows.append(row)
-            loads = {w["info"]["worker_id"]: w["load"] for w in status(stack)["workers"]}
+            loads = {w["info"]["worker_id"]: w["load"] for w in status(stack.base_url)["workers"]}
         finally:
             stack.stop()
 

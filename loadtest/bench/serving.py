@@ -18,15 +18,16 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from loadtest.tools.harness import status
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import percentile
 from loadtest.tools.workload import RequestSpec
+from shared.stack.servers import free_port
 
 
 def prompt_of_tokens(model: str, num_tokens: int, salt: int) -> str:
@@ -118,17 +119,11 @@ def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
     fig.savefig(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def tandem_up(args: list[str], timeout_s: float = 900.0):
     """``tandem up`` on a free port; yields its base URL once it prints that it is ready and its
     workers run the decode step they settle on (compiled, unless ``--compile off``)."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port),
                              "--namespace", f"bench{os.getpid()}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -155,12 +150,9 @@ def tandem_up(args: list[str], timeout_s: float = 900.0):
 def wait_for_compiled_steps(url: str, deadline: float) -> None:
     """Workers serve eagerly while they compile their decode step in the background: measure the
     step they settle on, so wait until no worker reports ``compiling`` (``/status``)."""
-    import urllib.request
-
     said = False
     while True:
-        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
-            page = json.load(response)
+        page = status(url)
         steps = {w["info"]["worker_id"]: (w.get("load") or {}).get("decode_step") for w in page["workers"]}
         if steps and all(step in ("compiled", "eager") for step in steps.values()):
             print(f"tandem decode steps: {', '.join(f'{k} {v}' for k, v in steps.items())}", flush=True)
@@ -177,7 +169,7 @@ def wait_for_compiled_steps(url: str, deadline: float) -> None:
 def llama_server(threads: int, parallel: int):
     from loadtest.tools import llama_server as ls
 
-    port = _free_port()
+    port = free_port()
     proc = ls.start(port, parallel=parallel, threads=threads)
     try:
         yield f"http://127.0.0.1:{port}"

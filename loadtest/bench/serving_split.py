@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 from loadtest.bench.serving import _wave, prompt_of_tokens, tandem_up
+from loadtest.tools.harness import status
 from loadtest.tools.stats import percentile
 
 METRICS = ("tandem_engine_step_seconds_sum", "tandem_engine_step_seconds_count",
@@ -102,8 +103,8 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 def served(args, concurrency: list[int]) -> dict[int, dict]:
     results: dict[int, dict] = {}
     with tandem_up(shlex.split(args.tandem_args)) as url:
-        status = json.loads(urllib.request.urlopen(url + "/status", timeout=10).read())
-        worker = next(s for s in status["services"] if s["service"] == "decode")
+        page = status(url)
+        worker = next(s for s in page["services"] if s["service"] == "decode")
         metrics_url, worker_pid = worker["metrics_url"], worker["pid"]
         asyncio.run(_wave(url, args.model, [prompt_of_tokens(args.model, args.prompt_tokens, 0)], 8))
         salt = 1

@@ -30,9 +30,9 @@ import os
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
+from loadtest.tools.harness import status
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import RequestSpec, WorkloadConfig, build_workload
@@ -89,11 +89,6 @@ def phase_report(results: list[RequestResult], phase_of: dict[int, str], ttft_sl
     return out
 
 
-def _status(base_url: str) -> dict:
-    with urllib.request.urlopen(base_url + "/status", timeout=10) as resp:
-        return json.load(resp)
-
-
 class SplitSampler:
     """Every ``interval_s``: seconds since ``start`` → ready workers per role, from ``/status``."""
 
@@ -116,7 +111,7 @@ class SplitSampler:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                workers = [w["info"] for w in _status(self._url)["workers"] if w["info"]["state"] == "ready"]
+                workers = [w["info"] for w in status(self._url)["workers"] if w["info"]["state"] == "ready"]
             except OSError:
                 continue
             self.samples.append((round(time.monotonic() - self._start, 2),
@@ -243,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"measured decode capacity: {decode_capacity:.1f} tokens/s per worker")
                 with SplitSampler(stack.base_url) as sampler:
                     results = asyncio.run(run_openai(stack.base_url, args.model, specs, progress=not args.no_progress))
-                scaling = _status(stack.base_url).get("scaling") or {}
+                scaling = status(stack.base_url).get("scaling") or {}
             finally:
                 stack.stop()
             phases = phase_report(results, phase_of, ttft_slo_s, itl_slo_s)

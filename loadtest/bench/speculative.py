@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8"])
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise"])
     p.add_argument("--draft-tokens", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt and mode (best kept)")

@@ -42,7 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this process (default: torch's choice)
-    quantization: str | None = None  # "int8": W8A8 linear layers (CPU), see shared/model/quant.py; None: as dtype
+    quantization: str | None = None  # "int8" / "int8-precise": W8A8 linear layers (CPU), shared/model/quant.py; None: as dtype
     # tiers below the KV pool (shared/kvcache/tiers.py): host memory and a local disk directory
     kv_host_memory: int = 0  # bytes; 0: no host tier
     kv_disk_dir: str | None = None

@@ -122,13 +122,16 @@ class LlamaModel:
     def quantize(self, method: str, calibration_ids: list[int] | None = None, alpha: float = 0.5) -> None:
         """Replace every linear weight (and the LM head, a copy when tied) by its int8 form.
 
-        With ``calibration_ids`` the float model first runs that text once, recording each linear
-        layer's per-channel input range, and the weights are smoothed with it (SmoothQuant, alpha)."""
+        "int8": one int8 level of weights and activations; with ``calibration_ids`` the float model
+        first runs that text once, recording each linear layer's per-channel input range, and the
+        weights are smoothed with it (SmoothQuant, alpha). "int8-precise": activations in two int8
+        levels, the LM head's weight too, no smoothing (``shared/model/quant.py``)."""
         if method == "none":
             return
-        assert method == "int8", method
+        assert method in ("int8", "int8-precise"), method
+        levels = 2 if method == "int8-precise" else 1
         names = ("qkv", "o_proj", "gate_up", "down")
-        if calibration_ids:
+        if calibration_ids and levels == 1:
             for layer in self.layers:
                 for name in names:
                     setattr(layer, name, observe(getattr(layer, name)))
@@ -136,8 +139,8 @@ class LlamaModel:
             self.prefill_logits(calibration_ids)  # every position: the LM head's calibration sees them all
         for layer in self.layers:
             for name in names:
-                setattr(layer, name, _to_int8(getattr(layer, name), alpha))
-        self.lm_head = _to_int8(self.lm_head, alpha)
+                setattr(layer, name, _to_int8(getattr(layer, name), alpha, False, levels))
+        self.lm_head = _to_int8(self.lm_head, alpha, levels == 2, levels)
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
@@ -158,10 +161,12 @@ class LlamaModel:
 
     @property
     def quantization(self) -> str:
-        return "int8" if isinstance(self.lm_head, Int8Weight) else "none"
+        if not isinstance(self.lm_head, Int8Weight):
+            return "none"
+        return "int8-precise" if self.lm_head.act_levels == 2 else "int8"
 
 
-def _to_int8(weight: torch.Tensor | ObservedWeight, alpha: float) -> Int8Weight:
+def _to_int8(weight: torch.Tensor | ObservedWeight, alpha: float, residual: bool, act_levels: int) -> Int8Weight:
     if isinstance(weight, ObservedWeight):
-        return quantize_int8(weight.weight, weight.act_amax, alpha)
-    return quantize_int8(weight)
+        return quantize_int8(weight.weight, weight.act_amax, alpha, residual, act_levels)
+    return quantize_int8(weight, residual=residual, act_levels=act_levels)

@@ -10,7 +10,9 @@ output of a request does not change with its batch-mates. The embedding lookup, 
 and the KV cache stay in the model dtype.
 
 The error against float32 is small but not zero; ``tests/engine/test_quantization_smollm2.py`` measures
-it on the real model.
+it on the real model. ``quantization="int8-precise"`` quantizes each activation row in two int8
+levels (the second holding what the first rounded off) and keeps the LM head's weight in two levels
+too: 97% top-1 agreement with float32 on SmolLM2 instead of 93%, for up to twice the matmul work.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import torch.nn.functional as F
 
 from kernels.cast import cast
 
-QUANTIZATION_METHODS = ("none", "int8")
+# "int8": one int8 level of weights and activations, SmoothQuant-calibrated (93% top-1 agreement
+# with float32 on SmolLM2, the fastest); "int8-precise": activations and the LM head's weight in two
+# int8 levels (97%), at up to twice the matmul work
+QUANTIZATION_METHODS = ("none", "int8", "int8-precise")
 
 # What the float model reads once to measure each linear layer's input range (SmoothQuant
 # calibration): a chat turn, prose, code and numbers, so that the special tokens, punctuation and
@@ -47,11 +52,18 @@ CALIBRATION_MESSAGES = [
 class Int8Weight:
     """A linear weight [N, K] as int8 with a float32 scale per output channel, after smoothing:
     w ≈ (qweight * scale) / smooth, where ``smooth`` [K] moved part of the activations' range into
-    the weight (SmoothQuant); the activations are divided by it before they are quantized."""
+    the weight (SmoothQuant); the activations are divided by it before they are quantized.
+
+    With ``residual`` (``qweight2``, ``scale2``) the weight is stored in two int8 levels, the second
+    quantizing what the first missed: w ≈ (qweight * scale + qweight2 * scale2) / smooth, about 15
+    bits of precision for twice the bytes (the LM head, where rounding costs the most agreement)."""
 
     qweight: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N] float32
     inv_smooth: torch.Tensor | None = None  # [K] float32: activations are multiplied by it
+    qweight2: torch.Tensor | None = None  # [N, K] int8: the residual level
+    scale2: torch.Tensor | None = None  # [N] float32
+    act_levels: int = 1  # int8 levels each activation row is quantized in (1 or 2)
     qweight_t: torch.Tensor = field(init=False, repr=False, compare=False)  # [K, N] view, made once
 
     def __post_init__(self) -> None:
@@ -61,8 +73,15 @@ class Int8Weight:
     def shape(self) -> torch.Size:
         return self.qweight.shape
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.qweight, self.scale, self.inv_smooth, self.qweight2, self.scale2)
+                   if t is not None)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.qweight.float() * self.scale[:, None]
+        if self.qweight2 is not None:
+            w = w + self.qweight2.float() * self.scale2[:, None]
         if self.inv_smooth is not None:
             w = w * self.inv_smooth[None, :]
         return w.to(dtype)
@@ -80,8 +99,17 @@ def observe(weight: torch.Tensor) -> ObservedWeight:
     return ObservedWeight(weight, torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device))
 
 
-def quantize_int8(weight: torch.Tensor, act_amax: torch.Tensor | None = None, alpha: float = 0.5) -> Int8Weight:
-    """Symmetric per-output-channel quantization: each row's largest |value| maps to 127.
+def _per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per row: each row's largest |value| maps to 127."""
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def quantize_int8(weight: torch.Tensor, act_amax: torch.Tensor | None = None, alpha: float = 0.5,
+                  residual: bool = False, act_levels: int = 1) -> Int8Weight:
+    """Symmetric per-output-channel quantization: each row's largest |value| maps to 127; with
+    ``residual`` a second int8 level quantizes the first one's rounding error. ``act_levels``: how
+    many int8 levels the activations get (``quantize_rows``).
 
     With ``act_amax`` (per input channel, from calibration), input channel k is first scaled by
     s_k = act_amax_k^alpha / wmax_k^(1 - alpha) (SmoothQuant), which evens out the outlier
@@ -93,35 +121,59 @@ def quantize_int8(weight: torch.Tensor, act_amax: torch.Tensor | None = None, al
         smooth = (act_amax.float().clamp_min(1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp_min(1e-5)
         w = w * smooth[None, :]
         inv_smooth = (1.0 / smooth).contiguous()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale.contiguous(), inv_smooth)
+    q, scale = _per_row(w)
+    if not residual:
+        return Int8Weight(q, scale, inv_smooth, act_levels=act_levels)
+    q2, scale2 = _per_row(w - q.float() * scale[:, None])
+    return Int8Weight(q, scale, inv_smooth, q2, scale2, act_levels)
 
 
-def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-token) symmetric int8 quantization of x [M, K] (times ``inv_smooth`` [K] first):
-    returns (int8 [M, K], scale [M, 1])."""
+def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None,
+                  levels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) int8 quantization of x [M, K] (times ``inv_smooth`` [K] first): the first
+    level's scale maps each row's largest |value| to 127; with ``levels=2`` a second level quantizes
+    what the first rounded off, with its own per-row scale. Returns (int8 [levels*M, K]: the M
+    first-level rows, then the M second-level rows; float32 scales [levels*M, 1]). Together the two
+    levels hold about 15 bits of each value, so activations cost next to nothing in agreement with
+    float: one level alone moved SmolLM2's top token at 5% of positions, two at none measured."""
     # every op here runs once per linear layer and step, so casts that would be no-ops are skipped
-    # and the scale is finished in place: at batch 1 the dispatch of an op costs about what its work does
+    # and scales are finished in place: at batch 1 the dispatch of an op costs about what its work does
     xf = cast(x, torch.float32)
     if inv_smooth is not None:
         xf = xf * inv_smooth
     scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+    q = torch.round(xf / scale).clamp_(-127, 127)
+    if levels == 1:
+        return q.to(torch.int8), scale
+    rest = xf - q * scale
+    scale2 = rest.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)
+    q2 = torch.round(rest / scale2).clamp_(-127, 127)
+    return torch.cat([q, q2]).to(torch.int8), torch.cat([scale, scale2])
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ w.T with int8 operands and int32 accumulation; returns x's dtype."""
+    """x [..., K] @ w.T with int8 operands and int32 accumulation; returns x's dtype.
+
+    Both activation levels go through one int8 matmul ([2M, K] rows); a residual weight's second
+    level meets the first activation level only (the product of the two residuals is below float32's
+    rounding of the sum). Every float op after a matmul is per row, so a row's result does not depend
+    on the other rows."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0:
-        return x.new_zeros(*x.shape[:-1], w.shape[0])
-    xq, xs = quantize_rows(x2, w.inv_smooth)
-    # int32 [M, N], exact; times a float32 scale it is converted to float32 first, as .to() would
-    out = torch.mul(torch._int_mm(xq, w.qweight_t), xs).mul_(w.scale)
+    m, n = x2.shape[0], w.shape[0]
+    if m == 0:
+        return x.new_zeros(*x.shape[:-1], n)
+    xq, xs = quantize_rows(x2, w.inv_smooth, w.act_levels)
+    # int32 [levels*M, N], exact; times a float32 scale it is converted to float32 first, as .to() would
+    acc = torch.mul(torch._int_mm(xq, w.qweight_t), xs)
+    if w.act_levels == 2:
+        acc = acc[:m].add_(acc[m:])
+    out = acc.mul_(w.scale)
+    if w.qweight2 is not None:
+        out.add_(torch.mul(torch._int_mm(xq[:m], w.qweight2.t()), xs[:m]).mul_(w.scale2))
     if bias is not None:
         out.add_(cast(bias, torch.float32))
     out = cast(out, x.dtype)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], w.shape[0])
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | ObservedWeight,
@@ -157,7 +209,7 @@ def quantization_name(method: str | None) -> str:
 def check_quantization(method: str, device: torch.device) -> str:
     """Validate a ``--quantization`` value for a device; returns the canonical name."""
     method = quantization_name(method)
-    if method == "int8" and device.type != "cpu":
+    if method != "none" and device.type != "cpu":
         raise ValueError(f"quantization 'int8' runs on the CPU only, not on {device.type}")
     return method
 

@@ -31,9 +31,10 @@ class EngineWorkerSettings(ServiceSettings):
     attention_backend: str = Field("auto", description="auto, torch or triton")
     seed: int = Field(0, description="engine seed")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
-    quantization: Literal["none", "int8"] | None = Field(
+    quantization: Literal["none", "int8", "int8-precise"] | None = Field(
         None, description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only); "
-                          "default: see dtype")
+                          "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
+                          "float32, slower; default: see dtype")
     kv_host_memory: str | None = Field(None, description="host-memory KV tier under the pool, e.g. 4GiB "
                                        "(evicted blocks are kept there; default: off)")
     kv_disk_dir: str | None = Field(None, description="disk KV tier directory; it outlives the worker, so a "

@@ -44,3 +44,24 @@ def test_int8_greedy_is_batch_independent_and_answers(float_and_int8, smol_token
         [{"role": "user", "content": "Name the capital of France."}]))
     assert "Paris" in smol_tokenizer.decode(engine.generate([named], params)[0])
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
+
+
+def test_int8_precise_agrees_with_float32_more_and_stays_batch_independent(float_and_int8, smollm2_gguf,
+                                                                          smol_tokenizer, chat_prompts):
+    """Two int8 levels for the activations and the LM head's weights: closer to float32 than int8's
+    one level on the held-out passage, and still a row's output alone or in any batch."""
+    fp32, smooth, _ = float_and_int8
+    precise = load_model(smollm2_gguf, "gguf", torch.device("cpu"), torch.float32)
+    precise.quantize("int8-precise")
+    assert precise.quantization == "int8-precise" and smooth.quantization == "int8"
+    ids = smol_tokenizer.encode(EVAL_PASSAGE)
+    got, one_level = compare_models(fp32, precise, ids), compare_models(fp32, smooth, ids)
+    print(got, "int8:", one_level)
+    assert got["top1_agreement"] >= 0.95
+    assert got["kl"] < one_level["kl"] / 2
+    engine = LLMEngine(precise, EngineConfig(kv_cache_memory=64 << 20, quantization="int8-precise",
+                                             max_num_batched_tokens=64),
+                       tokenizer=smol_tokenizer, eos_token_ids=frozenset(smol_tokenizer.stop_token_ids))
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    together = engine.generate(chat_prompts, params)
+    assert together == [engine.generate([p], params)[0] for p in chat_prompts]

@@ -1,10 +1,10 @@
-"""loadtest.quality's measures on a tiny random-weight model: a model agrees fully with itself, and
+"""loadtest.bench.quality's measures on a tiny random-weight model: a model agrees fully with itself, and
 a perturbed one measurably less, so the measures can fail."""
 
 import pytest
 import torch
 
-from loadtest.quality import first_divergence, greedy, greedy_equality, teacher_forced, windows
+from loadtest.bench.quality import first_divergence, greedy, greedy_equality, teacher_forced, windows
 from shared.engine import EngineConfig, LLMEngine
 from shared.model.config import ModelConfig
 from shared.model.loader import build_model

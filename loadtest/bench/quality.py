@@ -1,6 +1,6 @@
 """How far each precision moves the model's output from float32's, on the real default model.
 
-    python -m loadtest.quality [--model PATH] [--precisions float32,bfloat16,int8] [--tokens N]
+    python -m loadtest.bench.quality [--model PATH] [--precisions float32,bfloat16,int8] [--tokens N]
                                [--window 512] [--max-new-tokens 48] [--out DIR]
 
 Each precision is loaded as a serving worker loads it (``LLMEngine.from_config``: the same model
@@ -21,7 +21,7 @@ code, dtype, int8 layers and SmoothQuant calibration) and compared with float32 
 
 Precisions (``PRECISIONS``): float32, bfloat16, float16 (model dtype, no quantization); int8 (the
 default on a CPU with VNNI: float32 with W8A8 int8 linear layers, ``shared/model/quant.py``);
-bfloat16-int8. Variants of int8 that keep some linear layers in float32, to see which layers cost
+int8-precise (activations and the LM head's weights in two int8 levels); bfloat16-int8. Variants of int8 that keep some linear layers in float32, to see which layers cost
 the most agreement (not engine options): int8-fp32-head (the LM head), int8-fp32-ends (the first
 and last decoder layers), int8-fp32-head-ends (both).
 
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-CORPUS = Path(__file__).parent / "data" / "quality_corpus.txt"
+CORPUS = Path(__file__).parents[1] / "data" / "quality_corpus.txt"
 TARGET_TOP1 = 0.97
 
 # name -> (model dtype, quantization, what an int8 model keeps in float32: "head" and/or "ends")
@@ -48,6 +48,7 @@ PRECISIONS = {
     "bfloat16": ("bfloat16", "none", ()),
     "float16": ("float16", "none", ()),
     "int8": ("float32", "int8", ()),
+    "int8-precise": ("float32", "int8-precise", ()),
     "bfloat16-int8": ("bfloat16", "int8", ()),
     "int8-fp32-head": ("float32", "int8", ("head",)),
     "int8-fp32-ends": ("float32", "int8", ("ends",)),

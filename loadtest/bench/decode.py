@@ -51,11 +51,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def _nbytes(weight) -> int:
-    from shared.model.quant import Int8Weight
-
-    if isinstance(weight, Int8Weight):
-        return sum(t.nbytes for t in (weight.qweight, weight.scale, weight.inv_smooth) if t is not None)
-    return weight.nbytes if weight is not None else 0
+    return weight.nbytes if weight is not None else 0  # a tensor's, or an Int8Weight's levels and scales
 
 
 def weight_bytes_per_step(model) -> int:

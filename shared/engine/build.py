@@ -138,10 +138,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = Tokenizer.from_model_files(source.path, source.format)
     quantization = check_quantization(precision.quantization, device)
     model = load_weights(source.path, source.format, device, dtype)
-    if quantization == "int8":  # one activation level: SmoothQuant calibration on a short text first
+    if quantization != "none":  # the calibration text is read where the method smooths (int8)
         model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
-    elif quantization != "none":
-        model.quantize(quantization)
     log.info("loaded %s (%s, %.0fM parameters) on %s as %s%s in %.1fs", source.name, source.format,
              model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."),
              "" if quantization == "none" else f" with {quantization} linear layers (W8A8)",

@@ -125,7 +125,7 @@ class LlamaModel:
         "int8": one int8 level of weights and activations; with ``calibration_ids`` the float model
         first runs that text once, recording each linear layer's per-channel input range, and the
         weights are smoothed with it (SmoothQuant, alpha). "int8-precise": activations in two int8
-        levels, the LM head's weight too, no smoothing (``shared/model/quant.py``)."""
+        levels, the LM head's weight too, no smoothing (``calibration_ids`` unused; ``shared/model/quant.py``)."""
         if method == "none":
             return
         assert method in ("int8", "int8-precise"), method

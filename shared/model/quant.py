@@ -210,7 +210,7 @@ def check_quantization(method: str, device: torch.device) -> str:
     """Validate a ``--quantization`` value for a device; returns the canonical name."""
     method = quantization_name(method)
     if method != "none" and device.type != "cpu":
-        raise ValueError(f"quantization 'int8' runs on the CPU only, not on {device.type}")
+        raise ValueError(f"quantization {method!r} runs on the CPU only, not on {device.type}")
     return method
 
 

@@ -84,3 +84,11 @@ def test_engine_runs_a_quantized_model(tiny_hf):
     alone = [engine.generate([p], params)[0] for p in prompts]
     assert together == alone  # batch-mates do not change a request's tokens
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
+
+
+def test_a_residual_weight_counts_and_dequantizes_both_levels():
+    torch.manual_seed(3)
+    w = torch.randn(48, 64)
+    one, two = quantize_int8(w), quantize_int8(w, residual=True)
+    assert one.nbytes == 48 * 64 + 48 * 4 and two.nbytes == 2 * one.nbytes
+    assert rel_err(two.dequantize(), w) < rel_err(one.dequantize(), w) / 50

@@ -19,6 +19,17 @@ times an eager engine's decode steps alone, then builds an engine that compiles 
 and times every decode step until the compiled step takes over. Reports the median and p90 step
 time during the compile over the eager median alone, and how long the compile took. Writes
 ``during_compile.json`` under --out.
+
+    python -m loadtest.bench.compile --artifacts [--model smollm2-135m]
+
+What a worker on a fresh machine pays to reach the compiled step, with and without the cluster's
+artifacts (shared/engine/compile_artifacts.py). A nats-server of its own, then three runs of
+``tandem model fetch --compile --nats`` (load the model, build the compiled step as a worker
+would), each a fresh process: ``cold`` with an empty compile cache and nothing in the cluster (it
+publishes); ``cluster`` with another empty cache, fetching the first run's artifacts; ``local``
+again on the second cache. Reports each run's wall time (process start to compiled step), the
+compile's own time, graphs from cache / compiled, and the two ratios to ``cold``. Writes
+``artifacts.json`` under --out.
 """
 
 from __future__ import annotations
@@ -115,6 +126,40 @@ def run_during_compile(args) -> int:
     return 0
 
 
+def run_artifacts(args) -> int:
+    from shared.stack.servers import start_nats_server  # noqa: PLC0415
+
+    report: dict = {"runs": {}, "config": {k: str(v) for k, v in vars(args).items()}}
+    with tempfile.TemporaryDirectory(prefix="compile-artifacts-") as tmp:
+        nats = start_nats_server(Path(tmp) / "nats")
+        try:
+            for name, machine in (("cold", "machine-1"), ("cluster", "machine-2"), ("local", "machine-2")):
+                cmd = [sys.executable, "-m", "services.cli", "model", "fetch", args.model, "--compile",
+                       "--nats", nats.url, "--namespace", "bench"]
+                for flag in ("dtype", "quantization", "num_threads"):
+                    if getattr(args, flag) is not None:
+                        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                env = {**os.environ, "TANDEM_COMPILE_CACHE_DIR": str(Path(tmp) / machine)}
+                started = time.perf_counter()
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+                r = {"wall_s": round(time.perf_counter() - started, 1), **json.loads(out.strip().splitlines()[-1])}
+                r.pop("dir")
+                report["runs"][name] = r
+                print(f"{name}: {r['wall_s']} s from process start to the compiled step (compile {r['compile_s']} s; "
+                      f"graphs {r['graphs_from_cache']} from cache, {r['graphs_compiled']} compiled; source "
+                      f"{r['source']})", flush=True)
+        finally:
+            nats.stop()
+    runs = report["runs"]
+    report["ratios"] = {f"{name}_over_cold_wall": round(runs[name]["wall_s"] / runs["cold"]["wall_s"], 3)
+                        for name in ("cluster", "local")}
+    print("ratios:", report["ratios"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "artifacts.json").write_text(json.dumps(report, indent=1))
+    print("wrote", args.out / "artifacts.json")
+    return 0
+
+
 def plot(path: Path, report: dict) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -147,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="time decode steps while the decode step compiles in the background (see above)")
     p.add_argument("--nice", default="0,19", help="with --during-compile: the compile thread's nice values")
     p.add_argument("--one-during-compile", action="store_true", help=argparse.SUPPRESS)  # the child process
+    p.add_argument("--artifacts", action="store_true",
+                   help="time a fresh machine's way to the compiled step: cold, from the cluster, local (see above)")
     args = p.parse_args(argv)
+    if args.artifacts:
+        return run_artifacts(args)
     if args.one_during_compile:
         print(json.dumps(during_compile(args, int(args.batch_sizes))))
         return 0

@@ -20,6 +20,7 @@ from shared.protocol import Subjects
 from shared.protocol.workers import Role
 from shared.service.lifecycle import published_metrics
 from shared.transfer import TransferUnavailable
+from shared.worker.compile_share import SharedCompile
 from shared.worker.engine_worker import publish_kv_events_forever, start_kv_events
 from shared.worker.metrics import WorkerMetrics
 from shared.worker.roles import RoleRunner, RoleWorker
@@ -130,11 +131,19 @@ class WorkerRoles:
 
 async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> None:
     role = role_of(settings)
-    log.info("loading %s", settings.model)
-    engine = await asyncio.to_thread(AsyncEngine.start, settings.engine_config())
     bus = await Bus.connect(settings.nats_url, settings.worker_id, tls_ca=settings.nats_ca,
                             replicas=settings.nats_replicas)
     subjects = Subjects(settings.namespace)
+    config = settings.engine_config()
+    try:
+        # the compiled decode step: from this machine's cache or the cluster's, before the compile starts
+        shared_compile = await SharedCompile.prepare(config, bus, subjects)
+        log.info("loading %s", settings.model)
+        engine = await asyncio.to_thread(AsyncEngine.start, config)
+    except BaseException:
+        await bus.close()
+        raise
+    publishing = asyncio.create_task(shared_compile.publish_when_compiled(engine)) if shared_compile else None
     roles = None
     try:
         registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s, watch=True)
@@ -160,6 +169,8 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
                              publish_kv_events=lambda q: publish_kv_events_forever(
                                  bus, subjects.kv_events(settings.worker_id), settings.worker_id, q))
     finally:
+        if publishing is not None:
+            publishing.cancel()
         if roles is not None:
             await roles.withdraw_metadata()
         await bus.close()

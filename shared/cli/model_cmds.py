@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shared.cli.engine_args import add_engine_args, engine_config_from_args
@@ -29,8 +30,29 @@ def register(subparsers) -> None:
     m = subparsers.add_parser("model", help="manage models", description="Manage the model cache.")
     msub = m.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     f = msub.add_parser("fetch", help="download a model alias into the cache ahead of time",
-                        description="Resolve an alias (downloading it into TANDEM_CACHE_DIR) or check a path.")
-    f.add_argument("model", nargs="?", default="smollm2-135m", help="alias or path (default: %(default)s)")
+                        description="Resolve an alias (downloading it into TANDEM_CACHE_DIR) or check a path. "
+                                    "With --compile, also build the compiled decode step's artifacts for this "
+                                    "machine (CPU), as a worker with the same precision, block size and "
+                                    "threads would, so that its compile takes seconds; with --nats, take them "
+                                    "from the cluster if it has them and publish them if it has not.")
+    f.add_argument("model", nargs="?", default=os.environ.get("TANDEM_MODEL", "smollm2-135m"),
+                   help="alias or path (env TANDEM_MODEL; default: %(default)s)")
+    c = f.add_argument_group("compiled decode step (env: TANDEM_<FLAG>)")
+    c.add_argument("--compile", action="store_true",
+                   help="build the compiled decode step's artifacts under TANDEM_COMPILE_CACHE_DIR "
+                        "(default: TANDEM_CACHE_DIR/compile): minutes the first time on a machine")
+    c.add_argument("--nats", default=None, metavar="URL",
+                   help="with --compile: fetch the artifacts from this cluster's NATS Object Store, or publish "
+                        "them there once built (credentials in the URL; env TANDEM_NATS_URL is not read here)")
+    c.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
+                   help="the cluster's subject namespace (default: %(default)s)")
+    c.add_argument("--dtype", default=os.environ.get("TANDEM_DTYPE"), help="as the workers' --dtype")
+    c.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION"),
+                   choices=["none", "int8", "int8-precise"], help="as the workers' --quantization")
+    c.add_argument("--block-size", type=int, default=int(os.environ.get("TANDEM_BLOCK_SIZE", 16)),
+                   help="as the workers' --block-size (default: %(default)s)")
+    c.add_argument("--num-threads", type=int, default=os.environ.get("TANDEM_NUM_THREADS"),
+                   help="as the workers' --num-threads (default: torch's, one per core)")
     f.set_defaults(func=run_fetch)
 
 
@@ -179,4 +201,54 @@ def run_fetch(args) -> int:
     except (ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None
     print(source.path)
+    if args.compile:
+        import asyncio
+
+        print(asyncio.run(_compile_artifacts(args)))
+    elif args.nats:
+        raise CliError("--nats goes with --compile")
     return 0
+
+
+async def _compile_artifacts(args) -> str:
+    """Build (or fetch) the compiled decode step's artifacts for the workers' config on this
+    machine; publish them with ``--nats``. Returns a one-line JSON summary."""
+    import asyncio
+    import json
+
+    from shared.cli.errors import CliError
+    from shared.engine import EngineConfig, LLMEngine
+    from shared.engine.compile_artifacts import CompileArtifacts, engine_artifact_key, fetch_from, publish_to
+
+    try:
+        config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, quantization=args.quantization,
+                              block_size=args.block_size, kv_cache_memory=64 << 20, compile="on",
+                              num_threads=int(args.num_threads) if args.num_threads else None)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    artifacts = CompileArtifacts(CompileArtifacts.default_root(), await asyncio.to_thread(engine_artifact_key, config))
+    artifacts.activate()
+    bucket = bus = None
+    try:
+        if args.nats:
+            from shared.bus import Bus
+            from shared.protocol import Subjects
+
+            bus = await Bus.connect(args.nats, "tandem-model-fetch")
+            bucket = await bus.object_store(Subjects(args.namespace).compile_bucket)
+        done = artifacts.complete()
+        source = "local" if done else None
+        if done is None and bucket is not None and await fetch_from(bucket, artifacts):
+            source = "cluster"
+        engine = await asyncio.to_thread(LLMEngine.from_config, config)  # compiles (from the cache if filled)
+        compiled = engine.runner.compiled
+        if artifacts.complete() is None:
+            artifacts.mark_complete("compiled")
+            source = "compiled"
+        published = bucket is not None and await publish_to(bucket, artifacts)
+    finally:
+        if bus is not None:
+            await bus.close()
+    return json.dumps({"key": artifacts.key, "dir": str(artifacts.dir), "source": source,
+                       "graphs_from_cache": compiled.cache_hits, "graphs_compiled": compiled.cache_misses,
+                       "compile_s": round(compiled.warm_s, 2), "published": published})

@@ -61,6 +61,8 @@ class CompiledDecode:
         self.model = model
         self.block_size = block_size
         self.num_steps = 0  # decode steps run through the graph
+        self.cache_hits = self.cache_misses = 0  # warm()'s graphs from inductor's disk cache / compiled
+        self.warm_s = 0.0  # how long warm() took
         # the C++ loops' OpenMP team size is fixed when they are generated: the engine thread's, not
         # that of the thread that happens to compile them
         threads = num_threads or torch.get_num_threads()
@@ -133,6 +135,7 @@ class CompiledDecode:
         cfg = self.model.cfg
         dev = kv_cache.device
         started = time.perf_counter()
+        before = inductor_cache_counts()
         _mark_pool_static(kv_cache)
         # sizes unlike each other and unlike the model's (torch gives equal sizes one symbol when it
         # traces, which would tie the batch to, say, the number of KV heads)
@@ -145,7 +148,18 @@ class CompiledDecode:
             valid[:, 0] = True
             with torch.inference_mode():
                 self._graph(ids, pos, kv_cache, blocks, valid)
-        log.info("compiled the decode step of %d layers in %.1f s", cfg.num_layers, time.perf_counter() - started)
+        hits, misses = (now - then for now, then in zip(inductor_cache_counts(), before))
+        self.cache_hits, self.cache_misses = hits, misses
+        self.warm_s = time.perf_counter() - started
+        log.info("compiled the decode step of %d layers in %.1f s (graphs: %d from inductor's cache, %d compiled)",
+                 cfg.num_layers, self.warm_s, hits, misses)
+
+
+def inductor_cache_counts() -> tuple[int, int]:
+    """Graphs this process found in inductor's FX graph cache, and graphs it had to compile, so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,

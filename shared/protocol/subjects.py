@@ -217,6 +217,12 @@ class Subjects:
         return f"{self.namespace}-services"
 
     @property
+    def compile_bucket(self) -> str:
+        """Object Store: artifact key → the compiled decode step's inductor cache, packed by the first
+        worker that compiled it (``shared.engine.compile_artifacts``)."""
+        return f"{self.namespace}-compile"
+
+    @property
     def nixl_bucket(self) -> str:
         """NIXL agent metadata per worker (KV bytes never travel over NATS, only this)."""
         return f"{self.namespace}-nixl"

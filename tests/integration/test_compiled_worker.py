@@ -1,7 +1,9 @@
 """A decode worker that compiles its decode step in the background (the workers' default, pinned
 off for the other tests): it is ready and answers before the graph is, ``/status`` then shows its
 decode step ``compiled``, and the greedy text is the in-process eager engine's (float32, real
-SmolLM2, real nats-server and redis-server)."""
+SmolLM2, real nats-server and redis-server). It publishes what it compiled to the cluster, and a
+second worker on "another machine" (an empty compile cache) compiles nothing: it takes every graph
+from the cluster's artifacts (shared/engine/compile_artifacts.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import openai
 import pytest
 
 from shared.stack.stack import StackSpec
-from stack_helpers import cluster_status, greedy_text, reference_engine, running_stack, wait_for
+from stack_helpers import cluster_status, greedy_text, reference_engine, running_stack, spawn_ready_decode, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +26,7 @@ def decode_steps(stack) -> dict[str, str | None]:
     return {w["info"]["worker_id"]: (w["load"] or {}).get("decode_step") for w in cluster_status(stack)["workers"]}
 
 
-def test_worker_serves_eagerly_then_compiled_with_the_same_text(nats_server, redis_server, tmp_path):
+def test_worker_serves_eagerly_then_compiled_with_the_same_text(nats_server, redis_server, tmp_path, monkeypatch):
     spec = StackSpec(state_dir=tmp_path, num_decode=1, model=MODEL, port=0, namespace=f"c{uuid.uuid4().hex[:8]}",
                      nats_url=nats_server.url, redis_url=redis_server.url,
                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB", "device": "cpu",
@@ -43,3 +45,13 @@ def test_worker_serves_eagerly_then_compiled_with_the_same_text(nats_server, red
         wait_for(lambda: set(decode_steps(stack).values()) == {"compiled"}, 900, "the worker's compiled step")
         assert ask() == expected
         assert any("compiled decode step ready after" in line for line in stack.lines)
+
+        # the cluster had no artifacts under this namespace: the first worker publishes its own
+        wait_for(lambda: any("published to the cluster" in line for line in stack.lines), 300, "the artifacts")
+        monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path / "another-machine"))
+        _, second = spawn_ready_decode(stack, "decode-2", timeout_s=600)
+        wait_for(lambda: decode_steps(stack).get(second) == "compiled", 600, "the second worker's compiled step")
+        theirs = [line for line in stack.lines if line.startswith("decode-2|")]
+        assert any("fetched from the cluster" in line for line in theirs), theirs[-20:]
+        assert any("(graphs: 2 from inductor's cache, 0 compiled)" in line for line in theirs), theirs[-20:]
+        assert ask() == expected and ask() == expected

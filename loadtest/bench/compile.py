@@ -23,13 +23,14 @@ time during the compile over the eager median alone, and how long the compile to
     python -m loadtest.bench.compile --artifacts [--model smollm2-135m]
 
 What a worker on a fresh machine pays to reach the compiled step, with and without the cluster's
-artifacts (shared/engine/compile_artifacts.py). A nats-server of its own, then three runs of
-``tandem model fetch --compile --nats`` (load the model, build the compiled step as a worker
+artifacts (shared/model/compile_artifacts.py). A nats-server of its own, then three runs of
+``tandem model fetch --compile --nats`` (load the model, load or compile the step as a worker
 would), each a fresh process: ``cold`` with an empty compile cache and nothing in the cluster (it
-publishes); ``cluster`` with another empty cache, fetching the first run's artifacts; ``local``
-again on the second cache. Reports each run's wall time (process start to compiled step), the
-compile's own time, graphs from cache / compiled, and the two ratios to ``cold``. Writes
-``artifacts.json`` under --out.
+compiles and publishes); ``cluster`` with another empty cache, fetching the first run's artifacts
+and loading them; ``local`` again on the second cache. Reports each run's wall time (process start
+to a step ready to serve), how long the step took to compile or load, and the two ratios to
+``cold``. ``--keep`` also installs the cold run's artifacts in this machine's compile cache.
+Writes ``artifacts.json`` under --out.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -145,9 +147,16 @@ def run_artifacts(args) -> int:
                 r = {"wall_s": round(time.perf_counter() - started, 1), **json.loads(out.strip().splitlines()[-1])}
                 r.pop("dir")
                 report["runs"][name] = r
-                print(f"{name}: {r['wall_s']} s from process start to the compiled step (compile {r['compile_s']} s; "
-                      f"graphs {r['graphs_from_cache']} from cache, {r['graphs_compiled']} compiled; source "
-                      f"{r['source']})", flush=True)
+                print(f"{name}: {r['wall_s']} s from process start to the compiled step ({r['step']} in "
+                      f"{r['seconds']} s; fetched {r['fetched']}, published {r['published']})", flush=True)
+            if args.keep:  # this machine compiled them: later engines here load them
+                from shared.model.compile_artifacts import CompileArtifacts  # noqa: PLC0415
+
+                cold = report["runs"]["cold"]["key"]
+                target = CompileArtifacts.default_root() / cold
+                if not target.exists():
+                    shutil.copytree(Path(tmp) / "machine-1" / cold, target)
+                    print("kept the cold run's artifacts in", target)
         finally:
             nats.stop()
     runs = report["runs"]
@@ -194,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-during-compile", action="store_true", help=argparse.SUPPRESS)  # the child process
     p.add_argument("--artifacts", action="store_true",
                    help="time a fresh machine's way to the compiled step: cold, from the cluster, local (see above)")
+    p.add_argument("--keep", action="store_true",
+                   help="with --artifacts: install the cold run's artifacts in this machine's compile cache")
     args = p.parse_args(argv)
     if args.artifacts:
         return run_artifacts(args)

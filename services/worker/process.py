@@ -20,7 +20,7 @@ from shared.protocol import Subjects
 from shared.protocol.workers import Role
 from shared.service.lifecycle import published_metrics
 from shared.transfer import TransferUnavailable
-from shared.worker.compile_share import SharedCompile
+from shared.worker.compile_share import NatsArtifactStore
 from shared.worker.engine_worker import publish_kv_events_forever, start_kv_events
 from shared.worker.metrics import WorkerMetrics
 from shared.worker.roles import RoleRunner, RoleWorker
@@ -136,14 +136,13 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
     subjects = Subjects(settings.namespace)
     config = settings.engine_config()
     try:
-        # the compiled decode step: from this machine's cache or the cluster's, before the compile starts
-        shared_compile = await SharedCompile.prepare(config, bus, subjects)
+        # the compiled decode step: loaded from the cluster where another worker compiled it
+        store = await NatsArtifactStore.open(bus, subjects) if config.compile != "off" else None
         log.info("loading %s", settings.model)
-        engine = await asyncio.to_thread(AsyncEngine.start, config)
+        engine = await asyncio.to_thread(AsyncEngine.start, config, store)
     except BaseException:
         await bus.close()
         raise
-    publishing = asyncio.create_task(shared_compile.publish_when_compiled(engine)) if shared_compile else None
     roles = None
     try:
         registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s, watch=True)
@@ -169,8 +168,6 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
                              publish_kv_events=lambda q: publish_kv_events_forever(
                                  bus, subjects.kv_events(settings.worker_id), settings.worker_id, q))
     finally:
-        if publishing is not None:
-            publishing.cancel()
         if roles is not None:
             await roles.withdraw_metadata()
         await bus.close()

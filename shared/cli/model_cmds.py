@@ -31,16 +31,16 @@ def register(subparsers) -> None:
     msub = m.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     f = msub.add_parser("fetch", help="download a model alias into the cache ahead of time",
                         description="Resolve an alias (downloading it into TANDEM_CACHE_DIR) or check a path. "
-                                    "With --compile, also build the compiled decode step's artifacts for this "
-                                    "machine (CPU), as a worker with the same precision, block size and "
-                                    "threads would, so that its compile takes seconds; with --nats, take them "
-                                    "from the cluster if it has them and publish them if it has not.")
+                                    "With --compile, also compile the decode step for this machine (CPU) as a "
+                                    "worker with the same precision, block size and threads would, so that "
+                                    "workers here load it in seconds; with --nats, take it from the cluster if "
+                                    "it has it and publish it there if not. Prints a JSON summary last.")
     f.add_argument("model", nargs="?", default=os.environ.get("TANDEM_MODEL", "smollm2-135m"),
                    help="alias or path (env TANDEM_MODEL; default: %(default)s)")
     c = f.add_argument_group("compiled decode step (env: TANDEM_<FLAG>)")
     c.add_argument("--compile", action="store_true",
-                   help="build the compiled decode step's artifacts under TANDEM_COMPILE_CACHE_DIR "
-                        "(default: TANDEM_CACHE_DIR/compile): minutes the first time on a machine")
+                   help="compile the decode step into TANDEM_COMPILE_CACHE_DIR (default: TANDEM_CACHE_DIR/compile): "
+                        "minutes the first time on a machine, seconds to load afterwards")
     c.add_argument("--nats", default=None, metavar="URL",
                    help="with --compile: fetch the artifacts from this cluster's NATS Object Store, or publish "
                         "them there once built (credentials in the URL; env TANDEM_NATS_URL is not read here)")
@@ -211,14 +211,13 @@ def run_fetch(args) -> int:
 
 
 async def _compile_artifacts(args) -> str:
-    """Build (or fetch) the compiled decode step's artifacts for the workers' config on this
-    machine; publish them with ``--nats``. Returns a one-line JSON summary."""
+    """Load or compile the decode step as a worker with these settings would on this machine (and,
+    with ``--nats``, take it from the cluster or offer it there). Returns a one-line JSON summary."""
     import asyncio
     import json
 
     from shared.cli.errors import CliError
     from shared.engine import EngineConfig, LLMEngine
-    from shared.engine.compile_artifacts import CompileArtifacts, engine_artifact_key, fetch_from, publish_to
 
     try:
         config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, quantization=args.quantization,
@@ -226,29 +225,20 @@ async def _compile_artifacts(args) -> str:
                               num_threads=int(args.num_threads) if args.num_threads else None)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    artifacts = CompileArtifacts(CompileArtifacts.default_root(), await asyncio.to_thread(engine_artifact_key, config))
-    artifacts.activate()
-    bucket = bus = None
+    bus = store = None
     try:
         if args.nats:
             from shared.bus import Bus
             from shared.protocol import Subjects
+            from shared.worker.compile_share import NatsArtifactStore
 
             bus = await Bus.connect(args.nats, "tandem-model-fetch")
-            bucket = await bus.object_store(Subjects(args.namespace).compile_bucket)
-        done = artifacts.complete()
-        source = "local" if done else None
-        if done is None and bucket is not None and await fetch_from(bucket, artifacts):
-            source = "cluster"
-        engine = await asyncio.to_thread(LLMEngine.from_config, config)  # compiles (from the cache if filled)
-        compiled = engine.runner.compiled
-        if artifacts.complete() is None:
-            artifacts.mark_complete("compiled")
-            source = "compiled"
-        published = bucket is not None and await publish_to(bucket, artifacts)
+            store = await NatsArtifactStore.open(bus, Subjects(args.namespace))
+        engine = await asyncio.to_thread(LLMEngine.from_config, config, store)
     finally:
         if bus is not None:
             await bus.close()
-    return json.dumps({"key": artifacts.key, "dir": str(artifacts.dir), "source": source,
-                       "graphs_from_cache": compiled.cache_hits, "graphs_compiled": compiled.cache_misses,
-                       "compile_s": round(compiled.warm_s, 2), "published": published})
+    compiled = engine.runner.compiled
+    return json.dumps({"key": compiled.artifacts.key, "dir": str(compiled.artifacts.dir), "step": compiled.source,
+                       "fetched": bool(store and store.fetched), "published": bool(store and store.published),
+                       "seconds": round(compiled.warm_s, 2)})

@@ -69,8 +69,9 @@ class AsyncEngine:
         self._handed_over = (threading.get_ident(), cpu_threads.release_calling_thread())
 
     @classmethod
-    def start(cls, config: EngineConfig) -> "AsyncEngine":
-        return cls(LLMEngine.from_config(config))
+    def start(cls, config: EngineConfig, artifact_store=None) -> "AsyncEngine":
+        """``artifact_store``: see ``LLMEngine``."""
+        return cls(LLMEngine.from_config(config, artifact_store))
 
     # -- properties the services use --------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ from shared.kvcache.layout import KvCacheSpec
 from shared.kvcache.manager import KVCacheManager
 from shared.kvcache.tiers import KvTiers, TierConfig
 from shared.model.attention import AttentionBackend, get_attention_backend
+from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts, engine_artifact_key
 from shared.model.compiled import CompiledDecode
 from shared.model.llama import LlamaModel
 
@@ -57,7 +58,7 @@ class LoadedModel:
 
 
 def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id: str,
-                eos_token_ids: frozenset[int]) -> EngineParts:
+                eos_token_ids: frozenset[int], artifact_store: ArtifactStore | None = None) -> EngineParts:
     if config.quantization is not None and model.quantization != config.quantization:
         raise ValueError(f"the model's linear layers are {model.quantization!r} but the config asks for "
                          f"{config.quantization!r}: call model.quantize() or use LLMEngine.from_config")
@@ -75,7 +76,7 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
                           kv, namespace, Speculator(spec_config) if spec_config.enabled else None)
     backend = get_attention_backend(config.attention_backend, model.device)
-    runner, background_compile = _runner(model, config, kv_cache, backend, tokenizer, eos_token_ids)
+    runner, background_compile = _runner(model, config, kv_cache, backend, tokenizer, eos_token_ids, artifact_store)
     return EngineParts(max_model_len, namespace, kv_spec, num_blocks, events, kv_cache, tiers, kv, scheduler,
                        backend, runner, background_compile)
 
@@ -90,23 +91,28 @@ def _tiers(config: EngineConfig, kv_spec: KvCacheSpec, kv_cache: torch.Tensor, n
 
 
 def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,
-            tokenizer, eos_token_ids: frozenset[int]) -> tuple[ModelRunner, BackgroundCompile | None]:
-    """The model runner, with its decode step compiled now (``compile="on"``) or on a background
-    thread that hands the graph over when ready (``"background"``)."""
+            tokenizer, eos_token_ids: frozenset[int],
+            artifact_store: ArtifactStore | None) -> tuple[ModelRunner, BackgroundCompile | None]:
+    """The model runner, with its decode step compiled (or loaded: shared/model/compile_artifacts.py)
+    now (``compile="on"``) or on a background thread that hands it over when ready (``"background"``)."""
     compile_mode = config.compile
     if compile_mode != "off" and model.device.type != "cpu":
         log.info("no compiled decode step on %s: decode steps run eagerly", model.device.type)
         compile_mode = "off"
-    compiled = None
+    compiled = artifacts = None
     threads = engine_thread_count(config.num_threads)  # the engine thread's count, read before any hand-over
+    if compile_mode != "off":
+        artifacts = CompileArtifacts(CompileArtifacts.default_root(),
+                                     engine_artifact_key(model, config.block_size, threads))
     if compile_mode == "on":
         compiled = CompiledDecode(model, config.block_size, threads)
-        compiled.warm(kv_cache)
+        compiled.warm(kv_cache, artifacts, artifact_store)
     sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
     runner = ModelRunner(model, kv_cache, backend, config.block_size, sampler, compiled)
     if compile_mode != "background":
         return runner, None
-    background = BackgroundCompile(model, config.block_size, kv_cache, threads, runner.use_compiled)
+    background = BackgroundCompile(model, config.block_size, kv_cache, threads, runner.use_compiled,
+                                   artifacts, artifact_store)
     background.start()
     return runner, background
 

@@ -1,15 +1,16 @@
 """Compile the decode step on a thread of its own while eager steps serve (``--compile background``).
 
-A cold compile of the whole decode step takes minutes on a small CPU (seconds once inductor's disk
-cache holds it). A worker that waited for it would keep its users waiting for nothing: the eager
-step is correct, only slower. So the worker registers and serves eagerly, this thread traces and
-compiles the graph and runs it once per shape over block 0 of the pool (reading, never writing),
-and then hands it to the runner; the engine thread's next decode-only step runs compiled. A
-request in flight at that moment goes on in the graph, whose float sums differ from eager in the
-last bits, which can change a near-tie greedy token later in that request.
+A cold compile of the whole decode step takes minutes on a small CPU (seconds to load where this
+machine or its cluster compiled it before: shared/model/compile_artifacts.py). A worker that waited
+for it would keep its users waiting for nothing: the eager step is correct, only slower. So the
+worker registers and serves eagerly, this thread loads or compiles the step and runs it once over
+block 0 of the pool (reading, never writing), and then hands it to the runner; requests that start decoding from then on run
+their decode rows compiled. A request already decoding at that moment finishes eagerly: the
+graph's float sums differ from eager's in the last bits, which could change a near-tie greedy token
+later in that request (shared/engine/model_runner.py).
 
-The compiling thread takes the engine thread's intra-op thread count (dynamo guards on it) and
-frees its OpenMP team when it is done, so the engine thread is left the only one with a team (see
+The compiling thread takes the engine thread's intra-op thread count (the one the C++ loops are
+built for) and frees its OpenMP team when it is done, so the engine thread is left the only one with a team (see
 ``cpu_threads``). It runs at nice 19 (``TANDEM_COMPILE_NICE``), and so do the compiler processes
 it starts, so that on a machine with few cores the compile takes the CPU time serving leaves
 rather than half of it. A compile that fails is logged and the worker stays eager.
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from shared.engine import cpu_threads
+from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts
 from shared.model.compiled import CompiledDecode
 
 log = logging.getLogger(__name__)
@@ -32,15 +34,17 @@ log = logging.getLogger(__name__)
 
 class BackgroundCompile:
     def __init__(self, model, block_size: int, kv_cache: torch.Tensor, num_threads: int,
-                 on_ready: Callable[[CompiledDecode], None]) -> None:
+                 on_ready: Callable[[CompiledDecode], None], artifacts: CompileArtifacts | None = None,
+                 store: ArtifactStore | None = None) -> None:
         self.done = threading.Event()  # set when the graph is handed over, or the compile failed
         self.error: BaseException | None = None
         self._args = (model, block_size, kv_cache, num_threads)
+        self._artifacts, self._store = artifacts, store
         self._on_ready = on_ready
         self._thread = threading.Thread(target=self._run, name="compile-decode", daemon=True)
 
     def start(self) -> None:
-        log.info("compiling the decode step on a background thread; eager steps serve until it is ready")
+        log.info("compiling (or loading) the decode step on a background thread; eager steps serve until it is ready")
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -58,7 +62,7 @@ class BackgroundCompile:
         cpu_threads.adopt(num_threads)  # pinned to this thread: the creator drops to one thread later
         try:
             compiled = CompiledDecode(model, block_size, num_threads)
-            compiled.warm(kv_cache)
+            compiled.warm(kv_cache, self._artifacts, self._store)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the eager step, which is correct
             self.error = exc
             log.warning("compiling the decode step failed, decode steps stay eager: %s: %s",

@@ -23,6 +23,7 @@ from shared.engine.scheduler import SchedulerOutput
 from shared.engine.step_stats import EngineStats, PrefillRate, StepObserver, StepStats  # noqa: F401
 from shared.grammar import GrammarError, compile_grammar
 from shared.kvcache.events import KvEventSink
+from shared.model.compile_artifacts import ArtifactStore
 from shared.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,12 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: LlamaModel, config: EngineConfig, *, tokenizer=None,
-                 model_id: str = "model", eos_token_ids: frozenset[int] = frozenset()) -> None:
-        parts = build_parts(model, config, tokenizer=tokenizer, model_id=model_id, eos_token_ids=eos_token_ids)
+                 model_id: str = "model", eos_token_ids: frozenset[int] = frozenset(),
+                 artifact_store: ArtifactStore | None = None) -> None:
+        """``artifact_store``: where the cluster keeps compiled decode steps (a worker's NATS bucket),
+        asked before compiling and offered what this engine compiles."""
+        parts = build_parts(model, config, tokenizer=tokenizer, model_id=model_id, eos_token_ids=eos_token_ids,
+                            artifact_store=artifact_store)
         self.model, self.config, self.tokenizer, self.model_id = model, config, tokenizer, model_id
         self.eos_token_ids, self.device, self.block_size = eos_token_ids, model.device, config.block_size
         self.max_model_len, self.kv_namespace = parts.max_model_len, parts.kv_namespace
@@ -43,11 +48,11 @@ class LLMEngine:
         self._log_capacity()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, artifact_store: ArtifactStore | None = None) -> "LLMEngine":
         """Resolve the model name (fetching the default model if needed), load it and build on it."""
         loaded = load_model(config)
         return cls(loaded.model, loaded.config, tokenizer=loaded.tokenizer, model_id=loaded.model_id,
-                   eos_token_ids=loaded.eos_token_ids)
+                   eos_token_ids=loaded.eos_token_ids, artifact_store=artifact_store)
 
     def _log_capacity(self) -> None:
         tokens = self.num_blocks * self.block_size

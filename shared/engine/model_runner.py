@@ -61,14 +61,56 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta, logits_rows
 
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                num_compiled: int = 0) -> torch.Tensor:
+        """Hidden states of every token of the step: the first ``num_compiled`` entries (decode rows,
+        one token each) through the compiled step, the others eagerly, two forwards if both."""
+        if num_compiled == 0:
+            return self.model.forward(ids, pos, self.kv_cache, meta, self.backend)
+        if num_compiled == ids.shape[0]:
+            return self.compiled.forward(ids, pos, self.kv_cache, meta)
+        n = num_compiled
+        first = AttentionMetadata(n, meta.slot_mapping[:n], meta.block_tables[:n], meta.seq_lens[:n],
+                                  meta.query_start_loc[:n + 1], int(meta.seq_lens[:n].max()), 1)
+        rest = AttentionMetadata(meta.num_decodes - n, meta.slot_mapping[n:], meta.block_tables[n:],
+                                 meta.seq_lens[n:], meta.query_start_loc[n:] - n, int(meta.seq_lens[n:].max()),
+                                 meta.max_query_len)
+        return torch.cat([self.compiled.forward(ids[:n], pos[:n], self.kv_cache, first),
+                          self.model.forward(ids[n:], pos[n:], self.kv_cache, rest, self.backend)])
+
+    def split(self, out: SchedulerOutput) -> tuple[SchedulerOutput, int]:
+        """The step's entries with those that run compiled first, and how many they are.
+
+        A request's decode rows all run one way, fixed at its first one: compiled if the compiled
+        step is there by then, else eager to its end (a request decoding when the background
+        compile hands over does not change path). Decode rows run compiled also in a step that
+        prefills another request, beside the eager prefill: the compiled step's sums differ from
+        eager's in the last bits, which int8 rounding can carry into a token, so a request's tokens
+        would otherwise depend on whether someone was prefilling beside it."""
+        if self.compiled is None:
+            for s in out.scheduled:
+                if s.request.decode_path is None and s.start >= s.request.num_prompt_tokens and not s.draft:
+                    s.request.decode_path = "eager"
+            return out, 0
+        compiled, rest = [], []
+        for s in out.scheduled:
+            if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens:  # a decode row
+                if s.request.decode_path is None:
+                    s.request.decode_path = "compiled"
+                if s.request.decode_path == "compiled":
+                    compiled.append(s)
+                    continue
+            rest.append(s)
+        if not rest or not compiled:
+            return out, len(compiled)
+        return SchedulerOutput(compiled + rest, out.preempted), len(compiled)
+
     def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of every request that reached its last token: one,
         or for a speculative step the accepted draft tokens and one more."""
+        out, num_compiled = self.split(out)
         ids, pos, meta, rows = self.prepare(out)
-        if self.compiled is not None and self.compiled.applies(meta, ids.shape[0]):
-            hidden = self.compiled.forward(ids, pos, self.kv_cache, meta)
-        else:
-            hidden = self.model.forward(ids, pos, self.kv_cache, meta, self.backend)
+        hidden = self.forward(ids, pos, meta, num_compiled)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return {}

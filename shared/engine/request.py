@@ -112,6 +112,8 @@ class Request:
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     first_scheduled_time: float | None = None  # time.monotonic() of the step that first ran it
     deadline: float = math.inf  # when it should be finished (Unix seconds): earlier first within a priority
+    # "compiled" or "eager": how its decode rows run, fixed at the first one (shared/engine/model_runner.py)
+    decode_path: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

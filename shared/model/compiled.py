@@ -22,17 +22,21 @@ Three things differ from the eager step, all so that the graph is the same at ev
   matmuls over a concatenated K/V made inductor copy and transpose the gathered past first
   (about 125 µs a layer).
 
-The graph's caller is C++ (inductor's ``cpp_wrapper``), not generated Python, and dynamo checks only
-the guards on the step's inputs, not on the ~300 weight tensors the graph reads (they never change
-once the model is loaded). Measured on a 2-core AVX-512 CPU (SmolLM2-135M, int8 layers, batch 1):
-eager 17.6 ms a step; compiled with a Python caller and SDPA 12.9 ms; with a C++ caller, input
-guards and matmul attention 9.8 ms; this graph 8.4 ms.
+The graph's caller is C++ (inductor's ``cpp_wrapper``), not generated Python. Measured on a 2-core
+AVX-512 CPU (SmolLM2-135M, int8 layers, batch 1): eager 17.6 ms a step; compiled with a Python
+caller and SDPA 12.9 ms; with a C++ caller, input guards and matmul attention 9.8 ms; this graph
+8.4 ms.
 
-Sizes are symbolic (``dynamic=True``): one graph serves every batch of two or more sequences and
-every context length, and torch specializes one more for batch 1. ``warm()`` compiles both; a
-worker does that on a thread of its own while eager steps serve (``shared/engine/compile_thread.py``),
-or before it takes traffic. A cold compile takes minutes on a small CPU; inductor's on-disk cache
-makes the next process's compile take seconds. Prefill, chunked and speculative steps stay eager.
+The step is compiled ahead of time (``torch.compile(...).aot_compile``) into one function with
+symbolic sizes: one graph serves every batch and every context length. A lone sequence runs with a
+companion row (its results dropped), so that no second graph specialized for batch 1 exists: a
+sequence's rows get the same bits alone as among any batch-mates. The function is called without
+guards (every call passes inputs of the traced ranks and dtypes), and it is serialized with the
+inductor cache it was built in (shared/model/compile_artifacts.py): a later process on a machine
+like this one loads it in seconds instead of compiling for minutes, and a worker takes it from its
+cluster when this machine has none. ``warm()`` loads or compiles it; a worker does that on a thread
+of its own while eager steps serve (``shared/engine/compile_thread.py``), or before it takes
+traffic. Prefill, chunked and speculative steps stay eager.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch.nn.functional as F
 from kernels.cast import cast
 from kernels.rms_norm import fused_add_rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
+from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts
 from shared.model.attention import AttentionMetadata
 from shared.model.quant import linear
 
@@ -53,21 +58,19 @@ log = logging.getLogger(__name__)
 
 
 class CompiledDecode:
-    on_recompile = "eager_on_recompile"  # torch.compiler stance for the steps after warm(); tests: fail_on_recompile
-
     def __init__(self, model, block_size: int, num_threads: int | None = None) -> None:
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode step runs on the CPU, not on {model.device.type}")
         self.model = model
         self.block_size = block_size
-        self.num_steps = 0  # decode steps run through the graph
-        self.cache_hits = self.cache_misses = 0  # warm()'s graphs from inductor's disk cache / compiled
-        self.warm_s = 0.0  # how long warm() took
         # the C++ loops' OpenMP team size is fixed when they are generated: the engine thread's, not
         # that of the thread that happens to compile them
-        threads = num_threads or torch.get_num_threads()
-        self._graph = torch.compile(self._forward, dynamic=True, options={
-            "cpp_wrapper": True, "cpp.threads": threads, "guard_filter_fn": _inputs_guards_only})
+        self.threads = num_threads or torch.get_num_threads()
+        self.num_steps = 0  # decode steps run through the graph
+        self.source: str | None = None  # after warm(): "compiled" here, or "loaded" (compile_artifacts)
+        self.warm_s = 0.0  # how long warm() took
+        self.artifacts: CompileArtifacts | None = None  # where warm() loaded or kept the step
+        self._fn = None  # the step compiled ahead of time (torch's AOTCompiledFunction)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  past_blocks: torch.Tensor, past_valid: torch.Tensor):
@@ -106,9 +109,10 @@ class CompiledDecode:
                 meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states [B, hidden] of a decode-only step; writes its K/V into ``kv_cache``."""
         bs = self.block_size
+        num_seqs = input_ids.shape[0]
         past = meta.seq_lens.long() - 1
         # at least 2 blocks (the spare ones masked): with 1, the table's length would equal the batch
-        # size, and the graph traced with the two apart would be compiled again for that case
+        # size, which the graph was traced with apart
         num_blocks = max(2, -(-(meta.max_seq_len - 1) // bs))
         table = meta.block_tables[:, :num_blocks].long()
         if table.shape[1] < num_blocks:
@@ -116,12 +120,14 @@ class CompiledDecode:
         starts = torch.arange(num_blocks, device=table.device) * bs
         table = torch.where(starts[None, :] < past[:, None], table, 0)  # blocks past a length: block 0, masked
         past_valid = torch.arange(num_blocks * bs, device=table.device)[None, :] < past[:, None]
-        _mark_pool_static(kv_cache)
-        # the inputs are made outside inference mode, here and in warm(): torch guards on it
-        # a step whose shapes no compiled graph fits (none should, after warm()) runs the same function
-        # eagerly rather than stopping the engine for a compile
-        with torch.inference_mode(), torch.compiler.set_stance(self.on_recompile):
-            hidden, new_k, new_v = self._graph(input_ids, positions, kv_cache, table.reshape(-1), past_valid)
+        if num_seqs == 1:
+            # one graph serves every batch, so a sequence gets the same bits alone as among others:
+            # alone, it gets a companion row with no past (its results are dropped)
+            input_ids, positions = F.pad(input_ids, (0, 1)), F.pad(positions, (0, 1))
+            table, past_valid = F.pad(table, (0, 0, 0, 1)), F.pad(past_valid, (0, 0, 0, 1))
+        with torch.inference_mode():
+            hidden, new_k, new_v = self._fn(self, input_ids, positions, kv_cache, table.reshape(-1), past_valid)
+        hidden, new_k, new_v = hidden[:num_seqs], new_k[:num_seqs], new_v[:num_seqs]
         block = torch.div(meta.slot_mapping, bs, rounding_mode="floor")
         offset = meta.slot_mapping - block * bs
         kv_cache[block, :, 0, offset] = cast(new_k, kv_cache.dtype)
@@ -129,37 +135,68 @@ class CompiledDecode:
         self.num_steps += 1
         return hidden
 
-    def warm(self, kv_cache: torch.Tensor) -> None:
-        """Compile the graphs (batch 1, and one for every larger batch) before traffic comes: a
-        step over block 0 whose results are dropped; nothing is written to the cache."""
-        cfg = self.model.cfg
-        dev = kv_cache.device
+    def warm(self, kv_cache: torch.Tensor, artifacts: CompileArtifacts | None = None,
+             store: ArtifactStore | None = None) -> None:
+        """Make the step ready before traffic comes: load it from ``artifacts`` (this machine's, or
+        fetched from ``store``) or compile it ahead of time (and keep it there, and offer it to
+        ``store``); then run it once over block 0, whose results are dropped (nothing is written)."""
         started = time.perf_counter()
-        before = inductor_cache_counts()
+        self.artifacts = artifacts
         _mark_pool_static(kv_cache)
-        # sizes unlike each other and unlike the model's (torch gives equal sizes one symbol when it
-        # traces, which would tie the batch to, say, the number of KV heads)
-        num_blocks = 7
-        for num_seqs in (1, 5):
-            ids = torch.zeros(num_seqs, dtype=torch.long, device=dev)
-            pos = torch.ones(num_seqs, dtype=torch.long, device=dev)
-            blocks = torch.zeros(num_seqs * num_blocks, dtype=torch.long, device=dev)
-            valid = torch.zeros(num_seqs, num_blocks * self.block_size, dtype=torch.bool, device=dev)
-            valid[:, 0] = True
+        example = self._example(kv_cache)
+        if artifacts is not None:
+            artifacts.activate()
+            if artifacts.complete() is None and store is not None:
+                artifacts.fetch(store)
+            if artifacts.complete() is not None:
+                try:
+                    self._fn = _load(artifacts.function_path.read_bytes(), self._forward)
+                    self.source = "loaded"
+                except Exception as exc:  # noqa: BLE001 - compiling here is the fallback
+                    log.warning("the compiled step in %s cannot be loaded (%s: %s): compiling it again",
+                                artifacts.dir, type(exc).__name__, exc)
+        if self._fn is None:
+            compiler = torch.compile(self._forward, dynamic=True, fullgraph=True,
+                                     options={"cpp_wrapper": True, "cpp.threads": self.threads})
             with torch.inference_mode():
-                self._graph(ids, pos, kv_cache, blocks, valid)
-        hits, misses = (now - then for now, then in zip(inductor_cache_counts(), before))
-        self.cache_hits, self.cache_misses = hits, misses
+                self._fn = compiler.aot_compile((example, {}))
+            self.source = "compiled"
+            if artifacts is not None:
+                artifacts.save_function(_serialize(self._fn), "compiled")
+        with torch.inference_mode():
+            self._fn(self, *example)  # brings the C++ libraries in (compiling any the cache lacks)
         self.warm_s = time.perf_counter() - started
-        log.info("compiled the decode step of %d layers in %.1f s (graphs: %d from inductor's cache, %d compiled)",
-                 cfg.num_layers, self.warm_s, hits, misses)
+        log.info("decode step of %d layers %s in %.1f s%s", self.model.cfg.num_layers,
+                 "loaded, compiled ahead of time," if self.source == "loaded" else "compiled", self.warm_s,
+                 f" ({artifacts.dir})" if artifacts is not None else "")
+        if artifacts is not None and store is not None:
+            artifacts.offer(store)
+
+    def _example(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Inputs to trace with: sizes unlike each other and unlike the model's (torch gives equal
+        sizes one symbol when it traces, which would tie the batch to, say, the number of KV heads),
+        and above 1 (a size of 1 would be fixed in the graph)."""
+        dev = kv_cache.device
+        num_seqs, num_blocks = 5, 7
+        valid = torch.zeros(num_seqs, num_blocks * self.block_size, dtype=torch.bool, device=dev)
+        valid[:, 0] = True
+        return (torch.zeros(num_seqs, dtype=torch.long, device=dev), torch.ones(num_seqs, dtype=torch.long, device=dev),
+                kv_cache, torch.zeros(num_seqs * num_blocks, dtype=torch.long, device=dev), valid)
 
 
-def inductor_cache_counts() -> tuple[int, int]:
-    """Graphs this process found in inductor's FX graph cache, and graphs it had to compile, so far."""
-    from torch._dynamo.utils import counters
+def _serialize(fn) -> bytes:
+    return type(fn).serialize(fn).serialized_data
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+def _load(data: bytes, forward):
+    """A step serialized by ``_serialize``, callable as ``fn(self, *inputs)``. Its guards are not
+    checked: every call passes inputs of the traced ranks and dtypes (``forward``), and the model it
+    reads from ``self`` has the structure the artifacts' key names."""
+    import io
+
+    fn = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=forward.__func__.__globals__)
+    fn.disable_guard_check()
+    return fn
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
@@ -193,10 +230,3 @@ def _mark_pool_static(kv_cache: torch.Tensor) -> None:
     blocks stays symbolic, so that a graph cached on disk serves any pool size."""
     for dim in range(1, kv_cache.dim()):
         torch._dynamo.mark_static(kv_cache, dim)
-
-
-def _inputs_guards_only(entries) -> list[bool]:
-    """Keep the guards on the step's inputs (their sizes, strides, dtypes: which graph fits) and on
-    torch's global state; drop those on the model (``self.*``: ~300 weight tensors and its settings)
-    and on module globals, neither of which changes once the model is loaded."""
-    return [not e.name.startswith(("self", "G[")) for e in entries]

@@ -1,9 +1,10 @@
-"""The compiled decode step is built once per cluster (shared/engine/compile_artifacts.py):
+"""The compiled decode step is built once per cluster (shared/model/compile_artifacts.py):
 ``tandem model fetch --compile --nats`` on one "machine" (a compile cache directory of its own)
-compiles the graphs and publishes them to a real nats-server; on a second machine with an empty
-cache the same command takes them from the cluster and compiles nothing; a third run there finds
-them locally. A 2-layer model with SmolLM2's vocabulary keeps the cold compile to about a minute.
-The real model's worker path is in test_compiled_worker.py."""
+compiles the step and publishes it to a real nats-server; on a second machine with an empty cache
+the same command takes it from the cluster and loads it; a third run there finds it locally. The
+loaded step gives the compiled one's greedy tokens. A 2-layer model with SmolLM2's vocabulary
+keeps the cold compile to about a minute. The real model's worker path is in
+test_compiled_worker.py."""
 
 from __future__ import annotations
 
@@ -36,16 +37,34 @@ def fetch_compile(model, cache_dir, nats_url: str, namespace: str) -> dict:
     return json.loads(lines[-1])
 
 
-def test_the_first_machine_compiles_and_publishes_later_ones_compile_nothing(tiny_gguf, nats_url, namespace,
-                                                                          tmp_path):
+def test_the_first_machine_compiles_and_publishes_later_ones_load(tiny_gguf, nats_url, namespace, tmp_path):
     first = fetch_compile(tiny_gguf, tmp_path / "host1", nats_url, namespace)
-    assert (first["source"], first["published"]) == ("compiled", True)
-    assert first["graphs_compiled"] == 2  # batch 1, and every larger batch
+    assert (first["step"], first["fetched"], first["published"]) == ("compiled", False, True)
 
     second = fetch_compile(tiny_gguf, tmp_path / "host2", nats_url, namespace)
     assert second["key"] == first["key"]
-    assert (second["source"], second["published"]) == ("cluster", False)
-    assert (second["graphs_from_cache"], second["graphs_compiled"]) == (2, 0)
+    assert (second["step"], second["fetched"], second["published"]) == ("loaded", True, False)
+    # what the second machine loaded is the first one's step, libraries included
+    one, two = (tmp_path / host / first["key"] for host in ("host1", "host2"))
+    assert (two / "decode.bin").read_bytes() == (one / "decode.bin").read_bytes()
+    assert sorted(p.name for p in (two / "inductor").rglob("*.so")) == sorted(p.name for p in (one / "inductor").rglob("*.so"))
 
     again = fetch_compile(tiny_gguf, tmp_path / "host2", nats_url, namespace)
-    assert (again["source"], again["graphs_from_cache"], again["graphs_compiled"]) == ("local", 2, 0)
+    assert (again["step"], again["fetched"], again["published"]) == ("loaded", False, False)
+
+
+def test_a_loaded_step_gives_the_compiled_steps_tokens(tiny_gguf, tmp_path, monkeypatch):
+    from shared.engine import EngineConfig, LLMEngine, SamplingParams
+
+    monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))  # restored afterwards
+    config = EngineConfig(model=str(tiny_gguf), device="cpu", kv_cache_memory=16 << 20, compile="on")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + 13 * j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(3)]
+    compiled = LLMEngine.from_config(config)
+    assert compiled.runner.compiled.source == "compiled"
+    expected = compiled.generate(prompts, greedy)
+    loaded = LLMEngine.from_config(config)
+    assert loaded.runner.compiled.source == "loaded"
+    assert loaded.generate(prompts, greedy) == expected
+    assert loaded.runner.compiled.num_steps >= 11

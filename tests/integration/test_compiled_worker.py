@@ -2,8 +2,8 @@
 off for the other tests): it is ready and answers before the graph is, ``/status`` then shows its
 decode step ``compiled``, and the greedy text is the in-process eager engine's (float32, real
 SmolLM2, real nats-server and redis-server). It publishes what it compiled to the cluster, and a
-second worker on "another machine" (an empty compile cache) compiles nothing: it takes every graph
-from the cluster's artifacts (shared/engine/compile_artifacts.py)."""
+second worker on "another machine" (an empty compile cache) compiles nothing: it loads the step
+from the cluster's artifacts (shared/model/compile_artifacts.py) and answers with the same text."""
 
 from __future__ import annotations
 
@@ -53,5 +53,5 @@ def test_worker_serves_eagerly_then_compiled_with_the_same_text(nats_server, red
         wait_for(lambda: decode_steps(stack).get(second) == "compiled", 600, "the second worker's compiled step")
         theirs = [line for line in stack.lines if line.startswith("decode-2|")]
         assert any("fetched from the cluster" in line for line in theirs), theirs[-20:]
-        assert any("(graphs: 2 from inductor's cache, 0 compiled)" in line for line in theirs), theirs[-20:]
+        assert any("loaded, compiled ahead of time," in line for line in theirs), theirs[-20:]
         assert ask() == expected and ask() == expected

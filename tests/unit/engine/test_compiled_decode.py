@@ -22,7 +22,6 @@ def engines(tiny_engine_model):
     compiled = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile=True))
     for engine in (eager, compiled):
         engine.kv_cache.fill_(float("nan"))  # what a slot holds before its token is written must not matter
-    compiled.runner.compiled.on_recompile = "fail_on_recompile"  # a step no graph fits raises here
     return eager, compiled
 
 
@@ -74,7 +73,6 @@ def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engi
         assert engine.background_compile.wait(timeout=600)
     assert engine.background_compile.error is None
     assert engine.runner.compiled is not None
-    engine.runner.compiled.on_recompile = "fail_on_recompile"
     graphs, steps = torch._dynamo.utils.counters["stats"]["unique_graphs"], engine.runner.compiled.num_steps
     assert engine.generate(prompts(3), greedy) == eager.generate(prompts(3), greedy)
     assert engine.generate(prompts(1), greedy) == eager.generate(prompts(1), greedy)
@@ -85,7 +83,7 @@ def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engi
 
 
 def test_a_failed_background_compile_leaves_the_eager_step(tiny_engine_model, monkeypatch, caplog):
-    def broken(self, kv_cache):
+    def broken(self, kv_cache, *artifacts):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(CompiledDecode, "warm", broken)
@@ -138,7 +136,6 @@ def test_background_graphs_fit_the_async_engine_thread(tiny_engine_model, monkey
 
     from shared.engine.async_engine import AsyncEngine
 
-    monkeypatch.setattr(CompiledDecode, "on_recompile", "fail_on_recompile")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="background"))
@@ -178,3 +175,113 @@ def test_two_models_in_one_process_each_run_their_own_graph(tmp_path):
         assert compiled.generate(prompts(2), greedy) == expected
         outputs.append(expected)
     assert outputs[0] != outputs[1]
+
+
+@pytest.mark.parametrize("method", ["int8", "int8-precise"])
+def test_a_row_gets_the_same_bits_alone_and_among_any_batch_mates(tmp_path, method):
+    """One graph serves every batch (a lone sequence runs beside a companion row), so with int8
+    layers (exact int32 sums per row) a sequence's hidden state is bit for bit the same alone, first
+    or last among others. (float32 matmuls are not: their kernels change with the number of rows.)"""
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    model.quantize(method, list(range(3, 60)))
+    compiled = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="on",
+                                             quantization=method))
+    step = compiled.runner.compiled
+    torch.manual_seed(1)
+    pool = torch.randn_like(compiled.kv_cache)
+    bs = step.block_size
+    # (token, length with the new token, the sequence's blocks)
+    seqs = {"a": (5, 14, [1, 2, 3, 4]), "b": (9, 7, [5, 6]), "c": (11, 19, [7, 8, 9, 10, 11]), "d": (3, 2, [12])}
+
+    def run(names: list[str]) -> dict[str, torch.Tensor]:
+        rows = [seqs[n] for n in names]
+        width = max(len(r[2]) for r in rows)
+        meta = AttentionMetadata(
+            num_decodes=len(rows),
+            slot_mapping=torch.tensor([r[2][(r[1] - 1) // bs] * bs + (r[1] - 1) % bs for r in rows]),
+            block_tables=torch.tensor([r[2] + [0] * (width - len(r[2])) for r in rows], dtype=torch.int32),
+            seq_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32),
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32), max_seq_len=max(r[1] for r in rows),
+            max_query_len=1)
+        hidden = step.forward(torch.tensor([r[0] for r in rows]), torch.tensor([r[1] - 1 for r in rows]), pool, meta)
+        return dict(zip(names, hidden))
+
+    alone = {name: run([name])[name] for name in seqs}
+    for batch in (["a", "b"], ["b", "a"], ["c", "a", "d"], ["d", "c", "b", "a"], ["a", "a", "b", "c", "d"]):
+        for name, row in run(batch).items():
+            assert torch.equal(row, alone[name]), (name, batch)
+
+
+def test_decode_rows_stay_compiled_while_another_request_prefills(tmp_path):
+    """A step that prefills one request and decodes another runs the decode rows through the
+    compiled step and the prefill eagerly: the decoding request's log-probabilities are bit for bit
+    those it gets alone (int8 layers), however the other's prompt is cut into chunks beside it."""
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    model.quantize("int8", list(range(3, 60)))
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="on", quantization="int8",
+                                           max_num_batched_tokens=16, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompt, long_prompt = prompts(2)[1], [(11 * j) % 250 + 3 for j in range(120)]
+
+    def decode(request_id: str, beside: list[int] | None) -> list[float]:
+        engine.add_request(request_id, prompt, params)
+        logprobs: list[float] = []
+        while engine.has_unfinished_requests():
+            if beside is not None and len(logprobs) == 2:  # a long prompt arrives while it decodes
+                engine.add_request(request_id + "-beside", beside, SamplingParams(max_tokens=2, ignore_eos=True))
+                beside = None
+            for out in engine.step():
+                if out.request_id == request_id:
+                    logprobs.extend(lp.logprob for lp in out.logprobs or ())
+        return logprobs
+
+    alone = decode("alone", None)
+    steps = engine.runner.compiled.num_steps
+    beside = decode("beside", long_prompt)
+    assert len(alone) == 12 and beside == alone
+    # every one of its tokens after the first came from the compiled step, prefill steps included
+    assert engine.runner.compiled.num_steps - steps >= 11
+
+
+def test_a_request_keeps_the_path_it_started_decoding_on(tmp_path):
+    """When the compiled step is handed over (the background compile), a request already decoding
+    eagerly finishes eagerly, bit for bit as on an engine that never compiles (int8 layers); one
+    that starts decoding afterwards runs compiled."""
+    from shared.model.compile_artifacts import CompileArtifacts, engine_artifact_key
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    model.quantize("int8", list(range(3, 60)))
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, quantization="int8", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompt = prompts(2)[1]
+
+    def logprobs(engine, request_id: str, hand_over_after: int | None = None) -> list[float]:
+        engine.add_request(request_id, prompt, params)
+        got: list[float] = []
+        while engine.has_unfinished_requests():
+            if hand_over_after is not None and len(got) == hand_over_after:
+                compiled = CompiledDecode(model, 4)
+                compiled.warm(engine.kv_cache, CompileArtifacts(CompileArtifacts.default_root(),
+                                                                engine_artifact_key(model, 4, compiled.threads)))
+                engine.runner.use_compiled(compiled)
+            for out in engine.step():
+                got.extend(lp.logprob for lp in out.logprobs or ())
+        return got
+
+    eager_only = logprobs(LLMEngine(model, config), "eager")
+    engine = LLMEngine(model, config)
+    assert logprobs(engine, "across", hand_over_after=3) == eager_only
+    assert engine.runner.compiled.num_steps == 0
+    after = logprobs(engine, "after")  # started once the compiled step was there: compiled throughout
+    assert engine.runner.compiled.num_steps >= 9 and len(after) == 10

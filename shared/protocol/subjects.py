@@ -218,8 +218,8 @@ class Subjects:
 
     @property
     def compile_bucket(self) -> str:
-        """Object Store: artifact key → the compiled decode step's inductor cache, packed by the first
-        worker that compiled it (``shared.model.compile_artifacts``)."""
+        """Object Store: artifact key → the compiled decode step (serialized, with its inductor cache),
+        packed by the first worker that compiled it (``shared.model.compile_artifacts``)."""
         return f"{self.namespace}-compile"
 
     @property

@@ -89,12 +89,12 @@ class ModelRunner:
         would otherwise depend on whether someone was prefilling beside it."""
         if self.compiled is None:
             for s in out.scheduled:
-                if s.request.decode_path is None and s.start >= s.request.num_prompt_tokens and not s.draft:
+                if s.request.decode_path is None and s.request.decodes_at(s.start) and not s.draft:
                     s.request.decode_path = "eager"
             return out, 0
         compiled, rest = [], []
         for s in out.scheduled:
-            if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens:  # a decode row
+            if s.num_new_tokens == 1 and s.request.decodes_at(s.start):  # a decode row
                 if s.request.decode_path is None:
                     s.request.decode_path = "compiled"
                 if s.request.decode_path == "compiled":

@@ -135,6 +135,31 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """Positions before this one may be computed many per step (prefill chunks); the others one
+        per step, as decode rows. For a greedy request that is its own prompt's end also when it
+        recomputes tokens it generated (after a move from another worker: the prompt's last
+        ``num_output_in_prompt`` tokens; after a preemption: its output): decode rows and prefill
+        chunks differ in the last bits of attention, which int8 rounding can carry into a token, so
+        recomputing them as they were first computed keeps its continuation the same. Others (and a
+        request that moved here with a different sampler state anyway) prefill all they can."""
+        if self.sampling_params.temperature != 0.0:
+            return self.num_tokens
+        return self.num_prompt_tokens - self.sampling_params.num_output_in_prompt
+
+    def decodes_at(self, position: int) -> bool:
+        """Whether computing position ``position`` alone is a decode row: an output token, generated
+        now or recomputed (``prefill_end``)."""
+        return position >= min(self.prefill_end, self.num_prompt_tokens)
+
+    def chunk(self, start: int, budget: int) -> int:
+        """How many tokens from position ``start`` to compute this step, at most ``budget``."""
+        end = self.prefill_end
+        if start >= end:
+            return min(1, budget, self.num_tokens - start)
+        return min(self.num_tokens - start, budget, end - start)
+
+    @property
     def sort_key(self) -> tuple[int, float, int]:
         return (self.priority, self.deadline, self.arrival_seq)
 

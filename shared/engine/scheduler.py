@@ -144,7 +144,8 @@ class Scheduler:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.check_fits(request.num_prompt_tokens)
         request.update_block_hashes(self.kv.block_size, self.namespace)
-        hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+        hits, num_hit = self.kv.find_cached_prefix(request.block_hashes,
+                                                   min(request.num_tokens, request.prefill_end + 1))
         if decide is not None and not decide(num_hit):
             return None
         table = self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, hits)
@@ -170,7 +171,8 @@ class Scheduler:
             self._release_or_hold(request, request.status)
             return request
         if kv_written:
-            full = request.num_prompt_tokens // self.kv.block_size * self.kv.block_size
+            # a greedy request's recomputed output is computed here, as decode rows (``prefill_end``)
+            full = min(request.num_prompt_tokens, request.prefill_end) // self.kv.block_size * self.kv.block_size
             request.num_computed_tokens = max(request.num_computed_tokens, min(full, request.num_prompt_tokens - 1))
             # the received blocks are reusable (and announced) from now on, like computed ones
             self.kv.cache_computed(request_id, request.all_token_ids, request.block_hashes,
@@ -238,8 +240,8 @@ class Scheduler:
         waits on none of their work (a batch tier's decode batch or prompt chunks would otherwise
         make every premium prefill step longer). With a single priority nothing is left out; rows
         with draft tokens stay (their drafts are taken)."""
-        def is_decode(s: ScheduledRequest) -> bool:
-            return s.num_new_tokens == 1 and s.start == s.request.num_tokens - 1
+        def is_decode(s: ScheduledRequest) -> bool:  # a recomputed output token counts as one too
+            return s.num_new_tokens == 1 and s.start >= min(s.request.num_tokens - 1, s.request.prefill_end)
 
         prefills = [s.request.priority for s in out.scheduled if not s.draft and not is_decode(s)]
         if prefills:
@@ -247,7 +249,7 @@ class Scheduler:
             out.scheduled = [s for s in out.scheduled if s.draft or s.request.priority <= top]
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = request.chunk(request.num_computed_tokens, budget)
         table = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out)
         if table is None:
             return budget
@@ -303,8 +305,10 @@ class Scheduler:
             if self.kv.is_loading(request.block_hashes):
                 i += 1
                 continue
-            hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
-            num_new = min(request.num_tokens - num_hit, budget)
+            # blocks past prefill_end were computed as someone's prefill: recompute them as decode rows
+            hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, min(request.num_tokens,
+                                                                                   request.prefill_end + 1))
+            num_new = request.chunk(num_hit, budget)
             table = self.kv.allocate_slots(request.request_id, num_hit + num_new, hits)
             if table is None:
                 break

@@ -33,3 +33,24 @@ def test_background_compile_answers_at_once_and_keeps_the_greedy_text(make_engin
     # every token after each request's first came from a compiled step (the two share steps)
     assert engine.runner.compiled.num_steps - steps >= max(map(len, expected)) - 1 > 5
     engine.kv.check_integrity()
+
+
+def test_default_precision_greedy_tokens_hold_in_a_batch_beside_a_prefill_and_after_a_move(chat_prompts):
+    """The workers' default (int8 layers on a CPU with VNNI, the compiled step): a greedy request's
+    tokens are the same alone, among batch-mates, beside another request's chunked prefill, and
+    when it moves to another engine after 15 tokens and recomputes them there."""
+    from shared.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model="smollm2-135m", device="cpu", compile="on", kv_cache_memory=64 << 20,
+                          max_num_batched_tokens=64, enable_prefix_caching=False)
+    engine = LLMEngine.from_config(config)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short = [chat_prompts[i] for i in (0, 2, 4)]
+    alone = [engine.generate([p], greedy)[0] for p in short]
+    assert engine.generate(short, greedy) == alone
+    beside = engine.generate(short + [chat_prompts[3]], greedy)  # its ~250 tokens prefill in chunks of 64
+    assert beside[:3] == alone
+    assert engine.runner.compiled.num_steps > 3 * 39
+    other = LLMEngine.from_config(config)  # another worker
+    moved = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True, num_output_in_prompt=15)
+    assert [other.generate([p + out[:15]], moved)[0] for p, out in zip(short, alone)] == [out[15:] for out in alone]

@@ -285,3 +285,46 @@ def test_a_request_keeps_the_path_it_started_decoding_on(tmp_path):
     assert engine.runner.compiled.num_steps == 0
     after = logprobs(engine, "after")  # started once the compiled step was there: compiled throughout
     assert engine.runner.compiled.num_steps >= 9 and len(after) == 10
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_a_moved_greedy_request_continues_with_the_same_bits(tmp_path, compile_mode):
+    """A greedy request that moves to another engine after some tokens (its prompt then ends with
+    them, ``num_output_in_prompt``) recomputes them as decode rows, as they were first computed,
+    not as a prefill: its continuation has the same tokens and log-probabilities, bit for bit, as
+    if it had not moved (int8 layers; eager and compiled steps)."""
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    model.quantize("int8", list(range(3, 60)))
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, quantization="int8", compile=compile_mode,
+                          max_num_batched_tokens=16)
+    prompt = prompts(3)[2]
+
+    def run(engine, request_id: str, tokens: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
+        engine.add_request(request_id, tokens, params)
+        ids, logprobs = [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                ids.extend(out.new_token_ids)
+                logprobs.extend(lp.logprob for lp in out.logprobs or ())
+        return ids, logprobs
+
+    ids, logprobs = run(LLMEngine(model, config), "first", prompt,
+                        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0))
+    for moved_after in (1, 6, 11):
+        other = LLMEngine(model, config)  # another worker, with the same step
+        rest = run(other, f"moved-{moved_after}", prompt + ids[:moved_after],
+                   SamplingParams(max_tokens=16 - moved_after, temperature=0.0, ignore_eos=True, logprobs=0,
+                                  num_output_in_prompt=moved_after))
+        assert rest == (ids[moved_after:], logprobs[moved_after:]), moved_after
+
+
+def test_sampled_requests_decode_compiled_too(engines):
+    _, compiled = engines
+    steps = compiled.runner.compiled.num_steps
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+    assert [len(t) for t in compiled.generate(prompts(2), sampled)] == [8, 8]
+    assert compiled.runner.compiled.num_steps - steps >= 7

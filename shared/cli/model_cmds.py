@@ -235,6 +235,9 @@ async def _compile_artifacts(args) -> str:
             bus = await Bus.connect(args.nats, "tandem-model-fetch")
             store = await NatsArtifactStore.open(bus, Subjects(args.namespace))
         engine = await asyncio.to_thread(LLMEngine.from_config, config, store)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # inductor's errors are RuntimeErrors
+        raise CliError(f"the decode step could not be compiled: {type(exc).__name__}: "
+                       f"{str(exc).strip().splitlines()[0]}") from None
     finally:
         if bus is not None:
             await bus.close()

@@ -103,6 +103,12 @@ def during_compile(args, batch_size: int) -> dict:
             "compile_s": round(compile_s, 1), "precision": f"{engine.config.dtype}/{engine.config.quantization}"}
 
 
+def precision_flags(args) -> list[str]:
+    """The child command's --dtype, --quantization and --num-threads, those given here."""
+    return [part for flag in ("dtype", "quantization", "num_threads") if getattr(args, flag) is not None
+            for part in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
+
+
 def run_during_compile(args) -> int:
     """One fresh process per nice value, each with an empty inductor cache, taking turns."""
     report: dict = {"batches": {}, "config": {k: str(v) for k, v in vars(args).items()}}
@@ -111,10 +117,8 @@ def run_during_compile(args) -> int:
             with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TANDEM_COMPILE_NICE": str(nice)}
                 cmd = [sys.executable, "-m", "loadtest.bench.compile", "--one-during-compile", "--batch-sizes", str(b),
-                       "--steps", str(args.steps), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens)]
-                for flag in ("dtype", "quantization", "num_threads"):
-                    if getattr(args, flag) is not None:
-                        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                       "--steps", str(args.steps), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
+                       *precision_flags(args)]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             report["batches"].setdefault(str(b), {})[f"nice {nice}"] = r
@@ -137,10 +141,7 @@ def run_artifacts(args) -> int:
         try:
             for name, machine in (("cold", "machine-1"), ("cluster", "machine-2"), ("local", "machine-2")):
                 cmd = [sys.executable, "-m", "services.cli", "model", "fetch", args.model, "--compile",
-                       "--nats", nats.url, "--namespace", "bench"]
-                for flag in ("dtype", "quantization", "num_threads"):
-                    if getattr(args, flag) is not None:
-                        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                       "--nats", nats.url, "--namespace", "bench", *precision_flags(args)]
                 env = {**os.environ, "TANDEM_COMPILE_CACHE_DIR": str(Path(tmp) / machine)}
                 started = time.perf_counter()
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout

@@ -87,16 +87,12 @@ class ModelRunner:
         prefills another request, beside the eager prefill: the compiled step's sums differ from
         eager's in the last bits, which int8 rounding can carry into a token, so a request's tokens
         would otherwise depend on whether someone was prefilling beside it."""
-        if self.compiled is None:
-            for s in out.scheduled:
-                if s.request.decode_path is None and s.request.decodes_at(s.start) and not s.draft:
-                    s.request.decode_path = "eager"
-            return out, 0
+        path = "eager" if self.compiled is None else "compiled"  # for a request's first decode row
         compiled, rest = [], []
         for s in out.scheduled:
             if s.num_new_tokens == 1 and s.request.decodes_at(s.start):  # a decode row
                 if s.request.decode_path is None:
-                    s.request.decode_path = "compiled"
+                    s.request.decode_path = path
                 if s.request.decode_path == "compiled":
                     compiled.append(s)
                     continue

@@ -147,6 +147,12 @@ class Request:
             return self.num_tokens
         return self.num_prompt_tokens - self.sampling_params.num_output_in_prompt
 
+    @property
+    def num_reusable_tokens(self) -> int:
+        """How far its KV may come from elsewhere (the prefix cache, a prefix lookup): up to
+        ``prefill_end``, with one more token for the cache's rule that the last one is computed."""
+        return min(self.num_tokens, self.prefill_end + 1)
+
     def decodes_at(self, position: int) -> bool:
         """Whether computing position ``position`` alone is a decode row: an output token, generated
         now or recomputed (``prefill_end``)."""

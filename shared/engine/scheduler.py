@@ -144,8 +144,7 @@ class Scheduler:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.check_fits(request.num_prompt_tokens)
         request.update_block_hashes(self.kv.block_size, self.namespace)
-        hits, num_hit = self.kv.find_cached_prefix(request.block_hashes,
-                                                   min(request.num_tokens, request.prefill_end + 1))
+        hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_reusable_tokens)
         if decide is not None and not decide(num_hit):
             return None
         table = self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, hits)
@@ -306,8 +305,7 @@ class Scheduler:
                 i += 1
                 continue
             # blocks past prefill_end were computed as someone's prefill: recompute them as decode rows
-            hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, min(request.num_tokens,
-                                                                                   request.prefill_end + 1))
+            hits, num_hit = self.kv.find_cached_prefix(request.block_hashes, request.num_reusable_tokens)
             num_new = request.chunk(num_hit, budget)
             table = self.kv.allocate_slots(request.request_id, num_hit + num_new, hits)
             if table is None:

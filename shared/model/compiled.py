@@ -100,11 +100,6 @@ class CompiledDecode:
         out = fused_add_rms_norm_ref(hidden, residual, model.norm, cfg.rms_norm_eps)[0]
         return out, torch.stack(new_k, dim=1), torch.stack(new_v, dim=1)  # [B, hidden], [B, layers, Hkv, D] x2
 
-    @staticmethod
-    def applies(meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only step: one new token per sequence, no prefill chunk, no draft rows."""
-        return meta.num_decodes == num_tokens == meta.seq_lens.shape[0]
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states [B, hidden] of a decode-only step; writes its K/V into ``kv_cache``."""

@@ -48,15 +48,27 @@ def test_no_recompilation_after_warm_up(engines):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
 
 
-def test_only_decode_only_steps_apply():
-    def meta(num_decodes: int, seq_lens: list[int]) -> AttentionMetadata:
-        n = len(seq_lens)
-        return AttentionMetadata(num_decodes, torch.zeros(1), torch.zeros(n, 1), torch.tensor(seq_lens),
-                                 torch.zeros(n + 1), max(seq_lens), 1)
+def test_only_decode_rows_run_compiled(engines):
+    """A step's decode rows go through the compiled step, first; a prefill chunk, a prompt's last
+    token computed alone and a speculative row (1 token + 3 drafts) run eagerly after them."""
+    from shared.engine.request import Request
+    from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 
-    assert CompiledDecode.applies(meta(2, [5, 9]), num_tokens=2)
-    assert not CompiledDecode.applies(meta(1, [5, 9]), num_tokens=8)  # a prefill chunk in the step
-    assert not CompiledDecode.applies(meta(0, [9]), num_tokens=4)  # a speculative step: 1 token + 3 drafts
+    _, compiled = engines
+
+    def request(request_id: str, num_prompt: int, num_output: int = 0) -> Request:
+        r = Request(request_id, list(range(3, 3 + num_prompt)), SamplingParams(temperature=0.0))
+        r.output_token_ids = [5] * num_output
+        return r
+
+    decode = ScheduledRequest(request("decode", 5, 2), 1, [1, 2], 6)
+    chunk = ScheduledRequest(request("chunk", 20), 8, [3, 4, 5], 8)
+    last = ScheduledRequest(request("last", 20), 1, [6, 7, 8, 9, 10], 19)
+    draft = ScheduledRequest(request("draft", 5, 2), 4, [11, 12], 6, draft=[7, 8, 9])
+    out, num_compiled = compiled.runner.split(SchedulerOutput([last, chunk, decode, draft]))
+    assert num_compiled == 1
+    assert [s.request.request_id for s in out.scheduled] == ["decode", "last", "chunk", "draft"]
+    assert decode.request.decode_path == "compiled" and draft.request.decode_path is None
 
 
 def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engines, caplog):

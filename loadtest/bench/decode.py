@@ -34,19 +34,28 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantization", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if there is one)")
+    p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's token budget per step")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     return p.parse_args(argv)
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes read + written per second by the fastest of ``repeats`` copies of an ``nbytes`` tensor."""
-    src = torch.ones(nbytes // 4)
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes read + written per second by the fastest of ``repeats`` copies of an ``nbytes`` tensor
+    on ``device`` (the CPU's memory, or a GPU's)."""
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dst.copy_(src)
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync()
         best = min(best, time.perf_counter() - t0)
+    del src, dst
     return 2 * nbytes / best
 
 
@@ -87,10 +96,12 @@ def main(argv=None) -> int:
     from shared.engine import EngineConfig, LLMEngine, warmup
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    engine = LLMEngine.from_config(EngineConfig(model=args.model, max_num_seqs=max(batches), dtype=args.dtype,
-                                                quantization=args.quantization, num_threads=args.threads))
+    engine = LLMEngine.from_config(EngineConfig(
+        model=args.model, max_num_seqs=max(batches), dtype=args.dtype, quantization=args.quantization,
+        num_threads=args.threads, device=args.device, attention_backend=args.attention_backend,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len)))
     warmup(engine)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(engine.device)
     weights = weight_bytes_per_step(engine.model)
     rows = []
     for b in batches:
@@ -103,9 +114,12 @@ def main(argv=None) -> int:
     result = {"model": args.model, "precision": f"{engine.config.dtype} + {engine.config.quantization}",
               "weight_bytes_per_step": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,
               "threads": torch.get_num_threads(), "host": platform.node(), "processor": platform.processor(),
+              "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+              "attention_backend": engine.backend.name,
               "config": vars(args) | {"out": str(args.out)}, "rows": rows}
     print(f"weights read per step {weights / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-          f"(read + write); {torch.get_num_threads()} threads; precision {result['precision']}")
+          f"(read + write); {torch.get_num_threads()} threads; precision {result['precision']}; device "
+          f"{result['device']}, attention {result['attention_backend']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -6,8 +6,11 @@ Decode attention with Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 12
 16-token blocks, shuffled block tables): time per call, achieved bandwidth (K/V bytes of the
 context plus q and output, over time) as a fraction of the GPU's HBM bandwidth, and the speed
 ratio against torch SDPA and FlexAttention (compiled) on the same shapes over dense, contiguous
-K/V (their best case: neither reads a block table). Then bandwidth of the KV-movement kernels.
-Results are printed and saved as JSON under loadtest/results/, named after the device.
+K/V (their best case: neither reads a block table). Then causal prefill attention over the paged
+cache (whole prompts, the same heads) in TFLOP/s against SDPA on dense K/V, and the bandwidth of the
+KV-movement kernels. Results are printed and saved as JSON plus a plot under loadtest/results/kernels/
+(or --out), named after the device; the JSON is rewritten after every shape, so a run cut short
+keeps what it measured.
 Without CUDA it says so and exits with status 2: there is nothing to measure on the CPU.
 """
 
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).parents[1] / "results"
+RESULTS_DIR = Path(__file__).parents[1] / "results" / "kernels"
 # Peak HBM bandwidth in bytes/s by device-name fragment, most specific first.
 HBM_BYTES_PER_S = [
     ("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-80GB", 2.039e12),
@@ -43,6 +46,21 @@ def time_ms(fn) -> float:
     """Median ms per call (CUDA events, warmed up, L2 flushed between calls)."""
     from triton.testing import do_bench
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def graph_time_ms(fn) -> float:
+    """Median ms per call of ``fn`` replayed from a CUDA graph: the GPU time alone, without the
+    host's launch overhead that ``time_ms`` includes (at small shapes, the launches take longer
+    than the kernels; a serving step hides them by replaying a captured graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm on the side stream, as capture wants
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
 
 
 def paged_decode_inputs(batch: int, context: int, block_size: int, dtype: torch.dtype):
@@ -82,9 +100,11 @@ def bench_decode_shape(batch: int, context: int, block_size: int, dtype: torch.d
     row = {"batch": batch, "context": context, "block_size": block_size, "dtype": str(dtype),
            "num_splits": plan_num_splits(batch, NUM_KV_HEADS, context, num_sms)}
     row["triton_ms"] = time_ms(run_triton)
+    row["triton_graph_ms"] = graph_time_ms(run_triton)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * pool.element_size()
     row["bytes"] = kv_bytes + 2 * q.numel() * q.element_size()
     row["triton_gbps"] = row["bytes"] / row["triton_ms"] / 1e6
+    row["triton_graph_gbps"] = row["bytes"] / row["triton_graph_ms"] / 1e6
 
     k_dense, v_dense = dense_kv(pool, table, 0), dense_kv(pool, table, 1)
     del pool, k_cache, v_cache
@@ -96,6 +116,7 @@ def bench_decode_shape(batch: int, context: int, block_size: int, dtype: torch.d
     expected = _timed(row, "sdpa", run_sdpa)
     if expected is not None:
         row["max_abs_err_vs_sdpa"] = float((out.float() - expected[:, :, 0].float()).abs().max())
+        row["sdpa_graph_ms"] = graph_time_ms(run_sdpa)
     if flex is not None:
         _timed(row, "flex", lambda: flex(q4, k_dense, v_dense, scale=scale, enable_gqa=True))
     del k_dense, v_dense, expected
@@ -114,6 +135,46 @@ def _timed(row: dict, name: str, fn):
         row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         torch.cuda.empty_cache()
         return None
+
+
+def bench_prefill_shape(batch: int, prompt_len: int, block_size: int, dtype: torch.dtype) -> dict:
+    """Causal attention of ``batch`` whole prompts of ``prompt_len`` tokens over the paged cache."""
+    import torch.nn.functional as F
+
+    from kernels.prefill_attention_triton import paged_prefill_attention_triton
+
+    q_dense, pool, table, seq_lens = paged_decode_inputs(batch, prompt_len, block_size, dtype)
+    del q_dense
+    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    q = torch.randn(batch * prompt_len, NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    starts = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * prompt_len
+    scale = HEAD_DIM ** -0.5
+    out = torch.empty_like(q)
+
+    def run_triton():
+        paged_prefill_attention_triton(q, k_cache, v_cache, table, starts, seq_lens, scale,
+                                       max_query_len=prompt_len, out=out)
+
+    # causal: half the QK^T and PV products of a full square, 2 FLOPs per multiply-add
+    flops = 2 * 2 * batch * NUM_Q_HEADS * HEAD_DIM * prompt_len * prompt_len / 2
+    row = {"batch": batch, "prompt_len": prompt_len, "block_size": block_size, "dtype": str(dtype), "flops": flops}
+    row["triton_ms"] = time_ms(run_triton)
+    row["triton_tflops"] = flops / row["triton_ms"] / 1e9
+    k_dense, v_dense = dense_kv(pool, table, 0), dense_kv(pool, table, 1)
+    del pool, k_cache, v_cache
+    q4 = q.view(batch, prompt_len, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)  # [B, Hq, L, D]
+
+    def run_sdpa():
+        return F.scaled_dot_product_attention(q4, k_dense, v_dense, scale=scale, is_causal=True, enable_gqa=True)
+
+    expected = _timed(row, "sdpa", run_sdpa)
+    if expected is not None:
+        row["max_abs_err_vs_sdpa"] = float((out.view_as(q4.transpose(1, 2)).float()
+                                            - expected.transpose(1, 2).float()).abs().max())
+        row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["triton_ms"]
+    del k_dense, v_dense, expected
+    torch.cuda.empty_cache()
+    return row
 
 
 def bench_kv_movement(block_size: int, dtype: torch.dtype) -> list[dict]:
@@ -141,9 +202,43 @@ def _decode_line(row: dict, peak: float | None) -> str:
         return "-" if value is None else format(value, spec)
 
     frac = 100 * row["hbm_fraction"] if peak else None
+    graph_frac = 100 * row["graph_hbm_fraction"] if peak else None
     return (f"{row['batch']:>6} {row['context']:>8} {row['num_splits']:>6} {row['triton_ms']:>10.4f} "
             f"{row['triton_gbps']:>8.0f} {fmt(frac, '.0f'):>6} {fmt(row['speedup_vs_sdpa'], '.2f'):>7} "
-            f"{fmt(row['speedup_vs_flex'], '.2f'):>7} {fmt(row.get('max_abs_err_vs_sdpa'), '.1e'):>8}")
+            f"{fmt(row['speedup_vs_flex'], '.2f'):>7} {row['triton_graph_ms']:>9.4f} {fmt(graph_frac, '.0f'):>6} "
+            f"{fmt(row['graph_speedup_vs_sdpa'], '.2f'):>7} {fmt(row.get('max_abs_err_vs_sdpa'), '.1e'):>8}")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Decode attention's share of HBM bandwidth and its speed against SDPA / Flex, per shape."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["decode_attention"]
+    if not rows:
+        return
+    labels = [f"B{r['batch']}\n{r['context'] // 1024}k" for r in rows]
+    x = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.4
+    ax1.bar([i - width / 2 for i in x], [100 * (r["hbm_fraction"] or 0) for r in rows], width, label="launched")
+    ax1.bar([i + width / 2 for i in x], [100 * (r.get("graph_hbm_fraction") or 0) for r in rows], width,
+            label="CUDA graph")
+    ax1.legend()
+    ax1.set_xticks(list(x), labels)
+    ax1.set_ylabel("% of peak HBM bandwidth")
+    ax1.set_title(f"paged decode attention (Triton), {result['device']}")
+    for offset, other in ((-width / 2, "sdpa"), (width / 2, "flex")):
+        ax2.bar([i + offset for i in x], [r.get(f"speedup_vs_{other}") or 0 for r in rows], width, label=f"vs {other}")
+    ax2.axhline(1.0, color="black", linewidth=0.8)
+    ax2.set_xticks(list(x), labels)
+    ax2.set_ylabel("speed ratio (>1: Triton faster)")
+    ax2.set_title("against dense K/V (no block table)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def make_flex():
@@ -175,32 +270,50 @@ def main(argv: list[str] | None = None) -> int:
     peak = hbm_bandwidth(device_name, args.hbm_gbps)
     flex = None if args.no_flex else make_flex()
     dtype = torch.bfloat16
-    decode_rows = []
+    out = args.out or RESULTS_DIR / f"bench_kernels_{device_name.replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "device": device_name, "peak_hbm_bytes_per_s": peak, "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "decode_attention": [], "prefill_attention": [], "kv_movement": [],
+    }
+
+    def save():
+        out.write_text(json.dumps(result, indent=2))
+
     print(f"device: {device_name}  peak HBM: {peak / 1e9 if peak else 'unknown'} GB/s")
+    print("decode attention: per call as launched from Python, then replayed from a CUDA graph (GPU time alone)")
     print(f"{'batch':>6} {'context':>8} {'splits':>6} {'triton ms':>10} {'GB/s':>8} {'%HBM':>6} "
-          f"{'x SDPA':>7} {'x Flex':>7} {'max err':>8}")
+          f"{'x SDPA':>7} {'x Flex':>7} {'graph ms':>9} {'%HBM':>6} {'x SDPA':>7} {'max err':>8}", flush=True)
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
             row = bench_decode_shape(batch, context, args.block_size, dtype, flex)
             row["hbm_fraction"] = row["triton_gbps"] * 1e9 / peak if peak else None
+            row["graph_hbm_fraction"] = row["triton_graph_gbps"] * 1e9 / peak if peak else None
+            sdpa_graph_ms = row.get("sdpa_graph_ms")
+            row["graph_speedup_vs_sdpa"] = sdpa_graph_ms / row["triton_graph_ms"] if sdpa_graph_ms else None
             for other in ("sdpa", "flex"):
                 other_ms = row.get(f"{other}_ms")
                 row[f"speedup_vs_{other}"] = other_ms / row["triton_ms"] if other_ms else None
-            decode_rows.append(row)
-            print(_decode_line(row, peak))
-    movement_rows = bench_kv_movement(args.block_size, dtype)
-    for row in movement_rows:
-        print(f"{row['kernel']:>20} {row['ms']:>9.4f} ms {row['gbps']:>8.0f} GB/s")
-
-    result = {
-        "device": device_name, "peak_hbm_bytes_per_s": peak, "torch": torch.__version__,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "decode_attention": decode_rows, "kv_movement": movement_rows,
-    }
-    out = args.out or RESULTS_DIR / f"bench_kernels_{device_name.replace(' ', '_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"saved {out}")
+            result["decode_attention"].append(row)
+            print(_decode_line(row, peak), flush=True)
+            save()
+    print(f"{'batch':>6} {'prompt':>8} {'triton ms':>10} {'TFLOP/s':>8} {'x SDPA':>7} {'max err':>8}")
+    for batch, prompt_len in ((1, 4096), (4, 2048), (16, 512)):
+        row = bench_prefill_shape(batch, prompt_len, args.block_size, dtype)
+        result["prefill_attention"].append(row)
+        speedup, err = row.get("speedup_vs_sdpa"), row.get("max_abs_err_vs_sdpa")
+        print(f"{batch:>6} {prompt_len:>8} {row['triton_ms']:>10.4f} {row['triton_tflops']:>8.1f} "
+              f"{'-' if speedup is None else format(speedup, '.2f'):>7} {'-' if err is None else format(err, '.1e'):>8}",
+              flush=True)
+        save()
+    result["kv_movement"] = bench_kv_movement(args.block_size, dtype)
+    for row in result["kv_movement"]:
+        frac = f" = {row['gbps'] * 1e9 / peak:.0%} of HBM" if peak else ""
+        print(f"{row['kernel']:>20} {row['ms']:>9.4f} ms {row['gbps']:>8.0f} GB/s{frac}")
+    save()
+    plot(result, out.with_suffix(".png"))
+    print(f"saved {out} and {out.with_suffix('.png')}")
     return 0
 
 

@@ -28,6 +28,7 @@ def _write_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    mask = mask & (tl.full((BLOCK_H, BLOCK_D), 0, tl.int64) + slot >= 0)  # a negative slot: padding, no write
     page = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     token64 = token.to(tl.int64)
@@ -47,7 +48,7 @@ def write_kv_triton(
     value: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
     v_cache: torch.Tensor,  # [N, bs, Hkv, D], strided
-    slot_mapping: torch.Tensor,  # [T] int64: block_id * block_size + offset
+    slot_mapping: torch.Tensor,  # [T] int64: block_id * block_size + offset; negative: padding
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:

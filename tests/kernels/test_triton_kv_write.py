@@ -34,6 +34,24 @@ def test_write_kv_matches_reference(device, block_size, num_kv_heads, head_dim, 
     assert torch.equal(pool, expected)  # includes every slot and layer not written
 
 
+def test_padding_rows_write_nothing(device):
+    """A negative slot (a row that pads a CUDA graph's batch) writes nothing, in both versions:
+    the pool ends as if only the real rows had been written."""
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    pool = torch.randn(4, 2, 2, block_size, num_kv_heads, head_dim, device=device)
+    original, ref_pool, expected = pool.clone(), pool.clone(), pool.clone()
+    slot_mapping = torch.tensor([-1, 3, -1, 2 * block_size + 7, -1], dtype=torch.int64, device=device)
+    qkv = torch.randn(5, 3, num_kv_heads, head_dim, device=device)
+    key, value = qkv[:, 1], qkv[:, 2]
+    real = [1, 3]
+    write_kv_ref(key[real], value[real], expected[:, 1, 0], expected[:, 1, 1], slot_mapping[real])
+    write_kv_ref(key, value, ref_pool[:, 1, 0], ref_pool[:, 1, 1], slot_mapping)
+    write_kv_triton(key, value, pool[:, 1, 0], pool[:, 1, 1], slot_mapping)
+    assert not torch.equal(expected, original)  # the real rows were written
+    assert torch.equal(ref_pool, expected)
+    assert torch.equal(pool, expected)
+
+
 def test_write_kv_empty_step_is_a_no_op(device):
     pool = torch.randn(2, 1, 2, 16, 1, 64, device=device)
     before = pool.clone()

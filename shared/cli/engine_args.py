@@ -50,8 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    metavar="{off,on,background}",
                    help="CPU: run decode-only steps as one torch.compile graph (inductor): on = compiled before the "
                         "first request, background = compiled on a thread while eager steps answer; minutes the "
-                        "first time, seconds once inductor's disk cache has it; prefill stays eager "
-                        "(default: %(default)s; workers default to background)")
+                        "first time, seconds once inductor's disk cache has it; prefill stays eager. CUDA: on or "
+                        "background capture decode steps as CUDA graphs, one per batch bucket, before the first "
+                        "request (default: %(default)s; workers default to background)")
 
     t = parser.add_argument_group("KV tiers under the pool (env: TANDEM_KV_HOST_MEMORY, TANDEM_KV_DISK_DIR, ...)")
     t.add_argument("--kv-host-memory", default=_env("KV_HOST_MEMORY"),

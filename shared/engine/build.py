@@ -27,6 +27,7 @@ from shared.kvcache.tiers import KvTiers, TierConfig
 from shared.model.attention import AttentionBackend, get_attention_backend
 from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts, engine_artifact_key
 from shared.model.compiled import CompiledDecode
+from shared.model.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
                           kv, namespace, Speculator(spec_config) if spec_config.enabled else None)
     backend = get_attention_backend(config.attention_backend, model.device)
-    runner, background_compile = _runner(model, config, kv_cache, backend, tokenizer, eos_token_ids, artifact_store)
+    runner, background_compile = _runner(model, config, kv_cache, backend, tokenizer, eos_token_ids, artifact_store,
+                                         max_model_len)
     return EngineParts(max_model_len, namespace, kv_spec, num_blocks, events, kv_cache, tiers, kv, scheduler,
                        backend, runner, background_compile)
 
@@ -92,10 +94,16 @@ def _tiers(config: EngineConfig, kv_spec: KvCacheSpec, kv_cache: torch.Tensor, n
 
 def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,
             tokenizer, eos_token_ids: frozenset[int],
-            artifact_store: ArtifactStore | None) -> tuple[ModelRunner, BackgroundCompile | None]:
+            artifact_store: ArtifactStore | None,
+            max_model_len: int) -> tuple[ModelRunner, BackgroundCompile | None]:
     """The model runner, with its decode step compiled (or loaded: shared/model/compile_artifacts.py)
-    now (``compile="on"``) or on a background thread that hands it over when ready (``"background"``)."""
+    now (``compile="on"``) or on a background thread that hands it over when ready (``"background"``).
+    On CUDA either captures the decode step as CUDA graphs now (seconds; shared/model/cuda_graph.py)."""
     compile_mode = config.compile
+    sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
+    if model.device.type == "cuda":
+        return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
+                           _cuda_graphs(model, config, kv_cache, backend, max_model_len)), None
     if compile_mode != "off" and model.device.type != "cpu":
         log.info("no compiled decode step on %s: decode steps run eagerly", model.device.type)
         compile_mode = "off"
@@ -107,7 +115,6 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
     if compile_mode == "on":
         compiled = CompiledDecode(model, config.block_size, threads)
         compiled.warm(kv_cache, artifacts, artifact_store)
-    sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
     runner = ModelRunner(model, kv_cache, backend, config.block_size, sampler, compiled)
     if compile_mode != "background":
         return runner, None
@@ -115,6 +122,18 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
                                    artifacts, artifact_store)
     background.start()
     return runner, background
+
+
+def _cuda_graphs(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,
+                 max_model_len: int) -> GraphedDecode | None:
+    if config.compile == "off":
+        return None
+    if backend.name != "triton":  # the torch backend plans attention on the host (a sync per step)
+        log.info("CUDA graphs need the triton attention backend, not %s: decode steps run eagerly", backend.name)
+        return None
+    graphs = GraphedDecode(model, backend, config.block_size, config.max_num_seqs, max_model_len)
+    graphs.warm(kv_cache)
+    return graphs
 
 
 def _grammars(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> TokenizerGrammars | None:

@@ -52,7 +52,8 @@ class EngineConfig:
     speculative_tokens: int = 0  # draft tokens per step; 0: off
     speculative_max_batch: int = 4  # speculate only while this many requests or fewer run
     # decode-only steps as one compiled graph (shared/model/compiled.py; CPU): "on" compiles before the
-    # engine is returned, "background" on a thread while eager steps serve, "off" (or False) eager only
+    # engine is returned, "background" on a thread while eager steps serve, "off" (or False) eager only;
+    # on CUDA, "on" and "background" capture CUDA graphs before the engine is returned (shared/model/cuda_graph.py)
     compile: str | bool = "off"
 
     def __post_init__(self) -> None:

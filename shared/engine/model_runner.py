@@ -8,19 +8,20 @@ from shared.engine.sampler import SampledToken, Sampler
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.attention import AttentionBackend, AttentionMetadata
 from shared.model.compiled import CompiledDecode
+from shared.model.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, backend: AttentionBackend,
-                 block_size: int, sampler: Sampler, compiled: CompiledDecode | None = None) -> None:
+                 block_size: int, sampler: Sampler, compiled: CompiledDecode | GraphedDecode | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = block_size
         self.sampler = sampler
         self.device = model.device
-        self.compiled = compiled  # runs the decode-only steps when set
+        self.compiled = compiled  # runs the decode rows when set: the CPU's compiled step, or CUDA graphs
 
     def use_compiled(self, compiled: CompiledDecode) -> None:
         """From the background compile: the engine thread's next decode-only step runs the graph."""

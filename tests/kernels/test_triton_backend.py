@@ -6,11 +6,9 @@ import random
 import pytest
 import torch
 
-from kernel_cases import REL_TOL, attention_oracle, make_paged_kv, max_rel_err, query_start_loc
+from kernel_cases import REL_TOL, attention_oracle, make_paged_kv, max_rel_err, query_start_loc, tiny_model
 from shared.kvcache.layout import KvCacheSpec
 from shared.model.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
-from shared.model.config import ModelConfig
-from shared.model.llama import LlamaModel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,26 +82,11 @@ def test_random_mixed_batches_match_oracle(device, seed):
     assert max_rel_err(out, expected) < 2 * REL_TOL[dtype]
 
 
-def _tiny_model(dtype: torch.dtype, device) -> LlamaModel:
-    cfg = ModelConfig("llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=256, tie_word_embeddings=True)
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*shape, scale=0.1):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
-
-    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    layers = [dict(attn_norm=1 + rand(64), qkv=rand(qkv_rows, 64), o_proj=rand(64, 64), mlp_norm=1 + rand(64),
-                   gate_up=rand(256, 64), down=rand(64, 128)) for _ in range(cfg.num_layers)]
-    return LlamaModel(cfg, dict(embed=rand(97, 64, scale=1.0), norm=1 + rand(64)), layers)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_forward_agrees_across_backends(device, dtype):
     """The model's norms, rotary, KV writes and attention all go through the backend: a prefill of
     two prompts, then a decode step of both, on each backend with its own pool."""
-    model = _tiny_model(dtype, device)
+    model = tiny_model(dtype, device)
     block_size, prompt_lens = 8, [13, 21]
     spec = KvCacheSpec(2, 2, 16, block_size, dtype)
     tables = torch.tensor([[0, 1, 2, 0], [3, 4, 5, 6]], dtype=torch.int32, device=device)

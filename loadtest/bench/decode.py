@@ -9,7 +9,8 @@ At batch 1 a decode step reads every weight once, so its floor is (bytes of the 
 step) / (the machine's memory bandwidth): the bandwidth here is a large torch tensor copy, counted
 as bytes read plus bytes written per second, with the same threads. The fraction printed is
 (weight bytes / step time) / that bandwidth. Precision: the engine's default for the device unless
-``--dtype`` / ``--quantization`` say otherwise; eager decode steps (no ``--compile``).
+``--dtype`` / ``--quantization`` say otherwise; eager decode steps unless ``--compile on`` (the
+CPU's compiled step, or CUDA graphs on a GPU).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if there is one)")
     p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+    p.add_argument("--compile", default="off", choices=["off", "on"],
+                   help="on: the CPU's compiled decode step, or CUDA graphs on a GPU (default: eager)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's token budget per step")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     return p.parse_args(argv)
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     engine = LLMEngine.from_config(EngineConfig(
         model=args.model, max_num_seqs=max(batches), dtype=args.dtype, quantization=args.quantization,
-        num_threads=args.threads, device=args.device, attention_backend=args.attention_backend,
+        num_threads=args.threads, device=args.device, attention_backend=args.attention_backend, compile=args.compile,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len)))
     warmup(engine)
     bandwidth = copy_bandwidth(engine.device)
@@ -115,11 +118,11 @@ def main(argv=None) -> int:
               "weight_bytes_per_step": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,
               "threads": torch.get_num_threads(), "host": platform.node(), "processor": platform.processor(),
               "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
-              "attention_backend": engine.backend.name,
+              "attention_backend": engine.backend.name, "decode_step": engine.decode_step(),
               "config": vars(args) | {"out": str(args.out)}, "rows": rows}
     print(f"weights read per step {weights / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(read + write); {torch.get_num_threads()} threads; precision {result['precision']}; device "
-          f"{result['device']}, attention {result['attention_backend']}")
+          f"{result['device']}, attention {result['attention_backend']}, decode step {result['decode_step']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

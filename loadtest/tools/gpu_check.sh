@@ -6,12 +6,14 @@
 #   2. python -m loadtest.bench.kernels: paged decode attention as a fraction of HBM bandwidth and
 #      against SDPA / FlexAttention, causal prefill attention in TFLOP/s, KV gather/scatter;
 #   3. the engine on the GPU: a random-weight Llama-3.2-1B-shaped model (bf16), decode tokens/s at
-#      batch 1/8/32 with the Triton attention backend and, as the baseline in the same run, torch's.
+#      batch 1/8/32: decode steps replayed from CUDA graphs, then eager with the Triton attention
+#      backend and eager with torch's (the baselines, in the same run).
 #
 #   loadtest/tools/gpu_check.sh [OUT_DIR]      (default loadtest/results/gpu; run from the repo root)
 #
+# GPU_CHECK_SKIP="bench_kernels decode_torch" (say) leaves those steps out.
 # Everything lands in OUT_DIR: gpu_check.log (every step's output), bench_kernels.json/.png,
-# decode_triton.json, decode_torch.json. Step 3 writes its vocabulary from a tokenizer GGUF:
+# decode_graphs.json, decode_triton.json, decode_torch.json. Step 3 writes its vocabulary from a tokenizer GGUF:
 # TANDEM_TOKENIZER_GGUF (default: the SmolLM2 alias, which `tandem model fetch` caches; any small
 # GGUF with a tokenizer does, e.g. one written by `python -m loadtest.tools.synth_model --shape tiny`).
 set -u
@@ -26,6 +28,7 @@ model=${TMPDIR:-/tmp}/gpu-check-llama-1b-f16.gguf
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, keep its output, go on whatever it returns
   local name=$1 limit=$2 started rc
   shift 2
+  case " ${GPU_CHECK_SKIP:-} " in *" $name "*) echo "=== $name: skipped (GPU_CHECK_SKIP)" | tee -a "$log"; return;; esac
   started=$(date +%s)
   echo "=== $name (limit ${limit} s): $*" | tee -a "$log"
   timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
@@ -39,8 +42,9 @@ step kernel_tests 150 env TRITON_INTERPRET=0 "$python" -m pytest tests/kernels -
 step bench_kernels 170 "$python" -m loadtest.bench.kernels --out "$out/bench_kernels.json"
 step synth_model 50 "$python" -m loadtest.tools.synth_model --shape llama-1b --format gguf-f16 \
   --tokenizer-from "${TANDEM_TOKENIZER_GGUF:-smollm2-135m}" --out "$model"
-for backend in triton torch; do
-  step "decode_$backend" 60 "$python" -m loadtest.bench.decode --model "$model" --device cuda --dtype bfloat16 \
-    --attention-backend "$backend" --batch-sizes 1,8,32 --steps 32 --repeats 2 --out "$out/decode_$backend.json"
+for run in "graphs triton on" "triton triton off" "torch torch off"; do
+  set -- $run
+  step "decode_$1" 60 "$python" -m loadtest.bench.decode --model "$model" --device cuda --dtype bfloat16 \
+    --attention-backend "$2" --compile "$3" --batch-sizes 1,8,32 --steps 32 --repeats 2 --out "$out/decode_$1.json"
 done
 grep -E "^=== .*exit|passed|failed|batch +[0-9]+:" "$log"

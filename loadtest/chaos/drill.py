@@ -61,9 +61,10 @@ class ChaosConfig:
     model: str = "smollm2-135m"
     device: str = "cpu"
     kv_cache_memory: str = "128MiB"
-    # exact: a request moved to another worker must give the reference's tokens (with int8 or
-    # bfloat16 a near-tie can flip after the move, which the drill would count as differing)
-    dtype: str = "float32"
+    # a request moved to another worker must give the reference's tokens: float32, or None for the
+    # workers' automatic precision (int8 on a VNNI CPU), whose replay of a moved request's tokens is
+    # meant to be exact too (ModelRunner.split, Request.prefill_end)
+    dtype: str | None = "float32"
     fault_options: FaultOptions = FaultOptions()
 
 
@@ -278,8 +279,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]
     p.add_argument("--model", default=d.model)
     p.add_argument("--device", default=d.device)
     p.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
-    p.add_argument("--dtype", default=d.dtype, help="workers' dtype (default: %(default)s, exact, so that a moved "
-                   "request must repeat the reference's tokens; int8/bfloat16 can flip a near-tie after a move)")
+    p.add_argument("--dtype", default=d.dtype, help="workers' dtype, or auto for their automatic precision (int8 on "
+                   "a VNNI CPU); a moved request must repeat the reference's tokens in either (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/chaos"))
     p.add_argument("--name", default="chaos", help="output file name stem (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
@@ -293,7 +294,7 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, argparse.Namespace]
                       concurrency=args.concurrency, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                       warm_s=args.warm_s, after_s=args.after_s, deadline_s=args.deadline_s,
                       idle_timeout_s=args.idle_timeout_s, model=args.model, device=args.device,
-                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                      kv_cache_memory=args.kv_cache_memory, dtype=None if args.dtype == "auto" else args.dtype,
                       fault_options=FaultOptions(stop_s=args.stop_s))
     return cfg, args
 

@@ -158,6 +158,9 @@ class CompiledDecode:
             self.source = "compiled"
             if artifacts is not None:
                 artifacts.save_function(_serialize(self._fn), "compiled")
+            # as for a loaded step (``_load``): its guards would refuse, say, the inference-mode
+            # tensors of a warm-up request, and every call passes the traced ranks and dtypes anyway
+            self._fn.disable_guard_check()
         with torch.inference_mode():
             self._fn(self, *example)  # brings the C++ libraries in (compiling any the cache lacks)
         self.warm_s = time.perf_counter() - started

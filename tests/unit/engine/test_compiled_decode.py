@@ -340,3 +340,22 @@ def test_sampled_requests_decode_compiled_too(engines):
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
     assert [len(t) for t in compiled.generate(prompts(2), sampled)] == [8, 8]
     assert compiled.runner.compiled.num_steps - steps >= 7
+
+
+def test_a_step_compiled_here_serves_inference_mode_requests_like_a_loaded_one(tiny_engine_model, tmp_path,
+                                                                               monkeypatch):
+    """A step compiled in this process (no artifacts anywhere) takes the inference-mode tensors of a
+    warm-up request: its guards would refuse them (they were traced from ordinary tensors), so they
+    are off as for a loaded step."""
+    from shared.engine import warmup
+
+    monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile=True))
+    assert engine.runner.compiled.source == "compiled"
+    warmup(engine)  # under torch.inference_mode
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        tokens = engine.generate(prompts(2), greedy)
+    eager = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
+    assert tokens == eager.generate(prompts(2), greedy)
+    assert engine.runner.compiled.num_steps >= 5

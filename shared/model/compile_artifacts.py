@@ -50,7 +50,7 @@ _ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "bmi", "vnni", "vpc
                  "popcnt", "movbe", "adx", "sha", "aes")
 # the modules the compiled step is traced from
 _TRACED_MODULES = ("shared.model.compiled", "shared.model.llama", "shared.model.quant", "kernels.cast",
-                   "kernels.rms_norm", "kernels.rotary")
+                   "kernels.rms_norm", "kernels.rotary", "kernels.int8_cpu")
 _FUNCTION = "decode.bin"
 _MARKER = "complete.json"
 _SKIP = ("locks",)  # inductor's lock files belong to the process that made them

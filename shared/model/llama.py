@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import int8_cpu
 from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
@@ -141,6 +142,8 @@ class LlamaModel:
             for name in names:
                 setattr(layer, name, _to_int8(getattr(layer, name), alpha, False, levels))
         self.lm_head = _to_int8(self.lm_head, alpha, levels == 2, levels)
+        if self.device.type == "cpu":
+            int8_cpu.load()  # the few-row kernel (built once per machine), or torch._int_mm: same bits
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:

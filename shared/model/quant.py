@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cast import cast
+from kernels.int8_cpu import int8_mm, row_sums
 
 # "int8": one int8 level of weights and activations, SmoothQuant-calibrated (93% top-1 agreement
 # with float32 on SmolLM2, the fastest); "int8-precise": activations and the LM head's weight in two
@@ -64,10 +65,13 @@ class Int8Weight:
     qweight2: torch.Tensor | None = None  # [N, K] int8: the residual level
     scale2: torch.Tensor | None = None  # [N] float32
     act_levels: int = 1  # int8 levels each activation row is quantized in (1 or 2)
-    qweight_t: torch.Tensor = field(init=False, repr=False, compare=False)  # [K, N] view, made once
+    # row sums of the int8 levels, for kernels/int8_cpu.py's unsigned-by-signed products; made once
+    qsums: torch.Tensor = field(init=False, repr=False, compare=False)  # [N] int32
+    qsums2: torch.Tensor | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "qweight_t", self.qweight.t())
+        object.__setattr__(self, "qsums", row_sums(self.qweight))
+        object.__setattr__(self, "qsums2", None if self.qweight2 is None else row_sums(self.qweight2))
 
     @property
     def shape(self) -> torch.Size:
@@ -164,12 +168,12 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
         return x.new_zeros(*x.shape[:-1], n)
     xq, xs = quantize_rows(x2, w.inv_smooth, w.act_levels)
     # int32 [levels*M, N], exact; times a float32 scale it is converted to float32 first, as .to() would
-    acc = torch.mul(torch._int_mm(xq, w.qweight_t), xs)
+    acc = torch.mul(int8_mm(xq, w.qweight, w.qsums), xs)
     if w.act_levels == 2:
         acc = acc[:m].add_(acc[m:])
     out = acc.mul_(w.scale)
     if w.qweight2 is not None:
-        out.add_(torch.mul(torch._int_mm(xq[:m], w.qweight2.t()), xs[:m]).mul_(w.scale2))
+        out.add_(torch.mul(int8_mm(xq[:m], w.qweight2, w.qsums2), xs[:m]).mul_(w.scale2))
     if bias is not None:
         out.add_(cast(bias, torch.float32))
     out = cast(out, x.dtype)

@@ -1,0 +1,82 @@
+// int8 x int8 -> int32 matrix product for few rows, with AVX-512 VNNI (vpdpbusd): the decode step's
+// linear layers at batch 1-4 on a CPU. out[m, n] = sum_k x[m, k] * w[n, k], exact, as torch._int_mm.
+//
+// _int_mm (oneDNN) streams an int8 weight at about half the memory bandwidth for one row of
+// activations; this reads each weight row once per four activation rows with 64-byte loads
+// (loadtest/bench/int8_kernel.py: 1.5x _int_mm's bandwidth at one or two rows). vpdpbusd multiplies unsigned by signed bytes, so
+// the activations are shifted by +128 and 128 * sum_k w[n, k] (w_sums, precomputed) is taken off:
+// the int32 result is the exact product, the same bits as _int_mm's. More rows than kMaxRows go to
+// _int_mm, where oneDNN's blocking wins.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;     // activation rows handled here; more go to _int_mm
+constexpr int64_t kRowsPerTile = 4;  // weight rows read together (their accumulators stay in registers)
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sums) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_mm: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kChar && w.scalar_type() == at::kChar && w_sums.scalar_type() == at::kInt,
+              "int8_mm: int8 x and w, int32 w_sums");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  if (M > kMaxRows) return at::_int_mm(x, w.t());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sums = w_sums.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kInt));
+  if (M == 0 || N == 0) return out;
+  // the activations as unsigned bytes (x + 128), padded to whole 64-byte vectors with zeros
+  const int64_t Kp = (K + 63) / 64 * 64;
+  at::Tensor xu = at::zeros({M, Kp}, x.options().dtype(at::kByte));
+  const int8_t* xs = xc.data_ptr<int8_t>();
+  uint8_t* xup = xu.data_ptr<uint8_t>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xup[m * Kp + k] = static_cast<uint8_t>(xs[m * K + k] + 128);
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const int32_t* sp = sums.data_ptr<int32_t>();
+  int32_t* op = out.data_ptr<int32_t>();
+  const int64_t full = K / 64 * 64;
+  const __mmask64 tail_mask = K == full ? 0 : (~0ULL >> (64 - (K - full)));
+  const int64_t num_tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
+  at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kRowsPerTile, nn = std::min(kRowsPerTile, N - n0);
+      __m512i acc[kMaxRows][kRowsPerTile];
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm512_setzero_si512();
+      __m512i wv[kRowsPerTile];
+      for (int64_t k = 0; k < full; k += 64) {
+        for (int64_t b = 0; b < kRowsPerTile; ++b)
+          wv[b] = b < nn ? _mm512_loadu_si512(wp + (n0 + b) * K + k) : _mm512_setzero_si512();
+        for (int64_t m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xup + m * Kp + k);
+          for (int64_t b = 0; b < kRowsPerTile; ++b) acc[m][b] = _mm512_dpbusd_epi32(acc[m][b], xv, wv[b]);
+        }
+      }
+      if (tail_mask) {  // the last K % 64 bytes: masked loads (zeros past K, and x's padding is 0)
+        for (int64_t b = 0; b < kRowsPerTile; ++b)
+          wv[b] = b < nn ? _mm512_maskz_loadu_epi8(tail_mask, wp + (n0 + b) * K + full) : _mm512_setzero_si512();
+        for (int64_t m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xup + m * Kp + full);
+          for (int64_t b = 0; b < kRowsPerTile; ++b) acc[m][b] = _mm512_dpbusd_epi32(acc[m][b], xv, wv[b]);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nn; ++b)
+          op[m * N + n0 + b] = _mm512_reduce_add_epi32(acc[m][b]) - 128 * sp[n0 + b];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("int8_mm(Tensor x, Tensor w, Tensor w_sums) -> Tensor");
+  m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
+}

@@ -1,0 +1,133 @@
+"""Int8 matrix products for few rows on a CPU with AVX-512 VNNI: ``kernels/cpu/int8_mm.cpp``.
+
+The reference is ``torch._int_mm(x, w.t())``: both are exact int32 sums, so ``int8_mm`` returns the
+same bits whichever runs, and a machine without the kernel computes what one with it does. At batch
+1 a decode step's int8 linear layers are a stream of weight bytes; on the Intel Xeon measured (2
+threads, a 1B model's layers), ``_int_mm`` (oneDNN) read them at 11-13 GB/s, about half of a plain
+read's 23-24, and the kernel at 16-19 for one to three rows: 1.25-1.55x
+(``python -m loadtest.bench.int8_kernel``, loadtest/results/README.md).
+
+The kernel serves eager steps; the compiled decode step keeps ``_int_mm`` (see ``int8_mm``).
+It is C++ built on first use with the compiler inductor uses (``CXX`` or ``c++``), against
+the installed torch, into ``TANDEM_CACHE_DIR/kernels/`` under a name that covers its source, torch's
+version and the flags; a later process loads it in milliseconds. Without VNNI, without a compiler,
+or with ``TANDEM_INT8_KERNEL=off``, ``int8_mm`` is ``_int_mm`` and a log line says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "int8_mm.cpp"
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+          "-mavx512vnni", "-w"]
+_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "loaded": bool, "why": str, "identity": str
+_op = None  # torch.ops.tandem_cpu.int8_mm once loaded (a global: torch.compile traces the call)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch._int_mm(x, w.t())
+
+
+def identity() -> str:
+    """What ``int8_mm`` runs here: the kernel's build name, or "off: " and why."""
+    load()
+    return str(_state["identity"])
+
+
+def int8_mm(x: torch.Tensor, w: torch.Tensor, w_sums: torch.Tensor) -> torch.Tensor:
+    """x [M, K] int8 @ w [N, K].T int8 -> int32 [M, N], exact; ``w_sums`` [N] int32 is w's row sums.
+    The kernel once ``load()`` has loaded it (the model's ``quantize`` does), else ``_int_mm``.
+
+    Eager steps only: the compiled decode step (shared/model/compiled.py) keeps ``_int_mm``. There
+    the kernel, called from the graph, measured no faster (1B shape, batch 1: 86-88 ms a step
+    against 82), and the graph stays the same on machines with and without it."""
+    if _op is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _op(x, w, w_sums)
+    return _reference(x, w)
+
+
+def row_sums(w: torch.Tensor) -> torch.Tensor:
+    return w.sum(dim=1, dtype=torch.int32)
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernel; False (and why, logged once) where it cannot run."""
+    global _op
+    if "loaded" in _state:
+        return bool(_state["loaded"])
+    with _lock:
+        if "loaded" not in _state:
+            why = _why_not()
+            if why is None:
+                try:
+                    library = _library()
+                    torch.ops.load_library(str(library))
+                    _op = torch.ops.tandem_cpu.int8_mm
+                    _state.update(loaded=True, identity=library.parent.name)
+                    return True
+                except Exception as exc:  # noqa: BLE001 - _int_mm is the fallback
+                    why = f"{type(exc).__name__}: {exc}"[:300]
+            log.info("int8 linear layers use torch._int_mm (%s)", why)
+            _state.update(loaded=False, why=why, identity=f"off: {why}")
+    return bool(_state["loaded"])
+
+
+def _why_not() -> str | None:
+    if os.environ.get("TANDEM_INT8_KERNEL", "on").lower() in ("off", "0", "false", "no"):
+        return "TANDEM_INT8_KERNEL=off"
+    from shared.model.precision import cpu_flags
+
+    missing = [f for f in _NEEDS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def _library() -> Path:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (set CXX)")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = [*_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, sys.version, *flags]).encode())
+    target = _cache_dir() / f"int8_mm-{digest.hexdigest()[:16]}" / "int8_mm.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    # built beside the target and renamed: processes building at once each finish their own file
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / "int8_mm.so"
+        command = [compiler, *flags, *(f"-I{p}" for p in include_paths()), str(SOURCE),
+                   *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed: {(result.stderr or result.stdout).strip()[-300:]}")
+        os.replace(built, target)
+    log.info("built the int8 CPU kernel (%s) in %.1f s: %s", SOURCE.name, time.perf_counter() - started, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    from shared.model.registry import cache_dir
+
+    return cache_dir() / "kernels"
+

@@ -182,6 +182,8 @@ def test_killing_the_prefill_queue_leader_under_load_loses_nothing(stack, engine
 
     def settled():
         now, queue = loads(stack), status(stack)["prefill_queue"]
+        if "decode" not in now or "prefill" not in now:  # a load report not in the view yet: ask again
+            return False
         decode, prefill = now["decode"], now["prefill"]
         last.update({key: decode[key] - before["decode"][key] for key in
                      ("num_remote_prefills", "num_local_prefills", "num_prefill_fallbacks", "kv_bytes_received")})

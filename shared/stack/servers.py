@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,10 +37,30 @@ _REDIS_READY = "Ready to accept connections"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port currently free on ``host`` (for servers that cannot pick their own, like redis)."""
+    """A port currently free on ``host`` (for servers that cannot pick their own, like redis).
+
+    Drawn below the kernel's ephemeral range: between this check and the server's own bind, a port
+    from that range can be handed to any process that binds port 0 or connects out (a worker's
+    metrics or UCX listener), and the server then fails with "address already in use"."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(10000, low) if low > 10100 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _binary(name: str) -> str:

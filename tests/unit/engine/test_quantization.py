@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.model.loader import load_model
 from shared.model.quant import (Int8Weight, check_quantization, int8_linear, linear, observe,
-                                quantize_int8)
+                                quantize_int8, quantize_rows)
 
 
 def rel_err(a, b):
@@ -38,6 +38,38 @@ def test_rows_are_independent_of_their_batch_mates():
     together = int8_linear(x, q)
     for i in (0, 6, 36):
         assert torch.equal(int8_linear(x[i:i + 1], q)[0], together[i])
+
+
+def test_one_level_activations_use_the_rows_own_range():
+    """A row leaning to one side (SiLU's output stops at -0.28) is cut into 255 steps over
+    [min(x, 0), max(x, 0)], not over [-max|x|, max|x|]: about half the rounding error, zero exact."""
+    torch.manual_seed(3)
+    x = F.silu(torch.randn(64, 512) * 3)
+    x[1] = x[1].abs() + 0.5  # all positive
+    x[2] = -x[2].abs()  # all negative
+    x[3] = 0.0
+    x[4, 0] = 0.0
+    q, scale, zero = quantize_rows(x)
+    assert q.dtype == torch.int8 and zero.dtype == torch.int32 and scale.shape == zero.shape == (64, 1)
+    assert int(zero.min()) >= -128 and int(zero.max()) <= 127
+    back = (q.float() - zero) * scale
+    assert torch.equal(back[3], x[3]) and back[4, 0] == 0.0  # zero stays exact
+    assert torch.all(back[2] <= 0) and torch.all(back[1] >= 0)
+    sym_scale = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+    symmetric = torch.round(x / sym_scale).clamp(-127, 127) * sym_scale
+    assert rel_err(back, x) < 0.7 * rel_err(symmetric, x), (rel_err(back, x), rel_err(symmetric, x))
+
+
+def test_the_zero_point_correction_is_exact():
+    """int8_linear's int32 sums less zero * row_sum(w) are the exact product of the dequantized
+    operands: float64 agrees to float32's rounding, whatever the zero points."""
+    torch.manual_seed(4)
+    w = quantize_int8(torch.randn(200, 1536))
+    x = F.silu(torch.randn(9, 1536) * 4) + torch.linspace(-1, 3, 9)[:, None]
+    q, scale, zero = quantize_rows(x)
+    exact = ((q.double() - zero.double()) * scale.double()) @ (w.qweight.double() * w.scale.double()[:, None]).T
+    assert rel_err(int8_linear(x, w).double(), exact) < 1e-6
+    assert rel_err(int8_linear(x, w), F.linear(x, w.dequantize())) < 0.02
 
 
 def test_smoothing_tames_outlier_channels():

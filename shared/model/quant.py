@@ -156,8 +156,9 @@ def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None,
     if inv_smooth is not None:
         xf = xf * inv_smooth
     if levels == 1:
-        lo = xf.amin(dim=1, keepdim=True).clamp_max_(0.0)
-        scale = xf.amax(dim=1, keepdim=True).clamp_min_(0.0).sub_(lo).clamp_min_(1e-12).div_(255.0)
+        lo, hi = torch.aminmax(xf, dim=1, keepdim=True)  # one pass over the row for both ends
+        lo = lo.clamp_max_(0.0)
+        scale = hi.clamp_min_(0.0).sub_(lo).clamp_min_(1e-12).div_(255.0)
         # lo maps to -128; lo / scale is in [-255, 0], so zero is in [-128, 127]
         zero = torch.round(lo / scale).neg_().sub_(128.0)
         q = torch.round(xf / scale).add_(zero).clamp_(-128, 127)

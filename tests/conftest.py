@@ -36,3 +36,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # fixturenames is the transitive closure, so indirect users are caught too
         if "smollm2_gguf" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def record_logits():
+    """``record(engine)`` returns a dict that fills as the engine samples: the logits row of every
+    output position, keyed by (the request id's last ``-`` part, output index). Of a speculative
+    step, the rows up to its first rejected draft token (those after it had a wrong context)."""
+    def record(engine) -> dict:
+        sampler, seen = engine.runner.sampler, {}
+        sample, verify = sampler.sample, sampler.verify
+
+        def key(request, j: int) -> tuple[str, int]:
+            return request.request_id.rsplit("-", 1)[1], len(request.output_token_ids) + j
+
+        def record_sample(logits, requests):
+            seen.update((key(r, 0), row.clone()) for r, row in zip(requests, logits))
+            return sample(logits, requests)
+
+        def record_verify(logits, request, draft):
+            tokens = verify(logits, request, draft)
+            seen.update((key(request, j), logits[j].clone()) for j in range(len(tokens)))
+            return tokens
+
+        sampler.sample, sampler.verify = record_sample, record_verify
+        return seen
+    return record

@@ -27,36 +27,59 @@ class ModelRunner:
         """From the background compile: the engine thread's next decode-only step runs the graph."""
         self.compiled = compiled
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, out: SchedulerOutput, num_decode_entries: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The step's tensors. The first ``num_decode_entries`` entries (default: the one-token ones,
+        which come first) are attention's decode rows: one row per token, a speculative entry's
+        draft tokens each a row of its own whose context ends at that token (its K/V and the K/V of
+        the step's tokens before it are written before attention reads them). So a verified draft
+        token's attention is computed exactly as a decode row at its position would be, and a greedy
+        request's tokens are the same with speculation on or off."""
         bs = self.block_size
+        if num_decode_entries is None:
+            num_decode_entries = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
+        step_starts: list[int] = []
         query_start = [0]
         logits_rows: list[int] = []
         max_blocks = max(len(s.block_ids) for s in out.scheduled)
         tables = []
-        for s in out.scheduled:
+        num_decodes = 0
+        for i, s in enumerate(out.scheduled):
             tokens = s.request.all_token_ids + s.draft if s.draft else s.request.all_token_ids
             end = s.start + s.num_new_tokens
             input_ids.extend(tokens[s.start:end])
             positions.extend(range(s.start, end))
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + s.num_new_tokens)
+            table = s.block_ids + [0] * (max_blocks - len(s.block_ids))
+            if i < num_decode_entries:  # a row per token
+                for p in range(s.start, end):
+                    seq_lens.append(p + 1)
+                    step_starts.append(s.start)
+                    query_start.append(query_start[-1] + 1)
+                    tables.append(table)
+                num_decodes += s.num_new_tokens
+            else:
+                seq_lens.append(end)
+                query_start.append(query_start[-1] + s.num_new_tokens)
+                tables.append(table)
             if s.samples:  # the last token's row, and a speculative step's draft rows after it
                 logits_rows.extend(range(query_start[-1] - 1 - len(s.draft), query_start[-1]))
-            tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
         dev = self.device
         meta = AttentionMetadata(
-            num_decodes=out.num_decodes,
+            num_decodes=num_decodes,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             max_seq_len=max(seq_lens),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_query_len=max(q - p for p, q in zip(query_start, query_start[1:])),
+            # only where a row reads K/V of the step's own tokens before it: a verified draft
+            step_starts=torch.tensor(step_starts, dtype=torch.long, device=dev)
+            if any(a != b - 1 for a, b in zip(step_starts, seq_lens)) else None,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
@@ -71,42 +94,49 @@ class ModelRunner:
         if num_compiled == ids.shape[0]:
             return self.compiled.forward(ids, pos, self.kv_cache, meta)
         n = num_compiled
+        starts = meta.step_starts
         first = AttentionMetadata(n, meta.slot_mapping[:n], meta.block_tables[:n], meta.seq_lens[:n],
-                                  meta.query_start_loc[:n + 1], int(meta.seq_lens[:n].max()), 1)
+                                  meta.query_start_loc[:n + 1], int(meta.seq_lens[:n].max()), 1,
+                                  step_starts=None if starts is None else starts[:n])
         rest = AttentionMetadata(meta.num_decodes - n, meta.slot_mapping[n:], meta.block_tables[n:],
                                  meta.seq_lens[n:], meta.query_start_loc[n:] - n, int(meta.seq_lens[n:].max()),
                                  meta.max_query_len)
         return torch.cat([self.compiled.forward(ids[:n], pos[:n], self.kv_cache, first),
                           self.model.forward(ids[n:], pos[n:], self.kv_cache, rest, self.backend)])
 
-    def split(self, out: SchedulerOutput) -> tuple[SchedulerOutput, int]:
-        """The step's entries with those that run compiled first, and how many they are.
+    def split(self, out: SchedulerOutput) -> tuple[SchedulerOutput, int, int]:
+        """The step's entries in the order they run: the decode rows that run compiled, the other
+        decode rows, then prefill chunks; and how many entries the first two groups hold.
 
         A request's decode rows all run one way, fixed at its first one: compiled if the compiled
         step is there by then, else eager to its end (a request decoding when the background
-        compile hands over does not change path). Decode rows run compiled also in a step that
-        prefills another request, beside the eager prefill: the compiled step's sums differ from
-        eager's in the last bits, which int8 rounding can carry into a token, so a request's tokens
-        would otherwise depend on whether someone was prefilling beside it."""
+        compile hands over does not change path). A speculative entry (the last token and its
+        draft) is decode rows too, a row per token, on its request's path where the compiled step
+        verifies drafts (the CPU's does). Decode rows run compiled also in a step that prefills
+        another request, beside the eager prefill: the compiled step's sums differ from eager's in
+        the last bits, which int8 rounding can carry into a token, so a request's tokens would
+        otherwise depend on whether someone was prefilling beside it."""
         path = "eager" if self.compiled is None else "compiled"  # for a request's first decode row
-        compiled, rest = [], []
+        drafts_compiled = getattr(self.compiled, "verifies_drafts", False)
+        compiled, eager, prefill = [], [], []
+        num_compiled_rows = 0
         for s in out.scheduled:
-            if s.num_new_tokens == 1 and s.request.decodes_at(s.start):  # a decode row
+            if (s.num_new_tokens == 1 or s.draft) and s.request.decodes_at(s.start):  # decode rows
                 if s.request.decode_path is None:
                     s.request.decode_path = path
-                if s.request.decode_path == "compiled":
+                if s.request.decode_path == "compiled" and (drafts_compiled or not s.draft):
                     compiled.append(s)
+                    num_compiled_rows += s.num_new_tokens
                     continue
-            rest.append(s)
-        if not rest or not compiled:
-            return out, len(compiled)
-        return SchedulerOutput(compiled + rest, out.preempted), len(compiled)
+            (eager if s.num_new_tokens == 1 or s.draft else prefill).append(s)
+        return (SchedulerOutput(compiled + eager + prefill, out.preempted), len(compiled) + len(eager),
+                num_compiled_rows)
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of every request that reached its last token: one,
         or for a speculative step the accepted draft tokens and one more."""
-        out, num_compiled = self.split(out)
-        ids, pos, meta, rows = self.prepare(out)
+        out, num_decode_entries, num_compiled = self.split(out)
+        ids, pos, meta, rows = self.prepare(out, num_decode_entries)
         hidden = self.forward(ids, pos, meta, num_compiled)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:

@@ -2,8 +2,9 @@
 embedding go through a backend; backends differ only in kernels (kernels/: the torch references
 here, their Triton versions in kernels/backend.py).
 
-Token order inside a step: the ``num_decodes`` decode sequences come first (one token each), then
-the prefill chunks. ``block_tables``, ``seq_lens`` and ``query_start_loc`` cover all sequences in
+Token order inside a step: the ``num_decodes`` decode rows come first (one token each: a
+sequence's decode token, or one of a speculative step's tokens, each with its own context length),
+then the prefill chunks. ``block_tables``, ``seq_lens`` and ``query_start_loc`` cover all sequences in
 that order.
 """
 
@@ -31,6 +32,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: token offsets of each sequence
     max_seq_len: int
     max_query_len: int
+    # [num_decodes] int64: the first position the step computes for each decode row's request, where
+    # some row reads K/V the step itself computes (a speculative entry's draft rows, a row per token);
+    # None: every decode row's context before its own token is in the cache already
+    step_starts: torch.Tensor | None = None
     # what a backend derives from the fields above once per step and reuses in every layer
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 

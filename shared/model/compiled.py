@@ -36,7 +36,9 @@ inductor cache it was built in (shared/model/compile_artifacts.py): a later proc
 like this one loads it in seconds instead of compiling for minutes, and a worker takes it from its
 cluster when this machine has none. ``warm()`` loads or compiles it; a worker does that on a thread
 of its own while eager steps serve (``shared/engine/compile_thread.py``), or before it takes
-traffic. Prefill, chunked and speculative steps stay eager.
+traffic. Prefill and chunked steps stay eager; a speculative entry's tokens run in the graph as
+decode rows, each over the past it would have as a plain decode row (the K/V of the step's own
+earlier tokens taken from those rows), so its verified drafts get the bits plain decoding gives.
 """
 
 from __future__ import annotations
@@ -72,15 +74,19 @@ class CompiledDecode:
         self.artifacts: CompileArtifacts | None = None  # where warm() loaded or kept the step
         self._fn = None  # the step compiled ahead of time (torch's AOTCompiledFunction)
 
+    verifies_drafts = True  # a speculative entry's tokens run here as decode rows (``step_src``)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 past_blocks: torch.Tensor, past_valid: torch.Tensor):
+                 past_blocks: torch.Tensor, past_valid: torch.Tensor, step_src: torch.Tensor):
         model, cfg = self.model, self.model.cfg
         num_seqs, past_len = past_valid.shape
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         hidden = F.embedding(input_ids, model.embed)
         cos, sin = model.rope_cos_sin(positions)
-        mask = past_valid[:, :, None, None]  # [B, L, 1, 1]: the cached positions each sequence has
+        mask = past_valid[:, :, None, None]  # [B, L, 1, 1]: the past positions each row has
+        from_step = (step_src >= 0)[:, :, None, None]  # [B, L, 1, 1]: a past position this step computes
+        src = step_src.clamp(min=0)  # [B, L]: the row of the step that computes it
         residual = None
         new_k, new_v = [], []
         for i, layer in enumerate(model.layers):
@@ -90,9 +96,14 @@ class CompiledDecode:
             v = v.view(-1, kv_heads, head_dim)
             new_k.append(k)
             new_v.append(v)
-            attn = _decode_attention(q, cast(k, kv_cache.dtype), cast(v, kv_cache.dtype),
-                                     kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim),
-                                     kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim), mask)
+            k, v = cast(k, kv_cache.dtype), cast(v, kv_cache.dtype)  # as the cache will hold them
+            # the past: from the cache, except positions an earlier row of this step computes (a
+            # speculative entry's tokens before a draft row), taken from that row's new K/V
+            past_k = torch.where(from_step, k[src],
+                                 kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim))
+            past_v = torch.where(from_step, v[src],
+                                 kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim))
+            attn = _decode_attention(q, k, v, past_k, past_v, mask)
             hidden = linear(cast(attn, q.dtype).reshape(num_seqs, q_size), layer.o_proj)
             x, residual = fused_add_rms_norm_ref(hidden, residual, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -102,7 +113,13 @@ class CompiledDecode:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states [B, hidden] of a decode-only step; writes its K/V into ``kv_cache``."""
+        """The hidden states [B, hidden] of a decode-only step; writes its K/V into ``kv_cache``.
+
+        Rows are decode rows, one token each. Where ``meta.step_starts`` is given, a row's context
+        from its step start to its own token is computed by the rows just before it in this step
+        (a speculative entry: the last token and its draft, a row per token), and the graph takes
+        those positions' K/V from them, not from the cache: each row gets the bits it would get
+        as a plain decode row at its position."""
         bs = self.block_size
         num_seqs = input_ids.shape[0]
         past = meta.seq_lens.long() - 1
@@ -114,14 +131,23 @@ class CompiledDecode:
             table = F.pad(table, (0, num_blocks - table.shape[1]))
         starts = torch.arange(num_blocks, device=table.device) * bs
         table = torch.where(starts[None, :] < past[:, None], table, 0)  # blocks past a length: block 0, masked
-        past_valid = torch.arange(num_blocks * bs, device=table.device)[None, :] < past[:, None]
+        offsets = torch.arange(num_blocks * bs, device=table.device)[None, :]
+        past_valid = offsets < past[:, None]
+        if meta.step_starts is None:
+            step_src = torch.full_like(past_valid, -1, dtype=torch.long)
+        else:  # position l of row r, when this step computes it: row r - (its position - l)
+            rows = torch.arange(num_seqs, device=table.device)[:, None]
+            step_src = torch.where(past_valid & (offsets >= meta.step_starts[:, None]),
+                                   rows - past[:, None] + offsets, -1)
         if num_seqs == 1:
             # one graph serves every batch, so a sequence gets the same bits alone as among others:
             # alone, it gets a companion row with no past (its results are dropped)
             input_ids, positions = F.pad(input_ids, (0, 1)), F.pad(positions, (0, 1))
             table, past_valid = F.pad(table, (0, 0, 0, 1)), F.pad(past_valid, (0, 0, 0, 1))
+            step_src = F.pad(step_src, (0, 0, 0, 1), value=-1)
         with torch.inference_mode():
-            hidden, new_k, new_v = self._fn(self, input_ids, positions, kv_cache, table.reshape(-1), past_valid)
+            hidden, new_k, new_v = self._fn(self, input_ids, positions, kv_cache, table.reshape(-1), past_valid,
+                                            step_src)
         hidden, new_k, new_v = hidden[:num_seqs], new_k[:num_seqs], new_v[:num_seqs]
         block = torch.div(meta.slot_mapping, bs, rounding_mode="floor")
         offset = meta.slot_mapping - block * bs
@@ -179,7 +205,8 @@ class CompiledDecode:
         valid = torch.zeros(num_seqs, num_blocks * self.block_size, dtype=torch.bool, device=dev)
         valid[:, 0] = True
         return (torch.zeros(num_seqs, dtype=torch.long, device=dev), torch.ones(num_seqs, dtype=torch.long, device=dev),
-                kv_cache, torch.zeros(num_seqs * num_blocks, dtype=torch.long, device=dev), valid)
+                kv_cache, torch.zeros(num_seqs * num_blocks, dtype=torch.long, device=dev), valid,
+                torch.full((num_seqs, num_blocks * self.block_size), -1, dtype=torch.long, device=dev))
 
 
 def _serialize(fn) -> bytes:

@@ -1,7 +1,13 @@
 """Speculative decoding on the real SmolLM2 (float32): on an editing workload (the answer mostly
 repeats the prompt) a good share of the drafts is accepted, and greedy text is the same token for token as
 without speculation, alone and in a batch; sampled requests still run (their distribution is
-checked on a tiny model in tests/unit/engine/test_speculative.py)."""
+checked on a tiny model in tests/unit/engine/test_speculative.py); at the default precision too,
+eager and compiled."""
+
+import dataclasses
+
+import pytest
+import torch
 
 from shared.engine import SamplingParams
 
@@ -48,3 +54,29 @@ def test_sampled_requests_speculate_and_finish(make_engine, smol_tokenizer):
     assert spec.stats().num_draft_tokens > 0
     spec.kv.check_integrity()
     assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_default_precision_greedy_text_is_identical_with_speculation(smol_tokenizer, compile_mode, record_logits):
+    """The default precision (int8 layers where the CPU has VNNI), eager and with the compiled
+    decode step: a verified draft token is computed as a decode row at its position would be, so
+    its logits are bit for bit plain decoding's and the greedy text is the same token for token
+    with speculation on or off, alone and together."""
+    from shared.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model="smollm2-135m", device="cpu", compile=compile_mode, kv_cache_memory=64 << 20)
+    plain = LLMEngine.from_config(config)
+    spec = LLMEngine.from_config(dataclasses.replace(config, speculative_tokens=6))
+    prompts = [chat(smol_tokenizer, text) for text in EDITS]
+    greedy = SamplingParams(max_tokens=64, temperature=0.0)
+    assert spec.generate(prompts[:1], greedy) == plain.generate(prompts[:1], greedy)
+    plain_logits, spec_logits = record_logits(plain), record_logits(spec)
+    assert spec.generate(prompts, greedy) == plain.generate(prompts, greedy)
+    stats = spec.stats()
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0
+    # every position plain decoding sampled (a verified draft may run past the stop token: not used)
+    assert plain_logits.keys() <= spec_logits.keys()
+    assert all(torch.equal(spec_logits[key], row) for key, row in plain_logits.items())
+    if compile_mode == "on":
+        assert stats.decode_step == "compiled" and spec.runner.compiled.num_steps > 0
+    spec.kv.check_integrity()

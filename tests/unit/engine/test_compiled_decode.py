@@ -49,8 +49,9 @@ def test_no_recompilation_after_warm_up(engines):
 
 
 def test_only_decode_rows_run_compiled(engines):
-    """A step's decode rows go through the compiled step, first; a prefill chunk, a prompt's last
-    token computed alone and a speculative row (1 token + 3 drafts) run eagerly after them."""
+    """A step's decode rows go through the compiled step, first, a speculative entry's tokens
+    (1 token + 3 drafts) among them as rows of their own; then the eager decode rows (a prompt's
+    last token computed alone), then a prefill chunk."""
     from shared.engine.request import Request
     from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -62,13 +63,17 @@ def test_only_decode_rows_run_compiled(engines):
         return r
 
     decode = ScheduledRequest(request("decode", 5, 2), 1, [1, 2], 6)
-    chunk = ScheduledRequest(request("chunk", 20), 8, [3, 4, 5], 8)
+    chunk = ScheduledRequest(request("chunk", 20), 8, [3, 4, 5, 13], 8)
     last = ScheduledRequest(request("last", 20), 1, [6, 7, 8, 9, 10], 19)
-    draft = ScheduledRequest(request("draft", 5, 2), 4, [11, 12], 6, draft=[7, 8, 9])
-    out, num_compiled = compiled.runner.split(SchedulerOutput([last, chunk, decode, draft]))
-    assert num_compiled == 1
-    assert [s.request.request_id for s in out.scheduled] == ["decode", "last", "chunk", "draft"]
-    assert decode.request.decode_path == "compiled" and draft.request.decode_path is None
+    draft = ScheduledRequest(request("draft", 5, 2), 4, [11, 12, 14], 6, draft=[7, 8, 9])
+    out, num_decode_entries, num_compiled = compiled.runner.split(SchedulerOutput([last, chunk, decode, draft]))
+    assert [s.request.request_id for s in out.scheduled] == ["decode", "draft", "last", "chunk"]
+    assert num_decode_entries == 3 and num_compiled == 1 + 4  # rows
+    assert decode.request.decode_path == "compiled" == draft.request.decode_path
+    _, _, meta, logits_rows = compiled.runner.prepare(out, num_decode_entries)
+    assert meta.num_decodes == 6 and meta.seq_lens.tolist() == [7, 7, 8, 9, 10, 20, 16]
+    assert meta.step_starts.tolist() == [6, 6, 6, 6, 6, 19]
+    assert logits_rows == [0, 1, 2, 3, 4, 5]  # the chunk does not reach its last token
 
 
 def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engines, caplog):

@@ -1,7 +1,9 @@
 """Speculative decoding with n-gram drafts: the proposer, the per-request policy, the sampler's
 verification (greedy exact; sampling keeps its distribution, checked with a fixed seed), and an
-engine on a tiny random model giving the same greedy tokens with and without speculation."""
+engine on a tiny random model giving the same greedy tokens with and without speculation, and
+with int8 layers the same logits bit for bit, eager and compiled."""
 
+import pytest
 import torch
 
 from shared.engine import EngineConfig, LLMEngine
@@ -128,3 +130,38 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(tiny_engin
     assert stopped == full[:full.index(full[stop_at]) + 1]
     spec.kv.check_integrity()
     assert spec.kv.pool.num_free_blocks == spec.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_a_verified_draft_token_gets_the_bits_of_a_plain_decode_row(tmp_path, compile_mode, record_logits):
+    """With int8 layers (exact integer sums per row) a speculative entry's tokens run as decode rows,
+    each over the past a plain decode row at its position has (in the compiled step, the step's
+    own earlier K/V taken from its rows): the logits of every verified position are bit for bit
+    those of decoding without speculation, eager and compiled, so int8 greedy text cannot differ."""
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    model.quantize("int8", list(range(3, 60)))
+    prompts = [[5, 6, 7, 8, 9, 10] * 6, list(range(20, 60)), [3, 4] * 12 + [11, 12, 13]]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def run(speculative_tokens: int):
+        engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile=compile_mode,
+                                               quantization="int8", speculative_tokens=speculative_tokens),
+                           eos_token_ids=frozenset())
+        seen = record_logits(engine)
+        outs = engine.generate(prompts, greedy)
+        engine.kv.check_integrity()
+        return outs, seen, engine.stats()
+
+    plain, plain_logits, _ = run(0)
+    spec, spec_logits, stats = run(5)
+    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    if compile_mode == "on":
+        assert stats.decode_step == "compiled"
+    assert spec == plain
+    assert spec_logits.keys() == plain_logits.keys()
+    for position, row in spec_logits.items():
+        assert torch.equal(row, plain_logits[position]), position

@@ -2,6 +2,8 @@
 
     python -m loadtest.bench.serving --target tandem=http://127.0.0.1:8000 --target llama=http://127.0.0.1:8090
     python -m loadtest.bench.serving --start-tandem --start-llama   # starts both here, then measures
+    python -m loadtest.bench.serving --start-tandem-as "spec=--speculative-tokens 6" --start-tandem-as "off="
+                                     # two Tandem stacks with different flags, the last the baseline
 
 Every request: a prompt of ``--prompt-tokens`` tokens (the model's own tokenizer), ``--output-tokens``
 greedy tokens with ``ignore_eos``, streamed. At concurrency c the targets take turns, one wave of c
@@ -120,12 +122,13 @@ def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
 
 
 @contextlib.contextmanager
-def tandem_up(args: list[str], timeout_s: float = 900.0):
+def tandem_up(args: list[str], timeout_s: float = 900.0, name: str = "tandem"):
     """``tandem up`` on a free port; yields its base URL once it prints that it is ready and its
-    workers run the decode step they settle on (compiled, unless ``--compile off``)."""
+    workers run the decode step they settle on (compiled, unless ``--compile off``). ``name`` keeps
+    the namespace (and state directory) of each stack this process starts apart."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port),
-                             "--namespace", f"bench{os.getpid()}", *args],
+                             "--namespace", f"bench{os.getpid()}-{name}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + timeout_s
@@ -183,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", action="append", default=[], help="name=base_url; the last one is the peer")
     p.add_argument("--start-tandem", action="store_true", help="start `tandem up` here as target 'tandem'")
     p.add_argument("--tandem-args", default="", help="extra flags for tandem up, e.g. '--dtype float32'")
+    p.add_argument("--start-tandem-as", action="append", default=[], metavar="NAME=FLAGS",
+                   help="start `tandem up FLAGS` here as target NAME (repeatable; after --start-tandem's, "
+                        "before --target's and llama-server)")
     p.add_argument("--start-llama", action="store_true", help="start llama-server here as target 'llama-server'")
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
     p.add_argument("--model", default="smollm2-135m")
@@ -195,12 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     with contextlib.ExitStack() as stack:
         targets = dict(t.split("=", 1) for t in args.target)
+        started = {name: flags for name, flags in (t.split("=", 1) for t in args.start_tandem_as)}
         if args.start_tandem:
-            targets = {"tandem": stack.enter_context(tandem_up(args.tandem_args.split())), **targets}
+            started = {"tandem": args.tandem_args, **started}
+        targets = {**{name: stack.enter_context(tandem_up(flags.split(), name=name))
+                      for name, flags in started.items()},
+                   **targets}
         if args.start_llama:
             targets["llama-server"] = stack.enter_context(llama_server(args.threads, max(concurrency)))
         if not targets:
-            p.error("give --target name=url or --start-tandem / --start-llama")
+            p.error("give --target name=url or --start-tandem / --start-tandem-as / --start-llama")
         load_before = os.getloadavg()
         results = asyncio.run(measure(targets, args.model, concurrency, args.rounds, args.prompt_tokens,
                                       args.output_tokens))

@@ -1,9 +1,11 @@
 """Speculative decoding (n-gram drafts from the request's own tokens) against plain decoding, one
 engine in process, the same model and precision, both in one run.
 
-    python -m loadtest.bench.speculative [--draft-tokens 6] [--dtype float32] [--out loadtest/results/speculative]
+    python -m loadtest.bench.speculative [--draft-tokens 6] [--compile on] [--batch 1] [--dtype float32]
+                                         [--out loadtest/results/speculative]
 
-Workloads, greedy, one request at a time (batch 1, where a step is all overhead and weights):
+Workloads, greedy, ``--batch`` requests at a time (default 1, where a step is all overhead and
+weights), with the decode step compiled (``--compile on``, the workers' default) or eager:
 
 * ``edit``: the answer mostly repeats the prompt: fix a typo in code and print it whole, rewrite
   a paragraph with one change, continue a list that repeats (what the drafts are for);
@@ -72,25 +74,34 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt and mode (best kept)")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--compile", choices=["off", "on"], default="on",
+                   help="the decode step compiled (the workers' default) or eager")
+    p.add_argument("--batch", type=int, default=1, help="requests run at once (the workload's prompts, cycled)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="speculate only while this many requests or fewer run (default: the engine's)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/speculative"))
     return p.parse_args(argv)
 
 
-def run_one(engine, prompt: list[int], max_tokens: int, request_id: str) -> dict:
+def run_batch(engine, prompts: list[list[int]], max_tokens: int, request_id: str) -> dict:
+    """The prompts run together; decode time is from the first token of any to the last of all."""
     from shared.engine import SamplingParams
 
     steps_before = engine.stats().num_steps
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    ids: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        ids[f"{request_id}-{i}"] = []
+        engine.add_request(f"{request_id}-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     first = last = None
-    ids: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
             first = now if first is None else first
             last = now
-            ids += out.new_token_ids
-    decode_s = last - first if len(ids) > 1 else float("nan")
-    return {"ids": ids, "decode_s": decode_s, "steps": engine.stats().num_steps - steps_before}
+            ids[out.request_id] += out.new_token_ids
+    tokens = sum(len(t) for t in ids.values())
+    decode_s = last - first if tokens > len(prompts) else float("nan")
+    return {"ids": list(ids.values()), "decode_s": decode_s, "steps": engine.stats().num_steps - steps_before}
 
 
 def main(argv=None) -> int:
@@ -99,11 +110,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     base = LLMEngine.from_config(EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
                                               quantization=args.quantization, num_threads=args.num_threads,
-                                              kv_cache_memory=256 << 20))
+                                              kv_cache_memory=256 << 20, compile=args.compile))
     tok = base.tokenizer
+    spec_config = dataclasses.replace(base.config, speculative_tokens=args.draft_tokens)
+    if args.max_batch is not None:
+        spec_config = dataclasses.replace(spec_config, speculative_max_batch=args.max_batch)
     modes = {"plain": base,
-             "speculative": LLMEngine(base.model, dataclasses.replace(base.config, speculative_tokens=args.draft_tokens),
-                                      tokenizer=tok, model_id=base.model_id, eos_token_ids=base.eos_token_ids)}
+             "speculative": LLMEngine(base.model, spec_config, tokenizer=tok, model_id=base.model_id,
+                                      eos_token_ids=base.eos_token_ids)}
     for engine in modes.values():  # warm both up
         engine.generate([tok.encode("Hello there, hello there")], SamplingParams(max_tokens=8, temperature=0.0))
     results: dict = {}
@@ -113,20 +127,23 @@ def main(argv=None) -> int:
         for mode, engine in modes.items():
             stats_before = engine.stats()
             runs = []
-            for i, prompt in enumerate(prompts):
-                best = min((run_one(engine, prompt, args.max_tokens, f"{workload}-{mode}-{i}-{r}")
+            for i in range(0, len(prompts), args.batch):
+                group = [prompts[(i + j) % len(prompts)] for j in range(args.batch)]
+                best = min((run_batch(engine, group, args.max_tokens, f"{workload}-{mode}-{i}-{r}")
                             for r in range(args.repeats)), key=lambda r: r["decode_s"])
                 runs.append(best)
             stats = engine.stats()
-            tokens = sum(len(r["ids"]) - 1 for r in runs)
+            tokens = sum(len(ids) - 1 for r in runs for ids in r["ids"] if ids)
             seconds = sum(r["decode_s"] for r in runs)
             drafted = stats.num_draft_tokens - stats_before.num_draft_tokens
             results[workload][mode] = {
                 "output_tokens_per_s": tokens / seconds, "itl_ms": seconds / tokens * 1e3,
-                "steps_per_token": sum(r["steps"] for r in runs) / sum(len(r["ids"]) for r in runs),
+                # steps per output token of one request (the batch's requests share steps)
+                "steps_per_token": sum(r["steps"] for r in runs) * args.batch
+                / sum(len(ids) for r in runs for ids in r["ids"]),
                 "acceptance": (stats.num_accepted_tokens - stats_before.num_accepted_tokens) / drafted
                 if drafted else None,
-                "outputs": [r["ids"] for r in runs]}
+                "outputs": [ids for r in runs for ids in r["ids"]]}
         plain, spec = results[workload]["plain"], results[workload]["speculative"]
         spec["same_text"] = spec["outputs"] == plain["outputs"]
         spec["speedup"] = spec["output_tokens_per_s"] / plain["output_tokens_per_s"]
@@ -138,6 +155,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"config": {k: str(v) for k, v in vars(args).items()},
                "precision": f"{base.config.dtype}/{base.config.quantization}",
+               "decode_step": base.stats().decode_step,
                "results": {w: {m: {k: v for k, v in r.items() if k != "outputs"} for m, r in modes_.items()}
                            for w, modes_ in results.items()},
                "texts": {w: [tok.decode(ids) for ids in results[w]["speculative"]["outputs"]] for w in results}}
@@ -151,7 +169,7 @@ def plot(results: dict, path: Path) -> None:
     workloads = list(results)
     bar_chart(path, [f"{w} ({results[w]['speculative']['speedup']:.2f}x)" for w in workloads],
               {mode: [results[w][mode]["output_tokens_per_s"] for w in workloads] for mode in ("plain", "speculative")},
-              ylabel="output tokens/s, batch 1", title="n-gram speculative decoding")
+              ylabel="output tokens/s", title="n-gram speculative decoding")
 
 
 if __name__ == "__main__":

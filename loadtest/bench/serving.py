@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     with contextlib.ExitStack() as stack:
         targets = dict(t.split("=", 1) for t in args.target)
-        started = {name: flags for name, flags in (t.split("=", 1) for t in args.start_tandem_as)}
+        started = dict(t.split("=", 1) for t in args.start_tandem_as)
         if args.start_tandem:
             started = {"tandem": args.tandem_args, **started}
         targets = {**{name: stack.enter_context(tandem_up(flags.split(), name=name))

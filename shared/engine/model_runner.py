@@ -27,17 +27,15 @@ class ModelRunner:
         """From the background compile: the engine thread's next decode-only step runs the graph."""
         self.compiled = compiled
 
-    def prepare(self, out: SchedulerOutput, num_decode_entries: int | None = None,
+    def prepare(self, out: SchedulerOutput, num_decode_entries: int,
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """The step's tensors. The first ``num_decode_entries`` entries (default: the one-token ones,
-        which come first) are attention's decode rows: one row per token, a speculative entry's
-        draft tokens each a row of its own whose context ends at that token (its K/V and the K/V of
-        the step's tokens before it are written before attention reads them). So a verified draft
-        token's attention is computed exactly as a decode row at its position would be, and a greedy
-        request's tokens are the same with speculation on or off."""
+        """The step's tensors, ``out`` in ``split``'s order. Its first ``num_decode_entries`` entries
+        are attention's decode rows, one row per token: a speculative entry's draft tokens each a row
+        of its own whose context ends at that token (its K/V and the K/V of the step's tokens before
+        it are written before attention reads them). So a verified draft token's attention is
+        computed exactly as a decode row at its position would be, and a greedy request's tokens are
+        the same with speculation on or off."""
         bs = self.block_size
-        if num_decode_entries is None:
-            num_decode_entries = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

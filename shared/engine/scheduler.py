@@ -56,10 +56,6 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
-
 
 @dataclass(frozen=True)
 class Backlog:

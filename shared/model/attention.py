@@ -25,7 +25,7 @@ from kernels.rotary import rotary_embedding_ref
 
 @dataclass
 class AttentionMetadata:
-    num_decodes: int  # decode sequences, first in the batch; one token each
+    num_decodes: int  # decode rows, first in the batch; one token each
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset per new token
     block_tables: torch.Tensor  # [B, M] int32
     seq_lens: torch.Tensor  # [B] int32: context length after this step's tokens

@@ -2,6 +2,7 @@
 engine in process, the same model and precision, both in one run.
 
     python -m loadtest.bench.speculative [--draft-tokens 6] [--compile on] [--batch 1] [--dtype float32]
+                                         [--device cpu|cuda]
                                          [--out loadtest/results/speculative]
 
 Workloads, greedy, ``--batch`` requests at a time (default 1, where a step is all overhead and
@@ -68,6 +69,7 @@ WORKLOADS = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the decode step from CUDA graphs with --compile on)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
     p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise"])
     p.add_argument("--draft-tokens", type=int, default=6)
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     from shared.engine import EngineConfig, LLMEngine, SamplingParams
 
     args = parse_args(argv)
-    base = LLMEngine.from_config(EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
+    base = LLMEngine.from_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                               quantization=args.quantization, num_threads=args.num_threads,
                                               kv_cache_memory=256 << 20, compile=args.compile))
     tok = base.tokenizer

@@ -7,13 +7,16 @@
 #      against SDPA / FlexAttention, causal prefill attention in TFLOP/s, KV gather/scatter;
 #   3. the engine on the GPU: a random-weight Llama-3.2-1B-shaped model (bf16), decode tokens/s at
 #      batch 1/8/32: decode steps replayed from CUDA graphs, then eager with the Triton attention
-#      backend and eager with torch's (the baselines, in the same run).
+#      backend and eager with torch's (the baselines, in the same run);
+#   4. python -m loadtest.bench.speculative on the GPU (n-gram drafts verified in the CUDA graphs,
+#      against plain decoding, same run) at batch 1 and 4, on GPU_CHECK_SPEC_MODEL (default the 1B
+#      model of step 3, whose random weights make its acceptance meaningless: give it a real model).
 #
 #   loadtest/tools/gpu_check.sh [OUT_DIR]      (default loadtest/results/gpu; run from the repo root)
 #
 # GPU_CHECK_SKIP="bench_kernels decode_torch" (say) leaves those steps out.
 # Everything lands in OUT_DIR: gpu_check.log (every step's output), bench_kernels.json/.png,
-# decode_graphs.json, decode_triton.json, decode_torch.json. Step 3 writes its vocabulary from a tokenizer GGUF:
+# decode_graphs.json, decode_triton.json, decode_torch.json, speculative_b{1,4}/. Step 3 writes its vocabulary from a tokenizer GGUF:
 # TANDEM_TOKENIZER_GGUF (default: the SmolLM2 alias, which `tandem model fetch` caches; any small
 # GGUF with a tokenizer does, e.g. one written by `python -m loadtest.tools.synth_model --shape tiny`).
 set -u
@@ -47,4 +50,8 @@ for run in "graphs triton on" "triton triton off" "torch torch off"; do
   step "decode_$1" 60 "$python" -m loadtest.bench.decode --model "$model" --device cuda --dtype bfloat16 \
     --attention-backend "$2" --compile "$3" --batch-sizes 1,8,32 --steps 32 --repeats 2 --out "$out/decode_$1.json"
 done
-grep -E "^=== .*exit|passed|failed|batch +[0-9]+:" "$log"
+for batch in 1 4; do
+  step "speculative_b$batch" 150 "$python" -m loadtest.bench.speculative --model "${GPU_CHECK_SPEC_MODEL:-$model}" \
+    --device cuda --compile on --batch "$batch" --repeats 2 --out "$out/speculative_b$batch"
+done
+grep -E "^=== .*exit|passed|failed|batch +[0-9]+:|^(edit|chat):" "$log"

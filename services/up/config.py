@@ -40,8 +40,7 @@ class WorkerHostSettings(BaseSettings):
                                   "int8-precise (two int8 levels of activations, closer to float32); default: see dtype")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
-                                           "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6 on the "
-                                           "CPU, off on CUDA)")
+                                           "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")
     compile: Literal["off", "on", "background"] | None = Field(
         None, description="workers' compiled decode step (CPU): background, on or off (default: the workers' "
                           "own, background: compiled on a thread while they serve eagerly)")

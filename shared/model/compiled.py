@@ -74,8 +74,6 @@ class CompiledDecode:
         self.artifacts: CompileArtifacts | None = None  # where warm() loaded or kept the step
         self._fn = None  # the step compiled ahead of time (torch's AOTCompiledFunction)
 
-    verifies_drafts = True  # a speculative entry's tokens run here as decode rows (``step_src``)
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  past_blocks: torch.Tensor, past_valid: torch.Tensor, step_src: torch.Tensor):
         model, cfg = self.model, self.model.cfg

@@ -18,8 +18,12 @@ buffers sized for the largest bucket, and everything that sets a grid is fixed p
 
 A decode row therefore gets the same bits in a given bucket whatever its batch-mates. Across
 buckets the split count can differ (split-K sums in another order), so unlike the CPU's compiled
-step a row is not bit-identical alone and in a batch of, say, 40. Prefill, chunked and speculative
-steps stay eager; the runner sends a request's decode rows all one way (``ModelRunner.split``).
+step a row is not bit-identical alone and in a batch of, say, 40. Prefill and chunked steps stay
+eager; the runner sends a request's decode rows all one way (``ModelRunner.split``).
+
+A speculative entry (the last token and its draft) replays here too, as decode rows, a row per token
+whose context ends at it: the forward writes every row's K/V into the cache before attention reads
+it, so a draft token's row sees the tokens of the step before it, as its own decode step would.
 """
 
 from __future__ import annotations

@@ -112,3 +112,37 @@ def test_a_batch_past_the_largest_bucket_runs_eagerly(device):
 ])
 def test_batch_buckets(max_num_seqs, buckets):
     assert batch_buckets(max_num_seqs) == buckets
+
+
+def test_a_speculative_entry_replays_as_decode_rows_that_see_the_step_before_them(device):
+    """The runner's layout of a draft (ModelRunner.prepare): sequence 1's last token and two draft
+    tokens, each a decode row whose context ends at it, beside sequence 0's plain row. Its rows must
+    equal the same tokens decoded one step at a time: the graph writes the step's K/V before
+    attention reads the cache."""
+    model, backend, pool, tables, graphs = _prefilled(torch.float32, device)
+    start = PROMPTS[1]
+    seqs, positions = [0, 1, 1, 1], [PROMPTS[0], start, start + 1, start + 2]
+    ids = torch.tensor([(7 * p + 3 * i) % 97 for i, p in zip(seqs, positions)], device=device)
+    width = -(-(max(positions) + 1) // BLOCK)
+
+    def step(rows):  # rows: indices into seqs/positions, run as one decode step
+        meta = AttentionMetadata(
+            num_decodes=len(rows), block_tables=tables[[seqs[r] for r in rows], :width],
+            slot_mapping=torch.tensor([int(tables[seqs[r], positions[r] // BLOCK]) * BLOCK + positions[r] % BLOCK
+                                       for r in rows], device=device),
+            seq_lens=torch.tensor([positions[r] + 1 for r in rows], dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+            max_seq_len=max(positions[r] + 1 for r in rows), max_query_len=1)
+        return ids[rows], torch.tensor([positions[r] for r in rows], device=device), meta
+
+    one_by_one = pool.clone()
+    expected = []
+    for rows in ([0, 1], [2], [3]):
+        i, p, meta = step(rows)
+        expected.append(model.forward(i, p, one_by_one, meta, backend))
+    i, p, meta = step([0, 1, 2, 3])
+    got = graphs.forward(i, p, pool, meta)
+    expected = torch.cat(expected)
+    assert graphs.num_steps == 1  # replayed, in bucket 4
+    assert max_rel_err(got, expected) < 4 * REL_TOL[torch.float32]
+    torch.testing.assert_close(pool, one_by_one, **KV_TOL[torch.float32])

@@ -138,13 +138,13 @@ def test_speculative_decoding_flags_reach_the_engine_from_every_command():
     from services.decode.config import DecodeSettings
     from services.up.service import spec_from_settings
     from shared.cli.engine_args import engine_config_from_args
-    from shared.worker.settings import CPU_SPECULATIVE_TOKENS
+    from shared.worker.settings import SPECULATIVE_TOKENS
 
     config = DecodeSettings(speculative_tokens=5, speculative_max_batch=2).engine_config()
     assert (config.speculative_tokens, config.speculative_max_batch) == (5, 2)
-    # on by default on the CPU (off on CUDA, not measured there); 0 turns it off
-    assert DecodeSettings(device="cpu").engine_config().speculative_tokens == CPU_SPECULATIVE_TOKENS > 0
-    assert DecodeSettings(device="cuda").engine_config().speculative_tokens == 0
+    # on by default on the CPU and on CUDA (measured on both); 0 turns it off
+    assert DecodeSettings(device="cpu").engine_config().speculative_tokens == SPECULATIVE_TOKENS > 0
+    assert DecodeSettings(device="cuda").engine_config().speculative_tokens == SPECULATIVE_TOKENS
     assert DecodeSettings(device="cpu", speculative_tokens=0).engine_config().speculative_tokens == 0
     args = build_parser().parse_args(["complete", "--speculative-tokens", "3", "hi"])
     assert engine_config_from_args(args).speculative_tokens == 3

@@ -129,9 +129,14 @@ class AdmissionService:
                                  if source is not None else None)
 
     def _candidates(self, request: GenerateRequest) -> list[WorkerEntry]:
-        """The ready decode workers of the request's model, less those it excludes."""
-        return [w for w in self.view.ready_workers("decode", request.model)
-                if w.info.worker_id not in request.exclude_workers]
+        """The ready decode workers of the request's model, less those it excludes. A request moved
+        from a worker that ran its decode rows compiled goes to one that runs compiled too where
+        there is one: on a worker still compiling it would run eagerly, in other last bits."""
+        workers = [w for w in self.view.ready_workers("decode", request.model)
+                   if w.info.worker_id not in request.exclude_workers]
+        if request.sampling.decode_path == "compiled":
+            return [w for w in workers if w.load is not None and w.load.decode_step == "compiled"] or workers
+        return workers
 
     def _observe(self, request: GenerateRequest, entry: WorkerEntry, workers: list[WorkerEntry],
                  choice: RoutingChoice, now: float) -> AdmissionInput:

@@ -15,7 +15,7 @@ def engine_params(p: SamplingParams) -> EngineSamplingParams:
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
         logit_bias=dict(p.logit_bias) if p.logit_bias else None,
         grammar=GrammarSpec(p.grammar.kind, p.grammar.value) if p.grammar else None,
-        num_output_in_prompt=p.num_output_in_prompt)
+        num_output_in_prompt=p.num_output_in_prompt, decode_path=p.decode_path)
 
 
 def token_chunk(out: EngineOutput, index: int, worker_id: str) -> TokenChunk:
@@ -27,4 +27,4 @@ def token_chunk(out: EngineOutput, index: int, worker_id: str) -> TokenChunk:
     return TokenChunk(request_id=out.request_id, index=index, token_ids=list(out.new_token_ids),
                       logprobs=logprobs, finish_reason=out.finish_reason,
                       num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                      worker_id=worker_id)
+                      worker_id=worker_id, decode_path=out.decode_path)

@@ -83,6 +83,7 @@ class Generation:
         self._stream: AsyncIterator[TokenChunk] | None = None
         self._first: TokenChunk | None = None
         self._generated: list[int] = []
+        self._decode_path: str | None = None  # the current worker's path for its decode rows
         self._num_text_chunks = 0  # a text worker's chunks without token ids (one token each in usage)
         self._num_migrations = 0
         self._has_lost_worker = False  # a worker was lost before the first token: wait for another
@@ -333,7 +334,8 @@ class Generation:
             "request_id": f"{self.request.request_id}-m{self._num_migrations}",
             "prompt_token_ids": prompt, "block_hashes": self._workers.block_hashes(prompt, self.request.model),
             "sampling": self.request.sampling.model_copy(update={
-                "max_tokens": remaining, "num_output_in_prompt": len(self._generated)})})
+                "max_tokens": remaining, "num_output_in_prompt": len(self._generated),
+                "decode_path": self._decode_path})})
         log.warning("%s: %s; continuing elsewhere after %d tokens", self.request.request_id, why,
                     len(self._generated))
         await self._reopen(request, why)
@@ -374,6 +376,7 @@ class Generation:
         if self._num_migrations == 0:
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         self._generated.extend(chunk.token_ids)
+        self._decode_path = chunk.decode_path or self._decode_path
         if chunk.text is not None and self.request.is_text:  # a text worker: its own tokenizer's text
             self._num_text_chunks += 0 if chunk.token_ids else 1
             self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)

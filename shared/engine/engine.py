@@ -95,7 +95,8 @@ class LLMEngine:
                      keep_kv: bool, deadline: float | None) -> Request:
         self.validate(prompt_token_ids, params)
         return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
-                       keep_kv=keep_kv, deadline=math.inf if deadline is None else deadline)
+                       keep_kv=keep_kv, deadline=math.inf if deadline is None else deadline,
+                       decode_path=params.decode_path)
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)

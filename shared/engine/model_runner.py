@@ -108,18 +108,23 @@ class ModelRunner:
 
         A request's decode rows all run one way, fixed at its first one: compiled if the compiled
         step is there by then, else eager to its end (a request decoding when the background
-        compile hands over does not change path). A speculative entry (the last token and its
-        draft) is decode rows too, a row per token, on its request's path (the CPU's compiled step
-        and the GPU's CUDA graphs both verify drafts). Decode rows run compiled also in a step that prefills
-        another request, beside the eager prefill: the compiled step's sums differ from eager's in
-        the last bits, which int8 rounding can carry into a token, so a request's tokens would
-        otherwise depend on whether someone was prefilling beside it."""
+        compile hands over does not change path). A request moved from another worker comes with
+        the path it had there (``SamplingParams.decode_path``) and keeps it where this worker can.
+        A speculative entry (the last token and its draft) is decode rows too, a row per token, on
+        its request's path (the CPU's compiled step and the GPU's CUDA graphs both verify drafts).
+        Decode rows run compiled also in a step that prefills another request, beside the eager
+        prefill: the compiled step's sums differ from eager's in the last bits, which int8 rounding
+        can carry into a token, so a request's tokens would otherwise depend on whether someone was
+        prefilling beside it."""
         path = "eager" if self.compiled is None else "compiled"  # for a request's first decode row
         compiled, eager, prefill = [], [], []
         num_compiled_rows = 0
         for s in out.scheduled:
             if (s.num_new_tokens == 1 or s.draft) and s.request.decodes_at(s.start):  # decode rows
-                if s.request.decode_path is None:
+                # None: its first decode row. "compiled" here without the compiled step: it ran
+                # compiled on a worker it moved from, and runs eagerly here (its tokens can then
+                # differ in the last bits from what they would have been without the move)
+                if s.request.decode_path is None or self.compiled is None:
                     s.request.decode_path = path
                 if s.request.decode_path == "compiled":
                     compiled.append(s)

@@ -25,6 +25,7 @@ class EngineOutput:
     num_cached_tokens: int
     num_output_tokens: int
     first_scheduled_time: float | None = None  # the request's (time.monotonic()), for its TTFT phases
+    decode_path: str | None = None  # how its decode rows run: "eager" or "compiled" (None before the first)
 
 
 def make_output(request: Request, new_ids: list[int], token: SampledToken | None = None) -> EngineOutput:
@@ -34,4 +35,5 @@ def make_output(request: Request, new_ids: list[int], token: SampledToken | None
         logprobs = [TokenLogprobs(token.token_id, token.logprob, token.top_logprobs or ())]
     finish = request.status.value if request.status.is_finished else None
     return EngineOutput(request.request_id, new_ids, logprobs, finish, request.num_prompt_tokens,
-                        request.num_cached_tokens, len(request.output_token_ids), request.first_scheduled_time)
+                        request.num_cached_tokens, len(request.output_token_ids), request.first_scheduled_time,
+                        request.decode_path)

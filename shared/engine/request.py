@@ -34,6 +34,9 @@ class SamplingParams:
     # the last n prompt tokens are output of an earlier run of this request (it moved here from
     # another worker): the grammar state is replayed over them
     num_output_in_prompt: int = 0
+    # how its decode rows ran on the worker it moved from ("eager" or "compiled"): they run so here
+    # too where this worker can (Request.decode_path), so its tokens keep their numerical path
+    decode_path: str | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidSamplingParamsError naming the first bad field."""
@@ -65,6 +68,8 @@ class SamplingParams:
             bad("logit_bias", f"must map token ids in [0, {vocab_size}) to biases in [-100, 100]")
         if not 0 <= self.num_output_in_prompt:
             bad("num_output_in_prompt", "must not be negative")
+        if self.decode_path not in (None, "eager", "compiled"):
+            bad("decode_path", "must be 'eager', 'compiled' or not given")
         if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
 

@@ -10,6 +10,8 @@ from shared.protocol.base import BlockHash, RequestId, WireModel, WorkerId
 from shared.protocol.prefill import KvSource
 
 FinishReason = Literal["stop", "length", "abort"]
+# a worker's numerical path for a request's decode rows: its eager step or its compiled one
+DecodePath = Literal["eager", "compiled"]
 
 
 class GrammarSpec(WireModel):
@@ -45,6 +47,9 @@ class SamplingParams(WireModel):
     # the last n prompt tokens were generated for this request by an earlier worker (the gateway
     # moved it): the worker replays the grammar state over them
     num_output_in_prompt: int = Field(0, ge=0)
+    # how the earlier worker ran its decode rows (TokenChunk.decode_path): the new one runs them the
+    # same way where it can, so that a greedy request's tokens do not depend on the move
+    decode_path: DecodePath | None = None
 
 
 class TextMessage(WireModel):
@@ -129,6 +134,10 @@ class TokenChunk(WireModel):
     # first chunk only: the worker's part of the time to first token, phase name → seconds, a
     # partition of its time from receiving the request to this chunk (shared.telemetry.phases)
     phases: dict[str, float] | None = None
+    # how the worker runs this request's decode rows, from its first decode row on (a token worker
+    # with several numerical paths: Tandem's CPU worker before and after its compile); the gateway
+    # passes it on when it moves the request (SamplingParams.decode_path)
+    decode_path: DecodePath | None = None
 
 
 class OriginPing(WireModel):

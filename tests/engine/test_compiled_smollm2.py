@@ -54,3 +54,25 @@ def test_default_precision_greedy_tokens_hold_in_a_batch_beside_a_prefill_and_af
     other = LLMEngine.from_config(config)  # another worker
     moved = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True, num_output_in_prompt=15)
     assert [other.generate([p + out[:15]], moved)[0] for p, out in zip(short, alone)] == [out[15:] for out in alone]
+
+
+def test_default_precision_greedy_tokens_hold_after_a_move_from_an_eager_worker_to_a_compiled_one(chat_prompts):
+    """A request decoding on a worker still eager (its compile not handed over) moves after 15
+    tokens to one that runs compiled, told the path it had (``decode_path``, as the gateway sends
+    it): the new worker recomputes and continues it eagerly, and its tokens are those it would
+    have had without moving (default precision: int8 layers)."""
+    import dataclasses
+
+    from shared.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model="smollm2-135m", device="cpu", compile="off", kv_cache_memory=64 << 20,
+                          enable_prefix_caching=False)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short = [chat_prompts[i] for i in (0, 2, 4)]
+    eager = LLMEngine.from_config(config)
+    alone = [eager.generate([p], greedy)[0] for p in short]
+    compiled = LLMEngine.from_config(dataclasses.replace(config, compile="on"))
+    moved = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True, num_output_in_prompt=15,
+                           decode_path="eager")
+    assert [compiled.generate([p + out[:15]], moved)[0] for p, out in zip(short, alone)] == [out[15:] for out in alone]
+    assert compiled.runner.compiled.num_steps == 0  # every decode row ran eagerly

@@ -86,7 +86,9 @@ class RawWorker:
 
         def chunk(i: int, finish: str | None = None) -> bytes:
             return json.dumps({"request_id": rid, "index": i, "token_ids": [first + i], "finish_reason": finish,
-                               "num_prompt_tokens": len(req["prompt_token_ids"]), "worker_id": self.worker_id}).encode()
+                               "num_prompt_tokens": len(req["prompt_token_ids"]), "worker_id": self.worker_id,
+                               # as Tandem's CPU worker: from its first decode row on
+                               "decode_path": "eager" if i else None}).encode()
 
         end = {"Tandem-Stream": "end"}
         if self.behaviour == "good":
@@ -211,6 +213,9 @@ async def test_a_worker_failing_mid_stream_is_continued_on_another(cluster, beha
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == GOOD_TEXT
     moved = workers[GOOD].requests[0]
     assert moved["prompt_token_ids"][-2:] == [10, 11] and moved["sampling"]["max_tokens"] == 2
+    # the path the bad worker said it decoded on goes with the request (none on the first one)
+    assert moved["sampling"]["decode_path"] == "eager"
+    assert workers[BAD].requests[0]["sampling"].get("decode_path") is None
     assert moved["exclude_workers"] == [BAD]
     assert workers[BAD].cancels[0]["reason"].startswith(f"gateway: {reason}: ")
     assert worker_errors(gateway, BAD, reason) == 1

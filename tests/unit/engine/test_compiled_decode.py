@@ -4,6 +4,8 @@ go through the graph; no recompilation after warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -364,3 +366,46 @@ def test_a_step_compiled_here_serves_inference_mode_requests_like_a_loaded_one(t
     eager = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
     assert tokens == eager.generate(prompts(2), greedy)
     assert engine.runner.compiled.num_steps >= 5
+
+
+def test_a_moved_request_keeps_the_decode_path_it_had_on_the_worker_it_left(tmp_path):
+    """A request moves from a worker still decoding eagerly (its compile not handed over yet) to
+    one that runs compiled. The first worker's outputs say its path (``EngineOutput.decode_path``,
+    the chunks' ``decode_path``) and the gateway sends it with the moved request: the new worker
+    recomputes and continues it eagerly, bit for bit as if it had not moved (int8 layers). Moved the
+    other way, to a worker without the compiled step, it runs eagerly and its outputs say so."""
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    model.quantize("int8", list(range(3, 60)))
+    eager = EngineConfig(kv_cache_memory=4 << 20, block_size=4, quantization="int8", compile="off",
+                         max_num_batched_tokens=16)
+    prompt, moved_after = prompts(3)[2], 6
+
+    def run(engine, request_id: str, tokens: list[int], **moved) -> tuple[list[int], list[float], set]:
+        params = SamplingParams(max_tokens=16 - len(tokens) + len(prompt), temperature=0.0, ignore_eos=True,
+                                logprobs=0, **moved)
+        engine.add_request(request_id, tokens, params)
+        ids, logprobs, paths = [], [], set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                ids.extend(out.new_token_ids)
+                logprobs.extend(lp.logprob for lp in out.logprobs or ())
+                paths.add(out.decode_path)
+        return ids, logprobs, paths - {None}
+
+    ids, logprobs, paths = run(LLMEngine(model, eager), "first", prompt)
+    assert paths == {"eager"}
+    compiled = LLMEngine(model, dataclasses.replace(eager, compile="on"))
+    moved = dict(num_output_in_prompt=moved_after)
+    assert run(compiled, "moved", prompt + ids[:moved_after], decode_path="eager", **moved) \
+        == (ids[moved_after:], logprobs[moved_after:], {"eager"})
+    assert compiled.runner.compiled.num_steps == 0
+    # not told its path, the compiled worker runs it compiled
+    assert run(compiled, "untold", prompt + ids[:moved_after], **moved)[2] == {"compiled"}
+    assert compiled.runner.compiled.num_steps >= 16 - moved_after - 1
+    back_ids, _, back_paths = run(LLMEngine(model, eager), "back", prompt + ids[:moved_after],
+                                  decode_path="compiled", **moved)
+    assert back_paths == {"eager"} and len(back_ids) == 16 - moved_after

@@ -1,7 +1,13 @@
 """The compiled decode step on the real SmolLM2 (float32, where eager matches transformers):
 the same greedy tokens as the eager step, alone and in a ragged batch."""
 
+import pytest
+
 from shared.engine import SamplingParams
+
+# a cold compile of SmolLM2's step takes 5-7 minutes on a 2-core machine (more on a busy one): a
+# slow compile is not a hang
+pytestmark = pytest.mark.timeout(1500)
 
 
 def test_compiled_decode_gives_the_eager_greedy_text(make_engine, chat_prompts):

@@ -81,7 +81,7 @@ class EngineWorkerSettings(ServiceSettings):
     def engine_config(self):
         from shared.engine import EngineConfig, parse_size
 
-        config = EngineConfig(
+        return EngineConfig(
             model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
@@ -92,4 +92,3 @@ class EngineWorkerSettings(ServiceSettings):
             kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
             kv_disk_min_uses=self.kv_disk_min_uses, speculative_tokens=self.speculative_tokens,
             speculative_max_batch=self.speculative_max_batch, compile=self.compile)
-        return config

@@ -121,27 +121,19 @@ def test_a_speculative_entry_replays_as_decode_rows_that_see_the_step_before_the
     attention reads the cache."""
     model, backend, pool, tables, graphs = _prefilled(torch.float32, device)
     start = PROMPTS[1]
-    seqs, positions = [0, 1, 1, 1], [PROMPTS[0], start, start + 1, start + 2]
-    ids = torch.tensor([(7 * p + 3 * i) % 97 for i, p in zip(seqs, positions)], device=device)
-    width = -(-(max(positions) + 1) // BLOCK)
+    seqs, seq_lens = [0, 1, 1, 1], [PROMPTS[0] + 1, start + 1, start + 2, start + 3]
 
-    def step(rows):  # rows: indices into seqs/positions, run as one decode step
-        meta = AttentionMetadata(
-            num_decodes=len(rows), block_tables=tables[[seqs[r] for r in rows], :width],
-            slot_mapping=torch.tensor([int(tables[seqs[r], positions[r] // BLOCK]) * BLOCK + positions[r] % BLOCK
-                                       for r in rows], device=device),
-            seq_lens=torch.tensor([positions[r] + 1 for r in rows], dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
-            max_seq_len=max(positions[r] + 1 for r in rows), max_query_len=1)
-        return ids[rows], torch.tensor([positions[r] for r in rows], device=device), meta
+    def step(rows):  # rows: indices into seqs/seq_lens, run as one decode step of a token each
+        return _meta(tables, [seqs[r] for r in rows], [1] * len(rows), [seq_lens[r] for r in rows], len(rows),
+                     device)
 
     one_by_one = pool.clone()
     expected = []
     for rows in ([0, 1], [2], [3]):
-        i, p, meta = step(rows)
-        expected.append(model.forward(i, p, one_by_one, meta, backend))
-    i, p, meta = step([0, 1, 2, 3])
-    got = graphs.forward(i, p, pool, meta)
+        ids, pos, meta = step(rows)
+        expected.append(model.forward(ids, pos, one_by_one, meta, backend))
+    ids, pos, meta = step([0, 1, 2, 3])
+    got = graphs.forward(ids, pos, pool, meta)
     expected = torch.cat(expected)
     assert graphs.num_steps == 1  # replayed, in bucket 4
     assert max_rel_err(got, expected) < 4 * REL_TOL[torch.float32]

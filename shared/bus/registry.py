@@ -9,6 +9,13 @@ copy from a KV watch and answer ``list()`` from memory. Expiry by ``max_age`` se
 nothing, so the copy drops an entry itself once its last put is older than the TTL. After a NATS
 reconnect the watch starts over (its consumer may have died with the server) and the copy is
 rebuilt from the bucket; until then it keeps what it had, each entry aging out by its TTL.
+
+A watch can also die while the connection lives: its consumer is kept by one server of the
+bucket's cluster, which may not be the one the client is connected to. Killing that server leaves
+the client connected and the watch silent; nats-py notices only after two missed idle heartbeats
+(10 s), more than a TTL, so every worker would leave the copy meanwhile. A watchdog therefore
+starts the watch over once it has heard nothing for half a TTL (every worker puts every third of
+one), and again while that fails (the bucket electing a new leader).
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ class WorkerRegistry:
         self._copy: dict[str, tuple[WorkerInfo, float]] | None = None  # id → (info, put at)
         self._watcher = None
         self._watch_task: asyncio.Task | None = None
+        self._watch_lock = asyncio.Lock()
+        self._watchdog_task: asyncio.Task | None = None
+        self._heard_at = 0.0  # monotonic: the watch's last entry, or its (re)start
+        self.num_watch_restarts = 0  # by the watchdog
 
     @classmethod
     async def open(cls, bus: Bus, bucket: str, *, ttl_s: float = 6.0,
@@ -47,21 +58,43 @@ class WorkerRegistry:
         if watch:
             await registry._start_watch()
             bus.link.on_resume(f"registry watch of {bucket} #{id(registry)}", registry._start_watch)
+            registry._watchdog_task = asyncio.create_task(registry._watchdog(bus, bucket))
         return registry
 
     async def _start_watch(self) -> None:
         """(Re)build the copy from a new watch, then follow it; replaces an earlier watch."""
-        watcher = await self._kv.watch_all()
-        copy: dict[str, tuple[WorkerInfo, float]] = {}
-        try:
-            while (entry := await watcher.updates(timeout=10)) is not None:  # None: initial values done
-                self._apply(copy, entry)
-        except BaseException:
-            await _stop_watcher(watcher)
-            raise
-        await self._stop_watch()
-        self._copy, self._watcher = copy, watcher
-        self._watch_task = asyncio.create_task(self._follow(watcher, copy))
+        async with self._watch_lock:  # a reconnect's resume and the watchdog may both start one
+            watcher = await self._kv.watch_all()
+            copy: dict[str, tuple[WorkerInfo, float]] = {}
+            try:
+                while (entry := await watcher.updates(timeout=10)) is not None:  # None: initial values done
+                    self._apply(copy, entry)
+            except BaseException:
+                await _stop_watcher(watcher)
+                raise
+            await self._stop_watch()
+            self._copy, self._watcher = copy, watcher
+            self._heard_at = time.monotonic()
+            self._watch_task = asyncio.create_task(self._follow(watcher, copy))
+
+    async def _watchdog(self, bus: Bus, bucket: str) -> None:
+        """Start the watch over when it has been silent for half a TTL (see the module doc); with
+        no entry to expect (an empty copy) a full TTL. Runs until the bus closes."""
+        while not bus.link.is_closed:
+            await asyncio.sleep(self.ttl_s / 6)
+            silent_s = time.monotonic() - self._heard_at
+            if not bus.nc.is_connected or silent_s < self.ttl_s / (2 if self._copy else 1):
+                continue  # a reconnect starts the watch over itself (``on_resume``)
+            try:
+                await self._start_watch()
+                self.num_watch_restarts += 1
+                log.log(logging.INFO if self._copy else logging.DEBUG,
+                        "registry watch of %s silent for %.1fs: started over (%d entries)", bucket, silent_s,
+                        len(self._copy or {}))
+            except Exception as exc:  # noqa: BLE001 — no leader yet, timeouts: the next tick tries again
+                if not bus.link.is_closed:
+                    log.warning("registry watch of %s silent for %.1fs; starting it over failed: %r",
+                                bucket, silent_s, exc)
 
     async def _stop_watch(self) -> None:
         if self._watch_task is not None:
@@ -73,6 +106,7 @@ class WorkerRegistry:
     async def _follow(self, watcher, copy: dict[str, tuple[WorkerInfo, float]]) -> None:
         async for entry in watcher:
             if entry is not None:
+                self._heard_at = time.monotonic()
                 self._apply(copy, entry)
 
     @staticmethod

@@ -170,6 +170,39 @@ async def test_watched_registry_follows_puts_deletes_and_expiry(bus, namespace):
     await wait_until(expired, timeout_s=5, what="w1 to expire from the watched copy")  # no heartbeat
 
 
+async def test_a_watch_whose_consumer_dies_while_connected_is_started_over_before_entries_age_out(bus, namespace):
+    """The consumer behind a watch is kept by one server; when that server dies and the client's
+    does not, the client stays connected and the watch goes silent. Deleting the consumer does the
+    same here. A worker heartbeating all along must never leave the watched copy, and a worker
+    registered afterwards must enter it."""
+    bucket = Subjects(namespace).workers_bucket
+    ttl_s = 3.0
+    writer = await WorkerRegistry.open(bus, bucket, ttl_s=ttl_s)
+    info = WorkerInfo(worker_id="w1", role="decode", model="m", block_size=16, max_model_len=64,
+                      generate_subject="g", cancel_subject="c")
+    beating = asyncio.create_task(writer.heartbeat(lambda: info))
+    try:
+        watched = await WorkerRegistry.open(bus, bucket, watch=True)
+        assert [w.worker_id for w in await watched.list()] == ["w1"]
+        consumers = await bus.js.consumers_info(f"KV_{bucket}")
+        assert len(consumers) == 1  # the watch's
+        await bus.js.delete_consumer(f"KV_{bucket}", consumers[0].name)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 4 * ttl_s  # nats-py alone would start the consumer over after 10 s
+        while loop.time() < end:
+            assert "w1" in [w.worker_id for w in await watched.list()], "a live worker left the copy"
+            await asyncio.sleep(0.05)
+        assert watched.num_watch_restarts >= 1
+        await writer.put(info.model_copy(update={"worker_id": "w2"}))
+
+        async def w2_seen():
+            return "w2" in [w.worker_id for w in await watched.list()]
+
+        await wait_until(w2_seen, timeout_s=5, what="w2 in the watched copy")
+    finally:
+        beating.cancel()
+
+
 async def test_connecting_to_an_unreachable_server_fails_by_its_deadline():
     """nats-py alone would retry forever: the caller gets a ConnectionError naming the URL."""
     from shared.stack.servers import free_port

@@ -4,6 +4,8 @@
     python -m loadtest.bench.serving --start-tandem --start-llama   # starts both here, then measures
     python -m loadtest.bench.serving --start-tandem-as "spec=--speculative-tokens 6" --start-tandem-as "off="
                                      # two Tandem stacks with different flags, the last the baseline
+    python -m loadtest.bench.serving --start-tandem --start-llama --model /tmp/llama-1b-q8_0.gguf
+                                     # both serve the same GGUF file (tools.synth_model writes one)
 
 Every request: a prompt of ``--prompt-tokens`` tokens (the model's own tokenizer), ``--output-tokens``
 greedy tokens with ``ignore_eos``, streamed. At concurrency c the targets take turns, one wave of c
@@ -79,6 +81,7 @@ def summarize_waves(waves: list[dict]) -> dict:
 
 async def measure(targets: dict[str, str], model: str, concurrency: list[int], rounds: int,
                   prompt_tokens: int, output_tokens: int) -> dict[str, dict[int, dict]]:
+    """``model``: an alias or a model file, named in requests as given (``tandem up --model``'s name)."""
     waves: dict[str, dict[int, list]] = {name: {c: [] for c in concurrency} for name in targets}
     salt = 0
     for name, url in targets.items():  # warm-up: first-request costs stay out of the figures
@@ -169,11 +172,12 @@ def wait_for_compiled_steps(url: str, deadline: float) -> None:
 
 
 @contextlib.contextmanager
-def llama_server(threads: int, parallel: int):
+def llama_server(threads: int, parallel: int, model: str):
     from loadtest.tools import llama_server as ls
+    from shared.model.registry import resolve_model
 
     port = free_port()
-    proc = ls.start(port, parallel=parallel, threads=threads)
+    proc = ls.start(port, parallel=parallel, threads=threads, gguf=resolve_model(model).path)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -191,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                         "before --target's and llama-server)")
     p.add_argument("--start-llama", action="store_true", help="start llama-server here as target 'llama-server'")
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="an alias or a .gguf file; started targets serve it (tandem up --model, llama-server -m)")
+    p.add_argument("--ready-timeout", type=float, default=900.0,
+                   help="seconds a started tandem may take to be ready and compiled (a 1B model compiles longer)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -204,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         started = dict(t.split("=", 1) for t in args.start_tandem_as)
         if args.start_tandem:
             started = {"tandem": args.tandem_args, **started}
-        targets = {**{name: stack.enter_context(tandem_up(flags.split(), name=name))
+        model_flags = ["--model", args.model]
+        targets = {**{name: stack.enter_context(tandem_up(model_flags + flags.split(), args.ready_timeout, name))
                       for name, flags in started.items()},
                    **targets}
         if args.start_llama:
-            targets["llama-server"] = stack.enter_context(llama_server(args.threads, max(concurrency)))
+            targets["llama-server"] = stack.enter_context(llama_server(args.threads, max(concurrency), args.model))
         if not targets:
             p.error("give --target name=url or --start-tandem / --start-tandem-as / --start-llama")
         load_before = os.getloadavg()

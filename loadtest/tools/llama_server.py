@@ -76,11 +76,12 @@ def server_command(binary: Path, gguf: Path, port: int, parallel: int = 32, thre
             "-c", str(parallel * ctx_per_slot), "-t", str(threads), "--cont-batching", "--no-webui"]
 
 
-def start(port: int, parallel: int = 32, threads: int = 2, timeout_s: float = 300.0) -> subprocess.Popen:
-    """Start llama-server on the default model's GGUF and wait until /health answers 200."""
+def start(port: int, parallel: int = 32, threads: int = 2, timeout_s: float = 300.0,
+          gguf: Path | None = None) -> subprocess.Popen:
+    """Start llama-server on ``gguf`` (default: the default model's) and wait until /health answers 200."""
     from shared.model.registry import DEFAULT_MODEL, resolve_model
 
-    gguf = resolve_model(DEFAULT_MODEL).path
+    gguf = gguf or resolve_model(DEFAULT_MODEL).path
     proc = subprocess.Popen(server_command(build(), gguf, port, parallel, threads),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s

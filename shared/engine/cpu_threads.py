@@ -15,10 +15,12 @@ thread that built the engine drops to one OpenMP thread and frees its OpenMP tea
 start a second team. Served batch-1 inter-token latency went from 34–39 ms to 18–20 ms here.
 
 The drop goes through the OpenMP runtime's own ``omp_set_num_threads``, whose count is the calling
-thread's alone, never through ``torch.set_num_threads``: that one also sets MKL's thread count,
-which is the whole process's, so the engine thread's MKL calls ran on one thread after the hand-
-over. On a 1B-parameter model the compiled batch-1 decode step took 250 ms in the engine thread
-against 135 ms in the thread that built the engine.
+thread's alone, never through ``torch.set_num_threads``: that one sets more than the calling
+thread's OpenMP count (torch's thread pools, its MKL and oneDNN settings), and after it the engine
+thread's steps were slower. On a 1B-parameter model the compiled batch-1 decode step took 250 ms
+in the engine thread against 135 ms in the thread that built the engine; which of those settings
+costs it is not pinned down (the engine thread's own torch and MKL counts still read 2, and
+``_int_mm`` alone timed there did not slow down).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def adopt(num_threads: int) -> None:
 
 def release_calling_thread() -> int:
     """Called by the thread that handed the engine over: run on one OpenMP thread and free this
-    thread's OpenMP team; MKL's count, the process's, stays the engine's. Returns the count it had,
-    for ``restore``."""
+    thread's OpenMP team (where there is an OpenMP runtime). Returns the count it had, for
+    ``restore``."""
     before = torch.get_num_threads()
     if before > 1 and _set_openmp_threads(1):
         _pause_openmp()
@@ -102,31 +104,30 @@ def free_team() -> None:
 
 
 def _set_openmp_threads(num_threads: int) -> bool:
-    """``omp_set_num_threads`` on the OpenMP runtime torch loaded: the calling thread's count only
-    (torch's intra-op count in that thread follows it). False where there is no such runtime."""
-    library = _openmp_library()
-    if library is None:
-        return False
-    try:
-        ctypes.CDLL(library).omp_set_num_threads(num_threads)
-    except (OSError, AttributeError) as exc:
-        log.debug("cannot set OpenMP's thread count in %s: %s", library, exc)
-        return False
-    return True
+    """``omp_set_num_threads``: the calling thread's count only (torch's intra-op count in that
+    thread follows it). False where there is no OpenMP runtime to call."""
+    return _call_openmp("omp_set_num_threads", num_threads)
 
 
 def _pause_openmp() -> None:
-    """``omp_pause_resource_all(omp_pause_soft)`` on the OpenMP runtime torch loaded, if there is
-    one that has it: its idle team threads exit, and a later parallel region makes new ones."""
+    """``omp_pause_resource_all(omp_pause_soft)``: the idle team threads exit, and a later parallel
+    region makes new ones."""
+    _call_openmp("omp_pause_resource_all", 1)
+
+
+def _call_openmp(function: str, *args: int) -> bool:
+    """Call ``function`` of the OpenMP runtime torch loaded; False where there is none or it lacks
+    the function."""
     library = _openmp_library()
     if library is None:
-        return
+        return False
     try:
-        rc = ctypes.CDLL(library).omp_pause_resource_all(1)
+        rc = getattr(ctypes.CDLL(library), function)(*args)
     except (OSError, AttributeError) as exc:
-        log.debug("cannot pause OpenMP in %s: %s", library, exc)
-        return
-    log.debug("paused OpenMP in %s (rc %s)", library, rc)
+        log.debug("cannot call %s in %s: %s", function, library, exc)
+        return False
+    log.debug("%s%s in %s (rc %s)", function, args, library, rc)
+    return True
 
 
 def _openmp_library() -> str | None:

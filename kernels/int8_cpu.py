@@ -7,7 +7,11 @@ threads, a 1B model's layers), ``_int_mm`` (oneDNN) read them at 11-13 GB/s, abo
 read's 23-24, and the kernel at 16-19 for one to three rows: 1.25-1.55x
 (``python -m loadtest.bench.int8_kernel``, loadtest/results/README.md).
 
-The kernel serves eager steps; the compiled decode step keeps ``_int_mm`` (see ``int8_mm``).
+Eager steps and the compiled decode step both call it: the graph calls ``tandem_cpu::int8_mm``
+where the kernel is loaded (its fake, registered on load, gives the graph the output's shape), and
+``_int_mm`` where it is not, so the compiled step's artifacts name which one they call
+(``kernel_in_graph``). On the 1B model here the compiled batch-1 step went from 124-125 to 78-104
+ms with it.
 It is C++ built on first use with the compiler inductor uses (``CXX`` or ``c++``), against
 the installed torch, into ``TANDEM_CACHE_DIR/kernels/`` under a name that covers its source, torch's
 version and the flags; a later process loads it in milliseconds. Without VNNI, without a compiler,
@@ -52,14 +56,24 @@ def identity() -> str:
 
 def int8_mm(x: torch.Tensor, w: torch.Tensor, w_sums: torch.Tensor) -> torch.Tensor:
     """x [M, K] int8 @ w [N, K].T int8 -> int32 [M, N], exact; ``w_sums`` [N] int32 is w's row sums.
-    The kernel once ``load()`` has loaded it (the model's ``quantize`` does), else ``_int_mm``.
-
-    Eager steps only: the compiled decode step (shared/model/compiled.py) keeps ``_int_mm``. There
-    the kernel, called from the graph, measured no faster (1B shape, batch 1: 86-88 ms a step
-    against 82), and the graph stays the same on machines with and without it."""
-    if _op is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
+    The kernel once ``load()`` has loaded it (the model's ``quantize`` does), else ``_int_mm``; the
+    kernel itself hands more than four rows to ``_int_mm``. Traced into the compiled decode step as
+    it runs here (``kernel_in_graph``)."""
+    if _op is not None and x.device.type == "cpu":
         return _op(x, w, w_sums)
     return _reference(x, w)
+
+
+def kernel_in_graph() -> bool:
+    """Whether a decode step compiled in this process calls the kernel (else ``_int_mm``): part of
+    the compiled step's artifact key, since a graph that calls the kernel needs it loaded."""
+    load()
+    return _op is not None
+
+
+def _fake_int8_mm(x: torch.Tensor, w: torch.Tensor, w_sums: torch.Tensor) -> torch.Tensor:
+    """The kernel's output for tracing: shape and dtype, no data."""
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.int32)
 
 
 def row_sums(w: torch.Tensor) -> torch.Tensor:
@@ -78,6 +92,7 @@ def load() -> bool:
                 try:
                     library = _library()
                     torch.ops.load_library(str(library))
+                    torch.library.register_fake("tandem_cpu::int8_mm", _fake_int8_mm)
                     _op = torch.ops.tandem_cpu.int8_mm
                     _state.update(loaded=True, identity=library.parent.name)
                     return True

@@ -62,11 +62,13 @@ def isa_flags(flags: frozenset[str] | None = None) -> list[str]:
 
 
 def artifact_key(*, structure: object, block_size: int, threads: int, code: str, torch_version: str,
-                 flags: frozenset[str] | None = None) -> str:
-    """The name of one compiled step's artifacts (a NATS object name: letters, digits, ``-``)."""
+                 flags: frozenset[str] | None = None, int8_kernel: bool = False) -> str:
+    """The name of one compiled step's artifacts (a NATS object name: letters, digits, ``-``).
+    ``int8_kernel``: the graph calls the int8 CPU kernel (kernels/int8_cpu.py), which a process
+    that did not load it (no compiler, ``TANDEM_INT8_KERNEL=off``) cannot run."""
     identity = {"structure": structure, "block_size": block_size, "threads": threads, "code": code,
                 "torch": torch_version, "python": platform.python_version_tuple()[:2],
-                "machine": platform.machine(), "isa": isa_flags(flags)}
+                "machine": platform.machine(), "isa": isa_flags(flags), "int8_kernel": int8_kernel}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return f"decode-{digest}"
 
@@ -107,8 +109,11 @@ def traced_code_digest() -> str:
 def engine_artifact_key(model, block_size: int, threads: int) -> str:
     import torch
 
+    from kernels.int8_cpu import kernel_in_graph
+
     return artifact_key(structure=model_structure(model), block_size=block_size, threads=threads,
-                        code=traced_code_digest(), torch_version=torch.__version__)
+                        code=traced_code_digest(), torch_version=torch.__version__,
+                        int8_kernel=getattr(model, "quantization", "none") != "none" and kernel_in_graph())
 
 
 class ArtifactStore(Protocol):

@@ -28,7 +28,7 @@ def test_the_kernel_is_built_and_loaded_where_the_cpu_has_vnni():
 
 
 @pytest.mark.parametrize("k", [64, 576, 1536, 65, 100, 2047])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 12, 13])
 def test_products_are_exact_for_any_row_count_and_width(m, k):
     gen = torch.Generator().manual_seed(m * 1000 + k)
     n = 37  # not a multiple of the kernel's 4-row tiles
@@ -45,11 +45,33 @@ def test_products_are_exact_for_any_row_count_and_width(m, k):
 def test_a_row_gets_the_same_bits_alone_and_among_others():
     gen = torch.Generator().manual_seed(7)
     w = torch.randint(-128, 128, (300, 576), dtype=torch.int8, generator=gen)
-    x = torch.randint(-128, 128, (8, 576), dtype=torch.int8, generator=gen)
+    x = torch.randint(-128, 128, (16, 576), dtype=torch.int8, generator=gen)
     sums = int8_cpu.row_sums(w)
     alone = int8_cpu.int8_mm(x[:1], w, sums)
-    for m in range(2, 9):  # the kernel up to 4 rows, _int_mm past them
+    for m in range(2, 17):  # the kernel up to 12 rows (in groups of 4), _int_mm past them
         assert torch.equal(int8_cpu.int8_mm(x[:m], w, sums)[:1], alone)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="the kernel runs only on a CPU with AVX-512 VNNI")
+def test_a_compiled_graph_calls_the_kernel_and_gets_its_bits():
+    """The compiled decode step traces ``int8_mm`` as it runs here: the kernel's op, which needs
+    the fake registered on load to be traced at all."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randint(-128, 128, (70, 200), dtype=torch.int8, generator=gen)
+    sums = int8_cpu.row_sums(w)
+    called = []
+
+    def recording(gm, example_inputs):
+        called.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch.compile(lambda x: int8_cpu.int8_mm(x, w, sums), backend=recording, fullgraph=True)(
+        torch.zeros(2, 200, dtype=torch.int8))
+    assert any("tandem_cpu.int8_mm" in target for target in called), called
+    compiled = torch.compile(lambda x: int8_cpu.int8_mm(x, w, sums) * 2, fullgraph=True, dynamic=True)
+    for m in (2, 3, 6, 17):
+        x = torch.randint(-128, 128, (m, 200), dtype=torch.int8, generator=gen)
+        assert torch.equal(compiled(x), (x.int() @ w.int().t()) * 2), m
 
 
 def test_off_runs_int_mm_and_says_why():

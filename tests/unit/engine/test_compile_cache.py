@@ -19,7 +19,7 @@ def test_the_key_names_everything_the_compiled_code_depends_on():
     key = artifact_key(**BASE)
     assert key == artifact_key(**BASE) and key.startswith("decode-")
     for change in (dict(structure={"layers": 3}), dict(block_size=32), dict(threads=4), dict(code="abd"),
-                   dict(torch_version="2.14.0+cpu"), dict(flags=AVX512 | {"amx_tile"})):
+                   dict(torch_version="2.14.0+cpu"), dict(flags=AVX512 | {"amx_tile"}), dict(int8_kernel=True)):
         assert artifact_key(**{**BASE, **change}) != key, change
     # flags that do not change the instructions a compiler may emit do not split the cluster
     assert artifact_key(**{**BASE, "flags": AVX512 - {"hypervisor", "constant_tsc"}}) == key

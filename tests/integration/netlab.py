@@ -178,7 +178,8 @@ class Host:
                     env: Mapping[str, str] | None = None, **kw) -> tuple[subprocess.Popen, re.Match]:
         """Start ``argv`` here and return once a line of its output (stdout and stderr together)
         matches ``ready`` (a regex), with the match. A thread keeps draining the output after that
-        (``proc.lines`` holds the last 200 lines). The process is killed if it exits first or is
+        (``proc.lines`` holds the last 2000 lines; with ``NETLAB_LOG_DIR`` set, every line is also
+        written to a file there). The process is killed if it exits first or is
         not ready within ``timeout_s``."""
         pattern = re.compile(ready) if isinstance(ready, str) else ready
         proc = self.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -188,14 +189,23 @@ class Host:
         found: list[re.Match] = []
         event = threading.Event()
 
+        log_dir = os.environ.get("NETLAB_LOG_DIR")
+        log = open(os.path.join(log_dir, f"{self.name}-{os.path.basename(str(argv[0]))}-{proc.pid}.log"), "a") \
+            if log_dir else None
+
         def pump() -> None:
             for line in proc.stdout:
+                if log is not None:
+                    log.write(line)
+                    log.flush()
                 lines.append(line.rstrip("\n"))
-                del lines[:-200]
+                del lines[:-2000]
                 if not event.is_set() and (m := pattern.search(line)):
                     found.append(m)
                     event.set()
             event.set()
+            if log is not None:
+                log.close()
 
         threading.Thread(target=pump, name=f"netlab-{self.name}-output", daemon=True).start()
         if not event.wait(timeout_s) or not found:

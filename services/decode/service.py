@@ -48,6 +48,7 @@ class DecodeWorker(EngineWorker):
         self.num_requests_total = 0
         self.num_requests_aborted = 0
         self.num_local_prefills = 0
+        self._running: set[str] = set()  # request ids received whose streams have not ended
         self.remote = remote  # None: remote prefill off (disabled, or no KV transfer here)
         self.fetcher = fetcher  # None: no prefix fetches from or for other workers
         self._loops: list[asyncio.Task] = []
@@ -89,6 +90,7 @@ class DecodeWorker(EngineWorker):
         index = 0
         params = engine_params(request.sampling)
         self.origins.add(request)
+        self._running.add(request.request_id)
         try:
             if self.fetcher is not None and request.kv_source is not None:
                 await self.fetcher.fetch(request)
@@ -124,6 +126,7 @@ class DecodeWorker(EngineWorker):
             raise ServiceError("rejected", str(exc)) from None
         finally:
             self.origins.remove(request)
+            self._running.discard(request.request_id)
         log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
 
     @staticmethod
@@ -160,8 +163,9 @@ class DecodeWorker(EngineWorker):
                 prefills.config = dataclasses.replace(prefills.config, **changes)
                 log.info("disaggregation thresholds now %s", prefills.config)
         thresholds = dataclasses.asdict(self.remote.prefills.config) if self.remote is not None else {}
+        holds = None if request.request_id is None else request.request_id in self._running
         return ControlResult(worker_id=self.worker_id, state=self.state, num_in_flight=self._bus.num_in_flight,
-                             **thresholds)
+                             holds_request=holds, **thresholds)
 
     def load(self) -> WorkerLoad:
         prefills = self.remote.prefills if self.remote else None

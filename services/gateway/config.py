@@ -19,6 +19,10 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                   "/status and tandem status (tandem up passes it); not used otherwise")
     request_timeout_s: float = Field(600.0, gt=0, description="wait for a request's first token")
     token_idle_timeout_s: float = Field(60.0, gt=0, description="max gap between two tokens")
+    lost_request_check_s: float = Field(5.0, ge=0, description="while a request waits for its first token, "
+                                        "ask its worker this often whether the request is running there; "
+                                        "two noes in a row: it or its first replies were lost on the way, "
+                                        "so it is admitted again (0: never ask)")
     status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body (413 above)")

@@ -31,7 +31,8 @@ from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
 from shared.openai_api.stop import StopStringMatcher
 from shared.policy.attempts import MAX_ADMISSIONS, Attempts, Failure, Next, next_attempt
-from shared.protocol import AdmissionDecision, CancelRequest, GenerateRequest, Subjects, TokenChunk
+from shared.protocol import (AdmissionDecision, CancelRequest, ControlRequest, GenerateRequest, Subjects,
+                             TokenChunk)
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.config import GatewaySettings
 from services.gateway.metrics import GatewayMetrics
@@ -136,7 +137,7 @@ class Generation:
                 idle_timeout_s=self._settings.token_idle_timeout_s)
             opened_at = time.monotonic()
             try:
-                self._first = await self._first_chunk(worker_id, started_at)
+                self._first = await self._first_chunk(worker_id, started_at, request.request_id)
             except WorkerMisbehaved as exc:
                 await self._misbehaved(exc, request.request_id)
                 if next_attempt(time.monotonic(), Failure.MISBEHAVED, tries) is Next.FAIL:
@@ -168,9 +169,9 @@ class Generation:
                 self._note_first_token(opened_at)
             return
 
-    async def _first_chunk(self, worker_id: str, started_at: float | None) -> TokenChunk:
+    async def _first_chunk(self, worker_id: str, started_at: float | None, request_id: str) -> TokenChunk:
         try:
-            return await self._watched(worker_id, started_at)
+            return await self._watched(worker_id, started_at, awaiting_first=request_id)
         except StopAsyncIteration:
             raise WorkerMisbehaved(worker_id, "early_end", "ended the stream before its first chunk") from None
         except MalformedReply as exc:
@@ -285,13 +286,22 @@ class Generation:
                 raise self._bad_worker_error() from None
             raise ApiError(502, f"lost {self._num_migrations + 1} workers: {exc}") from None
 
-    async def _watched(self, worker_id: str, started_at: float | None) -> TokenChunk:
+    async def _watched(self, worker_id: str, started_at: float | None,
+                       awaiting_first: str | None = None) -> TokenChunk:
         """The stream's next chunk, raising WorkerLost if the worker leaves the registry meanwhile
-        (or is replaced by a new one under its id: ``started_at`` differs)."""
+        (or is replaced by a new one under its id: ``started_at`` differs). ``awaiting_first``: the
+        id of the request whose first chunk this is; the worker is asked every
+        ``lost_request_check_s`` whether it runs it, and two noes in a row raise WorkerLost: core
+        NATS delivers at most once, so the request or its first replies can vanish (a NATS member
+        lost with them on the way), and nothing else would end the wait before ``request_timeout_s``."""
         next_chunk = asyncio.ensure_future(anext(self._stream))
+        check_s = self._settings.lost_request_check_s if awaiting_first is not None else 0.0
+        next_check_at = time.monotonic() + check_s
+        asking: asyncio.Future[bool | None] | None = None
+        noes = 0
         try:
             while True:
-                done, _ = await asyncio.wait({next_chunk}, timeout=_WATCH_INTERVAL_S)
+                done, _ = await asyncio.wait({next_chunk}, timeout=min(_WATCH_INTERVAL_S, check_s or math.inf))
                 if done:
                     return next_chunk.result()
                 now_started_at = self._workers.started_at(worker_id)
@@ -299,10 +309,31 @@ class Generation:
                     raise WorkerLost(f"worker {worker_id} left the registry")
                 if started_at is not None and now_started_at != started_at:
                     raise WorkerLost(f"worker {worker_id} was restarted")
+                if asking is not None and asking.done():
+                    noes = noes + 1 if asking.result() is False else 0
+                    asking = None
+                    if noes >= 2:
+                        raise WorkerLost(f"worker {worker_id} does not have request {awaiting_first}: it or "
+                                         f"its first replies were lost on the way")
+                if check_s and asking is None and time.monotonic() >= next_check_at:
+                    asking = asyncio.ensure_future(self._runs_there(worker_id, awaiting_first))
+                    next_check_at = time.monotonic() + check_s
         finally:
-            if not next_chunk.done():  # let the stream unsubscribe before anyone closes it
-                next_chunk.cancel()
-                await asyncio.wait({next_chunk})
+            for pending in (next_chunk, asking):
+                if pending is not None and not pending.done():  # let the stream unsubscribe before anyone closes it
+                    pending.cancel()
+                    await asyncio.wait({pending})
+
+    async def _runs_there(self, worker_id: str, request_id: str) -> bool | None:
+        """Whether the worker says it runs the request; None: no answer, or it does not say."""
+        try:
+            result = await self._bus.request(self._subjects.control(worker_id),
+                                             ControlRequest(action="status", request_id=request_id),
+                                             timeout_s=min(self._settings.lost_request_check_s, 2.0))
+        except ServiceError as exc:  # a timeout, no responders, an error reply: it does not say
+            log.debug("%s: asking worker %s about it: %s", request_id, worker_id, exc)
+            return None
+        return result.holds_request
 
     async def _next_from_worker(self) -> TokenChunk:
         """The next chunk, watching that the worker is still registered while waiting."""

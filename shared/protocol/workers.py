@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.protocol.base import WireModel, WorkerId
+from shared.protocol.base import RequestId, WireModel, WorkerId
 from shared.protocol.prefill import PrefillQueueStatus
 
 Role = Literal["decode", "prefill"]
@@ -134,7 +134,9 @@ def _at_or_above(by_priority: dict[int, int], priority: int) -> int:
 class ControlRequest(WireModel):
     """``drain``/``stop``: finish in-flight work and leave. ``configure``: change the decode
     worker's conditional-disaggregation thresholds (fields left None keep their value).
-    ``status``: change nothing, report. ``flip``: take no new work, finish what is in flight, then
+    ``status``: change nothing, report (with ``request_id``: also whether that request is running
+    here, so that a gateway waiting for its first token can tell a long queue from a request, or
+    its replies, lost on the way: core NATS delivers at most once). ``flip``: take no new work, finish what is in flight, then
     serve as ``role`` in the same process (same engine, same weights) and register again; the
     reply comes at once (state ``draining``), the registry shows when the flip is done."""
 
@@ -143,6 +145,7 @@ class ControlRequest(WireModel):
     max_prefill_queue: int | None = Field(None, ge=0)
     role: Role | None = None  # flip: the role to take
     drain_timeout_s: float | None = Field(None, ge=0)  # drain/stop: instead of the worker's own
+    request_id: RequestId | None = None  # status: ask whether this request is running here
 
     @model_validator(mode="after")
     def _flip_names_a_role(self) -> "ControlRequest":
@@ -159,6 +162,9 @@ class ControlResult(WireModel):
     num_in_flight: int = Field(0, ge=0)
     max_local_prefill_tokens: int | None = None
     max_prefill_queue: int | None = None
+    # the asked ``request_id`` is running here: received and its stream not ended (None: not asked,
+    # or a worker that does not say)
+    holds_request: bool | None = None
 
 
 class ServiceInfo(WireModel):

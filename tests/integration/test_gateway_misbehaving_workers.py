@@ -34,6 +34,7 @@ from shared.telemetry.metrics import sample_total
 MODEL = "m"
 BAD, GOOD = "a-bad", "b-good"
 TTL_S = 5.0
+SLOW_S = 1.5
 
 
 def tokenizer():
@@ -48,7 +49,10 @@ class RawWorker:
     """A decode worker on raw NATS. ``behaviour``: ``good`` streams tokens 10, 11, ... (after
     the tokens a moved request already has) up to max_tokens; ``bad_finish`` sends one chunk whose finish_reason is "eos"; ``no_chunk`` sends the
     end marker first; ``cut`` sends two good chunks then the end marker; ``garbage`` two good
-    chunks then bytes that are not JSON; ``silent`` two good chunks, then nothing."""
+    chunks then bytes that are not JSON; ``silent`` two good chunks, then nothing; ``lost`` nothing,
+    and it says it does not run the request when asked (as if the request never reached it: core
+    NATS drops a message whose route died); ``slow`` says it runs the request, then answers as
+    ``good`` after ``SLOW_S``."""
 
     def __init__(self, worker_id: str, behaviour: str, namespace: str, kv_namespace_hex: str = "") -> None:
         self.worker_id, self.behaviour = worker_id, behaviour
@@ -56,6 +60,8 @@ class RawWorker:
         self.kv_namespace_hex = kv_namespace_hex
         self.requests: list[dict] = []
         self.cancels: list[dict] = []
+        self.asked: list[str] = []  # the request ids the gateway asked about (control status)
+        self._running: set[str] = set()
         self._release = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -68,8 +74,17 @@ class RawWorker:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+        async def on_control(msg) -> None:
+            req = json.loads(msg.data)
+            self.asked.append(req.get("request_id"))
+            await nc.publish(msg.reply, json.dumps({
+                "worker_id": self.worker_id, "state": "ready",
+                "holds_request": None if req.get("request_id") is None else req["request_id"] in self._running,
+            }).encode())
+
         await nc.subscribe(generate, cb=on_generate)
         await nc.subscribe(cancel, cb=self._on_cancel)
+        await nc.subscribe(self.subjects.control(self.worker_id).subject, cb=on_control)
         await registry.put(WorkerInfo(worker_id=self.worker_id, role="decode", model=MODEL, block_size=4,
                                       max_model_len=256, max_num_seqs=8, generate_subject=generate,
                                       cancel_subject=cancel, kv_namespace_hex=self.kv_namespace_hex,
@@ -81,6 +96,15 @@ class RawWorker:
     async def _serve(self, nc, msg) -> None:
         req = json.loads(msg.data)
         self.requests.append(req)
+        if self.behaviour == "lost":
+            return
+        self._running.add(req["request_id"])
+        try:
+            await self._answer(nc, msg, req)
+        finally:
+            self._running.discard(req["request_id"])
+
+    async def _answer(self, nc, msg, req: dict) -> None:
         rid, max_tokens = req["request_id"], req["sampling"]["max_tokens"]
         first = 10 + req["sampling"].get("num_output_in_prompt", 0)  # a moved request goes on from there
 
@@ -91,7 +115,9 @@ class RawWorker:
                                "decode_path": "eager" if i else None}).encode()
 
         end = {"Tandem-Stream": "end"}
-        if self.behaviour == "good":
+        if self.behaviour == "slow":
+            await asyncio.sleep(SLOW_S)
+        if self.behaviour in ("good", "slow"):
             for i in range(max_tokens):
                 await nc.publish(msg.reply, chunk(i, "length" if i == max_tokens - 1 else None))
         elif self.behaviour == "bad_finish":
@@ -187,6 +213,30 @@ async def test_a_worker_failing_before_its_first_chunk_is_replaced_by_another(cl
     assert [c["request_id"] for c in workers[BAD].cancels] == [workers[BAD].requests[0]["request_id"]]
     assert workers[BAD].cancels[0]["reason"].startswith(f"gateway: {reason}: ")
     assert worker_errors(gateway, BAD, reason) == 1
+
+
+async def test_a_request_lost_on_the_way_to_its_worker_is_admitted_again(cluster):
+    """The worker never got the request (it says so, twice): admitted again, answered by another,
+    long before the 600 s first-token timeout."""
+    client, gateway, workers = await cluster((BAD, "lost"), (GOOD, "good"), lost_request_check_s=0.2)
+    resp = await client.post("/v1/completions", json=body())
+    answer = await resp.json()
+    assert resp.status == 200, answer
+    assert resp.headers["X-Tandem-Worker"] == GOOD and answer["choices"][0]["text"] == GOOD_TEXT
+    lost_id = workers[BAD].requests[0]["request_id"]
+    assert workers[BAD].asked[:2] == [lost_id, lost_id]
+    assert [c["request_id"] for c in workers[BAD].cancels] == [lost_id]  # in case it turns up after all
+    assert not worker_errors(gateway, BAD, "timeout")  # a loss, not a misbehaviour
+
+
+async def test_a_worker_that_runs_the_request_is_waited_for(cluster):
+    """A worker slow to its first token but running the request keeps it: asked, never abandoned."""
+    client, gateway, workers = await cluster((BAD, "slow"), (GOOD, "good"), lost_request_check_s=0.2)
+    resp = await client.post("/v1/completions", json=body())
+    answer = await resp.json()
+    assert resp.status == 200, answer
+    assert resp.headers["X-Tandem-Worker"] == BAD and answer["choices"][0]["text"] == GOOD_TEXT
+    assert len(workers[BAD].asked) >= 3 and not workers[GOOD].requests and not workers[BAD].cancels
 
 
 @pytest.mark.parametrize("stream", [False, True])

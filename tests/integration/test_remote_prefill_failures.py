@@ -169,6 +169,25 @@ async def test_a_full_queue_refuses_the_publish_and_the_request_prefills_locally
     assert await num_queued(bus, namespace) == 2
 
 
+async def test_the_worker_says_which_requests_it_runs(bus, namespace, engine, pollers):
+    """``status`` with a request id: true while the request waits for its remote prefill, false for
+    an id it never got and once the request ended (what a gateway asks when a first token is late)."""
+    from shared.protocol import ControlRequest
+
+    worker = await decode_worker(bus, namespace, engine, pollers, window_s=3.0)
+    await prefill_queue(bus, namespace)
+
+    async def holds(request_id):
+        return (await worker.control(ControlRequest(action="status", request_id=request_id))).holds_request
+
+    running = asyncio.create_task(generate(worker, "r1"))
+    await wait_until(lambda: num_queued(bus, namespace), timeout_s=10, what="r1 on the prefill queue")
+    assert await holds("r1") is True and await holds("never-sent") is False
+    assert (await worker.control(ControlRequest(action="status"))).holds_request is None
+    assert await running == await local_tokens(engine)  # the window ends: prefilled here
+    assert await holds("r1") is False
+
+
 async def generate_published(worker: DecodeWorker, request_id: str, prompt: list[int]) -> None:
     """Reserve and publish one request, then let its wait end: it stays in the queue."""
     prefills = worker.remote.prefills

@@ -16,6 +16,17 @@ the client connected and the watch silent; nats-py notices only after two missed
 (10 s), more than a TTL, so every worker would leave the copy meanwhile. A watchdog therefore
 starts the watch over once it has heard nothing for half a TTL (every worker puts every third of
 one), and again while that fails (the bucket electing a new leader).
+
+Losing one member of a 3-server NATS cluster can leave the registry's raft group without a
+leader for tens of seconds: the bucket can be neither read nor written, the workers' heartbeats
+fail, and every worker would leave every copy at once, the cluster refusing all work although the
+workers and core NATS serve on. So from the moment the watchdog starts a silent watch over until
+that succeeds, the copy answers as of the moment the watch last heard from the bucket (for up to
+``STALE_HOLD_S``): a missing heartbeat then says nothing about the worker. When the restart
+succeeds after failing, the entries the bucket dropped meanwhile (its ``max_age``) are kept, aged
+as if the clock had stood still, until their workers' next beat. A worker that dies during the
+outage stays listed until the watch is back (or the hold ends); a request sent to it meanwhile
+gets "no responders" and is admitted again.
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from shared.protocol.workers import WorkerInfo
 
 log = logging.getLogger(__name__)
 
+STALE_HOLD_S = 60.0  # how long a copy whose watch cannot be started over keeps its entries' ages
+
 
 class WorkerRegistry:
     def __init__(self, kv: KvBucket, ttl_s: float) -> None:
@@ -45,6 +58,8 @@ class WorkerRegistry:
         self._watch_lock = asyncio.Lock()
         self._watchdog_task: asyncio.Task | None = None
         self._heard_at = 0.0  # monotonic: the watch's last entry, or its (re)start
+        self._stale = False  # the watch went silent and has not been started over yet
+        self._num_failed_restarts = 0  # in a row: the bucket cannot be read (no leader, say)
         self.num_watch_restarts = 0  # by the watchdog
 
     @classmethod
@@ -73,7 +88,13 @@ class WorkerRegistry:
                 await _stop_watcher(watcher)
                 raise
             await self._stop_watch()
+            if self._num_failed_restarts and self._copy:  # the workers' heartbeats failed too: the clock
+                # stood still for the entries the bucket dropped meanwhile (max_age) until their next beat
+                paused_s = min(time.monotonic() - self._heard_at, STALE_HOLD_S)
+                for key, (info, put_at) in self._copy.items():
+                    copy.setdefault(key, (info, put_at + paused_s))
             self._copy, self._watcher = copy, watcher
+            self._stale, self._num_failed_restarts = False, 0
             self._heard_at = time.monotonic()
             self._watch_task = asyncio.create_task(self._follow(watcher, copy))
 
@@ -85,6 +106,7 @@ class WorkerRegistry:
             silent_s = time.monotonic() - self._heard_at
             if not bus.nc.is_connected or silent_s < self.ttl_s / (2 if self._copy else 1):
                 continue  # a reconnect starts the watch over itself (``on_resume``)
+            self._stale = True
             try:
                 await self._start_watch()
                 self.num_watch_restarts += 1
@@ -92,6 +114,10 @@ class WorkerRegistry:
                         "registry watch of %s silent for %.1fs: started over (%d entries)", bucket, silent_s,
                         len(self._copy or {}))
             except Exception as exc:  # noqa: BLE001 — no leader yet, timeouts: the next tick tries again
+                self._num_failed_restarts += 1
+                if self._num_failed_restarts == 1 and self._copy:
+                    log.warning("registry %s unavailable: its %d entries are kept as of %.1fs ago for up to "
+                                "%.0fs", bucket, len(self._copy), time.monotonic() - self._heard_at, STALE_HOLD_S)
                 if not bus.link.is_closed:
                     log.warning("registry watch of %s silent for %.1fs; starting it over failed: %r",
                                 bucket, silent_s, exc)
@@ -133,6 +159,8 @@ class WorkerRegistry:
     async def list(self) -> list[WorkerInfo]:
         if self._copy is not None:
             now = time.time()
+            if self._stale:  # as of when the watch last heard, for up to STALE_HOLD_S
+                now = max(now - (time.monotonic() - self._heard_at), now - STALE_HOLD_S)
             return [info for info, put_at in self._copy.values() if now - put_at <= self.ttl_s]
         workers = []
         for key, value in await self._kv.items():

@@ -203,6 +203,42 @@ async def test_a_watch_whose_consumer_dies_while_connected_is_started_over_befor
         beating.cancel()
 
 
+async def test_a_registry_that_cannot_be_read_keeps_its_workers_until_it_can(bus, namespace):
+    """The bucket without a leader (a NATS member lost; here: its stream deleted): the watch cannot
+    be started over and heartbeats fail, yet the copy keeps its live worker for many TTLs instead
+    of dropping every worker at once. Once the bucket is back, entries age out as before."""
+    bucket = Subjects(namespace).workers_bucket
+    ttl_s = 2.0
+    writer = await WorkerRegistry.open(bus, bucket, ttl_s=ttl_s)
+    info = WorkerInfo(worker_id="w1", role="decode", model="m", block_size=16, max_model_len=64,
+                      generate_subject="g", cancel_subject="c")
+    beating = asyncio.create_task(writer.heartbeat(lambda: info))
+    try:
+        watched = await WorkerRegistry.open(bus, bucket, watch=True)
+        assert [w.worker_id for w in await watched.list()] == ["w1"]
+        await bus.js.delete_stream(f"KV_{bucket}")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5 * ttl_s
+        while loop.time() < end:
+            assert [w.worker_id for w in await watched.list()] == ["w1"], "the worker left an unreadable copy"
+            await asyncio.sleep(0.1)
+        assert watched._num_failed_restarts >= 1
+        await bus.key_value(bucket, ttl_s=ttl_s)  # the bucket back (a new leader): heartbeats land again
+
+        async def restarted():
+            return not watched._stale and watched._num_failed_restarts == 0
+
+        await wait_until(restarted, timeout_s=10, what="the watch started over on the bucket")
+        assert [w.worker_id for w in await watched.list()] == ["w1"]
+    finally:
+        beating.cancel()
+
+    async def expired():
+        return await watched.list() == []
+
+    await wait_until(expired, timeout_s=4 * ttl_s, what="w1 to age out once heartbeats stop")
+
+
 async def test_connecting_to_an_unreachable_server_fails_by_its_deadline():
     """nats-py alone would retry forever: the caller gets a ConnectionError naming the URL."""
     from shared.stack.servers import free_port

@@ -53,6 +53,24 @@ class RemotePrefiller:
     async def grant_lease(self, request: PrefillLeaseRequest) -> PrefillLeaseResult:
         return self.prefills.grant_lease(request, time.time())
 
+    async def watch_prefill_workers_forever(self, interval_s: float = 1.0) -> None:
+        """While requests wait for a remote prefill, check the registry every ``interval_s``: when
+        no prefill worker has been listed at two checks in a row, the waits nobody leased end
+        (``RemotePrefills.no_prefill_workers``) rather than run out their windows."""
+        num_absent = 0
+        while True:
+            await asyncio.sleep(interval_s)
+            if not self.prefills.has_waiting:
+                num_absent = 0
+                continue
+            try:
+                num_absent = 0 if await self._has_prefill_workers() else num_absent + 1
+            except Exception as exc:  # noqa: BLE001 — an unreadable registry says nothing
+                log.debug("registry unreadable: %s", exc)
+                continue
+            if num_absent >= 2:
+                self.prefills.no_prefill_workers()
+
     async def _has_prefill_workers(self) -> bool:
         return any(is_ready_worker(w, "prefill", self.prefills.model) for w in await self._registry.list())
 

@@ -69,6 +69,8 @@ class DecodeWorker(EngineWorker):
         if self.fetcher is not None:
             await self._bus.serve(s.kv_fetch(self.worker_id), self.fetcher.lend)
         self._loops.append(asyncio.create_task(self.origins.run_forever()))
+        if self.remote is not None:
+            self._loops.append(asyncio.create_task(self.remote.watch_prefill_workers_forever()))
         receivers = [r for r in (self.fetcher, self.remote) if r is not None]
         if receivers:
             self._loops.append(asyncio.create_task(poll_kv_forever(receivers[0].transfer, receivers)))

@@ -61,6 +61,11 @@ class ReservationLeases:
         return [t for t, r in self._reservations.items()
                 if not r.is_closed and r.holders and r.expires_at() <= now]
 
+    def unclaimed(self) -> list[str]:
+        """Open reservations no prefill worker has leased yet (still on the queue, or taken by one
+        that has not asked)."""
+        return [t for t, r in self._reservations.items() if not r.is_closed and not r.holders]
+
     def close(self, transfer_id: str) -> float | None:
         """Grant no more leases on ``transfer_id`` and forget it; returns when the last lease granted
         expires (no write can land after it), None if none was granted."""

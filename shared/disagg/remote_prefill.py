@@ -16,7 +16,8 @@ starts a write only while its lease outlasts the write's timeout and before ``wr
 reserved blocks stay owned by the request (``keep_kv``) until every lease granted on them has
 expired, even if the request finished or was cancelled earlier, so no write, late or repeated,
 can land in blocks that another request reuses. A reservation whose leases all lapsed without the
-KV (its prefill worker died or hangs) is prefilled locally at once, not at the end of its window.
+KV (its prefill worker died or hangs) is prefilled locally at once, not at the end of its window;
+so is one nobody leased once no prefill worker is left in the registry (``no_prefill_workers``).
 """
 
 from __future__ import annotations
@@ -193,6 +194,15 @@ class RemotePrefills:
         for ended in self._incoming.tick(now):
             log.warning("%s: no KV from a prefill worker within %.1fs: prefilling locally",
                         ended.request_id, self.timeout_s)
+
+    def no_prefill_workers(self) -> None:
+        """No prefill worker of the model is listed any more (the last one died, left or flipped):
+        nobody can take the reservations still on the queue, so prefill them here now instead of
+        at the end of their windows. One leased meanwhile ends when its lease lapses; a prefill
+        worker that takes one of these later is refused a lease and drops it."""
+        for transfer_id in self.leases.unclaimed():
+            if (ended := self._incoming.end_wait(transfer_id)) is not None:
+                log.warning("%s: no prefill worker is left to take it: prefilling locally", ended.request_id)
 
     def _forget(self, prefill: RemotePrefill) -> None:
         """The wait is over: no more leases; the blocks go back once the last one granted expired."""

@@ -94,6 +94,7 @@ async def decode_worker(bus: Bus, namespace: str, engine: AsyncEngine, pollers: 
     worker = DecodeWorker(settings, bus, registry, engine, remote)
     worker.state = "ready"
     pollers.append(asyncio.create_task(remote.poll_forever()))
+    pollers.append(asyncio.create_task(remote.watch_prefill_workers_forever(interval_s=0.2)))
     await wait_until(remote._has_prefill_workers, timeout_s=10, what="the prefill worker in the registry copy")
     return worker
 
@@ -186,6 +187,26 @@ async def test_the_worker_says_which_requests_it_runs(bus, namespace, engine, po
     assert (await worker.control(ControlRequest(action="status"))).holds_request is None
     assert await running == await local_tokens(engine)  # the window ends: prefilled here
     assert await holds("r1") is False
+
+
+async def test_the_last_prefill_worker_gone_ends_the_waits_nobody_leased(bus, namespace, engine, pollers):
+    """The request is on the queue, nobody has taken it, and the only prefill worker leaves the
+    registry: it prefills here within seconds, not at the end of its 120 s window; a prefill
+    worker that takes the message afterwards is refused a lease."""
+    from shared.protocol import PrefillLeaseRequest
+
+    worker = await decode_worker(bus, namespace, engine, pollers)  # window 120 s
+    queue = await prefill_queue(bus, namespace)
+    running = asyncio.create_task(generate(worker, "r1"))
+    await wait_until(lambda: num_queued(bus, namespace), timeout_s=10, what="r1 on the prefill queue")
+    assert not running.done()
+    await worker._registry.delete("prefill-t")
+    assert await running == await local_tokens(engine)  # generate() fails after 30 s
+    assert counts(worker) == (0, 1, 0)
+    [msg] = await queue.fetch(1)
+    lease = await worker.remote.grant_lease(PrefillLeaseRequest(
+        request_id="r1", transfer_id=msg.payload.transfer_id, prefill_worker_id="late"))
+    assert lease.expires_at is None
 
 
 async def generate_published(worker: DecodeWorker, request_id: str, prompt: list[int]) -> None:

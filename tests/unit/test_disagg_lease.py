@@ -41,6 +41,17 @@ def test_lapsed_once_every_holder_expired_never_before_a_claim():
     assert leases.lapsed(NOW + 100) == []
 
 
+def test_unclaimed_are_the_open_reservations_nobody_leased_yet():
+    leases = ReservationLeases(LEASE_S)
+    for t in ("t1", "t2", "t3"):
+        leases.open(t)
+    leases.grant("t2", "p1", NOW)
+    leases.close("t3")
+    assert leases.unclaimed() == ["t1"]
+    leases.grant("t1", "p1", NOW)
+    assert leases.unclaimed() == []
+
+
 def test_a_write_starts_only_while_the_lease_outlasts_it():
     expires = NOW + LEASE_S
     assert may_start_write(expires, NOW, WRITE_S)

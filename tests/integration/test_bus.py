@@ -170,6 +170,18 @@ async def test_watched_registry_follows_puts_deletes_and_expiry(bus, namespace):
     await wait_until(expired, timeout_s=5, what="w1 to expire from the watched copy")  # no heartbeat
 
 
+async def heartbeating_w1(bus, bucket: str, ttl_s: float):
+    """A registry bucket with worker w1 heartbeating into it, and a watched copy that lists it:
+    (writer, w1's info, the heartbeat task, the watched copy)."""
+    writer = await WorkerRegistry.open(bus, bucket, ttl_s=ttl_s)
+    info = WorkerInfo(worker_id="w1", role="decode", model="m", block_size=16, max_model_len=64,
+                      generate_subject="g", cancel_subject="c")
+    beating = asyncio.create_task(writer.heartbeat(lambda: info))
+    watched = await WorkerRegistry.open(bus, bucket, watch=True)
+    assert [w.worker_id for w in await watched.list()] == ["w1"]
+    return writer, info, beating, watched
+
+
 async def test_a_watch_whose_consumer_dies_while_connected_is_started_over_before_entries_age_out(bus, namespace):
     """The consumer behind a watch is kept by one server; when that server dies and the client's
     does not, the client stays connected and the watch goes silent. Deleting the consumer does the
@@ -177,13 +189,8 @@ async def test_a_watch_whose_consumer_dies_while_connected_is_started_over_befor
     registered afterwards must enter it."""
     bucket = Subjects(namespace).workers_bucket
     ttl_s = 3.0
-    writer = await WorkerRegistry.open(bus, bucket, ttl_s=ttl_s)
-    info = WorkerInfo(worker_id="w1", role="decode", model="m", block_size=16, max_model_len=64,
-                      generate_subject="g", cancel_subject="c")
-    beating = asyncio.create_task(writer.heartbeat(lambda: info))
+    writer, info, beating, watched = await heartbeating_w1(bus, bucket, ttl_s)
     try:
-        watched = await WorkerRegistry.open(bus, bucket, watch=True)
-        assert [w.worker_id for w in await watched.list()] == ["w1"]
         consumers = await bus.js.consumers_info(f"KV_{bucket}")
         assert len(consumers) == 1  # the watch's
         await bus.js.delete_consumer(f"KV_{bucket}", consumers[0].name)
@@ -209,13 +216,8 @@ async def test_a_registry_that_cannot_be_read_keeps_its_workers_until_it_can(bus
     of dropping every worker at once. Once the bucket is back, entries age out as before."""
     bucket = Subjects(namespace).workers_bucket
     ttl_s = 2.0
-    writer = await WorkerRegistry.open(bus, bucket, ttl_s=ttl_s)
-    info = WorkerInfo(worker_id="w1", role="decode", model="m", block_size=16, max_model_len=64,
-                      generate_subject="g", cancel_subject="c")
-    beating = asyncio.create_task(writer.heartbeat(lambda: info))
+    _, _, beating, watched = await heartbeating_w1(bus, bucket, ttl_s)
     try:
-        watched = await WorkerRegistry.open(bus, bucket, watch=True)
-        assert [w.worker_id for w in await watched.list()] == ["w1"]
         await bus.js.delete_stream(f"KV_{bucket}")
         loop = asyncio.get_running_loop()
         end = loop.time() + 5 * ttl_s

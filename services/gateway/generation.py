@@ -330,7 +330,8 @@ class Generation:
             result = await self._bus.request(self._subjects.control(worker_id),
                                              ControlRequest(action="status", request_id=request_id),
                                              timeout_s=min(self._settings.lost_request_check_s, 2.0))
-        except ServiceError as exc:  # a timeout, no responders, an error reply: it does not say
+        except Exception as exc:  # noqa: BLE001 — a timeout, no responders, an error or malformed reply,
+            # NATS reconnecting: it does not say
             log.debug("%s: asking worker %s about it: %s", request_id, worker_id, exc)
             return None
         return result.holds_request

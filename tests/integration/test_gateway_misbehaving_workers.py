@@ -52,7 +52,7 @@ class RawWorker:
     chunks then bytes that are not JSON; ``silent`` two good chunks, then nothing; ``lost`` nothing,
     and it says it does not run the request when asked (as if the request never reached it: core
     NATS drops a message whose route died); ``slow`` says it runs the request, then answers as
-    ``good`` after ``SLOW_S``."""
+    ``good`` after ``SLOW_S``; ``slow_garbled`` the same, its status replies unparseable."""
 
     def __init__(self, worker_id: str, behaviour: str, namespace: str, kv_namespace_hex: str = "") -> None:
         self.worker_id, self.behaviour = worker_id, behaviour
@@ -77,6 +77,9 @@ class RawWorker:
         async def on_control(msg) -> None:
             req = json.loads(msg.data)
             self.asked.append(req.get("request_id"))
+            if self.behaviour == "slow_garbled":  # a status reply that does not parse says nothing
+                await nc.publish(msg.reply, b'{"holds_request": "perhaps"}')
+                return
             await nc.publish(msg.reply, json.dumps({
                 "worker_id": self.worker_id, "state": "ready",
                 "holds_request": None if req.get("request_id") is None else req["request_id"] in self._running,
@@ -115,9 +118,9 @@ class RawWorker:
                                "decode_path": "eager" if i else None}).encode()
 
         end = {"Tandem-Stream": "end"}
-        if self.behaviour == "slow":
+        if self.behaviour in ("slow", "slow_garbled"):
             await asyncio.sleep(SLOW_S)
-        if self.behaviour in ("good", "slow"):
+        if self.behaviour in ("good", "slow", "slow_garbled"):
             for i in range(max_tokens):
                 await nc.publish(msg.reply, chunk(i, "length" if i == max_tokens - 1 else None))
         elif self.behaviour == "bad_finish":
@@ -229,9 +232,11 @@ async def test_a_request_lost_on_the_way_to_its_worker_is_admitted_again(cluster
     assert not worker_errors(gateway, BAD, "timeout")  # a loss, not a misbehaviour
 
 
-async def test_a_worker_that_runs_the_request_is_waited_for(cluster):
-    """A worker slow to its first token but running the request keeps it: asked, never abandoned."""
-    client, gateway, workers = await cluster((BAD, "slow"), (GOOD, "good"), lost_request_check_s=0.2)
+@pytest.mark.parametrize("behaviour", ["slow", "slow_garbled"])
+async def test_a_worker_that_runs_the_request_is_waited_for(cluster, behaviour):
+    """A worker slow to its first token keeps the request when it says it runs it, or when its
+    answer says nothing (does not parse): asked, never abandoned."""
+    client, gateway, workers = await cluster((BAD, behaviour), (GOOD, "good"), lost_request_check_s=0.2)
     resp = await client.post("/v1/completions", json=body())
     answer = await resp.json()
     assert resp.status == 200, answer

@@ -1,6 +1,7 @@
 """kv-index, admission and autoscaler in-process against real NATS and Redis, with test code
 playing the decode workers (registering, publishing KV events and load)."""
 
+import asyncio
 import time
 
 import pytest
@@ -25,7 +26,25 @@ def worker(subjects, worker_id):
 
 
 @pytest.fixture
-async def plane(bus, nats_url, redis_url, namespace):
+async def heartbeats():
+    """The heartbeat task of each worker ``plane`` registers, by id: a test stops one to let its
+    worker leave."""
+    tasks: dict[str, asyncio.Task] = {}
+    yield tasks
+    for task in tasks.values():
+        task.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def stop(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+async def plane(bus, nats_url, redis_url, namespace, heartbeats):
+    """The services over a 1 s registry TTL, with decode workers w1 and w2 heartbeating as real
+    ones do (every TTL/3): listed however slow the machine is."""
     common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=1.0)
     subjects = Subjects(namespace)
     registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=1.0)
@@ -36,7 +55,9 @@ async def plane(bus, nats_url, redis_url, namespace):
     autoscaler = AutoscalerService(AutoscalerSettings(**common), bus, registry)
     await kv_index.start()
     for w in ("w1", "w2"):
-        await registry.put(worker(subjects, w))
+        info = worker(subjects, w)
+        await registry.put(info)  # listed before the services start
+        heartbeats[w] = asyncio.create_task(registry.heartbeat(lambda info=info: info))
     await admission.start()
     await autoscaler.start()
     yield subjects, registry, store, kv_index, admission
@@ -73,7 +94,7 @@ async def test_routes_to_prefix_owner_and_survives_index_rebuild(bus, plane, red
     await wait_until(lambda: store.owners(12), timeout_s=5, what="replayed ownership")
 
 
-async def test_worker_that_leaves_is_swept_and_avoided(bus, plane):
+async def test_worker_that_leaves_is_swept_and_avoided(bus, plane, heartbeats):
     subjects, registry, store, kv_index, admission = plane
     await bus.js_publish(subjects.kv_events("w1"), KvEventBatch(worker_id="w1", events=[
         BlockStoredEvent(seq=1, timestamp=time.time(), block_hashes=[21, 22])]))
@@ -81,6 +102,7 @@ async def test_worker_that_leaves_is_swept_and_avoided(bus, plane):
     decision = await bus.request(subjects.admission_submit(), request("r1", [21, 22]), timeout_s=2)
     assert decision.worker_id == "w1"
 
+    await stop(heartbeats.pop("w1"))
     await registry.delete("w1")  # as if its TTL ran out
 
     async def swept():

@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -104,16 +105,18 @@ def _get_json(url: str) -> dict:
         return json.load(r)
 
 
-def _stream_chat(port: int, content: str, max_tokens: int, result: dict) -> None:
-    """A streamed chat completion; fills ``result``: text, finish_reason, done, errors, chunks."""
-    result.update(text="", finish_reason=None, done=False, errors=[], chunks=0, status=None)
+def _stream_chat(port: int, content: str, max_tokens: int, result: dict, ignore_eos: bool = False) -> None:
+    """A streamed chat completion; fills ``result``: text, finish_reason, done, errors, chunks, and
+    worker (the decode worker it started on)."""
+    result.update(text="", finish_reason=None, done=False, errors=[], chunks=0, status=None, worker=None)
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": ignore_eos}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         result["status"] = resp.status
+        result["worker"] = resp.getheader("X-Tandem-Worker")
         if resp.status != 200:
             result["errors"].append(resp.read().decode(errors="replace")[:500])
             return
@@ -233,7 +236,8 @@ def test_compose_stack_serves_survives_a_decode_kill_and_comes_down_clean(docker
                    "Write a poem about the sea.",
                    "Tell me about the history of bread."]
         results = [{} for _ in prompts]
-        threads = [threading.Thread(target=_stream_chat, args=(port, p, 80, r), daemon=True)
+        # long enough (no early EOS) to be running still when the last one has started
+        threads = [threading.Thread(target=_stream_chat, args=(port, p, 120, r, True), daemon=True)
                    for p, r in zip(prompts, results)]
         for t in threads:
             t.start()
@@ -242,10 +246,14 @@ def test_compose_stack_serves_survives_a_decode_kill_and_comes_down_clean(docker
         while time.monotonic() < deadline and not all(r.get("chunks", 0) >= 2 for r in results):
             time.sleep(0.2)
         assert all(r.get("chunks", 0) >= 2 for r in results), f"streams did not start: {results}\n{stack.logs()}"
-        loads = {w["info"]["host"]: w["load"]["num_running"]
+        # the victim: the decode worker with the most streams still running, as the streams say
+        # (the workers' load reports lag by up to a second)
+        hosts = {w["info"]["worker_id"]: w["info"]["host"]
                  for w in _get_json(f"http://127.0.0.1:{port}/status")["workers"] if w["info"]["role"] == "decode"}
-        host, running = max(loads.items(), key=lambda kv: kv[1])
-        assert running > 0, f"no decode worker runs a stream: {loads}"
+        running_on = Counter(r["worker"] for r in results if not r["done"])
+        assert running_on, f"every stream ended before the kill: {results}"
+        worker_id, running = running_on.most_common(1)[0]
+        host = hosts[worker_id]
         victim = next(s for s in ("decode-1", "decode-2") if stack.container(s).startswith(host))
         kill = _run(["docker", "kill", stack.container(victim)])
         assert kill.returncode == 0, kill.stderr

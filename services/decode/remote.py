@@ -30,6 +30,7 @@ class RemotePrefiller:
         self._bus = bus
         self._registry = registry
         self._subjects = subjects
+        self._num_absent = 0  # rounds of check_prefill_workers in a row without a prefill worker
 
     async def start(self, request: GenerateRequest, params: SamplingParams) -> RemotePrefill | None:
         """Reserve and publish a remote prefill if the policy says so; None: prefill locally. A
@@ -53,23 +54,16 @@ class RemotePrefiller:
     async def grant_lease(self, request: PrefillLeaseRequest) -> PrefillLeaseResult:
         return self.prefills.grant_lease(request, time.time())
 
-    async def watch_prefill_workers_forever(self, interval_s: float = 1.0) -> None:
-        """While requests wait for a remote prefill, check the registry every ``interval_s``: when
-        no prefill worker has been listed at two checks in a row, the waits nobody leased end
-        (``RemotePrefills.no_prefill_workers``) rather than run out their windows."""
-        num_absent = 0
-        while True:
-            await asyncio.sleep(interval_s)
-            if not self.prefills.has_waiting:
-                num_absent = 0
-                continue
-            try:
-                num_absent = 0 if await self._has_prefill_workers() else num_absent + 1
-            except Exception as exc:  # noqa: BLE001 — an unreadable registry says nothing
-                log.debug("registry unreadable: %s", exc)
-                continue
-            if num_absent >= 2:
-                self.prefills.no_prefill_workers()
+    async def check_prefill_workers(self) -> None:
+        """One round of the decode worker's check (``every`` second): while requests wait for a
+        remote prefill and no prefill worker has been listed at two rounds in a row, the waits
+        nobody leased end (``RemotePrefills.no_prefill_workers``) rather than run out their windows."""
+        if not self.prefills.has_waiting:
+            self._num_absent = 0
+            return
+        self._num_absent = 0 if await self._has_prefill_workers() else self._num_absent + 1
+        if self._num_absent >= 2:
+            self.prefills.no_prefill_workers()
 
     async def _has_prefill_workers(self) -> bool:
         return any(is_ready_worker(w, "prefill", self.prefills.model) for w in await self._registry.list())

@@ -20,6 +20,7 @@ from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.protocol.workers import KvFetchLoad
+from shared.service.lifecycle import every
 from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
 from shared.telemetry.phases import worker_phases
@@ -70,7 +71,8 @@ class DecodeWorker(EngineWorker):
             await self._bus.serve(s.kv_fetch(self.worker_id), self.fetcher.lend)
         self._loops.append(asyncio.create_task(self.origins.run_forever()))
         if self.remote is not None:
-            self._loops.append(asyncio.create_task(self.remote.watch_prefill_workers_forever()))
+            self._loops.append(asyncio.create_task(every(1.0, self.remote.check_prefill_workers,
+                                                         "prefill worker check")))
         receivers = [r for r in (self.fetcher, self.remote) if r is not None]
         if receivers:
             self._loops.append(asyncio.create_task(poll_kv_forever(receivers[0].transfer, receivers)))

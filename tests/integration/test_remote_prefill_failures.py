@@ -23,6 +23,7 @@ from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from shared.protocol import GenerateRequest, Subjects, WorkerInfo
 from shared.protocol import SamplingParams as WireSamplingParams
+from shared.service.lifecycle import every
 from shared.stack.servers import start_nats_server
 from shared.stack.waiting import wait_until
 
@@ -94,7 +95,7 @@ async def decode_worker(bus: Bus, namespace: str, engine: AsyncEngine, pollers: 
     worker = DecodeWorker(settings, bus, registry, engine, remote)
     worker.state = "ready"
     pollers.append(asyncio.create_task(remote.poll_forever()))
-    pollers.append(asyncio.create_task(remote.watch_prefill_workers_forever(interval_s=0.2)))
+    pollers.append(asyncio.create_task(every(0.2, remote.check_prefill_workers, "prefill worker check")))
     await wait_until(remote._has_prefill_workers, timeout_s=10, what="the prefill worker in the registry copy")
     return worker
 

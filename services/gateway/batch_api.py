@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from aiohttp import BodyPartReader, web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,9 +28,8 @@ from shared.protocol import Subjects
 from shared.protocol.batch import FileRecord
 from shared.service.lifecycle import every
 from services.gateway.batch_runner import BatchRunner, RunnerConfig
+from services.gateway.core import GatewayCore
 
-if TYPE_CHECKING:
-    from services.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,7 @@ class CreateBatchBody(BaseModel):
 class Batches:
     """The Files and Batch APIs of one gateway, and its share of the batch work."""
 
-    def __init__(self, gateway: Gateway, files: FileStore, batches: BatchStore) -> None:
+    def __init__(self, gateway: GatewayCore, files: FileStore, batches: BatchStore) -> None:
         self._gateway, self._settings = gateway, gateway.settings
         self.files = files
         self.coordinator = BatchCoordinator(batches, files, CoordinatorConfig(
@@ -65,7 +63,7 @@ class Batches:
         self._steps: set[asyncio.Task] = set()
 
     @classmethod
-    async def open(cls, gateway: Gateway) -> "Batches":
+    async def open(cls, gateway: GatewayCore) -> "Batches":
         subjects = Subjects(gateway.settings.namespace)
         return cls(gateway, await FileStore.open(gateway.bus, subjects), await BatchStore.open(gateway.bus, subjects))
 

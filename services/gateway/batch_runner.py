@@ -4,7 +4,7 @@ the same request sent online, at a priority below every tier.
 Why in the gateway and not a service of its own: a line is an OpenAI request, and the gateway is
 what turns one into tokens and back (chat template, tokenization, admission, the worker's stream,
 migration when a worker dies, detokenization, stop strings, the response body). Running lines here
-reuses that path whole (``Gateway._generate_request``, ``Gateway.collect``), so a
+reuses that path whole (``Gateway.generate_request``, ``Gateway.collect``), so a
 greedy line's body is the online one by construction, with no HTTP hop and no API key to hold.
 Lines go through admission like any request, with the lowest tier's SLO and a priority below every
 tier's (``batch_priority``): admission sheds them first and the engine and the prefill queue serve
@@ -33,7 +33,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from shared.batch.store import BatchStore
 from shared.bus import QueueMessage
@@ -42,9 +41,8 @@ from shared.openai_api.errors import ApiError
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.policy.qos import QosConfig
 from shared.protocol.batch import BatchLineRequest, BatchLineResult
+from services.gateway.core import GatewayCore
 
-if TYPE_CHECKING:
-    from services.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ def batch_tier(qos: QosConfig) -> tuple[str, int]:
 
 
 class BatchRunner:
-    def __init__(self, gateway: Gateway, store: BatchStore, config: RunnerConfig) -> None:
+    def __init__(self, gateway: GatewayCore, store: BatchStore, config: RunnerConfig) -> None:
         self._gateway, self._store, self._config = gateway, store, config
         self._tier, self._priority = batch_tier(gateway.qos)
         self._tasks: dict[asyncio.Task, str] = {}  # running line → its batch id
@@ -218,7 +216,7 @@ class Outcome:
     retry_after_s: float | None = None  # a rejection's Retry-After
 
 
-async def execute(gateway: Gateway, line: BatchLineRequest, *, tier: str, priority: int) -> Outcome:
+async def execute(gateway: GatewayCore, line: BatchLineRequest, *, tier: str, priority: int) -> Outcome:
     """Run one line as the gateway runs the same request online (``Gateway._generate_traced``),
     without the HTTP around it."""
     request_id = ""
@@ -226,7 +224,7 @@ async def execute(gateway: Gateway, line: BatchLineRequest, *, tier: str, priori
         api = ADAPTERS[line.url].from_json(line.body.encode(), gateway.tokenizer)
         if api.body.stream:
             raise ApiError(400, "stream is not supported in a batch", param="stream", code="invalid_value")
-        gen_request = gateway._generate_request(api, tier, time.time()).model_copy(update={"priority": priority})
+        gen_request = gateway.generate_request(api, tier, time.time()).model_copy(update={"priority": priority})
         request_id = gen_request.request_id
         return Outcome(request_id, 200, await gateway.collect(api, gen_request))
     except ApiError as exc:

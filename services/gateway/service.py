@@ -143,7 +143,7 @@ class Gateway:
     async def answer(self, request: web.Request, api: ApiAdapter, tier: str, arrived_at: float,
                      on_complete: OnComplete | None = None) -> web.StreamResponse:
         """Run the parsed request and answer it over HTTP (``respond``: JSON or SSE)."""
-        gen_request = self._generate_request(api, tier, time.time())
+        gen_request = self.generate_request(api, tier, time.time())
         bind_request_id(gen_request.request_id)
         gens = [self._generation(r, api.body.stop_strings(), arrived_at)
                 for r in choice_requests(gen_request, api.body.num_choices())]
@@ -164,7 +164,7 @@ class Gateway:
             await asyncio.gather(*(g.close() for g in gens))
 
     async def collect(self, api: ApiAdapter, gen_request: GenerateRequest) -> dict:
-        """The response body of ``gen_request`` (made by ``_generate_request`` from ``api``), run to
+        """The response body of ``gen_request`` (made by ``generate_request`` from ``api``), run to
         the end without HTTP: a batch line, a background response."""
         gens = [self._generation(r, api.body.stop_strings(), time.monotonic())
                 for r in choice_requests(gen_request, api.body.num_choices())]
@@ -175,7 +175,7 @@ class Gateway:
         finally:
             await asyncio.gather(*(g.close() for g in gens))
 
-    def _generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
+    def generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
         """Tokenized and hashed here, or, for a model that text workers serve, as text."""
         priority = self.qos.tiers[tier].priority
         served = self.served_models()

@@ -24,7 +24,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -39,9 +38,8 @@ from shared.protocol.responses import StoredResponse
 from shared.responses.items import input_items, items_page, stored, with_status
 from shared.responses.store import ResponseNotFound, ResponseStore
 from services.gateway.batch_api import list_limit
+from services.gateway.core import GatewayCore
 
-if TYPE_CHECKING:
-    from services.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +55,7 @@ _DEFAULT_RETRY_WAIT_S = 1.0  # a 429 without a Retry-After
 
 
 class StoredResponses:
-    def __init__(self, gateway: Gateway, store: ResponseStore) -> None:
+    def __init__(self, gateway: GatewayCore, store: ResponseStore) -> None:
         self._gateway, self._store = gateway, store
         self._tasks: dict[str, asyncio.Task] = {}  # background responses running here, by id
 
@@ -127,7 +125,7 @@ class StoredResponses:
     async def _start_background(self, api: ResponsesAdapter, own: list[dict], tier: str,
                                 owner: str | None) -> web.Response:
         # the request is built first: a prompt too long for the model is a 400 now, not a failed record
-        gen_request = self._gateway._generate_request(api, tier, time.time())
+        gen_request = self._gateway.generate_request(api, tier, time.time())
         head = ResponseHead(gen_request.request_id, int(gen_request.created_at), gen_request.model)
         queued = api.shell(head, "queued")
         record = stored(queued, own, api.body, origin=self._gateway.origin, owner=owner)

@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 _ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "bmi", "vnni", "vpclmul", "gfni", "vaes",
                  "popcnt", "movbe", "adx", "sha", "aes")
 # the modules the compiled step is traced from
-_TRACED_MODULES = ("shared.model.compiled", "shared.model.llama", "shared.model.quant", "kernels.cast",
-                   "kernels.rms_norm", "kernels.rotary", "kernels.int8_cpu")
 _FUNCTION = "decode.bin"
 _MARKER = "complete.json"
 _SKIP = ("locks",)  # inductor's lock files belong to the process that made them
@@ -98,11 +96,15 @@ def model_structure(model) -> dict:
 
 
 def traced_code_digest() -> str:
-    import importlib
+    """A digest of the source of every module the compiled step traces through, in a fixed order:
+    a change in any of them makes a new step."""
+    import kernels
 
+    here, kernel_dir = Path(__file__).parent, Path(kernels.__file__).parent
     digest = hashlib.sha256()
-    for name in _TRACED_MODULES:
-        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
+    for path in [here / "compiled.py", here / "llama.py", here / "quant.py",
+                 *(kernel_dir / f"{name}.py" for name in ("cast", "rms_norm", "rotary", "int8_cpu"))]:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

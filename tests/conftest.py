@@ -4,11 +4,20 @@ area needs belong in that directory's own conftest.py.
 The ``slow`` marker (declared in pyproject.toml) tags tests that load the real default model or
 start processes; deselect them with ``-m "not slow"``. Every test that uses ``smollm2_gguf``
 (directly or through another fixture) is marked ``slow`` automatically.
+
+The ``long`` marker tags the long real-time runs: stacks of service processes, containers, hosts in
+network namespaces, a cold compile. A plain ``pytest`` leaves them out (the summary says how many);
+``pytest -m long`` runs only them, any other ``-m`` expression decides for itself, and naming a
+test file or test runs what is named. ``.ci/run`` runs both steps.
+
+A test that takes over a minute says why in its docstring, with the words "over a minute": the
+summary lists those that do not.
 """
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -31,11 +40,52 @@ def smollm2_gguf() -> Path:
     return resolve_model(DEFAULT_MODEL).path
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+LONG_TEST_S = 60.0  # a test slower than this alone says why in its docstring ("over a minute")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         # fixturenames is the transitive closure, so indirect users are caught too
         if "smollm2_gguf" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    if not (config.option.markexpr or _names_files(config)):
+        long = [item for item in items if item.get_closest_marker("long")]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [item for item in items if not item.get_closest_marker("long")]
+            config.stash[_num_long_left_out] = len(long)
+    config.stash[_items] = items
+
+
+def _names_files(config: pytest.Config) -> bool:
+    """Whether the command line names test files or tests (not only directories)."""
+    return any("::" in arg or arg.split("::")[0].endswith(".py") for arg in config.args)
+
+
+_num_long_left_out = pytest.StashKey[int]()
+_items = pytest.StashKey[list]()
+_seconds: dict[str, float] = defaultdict(float)  # node id -> setup + call + teardown
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[report.nodeid] += report.duration  # a module fixture's start counts for its first test
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if num := config.stash.get(_num_long_left_out, 0):
+        terminalreporter.write_line(f"{num} long real-time tests left out: `pytest -m long` runs them "
+                                    "(.ci/run runs both steps)")
+    unexplained = [f"{_seconds[item.nodeid]:.0f}s {item.nodeid}" for item in config.stash.get(_items, [])
+                   if _seconds.get(item.nodeid, 0.0) > LONG_TEST_S and not _says_why(item)]
+    if unexplained:
+        terminalreporter.section("tests over a minute with no reason in their docstring")
+        for line in unexplained:
+            terminalreporter.write_line(line)
+
+
+def _says_why(item: pytest.Item) -> bool:
+    doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
+    return "over a minute" in " ".join(doc.split()).lower()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from shared.engine import SamplingParams
 
 # a cold compile of SmolLM2's step takes 5-7 minutes on a 2-core machine (more on a busy one): a
 # slow compile is not a hang
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.long]
 
 
 def test_compiled_decode_gives_the_eager_greedy_text(make_engine, chat_prompts):

@@ -27,7 +27,7 @@ from shared.responses.store import ResponseStore
 from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],

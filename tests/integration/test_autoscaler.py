@@ -17,7 +17,7 @@ from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 from test_role_flip import ENGINE, LONG_DOC, MODEL, engine, greedy, streamed  # noqa: F401 — fixture
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 # Small interval, window and cooldown so the test sees decisions soon.
 # On a small shared CPU the workers measure prefill rates of tens of tokens per second and decode a
@@ -132,6 +132,8 @@ def check(outcomes, engine) -> None:
 
 
 def test_a_shift_to_long_prompts_flips_a_decode_worker_to_prefill_and_back(stack, client, engine):
+    """Over a minute because each flip waits for the autoscaler to see the mix change over its
+    window, then for the worker to drain and change role, twice."""
     with Load(client, short) as load:
         wait_for(lambda: len(load.outcomes) >= 4 and (d := scaling(stack)["last_decision"]) and d["decode_tokens_per_s"] > 0
                  and d["reason"].startswith("balanced"), 240, "a decision on the decode-heavy mix")

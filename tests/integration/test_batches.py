@@ -21,7 +21,7 @@ import pytest
 from shared.stack.stack import StackSpec
 from stack_helpers import running_stack, spawn_ready_decode, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 MAX_FILE_BYTES = 64 << 10

@@ -18,6 +18,8 @@ from shared.stack.servers import start_nats_server, start_redis_server
 from shared.telemetry.redact import new_secret
 from stack_helpers import running_stack
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.slow
 @pytest.mark.chaos

@@ -15,7 +15,7 @@ import pytest
 from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, greedy_text, reference_engine, running_stack, spawn_ready_decode, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 1024

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
@@ -194,6 +194,9 @@ class Stack:
 
 
 def test_compose_stack_serves_survives_a_decode_kill_and_comes_down_clean(docker, tmp_path):
+    """Over a minute because it builds the images (a cached build takes seconds, a cold one
+    minutes), starts the whole compose stack on the real model and waits for a replaced decode
+    worker to serve."""
     t0 = time.monotonic()
     build = _run([str(BUILD)], timeout=1200, cwd=ROOT)
     assert build.returncode == 0, f"compose/build.sh failed:\n{build.stdout[-3000:]}\n{build.stderr[-5000:]}"

@@ -113,6 +113,7 @@ def test_a_service_refused_by_its_server_exits_with_one_line_naming_it(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_stack_generates_credentials_and_serves_without_showing_them(tmp_path):
     spec = StackSpec(state_dir=tmp_path, num_decode=1, port=0, namespace=f"c{uuid.uuid4().hex[:8]}",
                      decode_flags={"max_model_len": 1024, "kv_cache_memory": "128MiB", "device": "cpu",

@@ -19,7 +19,7 @@ from test_role_flip import ENGINE, MODEL, engine  # noqa: F401 — fixture
 
 # Slow by design: a second worker loads the model (one thread) while the load runs, then drains; 295 s
 # alone on a quiet 2-core machine, past the suite's 600 s default when the machine is busy.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.long]
 
 # Only queued requests count as load here: a decode capacity far above what a CPU worker produces
 # keeps token utilisation near 0, so the light phase is clearly below scale_down_at, and two slots
@@ -55,6 +55,8 @@ def decode_workers(stack) -> dict[str, str]:
 
 
 def test_queued_requests_start_a_worker_and_light_load_stops_one_without_failing_a_request(stack, client, engine):
+    """Over a minute because the autoscaler acts on load it has measured for several ticks: a
+    worker is started, loads the model and serves, then light load lets it go."""
     with Load(client, short, concurrency=4) as heavy:
         start = wait_for(lambda: actions(stack, "start"), 240, "the autoscaler to start a worker")[0]
         assert start["ok"] and start["role"] == "decode", start

@@ -36,7 +36,7 @@ from shared.stack.servers import NatsCluster, _binary, nats_config
 from shared.stack.tls import server_tls
 from shared.telemetry.redact import new_secret
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.long]
 
 if (why := available()) is not None:
     pytest.skip(f"no network lab here: {why}", allow_module_level=True)
@@ -217,6 +217,8 @@ def hosts(tmp_path_factory):
 
 
 def test_requests_are_served_across_hosts_through_link_cut_and_host_loss(hosts):
+    """Over a minute because the faults run in real time: a link cut of 20 s, then a host's loss,
+    with the NATS cluster healing between them and the survivors taking over its work."""
     gateway, lab, ns = hosts["gateway"], hosts["lab"], hosts["namespace"]
     cp, wa, wb = lab["cp"], lab["wa"], lab["wb"]
     workers = gateway.worker_states()

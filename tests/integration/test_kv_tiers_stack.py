@@ -16,7 +16,7 @@ from shared.stack.stack import StackSpec
 from shared.store import RedisKeys, connect
 from stack_helpers import cluster_status, running_stack, spawn_ready_decode, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 PROMPT = "Explain, step by step, how a steam engine turns heat into motion. " * 20  # ~300 tokens

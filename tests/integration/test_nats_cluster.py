@@ -27,7 +27,7 @@ from stack_helpers import greedy_text, reference_engine, running_stack, wait_for
 if platform.system() != "Linux":
     pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 1024

@@ -15,7 +15,7 @@ from netlab import Lab, available, list_namespaces, namespace_pids
 
 from shared.stack.servers import _binary
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.long]
 
 NATS_PORT = 4222  # every host has its own port space
 

@@ -25,7 +25,7 @@ from shared.telemetry.metrics import sample_total
 from browser import chromium_page, find_chromium
 from stack_helpers import cluster_status, running_stack, tool_missing, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 ENGINE = {"max_model_len": 1024, "kv_cache_memory": "96MiB", "device": "cpu", "num_warmup_requests": 1}

@@ -17,7 +17,7 @@ import pytest
 from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, read_events, running_stack, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 PROMPT = "The three primary colours are"

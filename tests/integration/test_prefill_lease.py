@@ -29,7 +29,7 @@ from shared.transfer.nixl import load_nixl  # noqa: E402
 
 load_nixl()
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 2048

@@ -28,7 +28,7 @@ from loadtest.tools.workload import WorkloadConfig, build_workload
 from shared.stack.stack import StackSpec
 from stack_helpers import running_stack, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 KEYS = {"premium": "kp", "batch": "kb", "probe": "kx"}

@@ -20,7 +20,7 @@ from shared.protocol import ControlRequest, Subjects
 from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 2048

@@ -23,7 +23,7 @@ from shared.stack.supervisor import Backoff
 from shared.store import KvIndexStore, RedisKeys, connect
 from stack_helpers import cluster_status, read_events, running_stack, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 BACK_WITHIN_S = 60.0   # a bound for "serving again", generous for a loaded CPU; not a timing claim

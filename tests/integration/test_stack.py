@@ -26,7 +26,7 @@ from shared.telemetry.metrics import sample_total
 from stack_helpers import (decode_states, greedy_text, read_events, reference_engine, running_stack,
                            spawn_ready_decode, wait_for)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 1024

@@ -19,7 +19,7 @@ from shared.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from stack_helpers import running_stack, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 KEYS = {"premium": "kp", "batch": "kb"}

@@ -22,7 +22,7 @@ from shared.stack.stack import StackSpec
 from shared.stack.supervisor import Backoff
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 1024

@@ -28,7 +28,7 @@ from stack_helpers import running_stack, wait_for
 if platform.system() != "Linux":
     pytest.skip("remote prefill needs NIXL (nixl-cu12), a dependency on Linux only", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
 ENGINE = {"max_model_len": 2048, "kv_cache_memory": "160MiB", "device": "cpu", "num_warmup_requests": 1}

@@ -19,7 +19,7 @@ import pytest
 from shared.stack.servers import free_port
 from stack_helpers import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def descendants(pid: int) -> set[int]:

@@ -225,6 +225,7 @@ def test_a_fixed_split_and_the_autoscaler_in_the_gpu_simulation(trace_file, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_live_replay_against_a_small_stack(trace_file, tmp_path):
     """tandem up with one decode worker; 8 requests spaced so that each earlier prefix is cached:
     every prompt tokenizes to its scaled length and the prefix cache is hit."""

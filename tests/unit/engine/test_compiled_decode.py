@@ -349,6 +349,7 @@ def test_sampled_requests_decode_compiled_too(engines):
     assert compiled.runner.compiled.num_steps - steps >= 7
 
 
+@pytest.mark.long  # a cold compile: the step is compiled afresh, with no cache
 def test_a_step_compiled_here_serves_inference_mode_requests_like_a_loaded_one(tiny_engine_model, tmp_path,
                                                                                monkeypatch):
     """A step compiled in this process (no artifacts anywhere) takes the inference-mode tensors of a

@@ -103,6 +103,8 @@ def serving_as(stack, worker_id: str, role: str) -> dict | None:
 
 
 def test_a_decode_worker_flips_to_prefill_and_back_without_losing_a_request(stack, client, engine, capsys):
+    """Near or over a minute because each flip drains the worker's running requests and waits for it
+    to serve again in its new role, twice, under load."""
     flipper, other = (f"{stack.spec.namespace}-decode-{i}" for i in (2, 1))
     pid = entry(stack, flipper)["info"]["pid"]
     pool = ThreadPoolExecutor(len(PROMPTS) + 2)

@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 # flag families that change the code a C++ compiler emits for -march=native
 _ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "bmi", "vnni", "vpclmul", "gfni", "vaes",
                  "popcnt", "movbe", "adx", "sha", "aes")
-# the modules the compiled step is traced from
 _FUNCTION = "decode.bin"
 _MARKER = "complete.json"
 _SKIP = ("locks",)  # inductor's lock files belong to the process that made them

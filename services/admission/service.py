@@ -146,12 +146,18 @@ class AdmissionService:
         prompt = max(1, len(request.prompt_token_ids))  # a text worker's request has none: routed on load
         block_size = entry.info.block_size
         load = entry.load
-        wait = 0.0 if load is None or not load.num_requests_total else slot_wait_s(
-            num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
-            num_waiting_ahead=load.num_waiting_ahead(priority) + entry.num_admitted_ahead(priority, now),
-            mean_output_tokens=load.output_tokens_recent or load.num_generated_tokens_total / load.num_requests_total,
-            itl_s=load.itl_recent_s,
-            preempting_requests_per_s=self.inflow.requests_per_s_above(entry.info.worker_id, priority, now))
+        wait = 0.0
+        if load is not None and load.num_requests_total:
+            mean_output = load.output_tokens_recent or load.num_generated_tokens_total / load.num_requests_total
+            above = self.inflow.requests_per_s_by_priority_above(entry.info.worker_id, priority, now)
+            above_per_s = sum(above.values())
+            wait = slot_wait_s(
+                num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
+                num_waiting_ahead=load.num_waiting_ahead(priority) + entry.num_admitted_ahead(priority, now),
+                mean_output_tokens=mean_output, itl_s=load.itl_recent_s, preempting_requests_per_s=above_per_s,
+                preempting_output_tokens=sum(
+                    r * load.output_tokens_recent_by_priority.get(p, mean_output) for p, r in above.items()
+                ) / above_per_s if above_per_s else None)
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,
             cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),

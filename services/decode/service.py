@@ -46,6 +46,7 @@ class DecodeWorker(EngineWorker):
         self._ttft = RecentMean(10.0)
         self._itl = RecentMean(10.0)
         self._output_tokens = RecentMean(30.0)  # output length of the requests finished recently
+        self._output_tokens_by_priority: dict[int, RecentMean] = {}  # the same, by request priority
         self.num_requests_total = 0
         self.num_requests_aborted = 0
         self.num_local_prefills = 0
@@ -115,6 +116,8 @@ class DecodeWorker(EngineWorker):
                 if out.finish_reason is not None:
                     if out.finish_reason != "abort":
                         self._output_tokens.observe(out.num_output_tokens, now)
+                        self._output_tokens_by_priority.setdefault(request.priority, RecentMean(30.0)).observe(
+                            out.num_output_tokens, now)
                     # Admission counts what it admitted on top of the last report until a newer
                     # one arrives: report the freed capacity before the caller can send more.
                     await self.publish_load()
@@ -177,6 +180,8 @@ class DecodeWorker(EngineWorker):
         return self._load(
             ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
             output_tokens_recent=self._output_tokens.mean(),
+            output_tokens_recent_by_priority={p: m for p, r in self._output_tokens_by_priority.items()
+                                              if (m := r.mean()) is not None},
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
             num_local_prefills=self.num_local_prefills,
             num_remote_prefills=prefills.num_remote if prefills else 0,

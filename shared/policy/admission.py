@@ -114,22 +114,29 @@ def predict_itl_s(inp: AdmissionInput) -> float | None:
 
 
 def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, mean_output_tokens: float,
-                itl_s: float | None, preempting_requests_per_s: float = 0.0) -> float:
+                itl_s: float | None, preempting_requests_per_s: float = 0.0,
+                preempting_output_tokens: float | None = None) -> float:
     """Expected wait for a sequence slot on a worker whose batch holds ``num_running`` requests it
     cannot preempt (those of its own or a higher priority). The requests ahead of this one, then
     itself, take the free slots first; the rest each take a slot as a running request finishes.
-    The ``max_num_seqs`` running requests finish at a rate of max_num_seqs / (mean output length ×
-    ITL) per second, less the requests of higher priorities arriving meanwhile
-    (``preempting_requests_per_s``), which take the freed slots first. (A worker reports its load
-    as a request finishes, when a slot is free for the queue to take at the next step: a full batch
-    with a queue shows a free slot in most reports.)"""
+    (A worker reports its load as a request finishes, when a slot is free for the queue to take at
+    the next step: a full batch with a queue shows a free slot in most reports.)
+
+    The requests of higher priorities arriving meanwhile (``preempting_requests_per_s``) take freed
+    slots first and hold each for their own output length (``preempting_output_tokens``; None: the
+    mean), so by Little's law they keep rate × output × ITL slots busy. The other slots turn over
+    once per mean output length × ITL: the rate at which slots free for this request. (Counting
+    each higher-priority arrival as a whole slot lost made a few short premium answers look like
+    they took every slot behind one long batch answer on a one-sequence worker.)"""
     num_free = max(max_num_seqs - num_running, 0)
     num_to_free = num_waiting_ahead + 1 - num_free
     if num_to_free <= 0 or not itl_s or mean_output_tokens <= 0:
         return 0.0
-    rate_left = max_num_seqs / (mean_output_tokens * itl_s) - preempting_requests_per_s
+    held_above = preempting_requests_per_s * (mean_output_tokens if preempting_output_tokens is None
+                                              else preempting_output_tokens) * itl_s
+    rate_left = (max_num_seqs - held_above) / (mean_output_tokens * itl_s)
     if rate_left <= 0:
-        return math.inf  # higher priorities alone take every slot that frees
+        return math.inf  # higher priorities alone keep every slot busy
     return num_to_free / rate_left
 
 
@@ -151,6 +158,13 @@ class Inflow:
         by_tokens[priority] = by_tokens.get(priority, 0.0) + tokens
         by_requests[priority] = by_requests.get(priority, 0) + 1
         self._expire(key, now_s)
+
+    def requests_per_s_by_priority_above(self, key: object, priority: int, now_s: float) -> dict[int, float]:
+        """``requests_per_s_above``, by priority."""
+        if key not in self._events:
+            return {}
+        self._expire(key, now_s)
+        return {p: n / self.window_s for p, n in self._requests[key].items() if p < priority and n > 0}
 
     def tokens_per_s_above(self, key: object, priority: int, now_s: float) -> float:
         """Tokens per second admitted to ``key`` at priorities higher than ``priority``."""

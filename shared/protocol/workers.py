@@ -86,6 +86,10 @@ class WorkerLoad(WireModel):
     # mean output tokens of the requests finished in the last 30 s (None: none finished): how long
     # a running request holds its slot (started requests still decoding would bias a total's mean low)
     output_tokens_recent: float | None = Field(None, ge=0)
+    # the same by request priority (a priority absent: none of it finished in the window): how long
+    # each tier holds the slots it takes (short premium answers free theirs sooner than long batch
+    # ones); empty from older workers
+    output_tokens_recent_by_priority: dict[int, float] = Field(default_factory=dict)
     # how the worker's decode-only steps run: eager, compiling (eager while a background compile of
     # the decode step runs) or compiled (shared/model/compiled.py)
     decode_step: Literal["eager", "compiling", "compiled"] = "eager"

@@ -244,3 +244,40 @@ async def test_a_full_batch_frees_slots_at_the_pace_of_the_output_lengths_of_fin
     await report(2, None)
     decision = await bus.request(subjects.admission_submit(), request("b2", [], 16), timeout_s=2)
     assert decision.is_admitted and decision.predicted_ttft_s == pytest.approx(0.3125, abs=0.01), decision
+
+
+async def test_short_premium_answers_take_a_one_slot_worker_only_briefly_from_a_waiting_batch_request(
+        bus, nats_url, namespace, tmp_path):
+    qos = tmp_path / "qos.yaml"
+    qos.write_text("default_tier: batch\ntiers:\n  premium: {priority: 0, ttft_slo_ms: 60000}\n"
+                   "  batch: {priority: 2, ttft_slo_ms: 30000}\n")
+    subjects = Subjects(namespace)
+    admission = await one_worker_admission(bus, nats_url, subjects, qos)
+
+    async def report(seq: int, by_priority: dict[int, float]) -> None:
+        # one slot, taken by a batch request; recent answers 200 tokens on average at 25 ms a token
+        await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
+            worker_id="w1", role="decode", seq=seq, timestamp=time.time(), prefill_tokens_per_s=1e6,
+            num_running=1, max_num_seqs=1, num_running_by_priority={2: 1}, itl_recent_s=0.025,
+            num_requests_total=10, num_generated_tokens_total=2000, output_tokens_recent=200.0,
+            output_tokens_recent_by_priority=by_priority))
+        await wait_until(lambda: _reported(admission, seq), timeout_s=5, what=f"load report {seq} at admission")
+
+    def submit(request_id: str, tier: str):
+        req = request(request_id, [], 16).model_copy(update={"tier": tier})
+        return bus.request(subjects.admission_submit(), req, timeout_s=2)
+
+    await report(1, {})
+    for i in range(3):                      # premium at 0.3 requests/s over the 10 s window
+        assert (await submit(f"p{i}", "premium")).is_admitted
+    # A worker that does not say how long each tier's answers are: each premium arrival counts as
+    # holding the slot for the mean answer (5 s), 0.3/s against a slot freeing every 5 s: never.
+    await report(2, {})
+    decision = await submit("b1", "batch")
+    assert (decision.is_admitted, decision.reject_reason) == (False, "slo"), decision
+    assert "predicted TTFT inf" in decision.message
+    # Premium answers are 8 tokens: premium keeps the slot busy 0.3 x 8 x 25 ms = 6% of the time,
+    # and the other 94% turns over every 5 s: 5.32 s.
+    await report(3, {0: 8.0, 2: 200.0})
+    decision = await submit("b2", "batch")
+    assert decision.is_admitted and decision.predicted_ttft_s == pytest.approx(5 / 0.94, abs=0.01), decision

@@ -58,6 +58,7 @@ def stack(nats_server, redis_server, tmp_path_factory):
         assert post(s, "premium", "word " * 100, 1).status == 200
         wait_for(lambda: decode_load(s).get("prefill_tokens_per_s"), 60, "a measured prefill rate at admission")
         assert decode_load(s)["output_tokens_recent"] == 1  # the request's one output token
+        assert decode_load(s)["output_tokens_recent_by_priority"] == {"0": 1}  # by its priority (premium)
         yield s
 
 

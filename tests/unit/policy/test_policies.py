@@ -192,9 +192,12 @@ def test_inflow_is_tokens_per_second_above_a_priority_over_the_window():
     assert inflow.tokens_per_s_above("w1", 0, 6.0) == 0.0             # nothing above the top tier
     assert inflow.tokens_per_s_above("w1", 1, 6.0) == pytest.approx(300.0)
     assert inflow.tokens_per_s_above("w1", 2, 6.0) == pytest.approx(500.0)
+    assert inflow.requests_per_s_by_priority_above("w1", 2, 6.0) == pytest.approx({0: 0.1, 1: 0.1})
     assert inflow.tokens_per_s_above("w1", 2, 10.5) == pytest.approx(200.0)   # the one at 0 s has left the window
     assert inflow.requests_per_s_above("w1", 2, 10.5) == pytest.approx(0.1)
     assert inflow.requests_per_s_above("w2", 1, 10.5) == pytest.approx(0.1)
+    assert inflow.requests_per_s_by_priority_above("w1", 2, 10.5) == pytest.approx({1: 0.1})
+    assert inflow.requests_per_s_by_priority_above("w3", 2, 6.0) == {}
     assert inflow.tokens_per_s_above("w3", 2, 6.0) == 0.0
     inflow.forget({"w1"})
     assert inflow.tokens_per_s_above("w2", 1, 6.0) == 0.0
@@ -214,6 +217,25 @@ def test_slot_wait_when_the_batch_is_full():
                        preempting_requests_per_s=6.0) == pytest.approx(2.0)
     assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
                        preempting_requests_per_s=8.0) == float("inf")
+
+
+def test_short_higher_priority_answers_hold_the_slots_they_take_only_briefly():
+    # one slot, held by a request of a 200-token mean at 25 ms a token: a slot frees every 5 s.
+    # Premium arrives at 0.3/s. Counted as a whole slot each, 0.3/s > 0.2/s frees: never starts.
+    assert slot_wait_s(num_running=1, max_num_seqs=1, num_waiting_ahead=0, mean_output_tokens=200,
+                       itl_s=0.025, preempting_requests_per_s=0.3) == float("inf")
+    # premium answers are 8 tokens: they keep 0.3 x 8 x 0.025 = 0.06 of the slot busy, the other
+    # 0.94 turns over every 5 s: 1 / (0.94 / 5) = 5.32 s
+    assert slot_wait_s(num_running=1, max_num_seqs=1, num_waiting_ahead=0, mean_output_tokens=200,
+                       itl_s=0.025, preempting_requests_per_s=0.3,
+                       preempting_output_tokens=8) == pytest.approx(5 / 0.94)
+    # long premium answers make the wait longer than counting them as the mean does
+    assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+                       preempting_requests_per_s=4.0, preempting_output_tokens=40) == pytest.approx(1.0)
+    assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+                       preempting_requests_per_s=4.0, preempting_output_tokens=60) == pytest.approx(2.0)
+    assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+                       preempting_requests_per_s=4.0, preempting_output_tokens=80) == float("inf")
 
 
 def test_early_rejection_against_slo_with_retry_after():

@@ -92,6 +92,23 @@ def test_a_higher_priority_request_takes_the_slot_of_the_lowest_priority_runner(
     assert not s.requests and s.kv.pool.num_used_blocks == 0
 
 
+def test_a_runner_that_has_its_first_token_yields_its_slot_before_one_that_has_not():
+    s = make(max_seqs=2, budget=4)
+    s.add_request(req("batch-old", 3, max_tokens=8, priority=2))
+    step(s)                                            # batch-old has its first token
+    s.add_request(req("batch-new", 12, max_tokens=8, priority=2))
+    out = step(s)                                      # batch-new's first chunk: no token yet
+    assert not s.requests["batch-new"].output_token_ids
+    s.add_request(req("premium", 3, priority=0))
+    out = step(s)
+    # the latest arrival would lose its slot before its first token (and again at every premium
+    # arrival); batch-old only pays a recompute of its cached prefix
+    assert out.preempted == ["batch-old"]
+    s.kv.check_integrity()
+    run_to_end(s)
+    assert not s.requests and s.kv.pool.num_used_blocks == 0
+
+
 def test_a_step_prefilling_a_higher_priority_prompt_leaves_lower_priority_rows_out():
     s = make(num_blocks=64, max_seqs=8)
     for rid, priority in (("premium-old", 0), ("batch-a", 2), ("batch-b", 2)):

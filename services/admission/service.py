@@ -27,6 +27,7 @@ from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, KvSource, Subjects, WorkerLoad
 from shared.service.lifecycle import every, run_bus_service, service_instance_id
 from shared.telemetry.families import AdmissionMetrics
+from shared.telemetry.metrics import RecentMean
 from services.admission.config import AdmissionSettings
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class AdmissionService:
         self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
                                                  shed_hold_s=settings.shed_hold_s))
         self.inflow = Inflow()
+        # per worker, the max_tokens of the requests admitted to it in the last 30 s: how long the
+        # answers may be while none has finished yet
+        self._max_tokens: dict[str, RecentMean] = {}
         self._last_chosen = ""  # the worker id chosen last: round-robin's turn, kv routing's ties
         self.metrics = AdmissionMetrics.create(service_instance_id("admission"), settings.num_restarts)
 
@@ -59,7 +63,10 @@ class AdmissionService:
 
     async def refresh(self) -> None:
         self.view.set_workers(await self._registry.list())
-        self.inflow.forget({w.info.worker_id for w in self.view.ready_workers("decode")})
+        ready = {w.info.worker_id for w in self.view.ready_workers("decode")}
+        self.inflow.forget(ready)
+        for worker_id in [w for w in self._max_tokens if w not in ready]:
+            del self._max_tokens[worker_id]
         self.metrics.ready_workers.set(len(self.view.ready_workers("decode")))
 
     async def run_forever(self) -> None:
@@ -115,6 +122,7 @@ class AdmissionService:
         self._last_chosen = choice.worker_id
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(), priority)
         self.inflow.note(choice.worker_id, now, priority, observed.prompt_tokens - observed.cached_tokens)
+        self._max_tokens.setdefault(choice.worker_id, RecentMean(30.0)).observe(request.sampling.max_tokens, now)
         info = entry.info
         lenders = {w.info.worker_id for w in self.view.ready_workers("decode", request.model)}
         source = choose_kv_source(held, info.worker_id, lenders, self._fetch)
@@ -148,13 +156,14 @@ class AdmissionService:
         load = entry.load
         wait = 0.0
         if load is not None and load.num_requests_total:
-            mean_output = load.output_tokens_recent or load.num_generated_tokens_total / load.num_requests_total
+            mean_output = load.output_tokens_recent or self._unfinished_output_tokens(entry.info.worker_id, load, now)
             above = self.inflow.requests_per_s_by_priority_above(entry.info.worker_id, priority, now)
             above_per_s = sum(above.values())
             wait = slot_wait_s(
                 num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
                 num_waiting_ahead=load.num_waiting_ahead(priority) + entry.num_admitted_ahead(priority, now),
-                mean_output_tokens=mean_output, itl_s=load.itl_recent_s, preempting_requests_per_s=above_per_s,
+                mean_output_tokens=mean_output, itl_s=self._full_batch_itl_s(load),
+                preempting_requests_per_s=above_per_s,
                 preempting_output_tokens=sum(
                     r * load.output_tokens_recent_by_priority.get(p, mean_output) for p, r in above.items()
                 ) / above_per_s if above_per_s else None)
@@ -169,6 +178,28 @@ class AdmissionService:
             preempting_tokens_per_s=self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now),
             deadline_s=None if request.deadline_at is None else request.deadline_at - now,
             max_output_tokens=request.sampling.max_tokens)
+
+    @staticmethod
+    def _full_batch_itl_s(load: WorkerLoad) -> float | None:
+        """The ITL while every slot is taken (a slot wait happens only then): the recent ITL, scaled
+        by how many more sequences a full batch has than the batch it was measured on (a step costs
+        about in proportion to its sequences: an upper bound, as for the ITL budget). A batch that
+        filled up within the last seconds has its ITL from the one or two sequences before."""
+        itl, measured_on = load.itl_recent_s, load.itl_recent_batch
+        if itl is None or not measured_on:
+            return itl
+        return itl * max(1.0, load.max_num_seqs / measured_on)
+
+    def _unfinished_output_tokens(self, worker_id: str, load: WorkerLoad, now: float) -> float:
+        """The answers' length on a worker none of whose requests finished in the last 30 s (one that
+        just started serving, or long answers): what it generated over the requests it started
+        counts the ones still decoding as if they had ended, so at least the mean max_tokens of the
+        requests admitted to it lately, which they may all reach (a batch full of answers started
+        a second ago would otherwise look about to free its slots)."""
+        so_far = load.num_generated_tokens_total / load.num_requests_total
+        recent = self._max_tokens.get(worker_id)
+        limit = recent.mean(now) if recent is not None else None
+        return so_far if limit is None else max(so_far, limit)
 
     async def _held_prefixes(self, request: GenerateRequest) -> list[HeldPrefix]:
         """Each worker's hit on the prompt's leading blocks, by tier; none when kv-index is away."""

@@ -45,6 +45,7 @@ class DecodeWorker(EngineWorker):
         self._metrics = metrics if metrics is not None else WorkerMetrics()
         self._ttft = RecentMean(10.0)
         self._itl = RecentMean(10.0)
+        self._itl_batch = RecentMean(10.0)  # the running requests when each ITL sample was taken
         self._output_tokens = RecentMean(30.0)  # output length of the requests finished recently
         self._output_tokens_by_priority: dict[int, RecentMean] = {}  # the same, by request priority
         self.num_requests_total = 0
@@ -109,6 +110,8 @@ class DecodeWorker(EngineWorker):
             async for out in outputs:
                 now = time.monotonic()
                 (self._ttft if index == 0 else self._itl).observe(now - last)
+                if index:
+                    self._itl_batch.observe(self.engine.stats().num_running)
                 (self._metrics.ttft if index == 0 else self._metrics.itl).observe(now - last)
                 last = now
                 if out.finish_reason == "abort":
@@ -178,7 +181,7 @@ class DecodeWorker(EngineWorker):
         prefills = self.remote.prefills if self.remote else None
         transfer = next((r.transfer for r in (self.remote, self.fetcher) if r is not None), None)
         return self._load(
-            ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(),
+            ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(), itl_recent_batch=self._itl_batch.mean(),
             output_tokens_recent=self._output_tokens.mean(),
             output_tokens_recent_by_priority={p: m for p, r in self._output_tokens_by_priority.items()
                                               if (m := r.mean()) is not None},

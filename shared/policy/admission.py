@@ -20,8 +20,8 @@ prefill rate − the rate at which higher-priority prompt tokens arrive) + the K
 for KV memory or a sequence slot (``slot_wait_s``: the requests ahead beyond the free slots). Only
 work of the same or a higher priority is ahead: the engine and the prefill queue serve by
 priority, so higher-priority work that arrives while the request waits goes first too (``Inflow``
-measures it; a fluid estimate: the request is served when the prefill has done the backlog, its
-own tokens and what arrived above it meanwhile). Where the caller knows how long the prompt's own
+measures it, with a margin of one standard deviation; a fluid estimate: the request is served when
+the prefill has done the backlog, its own tokens and what arrived above it meanwhile). Where the caller knows how long the prompt's own
 prefill takes on the one worker that will run it (``own_prefill_s``: a pool's rate is the sum of
 its workers', but one prompt is not split across them), that time replaces its own tokens' share
 of the fluid estimate. A full batch delays it only by the running
@@ -144,15 +144,30 @@ class Inflow:
     """Requests and their uncached prompt tokens admitted per second to each prefill (``key``: a
     worker, or a pool), by priority, over the last ``window_s``: the work of higher priorities that
     arrives while a request waits and goes first (``AdmissionInput.preempting_tokens_per_s``,
-    ``slot_wait_s(preempting_requests_per_s=...)``)."""
+    ``slot_wait_s(preempting_requests_per_s=...)``).
 
-    def __init__(self, window_s: float = 10.0) -> None:
+    Until a key has been watched for ``window_s`` (from its first request), the rate is over the
+    time it has been watched, at least ``min_span_s``: a window that is mostly from before anything
+    arrived would dilute a burst that started with it (premium arriving at 0.9x of the capacity
+    measured as 0.3x three seconds in, and the batch requests admitted on that waited 37 s behind
+    it).
+
+    The rates are what arrived plus ``margin_sd`` standard deviations of a Poisson count (n + z√n
+    requests, the tokens scaled alike): near saturation the wait of a lower tier grows without
+    bound as the higher tiers' rate nears the capacity, so a rate measured a little low admits
+    requests that then wait behind a higher tier for the rest of its burst."""
+
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 1.0, margin_sd: float = 1.0) -> None:
         self.window_s = window_s
+        self.min_span_s = min_span_s
+        self.margin_sd = margin_sd
+        self._since: dict[object, float] = {}
         self._events: dict[object, deque[tuple[float, int, float]]] = {}
         self._tokens: dict[object, dict[int, float]] = {}
         self._requests: dict[object, dict[int, int]] = {}
 
     def note(self, key: object, now_s: float, priority: int, tokens: float) -> None:
+        self._since.setdefault(key, now_s)
         self._events.setdefault(key, deque()).append((now_s, priority, tokens))
         by_tokens, by_requests = self._tokens.setdefault(key, {}), self._requests.setdefault(key, {})
         by_tokens[priority] = by_tokens.get(priority, 0.0) + tokens
@@ -164,7 +179,8 @@ class Inflow:
         if key not in self._events:
             return {}
         self._expire(key, now_s)
-        return {p: n / self.window_s for p, n in self._requests[key].items() if p < priority and n > 0}
+        span = self._span(key, now_s)
+        return {p: n * self._margin(n) / span for p, n in self._requests[key].items() if p < priority and n > 0}
 
     def tokens_per_s_above(self, key: object, priority: int, now_s: float) -> float:
         """Tokens per second admitted to ``key`` at priorities higher than ``priority``."""
@@ -177,13 +193,21 @@ class Inflow:
     def forget(self, keep: set) -> None:
         """Drop the prefills not in ``keep`` (workers that left)."""
         for key in [k for k in self._events if k not in keep]:
-            del self._events[key], self._tokens[key], self._requests[key]
+            del self._events[key], self._tokens[key], self._requests[key], self._since[key]
+
+    def _span(self, key: object, now_s: float) -> float:
+        return min(self.window_s, max(now_s - self._since[key], self.min_span_s))
+
+    def _margin(self, num_requests: float) -> float:
+        return 1.0 + self.margin_sd / math.sqrt(num_requests) if num_requests > 0 else 1.0
 
     def _rate_above(self, sums: dict, key: object, priority: int, now_s: float) -> float:
         if key not in self._events:
             return 0.0
         self._expire(key, now_s)
-        return max(sum(n for p, n in sums[key].items() if p < priority), 0.0) / self.window_s
+        num_requests = sum(n for p, n in self._requests[key].items() if p < priority)
+        total = max(sum(n for p, n in sums[key].items() if p < priority), 0.0)
+        return total * self._margin(num_requests) / self._span(key, now_s)
 
     def _expire(self, key: object, now_s: float) -> None:
         events, by_tokens, by_requests = self._events[key], self._tokens[key], self._requests[key]

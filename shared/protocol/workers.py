@@ -83,6 +83,9 @@ class WorkerLoad(WireModel):
     max_num_seqs: int = Field(1, ge=1)
     ttft_recent_s: float | None = None
     itl_recent_s: float | None = None
+    # the mean number of running requests when itl_recent_s was measured (None: not reported): a
+    # batch that just filled up has an ITL measured on fewer sequences than it now runs
+    itl_recent_batch: float | None = Field(None, ge=0)
     # mean output tokens of the requests finished in the last 30 s (None: none finished): how long
     # a running request holds its slot (started requests still decoding would bias a total's mean low)
     output_tokens_recent: float | None = Field(None, ge=0)

@@ -8,6 +8,7 @@ import pytest
 
 from services.admission.config import AdmissionSettings
 from services.admission.service import AdmissionService
+from shared.policy.admission import Inflow
 from services.autoscaler.config import AutoscalerSettings
 from services.autoscaler.service import AutoscalerService
 from services.kv_index.config import KvIndexSettings
@@ -189,6 +190,7 @@ async def test_a_lower_tier_is_rejected_when_the_higher_tier_arriving_meanwhile_
                    "  batch: {priority: 2, ttft_slo_ms: 1000}\n")
     subjects = Subjects(namespace)
     admission = await one_worker_admission(bus, nats_url, subjects, qos)
+    admission.inflow = Inflow(window_s=10.0, min_span_s=10.0, margin_sd=0.0)  # the arrivals' rate over 10 s
 
     async def report(seq: int) -> None:
         await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
@@ -225,13 +227,13 @@ async def test_a_full_batch_frees_slots_at_the_pace_of_the_output_lengths_of_fin
     subjects = Subjects(namespace)
     admission = await one_worker_admission(bus, nats_url, subjects, qos)
 
-    async def report(seq: int, output_tokens_recent: float | None) -> None:
+    async def report(seq: int, output_tokens_recent: float | None, itl_batch: float | None = None) -> None:
         # 16 of 16 slots busy, 4 waiting, a 100 ms step; 100 requests started, 1000 tokens so far
         # (many still decoding: 10 per started request, while finished ones had 40)
         await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
             worker_id="w1", role="decode", seq=seq, timestamp=time.time(), prefill_tokens_per_s=1e6,
             num_running=16, max_num_seqs=16, num_running_by_priority={2: 16}, num_waiting=4,
-            num_waiting_by_priority={2: 4}, itl_recent_s=0.1, num_requests_total=100,
+            num_waiting_by_priority={2: 4}, itl_recent_s=0.1, itl_recent_batch=itl_batch, num_requests_total=100,
             num_generated_tokens_total=1000, output_tokens_recent=output_tokens_recent))
         await wait_until(lambda: _reported(admission, seq), timeout_s=5, what=f"load report {seq} at admission")
 
@@ -244,6 +246,20 @@ async def test_a_full_batch_frees_slots_at_the_pace_of_the_output_lengths_of_fin
     await report(2, None)
     decision = await bus.request(subjects.admission_submit(), request("b2", [], 16), timeout_s=2)
     assert decision.is_admitted and decision.predicted_ttft_s == pytest.approx(0.3125, abs=0.01), decision
+    # b2 was admitted with max_tokens 16: until a request finishes, the answers may be that long
+    # (they are at least what was generated so far): 16 / (16 x 0.1 s) = 10 per second, 0.5 s
+    await report(3, None)
+    decision = await bus.request(subjects.admission_submit(), request("b3", [], 16), timeout_s=2)
+    assert decision.is_admitted and decision.predicted_ttft_s == pytest.approx(0.5, abs=0.01), decision
+    # the 100 ms ITL was measured on 4 sequences, the batch now runs 16: 0.4 s with all of them,
+    # slots free at 16 / (40 x 0.4 s) = 1 per second: 5 s
+    await report(4, 40.0, itl_batch=4.0)
+    decision = await bus.request(subjects.admission_submit(), request("b4", [], 16), timeout_s=2)
+    assert (decision.is_admitted, decision.reject_reason) == (False, "slo"), decision
+    assert "predicted TTFT 5.00s" in decision.message
+    await report(5, 40.0, itl_batch=16.0)        # measured on the full batch: 1.25 s as before
+    decision = await bus.request(subjects.admission_submit(), request("b5", [], 16), timeout_s=2)
+    assert "predicted TTFT 1.25s" in decision.message
 
 
 async def test_short_premium_answers_take_a_one_slot_worker_only_briefly_from_a_waiting_batch_request(
@@ -253,6 +269,7 @@ async def test_short_premium_answers_take_a_one_slot_worker_only_briefly_from_a_
                    "  batch: {priority: 2, ttft_slo_ms: 30000}\n")
     subjects = Subjects(namespace)
     admission = await one_worker_admission(bus, nats_url, subjects, qos)
+    admission.inflow = Inflow(window_s=10.0, min_span_s=10.0, margin_sd=0.0)  # the arrivals' rate over 10 s
 
     async def report(seq: int, by_priority: dict[int, float]) -> None:
         # one slot, taken by a batch request; recent answers 200 tokens on average at 25 ms a token

@@ -78,6 +78,11 @@ def tier_report(results: list[RequestResult], tiers: dict[int, str], slo_s: dict
             "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90),
             "ttft_over_predicted_p50": percentile(errors, 50), "ttft_over_predicted_p90": percentile(errors, 90)}
     out["goodput_rps"] = sum(out[t]["num_good"] for t in TIERS) / max(duration, 1e-9)
+    # each request, for the calibration: when it was sent, its tier, admission's prediction, its TTFT
+    out["per_request"] = [{"tier": tiers[r.index], "sent_s": round(r.started_s, 3),
+                           "predicted_ttft_s": r.predicted_ttft_s,
+                           "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 3), "error": r.error}
+                          for r in sorted(results, key=lambda r: r.started_s)]
     return out
 
 

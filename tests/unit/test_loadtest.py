@@ -54,6 +54,10 @@ def test_overload_report_compares_each_admitted_ttft_with_its_prediction():
     report = tier_report(results, tiers, {"premium": 1.0, "batch": 2.5})
     assert report["batch"]["ttft_over_predicted_p50"] == 2.5 and report["batch"]["num_429"] == 1
     assert report["batch"]["num_good"] == 2 and report["premium"]["ttft_over_predicted_p90"] == 1.0
+    rows = report["per_request"]  # every request, for the calibration by time of arrival
+    assert len(rows) == 5 and rows[1] == {"tier": "batch", "sent_s": 0.0, "predicted_ttft_s": 1.0,
+                                          "ttft_s": 3.0, "error": None}
+    assert rows[4]["error"] == "HTTP 429" and rows[4]["ttft_s"] is None
 
 
 def test_bench_startup_summary_counts_sheds_and_misses_per_tier():

@@ -42,3 +42,30 @@ def test_the_asymmetric_simulation_is_the_engines_int8():
     assert rel_err(simulated_out, real) < 1e-4
     with simulated(_grid_sym):
         assert rel_err(quant.linear(x, w), real) > 1e-3  # a different rounding is seen as one
+
+
+def test_precise_layers_variants_put_second_levels_where_they_say(tiny_hf):
+    import pytest
+
+    from loadtest.bench.precise_layers import VARIANTS, apply_variant
+    from shared.model.loader import load_model
+
+    _, path, _ = tiny_hf
+    reference = load_model(path, "hf", torch.device("cpu"), torch.float32)
+    ids = [(7 * i) % 256 for i in range(48)]
+    want = reference.prefill_logits(ids)
+    errors = {}
+    for name in ("int8", "down a2 + head w2a2", "all a2 + head w2a2", "head float"):
+        model = load_model(path, "hf", torch.device("cpu"), torch.float32)
+        model.quantize("int8", calibration_ids=ids)
+        apply_variant(model, reference, *VARIANTS[name])
+        projections, head = VARIANTS[name]
+        for layer in model.layers:
+            assert {n: getattr(layer, n).act_levels for n in ("qkv", "o_proj", "gate_up", "down")} == \
+                {n: 2 if n in projections else 1 for n in ("qkv", "o_proj", "gate_up", "down")}
+        assert (model.lm_head is reference.lm_head) == (head == "float")
+        errors[name] = rel_err(model.prefill_logits(ids), want)
+    # second levels bring the logits closer to float32's
+    assert errors["all a2 + head w2a2"] < errors["down a2 + head w2a2"] < errors["int8"], errors
+    with pytest.raises(ValueError, match="unknown projections"):
+        apply_variant(model, reference, ("mlp",), "int8")

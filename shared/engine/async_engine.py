@@ -58,6 +58,8 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats = engine.stats()
+        # requests posted that the last snapshot does not show yet (id -> priority, prompt tokens)
+        self._unseen: dict[str, tuple[int, int]] = {}
         # the engine thread takes the intra-op threads and this thread gives its own up (why:
         # shared/engine/cpu_threads.py); restored by shutdown() when called from this thread
         num_threads = cpu_threads.engine_thread_count(engine.config.num_threads)
@@ -104,8 +106,21 @@ class AsyncEngine:
         return self.engine.kv_cache
 
     def stats(self) -> EngineStats:
-        # the snapshot is taken at each step; how decode steps run can change while the engine idles
-        return dataclasses.replace(self._stats, decode_step=self.engine.decode_step())
+        """The snapshot taken after the last step, with the requests posted since counted as
+        waiting: a step of a full batch takes a fifth of a second on a CPU, and a request added
+        meanwhile was in no load report, so admission saw free slots a burst had already taken.
+        (How decode steps run is read now: it can change while the engine idles.)"""
+        with self._cv:
+            unseen = list(self._unseen.values())
+        stats = dataclasses.replace(self._stats, decode_step=self.engine.decode_step())
+        if not unseen:
+            return stats
+        waiting, tokens = dict(stats.num_waiting_by_priority), dict(stats.queued_prefill_tokens)
+        for priority, num_tokens in unseen:
+            waiting[priority] = waiting.get(priority, 0) + 1
+            tokens[priority] = tokens.get(priority, 0) + num_tokens
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(unseen),
+                                   num_waiting_by_priority=waiting, queued_prefill_tokens=tokens)
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         self.engine.add_kv_event_sink(sink)
@@ -256,6 +271,8 @@ class AsyncEngine:
 
     def _post(self, item: _Add | _Call | str) -> None:
         with self._cv:
+            if isinstance(item, _Add):
+                self._unseen[item.request_id] = (item.priority, len(item.prompt_token_ids))
             self._inbox.append(item)
             self._cv.notify()
 
@@ -276,6 +293,10 @@ class AsyncEngine:
                 outputs = self._apply(inbox)
                 outputs.extend(self.engine.step())
                 self._stats = self.engine.stats()
+                with self._cv:
+                    for item in inbox:
+                        if isinstance(item, _Add):
+                            self._unseen.pop(item.request_id, None)
                 self._deliver(outputs)
         except BaseException as exc:  # the engine is broken: fail every caller, never hang them
             log.exception("engine thread crashed")

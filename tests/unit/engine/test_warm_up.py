@@ -46,3 +46,39 @@ def test_warm_up_keeps_its_measured_rate_apart_and_real_prompts_measure_afresh(t
         assert warmup_rate is not None and warmup_rate > 0 and warmup_rate_later == warmup_rate
     else:
         assert warmup_rate is None and warmup_rate_later is None
+
+
+def test_a_request_posted_during_a_step_counts_as_waiting_before_the_next_snapshot(tiny_engine_model):
+    """Load reports read ``AsyncEngine.stats()``: a request the engine thread has not taken in yet
+    (it runs a step meanwhile) must show as waiting, at its priority, with its prompt to prefill."""
+    import threading
+
+    vocab = tiny_engine_model.cfg.vocab_size
+    aengine = AsyncEngine(LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=16)))
+    release = threading.Event()
+    seen: list = []
+
+    async def run() -> None:
+        busy = asyncio.ensure_future(aengine.call(lambda e: release.wait(10)))  # the engine thread is busy
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+        async def one() -> None:
+            async for _ in aengine.generate("late", [(5 + 3 * j) % vocab for j in range(40)], params, priority=2):
+                pass
+
+        task = asyncio.ensure_future(one())
+        await asyncio.sleep(0.2)
+        stats = aengine.stats()
+        seen.append((stats.num_waiting, stats.num_waiting_by_priority, stats.queued_prefill_tokens))
+        release.set()
+        await busy
+        await task
+        stats = aengine.stats()
+        seen.append((stats.num_waiting, stats.num_waiting_by_priority, stats.queued_prefill_tokens))
+
+    try:
+        asyncio.run(run())
+    finally:
+        aengine.shutdown()
+    assert seen[0] == (1, {2: 1}, {2: 40})
+    assert seen[1][0] == 0 and not seen[1][1].get(2) and not seen[1][2].get(2)

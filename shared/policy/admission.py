@@ -20,8 +20,8 @@ prefill rate − the rate at which higher-priority prompt tokens arrive) + the K
 for KV memory or a sequence slot (``slot_wait_s``: the requests ahead beyond the free slots). Only
 work of the same or a higher priority is ahead: the engine and the prefill queue serve by
 priority, so higher-priority work that arrives while the request waits goes first too (``Inflow``
-measures it, with a margin of one standard deviation; a fluid estimate: the request is served when
-the prefill has done the backlog, its own tokens and what arrived above it meanwhile). Where the caller knows how long the prompt's own
+measures it; a fluid estimate: the request is served when the prefill has done the backlog, its
+own tokens and what arrived above it meanwhile). Where the caller knows how long the prompt's own
 prefill takes on the one worker that will run it (``own_prefill_s``: a pool's rate is the sum of
 its workers', but one prompt is not split across them), that time replaces its own tokens' share
 of the fluid estimate. A full batch delays it only by the running
@@ -150,17 +150,11 @@ class Inflow:
     time it has been watched, at least ``min_span_s``: a window that is mostly from before anything
     arrived would dilute a burst that started with it (premium arriving at 0.9x of the capacity
     measured as 0.3x three seconds in, and the batch requests admitted on that waited 37 s behind
-    it).
+    it)."""
 
-    The rates are what arrived plus ``margin_sd`` standard deviations of a Poisson count (n + z√n
-    requests, the tokens scaled alike): near saturation the wait of a lower tier grows without
-    bound as the higher tiers' rate nears the capacity, so a rate measured a little low admits
-    requests that then wait behind a higher tier for the rest of its burst."""
-
-    def __init__(self, window_s: float = 10.0, min_span_s: float = 1.0, margin_sd: float = 1.0) -> None:
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 1.0) -> None:
         self.window_s = window_s
         self.min_span_s = min_span_s
-        self.margin_sd = margin_sd
         self._since: dict[object, float] = {}
         self._events: dict[object, deque[tuple[float, int, float]]] = {}
         self._tokens: dict[object, dict[int, float]] = {}
@@ -180,7 +174,7 @@ class Inflow:
             return {}
         self._expire(key, now_s)
         span = self._span(key, now_s)
-        return {p: n * self._margin(n) / span for p, n in self._requests[key].items() if p < priority and n > 0}
+        return {p: n / span for p, n in self._requests[key].items() if p < priority and n > 0}
 
     def tokens_per_s_above(self, key: object, priority: int, now_s: float) -> float:
         """Tokens per second admitted to ``key`` at priorities higher than ``priority``."""
@@ -198,16 +192,11 @@ class Inflow:
     def _span(self, key: object, now_s: float) -> float:
         return min(self.window_s, max(now_s - self._since[key], self.min_span_s))
 
-    def _margin(self, num_requests: float) -> float:
-        return 1.0 + self.margin_sd / math.sqrt(num_requests) if num_requests > 0 else 1.0
-
     def _rate_above(self, sums: dict, key: object, priority: int, now_s: float) -> float:
         if key not in self._events:
             return 0.0
         self._expire(key, now_s)
-        num_requests = sum(n for p, n in self._requests[key].items() if p < priority)
-        total = max(sum(n for p, n in sums[key].items() if p < priority), 0.0)
-        return total * self._margin(num_requests) / self._span(key, now_s)
+        return max(sum(n for p, n in sums[key].items() if p < priority), 0.0) / self._span(key, now_s)
 
     def _expire(self, key: object, now_s: float) -> None:
         events, by_tokens, by_requests = self._events[key], self._tokens[key], self._requests[key]

@@ -190,7 +190,7 @@ async def test_a_lower_tier_is_rejected_when_the_higher_tier_arriving_meanwhile_
                    "  batch: {priority: 2, ttft_slo_ms: 1000}\n")
     subjects = Subjects(namespace)
     admission = await one_worker_admission(bus, nats_url, subjects, qos)
-    admission.inflow = Inflow(window_s=10.0, min_span_s=10.0, margin_sd=0.0)  # the arrivals' rate over 10 s
+    admission.inflow = Inflow(window_s=10.0, min_span_s=10.0)  # the arrivals' rate over 10 s from the start
 
     async def report(seq: int) -> None:
         await bus.publish(subjects.load("decode", "w1"), WorkerLoad(
@@ -269,7 +269,7 @@ async def test_short_premium_answers_take_a_one_slot_worker_only_briefly_from_a_
                    "  batch: {priority: 2, ttft_slo_ms: 30000}\n")
     subjects = Subjects(namespace)
     admission = await one_worker_admission(bus, nats_url, subjects, qos)
-    admission.inflow = Inflow(window_s=10.0, min_span_s=10.0, margin_sd=0.0)  # the arrivals' rate over 10 s
+    admission.inflow = Inflow(window_s=10.0, min_span_s=10.0)  # the arrivals' rate over 10 s from the start
 
     async def report(seq: int, by_priority: dict[int, float]) -> None:
         # one slot, taken by a batch request; recent answers 200 tokens on average at 25 ms a token

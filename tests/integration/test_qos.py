@@ -133,11 +133,11 @@ def test_the_predicted_ttft_is_near_the_one_measured(stack):
     machine as on a fast one; a prediction that ignored the queue would be 5x short for the last
     request, one that ignored the prompt's length far shorter still.
 
-    First in this file on purpose: the slot wait takes the worker's recent mean output length as
-    every request's, and the premium requests of the last 10 s as taking the freed slots first.
-    After the tests below (a 300-token request, then several premium ones) that estimate says premium
-    alone fills the one slot and predicts that batch requests never start (seen once: 429
-    "predicted TTFT infs")."""
+    The fixture's premium request a moment before counts as premium arriving while these wait
+    (over the second or so admission has watched the worker, ``Inflow``), so the predictions err
+    long here (0.7x measured/predicted in a run, against 0.8-1.0x when that rate was over a fixed
+    10 s window). With one standard deviation added to that count it was 0.33x in a CI run: the
+    margin doubled a single request's rate and was taken out."""
     prompts = [" ".join(f"{chr(97 + i)}{j}" for j in range(220)) for i in range(5)]
     results: list[tuple[float, float, int]] = []  # (predicted s, measured s, prompt tokens)
     start = threading.Barrier(len(prompts))

@@ -184,7 +184,7 @@ def test_a_prompt_whose_own_prefill_exceeds_its_slo_is_too_long_and_sheds_no_oth
 
 
 def test_inflow_is_tokens_per_second_above_a_priority_over_the_window():
-    inflow = Inflow(window_s=10.0, margin_sd=0.0)
+    inflow = Inflow(window_s=10.0)
     inflow.note("w1", 0.0, 0, 3000.0)
     inflow.note("w1", 5.0, 1, 2000.0)
     inflow.note("w1", 6.0, 2, 9000.0)
@@ -206,7 +206,7 @@ def test_inflow_is_tokens_per_second_above_a_priority_over_the_window():
 
 
 def test_a_burst_at_the_start_is_not_diluted_by_the_window():
-    inflow = Inflow(window_s=10.0, min_span_s=1.0, margin_sd=0.0)
+    inflow = Inflow(window_s=10.0, min_span_s=1.0)
     for t in (100.0, 100.1, 100.2):               # three premium requests, the first ones seen
         inflow.note("w1", t, 0, 100.0)
     assert inflow.requests_per_s_above("w1", 2, 100.3) == pytest.approx(3.0)  # at least 1 s: not 30/s
@@ -220,20 +220,6 @@ def test_a_burst_at_the_start_is_not_diluted_by_the_window():
     inflow.note("w2", 0.0, 2, 100.0)
     inflow.note("w2", 50.0, 0, 100.0)
     assert inflow.requests_per_s_above("w2", 2, 50.1) == pytest.approx(0.1)
-
-
-def test_inflow_adds_a_margin_of_standard_deviations_of_the_count():
-    inflow = Inflow(window_s=10.0, margin_sd=1.0)
-    inflow.note("w1", -20.0, 2, 0.0)              # watched for more than a window
-    for k in range(4):                             # 4 premium requests of 100 tokens in the window
-        inflow.note("w1", float(k), 0, 100.0)
-    # 4 + √4 = 6 requests over 10 s, the tokens alike
-    assert inflow.requests_per_s_above("w1", 2, 5.0) == pytest.approx(0.6)
-    assert inflow.tokens_per_s_above("w1", 2, 5.0) == pytest.approx(60.0)
-    assert inflow.requests_per_s_by_priority_above("w1", 2, 5.0) == pytest.approx({0: 0.6})
-    for k in range(96):                            # the margin shrinks as the count grows: 100 + 10
-        inflow.note("w1", 4.0 + k / 100, 0, 100.0)
-    assert inflow.requests_per_s_above("w1", 2, 5.0) == pytest.approx(11.0)
 
 
 def test_slot_wait_when_the_batch_is_full():

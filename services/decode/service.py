@@ -111,7 +111,7 @@ class DecodeWorker(EngineWorker):
                 now = time.monotonic()
                 (self._ttft if index == 0 else self._itl).observe(now - last)
                 if index:
-                    self._itl_batch.observe(self.engine.stats().num_running)
+                    self._itl_batch.observe(self.engine.num_running)
                 (self._metrics.ttft if index == 0 else self._metrics.itl).observe(now - last)
                 last = now
                 if out.finish_reason == "abort":

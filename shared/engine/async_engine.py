@@ -105,6 +105,11 @@ class AsyncEngine:
         """The KV pool a transfer registers once (``register_kv_pool``) and moves blocks of by id."""
         return self.engine.kv_cache
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the batch at the last step (cheap: no snapshot copied, for per-token use)."""
+        return self._stats.num_running
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step, with the requests posted since counted as
         waiting: a step of a full batch takes a fifth of a second on a CPU, and a request added

@@ -182,7 +182,7 @@ class Inflow:
 
     def requests_per_s_above(self, key: object, priority: int, now_s: float) -> float:
         """Requests per second admitted to ``key`` at priorities higher than ``priority``."""
-        return self._rate_above(self._requests, key, priority, now_s)
+        return sum(self.requests_per_s_by_priority_above(key, priority, now_s).values())
 
     def forget(self, keep: set) -> None:
         """Drop the prefills not in ``keep`` (workers that left)."""

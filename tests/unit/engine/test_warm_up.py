@@ -67,8 +67,10 @@ def test_a_request_posted_during_a_step_counts_as_waiting_before_the_next_snapsh
                 pass
 
         task = asyncio.ensure_future(one())
-        await asyncio.sleep(0.2)
-        stats = aengine.stats()
+        for _ in range(1000):  # until the request is posted (the engine thread stays busy meanwhile)
+            if (stats := aengine.stats()).num_waiting:
+                break
+            await asyncio.sleep(0)
         seen.append((stats.num_waiting, stats.num_waiting_by_priority, stats.queued_prefill_tokens))
         release.set()
         await busy

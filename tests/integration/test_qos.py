@@ -198,6 +198,8 @@ def test_a_premium_request_takes_the_slot_of_a_running_batch_request(stack):
         assert not t.is_alive() and t.status == 200, (t.args[1:], t.status)
     assert premium.done_at < long.done_at, "the premium request waited for the running batch request to end"
     assert long.num_tokens == 300  # preempted, resumed, and not cut short
+    # the batch the ITL was measured on, for admission's full-batch ITL: one sequence at most here
+    assert 0 < decode_load(stack)["itl_recent_batch"] <= 1
 
 
 def test_admitted_responses_carry_the_prediction_and_tier(stack):

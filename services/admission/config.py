@@ -18,3 +18,6 @@ class AdmissionSettings(ServiceSettings, QosSettings):
     min_fetch_blocks: int = Field(2, ge=1, description="name a worker holding at least this many more of the "
                                   "prompt's leading blocks than the chosen one, for it to fetch them from")
     shed_hold_s: float = Field(2.0, ge=0, description="lower tiers stay shed this long after a higher tier's SLO miss")
+    arrival_margin_sd: float = Field(
+        1.645, ge=0, description="count higher tiers' arrivals during a predicted wait this many standard "
+        "deviations over their mean (1.645: a prediction met 19 times in 20; 0: the mean)")

@@ -46,7 +46,8 @@ class AdmissionService:
         self._fetch = FetchConfig(min_blocks=settings.min_fetch_blocks)
         self.qos = load_qos(settings.qos)
         self.admitter = Admitter(AdmissionConfig(self.qos, min_retry_after_s=settings.retry_after_s,
-                                                 shed_hold_s=settings.shed_hold_s))
+                                                 shed_hold_s=settings.shed_hold_s,
+                                                 arrival_margin_sd=settings.arrival_margin_sd))
         self.inflow = Inflow()
         # per worker, the max_tokens of the requests admitted to it in the last 30 s: how long the
         # answers may be while none has finished yet
@@ -155,6 +156,8 @@ class AdmissionService:
         block_size = entry.info.block_size
         load = entry.load
         wait = 0.0
+        above_requests_per_s = self.inflow.requests_per_s_above(entry.info.worker_id, priority, now)
+        watched = self.inflow.span_s(entry.info.worker_id, now)
         if load is not None and load.num_requests_total:
             mean_output = load.output_tokens_recent or self._unfinished_output_tokens(entry.info.worker_id, load, now)
             above = self.inflow.requests_per_s_by_priority_above(entry.info.worker_id, priority, now)
@@ -166,7 +169,8 @@ class AdmissionService:
                 preempting_requests_per_s=above_per_s,
                 preempting_output_tokens=sum(
                     r * load.output_tokens_recent_by_priority.get(p, mean_output) for p, r in above.items()
-                ) / above_per_s if above_per_s else None)
+                ) / above_per_s if above_per_s else None, margin_sd=self._settings.arrival_margin_sd,
+                watched_s=watched)
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,
             cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),
@@ -176,6 +180,7 @@ class AdmissionService:
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
             num_running=load.num_running if load else 0,
             preempting_tokens_per_s=self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now),
+            preempting_requests_per_s=above_requests_per_s, inflow_watched_s=watched,
             deadline_s=None if request.deadline_at is None else request.deadline_at - now,
             max_output_tokens=request.sampling.max_tokens)
 

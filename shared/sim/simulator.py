@@ -317,7 +317,9 @@ class Simulator:
             self.now, self.tier[i], inp, cached, queued, rate,
             len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,
             decode_wait_s=max(self._memory_wait_s(w, inp + self.out[i]), self._slot_wait_s(w, priority, prefill)),
-            preempting_tokens_per_s=self.inflow.tokens_per_s_above(prefill, priority, self.now), own_prefill_s=own_s))
+            preempting_tokens_per_s=self.inflow.tokens_per_s_above(prefill, priority, self.now), own_prefill_s=own_s,
+            preempting_requests_per_s=self.inflow.requests_per_s_above(prefill, priority, self.now),
+            inflow_watched_s=self.inflow.span_s(prefill, self.now)))
         if not decision.admitted:
             return self._reject(i, REJECT_CAUSES[decision.code])
         self.inflow.note(prefill, self.now, priority, inp - cached)
@@ -349,7 +351,9 @@ class Simulator:
                            max_num_seqs=self.cfg.max_num_seqs,
                            num_waiting_ahead=sum(1 for j in w.waiting if self.priority[j] <= priority),
                            mean_output_tokens=self.ev.output_len, itl_s=w.step_time or None,
-                           preempting_requests_per_s=self.inflow.requests_per_s_above(prefill, priority, self.now))
+                           preempting_requests_per_s=self.inflow.requests_per_s_above(prefill, priority, self.now),
+                           margin_sd=self.admitter.cfg.arrival_margin_sd,
+                           watched_s=self.inflow.span_s(prefill, self.now))
 
     def _reject(self, i: int, cause: str) -> None:
         self.res.rejections[cause] = self.res.rejections.get(cause, 0) + 1

@@ -5,8 +5,8 @@ import pytest
 
 from shared.kvcache.overlap import leading_overlap
 from shared.planner.config import ConfigError
-from shared.policy.admission import (AdmissionConfig, AdmissionInput, Admitter, Inflow, predict_finish_s, predict_ttft_s,
-                                    slot_wait_s)
+from shared.policy.admission import (AdmissionConfig, AdmissionInput, Admitter, Inflow, fluid_wait_s,
+                                    predict_finish_s, predict_ttft_s, slot_wait_s)
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
 from shared.policy.kv_routing import (RoutingInput, RoutingWeights, WorkerLoadView, choose_worker, route,
@@ -255,6 +255,46 @@ def test_short_higher_priority_answers_hold_the_slots_they_take_only_briefly():
                        preempting_requests_per_s=4.0, preempting_output_tokens=60) == pytest.approx(2.0)
     assert slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
                        preempting_requests_per_s=4.0, preempting_output_tokens=80) == float("inf")
+
+
+def test_the_wait_counts_the_spread_of_the_arrivals_above_it():
+    # no margin: the mean alone, work / rate left
+    assert fluid_wait_s(4.0, 2.0, 4.0, 1.0, 0.0) == pytest.approx(2.0)
+    assert fluid_wait_s(4.0, 2.0) == pytest.approx(2.0)
+    # one standard deviation: W * 2 = 4 + sqrt(4 W), so sqrt(W) = 2 and W = 4
+    assert fluid_wait_s(4.0, 2.0, 4.0, 1.0, 1.0) == pytest.approx(4.0)
+    assert fluid_wait_s(4.0, 0.0, 4.0, 1.0, 1.0) == float("inf")
+    assert fluid_wait_s(0.0, 2.0, 4.0, 1.0, 1.0) == pytest.approx(1.0)  # arrivals alone: 2 W = 2 sqrt(W)
+    # a rate measured over 2 s, not known exactly: the count's variance over W is 4 W + 4 W^2 / 2
+    wide = fluid_wait_s(4.0, 2.0, 4.0, 1.0, 1.0, watched_s=2.0)
+    assert 2 * wide == pytest.approx(4 + (4 * wide + 4 * wide ** 2 / 2) ** 0.5)
+    assert wide > 4.0
+    # the longer the rate was watched, the nearer a known rate's wait
+    assert fluid_wait_s(4.0, 2.0, 4.0, 1.0, 1.0, watched_s=1e9) == pytest.approx(4.0)
+    assert fluid_wait_s(4.0, 2.0, 4.0, 1.0, 1.0, watched_s=10.0) < wide
+    # its uncertainty alone grows as fast as the rate left (1 x sqrt(4 / 1) = 2): no bound
+    assert fluid_wait_s(4.0, 2.0, 4.0, 1.0, 1.0, watched_s=1.0) == float("inf")
+    # the slot wait: slots free for it at 2/s (8 slots, 40 tokens at 25 ms, 6/s above of the same
+    # length); 4 to free, plus 1.645 sd of the arrivals over the wait: 2 W = 4 + 1.645 sqrt(6 W)
+    wait = slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+                       preempting_requests_per_s=6.0, margin_sd=1.645)
+    assert 2 * wait == pytest.approx(4 + 1.645 * (6 * wait) ** 0.5)
+    assert wait > 2.0
+    # half-length answers above cost half as many turnovers each
+    short = slot_wait_s(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+                        preempting_requests_per_s=6.0, preempting_output_tokens=20, margin_sd=1.645)
+    rate_left = (8 - 6 * 20 * 0.025) / (40 * 0.025)
+    assert short * rate_left == pytest.approx(4 + 1.645 * 0.5 * (6 * short) ** 0.5)
+    # the prefill wait: 9000 + 1000 tokens at 4000 tok/s left, the 6000 tok/s above in 20
+    # requests a second (300 tokens each): 4000 W = 10000 + 1.645 * 300 * sqrt(20 W)
+    inp = dataclasses.replace(_adm(queued=9000, prompt=1000), preempting_tokens_per_s=6000.0,
+                              preempting_requests_per_s=20.0)
+    assert predict_ttft_s(inp) == pytest.approx(2.5 + 0.05)  # no margin asked for
+    ttft = predict_ttft_s(inp, 1.645)
+    assert 4000 * (ttft - 0.05) == pytest.approx(10000 + 1.645 * 300 * (20 * (ttft - 0.05)) ** 0.5)
+    # the Admitter counts the margin from its config (default 1.645): 2.5 s mean, ~2.8 s with it
+    assert Admitter(AdmissionConfig(QOS)).decide(inp).predicted_ttft_s == pytest.approx(ttft)
+    assert Admitter(AdmissionConfig(QOS, arrival_margin_sd=0)).decide(inp).predicted_ttft_s == pytest.approx(2.55)
 
 
 def test_early_rejection_against_slo_with_retry_after():

@@ -20,7 +20,7 @@ import time
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.view import ClusterView, WorkerEntry
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, slot_wait_s
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, Turnover, slot_wait_s
 from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker, effective_overlap
 from shared.policy.qos import load_qos
 from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
@@ -49,6 +49,7 @@ class AdmissionService:
                                                  shed_hold_s=settings.shed_hold_s,
                                                  arrival_margin_sd=settings.arrival_margin_sd))
         self.inflow = Inflow()
+        self.turnover = Turnover()
         # per worker, the max_tokens of the requests admitted to it in the last 30 s: how long the
         # answers may be while none has finished yet
         self._max_tokens: dict[str, RecentMean] = {}
@@ -66,6 +67,7 @@ class AdmissionService:
         self.view.set_workers(await self._registry.list())
         ready = {w.info.worker_id for w in self.view.ready_workers("decode")}
         self.inflow.forget(ready)
+        self.turnover.forget(ready)
         for worker_id in [w for w in self._max_tokens if w not in ready]:
             del self._max_tokens[worker_id]
         self.metrics.ready_workers.set(len(self.view.ready_workers("decode")))
@@ -75,6 +77,10 @@ class AdmissionService:
 
     async def on_load(self, load: WorkerLoad) -> None:
         self.view.update_load(load, time.time())
+        if load.role == "decode":
+            self.turnover.note(load.worker_id, load.timestamp,
+                               load.num_requests_total - load.num_running - load.num_waiting,
+                               load.num_running + load.num_waiting >= load.max_num_seqs)
 
     async def submit(self, request: GenerateRequest) -> AdmissionDecision:
         started = time.monotonic()
@@ -170,7 +176,7 @@ class AdmissionService:
                 preempting_output_tokens=sum(
                     r * load.output_tokens_recent_by_priority.get(p, mean_output) for p, r in above.items()
                 ) / above_per_s if above_per_s else None, margin_sd=self._settings.arrival_margin_sd,
-                watched_s=watched)
+                watched_s=watched, measured_frees_per_s=self.turnover.frees_per_s(entry.info.worker_id, now))
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,
             cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),

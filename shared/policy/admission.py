@@ -17,7 +17,9 @@ Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is re
 
 Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens) / (the measured
 prefill rate − the rate at which higher-priority prompt tokens arrive) + the KV transfer + any wait
-for KV memory or a sequence slot (``slot_wait_s``: the requests ahead beyond the free slots). Only
+for KV memory or a sequence slot (``slot_wait_s``: the requests ahead beyond the free slots, at
+the rate slots free: from output lengths and ITL, or as measured while the worker had none to
+spare, ``Turnover``). Only
 work of the same or a higher priority is ahead: the engine and the prefill queue serve by
 priority, so higher-priority work that arrives while the request waits goes first too (``Inflow``
 measures it; a fluid estimate: the request is served when the prefill has done the backlog, its
@@ -176,7 +178,7 @@ def predict_itl_s(inp: AdmissionInput) -> float | None:
 def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, mean_output_tokens: float,
                 itl_s: float | None, preempting_requests_per_s: float = 0.0,
                 preempting_output_tokens: float | None = None, margin_sd: float = 0.0,
-                watched_s: float | None = None) -> float:
+                watched_s: float | None = None, measured_frees_per_s: float | None = None) -> float:
     """Expected wait for a sequence slot on a worker whose batch holds ``num_running`` requests it
     cannot preempt (those of its own or a higher priority). The requests ahead of this one, then
     itself, take the free slots first; the rest each take a slot as a running request finishes.
@@ -191,10 +193,21 @@ def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, 
     they took every slot behind one long batch answer on a one-sequence worker.) Their count over
     the wait is taken ``margin_sd`` standard deviations over its mean (``fluid_wait_s``, the rate
     measured over ``watched_s``): each arrival costs the slot turnovers of its own output over the
-    mean one."""
+    mean one.
+
+    ``measured_frees_per_s`` (``Turnover``): the rate slots freed on this worker while it had no
+    slot to spare, measured. Where given it replaces the turnover that output lengths and ITL
+    imply: the engine's prefill steps, which leave lower priorities' rows out, and every other
+    cost of the shared CPU are in it. The higher-priority arrivals take one freed slot each (their
+    own finishes are among the measured ones)."""
     num_free = max(max_num_seqs - num_running, 0)
     num_to_free = num_waiting_ahead + 1 - num_free
-    if num_to_free <= 0 or not itl_s or mean_output_tokens <= 0:
+    if num_to_free <= 0:
+        return 0.0
+    if measured_frees_per_s is not None:
+        return fluid_wait_s(num_to_free, measured_frees_per_s - preempting_requests_per_s, preempting_requests_per_s,
+                            1.0, margin_sd, watched_s)
+    if not itl_s or mean_output_tokens <= 0:
         return 0.0
     above_output = mean_output_tokens if preempting_output_tokens is None else preempting_output_tokens
     held_above = preempting_requests_per_s * above_output * itl_s
@@ -274,6 +287,44 @@ class Inflow:
             _, priority, tokens = events.popleft()
             by_tokens[priority] -= tokens
             by_requests[priority] -= 1
+
+
+class Turnover:
+    """Slots freed per second on each worker while it had none to spare, from its load reports:
+    between two consecutive reports that both show its running and waiting requests filling every
+    slot, the requests that ended (received less running less waiting) over the time between
+    them, summed over the last ``window_s``. None until ``min_span_s`` of such time and
+    ``min_ended`` requests ending in it are seen (a batch of long answers that frees nothing for a
+    few seconds is left to the estimate from output lengths, not called never freeing)."""
+
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 2.0, min_ended: int = 3) -> None:
+        self.window_s = window_s
+        self.min_span_s = min_span_s
+        self.min_ended = min_ended
+        self._last: dict[object, tuple[float, int, bool]] = {}
+        self._spans: dict[object, deque[tuple[float, float, int]]] = {}
+
+    def note(self, key: object, t: float, num_ended: int, saturated: bool) -> None:
+        last = self._last.get(key)
+        self._last[key] = (t, num_ended, saturated)
+        if last is None or t <= last[0]:
+            return
+        if saturated and last[2]:
+            self._spans.setdefault(key, deque()).append((t, t - last[0], max(num_ended - last[1], 0)))
+
+    def frees_per_s(self, key: object, now_s: float) -> float | None:
+        spans = self._spans.get(key)
+        if not spans:
+            return None
+        while spans and spans[0][0] <= now_s - self.window_s:
+            spans.popleft()
+        total, ended = sum(dt for _, dt, _ in spans), sum(n for _, _, n in spans)
+        return ended / total if total >= self.min_span_s and ended >= self.min_ended else None
+
+    def forget(self, keep: set) -> None:
+        for key in [k for k in self._last if k not in keep]:
+            self._last.pop(key, None)
+            self._spans.pop(key, None)
 
 
 class Admitter:

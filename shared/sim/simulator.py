@@ -28,7 +28,7 @@ from shared.kvcache.overlap import leading_overlap
 from shared.planner.costmodel import kv_transfer_s
 from shared.planner.flow import Evaluator
 from shared.planner.plan import Plan
-from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, slot_wait_s
+from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, Turnover, slot_wait_s
 from shared.cluster.scaling import Autoscaling
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
 from shared.policy.autoscale_inputs import Capacities, WorkerSample
@@ -190,6 +190,11 @@ class Simulator:
         self.active_blocks = np.zeros(len(self.workers))
         self.num_waiting = np.zeros(len(self.workers))
         self.started: list[dict[int, int]] = [{} for _ in self.workers]  # holding a slot, by priority
+        # requests ended on each worker, and the rate slots free while it has none to spare, as the
+        # admission service measures it from the worker's load reports (one report per step that
+        # ends a request)
+        self.num_ended = [0] * len(self.workers)
+        self.turnover = Turnover()
         self.eligible = np.array([w.role == DECODE for w in self.workers])
         caps = np.array([w.kv_capacity for w in self.workers])
         mean_cap = caps[self.eligible].mean() if self.eligible.any() else 1.0
@@ -353,7 +358,8 @@ class Simulator:
                            mean_output_tokens=self.ev.output_len, itl_s=w.step_time or None,
                            preempting_requests_per_s=self.inflow.requests_per_s_above(prefill, priority, self.now),
                            margin_sd=self.admitter.cfg.arrival_margin_sd,
-                           watched_s=self.inflow.span_s(prefill, self.now))
+                           watched_s=self.inflow.span_s(prefill, self.now),
+                           measured_frees_per_s=self.turnover.frees_per_s(w.index, self.now))
 
     def _reject(self, i: int, cause: str) -> None:
         self.res.rejections[cause] = self.res.rejections.get(cause, 0) + 1
@@ -454,6 +460,7 @@ class Simulator:
         if self.out[i] <= 1:
             self._complete(i, d)
             self._admit_waiting(d)
+            self._report(d)
         else:
             d.join(self.now, i, self.out[i] - 1, self.inp[i] + self.out[i] / 2)
         self._reschedule(d)
@@ -471,6 +478,7 @@ class Simulator:
             d.sum_ctx -= self.inp[i] + self.out[i] / 2
             self._complete(i, d)
         self._admit_waiting(d)
+        self._report(d)
         self._reschedule(d)
         if d.draining and not d.finish_heap and d.kv_used == 0:
             self._flip(d, PREFILL)
@@ -482,8 +490,15 @@ class Simulator:
         if self.hashes is not None:  # its whole prompt blocks joined the cache in _kv_arrived
             d.running_cached_blocks -= self.inp[i] // self.block_size
         self.started[d.index][self.priority[i]] -= 1
+        self.num_ended[d.index] += 1
         self.active_blocks[d.index] = d.kv_used * self.load_scale[d.index]
         self.pending -= 1
+
+    def _report(self, d: Worker) -> None:
+        """What the load report after a request ends tells admission's ``Turnover``."""
+        if self.cfg.max_num_seqs is not None:
+            busy = sum(self.started[d.index].values()) + len(d.waiting)
+            self.turnover.note(d.index, self.now, self.num_ended[d.index], busy >= self.cfg.max_num_seqs)
 
     def _admit_waiting(self, d: Worker) -> None:
         """Start waiting requests while memory and slots allow: by priority, then arrival."""

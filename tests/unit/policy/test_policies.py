@@ -5,7 +5,7 @@ import pytest
 
 from shared.kvcache.overlap import leading_overlap
 from shared.planner.config import ConfigError
-from shared.policy.admission import (AdmissionConfig, AdmissionInput, Admitter, Inflow, fluid_wait_s,
+from shared.policy.admission import (AdmissionConfig, AdmissionInput, Admitter, Inflow, Turnover, fluid_wait_s,
                                     predict_finish_s, predict_ttft_s, slot_wait_s)
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler, TickInput
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
@@ -295,6 +295,35 @@ def test_the_wait_counts_the_spread_of_the_arrivals_above_it():
     # the Admitter counts the margin from its config (default 1.645): 2.5 s mean, ~2.8 s with it
     assert Admitter(AdmissionConfig(QOS)).decide(inp).predicted_ttft_s == pytest.approx(ttft)
     assert Admitter(AdmissionConfig(QOS, arrival_margin_sd=0)).decide(inp).predicted_ttft_s == pytest.approx(2.55)
+
+
+def test_slots_free_at_the_rate_measured_while_the_worker_had_none_to_spare():
+    turnover = Turnover(window_s=10.0, min_span_s=2.0, min_ended=3)
+    turnover.note("w1", 0.0, 10, True)
+    turnover.note("w1", 1.0, 14, True)          # 4 ended in 1 s, saturated at both ends
+    assert turnover.frees_per_s("w1", 1.0) is None   # 1 s seen: not yet
+    turnover.note("w1", 2.0, 16, False)         # a slot to spare at the end: not counted
+    turnover.note("w1", 3.0, 17, True)          # nor from a report that had one
+    turnover.note("w1", 4.5, 20, True)          # 3 more in 1.5 s
+    assert turnover.frees_per_s("w1", 4.5) == pytest.approx(7 / 2.5)
+    assert turnover.frees_per_s("w1", 10.5) == pytest.approx(7 / 2.5)
+    assert turnover.frees_per_s("w1", 11.2) is None  # the span ending at 1 s left the window: 1.5 s seen
+    assert turnover.frees_per_s("w1", 30.0) is None  # all of it older than the window
+    turnover.note("w2", 0.0, 5, True)
+    turnover.note("w2", 3.0, 6, True)           # one long answer ended in 3 s: too few to say
+    assert turnover.frees_per_s("w2", 3.0) is None
+    turnover.forget({"w1"})
+    assert turnover.frees_per_s("w2", 3.0) is None
+    # the measured rate replaces the one from output lengths: 4 to free at 3/s less 1/s above
+    # (which takes one freed slot each): 2 s; with the arrivals' spread, longer
+    kw = dict(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025,
+              preempting_requests_per_s=1.0)
+    assert slot_wait_s(**kw) == pytest.approx(4 / ((8 - 1.0) / 1.0))      # 8 slots turning over each second
+    assert slot_wait_s(**kw, measured_frees_per_s=3.0) == pytest.approx(2.0)
+    wait = slot_wait_s(**kw, measured_frees_per_s=3.0, margin_sd=1.645)
+    assert 2 * wait == pytest.approx(4 + 1.645 * wait ** 0.5)
+    assert slot_wait_s(**kw, measured_frees_per_s=1.0) == float("inf")    # the higher tier takes every free
+    assert slot_wait_s(**{**kw, "num_running": 4}, measured_frees_per_s=1.0) == 0.0  # a slot for it now
 
 
 def test_early_rejection_against_slo_with_retry_after():

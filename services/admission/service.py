@@ -162,12 +162,11 @@ class AdmissionService:
         block_size = entry.info.block_size
         load = entry.load
         wait = 0.0
-        above_requests_per_s = self.inflow.requests_per_s_above(entry.info.worker_id, priority, now)
+        above = self.inflow.requests_per_s_by_priority_above(entry.info.worker_id, priority, now)
+        above_per_s = sum(above.values())
         watched = self.inflow.span_s(entry.info.worker_id, now)
         if load is not None and load.num_requests_total:
             mean_output = load.output_tokens_recent or self._unfinished_output_tokens(entry.info.worker_id, load, now)
-            above = self.inflow.requests_per_s_by_priority_above(entry.info.worker_id, priority, now)
-            above_per_s = sum(above.values())
             wait = slot_wait_s(
                 num_running=load.num_running_ahead(priority), max_num_seqs=load.max_num_seqs,
                 num_waiting_ahead=load.num_waiting_ahead(priority) + entry.num_admitted_ahead(priority, now),
@@ -175,7 +174,7 @@ class AdmissionService:
                 preempting_requests_per_s=above_per_s,
                 preempting_output_tokens=sum(
                     r * load.output_tokens_recent_by_priority.get(p, mean_output) for p, r in above.items()
-                ) / above_per_s if above_per_s else None, margin_sd=self._settings.arrival_margin_sd,
+                ) / above_per_s if above_per_s else None, margin_sd=self.admitter.cfg.arrival_margin_sd,
                 watched_s=watched, measured_frees_per_s=self.turnover.frees_per_s(entry.info.worker_id, now))
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,
@@ -186,7 +185,7 @@ class AdmissionService:
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
             num_running=load.num_running if load else 0,
             preempting_tokens_per_s=self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now),
-            preempting_requests_per_s=above_requests_per_s, inflow_watched_s=watched,
+            preempting_requests_per_s=above_per_s, inflow_watched_s=watched,
             deadline_s=None if request.deadline_at is None else request.deadline_at - now,
             max_output_tokens=request.sampling.max_tokens)
 

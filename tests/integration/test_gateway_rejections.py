@@ -105,12 +105,21 @@ async def test_a_full_queue_on_a_real_worker_is_429_with_retry_after(setup, deco
             "ignore_eos": True, "stream": True}
     running = await client.post("/v1/completions", json=long, headers=AUTH)  # returns at its first token
     assert running.status == 200 and running.headers["X-Tandem-Worker"] == worker_id
+
+    def reported(num_running: int, num_waiting: int) -> bool:
+        entry = admission.view.get(worker_id)
+        return entry is not None and entry.load is not None and \
+            (entry.load.num_running, entry.load.num_waiting) == (num_running, num_waiting)
+
+    async def running_alone():  # a report from before its prefill (waiting 1) would refuse the next
+        return reported(1, 0)
+
+    await wait_until(running_alone, timeout_s=30, what=f"{worker_id} reporting the first request running")
     queued = asyncio.create_task(client.post("/v1/completions", json=long, headers=AUTH))
 
     async def queue_full():
-        entry = admission.view.get(worker_id)
         assert not queued.done(), "the second request did not queue behind the first"
-        return entry is not None and entry.load is not None and entry.load.num_waiting >= 1
+        return reported(1, 1)
 
     try:
         await wait_until(queue_full, timeout_s=30, what=f"{worker_id} reporting a queued request")

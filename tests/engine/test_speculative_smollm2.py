@@ -58,10 +58,13 @@ def test_sampled_requests_speculate_and_finish(make_engine, smol_tokenizer):
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_default_precision_greedy_text_is_identical_with_speculation(smol_tokenizer, compile_mode, record_logits):
-    """The default precision (int8 layers where the CPU has VNNI), eager and with the compiled
-    decode step: a verified draft token is computed as a decode row at its position would be, so
-    its logits are bit for bit plain decoding's and the greedy text is the same token for token
-    with speculation on or off, alone and together."""
+    """The default precision, eager and with the compiled decode step: a verified draft token is
+    computed as a decode row at its position would be, so the greedy text is the same token for
+    token with speculation on or off, alone and together. With int8 layers (the default where the
+    CPU has VNNI) every sum in a row is exact, so its logits are bit for bit plain decoding's. In
+    float32 (the default without VNNI or bf16: AVX2 only, e.g. AMD Zen 3) the verify step's
+    matmuls have a draft's rows where a decode step has one, and MKL sums them in another order:
+    the logits agree to float32 rounding, not to the bit."""
     from shared.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(model="smollm2-135m", device="cpu", compile=compile_mode, kv_cache_memory=64 << 20)
@@ -76,7 +79,11 @@ def test_default_precision_greedy_text_is_identical_with_speculation(smol_tokeni
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0
     # every position plain decoding sampled (a verified draft may run past the stop token: not used)
     assert plain_logits.keys() <= spec_logits.keys()
-    assert all(torch.equal(spec_logits[key], row) for key, row in plain_logits.items())
+    if plain.model.quantization != "none":
+        assert all(torch.equal(spec_logits[key], row) for key, row in plain_logits.items())
+    else:
+        worst = max((spec_logits[key] - row).abs().max().item() for key, row in plain_logits.items())
+        assert worst < 1e-3, f"verified drafts' logits differ from plain decoding's by up to {worst}"
     if compile_mode == "on":
         assert stats.decode_step == "compiled" and spec.runner.compiled.num_steps > 0
     spec.kv.check_integrity()

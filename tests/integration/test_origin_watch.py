@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from shared.bus import Bus
+from shared.bus.errors import BusTimeout, NoResponders
 from shared.protocol import GenerateRequest, OriginAlive, OriginPing, Subjects
+from shared.stack.waiting import wait_until
 from shared.worker.origins import OriginWatch
 
 
@@ -25,6 +27,20 @@ async def serve_origin(nats_url: str, subjects: Subjects, origin: str, *, delay_
     await bus.serve(subjects.origin_alive(origin), alive)
     await bus.flush()
     return bus
+
+
+async def answers(bus: Bus, subjects: Subjects, origin: str) -> None:
+    """Wait until ``origin`` answers this bus: the watch's next round must not see "no responders"
+    from a subscription the server has not made visible yet."""
+    await wait_until(lambda: _answered(bus, subjects, origin), timeout_s=10, what=f"{origin} answering")
+
+
+async def _answered(bus: Bus, subjects: Subjects, origin: str) -> bool:
+    try:
+        await bus.request(subjects.origin_alive(origin), OriginPing(worker_id="probe", num_requests=0), timeout_s=2.0)
+    except (NoResponders, BusTimeout):
+        return False
+    return True
 
 
 async def test_requests_of_a_gone_origin_are_aborted_after_the_grace(bus, nats_url, namespace):
@@ -66,6 +82,7 @@ async def test_an_origin_that_answers_late_or_comes_back_keeps_its_requests(bus,
     try:
         assert await watch.check(now=0.0) == []    # gw-slow times out; gw-back: no responders
         back = await serve_origin(nats_url, subjects, "gw-back")
+        await answers(bus, subjects, "gw-back")
         assert await watch.check(now=0.6) == []    # it answers: the grace is over
         await back.close()
         assert await watch.check(now=1.2) == []    # gone again: a new grace starts here

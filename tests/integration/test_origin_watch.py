@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.bus import Bus
-from shared.bus.errors import BusTimeout, NoResponders
+from shared.bus import Bus, BusTimeout, NoResponders
 from shared.protocol import GenerateRequest, OriginAlive, OriginPing, Subjects
 from shared.stack.waiting import wait_until
 from shared.worker.origins import OriginWatch
@@ -32,15 +31,15 @@ async def serve_origin(nats_url: str, subjects: Subjects, origin: str, *, delay_
 async def answers(bus: Bus, subjects: Subjects, origin: str) -> None:
     """Wait until ``origin`` answers this bus: the watch's next round must not see "no responders"
     from a subscription the server has not made visible yet."""
-    await wait_until(lambda: _answered(bus, subjects, origin), timeout_s=10, what=f"{origin} answering")
+    async def answered() -> bool:
+        try:
+            await bus.request(subjects.origin_alive(origin), OriginPing(worker_id="probe", num_requests=0),
+                              timeout_s=2.0)
+        except (NoResponders, BusTimeout):
+            return False
+        return True
 
-
-async def _answered(bus: Bus, subjects: Subjects, origin: str) -> bool:
-    try:
-        await bus.request(subjects.origin_alive(origin), OriginPing(worker_id="probe", num_requests=0), timeout_s=2.0)
-    except (NoResponders, BusTimeout):
-        return False
-    return True
+    await wait_until(answered, timeout_s=10, what=f"{origin} answering")
 
 
 async def test_requests_of_a_gone_origin_are_aborted_after_the_grace(bus, nats_url, namespace):

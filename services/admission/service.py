@@ -165,6 +165,8 @@ class AdmissionService:
         above = self.inflow.requests_per_s_by_priority_above(entry.info.worker_id, priority, now)
         above_per_s = sum(above.values())
         watched = self.inflow.span_s(entry.info.worker_id, now)
+        tokens_above = self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now)
+        prefill_rate = (load.prefill_tokens_per_s if load else None) or entry.info.warmup_prefill_tokens_per_s
         if load is not None and load.num_requests_total:
             mean_output = load.output_tokens_recent or self._unfinished_output_tokens(entry.info.worker_id, load, now)
             wait = slot_wait_s(
@@ -175,16 +177,17 @@ class AdmissionService:
                 preempting_output_tokens=sum(
                     r * load.output_tokens_recent_by_priority.get(p, mean_output) for p, r in above.items()
                 ) / above_per_s if above_per_s else None, margin_sd=self.admitter.cfg.arrival_margin_sd,
-                watched_s=watched, measured_frees_per_s=self.turnover.frees_per_s(entry.info.worker_id, now))
+                watched_s=watched, measured_frees_per_s=self.turnover.frees_per_s(entry.info.worker_id, now),
+                paused_share=min(tokens_above / prefill_rate, 1.0) if prefill_rate else 0.0)
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,
             cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),
             queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
-            prefill_tokens_per_s=(load.prefill_tokens_per_s if load else None) or entry.info.warmup_prefill_tokens_per_s,
+            prefill_tokens_per_s=prefill_rate,
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
             decode_wait_s=wait, itl_s=load.itl_recent_s if load else None,
             num_running=load.num_running if load else 0,
-            preempting_tokens_per_s=self.inflow.tokens_per_s_above(entry.info.worker_id, priority, now),
+            preempting_tokens_per_s=tokens_above,
             preempting_requests_per_s=above_per_s, inflow_watched_s=watched,
             deadline_s=None if request.deadline_at is None else request.deadline_at - now,
             max_output_tokens=request.sampling.max_tokens)

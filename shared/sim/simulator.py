@@ -320,12 +320,14 @@ class Simulator:
         prefill = REMOTE if remote else w.index
         above_per_s = self.inflow.requests_per_s_above(prefill, priority, self.now)
         watched = self.inflow.span_s(prefill, self.now)
+        tokens_above = self.inflow.tokens_per_s_above(prefill, priority, self.now)
+        paused = 0.0 if remote else min(tokens_above / rate, 1.0)  # w's own prefills stall its rows
         decision = self.admitter.decide(AdmissionInput(
             self.now, self.tier[i], inp, cached, queued, rate,
             len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,
             decode_wait_s=max(self._memory_wait_s(w, inp + self.out[i]),
-                              self._slot_wait_s(w, priority, above_per_s, watched)),
-            preempting_tokens_per_s=self.inflow.tokens_per_s_above(prefill, priority, self.now), own_prefill_s=own_s,
+                              self._slot_wait_s(w, priority, above_per_s, watched, paused)),
+            preempting_tokens_per_s=tokens_above, own_prefill_s=own_s,
             preempting_requests_per_s=above_per_s, inflow_watched_s=watched))
         if not decision.admitted:
             return self._reject(i, REJECT_CAUSES[decision.code])
@@ -350,9 +352,11 @@ class Simulator:
     def _has_free_slot(self, w: Worker) -> bool:
         return self.cfg.max_num_seqs is None or sum(self.started[w.index].values()) < self.cfg.max_num_seqs
 
-    def _slot_wait_s(self, w: Worker, priority: int, above_per_s: float, watched_s: float | None) -> float:
+    def _slot_wait_s(self, w: Worker, priority: int, above_per_s: float, watched_s: float | None,
+                     paused_share: float) -> float:
         """The admission service's slot wait (``slot_wait_s``) on what this worker would report, with
-        the requests per second arriving above ``priority`` at its prefill, counted over ``watched_s``."""
+        the requests per second arriving above ``priority`` at its prefill, counted over ``watched_s``,
+        and the share of its time that prefills them (``paused_share``)."""
         if self.cfg.max_num_seqs is None:
             return 0.0
         return slot_wait_s(num_running=sum(n for p, n in self.started[w.index].items() if p <= priority),
@@ -361,7 +365,8 @@ class Simulator:
                            mean_output_tokens=self.ev.output_len, itl_s=w.step_time or None,
                            preempting_requests_per_s=above_per_s, margin_sd=self.admitter.cfg.arrival_margin_sd,
                            watched_s=watched_s,
-                           measured_frees_per_s=self.turnover.frees_per_s(w.index, self.now))
+                           measured_frees_per_s=self.turnover.frees_per_s(w.index, self.now),
+                           paused_share=paused_share)
 
     def _reject(self, i: int, cause: str) -> None:
         self.res.rejections[cause] = self.res.rejections.get(cause, 0) + 1

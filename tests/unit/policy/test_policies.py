@@ -257,6 +257,20 @@ def test_short_higher_priority_answers_hold_the_slots_they_take_only_briefly():
                        preempting_requests_per_s=4.0, preempting_output_tokens=80) == float("inf")
 
 
+def test_rows_left_out_of_higher_priority_prefill_steps_hold_their_slots_longer():
+    # 8 slots turning over each second (40 tokens at 25 ms); premium prompts take 60% of the
+    # worker's time in prefill steps that leave these rows out: they decode in the other 40%, so
+    # a slot frees every 1 / (8 x 0.4) s and 4 to free take 1.25 s, not 0.5 s
+    kw = dict(num_running=8, max_num_seqs=8, num_waiting_ahead=3, mean_output_tokens=40, itl_s=0.025)
+    assert slot_wait_s(**kw, paused_share=0.6) == pytest.approx(4 / (8 * 0.4))
+    assert slot_wait_s(**kw, paused_share=0.0) == pytest.approx(0.5)
+    assert slot_wait_s(**kw, paused_share=1.0) == float("inf")   # prefill above takes every step
+    # with the premium answers' own slots too: (8 - 6 x 40 x 0.025) x 0.5 / 1 s = 1 free a second
+    assert slot_wait_s(**kw, preempting_requests_per_s=6.0, paused_share=0.5) == pytest.approx(4.0)
+    # once the turnover is measured, the pauses are in it
+    assert slot_wait_s(**kw, measured_frees_per_s=3.0, paused_share=0.6) == pytest.approx(4 / 3)
+
+
 def test_the_wait_counts_the_spread_of_the_arrivals_above_it():
     # no margin: the mean alone, work / rate left
     assert fluid_wait_s(4.0, 2.0, 4.0, 1.0, 0.0) == pytest.approx(2.0)

@@ -339,7 +339,7 @@ class Bus:
     async def _serve(self, endpoint: Endpoint, run: Callable[[Msg, WireModel], Awaitable[None]],
                      queue: str, *, track: bool = True) -> None:
         async def on_msg(msg: Msg) -> None:
-            task = asyncio.create_task(self._handle(endpoint, msg, run))
+            task = asyncio.create_task(self._handle(endpoint, msg, run), name=msg.subject)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -383,6 +383,9 @@ class Bus:
             _, pending = await asyncio.wait(pending, timeout=timeout_s)
             for task in pending:
                 task.cancel()
+        if pending:  # which subjects' handlers held the drain up
+            log.warning("%d handlers still running after %gs, cancelled: %s", len(pending), timeout_s,
+                        ", ".join(sorted(task.get_name() for task in pending)))
         return len(pending)
 
     @property

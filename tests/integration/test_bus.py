@@ -54,6 +54,32 @@ async def test_no_responders_and_timeout(bus, namespace):
         await bus.request(subjects.kvindex_match(), KvMatchRequest(block_hashes=[1]), timeout_s=0.2)
 
 
+async def test_stop_serving_waits_for_handlers_and_names_those_it_cuts_off(bus, namespace, caplog):
+    subjects = Subjects(namespace)
+    release = asyncio.Event()
+
+    async def held(req):
+        await release.wait()
+        return AdmissionDecision(request_id=req.request_id, is_admitted=True, worker_id="w")
+
+    await bus.serve(subjects.admission_submit(), held)
+    release.set()  # the first request is answered and leaves nothing in flight
+    assert (await bus.request(subjects.admission_submit(), REQ, timeout_s=2)).is_admitted
+    release.clear()
+    waiting = asyncio.create_task(bus.request(subjects.admission_submit(), REQ, timeout_s=2))
+
+    async def one_in_flight() -> bool:
+        return bus.num_in_flight == 1
+
+    await wait_until(one_in_flight, timeout_s=5, what="the held request in flight")
+    with caplog.at_level("WARNING", logger="shared.bus.bus"):
+        assert await bus.stop_serving(timeout_s=0.2) == 1
+    assert f"1 handlers still running after 0.2s, cancelled: {subjects.admission_submit().subject}" in caplog.text
+    with pytest.raises(BusTimeout):  # cut off: no reply comes
+        await waiting
+    release.set()
+
+
 async def test_streamed_replies_end_and_errors(bus, namespace):
     endpoint = Subjects(namespace).decode_generate("w1")
 

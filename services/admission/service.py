@@ -178,7 +178,7 @@ class AdmissionService:
                     r * load.output_tokens_recent_by_priority.get(p, mean_output) for p, r in above.items()
                 ) / above_per_s if above_per_s else None, margin_sd=self.admitter.cfg.arrival_margin_sd,
                 watched_s=watched, measured_frees_per_s=self.turnover.frees_per_s(entry.info.worker_id, now),
-                paused_share=min(tokens_above / prefill_rate, 1.0) if prefill_rate else 0.0)
+                paused_share=tokens_above / prefill_rate if prefill_rate else 0.0)
         return AdmissionInput(
             now_s=now, tier=tier, prompt_tokens=prompt,
             cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),

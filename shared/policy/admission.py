@@ -204,9 +204,10 @@ def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, 
     own finishes are among the measured ones).
 
     Until then, ``paused_share``: the share of the worker's time its steps spend prefilling
-    higher-priority prompts (their tokens arriving per second over its prefill rate). Such a step
-    leaves this priority's rows out (``Scheduler._pause_lower_priorities``), so they decode only in
-    the rest of the time and hold their slots that much longer than output length × ITL. (Batch
+    higher-priority prompts (their tokens arriving per second over its prefill rate; more than 1
+    counts as 1). Such a step leaves this priority's rows out (``Scheduler._pause_lower_priorities``),
+    so they decode only in the rest of the time and hold their slots that much longer than output
+    length × ITL. (Batch
     answers behind premium arriving at 0.9x of the capacity ran at 5x the premium rows' ITL, and
     batch requests admitted in a run's first second at predicted slot waits of 5 s first ran after
     13-40 s.)"""
@@ -221,7 +222,7 @@ def slot_wait_s(*, num_running: int, max_num_seqs: int, num_waiting_ahead: int, 
         return 0.0
     above_output = mean_output_tokens if preempting_output_tokens is None else preempting_output_tokens
     held_above = preempting_requests_per_s * above_output * itl_s
-    rate_left = (max_num_seqs - held_above) * (1.0 - paused_share) / (mean_output_tokens * itl_s)
+    rate_left = (max_num_seqs - held_above) * (1.0 - min(paused_share, 1.0)) / (mean_output_tokens * itl_s)
     if rate_left <= 0:
         return math.inf  # higher priorities alone keep every slot busy
     return fluid_wait_s(num_to_free, rate_left, preempting_requests_per_s, above_output / mean_output_tokens,

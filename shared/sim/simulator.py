@@ -321,7 +321,7 @@ class Simulator:
         above_per_s = self.inflow.requests_per_s_above(prefill, priority, self.now)
         watched = self.inflow.span_s(prefill, self.now)
         tokens_above = self.inflow.tokens_per_s_above(prefill, priority, self.now)
-        paused = 0.0 if remote else min(tokens_above / rate, 1.0)  # w's own prefills stall its rows
+        paused = 0.0 if remote else tokens_above / rate  # w's own prefills stall its rows
         decision = self.admitter.decide(AdmissionInput(
             self.now, self.tier[i], inp, cached, queued, rate,
             len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,

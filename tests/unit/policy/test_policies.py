@@ -265,6 +265,8 @@ def test_rows_left_out_of_higher_priority_prefill_steps_hold_their_slots_longer(
     assert slot_wait_s(**kw, paused_share=0.6) == pytest.approx(4 / (8 * 0.4))
     assert slot_wait_s(**kw, paused_share=0.0) == pytest.approx(0.5)
     assert slot_wait_s(**kw, paused_share=1.0) == float("inf")   # prefill above takes every step
+    assert slot_wait_s(**kw, paused_share=1.5) == float("inf")   # more than the whole time: every step too
+    assert slot_wait_s(**kw, preempting_requests_per_s=10.0, paused_share=1.5) == float("inf")
     # with the premium answers' own slots too: (8 - 6 x 40 x 0.025) x 0.5 / 1 s = 1 free a second
     assert slot_wait_s(**kw, preempting_requests_per_s=6.0, paused_share=0.5) == pytest.approx(4.0)
     # once the turnover is measured, the pauses are in it

@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise"])
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise", "gguf"])
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--user-tokens", type=int, default=64, help="new user tokens per turn")

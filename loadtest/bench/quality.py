@@ -21,7 +21,8 @@ code, dtype, int8 layers and SmoothQuant calibration) and compared with float32 
 
 Precisions (``PRECISIONS``): float32, bfloat16, float16 (model dtype, no quantization); int8 (the
 default on a CPU with VNNI: float32 with W8A8 int8 linear layers, ``shared/model/quant.py``);
-int8-precise (activations and the LM head's weights in two int8 levels); bfloat16-int8. Variants of int8 that keep some linear layers in float32, to see which layers cost
+int8-precise (activations and the LM head's weights in two int8 levels); bfloat16-int8; gguf
+(weight-only blocks of 32 as the GGUF file holds them, bfloat16 activations). Variants of int8 that keep some linear layers in float32, to see which layers cost
 the most agreement (not engine options): int8-fp32-head (the LM head), int8-fp32-ends (the first
 and last decoder layers), int8-fp32-head-ends (both).
 
@@ -50,6 +51,7 @@ PRECISIONS = {
     "int8": ("float32", "int8", ()),
     "int8-precise": ("float32", "int8-precise", ()),
     "bfloat16-int8": ("bfloat16", "int8", ()),
+    "gguf": ("float32", "gguf", ()),
     "int8-fp32-head": ("float32", "int8", ("head",)),
     "int8-fp32-ends": ("float32", "int8", ("ends",)),
     "int8-fp32-head-ends": ("float32", "int8", ("head", "ends")),

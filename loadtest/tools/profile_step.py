@@ -70,7 +70,7 @@ def add_decoding_args(p: argparse.ArgumentParser, steps_help: str = "timed steps
     """The flags of ``decoding_engine``'s engines and of the batch sizes and steps to time."""
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise"])
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise", "gguf"])
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-tokens", type=int, default=128)

@@ -35,7 +35,7 @@ class WorkerHostSettings(BaseSettings):
     device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
     dtype: str | None = Field(None, description="workers' dtype: float32 (exact), bfloat16, float16; with "
                               "no quantization either, the fastest for the device (logged by each worker)")
-    quantization: Literal["none", "int8", "int8-precise"] | None = Field(
+    quantization: Literal["none", "int8", "int8-precise", "gguf"] | None = Field(
         None, description="workers' linear layers: none (model dtype), int8 (W8A8, CPU only) or "
                                   "int8-precise (two int8 levels of activations, closer to float32); default: see dtype")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")

@@ -34,11 +34,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--num-threads", type=int, default=_env("NUM_THREADS"),
                    help="torch CPU threads (default: torch's, usually one per core)")
-    g.add_argument("--quantization", default=_env("QUANTIZATION"), choices=["none", "int8", "int8-precise"],
+    g.add_argument("--quantization", default=_env("QUANTIZATION"), choices=["none", "int8", "int8-precise", "gguf"],
                    help="int8: int8 weights and per-token int8 activations in every linear layer, CPU only; "
                         "about 2x the decode throughput, slightly different outputs (default: see --dtype). "
                         "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
-                        "float32 (97%% top-1 agreement on SmolLM2, int8 93%%) at up to 2x int8's matmul time")
+                        "float32 (97%% top-1 agreement on SmolLM2, int8 93%%) at up to 2x int8's matmul time. "
+                        "gguf: weight-only blocks of 32 as in the GGUF file (its 4-bit layers kept 4-bit, others "
+                        "8-bit) with bfloat16 activations, for CPUs without VNNI")
 
     g.add_argument("--speculative-tokens", type=int, default=int(_env("SPECULATIVE_TOKENS", 0)),
                    help="speculative decoding: up to this many draft tokens per step, looked up in the request's "

@@ -114,7 +114,7 @@ def engine_artifact_key(model, block_size: int, threads: int) -> str:
 
     return artifact_key(structure=model_structure(model), block_size=block_size, threads=threads,
                         code=traced_code_digest(), torch_version=torch.__version__,
-                        int8_kernel=model.quantization != "none" and kernel_in_graph())
+                        int8_kernel=model.quantization.startswith("int8") and kernel_in_graph())
 
 
 class ArtifactStore(Protocol):

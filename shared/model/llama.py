@@ -17,7 +17,7 @@ from kernels import int8_cpu
 from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
-from shared.model.quant import Int8Weight, ObservedWeight, linear, observe, quantize_int8
+from shared.model.quant import BlockWeight, Int8Weight, ObservedWeight, linear, observe, quantize_blocks, quantize_int8
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -126,8 +126,16 @@ class LlamaModel:
         "int8": one int8 level of weights and activations; with ``calibration_ids`` the float model
         first runs that text once, recording each linear layer's per-channel input range, and the
         weights are smoothed with it (SmoothQuant, alpha). "int8-precise": activations in two int8
-        levels, the LM head's weight too, no smoothing (``calibration_ids`` unused; ``shared/model/quant.py``)."""
+        levels, the LM head's weight too, no smoothing (``calibration_ids`` unused; ``shared/model/quant.py``).
+        "gguf": weight-only blocks of 32 (``BlockWeight``: 4-bit where a weight is on a 4-bit grid, as
+        a GGUF file's Q4 layers are, else 8-bit); a weight whose shape the kernel cannot take stays float."""
         if method == "none":
+            return
+        if method == "gguf":
+            for layer in self.layers:
+                for name in ("qkv", "o_proj", "gate_up", "down"):
+                    setattr(layer, name, quantize_blocks(getattr(layer, name)) or getattr(layer, name))
+            self.lm_head = quantize_blocks(self.lm_head) or self.lm_head
             return
         assert method in ("int8", "int8-precise"), method
         levels = 2 if method == "int8-precise" else 1
@@ -164,6 +172,8 @@ class LlamaModel:
 
     @property
     def quantization(self) -> str:
+        if any(isinstance(w, BlockWeight) for w in (self.lm_head, self.layers[0].qkv, self.layers[0].gate_up)):
+            return "gguf"
         if not isinstance(self.lm_head, Int8Weight):
             return "none"
         return "int8-precise" if self.lm_head.act_levels == 2 else "int8"

@@ -29,7 +29,9 @@ from kernels.int8_cpu import int8_mm, row_sums
 # "int8": one int8 level of weights and activations, SmoothQuant-calibrated (93.4% top-1 agreement
 # with float32 on SmolLM2, the fastest); "int8-precise": activations and the LM head's weight in two
 # int8 levels (97%), at up to twice the matmul work
-QUANTIZATION_METHODS = ("none", "int8", "int8-precise")
+# "gguf": weight-only, in ggml's blocks of 32 values (4-bit where the weights are on a 4-bit grid, as a
+# GGUF file's Q4 formats are, else 8-bit), bfloat16 activations: for CPUs without VNNI (BlockWeight)
+QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
 
 # What the float model reads once to measure each linear layer's input range (SmoothQuant
 # calibration): a chat turn, prose, code and numbers, so that the special tokens, punctuation and
@@ -203,12 +205,111 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | ObservedWeight,
+BLOCK = 32  # values of one input row a block scale covers, as in ggml's Q4_0 / Q4_1 / Q8_0
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A linear weight [N, K] in blocks of ``BLOCK`` input values, for torch's CPU int4 kernel
+    (``torch._weight_int4pack_mm_for_cpu``: 4-bit values q, a bfloat16 scale s and offset z per
+    block, w = (q - 8) * s + z, bfloat16 activations and output, float32 sums; a row's result does
+    not depend on the other rows).
+
+    ``bits=4``: the weight was already on a 4-bit grid in every block (a GGUF file's Q4_0, Q4_1 or
+    Q4_K layers): its own 16 levels, kept exactly but for each block's scale and offset rounded to
+    bfloat16. ``bits=8``: symmetric 8-bit blocks as Q8_0 (q8 in [-127, 127], s8 = max|w| / 127),
+    stored as two 4-bit halves side by side, q8 = 16 * hi + lo, so that one kernel call over the
+    input repeated twice ([x, x], K' = 2K) sums both: (hi + 8 - 8) * 16 s8 + (lo - 8) * s8 + 8 s8."""
+
+    packed: torch.Tensor  # uint8 [N, K' / 2], the kernel's layout
+    scales_zeros: torch.Tensor  # bfloat16 [K' / BLOCK, N, 2]
+    bits: int  # 4 or 8
+    in_features: int  # K
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        if self.bits == 8:
+            eye = torch.cat([eye, eye], dim=1)
+        cols = torch._weight_int4pack_mm_for_cpu(eye, self.packed, BLOCK, self.scales_zeros)  # [K, N]
+        return cols.t().to(dtype)
+
+
+def four_bit_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """If every block of 32 values along each row of ``w`` [N, K] lies on 16 evenly spaced levels
+    (w = lo + q * step, q in 0..15), as a GGUF Q4 layer dequantized is: (q int32 [N, K], step and
+    lo float32 [N, K / 32]); else None. The step is the smallest gap between a block's distinct
+    values, so a block that never uses two neighbouring levels fails and the weight is kept at 8 bits."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = g.amin(-1), g.amax(-1)
+    span = hi - lo
+    gaps = g.sort(-1).values.diff(dim=-1)
+    gaps = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.full_like(gaps, float("inf")))
+    step = gaps.amin(-1)
+    flat = span == 0  # every value the same: q = 8 and the offset is the value
+    step = torch.where(flat, torch.ones_like(step), step)
+    pos = (g - lo[..., None]) / step[..., None]
+    q = pos.round()
+    if not bool(((pos - q).abs() <= 1e-3).all()) or float(q.amax()) > 15:
+        return None
+    q = torch.where(flat[..., None], torch.full_like(q, 8.0), q)
+    lo = torch.where(flat, lo - 8 * step, lo)  # so that the offset lo + 8 * step is the value
+    return q.to(torch.int32).reshape(n, k), step, lo
+
+
+def quantize_blocks(weight: torch.Tensor) -> BlockWeight | None:
+    """``weight`` [N, K] as a ``BlockWeight``: 4-bit when it is on a 4-bit grid already, else 8-bit;
+    None where the kernel cannot take its shape (N a multiple of 16 and K of 32)."""
+    n, k = weight.shape
+    if n % 16 or k % BLOCK:
+        return None
+    grid = four_bit_grid(weight)
+    if grid is not None:
+        q, step, lo = grid
+        scales, zeros, bits = step, lo + 8 * step, 4
+    else:
+        g = weight.float().reshape(n, k // BLOCK, BLOCK)
+        s8 = g.abs().amax(-1) / 127.0
+        q8 = torch.round(g / torch.where(s8 > 0, s8, 1.0)[..., None]).clamp_(-127, 127).reshape(n, k)
+        hi = torch.floor(q8 / 16)
+        q = torch.cat([hi + 8, q8 - 16 * hi], dim=1).to(torch.int32)  # both halves in 0..15
+        scales, zeros, bits = torch.cat([16 * s8, s8], dim=1), torch.cat([torch.zeros_like(s8), 8 * s8], dim=1), 8
+    scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return BlockWeight(torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), scales_zeros, bits, k)
+
+
+def block_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w.T through the int4 kernel, x rounded to bfloat16; returns x's dtype."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    n = w.packed.shape[0]
+    if x2.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], n)
+    xb = cast(x2, torch.bfloat16)
+    if w.bits == 8:
+        xb = torch.cat([xb, xb], dim=1)
+    out = cast(torch._weight_int4pack_mm_for_cpu(xb, w.packed, BLOCK, w.scales_zeros), x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | BlockWeight | ObservedWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a plain weight, the int8 path for an ``Int8Weight``; an ``ObservedWeight``
-    records its input's range and computes in float."""
+    """F.linear for a plain weight, the int8 path for an ``Int8Weight``, the block kernel for a
+    ``BlockWeight``; an ``ObservedWeight`` records its input's range and computes in float."""
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
+    if isinstance(weight, BlockWeight):
+        return block_linear(x, weight, bias)
     if isinstance(weight, ObservedWeight):
         amax = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
         torch.maximum(weight.act_amax, amax, out=weight.act_amax)

@@ -65,3 +65,31 @@ def test_int8_precise_agrees_with_float32_more_and_stays_batch_independent(float
     params = SamplingParams(max_tokens=16, temperature=0.0)
     together = engine.generate(chat_prompts, params)
     assert together == [engine.generate([p], params)[0] for p in chat_prompts]
+
+
+def test_gguf_blocks_keep_the_files_4_bit_layers_and_stay_close_and_batch_independent(
+        smol_model, smollm2_gguf, smol_tokenizer, chat_prompts):
+    """``--quantization gguf`` on the real file (Q4_1 layers, a Q8_0 embedding the LM head shares):
+    every decoder layer is kept on its own 4-bit grid, the LM head in 8-bit blocks; it stays close
+    to float32 of the same file, and a row's output does not depend on its batch-mates."""
+    from shared.model.quant import BlockWeight
+
+    fp32 = smol_model
+    blocks = load_model(smollm2_gguf, "gguf", torch.device("cpu"), torch.float32)
+    blocks.quantize("gguf")
+    assert blocks.quantization == "gguf"
+    layer_weights = [getattr(layer, n) for layer in blocks.layers for n in ("qkv", "o_proj", "gate_up", "down")]
+    assert all(isinstance(w, BlockWeight) and w.bits == 4 for w in layer_weights)
+    assert isinstance(blocks.lm_head, BlockWeight) and blocks.lm_head.bits == 8
+    got = compare_models(fp32, blocks, smol_tokenizer.encode(EVAL_PASSAGE))
+    print(got)
+    assert got["top1_agreement"] >= 0.95
+    assert got["kl"] < 0.005
+    engine = LLMEngine(blocks, EngineConfig(kv_cache_memory=64 << 20, quantization="gguf", max_num_batched_tokens=64),
+                       tokenizer=smol_tokenizer, eos_token_ids=frozenset(smol_tokenizer.stop_token_ids))
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    together = engine.generate(chat_prompts, params)  # chunked prefills beside decodes
+    assert together == [engine.generate([p], params)[0] for p in chat_prompts]
+    named = smol_tokenizer.encode(smol_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name the capital of France."}]))
+    assert "Paris" in smol_tokenizer.decode(engine.generate([named], params)[0])

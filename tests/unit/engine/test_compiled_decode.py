@@ -196,17 +196,20 @@ def test_two_models_in_one_process_each_run_their_own_graph(tmp_path):
     assert outputs[0] != outputs[1]
 
 
-@pytest.mark.parametrize("method", ["int8", "int8-precise"])
+@pytest.mark.parametrize("method", ["int8", "int8-precise", "gguf"])
 def test_a_row_gets_the_same_bits_alone_and_among_any_batch_mates(tmp_path, method):
     """One graph serves every batch (a lone sequence runs beside a companion row), so with int8
-    layers (exact int32 sums per row) a sequence's hidden state is bit for bit the same alone, first
-    or last among others. (float32 matmuls are not: their kernels change with the number of rows.)"""
+    layers (exact int32 sums per row) or gguf's blocks (torch's int4 kernel sums each row on its
+    own) a sequence's hidden state is bit for bit the same alone, first or last among others.
+    (float32 matmuls are not: their kernels change with the number of rows.) Each method compiles
+    its own graph, which takes over a minute on a 2-core CPU."""
     from shared.model.loader import load_model
     from tiny_hf_models import save_tiny
 
     save_tiny("llama", tmp_path)
     model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
     model.quantize(method, list(range(3, 60)))
+    assert model.quantization == method
     compiled = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="on",
                                              quantization=method))
     step = compiled.runner.compiled

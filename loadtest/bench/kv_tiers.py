@@ -32,13 +32,14 @@ import time
 from pathlib import Path
 
 from loadtest.tools.stats import percentile
+from shared.model.precision import QUANTIZATION_METHODS
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise", "gguf"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--user-tokens", type=int, default=64, help="new user tokens per turn")

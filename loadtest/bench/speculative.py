@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from loadtest.tools.report import bar_chart
+from shared.model.precision import QUANTIZATION_METHODS
 
 CODE = '''import json
 
@@ -71,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the decode step from CUDA graphs with --compile on)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise", "gguf"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
     p.add_argument("--draft-tokens", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt and mode (best kept)")

@@ -24,6 +24,8 @@ import json
 import time
 from pathlib import Path
 
+from shared.model.precision import QUANTIZATION_METHODS
+
 # exact aten op names, and name prefixes of op families (the SDPA kernels, oneDNN and packed-weight
 # matmuls), per kind; anything else is "other ops"
 KINDS = {
@@ -70,7 +72,7 @@ def add_decoding_args(p: argparse.ArgumentParser, steps_help: str = "timed steps
     """The flags of ``decoding_engine``'s engines and of the batch sizes and steps to time."""
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's fastest)")
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-precise", "gguf"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-tokens", type=int, default=128)

@@ -4,6 +4,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.model.precision import QUANTIZATION_METHODS
 from shared.service.settings import QosSettings
 
 
@@ -35,9 +36,10 @@ class WorkerHostSettings(BaseSettings):
     device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
     dtype: str | None = Field(None, description="workers' dtype: float32 (exact), bfloat16, float16; with "
                               "no quantization either, the fastest for the device (logged by each worker)")
-    quantization: Literal["none", "int8", "int8-precise", "gguf"] | None = Field(
+    quantization: Literal[QUANTIZATION_METHODS] | None = Field(
         None, description="workers' linear layers: none (model dtype), int8 (W8A8, CPU only) or "
-                                  "int8-precise (two int8 levels of activations, closer to float32); default: see dtype")
+                                  "int8-precise (two int8 levels of activations, closer to float32) or gguf (weight-only blocks "
+                                  "as the GGUF file's, bfloat16 activations, for CPUs without VNNI); default: see dtype")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
                                            "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")

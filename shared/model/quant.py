@@ -25,13 +25,8 @@ import torch.nn.functional as F
 
 from kernels.cast import cast
 from kernels.int8_cpu import int8_mm, row_sums
+from shared.model.precision import QUANTIZATION_METHODS
 
-# "int8": one int8 level of weights and activations, SmoothQuant-calibrated (93.4% top-1 agreement
-# with float32 on SmolLM2, the fastest); "int8-precise": activations and the LM head's weight in two
-# int8 levels (97%), at up to twice the matmul work
-# "gguf": weight-only, in ggml's blocks of 32 values (4-bit where the weights are on a 4-bit grid, as a
-# GGUF file's Q4 formats are, else 8-bit), bfloat16 activations: for CPUs without VNNI (BlockWeight)
-QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
 
 # What the float model reads once to measure each linear layer's input range (SmoothQuant
 # calibration): a chat turn, prose, code and numbers, so that the special tokens, punctuation and

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from shared.model.compile_mode import compile_mode
+from shared.model.precision import QUANTIZATION_METHODS
 from shared.service.settings import ServiceSettings
 
 
@@ -37,7 +38,7 @@ class EngineWorkerSettings(ServiceSettings):
     attention_backend: str = Field("auto", description="auto, torch or triton")
     seed: int = Field(0, description="engine seed")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
-    quantization: Literal["none", "int8", "int8-precise", "gguf"] | None = Field(
+    quantization: Literal[QUANTIZATION_METHODS] | None = Field(
         None, description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only); "
                           "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
                           "float32, slower; gguf: weight-only blocks of 32 as a GGUF file's (its own 4-bit layers kept "

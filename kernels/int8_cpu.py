@@ -20,15 +20,8 @@ or with ``TANDEM_INT8_KERNEL=off``, ``int8_mm`` is ``_int_mm`` and a log line sa
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -36,8 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "int8_mm.cpp"
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512vnni", "-w"]
+_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "why": str, "identity": str
@@ -90,11 +82,10 @@ def load() -> bool:
             why = _why_not()
             if why is None:
                 try:
-                    library = _library()
-                    torch.ops.load_library(str(library))
-                    torch.library.register_fake("tandem_cpu::int8_mm", _fake_int8_mm)
-                    _op = torch.ops.tandem_cpu.int8_mm
-                    _state.update(loaded=True, identity=library.parent.name)
+                    from kernels.cpu_build import load_op
+
+                    _op, name = load_op(SOURCE, _FLAGS, "tandem_cpu::int8_mm", _fake_int8_mm)
+                    _state.update(loaded=True, identity=name)
                     return True
                 except Exception as exc:  # noqa: BLE001 - _int_mm is the fallback
                     why = f"{type(exc).__name__}: {exc}"[:300]
@@ -104,45 +95,7 @@ def load() -> bool:
 
 
 def _why_not() -> str | None:
-    if os.environ.get("TANDEM_INT8_KERNEL", "on").lower() in ("off", "0", "false", "no"):
-        return "TANDEM_INT8_KERNEL=off"
-    from shared.model.precision import cpu_flags
+    from kernels.cpu_build import why_not
 
-    missing = [f for f in _NEEDS if f not in cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    return None
-
-
-def _library() -> Path:
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (set CXX)")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = [*_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, sys.version, *flags]).encode())
-    target = _cache_dir() / f"int8_mm-{digest.hexdigest()[:16]}" / "int8_mm.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    # built beside the target and renamed: processes building at once each finish their own file
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / "int8_mm.so"
-        command = [compiler, *flags, *(f"-I{p}" for p in include_paths()), str(SOURCE),
-                   *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed: {(result.stderr or result.stdout).strip()[-300:]}")
-        os.replace(built, target)
-    log.info("built the int8 CPU kernel (%s) in %.1f s: %s", SOURCE.name, time.perf_counter() - started, target)
-    return target
-
-
-def _cache_dir() -> Path:
-    from shared.model.registry import cache_dir
-
-    return cache_dir() / "kernels"
+    return why_not("TANDEM_INT8_KERNEL", _NEEDS)
 

@@ -1,0 +1,81 @@
+"""Build a C++ CPU kernel (``kernels/cpu/*.cpp``) against the installed torch, once per machine.
+
+The compiler is the one inductor uses (``CXX`` or ``c++``). The library goes to
+``TANDEM_CACHE_DIR/kernels/<name>-<digest>/`` where the digest covers the source, torch's version,
+Python's and the flags, so a later process loads it in milliseconds and a changed source builds anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w"]
+
+
+def build(source: Path, flags: list[str]) -> Path:
+    """The shared library built from ``source`` with ``flags`` (on top of ``COMMON_FLAGS``)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (set CXX)")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = [*COMMON_FLAGS, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    digest = hashlib.sha256(source.read_bytes() + " ".join([torch.__version__, sys.version, *flags]).encode())
+    name = source.stem
+    target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}" / f"{name}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    # built beside the target and renamed: processes building at once each finish their own file
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / f"{name}.so"
+        command = [compiler, *flags, *(f"-I{p}" for p in include_paths()), str(source),
+                   *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {source.name} failed: {(result.stderr or result.stdout).strip()[-300:]}")
+        os.replace(built, target)
+    log.info("built the CPU kernel %s in %.1f s: %s", source.name, time.perf_counter() - started, target)
+    return target
+
+
+def cache_dir() -> Path:
+    from shared.model.registry import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def why_not(switch: str, needs: tuple[str, ...]) -> str | None:
+    """Why a kernel cannot run here (its ``switch`` env var set to off, or CPU flags missing), or None."""
+    if os.environ.get(switch, "on").lower() in ("off", "0", "false", "no"):
+        return f"{switch}=off"
+    from shared.model.precision import cpu_flags
+
+    missing = [f for f in needs if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def load_op(source: Path, flags: list[str], qualified_name: str, fake) -> tuple[object, str]:
+    """Build ``source``, load it and register ``fake`` (shapes for tracing) for ``namespace::op``:
+    (the op, the build's name). Raises where the build or the load fails."""
+    library = build(source, flags)
+    torch.ops.load_library(str(library))
+    torch.library.register_fake(qualified_name, fake)
+    namespace, name = qualified_name.split("::")
+    return getattr(getattr(torch.ops, namespace), name), library.parent.name

@@ -22,7 +22,7 @@ code, dtype, int8 layers and SmoothQuant calibration) and compared with float32 
 Precisions (``PRECISIONS``): float32, bfloat16, float16 (model dtype, no quantization); int8 (the
 default on a CPU with VNNI: float32 with W8A8 int8 linear layers, ``shared/model/quant.py``);
 int8-precise (activations and the LM head's weights in two int8 levels); bfloat16-int8; gguf
-(weight-only blocks of 32 as the GGUF file holds them, bfloat16 activations). Variants of int8 that keep some linear layers in float32, to see which layers cost
+(weight-only blocks of 32 as the GGUF file holds them, activations in 8-bit blocks). Variants of int8 that keep some linear layers in float32, to see which layers cost
 the most agreement (not engine options): int8-fp32-head (the LM head), int8-fp32-ends (the first
 and last decoder layers), int8-fp32-head-ends (both).
 

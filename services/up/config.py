@@ -39,7 +39,7 @@ class WorkerHostSettings(BaseSettings):
     quantization: Literal[QUANTIZATION_METHODS] | None = Field(
         None, description="workers' linear layers: none (model dtype), int8 (W8A8, CPU only) or "
                                   "int8-precise (two int8 levels of activations, closer to float32) or gguf (weight-only blocks "
-                                  "as the GGUF file's, bfloat16 activations, for CPUs without VNNI); default: see dtype")
+                                  "as the GGUF file's, 8-bit block activations, for CPUs with AVX2 but no VNNI); default: see dtype")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
                                            "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")

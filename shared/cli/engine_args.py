@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
                         "float32 (97%% top-1 agreement on SmolLM2, int8 93%%) at up to 2x int8's matmul time. "
                         "gguf: weight-only blocks of 32 as in the GGUF file (its 4-bit layers kept 4-bit, others "
-                        "8-bit) with bfloat16 activations, for CPUs without VNNI")
+                        "8-bit) with 8-bit block activations as llama.cpp, for CPUs with AVX2 but no VNNI")
 
     g.add_argument("--speculative-tokens", type=int, default=int(_env("SPECULATIVE_TOKENS", 0)),
                    help="speculative decoding: up to this many draft tokens per step, looked up in the request's "

@@ -155,7 +155,7 @@ def _layer_formats(model) -> str:
     for w in weights:
         kind = f"{w.bits}-bit blocks" if isinstance(w, BlockWeight) else "float"
         counts[kind] = counts.get(kind, 0) + 1
-    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) + ", bfloat16 activations"
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) + ", 8-bit block activations"
 
 
 def load_model(config: EngineConfig) -> LoadedModel:

@@ -8,12 +8,13 @@ All sequences of a step are flattened into one token dimension ``T``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
-from kernels import int8_cpu
+from kernels import blocks_cpu, int8_cpu
 from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
@@ -131,14 +132,18 @@ class LlamaModel:
         weights are smoothed with it (SmoothQuant, alpha). "int8-precise": activations in two int8
         levels, the LM head's weight too, no smoothing (``calibration_ids`` unused; ``shared/model/quant.py``).
         "gguf": weight-only blocks of 32 (``BlockWeight``: 4-bit where a weight is on a 4-bit grid, as
-        a GGUF file's Q4 layers are, else 8-bit); a weight whose shape the kernel cannot take stays float."""
+        a GGUF file's Q4 layers are, else 8-bit), activations rounded to 8-bit blocks as llama.cpp does
+        (``kernels/blocks_cpu.py``); a weight whose rows are not whole blocks of 32 stays float."""
         if method == "none":
             return
         if method == "gguf":
             for layer in self.layers:
                 for name in LINEAR_NAMES:
                     setattr(layer, name, quantize_blocks(getattr(layer, name)) or getattr(layer, name))
-            self.lm_head = quantize_blocks(self.lm_head) or self.lm_head
+            head = quantize_blocks(self.lm_head)
+            self.lm_head = dataclasses.replace(head, act_levels=2) if head is not None else self.lm_head
+            if self.device.type == "cpu":
+                blocks_cpu.load()  # the AVX2 kernel (built once per machine), or the torch reference
             return
         assert method in ("int8", "int8-precise"), method
         levels = 2 if method == "int8-precise" else 1

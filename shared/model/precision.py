@@ -11,8 +11,10 @@ were even (int8's many small parallel ops wait longest on descheduled threads). 
 wherever VNNI exists; bfloat16 is next where the CPU multiplies bf16 natively;
 float32 otherwise. int8's error against float32 stays within the bounds that
 tests/engine/test_quantization_smollm2.py checks on the real model. Without VNNI,
-``--quantization gguf`` (weight-only blocks, torch's int4 kernel) decodes 2.1x float32 at batch 1
-on an AVX2-only Zen 3 but 0.68x at batch 32, so it is offered, not chosen (docs/engine.md).
+``--quantization gguf`` (weight-only blocks times 8-bit block activations, llama.cpp's
+arithmetic, kernels/blocks_cpu.py) decodes 2.2x float32 at batch 1 on an AVX2-only Zen 3 and
+serves 1.05x llama-server at one stream, but 0.94x float32 at 32 streams and with 97.2% top-1
+agreement, so it is offered, not chosen (docs/engine.md).
 
 An explicit dtype or quantization is always kept as given: ``--dtype float32`` is the precision
 that matches transformers exactly.
@@ -28,7 +30,8 @@ from pathlib import Path
 # with float32 on SmolLM2, the fastest); "int8-precise": activations and the LM head's weight in two
 # int8 levels (97%), at up to twice the matmul work; "gguf": weight-only, in ggml's blocks of 32
 # values (4-bit where the weights are on a 4-bit grid, as a GGUF file's Q4 formats are, else
-# 8-bit), bfloat16 activations: for CPUs without VNNI (shared/model/quant.py's BlockWeight)
+# 8-bit), activations in 8-bit blocks as llama.cpp's (two levels for the LM head): for CPUs with
+# AVX2 but no VNNI (shared/model/quant.py's BlockWeight, kernels/blocks_cpu.py)
 QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")

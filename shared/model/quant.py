@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cast import cast
+from kernels.blocks_cpu import block_mm, levels
 from kernels.int8_cpu import int8_mm, row_sums
 from shared.model.precision import QUANTIZATION_METHODS
 
@@ -205,37 +206,44 @@ BLOCK = 32  # values of one input row a block scale covers, as in ggml's Q4_0 / 
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A linear weight [N, K] in blocks of ``BLOCK`` input values, for torch's CPU int4 kernel
-    (``torch._weight_int4pack_mm_for_cpu``: 4-bit values q, a bfloat16 scale s and offset z per
-    block, w = (q - 8) * s + z, bfloat16 activations and output, float32 sums; a row's result does
-    not depend on the other rows).
+    """A linear weight [N, K] in ggml-style blocks of ``BLOCK`` input values, multiplied by
+    ``kernels/blocks_cpu.py``: each activation row is rounded per block to 8 bits (as ggml's Q8_0:
+    a float32 scale max|x| / 127 and int8 levels), each block's product is an exact integer sum,
+    and the block sums are scaled and added in float32. A row's result depends on that row alone.
 
     ``bits=4``: the weight was already on a 4-bit grid in every block (a GGUF file's Q4_0, Q4_1 or
-    Q4_K layers): its own 16 levels, kept exactly but for each block's scale and offset rounded to
-    bfloat16. ``bits=8``: symmetric 8-bit blocks as Q8_0 (q8 in [-127, 127], s8 = max|w| / 127),
-    stored as two 4-bit halves side by side, q8 = 16 * hi + lo, so that one kernel call over the
-    input repeated twice ([x, x], K' = 2K) sums both: (hi + 8 - 8) * 16 s8 + (lo - 8) * s8 + 8 s8."""
+    Q4_K layers): w = d * q + m with its own 16 levels q in 0..15, ``qs`` uint8 [N, K / 2] holding
+    byte j of a block as q[j] (low nibble) and q[j + 16] (high), as ggml does; d and m float16
+    (exact for Q4_0 / Q4_1, whose files hold float16). ``bits=8``: symmetric 8-bit blocks as Q8_0
+    (``qs`` int8 [N, K] in [-127, 127], d = max|w| / 127, no m). ``act_levels=2`` gives the
+    activations a second int8 level (what the first rounded off): the LM head's, where rounding
+    the last hidden state to 8 bits cost about half of the top-1 agreement lost."""
 
-    packed: torch.Tensor  # uint8 [N, K' / 2], the kernel's layout
-    scales_zeros: torch.Tensor  # bfloat16 [K' / BLOCK, N, 2]
+    qs: torch.Tensor  # uint8 [N, K / 2] (4-bit) or int8 [N, K] (8-bit)
+    d: torch.Tensor  # float16 [N, K / BLOCK]
+    m: torch.Tensor | None  # float16 [N, K / BLOCK] (4-bit) or None
     bits: int  # 4 or 8
     in_features: int  # K
+    act_levels: int = 1
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.packed.shape[0], self.in_features))
+        return torch.Size((self.qs.shape[0], self.in_features))
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes
+        return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
+
+    def levels(self) -> torch.Tensor:
+        """The integer levels q as float32 [N, K / BLOCK, BLOCK]."""
+        return levels(self.qs, self.in_features, self.bits == 4)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        eye = torch.eye(k, dtype=torch.bfloat16)
-        if self.bits == 8:
-            eye = torch.cat([eye, eye], dim=1)
-        cols = torch._weight_int4pack_mm_for_cpu(eye, self.packed, BLOCK, self.scales_zeros)  # [K, N]
-        return cols.t().to(dtype)
+        w = self.levels() * self.d.float()[..., None]
+        if self.m is not None:
+            w = w + self.m.float()[..., None]
+        return w.reshape(n, k).to(dtype)
 
 
 def four_bit_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -250,48 +258,38 @@ def four_bit_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     gaps = g.sort(-1).values.diff(dim=-1)
     gaps = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.full_like(gaps, float("inf")))
     step = gaps.amin(-1)
-    flat = span == 0  # every value the same: q = 8 and the offset is the value
-    step = torch.where(flat, torch.ones_like(step), step)
-    pos = (g - lo[..., None]) / step[..., None]
+    flat = span == 0  # every value the same: q = 0 and the offset is the value
+    step = torch.where(flat, torch.zeros_like(step), step)
+    pos = (g - lo[..., None]) / torch.where(flat, torch.ones_like(step), step)[..., None]
     q = pos.round()
     if not bool(((pos - q).abs() <= 1e-3).all()) or float(q.amax()) > 15:
         return None
-    q = torch.where(flat[..., None], torch.full_like(q, 8.0), q)
-    lo = torch.where(flat, lo - 8 * step, lo)  # so that the offset lo + 8 * step is the value
     return q.to(torch.int32).reshape(n, k), step, lo
 
 
 def quantize_blocks(weight: torch.Tensor) -> BlockWeight | None:
     """``weight`` [N, K] as a ``BlockWeight``: 4-bit when it is on a 4-bit grid already, else 8-bit;
-    None where the kernel cannot take its shape (N a multiple of 16 and K of 32)."""
+    None where K is not a whole number of blocks."""
     n, k = weight.shape
-    if n % 16 or k % BLOCK:
+    if k % BLOCK:
         return None
     grid = four_bit_grid(weight)
     if grid is not None:
         q, step, lo = grid
-        scales, zeros, bits = step, lo + 8 * step, 4
-    else:
-        g = weight.float().reshape(n, k // BLOCK, BLOCK)
-        s8 = g.abs().amax(-1) / 127.0
-        q8 = torch.round(g / torch.where(s8 > 0, s8, 1.0)[..., None]).clamp_(-127, 127).reshape(n, k)
-        hi = torch.floor(q8 / 16)
-        q = torch.cat([hi + 8, q8 - 16 * hi], dim=1).to(torch.int32)  # both halves in 0..15
-        scales, zeros, bits = torch.cat([16 * s8, s8], dim=1), torch.cat([torch.zeros_like(s8), 8 * s8], dim=1), 8
-    scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return BlockWeight(torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), scales_zeros, bits, k)
+        b = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
+        qs = (b[..., :BLOCK // 2] | (b[..., BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
+        return BlockWeight(qs, step.half().contiguous(), lo.half().contiguous(), 4, k)
+    g = weight.float().reshape(n, k // BLOCK, BLOCK)
+    d = g.abs().amax(-1) / 127.0
+    q8 = torch.round(g / torch.where(d > 0, d, 1.0)[..., None]).clamp_(-127, 127)
+    return BlockWeight(q8.to(torch.int8).reshape(n, k).contiguous(), d.half().contiguous(), None, 8, k)
 
 
 def block_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ w.T through the int4 kernel, x rounded to bfloat16; returns x's dtype."""
+    """x [..., K] @ w.T with x rounded to 8-bit blocks (``kernels/blocks_cpu.py``); returns x's dtype."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    n = w.packed.shape[0]
-    if x2.shape[0] == 0:
-        return x.new_zeros(*x.shape[:-1], n)
-    xb = cast(x2, torch.bfloat16)
-    if w.bits == 8:
-        xb = torch.cat([xb, xb], dim=1)
-    out = cast(torch._weight_int4pack_mm_for_cpu(xb, w.packed, BLOCK, w.scales_zeros), x.dtype)
+    n = w.shape[0]
+    out = cast(block_mm(cast(x2, torch.float32), w.qs, w.d, w.m, w.act_levels), x.dtype)
     if bias is not None:
         out = out + bias
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -42,7 +42,7 @@ class EngineWorkerSettings(ServiceSettings):
         None, description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only); "
                           "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
                           "float32, slower; gguf: weight-only blocks of 32 as a GGUF file's (its own 4-bit layers kept "
-                          "4-bit, others 8-bit), bfloat16 activations, for CPUs without VNNI; default: see dtype")
+                          "4-bit, others 8-bit), 8-bit block activations, for CPUs with AVX2 but no VNNI; default: see dtype")
     kv_host_memory: str | None = Field(None, description="host-memory KV tier under the pool, e.g. 4GiB "
                                        "(evicted blocks are kept there; default: off)")
     kv_disk_dir: str | None = Field(None, description="disk KV tier directory; it outlives the worker, so a "

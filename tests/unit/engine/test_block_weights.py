@@ -1,13 +1,19 @@
 """Weight-only blocks of 32 (``--quantization gguf``): a weight already on a 4-bit grid in every block,
-as a GGUF file's Q4 layers are, is kept on that grid; any other weight gets symmetric 8-bit blocks
-split into two 4-bit halves; the kernel gives a row the same bits alone and in any batch."""
+as a GGUF file's Q4 layers are, is kept on that grid; any other weight gets symmetric 8-bit blocks;
+activations are rounded per block to 8 bits as llama.cpp does; the AVX2 kernel
+(``kernels/cpu/block_mm.cpp``) computes what its torch reference does, and gives a row the same bits
+alone and in any batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.model.quant import BLOCK, BlockWeight, block_linear, four_bit_grid, quantize_blocks
+from kernels import blocks_cpu
+from shared.model.precision import cpu_flags
+from shared.model.quant import BLOCK, block_linear, four_bit_grid, quantize_blocks
+
+HAS_AVX2 = all(f in cpu_flags() for f in ("avx2", "fma", "f16c"))
 
 
 def q4_1_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -19,11 +25,14 @@ def q4_1_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (q * d[..., None] + m[..., None]).reshape(n, k)
 
 
-def reference(w: BlockWeight, q: torch.Tensor | None = None) -> torch.Tensor:
-    """What the kernel's weights are in float32, from its bfloat16 scales and offsets."""
-    sz = w.scales_zeros.float().transpose(0, 1)  # [N, groups, 2]
-    scale, zero = sz[..., 0].repeat_interleave(BLOCK, 1), sz[..., 1].repeat_interleave(BLOCK, 1)
-    return (q - 8) * scale + zero
+WEIGHTS = {"q4_1": lambda: q4_1_weight(48, 96, seed=3),
+           "float": lambda: torch.randn(44, 96, generator=torch.Generator().manual_seed(4))}
+
+
+def test_the_kernel_is_built_and_loaded_where_the_cpu_has_avx2():
+    assert blocks_cpu.load() == HAS_AVX2, blocks_cpu.identity()
+    if HAS_AVX2:
+        assert blocks_cpu.identity().startswith("block_mm-")
 
 
 def test_a_q4_weight_keeps_its_own_levels():
@@ -33,12 +42,11 @@ def test_a_q4_weight_keeps_its_own_levels():
     rebuilt = q.reshape(64, -1, BLOCK) * step[..., None] + lo[..., None]
     assert torch.allclose(rebuilt.reshape(64, 128), w, rtol=0, atol=1e-6)
     b = quantize_blocks(w)
-    assert b.bits == 4 and b.shape == (64, 128)
-    # only the block scales and offsets move, by bfloat16's rounding (8 bits): at most 2^-9 of the
-    # offset lo + 8 step and 8 times 2^-9 of the step
-    err = (reference(b, q.float()) - w).abs().reshape(64, -1, BLOCK).amax(-1)
-    assert bool((err <= (8 * step + (lo + 8 * step).abs()) * 2 ** -8).all())
-    assert bool((err < step / 4).all())
+    assert b.bits == 4 and b.shape == (64, 128) and b.qs.shape == (64, 64) and b.qs.dtype == torch.uint8
+    assert torch.equal(b.levels().reshape(64, 128), q.float())  # ggml's nibble order, read back
+    # only the block scale and offset move, by float16's rounding (11 significant bits)
+    err = (b.dequantize() - w).abs().reshape(64, -1, BLOCK).amax(-1)
+    assert bool((err <= (15 * step + lo.abs()) * 2 ** -10).all())
 
 
 def test_a_block_that_is_constant_or_a_q4_0_block_fits_the_grid():
@@ -48,37 +56,82 @@ def test_a_block_that_is_constant_or_a_q4_0_block_fits_the_grid():
     d = 0.02
     w[1, :BLOCK] = d * (torch.randint(3, 12, (BLOCK,), generator=g).float() - 8)  # Q4_0, levels 3..11 only
     w[1, 0], w[1, 1] = d * -5, d * -4  # two neighbouring levels: the step is found
-    assert quantize_blocks(w).bits == 4
-    assert torch.allclose(quantize_blocks(w).dequantize()[0, :BLOCK], w[0, :BLOCK])
+    b = quantize_blocks(w)
+    assert b.bits == 4
+    assert torch.equal(b.dequantize()[0, :BLOCK], w[0, :BLOCK])
+    assert torch.allclose(b.dequantize()[1, :BLOCK], w[1, :BLOCK], rtol=0, atol=(15 * d + 5 * d) * 2 ** -10)
 
 
-def test_a_float_weight_gets_8_bit_blocks_whose_halves_add_up():
+def test_a_float_weight_gets_8_bit_blocks():
     w = torch.randn(32, 96, generator=torch.Generator().manual_seed(2)) * 0.05
     assert four_bit_grid(w) is None
     b = quantize_blocks(w)
-    assert b.bits == 8 and b.packed.shape == (32, 96)  # two 4-bit halves side by side: 2K / 2 bytes
-    s8 = w.reshape(32, -1, BLOCK).abs().amax(-1) / 127
+    assert b.bits == 8 and b.qs.shape == (32, 96) and b.qs.dtype == torch.int8 and b.m is None
+    amax = w.reshape(32, -1, BLOCK).abs().amax(-1)
     err = (b.dequantize() - w).abs().reshape(32, -1, BLOCK).amax(-1)
-    # half an 8-bit step of rounding, the scale's bfloat16 rounding, and the bfloat16 of the output
-    assert bool((err <= s8 * 0.5 + w.abs().reshape(32, -1, BLOCK).amax(-1) * 2 ** -7).all())
+    # half an 8-bit step, and the float16 rounding of the scale over up to 127 levels
+    assert bool((err <= amax / 127 * 0.5 + amax * 2 ** -10).all())
+    # a Q8_0 weight (levels times a float16 scale) is kept exactly
+    assert torch.equal(quantize_blocks(b.dequantize()).qs, b.qs)
 
 
-def test_shapes_the_kernel_cannot_take_stay_float():
-    assert quantize_blocks(torch.randn(20, 64)) is None  # N not a multiple of 16
-    assert quantize_blocks(torch.randn(16, 48)) is None  # K not a multiple of 32
+def test_a_weight_whose_rows_are_not_whole_blocks_stays_float():
+    assert quantize_blocks(torch.randn(16, 48)) is None
+    assert quantize_blocks(torch.randn(20, 64)).shape == (20, 64)  # any number of rows
 
 
-@pytest.mark.parametrize("make", [lambda: q4_1_weight(48, 96, seed=3),
-                                  lambda: torch.randn(48, 96, generator=torch.Generator().manual_seed(4))])
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(make):
-    w = quantize_blocks(make())
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_the_product_is_float32s_within_the_activations_8_bit_rounding(kind):
+    w = quantize_blocks(WEIGHTS[kind]())
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(6))
+    x[0, :BLOCK] = 0  # an all-zero block
+    got = block_linear(x, w)
+    exact = x @ w.dequantize().T
+    # each activation moves by at most half its block's step, dx / 2 = max|x| / 254
+    dx = x.reshape(9, -1, BLOCK).abs().amax(-1) / 127
+    wabs = w.dequantize().abs().reshape(w.shape[0], -1, BLOCK).sum(-1)  # [N, nb]
+    bound = (dx[:, None, :] / 2 * wabs[None]).sum(-1)  # [M, N]
+    assert bool(((got - exact).abs() <= bound * 1.01 + 1e-5).all())
+    assert (got - exact).abs().max() > 0  # the activations really are rounded
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_the_kernel_computes_what_its_reference_does(kind):
+    if not blocks_cpu.load():
+        pytest.skip(f"no block kernel here: {blocks_cpu.identity()}")
+    w = quantize_blocks(WEIGHTS[kind]())
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(7)) * 3
+    got, want = blocks_cpu.block_mm(x, w.qs, w.d, w.m), blocks_cpu.reference(x, w.qs, w.d, w.m)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(kind, path, monkeypatch):
+    if path == "kernel" and not blocks_cpu.load():
+        pytest.skip(f"no block kernel here: {blocks_cpu.identity()}")
+    if path == "reference":
+        monkeypatch.setattr(blocks_cpu, "_op", None)
+    w = quantize_blocks(WEIGHTS[kind]())
     x = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
     together = block_linear(x, w)
-    assert together.dtype == torch.float32 and together.shape == (40, 48)
-    for rows in (1, 2, 7, 16, 33):
+    assert together.dtype == torch.float32 and together.shape == (40, w.shape[0])
+    for rows in (1, 2, 3, 7, 16, 33):
         assert torch.equal(block_linear(x[:rows], w), together[:rows])
-    assert torch.equal(block_linear(x.view(4, 10, 96), w).view(40, 48), together)
-    assert block_linear(x[:0], w).shape == (0, 48)
-    # against float32 with the same weights: bfloat16 activations and output, a few parts in a thousand
+        assert torch.equal(block_linear(x[-rows:], w), together[-rows:])
+    assert torch.equal(block_linear(x.view(4, 10, 96), w).view(40, -1), together)
+    assert block_linear(x[:0], w).shape == (0, w.shape[0])
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_two_activation_levels_are_closer_and_the_kernel_agrees(kind):
+    w = quantize_blocks(WEIGHTS[kind]())
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(8))
     exact = x @ w.dequantize().T
-    assert (together - exact).abs().max() <= 2e-2 * exact.abs().max()
+    one, two = (blocks_cpu.reference(x, w.qs, w.d, w.m, levels) for levels in (1, 2))
+    assert (two - exact).abs().max() < (one - exact).abs().max() / 50
+    if blocks_cpu.load():
+        got = blocks_cpu.block_mm(x, w.qs, w.d, w.m, 2)
+        assert torch.allclose(got, two, rtol=1e-5, atol=1e-5 * float(two.abs().max()))
+        for rows in (1, 2, 5):
+            assert torch.equal(blocks_cpu.block_mm(x[:rows], w.qs, w.d, w.m, 2), got[:rows])

@@ -199,8 +199,8 @@ def test_two_models_in_one_process_each_run_their_own_graph(tmp_path):
 @pytest.mark.parametrize("method", ["int8", "int8-precise", "gguf"])
 def test_a_row_gets_the_same_bits_alone_and_among_any_batch_mates(tmp_path, method):
     """One graph serves every batch (a lone sequence runs beside a companion row), so with int8
-    layers (exact int32 sums per row) or gguf's blocks (torch's int4 kernel sums each row on its
-    own) a sequence's hidden state is bit for bit the same alone, first or last among others.
+    layers (exact int32 sums per row) or gguf's blocks (kernels/blocks_cpu.py computes each row
+    by the same instructions) a sequence's hidden state is bit for bit the same alone, first or last among others.
     (float32 matmuls are not: their kernels change with the number of rows.) Each method compiles
     its own graph, which takes over a minute on a 2-core CPU."""
     from shared.model.loader import load_model

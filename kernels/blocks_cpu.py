@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "block_mm.cpp"
-BLOCK = 32
+BLOCK = 32  # values of one input row a block scale covers, as in ggml's Q4_0 / Q4_1 / Q8_0
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 _NEEDS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()

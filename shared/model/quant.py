@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cast import cast
-from kernels.blocks_cpu import block_mm, levels
+from kernels.blocks_cpu import BLOCK, block_mm, levels
 from kernels.int8_cpu import int8_mm, row_sums
 from shared.model.precision import QUANTIZATION_METHODS
 
@@ -199,9 +199,6 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
         out.add_(cast(bias, torch.float32))
     out = cast(out, x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
-
-
-BLOCK = 32  # values of one input row a block scale covers, as in ggml's Q4_0 / Q4_1 / Q8_0
 
 
 @dataclass(frozen=True)

@@ -128,22 +128,14 @@ def load() -> bool:
         return bool(_state["loaded"])
     with _lock:
         if "loaded" not in _state:
-            why = _why_not()
-            if why is None:
-                try:
-                    from kernels.cpu_build import load_op
+            from kernels.cpu_build import load_op
 
-                    _op, name = load_op(SOURCE, _FLAGS, "tandem_blocks::block_mm", _fake_block_mm)
-                    _state.update(loaded=True, identity=name)
-                    return True
-                except Exception as exc:  # noqa: BLE001 - the reference is the fallback
-                    why = f"{type(exc).__name__}: {exc}"[:300]
+            op, what = load_op(SOURCE, _FLAGS, "tandem_blocks::block_mm", _fake_block_mm, "TANDEM_BLOCK_KERNEL", _NEEDS)
+            if op is not None:
+                _op = op
+                _state.update(loaded=True, identity=what)
+                return True
+            why = what
             log.warning("gguf block matmuls use the torch reference, an order of magnitude slower (%s)", why)
             _state.update(loaded=False, identity=f"reference: {why}")
     return bool(_state["loaded"])
-
-
-def _why_not() -> str | None:
-    from kernels.cpu_build import why_not
-
-    return why_not("TANDEM_BLOCK_KERNEL", _NEEDS)

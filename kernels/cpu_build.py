@@ -71,11 +71,18 @@ def why_not(switch: str, needs: tuple[str, ...]) -> str | None:
     return None
 
 
-def load_op(source: Path, flags: list[str], qualified_name: str, fake) -> tuple[object, str]:
+def load_op(source: Path, flags: list[str], qualified_name: str, fake, switch: str,
+            needs: tuple[str, ...]) -> tuple[object | None, str]:
     """Build ``source``, load it and register ``fake`` (shapes for tracing) for ``namespace::op``:
-    (the op, the build's name). Raises where the build or the load fails."""
-    library = build(source, flags)
-    torch.ops.load_library(str(library))
-    torch.library.register_fake(qualified_name, fake)
+    (the op, the build's name), or (None, why) where ``why_not`` says no or the build or load fails."""
+    why = why_not(switch, needs)
+    if why is not None:
+        return None, why
+    try:
+        library = build(source, flags)
+        torch.ops.load_library(str(library))
+        torch.library.register_fake(qualified_name, fake)
+    except Exception as exc:  # noqa: BLE001 - each kernel's module has its fallback
+        return None, f"{type(exc).__name__}: {exc}"[:300]
     namespace, name = qualified_name.split("::")
     return getattr(getattr(torch.ops, namespace), name), library.parent.name

@@ -60,15 +60,17 @@ def isa_flags(flags: frozenset[str] | None = None) -> list[str]:
 
 def artifact_key(*, structure: object, block_size: int, threads: int, code: str, torch_version: str,
                  flags: frozenset[str] | None = None, int8_kernel: bool = False,
-                 block_kernel: bool | None = None) -> str:
+                 block_kernel: bool | None = None, attention_kernel: bool = False) -> str:
     """The name of one compiled step's artifacts (a NATS object name: letters, digits, ``-``).
     ``int8_kernel``: the graph calls the int8 CPU kernel (kernels/int8_cpu.py), which a process
     that did not load it (no compiler, ``TANDEM_INT8_KERNEL=off``) cannot run. ``block_kernel``
     (gguf models only): the graph calls the block kernel (kernels/blocks_cpu.py), else its torch
-    reference, whose sums are rounded differently."""
+    reference, whose sums are rounded differently. ``attention_kernel``: the graph's attention is
+    the C++ kernel (kernels/attention_cpu.py), else the written-out softmax."""
     identity = {"structure": structure, "block_size": block_size, "threads": threads, "code": code,
                 "torch": torch_version, "python": platform.python_version_tuple()[:2],
-                "machine": platform.machine(), "isa": isa_flags(flags), "int8_kernel": int8_kernel}
+                "machine": platform.machine(), "isa": isa_flags(flags), "int8_kernel": int8_kernel,
+                "attention_kernel": attention_kernel}
     if block_kernel is not None:
         identity["block_kernel"] = block_kernel
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -107,7 +109,8 @@ def traced_code_digest() -> str:
     here, kernel_dir = Path(__file__).parent, Path(kernels.__file__).parent
     digest = hashlib.sha256()
     for path in [here / "compiled.py", here / "llama.py", here / "quant.py",
-                 *(kernel_dir / f"{name}.py" for name in ("cast", "rms_norm", "rotary", "int8_cpu", "blocks_cpu"))]:
+                 *(kernel_dir / f"{name}.py" for name in ("cast", "rms_norm", "rotary", "int8_cpu", "blocks_cpu",
+                                                                 "attention_cpu"))]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -115,13 +118,14 @@ def traced_code_digest() -> str:
 def engine_artifact_key(model, block_size: int, threads: int) -> str:
     import torch
 
-    from kernels import blocks_cpu, int8_cpu
+    from kernels import attention_cpu, blocks_cpu, int8_cpu
 
     gguf = model.quantization == "gguf"
     return artifact_key(structure=model_structure(model), block_size=block_size, threads=threads,
                         code=traced_code_digest(), torch_version=torch.__version__,
                         int8_kernel=model.quantization.startswith("int8") and int8_cpu.kernel_in_graph(),
-                        block_kernel=blocks_cpu.kernel_in_graph() if gguf else None)
+                        block_kernel=blocks_cpu.kernel_in_graph() if gguf else None,
+                        attention_kernel=attention_cpu.kernel_in_graph())
 
 
 class ArtifactStore(Protocol):

@@ -16,11 +16,13 @@ Three things differ from the eager step, all so that the graph is the same at ev
   whole pool;
 * the past is always masked (the eager path cuts it instead when every length is equal), so the
   attention sums differ from eager in the last bits of float32;
-* attention is written out as products and sums (``_decode_attention``), the step's own token
-  joining the softmax beside the past rather than concatenated to it: inductor then reads the
-  pool inside its reduction loops. SDPA's CPU kernel cost about 50 µs a layer at batch 1, and
-  matmuls over a concatenated K/V made inductor copy and transpose the gathered past first
-  (about 125 µs a layer).
+* attention is a C++ kernel that reads the pool in place (kernels/attention_cpu.py), the step's
+  own token joining the softmax beside the past. Where it cannot run, attention is written out as
+  products and sums (``_decode_attention``, also the kernel's reference) so that inductor reads
+  the gathered past inside its reduction loops: SDPA's CPU kernel cost about 50 µs a layer at
+  batch 1, and matmuls over a concatenated K/V made inductor copy and transpose the gathered past
+  first (about 125 µs a layer). At batch 32 those generated loops, over the longest sequence's
+  length and masked, took about 40% of a served step.
 
 The graph's caller is C++ (inductor's ``cpp_wrapper``), not generated Python. Measured on a 2-core
 AVX-512 CPU (SmolLM2-135M, int8 layers, batch 1): eager 17.6 ms a step; compiled with a Python
@@ -49,6 +51,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels import attention_cpu
 from kernels.cast import cast
 from kernels.rms_norm import fused_add_rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
@@ -82,6 +85,7 @@ class CompiledDecode:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         hidden = F.embedding(input_ids, model.embed)
         cos, sin = model.rope_cos_sin(positions)
+        in_place = attention_cpu.usable(kv_cache, head_dim)
         mask = past_valid[:, :, None, None]  # [B, L, 1, 1]: the past positions each row has
         from_step = (step_src >= 0)[:, :, None, None]  # [B, L, 1, 1]: a past position this step computes
         src = step_src.clamp(min=0)  # [B, L]: the row of the step that computes it
@@ -95,13 +99,18 @@ class CompiledDecode:
             new_k.append(k)
             new_v.append(v)
             k, v = cast(k, kv_cache.dtype), cast(v, kv_cache.dtype)  # as the cache will hold them
-            # the past: from the cache, except positions an earlier row of this step computes (a
-            # speculative entry's tokens before a draft row), taken from that row's new K/V
-            past_k = torch.where(from_step, k[src],
-                                 kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim))
-            past_v = torch.where(from_step, v[src],
-                                 kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim))
-            attn = _decode_attention(q, k, v, past_k, past_v, mask)
+            if in_place:  # the C++ kernel reads the pool where it is (kernels/attention_cpu.py)
+                attn = attention_cpu.decode_attention(cast(q, torch.float32), cast(k, torch.float32),
+                                                      cast(v, torch.float32), kv_cache, i, past_blocks,
+                                                      past_valid, step_src)
+            else:
+                # the past: from the cache, except positions an earlier row of this step computes (a
+                # speculative entry's tokens before a draft row), taken from that row's new K/V
+                past_k = torch.where(from_step, k[src],
+                                     kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim))
+                past_v = torch.where(from_step, v[src],
+                                     kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim))
+                attn = _decode_attention(q, k, v, past_k, past_v, mask)
             hidden = linear(cast(attn, q.dtype).reshape(num_seqs, q_size), layer.o_proj)
             x, residual = fused_add_rms_norm_ref(hidden, residual, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -161,6 +170,7 @@ class CompiledDecode:
         ``store``); then run it once over block 0, whose results are dropped (nothing is written)."""
         started = time.perf_counter()
         self.artifacts = artifacts
+        attention_cpu.load()  # before tracing or loading a graph that calls it
         _mark_pool_static(kv_cache)
         example = self._example(kv_cache)
         if artifacts is not None:

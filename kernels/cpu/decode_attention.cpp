@@ -1,0 +1,165 @@
+// Decode attention on an AVX2 CPU, read straight from the paged KV pool: one query row per sequence
+// (H heads, Hkv KV heads, G = H / Hkv queries per KV head) over that sequence's cached past and its
+// own new key/value, in float32. The compiled decode step calls it once per layer in place of the
+// gather and the written-out softmax inductor would generate (shared/model/compiled.py).
+//
+// Work item: one (sequence, KV head). Its keys are read once for all G queries of the group: the
+// scores of every valid past position and of the step's own token, then an exact max, exp and sum,
+// then the values weighted by those probabilities, divided by the sum at the end. Every item runs the
+// same instructions in the same order whatever the batch and whatever the longest sequence (masked
+// positions are skipped, not multiplied by zero), so a sequence gets the same bits alone and in any
+// batch (built with -ffp-contract=off: the only fused multiply-adds are the explicit ones).
+//
+// Inputs: q [B, H, D] float32; k, v [B, Hkv, D] float32 (the step's own K/V, already rounded to the
+// pool's dtype); kv_cache [num_blocks, layers, 2, block_size, Hkv, D] float32, bfloat16 or float16;
+// past_blocks [B * nblk] int64 (row b's block table); past_valid [B, nblk * block_size] bool (the past
+// positions a row has); step_src [B, nblk * block_size] int64: -1, or the row of this step whose new
+// K/V holds that position (a speculative entry's earlier tokens). D must be a multiple of 8.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 8 float lanes summed in a fixed order
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(k + c), acc);
+  return hsum(acc);
+}
+
+template <typename T>
+inline void axpy(float p, const T* v, float* out, int64_t D) {
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t c = 0; c < D; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_fmadd_ps(pv, load8(v + c), _mm256_loadu_ps(out + c)));
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, int64_t layer,
+            const at::Tensor& blocks, const at::Tensor& valid, const at::Tensor& src, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), G = H / Hkv;
+  const int64_t L = valid.size(1), bs = cache.size(3), nblk = L / bs, layers = cache.size(1);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const T* cp = cache.data_ptr<T>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const bool* mp = valid.data_ptr<bool>();
+  const int64_t* sp = src.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row = Hkv * D;        // one position's K (or V) in a block
+  const int64_t half = bs * row;      // a block's K (or V) of one layer
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;           // [G, n]: n = valid past positions + the own token
+    std::vector<const void*> keys, values;
+    std::vector<char> own;               // 1: the position's K/V is a float32 row of this step
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      keys.clear(); values.clear(); own.clear();
+      for (int64_t l = 0; l < L; ++l) {
+        if (!mp[b * L + l]) continue;
+        const int64_t r = sp[b * L + l];
+        if (r >= 0) {
+          keys.push_back(kp + r * row + h * D);
+          values.push_back(vp + r * row + h * D);
+          own.push_back(1);
+        } else {
+          const T* base = cp + (bp[b * nblk + l / bs] * layers + layer) * 2 * half + (l % bs) * row + h * D;
+          keys.push_back(base);
+          values.push_back(base + half);
+          own.push_back(0);
+        }
+      }
+      keys.push_back(kp + b * row + h * D);
+      values.push_back(vp + b * row + h * D);
+      own.push_back(1);
+      const int64_t n = static_cast<int64_t>(keys.size());
+      scores.resize(G * n);
+      const float* qrow = qp + (b * H + h * G) * D;
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = own[j] ? dot(qrow + g * D, static_cast<const float*>(keys[j]), D)
+                                 : dot(qrow + g * D, static_cast<const T*>(keys[j]), D);
+          scores[g * n + j] = s * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * n;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = std::exp(s[j] - top);
+          sum += s[j];
+        }
+        float* o = op + (b * H + h * G + g) * D;
+        for (int64_t c = 0; c < D; ++c) o[c] = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          if (own[j]) axpy(s[j], static_cast<const float*>(values[j]), o, D);
+          else axpy(s[j], static_cast<const T*>(values[j]), o, D);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inv));
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                            int64_t layer, const at::Tensor& past_blocks, const at::Tensor& past_valid,
+                            const at::Tensor& step_src) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q, k, v are [B, heads, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attention: q, k, v are float32");
+  TORCH_CHECK(q.size(2) % 8 == 0 && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
+              "decode_attention: head dims must match (a multiple of 8) and KV heads divide heads");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(2) == 2 && kv_cache.size(4) == k.size(1) &&
+              kv_cache.size(5) == q.size(2), "decode_attention: kv_cache is [blocks, layers, 2, block, Hkv, D]");
+  TORCH_CHECK(past_valid.size(1) % kv_cache.size(3) == 0 && past_blocks.numel() * kv_cache.size(3) ==
+              past_valid.numel(), "decode_attention: block table and past mask disagree");
+  TORCH_CHECK(kv_cache.is_contiguous(), "decode_attention: kv_cache must be contiguous (it is never copied)");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), cc = kv_cache;
+  const at::Tensor bc = past_blocks.to(at::kLong).contiguous(), mc = past_valid.to(at::kBool).contiguous();
+  const at::Tensor sc = step_src.to(at::kLong).contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: attend<float>(qc, kc, vc, cc, layer, bc, mc, sc, out); break;
+    case at::kBFloat16: attend<at::BFloat16>(qc, kc, vc, cc, layer, bc, mc, sc, out); break;
+    case at::kHalf: attend<at::Half>(qc, kc, vc, cc, layer, bc, mc, sc, out); break;
+    default: TORCH_CHECK(false, "decode_attention: kv_cache must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_attn, lib) {
+  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor kv_cache, int layer, Tensor past_blocks, "
+          "Tensor past_valid, Tensor step_src) -> Tensor");
+  lib.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+}

@@ -19,10 +19,11 @@ the written-out softmax (a log line says why).
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import torch
+
+from kernels.cpu_build import CpuKernel
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,6 @@ SOURCE = Path(__file__).parent / "cpu" / "decode_attention.cpp"
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 _NEEDS = ("avx2", "fma", "f16c")
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 _op = None  # torch.ops.tandem_attn.decode_attention once loaded (a global: torch.compile traces the call)
 
 
@@ -54,7 +53,7 @@ def usable(kv_cache: torch.Tensor, head_dim: int) -> bool:
 def identity() -> str:
     """What decode attention runs here: the kernel's build name, or "off: " and why."""
     load()
-    return str(_state["identity"])
+    return _KERNEL.identity
 
 
 def kernel_in_graph() -> bool:
@@ -69,19 +68,9 @@ def _fake(q, k, v, kv_cache, layer, past_blocks, past_valid, step_src):
 
 def load() -> bool:
     """Build (once per machine) and load the kernel; False (and why, logged once) where it cannot run."""
-    global _op
-    if "loaded" in _state:
-        return bool(_state["loaded"])
-    with _lock:
-        if "loaded" not in _state:
-            from kernels.cpu_build import load_op
+    return _KERNEL.load()
 
-            op, what = load_op(SOURCE, _FLAGS, "tandem_attn::decode_attention", _fake, "TANDEM_ATTENTION_KERNEL",
-                               _NEEDS)
-            if op is not None:
-                _op = op
-                _state.update(loaded=True, identity=what)
-            else:
-                log.warning("compiled decode steps write attention out as C++ loops (%s)", what)
-                _state.update(loaded=False, identity=f"off: {what}")
-    return bool(_state["loaded"])
+
+_KERNEL = CpuKernel(SOURCE, _FLAGS, "tandem_attn::decode_attention", _fake, "TANDEM_ATTENTION_KERNEL", _NEEDS,
+                    module=globals(), fallback="off", say=log.warning,
+                    message="compiled decode steps write attention out as C++ loops (%s)")

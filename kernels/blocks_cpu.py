@@ -24,10 +24,11 @@ Built on first use (``kernels/cpu_build.py``) into ``TANDEM_CACHE_DIR/kernels/``
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import torch
+
+from kernels.cpu_build import CpuKernel
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,6 @@ SOURCE = Path(__file__).parent / "cpu" / "block_mm.cpp"
 BLOCK = 32  # values of one input row a block scale covers, as in ggml's Q4_0 / Q4_1 / Q8_0
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 _NEEDS = ("avx2", "fma", "f16c")
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 _op = None  # torch.ops.tandem_blocks.block_mm once loaded (a global: torch.compile traces the call)
 
 
@@ -108,7 +107,7 @@ def reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 def identity() -> str:
     """What ``block_mm`` runs here: the kernel's build name, or "reference: " and why."""
     load()
-    return str(_state["identity"])
+    return _KERNEL.identity
 
 
 def kernel_in_graph() -> bool:
@@ -123,19 +122,9 @@ def _fake_block_mm(x, qs, d, m, act_levels):
 
 def load() -> bool:
     """Build (once per machine) and load the kernel; False (and why, logged once) where it cannot run."""
-    global _op
-    if "loaded" in _state:
-        return bool(_state["loaded"])
-    with _lock:
-        if "loaded" not in _state:
-            from kernels.cpu_build import load_op
+    return _KERNEL.load()
 
-            op, what = load_op(SOURCE, _FLAGS, "tandem_blocks::block_mm", _fake_block_mm, "TANDEM_BLOCK_KERNEL", _NEEDS)
-            if op is not None:
-                _op = op
-                _state.update(loaded=True, identity=what)
-                return True
-            why = what
-            log.warning("gguf block matmuls use the torch reference, an order of magnitude slower (%s)", why)
-            _state.update(loaded=False, identity=f"reference: {why}")
-    return bool(_state["loaded"])
+
+_KERNEL = CpuKernel(SOURCE, _FLAGS, "tandem_blocks::block_mm", _fake_block_mm, "TANDEM_BLOCK_KERNEL", _NEEDS,
+                    module=globals(), fallback="reference", say=log.warning,
+                    message="gguf block matmuls use the torch reference, an order of magnitude slower (%s)")

@@ -14,8 +14,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -86,3 +88,32 @@ def load_op(source: Path, flags: list[str], qualified_name: str, fake, switch: s
         return None, f"{type(exc).__name__}: {exc}"[:300]
     namespace, name = qualified_name.split("::")
     return getattr(getattr(torch.ops, namespace), name), library.parent.name
+
+
+class CpuKernel:
+    """One C++ CPU op, built and loaded the first time ``load`` is called (from any thread, once).
+    The op is then ``module["_op"]`` (``module``: the globals of the module that calls it, a global
+    being what torch.compile traces a call through), or None where it cannot run: ``identity`` says
+    the build's name, or ``fallback`` + ": " + why, and ``say(message, why)`` logs the why once."""
+
+    def __init__(self, source: Path, flags: list[str], qualified_name: str, fake, switch: str,
+                 needs: tuple[str, ...], *, module: dict, fallback: str, say: Callable[[str, str], None],
+                 message: str) -> None:
+        self._args = (source, flags, qualified_name, fake, switch, needs)
+        self._module = module
+        self._fallback, self._say, self._message = fallback, say, message
+        self._lock = threading.Lock()
+        self.loaded: bool | None = None
+        self.identity = ""
+
+    def load(self) -> bool:
+        if self.loaded is None:
+            with self._lock:
+                if self.loaded is None:
+                    op, what = load_op(*self._args)
+                    self._module["_op"] = op
+                    self.identity = what if op is not None else f"{self._fallback}: {what}"
+                    if op is None:
+                        self._say(self._message, what)
+                    self.loaded = op is not None
+        return self.loaded

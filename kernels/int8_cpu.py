@@ -21,18 +21,17 @@ or with ``TANDEM_INT8_KERNEL=off``, ``int8_mm`` is ``_int_mm`` and a log line sa
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import torch
+
+from kernels.cpu_build import CpuKernel
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "int8_mm.cpp"
 _FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "loaded": bool, "why": str, "identity": str
 _op = None  # torch.ops.tandem_cpu.int8_mm once loaded (a global: torch.compile traces the call)
 
 
@@ -43,7 +42,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def identity() -> str:
     """What ``int8_mm`` runs here: the kernel's build name, or "off: " and why."""
     load()
-    return str(_state["identity"])
+    return _KERNEL.identity
 
 
 def int8_mm(x: torch.Tensor, w: torch.Tensor, w_sums: torch.Tensor) -> torch.Tensor:
@@ -74,19 +73,8 @@ def row_sums(w: torch.Tensor) -> torch.Tensor:
 
 def load() -> bool:
     """Build (once per machine) and load the kernel; False (and why, logged once) where it cannot run."""
-    global _op
-    if "loaded" in _state:
-        return bool(_state["loaded"])
-    with _lock:
-        if "loaded" not in _state:
-            from kernels.cpu_build import load_op
+    return _KERNEL.load()
 
-            op, what = load_op(SOURCE, _FLAGS, "tandem_cpu::int8_mm", _fake_int8_mm, "TANDEM_INT8_KERNEL", _NEEDS)
-            if op is not None:
-                _op = op
-                _state.update(loaded=True, identity=what)
-                return True
-            why = what
-            log.info("int8 linear layers use torch._int_mm (%s)", why)
-            _state.update(loaded=False, why=why, identity=f"off: {why}")
-    return bool(_state["loaded"])
+
+_KERNEL = CpuKernel(SOURCE, _FLAGS, "tandem_cpu::int8_mm", _fake_int8_mm, "TANDEM_INT8_KERNEL", _NEEDS,
+                    module=globals(), fallback="off", say=log.info, message="int8 linear layers use torch._int_mm (%s)")

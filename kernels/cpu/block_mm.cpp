@@ -10,8 +10,9 @@
 // Every output element is computed by the same instructions in the same order whatever the number of
 // rows and wherever a row falls in the batch, so a row's result depends on that row alone (built with
 // -ffp-contract=off: the only fused multiply-adds are the explicit ones, the same in every template).
-// A tile of weight rows is read from memory once for the first group of activation rows and
-// from cache for the next ones.
+// A tile of four weight rows is unpacked once for two activation rows, read from memory for the first
+// two and from cache for the next ones; a block's integer sums are added across lanes in integers, so
+// one float multiply-add per block scales the four products of an activation row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,13 +30,6 @@ constexpr int64_t kBlock = 32;
 constexpr int kMaxTile = 4;  // weight rows multiplied together (lanes of a 128-bit vector of scales)
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-
-// 8 float lanes summed in a fixed order
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 
 struct Quantized {  // activation rows in int8 blocks
   std::vector<int8_t> q;   // [M, K]
@@ -95,31 +89,33 @@ inline __m256i block_sums(__m256i w, __m256i xv, const __m256i ones) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
 }
 
-// R activation rows against T weight rows from n0 (nn of them real; the rest repeat the last one and
-// are not written): R * T accumulators of 8 lanes over the blocks, the weights unpacked as they are
-// read. R * T is at most 4, so that everything stays in AVX2's 16 registers. An output element's
-// arithmetic is the same in every instantiation: its own accumulator, scale and offset lanes.
-template <int R, int T, bool kFourBit, bool kTwoLevels>
+// R activation rows (at most 2) against the 4 weight rows of a tile from n0 (nn of them real; the rest
+// repeat the last one and are not written). Each block's 8 lanes of integer sums for a (row, weight row)
+// pair are added up exactly in integers (vphaddd), so a row's four block sums, one per weight row, are
+// one 4-lane vector: scaled by d * dx and added to the row's accumulator, 8 lanes = the four pairs twice
+// (the lower and upper four lanes of the block). An output element's arithmetic is the same whatever R:
+// its exact block sums, its own scale and accumulator lanes, and at the end lower + upper + offset.
+template <int R, bool kFourBit, bool kTwoLevels>
 void tile_rows(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* qs, const float* dt, const float* mt,
                int64_t n0, int64_t nn, float* out, int64_t N) {
   const int64_t nb = K / kBlock;
-  static_assert(T <= kMaxTile && R * T <= 4, "accumulators beyond the registers");
+  static_assert(R >= 1 && R <= 2, "accumulators beyond the registers");
   int64_t rows[kMaxTile];
   for (int r = 0; r < kMaxTile; ++r) rows[r] = n0 + std::min<int64_t>(r, nn - 1);
-  __m256 acc[R][T];
+  __m256 acc[R];
   __m128 accm[R];
   for (int i = 0; i < R; ++i) {
-    for (int r = 0; r < T; ++r) acc[i][r] = _mm256_setzero_ps();
+    acc[i] = _mm256_setzero_ps();
     accm[i] = _mm_setzero_ps();
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i wv[T];
+    __m256i wv[kMaxTile];
 #pragma GCC unroll 4
-    for (int r = 0; r < T; ++r) wv[r] = load_levels<kFourBit>(qs, K, rows[r], b);
-    const __m128 dv = _mm_loadu_ps(dt + b * kMaxTile);  // lanes past T: unused
+    for (int r = 0; r < kMaxTile; ++r) wv[r] = load_levels<kFourBit>(qs, K, rows[r], b);
+    const __m128 dv = _mm_loadu_ps(dt + b * kMaxTile);
     const __m128 mv = kFourBit ? _mm_loadu_ps(mt + b * kMaxTile) : _mm_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 2
     for (int i = 0; i < R; ++i) {
       const int64_t m = m0 + i;
       const float dx = xq.dx[m * nb + b];
@@ -127,57 +123,49 @@ void tile_rows(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* qs, co
       __m256i xv2 = xv;
       if (kTwoLevels)
         xv2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q2.data() + m * K + b * kBlock));
-      // the four rows' scales d[r] * dx, each broadcast to 8 lanes
-      const __m128 sv = _mm_mul_ps(dv, _mm_set1_ps(dx));
-      const __m256 s2 = _mm256_set_m128(sv, sv);
+      __m256i p32[kMaxTile];
 #pragma GCC unroll 4
-      for (int r = 0; r < T; ++r) {
-        __m256i p32 = block_sums<kFourBit>(wv[r], xv, ones);
-        // 256 * (up to 4 * 127 * 127) + the second level's: below 2^24, so exact in float32 too
-        if (kTwoLevels) p32 = _mm256_add_epi32(_mm256_slli_epi32(p32, 8), block_sums<kFourBit>(wv[r], xv2, ones));
-        const __m256 scale = _mm256_permutevar8x32_ps(s2, _mm256_set1_epi32(r));
-        acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p32), acc[i][r]);
+      for (int r = 0; r < kMaxTile; ++r) {
+        p32[r] = block_sums<kFourBit>(wv[r], xv, ones);
+        // 256 * (up to 4 * 127 * 127) + the second level's per lane; four lanes added below 2^31
+        if (kTwoLevels) p32[r] = _mm256_add_epi32(_mm256_slli_epi32(p32[r], 8), block_sums<kFourBit>(wv[r], xv2, ones));
       }
+      const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p32[0], p32[1]), _mm256_hadd_epi32(p32[2], p32[3]));
+      const __m128 sv = _mm_mul_ps(dv, _mm_set1_ps(dx));  // the four weight rows' d * dx
+      acc[i] = _mm256_fmadd_ps(_mm256_set_m128(sv, sv), _mm256_cvtepi32_ps(sums), acc[i]);
       if (kFourBit) accm[i] = _mm_fmadd_ps(mv, _mm_set1_ps(xq.xs[m * nb + b]), accm[i]);
     }
   }
   for (int i = 0; i < R; ++i) {
-    alignas(16) float mterm[kMaxTile];
-    _mm_store_ps(mterm, accm[i]);
-    for (int r = 0; r < std::min<int64_t>(T, nn); ++r) out[(m0 + i) * N + n0 + r] = hsum(acc[i][r]) + mterm[r];
+    alignas(16) float total[kMaxTile];
+    const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    _mm_store_ps(total, _mm_add_ps(halves, accm[i]));
+    for (int r = 0; r < std::min<int64_t>(kMaxTile, nn); ++r) out[(m0 + i) * N + n0 + r] = total[r];
   }
 }
 
 template <bool kFourBit, bool kTwoLevels>
 void run_tiles(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
                const uint16_t* m, float* out) {
-  // one activation row: four weight rows at a time; more: two of each, the weight rows' bytes read
-  // from memory for the first two activation rows and from cache for the next ones
+  // four weight rows at a time, against two activation rows at a time: the weight rows' bytes read from
+  // memory for the first two activation rows and from cache for the next ones
   const int64_t num_tiles = (N + kMaxTile - 1) / kMaxTile;
   const int64_t nb = K / kBlock;
   at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
-    // the tile's block scales and offsets in float32, [nb][kMaxTile] (+2: a sub-tile's 4-lane loads)
-    std::vector<float> dt(nb * kMaxTile + 2, 0.f), mt(nb * kMaxTile + 2, 0.f);
+    // the tile's block scales and offsets in float32, [nb][kMaxTile]
+    std::vector<float> dt(nb * kMaxTile, 0.f), mt(nb * kMaxTile, 0.f);
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kMaxTile, nn = std::min<int64_t>(kMaxTile, N - n0);
-      for (int64_t r = 0; r < nn; ++r) {
+      for (int64_t r = 0; r < kMaxTile; ++r) {
+        const int64_t row = n0 + std::min<int64_t>(r, nn - 1);
         for (int64_t b = 0; b < nb; ++b) {
-          dt[b * kMaxTile + r] = half_to_float(d[(n0 + r) * nb + b]);
-          if (kFourBit) mt[b * kMaxTile + r] = half_to_float(m[(n0 + r) * nb + b]);
+          dt[b * kMaxTile + r] = half_to_float(d[row * nb + b]);
+          if (kFourBit) mt[b * kMaxTile + r] = half_to_float(m[row * nb + b]);
         }
       }
-      if (M == 1) {
-        tile_rows<1, 4, kFourBit, kTwoLevels>(xq, 0, K, qs, dt.data(), mt.data(), n0, nn, out, N);
-        continue;
-      }
-      for (int64_t h = 0; h < nn; h += 2) {
-        const int64_t hn = std::min<int64_t>(2, nn - h);
-        int64_t m0 = 0;
-        const float* dh = dt.data() + h;
-        const float* mh = mt.data() + h;
-        for (; m0 + 2 <= M; m0 += 2) tile_rows<2, 2, kFourBit, kTwoLevels>(xq, m0, K, qs, dh, mh, n0 + h, hn, out, N);
-        if (m0 < M) tile_rows<1, 2, kFourBit, kTwoLevels>(xq, m0, K, qs, dh, mh, n0 + h, hn, out, N);
-      }
+      int64_t m0 = 0;
+      for (; m0 + 2 <= M; m0 += 2) tile_rows<2, kFourBit, kTwoLevels>(xq, m0, K, qs, dt.data(), mt.data(), n0, nn, out, N);
+      if (m0 < M) tile_rows<1, kFourBit, kTwoLevels>(xq, m0, K, qs, dt.data(), mt.data(), n0, nn, out, N);
     }
   });
 }

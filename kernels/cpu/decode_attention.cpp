@@ -3,7 +3,7 @@
 // own new key/value, in float32. The compiled decode step calls it once per layer in place of the
 // gather and the written-out softmax inductor would generate (shared/model/compiled.py).
 //
-// Work item: one (sequence, KV head). Its keys are read once for all G queries of the group: the
+// Work item: one (sequence, KV head), the items of a KV head next to each other. Its keys are read once for all G queries of the group: the
 // scores of every valid past position and of the step's own token, then an exact max, exp and sum,
 // then the values weighted by those probabilities, divided by the sum at the end. Every item runs the
 // same instructions in the same order whatever the batch and whatever the longest sequence (masked
@@ -79,7 +79,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     std::vector<const void*> keys, values;
     std::vector<char> own;               // 1: the position's K/V is a float32 row of this step
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
+      // head-major: a lone sequence's heads (beside its companion row) go to different threads
+      const int64_t h = item / B, b = item % B;
       keys.clear(); values.clear(); own.clear();
       for (int64_t l = 0; l < L; ++l) {
         if (!mp[b * L + l]) continue;

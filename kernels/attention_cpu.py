@@ -52,14 +52,12 @@ def usable(kv_cache: torch.Tensor, head_dim: int) -> bool:
 
 def identity() -> str:
     """What decode attention runs here: the kernel's build name, or "off: " and why."""
-    load()
-    return _KERNEL.identity
+    return _KERNEL.describe()
 
 
 def kernel_in_graph() -> bool:
     """Whether a step compiled in this process calls the kernel (for a pool it serves)."""
-    load()
-    return _op is not None
+    return load()
 
 
 def _fake(q, k, v, kv_cache, layer, past_blocks, past_valid, step_src):

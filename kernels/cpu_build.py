@@ -117,3 +117,8 @@ class CpuKernel:
                         self._say(self._message, what)
                     self.loaded = op is not None
         return self.loaded
+
+    def describe(self) -> str:
+        """``identity``, loading first."""
+        self.load()
+        return self.identity

@@ -41,8 +41,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def identity() -> str:
     """What ``int8_mm`` runs here: the kernel's build name, or "off: " and why."""
-    load()
-    return _KERNEL.identity
+    return _KERNEL.describe()
 
 
 def int8_mm(x: torch.Tensor, w: torch.Tensor, w_sums: torch.Tensor) -> torch.Tensor:
@@ -58,8 +57,7 @@ def int8_mm(x: torch.Tensor, w: torch.Tensor, w_sums: torch.Tensor) -> torch.Ten
 def kernel_in_graph() -> bool:
     """Whether a decode step compiled in this process calls the kernel (else ``_int_mm``): part of
     the compiled step's artifact key, since a graph that calls the kernel needs it loaded."""
-    load()
-    return _op is not None
+    return load()
 
 
 def _fake_int8_mm(x: torch.Tensor, w: torch.Tensor, w_sums: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,11 @@ vpmaddwd), and it reads the 4-bit weights as they are, about 0.6 bytes a weight.
 The kernel and the reference agree to float32 rounding, not bit for bit (they add the block sums in
 different orders), so every process of a cluster that serves gguf must run the same one: the
 compiled decode step's artifact key names which (``kernel_in_graph``), and so does the log line at
-load. Each computes a row's output by the same instructions whatever its batch-mates: a row gets the
+load. Each computes a row's output by the same arithmetic whatever its batch-mates: a row gets the
 same bits alone and in any batch, in the eager and the compiled step (the graph calls
-``tandem_blocks::block_mm``, the same kernel).
+``tandem_blocks::block_mm``, the same kernel). The kernel has two loop nests that give the same bits:
+one for a few rows (a decode step of one or two sequences), and from three rows on an int8 GEMM over
+panels of 16 weight rows unpacked once per call (prompts, larger decode batches: about twice as fast).
 
 Built on first use (``kernels/cpu_build.py``) into ``TANDEM_CACHE_DIR/kernels/``; with
 ``TANDEM_BLOCK_KERNEL=off``, without a compiler or without the instructions it is the reference

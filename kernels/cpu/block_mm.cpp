@@ -7,12 +7,17 @@
 // act_levels = 2 (the LM head's input) adds a second int8 level holding what the first rounded off,
 // in 256ths of its step: about 15 bits an activation instead of 8, for twice the integer products.
 //
-// Every output element is computed by the same instructions in the same order whatever the number of
-// rows and wherever a row falls in the batch, so a row's result depends on that row alone (built with
-// -ffp-contract=off: the only fused multiply-adds are the explicit ones, the same in every template).
-// A tile of four weight rows is unpacked once for two activation rows, read from memory for the first
-// two and from cache for the next ones; a block's integer sums are added across lanes in integers, so
-// one float multiply-add per block scales the four products of an activation row.
+// Every output element is computed by the same arithmetic whatever the number of rows and wherever a
+// row falls in the batch, so a row's result depends on that row alone (built with -ffp-contract=off: the
+// only fused multiply-adds are the explicit ones). Per block b, in order: the block's exact integer sum S
+// (both levels: 256 S1 + S2), then acc = fma(d * dx, float(S), acc) and, for 4-bit weights,
+// acc = fma(m, xs, acc). Two kernels compute it and give the same bits:
+//   narrow (fewer than kWideRows rows): a tile of four weight rows unpacked once for up to four
+//     activation rows, each block's lanes added across in integers (vphadd);
+//   wide (kWideRows rows and more): an int8 GEMM over a panel of 16 weight rows unpacked once per call
+//     into k-steps, activation bytes broadcast against 8 weight rows at a time, no adding across lanes;
+//     about twice as fast from 8 rows on (prompts, and decode batches). 8-bit weights widen to int16 and
+//     multiply both activation levels with one vpmaddwd.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,6 +27,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -36,10 +43,12 @@ struct Quantized {  // activation rows in int8 blocks
   std::vector<int8_t> q2;  // [M, K]: with two levels, what q rounded off, in 256ths of its step
   std::vector<float> dx;   // [M, nb]: the step of q (one level) or of 256 q + q2 (two levels)
   std::vector<float> xs;   // [M, nb]: dx * the sum of the block's levels
+  std::vector<int16_t> qc;  // [M, K]: q, or 256 q + q2 with two levels (|.| <= 32639): for 8-bit weights
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, Quantized& out) {
+void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool combined, Quantized& out) {
   const int64_t nb = K / kBlock;
+  out.qc.resize(combined ? M * K : 0);
   out.q.resize(M * K);
   out.q2.resize(two_levels ? M * K : 0);
   out.dx.resize(M * nb);
@@ -59,8 +68,10 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, Quanti
           const float q2 = std::min(127.f, std::max(-127.f, std::nearbyint((v[k] - q * d) * id * 256.f)));
           out.q2[i * kBlock + k] = static_cast<int8_t>(q2);
           sum += 256 * static_cast<int>(q) + static_cast<int>(q2);
+          if (combined) out.qc[i * kBlock + k] = static_cast<int16_t>(256 * static_cast<int>(q) + static_cast<int>(q2));
         } else {
           sum += static_cast<int>(q);
+          if (combined) out.qc[i * kBlock + k] = static_cast<int16_t>(q);
         }
       }
       out.dx[i] = two_levels ? d / 256.f : d;
@@ -89,25 +100,36 @@ inline __m256i block_sums(__m256i w, __m256i xv, const __m256i ones) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
 }
 
-// R activation rows (at most 2) against the 4 weight rows of a tile from n0 (nn of them real; the rest
-// repeat the last one and are not written). Each block's 8 lanes of integer sums for a (row, weight row)
-// pair are added up exactly in integers (vphaddd), so a row's four block sums, one per weight row, are
-// one 4-lane vector: scaled by d * dx and added to the row's accumulator, 8 lanes = the four pairs twice
-// (the lower and upper four lanes of the block). An output element's arithmetic is the same whatever R:
-// its exact block sums, its own scale and accumulator lanes, and at the end lower + upper + offset.
+// The scaled block sum added to an output's accumulator, the same instructions in both kernels below:
+// acc += (d * dx) * S, then acc += m * xs for 4-bit weights (S the block's exact integer sum).
+template <bool kFourBit, typename V>
+inline V add_block(V acc, V d, V dx, V sum, V m, V xs);
+template <>
+inline __m128 add_block<true, __m128>(__m128 acc, __m128 d, __m128 dx, __m128 sum, __m128 m, __m128 xs) {
+  return _mm_fmadd_ps(m, xs, _mm_fmadd_ps(_mm_mul_ps(d, dx), sum, acc));
+}
+template <>
+inline __m128 add_block<false, __m128>(__m128 acc, __m128 d, __m128 dx, __m128 sum, __m128, __m128) {
+  return _mm_fmadd_ps(_mm_mul_ps(d, dx), sum, acc);
+}
+template <>
+inline __m256 add_block<true, __m256>(__m256 acc, __m256 d, __m256 dx, __m256 sum, __m256 m, __m256 xs) {
+  return _mm256_fmadd_ps(m, xs, _mm256_fmadd_ps(_mm256_mul_ps(d, dx), sum, acc));
+}
+
+// Narrow kernel: R activation rows (at most 4) against the 4 weight rows of a tile from n0 (nn of them
+// real; the rest repeat the last one and are not written), each weight block unpacked once for the R
+// rows. A (row, weight row) pair's 8 lanes of integer sums are added across lanes in integers (vphadd),
+// so a row's four block sums, one per weight row, are one 4-lane vector.
 template <int R, bool kFourBit, bool kTwoLevels>
 void tile_rows(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* qs, const float* dt, const float* mt,
                int64_t n0, int64_t nn, float* out, int64_t N) {
   const int64_t nb = K / kBlock;
-  static_assert(R >= 1 && R <= 2, "accumulators beyond the registers");
+  static_assert(R >= 1 && R <= 4, "accumulators beyond the registers");
   int64_t rows[kMaxTile];
   for (int r = 0; r < kMaxTile; ++r) rows[r] = n0 + std::min<int64_t>(r, nn - 1);
-  __m256 acc[R];
-  __m128 accm[R];
-  for (int i = 0; i < R; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    accm[i] = _mm_setzero_ps();
-  }
+  __m128 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv[kMaxTile];
@@ -115,60 +137,265 @@ void tile_rows(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* qs, co
     for (int r = 0; r < kMaxTile; ++r) wv[r] = load_levels<kFourBit>(qs, K, rows[r], b);
     const __m128 dv = _mm_loadu_ps(dt + b * kMaxTile);
     const __m128 mv = kFourBit ? _mm_loadu_ps(mt + b * kMaxTile) : _mm_setzero_ps();
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const int64_t m = m0 + i;
-      const float dx = xq.dx[m * nb + b];
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + m * K + b * kBlock));
-      __m256i xv2 = xv;
-      if (kTwoLevels)
-        xv2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q2.data() + m * K + b * kBlock));
-      __m256i p32[kMaxTile];
+      __m256i sums;  // per 128-bit half: the four weight rows' sums over that half of the block
+      if (kFourBit && !kTwoLevels) {
+        // levels times activations in pairs in int16 (|.| <= 2 * 15 * 127), added across lanes in int16
+        // twice (8 products, |.| <= 15240), then once more into int32
+        __m256i p16[kMaxTile];
 #pragma GCC unroll 4
-      for (int r = 0; r < kMaxTile; ++r) {
-        p32[r] = block_sums<kFourBit>(wv[r], xv, ones);
-        // 256 * (up to 4 * 127 * 127) + the second level's per lane; four lanes added below 2^31
-        if (kTwoLevels) p32[r] = _mm256_add_epi32(_mm256_slli_epi32(p32[r], 8), block_sums<kFourBit>(wv[r], xv2, ones));
+        for (int r = 0; r < kMaxTile; ++r) p16[r] = _mm256_maddubs_epi16(wv[r], xv);
+        sums = _mm256_madd_epi16(
+            _mm256_hadd_epi16(_mm256_hadd_epi16(p16[0], p16[1]), _mm256_hadd_epi16(p16[2], p16[3])), ones);
+      } else {
+        __m256i p32[kMaxTile];
+        __m256i xv2 = xv;
+        if (kTwoLevels)
+          xv2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q2.data() + m * K + b * kBlock));
+#pragma GCC unroll 4
+        for (int r = 0; r < kMaxTile; ++r) {
+          p32[r] = block_sums<kFourBit>(wv[r], xv, ones);
+          // 256 * (up to 4 * 127 * 127) + the second level's per lane; eight lanes added below 2^31
+          if (kTwoLevels)
+            p32[r] = _mm256_add_epi32(_mm256_slli_epi32(p32[r], 8), block_sums<kFourBit>(wv[r], xv2, ones));
+        }
+        sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p32[0], p32[1]), _mm256_hadd_epi32(p32[2], p32[3]));
       }
-      const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p32[0], p32[1]), _mm256_hadd_epi32(p32[2], p32[3]));
-      const __m128 sv = _mm_mul_ps(dv, _mm_set1_ps(dx));  // the four weight rows' d * dx
-      acc[i] = _mm256_fmadd_ps(_mm256_set_m128(sv, sv), _mm256_cvtepi32_ps(sums), acc[i]);
-      if (kFourBit) accm[i] = _mm_fmadd_ps(mv, _mm_set1_ps(xq.xs[m * nb + b]), accm[i]);
+      const __m128i whole = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+      acc[i] = add_block<kFourBit>(acc[i], dv, _mm_set1_ps(xq.dx[m * nb + b]), _mm_cvtepi32_ps(whole), mv,
+                                   _mm_set1_ps(xq.xs[m * nb + b]));
     }
   }
   for (int i = 0; i < R; ++i) {
     alignas(16) float total[kMaxTile];
-    const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-    _mm_store_ps(total, _mm_add_ps(halves, accm[i]));
+    _mm_store_ps(total, acc[i]);
     for (int r = 0; r < std::min<int64_t>(kMaxTile, nn); ++r) out[(m0 + i) * N + n0 + r] = total[r];
+  }
+}
+
+// The tile's block scales and offsets in float32, [nb][width], rows past N repeating the last one.
+void tile_scales(const uint16_t* d, const uint16_t* m, int64_t nb, int64_t N, int64_t n0, int width, float* dt,
+                 float* mt) {
+  for (int64_t r = 0; r < width; ++r) {
+    const int64_t row = std::min<int64_t>(n0 + r, N - 1);
+    for (int64_t b = 0; b < nb; ++b) {
+      dt[b * width + r] = half_to_float(d[row * nb + b]);
+      if (m != nullptr) mt[b * width + r] = half_to_float(m[row * nb + b]);
+    }
   }
 }
 
 template <bool kFourBit, bool kTwoLevels>
 void run_tiles(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
                const uint16_t* m, float* out) {
-  // four weight rows at a time, against two activation rows at a time: the weight rows' bytes read from
-  // memory for the first two activation rows and from cache for the next ones
+  // four weight rows at a time, against up to four activation rows at a time
   const int64_t num_tiles = (N + kMaxTile - 1) / kMaxTile;
   const int64_t nb = K / kBlock;
   at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
-    // the tile's block scales and offsets in float32, [nb][kMaxTile]
     std::vector<float> dt(nb * kMaxTile, 0.f), mt(nb * kMaxTile, 0.f);
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kMaxTile, nn = std::min<int64_t>(kMaxTile, N - n0);
-      for (int64_t r = 0; r < kMaxTile; ++r) {
-        const int64_t row = n0 + std::min<int64_t>(r, nn - 1);
-        for (int64_t b = 0; b < nb; ++b) {
-          dt[b * kMaxTile + r] = half_to_float(d[row * nb + b]);
-          if (kFourBit) mt[b * kMaxTile + r] = half_to_float(m[row * nb + b]);
-        }
-      }
+      tile_scales(d, kFourBit ? m : nullptr, nb, N, n0, kMaxTile, dt.data(), mt.data());
       int64_t m0 = 0;
-      for (; m0 + 2 <= M; m0 += 2) tile_rows<2, kFourBit, kTwoLevels>(xq, m0, K, qs, dt.data(), mt.data(), n0, nn, out, N);
+      for (; m0 + 4 <= M; m0 += 4) tile_rows<4, kFourBit, kTwoLevels>(xq, m0, K, qs, dt.data(), mt.data(), n0, nn, out, N);
+      if (m0 + 2 <= M) {
+        tile_rows<2, kFourBit, kTwoLevels>(xq, m0, K, qs, dt.data(), mt.data(), n0, nn, out, N);
+        m0 += 2;
+      }
       if (m0 < M) tile_rows<1, kFourBit, kTwoLevels>(xq, m0, K, qs, dt.data(), mt.data(), n0, nn, out, N);
     }
   });
 }
+
+// Wide kernel, for 4-bit weights and one activation level with many rows: the same sums and the same
+// float instructions per output as the narrow one (so a row's bits do not depend on which kernel its
+// batch took), laid out as an int8 GEMM. A panel of 16 weight rows is unpacked once per call into
+// k-steps of 4 levels (vector s of block b holds levels 4s..4s+3 of 8 weight rows), so a broadcast of
+// 4 activation bytes times it gives 8 weight rows' partial sums at once, with no adding across lanes;
+// a block's 8 k-steps add up in int16 (|.| <= 8 * 2 * 15 * 127 = 30480) before one vpmaddwd into int32.
+constexpr int kPanel = 16;  // weight rows of a panel: two vectors of 8
+
+// 8 x 8 transpose of 4-byte groups: out[s] lane r = v[r] lane s
+inline void transpose8(const __m256* v, __m256* out) {
+  const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  out[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  out[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  out[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  out[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  out[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  out[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  out[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  out[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+void unpack_panel(const uint8_t* qs, int64_t K, int64_t N, int64_t n0, __m256i* panel) {
+  const int64_t nb = K / kBlock;
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 v[8];
+      for (int r = 0; r < 8; ++r)
+        v[r] = _mm256_castsi256_ps(load_levels<true>(qs, K, std::min<int64_t>(n0 + half * 8 + r, N - 1), b));
+      __m256 out[8];
+      transpose8(v, out);
+      for (int s = 0; s < 8; ++s) panel[(b * 8 + s) * 2 + half] = _mm256_castps_si256(out[s]);
+    }
+  }
+}
+
+// R activation rows (at most 2) against a panel's 16 weight rows from n0 (nn of them written).
+template <int R>
+void panel_rows(const Quantized& xq, int64_t m0, int64_t K, const __m256i* panel, const float* dt, const float* mt,
+                int64_t n0, int64_t nn, float* out, int64_t N) {
+  const int64_t nb = K / kBlock;
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s16[R][2];
+    const __m256i* w = panel + b * 16;
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const __m256i w0 = _mm256_load_si256(w + 2 * s), w1 = _mm256_load_si256(w + 2 * s + 1);
+#pragma GCC unroll 2
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, xq.q.data() + (m0 + i) * K + b * kBlock + 4 * s, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
+        s16[i][0] = s == 0 ? p0 : _mm256_add_epi16(s16[i][0], p0);
+        s16[i][1] = s == 0 ? p1 : _mm256_add_epi16(s16[i][1], p1);
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(dt + b * kPanel), d1 = _mm256_loadu_ps(dt + b * kPanel + 8);
+    const __m256 mm0 = _mm256_loadu_ps(mt + b * kPanel), mm1 = _mm256_loadu_ps(mt + b * kPanel + 8);
+#pragma GCC unroll 2
+    for (int i = 0; i < R; ++i) {
+      const __m256 dx = _mm256_set1_ps(xq.dx[(m0 + i) * nb + b]), xs = _mm256_set1_ps(xq.xs[(m0 + i) * nb + b]);
+      acc[i][0] = add_block<true>(acc[i][0], d0, dx, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][0], ones)), mm0, xs);
+      acc[i][1] = add_block<true>(acc[i][1], d1, dx, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][1], ones)), mm1, xs);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float total[kPanel];
+    _mm256_store_ps(total, acc[i][0]);
+    _mm256_store_ps(total + 8, acc[i][1]);
+    for (int r = 0; r < std::min<int64_t>(kPanel, nn); ++r) out[(m0 + i) * N + n0 + r] = total[r];
+  }
+}
+
+void run_panels(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
+                const uint16_t* m, float* out) {
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> dt(nb * kPanel), mt(nb * kPanel);
+    std::vector<__m256i> panel(nb * 16);  // [nb][8 k-steps][2 vectors of 8 weight rows]
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, nn = std::min<int64_t>(kPanel, N - n0);
+      tile_scales(d, m, nb, N, n0, kPanel, dt.data(), mt.data());
+      unpack_panel(qs, K, N, n0, panel.data());
+      int64_t m0 = 0;
+      for (; m0 + 2 <= M; m0 += 2) panel_rows<2>(xq, m0, K, panel.data(), dt.data(), mt.data(), n0, nn, out, N);
+      if (m0 < M) panel_rows<1>(xq, m0, K, panel.data(), dt.data(), mt.data(), n0, nn, out, N);
+    }
+  });
+}
+
+// The wide kernel for 8-bit weights, one or two activation levels: weights widened to int16, activations
+// as q (or 256 q + q2, which fits int16), so one vpmaddwd multiplies both levels, two levels of k at a
+// time for 8 weight rows; a block's 16 steps add up in int32 (|.| <= 16 * 2 * 127 * 32639 < 2^31) to
+// the narrow kernel's exact sum.
+void unpack_panel16(const uint8_t* qs, int64_t K, int64_t N, int64_t n0, __m256i* panel) {
+  const int64_t nb = K / kBlock;
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 lo[8], hi[8];
+      for (int r = 0; r < 8; ++r) {
+        const __m256i w = load_levels<false>(qs, K, std::min<int64_t>(n0 + half * 8 + r, N - 1), b);
+        lo[r] = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w)));      // levels 0..15
+        hi[r] = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1)));  // 16..31
+      }
+      __m256 out[8];
+      transpose8(lo, out);
+      for (int s = 0; s < 8; ++s) panel[(b * 16 + s) * 2 + half] = _mm256_castps_si256(out[s]);
+      transpose8(hi, out);
+      for (int s = 0; s < 8; ++s) panel[(b * 16 + 8 + s) * 2 + half] = _mm256_castps_si256(out[s]);
+    }
+  }
+}
+
+template <int R>
+void panel16_rows(const Quantized& xq, int64_t m0, int64_t K, const __m256i* panel, const float* dt, int64_t n0,
+                  int64_t nn, float* out, int64_t N) {
+  const int64_t nb = K / kBlock;
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s32[R][2];
+    const __m256i* w = panel + b * 32;
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; ++s) {
+      const __m256i w0 = _mm256_load_si256(w + 2 * s), w1 = _mm256_load_si256(w + 2 * s + 1);
+#pragma GCC unroll 2
+      for (int i = 0; i < R; ++i) {
+        int32_t two;
+        std::memcpy(&two, xq.qc.data() + (m0 + i) * K + b * kBlock + 2 * s, 4);
+        const __m256i xb = _mm256_set1_epi32(two);
+        const __m256i p0 = _mm256_madd_epi16(w0, xb), p1 = _mm256_madd_epi16(w1, xb);
+        s32[i][0] = s == 0 ? p0 : _mm256_add_epi32(s32[i][0], p0);
+        s32[i][1] = s == 0 ? p1 : _mm256_add_epi32(s32[i][1], p1);
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(dt + b * kPanel), d1 = _mm256_loadu_ps(dt + b * kPanel + 8);
+#pragma GCC unroll 2
+    for (int i = 0; i < R; ++i) {
+      const __m256 dx = _mm256_set1_ps(xq.dx[(m0 + i) * nb + b]);
+      acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s32[i][0]), acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s32[i][1]), acc[i][1]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float total[kPanel];
+    _mm256_store_ps(total, acc[i][0]);
+    _mm256_store_ps(total + 8, acc[i][1]);
+    for (int r = 0; r < std::min<int64_t>(kPanel, nn); ++r) out[(m0 + i) * N + n0 + r] = total[r];
+  }
+}
+
+void run_panels16(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
+                  float* out) {
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> dt(nb * kPanel);
+    std::vector<__m256i> panel(nb * 32);  // [nb][16 k-steps][2 vectors of 8 weight rows]
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, nn = std::min<int64_t>(kPanel, N - n0);
+      tile_scales(d, nullptr, nb, N, n0, kPanel, dt.data(), nullptr);
+      unpack_panel16(qs, K, N, n0, panel.data());
+      int64_t m0 = 0;
+      for (; m0 + 2 <= M; m0 += 2) panel16_rows<2>(xq, m0, K, panel.data(), dt.data(), n0, nn, out, N);
+      if (m0 < M) panel16_rows<1>(xq, m0, K, panel.data(), dt.data(), n0, nn, out, N);
+    }
+  });
+}
+
+constexpr int64_t kWideRows = 3;  // from this many rows the wide kernel runs (the same bits as the narrow one)
+inline int64_t wide_rows() { return kWideRows; }
 
 at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
                     int64_t act_levels) {
@@ -183,8 +410,9 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const at::Tensor xc = x.contiguous(), qc = qs.contiguous(), dc = d.contiguous();
+  const bool wide = M >= wide_rows();
   Quantized xq;
-  quantize_rows(xc.data_ptr<float>(), M, K, two, xq);
+  quantize_rows(xc.data_ptr<float>(), M, K, two, wide && !four_bit, xq);
   const auto* qp = static_cast<const uint8_t*>(qc.data_ptr());
   const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
   if (four_bit) {
@@ -192,7 +420,10 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
     TORCH_CHECK(mc.scalar_type() == at::kHalf && mc.sizes() == dc.sizes(), "block_mm: m is float16 like d");
     const auto* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
     if (two) run_tiles<true, true>(xq, M, K, N, qp, dp, mp, out.data_ptr<float>());
+    else if (wide) run_panels(xq, M, K, N, qp, dp, mp, out.data_ptr<float>());
     else run_tiles<true, false>(xq, M, K, N, qp, dp, mp, out.data_ptr<float>());
+  } else if (wide) {
+    run_panels16(xq, M, K, N, qp, dp, out.data_ptr<float>());
   } else if (two) {
     run_tiles<false, true>(xq, M, K, N, qp, dp, nullptr, out.data_ptr<float>());
   } else {

@@ -2,7 +2,7 @@
 as a GGUF file's Q4 layers are, is kept on that grid; any other weight gets symmetric 8-bit blocks;
 activations are rounded per block to 8 bits as llama.cpp does; the AVX2 kernel
 (``kernels/cpu/block_mm.cpp``) computes what its torch reference does, and gives a row the same bits
-alone and in any batch."""
+alone and in any batch (alone and in pairs it runs its narrow loops, from three rows its wide ones)."""
 
 from __future__ import annotations
 
@@ -133,5 +133,5 @@ def test_two_activation_levels_are_closer_and_the_kernel_agrees(kind):
     if blocks_cpu.load():
         got = blocks_cpu.block_mm(x, w.qs, w.d, w.m, 2)
         assert torch.allclose(got, two, rtol=1e-5, atol=1e-5 * float(two.abs().max()))
-        for rows in (1, 2, 5):
+        for rows in (1, 2, 3, 5):  # the kernel's narrow loops below three rows, its wide ones from three
             assert torch.equal(blocks_cpu.block_mm(x[:rows], w.qs, w.d, w.m, 2), got[:rows])

@@ -46,6 +46,23 @@ struct Quantized {  // activation rows in int8 blocks
   std::vector<int16_t> qc;  // [M, K]: q, or 256 q + q2 with two levels (|.| <= 32639): for 8-bit weights
 };
 
+// int32 lanes in order as int8 / int16 (the values fit: no saturation)
+inline __m256i pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+inline __m256i pack_i16(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0b11011000);
+}
+inline int hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01001110));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10110001)));
+}
+
+// Each block of 32: dx = max|x| / 127, q = round-half-even(x / dx) (as x * (1 / dx)); with two levels
+// q2 = round((x - q dx) / dx * 256) within [-127, 127]. Eight lanes at a time, each lane's arithmetic a
+// scalar one's.
 void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool combined, Quantized& out) {
   const int64_t nb = K / kBlock;
   out.qc.resize(combined ? M * K : 0);
@@ -53,29 +70,54 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool c
   out.q2.resize(two_levels ? M * K : 0);
   out.dx.resize(M * nb);
   out.xs.resize(M * nb);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t i = begin; i < end; ++i) {
       const float* v = x + i * kBlock;  // rows are contiguous: block i of the flat [M * nb]
-      float amax = 0.f;
-      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
+      __m256 xv[4];
+      for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(v + 8 * j);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(xv[0], abs_mask), _mm256_and_ps(xv[1], abs_mask)),
+                                _mm256_max_ps(_mm256_and_ps(xv[2], abs_mask), _mm256_and_ps(xv[3], abs_mask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
       const float d = amax / 127.f;
       const float id = d > 0.f ? 1.f / d : 0.f;
-      int sum = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        const float q = std::nearbyint(v[k] * id);
-        out.q[i * kBlock + k] = static_cast<int8_t>(q);
+      const __m256 idv = _mm256_set1_ps(id), dv = _mm256_set1_ps(d);
+      __m256i qi[4], q2i[4];
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256 q = _mm256_round_ps(_mm256_mul_ps(xv[j], idv), kRound);
+        qi[j] = _mm256_cvtps_epi32(q);
         if (two_levels) {
-          const float q2 = std::min(127.f, std::max(-127.f, std::nearbyint((v[k] - q * d) * id * 256.f)));
-          out.q2[i * kBlock + k] = static_cast<int8_t>(q2);
-          sum += 256 * static_cast<int>(q) + static_cast<int>(q2);
-          if (combined) out.qc[i * kBlock + k] = static_cast<int16_t>(256 * static_cast<int>(q) + static_cast<int>(q2));
+          const __m256 r = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(xv[j], _mm256_mul_ps(q, dv)), idv),
+                                         _mm256_set1_ps(256.f));
+          const __m256 q2 = _mm256_min_ps(_mm256_set1_ps(127.f),
+                                          _mm256_max_ps(_mm256_set1_ps(-127.f), _mm256_round_ps(r, kRound)));
+          q2i[j] = _mm256_cvtps_epi32(q2);
+          const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(qi[j], 8), q2i[j]);
+          sum = _mm256_add_epi32(sum, both);
+          if (combined) {
+            if (j % 2 == 1) {
+              const __m256i prev = _mm256_add_epi32(_mm256_slli_epi32(qi[j - 1], 8), q2i[j - 1]);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qc.data() + i * kBlock + 8 * (j - 1)),
+                                  pack_i16(prev, both));
+            }
+          }
         } else {
-          sum += static_cast<int>(q);
-          if (combined) out.qc[i * kBlock + k] = static_cast<int16_t>(q);
+          sum = _mm256_add_epi32(sum, qi[j]);
+          if (combined && j % 2 == 1)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qc.data() + i * kBlock + 8 * (j - 1)),
+                                pack_i16(qi[j - 1], qi[j]));
         }
       }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * kBlock), pack_i8(qi[0], qi[1], qi[2], qi[3]));
+      if (two_levels)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q2.data() + i * kBlock),
+                            pack_i8(q2i[0], q2i[1], q2i[2], q2i[3]));
       out.dx[i] = two_levels ? d / 256.f : d;
-      out.xs[i] = out.dx[i] * static_cast<float>(sum);
+      out.xs[i] = out.dx[i] * static_cast<float>(hsum(sum));
     }
   });
 }

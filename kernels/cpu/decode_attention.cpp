@@ -3,12 +3,15 @@
 // own new key/value, in float32. The compiled decode step calls it once per layer in place of the
 // gather and the written-out softmax inductor would generate (shared/model/compiled.py).
 //
-// Work item: one (sequence, KV head), the items of a KV head next to each other. Its keys are read once for all G queries of the group: the
-// scores of every valid past position and of the step's own token, then an exact max, exp and sum,
-// then the values weighted by those probabilities, divided by the sum at the end. Every item runs the
-// same instructions in the same order whatever the batch and whatever the longest sequence (masked
-// positions are skipped, not multiplied by zero), so a sequence gets the same bits alone and in any
-// batch (built with -ffp-contract=off: the only fused multiply-adds are the explicit ones).
+// Work item: one (sequence, KV head), the items of a KV head next to each other. Its keys are read
+// once for all G queries of the group: the scores of every valid past position and of the step's own
+// token, then an exact max, exp and sum, then the values weighted by those probabilities (32 outputs
+// held in registers over all positions), divided by the sum at the end. The keys and values of
+// positions ahead are prefetched: the pool's rows are scattered over memory, and waiting for one miss
+// at a time took half the time. Every item runs the same instructions in the same order whatever the
+// batch and whatever the longest sequence (masked positions are skipped, not multiplied by zero), so
+// a sequence gets the same bits alone and in any batch (built with -ffp-contract=off: the only fused
+// multiply-adds are the explicit ones).
 //
 // Inputs: q [B, H, D] float32; k, v [B, Hkv, D] float32 (the step's own K/V, already rounded to the
 // pool's dtype); kv_cache [num_blocks, layers, 2, block_size, Hkv, D] float32, bfloat16 or float16;
@@ -28,6 +31,8 @@
 
 namespace {
 
+constexpr int64_t kAhead = 16;  // positions whose K and V are requested ahead of their scores
+
 // 8 float lanes summed in a fixed order
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -44,18 +49,16 @@ inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// The scaled scores of one key for gn (at most 4) queries D apart, the key read once: each query's sum
+// in chunk order over 8 lanes, the lanes added in hsum's order; score g goes to out[g * stride].
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(k + c), acc);
-  return hsum(acc);
-}
-
-template <typename T>
-inline void axpy(float p, const T* v, float* out, int64_t D) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t c = 0; c < D; c += 8)
-    _mm256_storeu_ps(out + c, _mm256_fmadd_ps(pv, load8(v + c), _mm256_loadu_ps(out + c)));
+inline void scores_of(const float* q, const T* k, int64_t D, int64_t gn, float scale, float* out, int64_t stride) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 kc = load8(k + c);
+    for (int64_t g = 0; g < gn; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), kc, acc[g]);
+  }
+  for (int64_t g = 0; g < gn; ++g) out[g * stride] = hsum(acc[g]) * scale;
 }
 
 template <typename T>
@@ -102,11 +105,27 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const int64_t n = static_cast<int64_t>(keys.size());
       scores.resize(G * n);
       const float* qrow = qp + (b * H + h * G) * D;
+      // the pool's rows of a (layer, KV head) are D values every Hkv * D, in blocks scattered over the
+      // pool: read from memory at the pace of one miss at a time unless asked ahead. Both the key and
+      // the value of a position a few ahead are fetched while this one's scores are computed (an
+      // item's values, n * D of them, stay in cache for the weighted sum)
+      const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+      auto fetch = [&](int64_t j) {
+        const char* kb = static_cast<const char*>(keys[j]);
+        const char* vb = static_cast<const char*>(values[j]);
+        for (int64_t off = 0; off < bytes; off += 64) {
+          _mm_prefetch(kb + off, _MM_HINT_T0);
+          _mm_prefetch(vb + off, _MM_HINT_T0);
+        }
+      };
+      for (int64_t j = 0; j < std::min<int64_t>(kAhead, n); ++j) fetch(j);
       for (int64_t j = 0; j < n; ++j) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float s = own[j] ? dot(qrow + g * D, static_cast<const float*>(keys[j]), D)
-                                 : dot(qrow + g * D, static_cast<const T*>(keys[j]), D);
-          scores[g * n + j] = s * scale;
+        if (j + kAhead < n) fetch(j + kAhead);
+        // each key chunk read once for the group's queries
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const int64_t gn = std::min<int64_t>(4, G - g0);
+          if (own[j]) scores_of(qrow + g0 * D, static_cast<const float*>(keys[j]), D, gn, scale, scores.data() + g0 * n + j, n);
+          else scores_of(qrow + g0 * D, static_cast<const T*>(keys[j]), D, gn, scale, scores.data() + g0 * n + j, n);
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -119,13 +138,23 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           sum += s[j];
         }
         float* o = op + (b * H + h * G + g) * D;
-        for (int64_t c = 0; c < D; ++c) o[c] = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          if (own[j]) axpy(s[j], static_cast<const float*>(values[j]), o, D);
-          else axpy(s[j], static_cast<const T*>(values[j]), o, D);
-        }
         const __m256 inv = _mm256_set1_ps(1.0f / sum);
-        for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inv));
+        // 32 output values at a time held in registers over all positions: o += p_j v_j in j order
+        for (int64_t c0 = 0; c0 < D; c0 += 32) {
+          const int64_t cn = std::min<int64_t>(4, (D - c0) / 8);
+          __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int64_t j = 0; j < n; ++j) {
+            const __m256 pv = _mm256_set1_ps(s[j]);
+            if (own[j]) {
+              const float* vj = static_cast<const float*>(values[j]) + c0;
+              for (int64_t u = 0; u < cn; ++u) acc[u] = _mm256_fmadd_ps(pv, load8(vj + 8 * u), acc[u]);
+            } else {
+              const T* vj = static_cast<const T*>(values[j]) + c0;
+              for (int64_t u = 0; u < cn; ++u) acc[u] = _mm256_fmadd_ps(pv, load8(vj + 8 * u), acc[u]);
+            }
+          }
+          for (int64_t u = 0; u < cn; ++u) _mm256_storeu_ps(o + c0 + 8 * u, _mm256_mul_ps(acc[u], inv));
+        }
       }
     }
   });

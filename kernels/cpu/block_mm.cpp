@@ -155,6 +155,10 @@ inline __m128 add_block<false, __m128>(__m128 acc, __m128 d, __m128 dx, __m128 s
   return _mm_fmadd_ps(_mm_mul_ps(d, dx), sum, acc);
 }
 template <>
+inline __m256 add_block<false, __m256>(__m256 acc, __m256 d, __m256 dx, __m256 sum, __m256, __m256) {
+  return _mm256_fmadd_ps(_mm256_mul_ps(d, dx), sum, acc);
+}
+template <>
 inline __m256 add_block<true, __m256>(__m256 acc, __m256 d, __m256 dx, __m256 sum, __m256 m, __m256 xs) {
   return _mm256_fmadd_ps(m, xs, _mm256_fmadd_ps(_mm256_mul_ps(d, dx), sum, acc));
 }
@@ -298,65 +302,6 @@ void unpack_panel(const uint8_t* qs, int64_t K, int64_t N, int64_t n0, __m256i* 
   }
 }
 
-// R activation rows (at most 2) against a panel's 16 weight rows from n0 (nn of them written).
-template <int R>
-void panel_rows(const Quantized& xq, int64_t m0, int64_t K, const __m256i* panel, const float* dt, const float* mt,
-                int64_t n0, int64_t nn, float* out, int64_t N) {
-  const int64_t nb = K / kBlock;
-  __m256 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i s16[R][2];
-    const __m256i* w = panel + b * 16;
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s) {
-      const __m256i w0 = _mm256_load_si256(w + 2 * s), w1 = _mm256_load_si256(w + 2 * s + 1);
-#pragma GCC unroll 2
-      for (int i = 0; i < R; ++i) {
-        int32_t four;
-        std::memcpy(&four, xq.q.data() + (m0 + i) * K + b * kBlock + 4 * s, 4);
-        const __m256i xb = _mm256_set1_epi32(four);
-        const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
-        s16[i][0] = s == 0 ? p0 : _mm256_add_epi16(s16[i][0], p0);
-        s16[i][1] = s == 0 ? p1 : _mm256_add_epi16(s16[i][1], p1);
-      }
-    }
-    const __m256 d0 = _mm256_loadu_ps(dt + b * kPanel), d1 = _mm256_loadu_ps(dt + b * kPanel + 8);
-    const __m256 mm0 = _mm256_loadu_ps(mt + b * kPanel), mm1 = _mm256_loadu_ps(mt + b * kPanel + 8);
-#pragma GCC unroll 2
-    for (int i = 0; i < R; ++i) {
-      const __m256 dx = _mm256_set1_ps(xq.dx[(m0 + i) * nb + b]), xs = _mm256_set1_ps(xq.xs[(m0 + i) * nb + b]);
-      acc[i][0] = add_block<true>(acc[i][0], d0, dx, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][0], ones)), mm0, xs);
-      acc[i][1] = add_block<true>(acc[i][1], d1, dx, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][1], ones)), mm1, xs);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    alignas(32) float total[kPanel];
-    _mm256_store_ps(total, acc[i][0]);
-    _mm256_store_ps(total + 8, acc[i][1]);
-    for (int r = 0; r < std::min<int64_t>(kPanel, nn); ++r) out[(m0 + i) * N + n0 + r] = total[r];
-  }
-}
-
-void run_panels(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
-                const uint16_t* m, float* out) {
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  const int64_t nb = K / kBlock;
-  at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> dt(nb * kPanel), mt(nb * kPanel);
-    std::vector<__m256i> panel(nb * 16);  // [nb][8 k-steps][2 vectors of 8 weight rows]
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel, nn = std::min<int64_t>(kPanel, N - n0);
-      tile_scales(d, m, nb, N, n0, kPanel, dt.data(), mt.data());
-      unpack_panel(qs, K, N, n0, panel.data());
-      int64_t m0 = 0;
-      for (; m0 + 2 <= M; m0 += 2) panel_rows<2>(xq, m0, K, panel.data(), dt.data(), mt.data(), n0, nn, out, N);
-      if (m0 < M) panel_rows<1>(xq, m0, K, panel.data(), dt.data(), mt.data(), n0, nn, out, N);
-    }
-  });
-}
-
 // The wide kernel for 8-bit weights, one or two activation levels: weights widened to int16, activations
 // as q (or 256 q + q2, which fits int16), so one vpmaddwd multiplies both levels, two levels of k at a
 // time for 8 weight rows; a block's 16 steps add up in int32 (|.| <= 16 * 2 * 127 * 32639 < 2^31) to
@@ -380,34 +325,54 @@ void unpack_panel16(const uint8_t* qs, int64_t K, int64_t N, int64_t n0, __m256i
   }
 }
 
-template <int R>
-void panel16_rows(const Quantized& xq, int64_t m0, int64_t K, const __m256i* panel, const float* dt, int64_t n0,
-                  int64_t nn, float* out, int64_t N) {
+// R activation rows (at most 2) against a panel's 16 weight rows from n0 (nn of them written). 4-bit:
+// a block is 8 k-steps of 4 levels (vpmaddubsw, the steps added in int16, one vpmaddwd); 8-bit: 16
+// k-steps of 2 int16 levels (vpmaddwd, added in int32).
+template <int R, bool kFourBit>
+void panel_rows(const Quantized& xq, int64_t m0, int64_t K, const __m256i* panel, const float* dt, const float* mt,
+                int64_t n0, int64_t nn, float* out, int64_t N) {
+  constexpr int kSteps = kFourBit ? 8 : 16;
   const int64_t nb = K / kBlock;
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i s32[R][2];
-    const __m256i* w = panel + b * 32;
+    __m256i part[R][2];  // int16 sums of level pairs (4-bit) or int32 sums (8-bit), per weight row
+    const __m256i* w = panel + b * 2 * kSteps;
 #pragma GCC unroll 16
-    for (int s = 0; s < 16; ++s) {
+    for (int s = 0; s < kSteps; ++s) {
       const __m256i w0 = _mm256_load_si256(w + 2 * s), w1 = _mm256_load_si256(w + 2 * s + 1);
 #pragma GCC unroll 2
       for (int i = 0; i < R; ++i) {
-        int32_t two;
-        std::memcpy(&two, xq.qc.data() + (m0 + i) * K + b * kBlock + 2 * s, 4);
-        const __m256i xb = _mm256_set1_epi32(two);
-        const __m256i p0 = _mm256_madd_epi16(w0, xb), p1 = _mm256_madd_epi16(w1, xb);
-        s32[i][0] = s == 0 ? p0 : _mm256_add_epi32(s32[i][0], p0);
-        s32[i][1] = s == 0 ? p1 : _mm256_add_epi32(s32[i][1], p1);
+        int32_t four;  // four int8 levels, or two int16 ones
+        if (kFourBit) std::memcpy(&four, xq.q.data() + (m0 + i) * K + b * kBlock + 4 * s, 4);
+        else std::memcpy(&four, xq.qc.data() + (m0 + i) * K + b * kBlock + 2 * s, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        if (kFourBit) {
+          const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
+          part[i][0] = s == 0 ? p0 : _mm256_add_epi16(part[i][0], p0);
+          part[i][1] = s == 0 ? p1 : _mm256_add_epi16(part[i][1], p1);
+        } else {
+          const __m256i p0 = _mm256_madd_epi16(w0, xb), p1 = _mm256_madd_epi16(w1, xb);
+          part[i][0] = s == 0 ? p0 : _mm256_add_epi32(part[i][0], p0);
+          part[i][1] = s == 0 ? p1 : _mm256_add_epi32(part[i][1], p1);
+        }
       }
     }
     const __m256 d0 = _mm256_loadu_ps(dt + b * kPanel), d1 = _mm256_loadu_ps(dt + b * kPanel + 8);
+    const __m256 mm0 = kFourBit ? _mm256_loadu_ps(mt + b * kPanel) : _mm256_setzero_ps();
+    const __m256 mm1 = kFourBit ? _mm256_loadu_ps(mt + b * kPanel + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 2
     for (int i = 0; i < R; ++i) {
       const __m256 dx = _mm256_set1_ps(xq.dx[(m0 + i) * nb + b]);
-      acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s32[i][0]), acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s32[i][1]), acc[i][1]);
+      const __m256 xs = kFourBit ? _mm256_set1_ps(xq.xs[(m0 + i) * nb + b]) : _mm256_setzero_ps();
+      __m256i sum0 = part[i][0], sum1 = part[i][1];
+      if (kFourBit) {
+        sum0 = _mm256_madd_epi16(sum0, ones);
+        sum1 = _mm256_madd_epi16(sum1, ones);
+      }
+      acc[i][0] = add_block<kFourBit>(acc[i][0], d0, dx, _mm256_cvtepi32_ps(sum0), mm0, xs);
+      acc[i][1] = add_block<kFourBit>(acc[i][1], d1, dx, _mm256_cvtepi32_ps(sum1), mm1, xs);
     }
   }
   for (int i = 0; i < R; ++i) {
@@ -418,20 +383,24 @@ void panel16_rows(const Quantized& xq, int64_t m0, int64_t K, const __m256i* pan
   }
 }
 
-void run_panels16(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
-                  float* out) {
+template <bool kFourBit>
+void run_panels(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
+                const uint16_t* m, float* out) {
+  constexpr int kSteps = kFourBit ? 8 : 16;
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
   const int64_t nb = K / kBlock;
   at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> dt(nb * kPanel);
-    std::vector<__m256i> panel(nb * 32);  // [nb][16 k-steps][2 vectors of 8 weight rows]
+    std::vector<float> dt(nb * kPanel), mt(kFourBit ? nb * kPanel : 0);
+    std::vector<__m256i> panel(nb * 2 * kSteps);  // [nb][k-steps][2 vectors of 8 weight rows]
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanel, nn = std::min<int64_t>(kPanel, N - n0);
-      tile_scales(d, nullptr, nb, N, n0, kPanel, dt.data(), nullptr);
-      unpack_panel16(qs, K, N, n0, panel.data());
+      tile_scales(d, kFourBit ? m : nullptr, nb, N, n0, kPanel, dt.data(), mt.data());
+      if (kFourBit) unpack_panel(qs, K, N, n0, panel.data());
+      else unpack_panel16(qs, K, N, n0, panel.data());
       int64_t m0 = 0;
-      for (; m0 + 2 <= M; m0 += 2) panel16_rows<2>(xq, m0, K, panel.data(), dt.data(), n0, nn, out, N);
-      if (m0 < M) panel16_rows<1>(xq, m0, K, panel.data(), dt.data(), n0, nn, out, N);
+      for (; m0 + 2 <= M; m0 += 2)
+        panel_rows<2, kFourBit>(xq, m0, K, panel.data(), dt.data(), mt.data(), n0, nn, out, N);
+      if (m0 < M) panel_rows<1, kFourBit>(xq, m0, K, panel.data(), dt.data(), mt.data(), n0, nn, out, N);
     }
   });
 }
@@ -462,10 +431,10 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
     TORCH_CHECK(mc.scalar_type() == at::kHalf && mc.sizes() == dc.sizes(), "block_mm: m is float16 like d");
     const auto* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
     if (two) run_tiles<true, true>(xq, M, K, N, qp, dp, mp, out.data_ptr<float>());
-    else if (wide) run_panels(xq, M, K, N, qp, dp, mp, out.data_ptr<float>());
+    else if (wide) run_panels<true>(xq, M, K, N, qp, dp, mp, out.data_ptr<float>());
     else run_tiles<true, false>(xq, M, K, N, qp, dp, mp, out.data_ptr<float>());
   } else if (wide) {
-    run_panels16(xq, M, K, N, qp, dp, out.data_ptr<float>());
+    run_panels<false>(xq, M, K, N, qp, dp, nullptr, out.data_ptr<float>());
   } else if (two) {
     run_tiles<false, true>(xq, M, K, N, qp, dp, nullptr, out.data_ptr<float>());
   } else {

@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -85,33 +84,25 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool c
       const float d = amax / 127.f;
       const float id = d > 0.f ? 1.f / d : 0.f;
       const __m256 idv = _mm256_set1_ps(id), dv = _mm256_set1_ps(d);
-      __m256i qi[4], q2i[4];
+      __m256i qi[4], q2i[4], both[4];  // both: q, or 256 q + q2 with two levels
       __m256i sum = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256 q = _mm256_round_ps(_mm256_mul_ps(xv[j], idv), kRound);
-        qi[j] = _mm256_cvtps_epi32(q);
+        qi[j] = both[j] = _mm256_cvtps_epi32(q);
         if (two_levels) {
           const __m256 r = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(xv[j], _mm256_mul_ps(q, dv)), idv),
                                          _mm256_set1_ps(256.f));
           const __m256 q2 = _mm256_min_ps(_mm256_set1_ps(127.f),
                                           _mm256_max_ps(_mm256_set1_ps(-127.f), _mm256_round_ps(r, kRound)));
           q2i[j] = _mm256_cvtps_epi32(q2);
-          const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(qi[j], 8), q2i[j]);
-          sum = _mm256_add_epi32(sum, both);
-          if (combined) {
-            if (j % 2 == 1) {
-              const __m256i prev = _mm256_add_epi32(_mm256_slli_epi32(qi[j - 1], 8), q2i[j - 1]);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qc.data() + i * kBlock + 8 * (j - 1)),
-                                  pack_i16(prev, both));
-            }
-          }
-        } else {
-          sum = _mm256_add_epi32(sum, qi[j]);
-          if (combined && j % 2 == 1)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qc.data() + i * kBlock + 8 * (j - 1)),
-                                pack_i16(qi[j - 1], qi[j]));
+          both[j] = _mm256_add_epi32(_mm256_slli_epi32(qi[j], 8), q2i[j]);
         }
+        sum = _mm256_add_epi32(sum, both[j]);
       }
+      if (combined)
+        for (int j = 0; j < 4; j += 2)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qc.data() + i * kBlock + 8 * j),
+                              pack_i16(both[j], both[j + 1]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * kBlock), pack_i8(qi[0], qi[1], qi[2], qi[3]));
       if (two_levels)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q2.data() + i * kBlock),
@@ -406,7 +397,6 @@ void run_panels(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint
 }
 
 constexpr int64_t kWideRows = 3;  // from this many rows the wide kernel runs (the same bits as the narrow one)
-inline int64_t wide_rows() { return kWideRows; }
 
 at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
                     int64_t act_levels) {
@@ -421,7 +411,7 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const at::Tensor xc = x.contiguous(), qc = qs.contiguous(), dc = d.contiguous();
-  const bool wide = M >= wide_rows();
+  const bool wide = M >= kWideRows;
   Quantized xq;
   quantize_rows(xc.data_ptr<float>(), M, K, two, wide && !four_bit, xq);
   const auto* qp = static_cast<const uint8_t*>(qc.data_ptr());

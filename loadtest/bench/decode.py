@@ -34,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="runs per batch size; the fastest is kept")
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV pool's dtype (default: %(default)s = the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if there is one)")
     p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
@@ -101,7 +103,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     engine = LLMEngine.from_config(EngineConfig(
         model=args.model, max_num_seqs=max(batches), dtype=args.dtype, quantization=args.quantization,
-        num_threads=args.threads, device=args.device, attention_backend=args.attention_backend, compile=args.compile,
+        kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads, device=args.device,
+        attention_backend=args.attention_backend, compile=args.compile,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len)))
     warmup(engine)
     bandwidth = copy_bandwidth(engine.device)
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
         print(f"batch {b:3d}: {tok_s:7.2f} decode tok/s, {step_s * 1e3:7.1f} ms/step, weights read at "
               f"{weights / step_s / 1e9:5.1f} GB/s = {weights / step_s / bandwidth:.0%} of copy bandwidth", flush=True)
     result = {"model": args.model, "precision": f"{engine.config.dtype} + {engine.config.quantization}",
+              "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
               "weight_bytes_per_step": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,
               "threads": torch.get_num_threads(), "host": platform.node(), "processor": platform.processor(),
               "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",

@@ -52,6 +52,9 @@ PRECISIONS = {
     "int8-precise": ("float32", "int8-precise", ()),
     "bfloat16-int8": ("bfloat16", "int8", ()),
     "gguf": ("float32", "gguf", ()),
+    # the KV pool in float16 (--kv-cache-dtype float16) under a float32 or gguf model
+    "float32-kv-float16": ("float32", "none", (), "float16"),
+    "gguf-kv-float16": ("float32", "gguf", (), "float16"),
     "int8-fp32-head": ("float32", "int8", ("head",)),
     "int8-fp32-ends": ("float32", "int8", ("ends",)),
     "int8-fp32-head-ends": ("float32", "int8", ("head", "ends")),
@@ -159,12 +162,30 @@ def load_engine(model: str, name: str, reference=None):
     """An engine in precision ``name`` as a worker would load it (plus ``keep_float``'s variants)."""
     from shared.engine import EngineConfig, LLMEngine  # noqa: PLC0415
 
-    dtype, quantization, parts = PRECISIONS[name]
+    dtype, quantization, parts, *kv_dtype = PRECISIONS[name]
     engine = LLMEngine.from_config(EngineConfig(model=model, dtype=dtype, quantization=quantization,
-                                                kv_cache_memory=64 << 20))
+                                                kv_cache_memory=64 << 20,
+                                                kv_cache_dtype=kv_dtype[0] if kv_dtype else None))
     if parts:
         keep_float(engine.model, reference, parts)
     return engine
+
+
+class KvDtypeModel:
+    """A model whose teacher-forced prefills keep their KV in ``kv_dtype`` (as its engine's pool does)."""
+
+    def __init__(self, model, kv_dtype) -> None:
+        self.model, self.kv_dtype = model, kv_dtype
+
+    def prefill_logits(self, token_ids: list[int]):
+        return self.model.prefill_logits(token_ids, kv_dtype=self.kv_dtype)
+
+
+def teacher_forced_model(engine):
+    """What ``teacher_forced`` measures of an engine: its model, over a KV of its pool's dtype."""
+    if engine.kv_cache.dtype == engine.model.dtype:
+        return engine.model
+    return KvDtypeModel(engine.model, engine.kv_cache.dtype)
 
 
 def cpu_name() -> str:
@@ -246,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"teacher-forced: window {done}/{total} ({time.perf_counter() - started:.0f} s)", file=sys.stderr,
               flush=True)
 
-    tf = teacher_forced(reference, {n: e.model for n, e in engines.items()}, corpus, args.window, progress)
+    tf = teacher_forced(reference, {n: teacher_forced_model(e) for n, e in engines.items()}, corpus, args.window,
+                        progress)
     answers = {}
     for name, engine in engines.items():
         answers[name] = greedy(engine, prompts, args.max_new_tokens)
@@ -256,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
               "corpus_tokens": len(corpus), "window": args.window, "max_new_tokens": args.max_new_tokens,
               "target_top1": TARGET_TOP1, "precisions": {}}
     for name in names:
-        dtype, quantization, parts = PRECISIONS[name]
+        dtype, quantization, parts, *kv_dtype = PRECISIONS[name]
         report["precisions"][name] = {
             "dtype": dtype, "quantization": quantization, "float32_parts": list(parts),
+            "kv_cache_dtype": kv_dtype[0] if kv_dtype else dtype,
             "teacher_forced": tf[name], "greedy": greedy_equality(answers["float32"], answers[name]),
             "sample": tok.decode(answers[name][0])}
     report["elapsed_s"] = round(time.perf_counter() - started, 1)

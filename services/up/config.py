@@ -40,6 +40,9 @@ class WorkerHostSettings(BaseSettings):
         None, description="workers' linear layers: none (model dtype), int8 (W8A8, CPU only) or "
                                   "int8-precise (two int8 levels of activations, closer to float32) or gguf (weight-only blocks "
                                   "as the GGUF file's, 8-bit block activations, for CPUs with AVX2 but no VNNI); default: see dtype")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="workers' KV pool dtype (CPU): float16 halves the pool's bytes under a float32 or gguf "
+                          "model (default: the workers' own, auto = float16 under gguf, else the model's dtype)")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
                                            "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")
@@ -61,6 +64,7 @@ class WorkerHostSettings(BaseSettings):
         engine = {"kv_cache_memory": self.kv_cache_memory, "device": self.device,
                   "drain_timeout_s": self.drain_timeout_s,
                   **_given(dtype=self.dtype, quantization=self.quantization, num_threads=self.num_threads,
+                           kv_cache_dtype=self.kv_cache_dtype,
                            compile=self.compile)}
         decode_only = _given(max_local_prefill_tokens=self.max_local_prefill_tokens,
                              max_prefill_queue=self.max_prefill_queue, kv_host_memory=self.kv_host_memory,

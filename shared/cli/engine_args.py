@@ -43,6 +43,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "gguf: weight-only blocks of 32 as in the GGUF file (its 4-bit layers kept 4-bit, others "
                         "8-bit) with 8-bit block activations as llama.cpp, for CPUs with AVX2 but no VNNI")
 
+    g.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV pool's dtype (CPU): float16 under a float32 or gguf model halves the pool's bytes, "
+                        "so a budget holds twice the blocks and a decode step reads half as much, as llama.cpp's "
+                        "default f16 cache (default: %(default)s = float16 under --quantization gguf, else the "
+                        "model's dtype)")
     g.add_argument("--speculative-tokens", type=int, default=int(_env("SPECULATIVE_TOKENS", 0)),
                    help="speculative decoding: up to this many draft tokens per step, looked up in the request's "
                         "own prompt and output (n-gram) and verified in the same forward; greedy text is unchanged, "
@@ -79,7 +84,7 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed,
         num_threads=int(args.num_threads) if args.num_threads else None, quantization=args.quantization,
-        kv_host_memory=parse_size(args.kv_host_memory) if args.kv_host_memory else 0,
+        kv_cache_dtype=args.kv_cache_dtype, kv_host_memory=parse_size(args.kv_host_memory) if args.kv_host_memory else 0,
         kv_disk_dir=args.kv_disk_dir, kv_disk_size=parse_size(args.kv_disk_size),
         kv_disk_min_uses=args.kv_disk_min_uses, speculative_tokens=args.speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, compile=args.compile)

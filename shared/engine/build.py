@@ -66,7 +66,8 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     namespace = make_namespace(model_id)
-    kv_spec = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, model.dtype)
+    kv_spec = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                          config.resolve_kv_dtype(model.dtype, model.device, model.quantization))
     num_blocks = num_kv_blocks(kv_spec, kv_cache_bytes(config, model.device))
     events = KvEventEmitter()
     kv_cache = kv_spec.allocate(num_blocks, model.device)
@@ -111,7 +112,7 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
     threads = engine_thread_count(config.num_threads)  # the engine thread's count, read before any hand-over
     if compile_mode != "off":
         artifacts = CompileArtifacts(CompileArtifacts.default_root(),
-                                     engine_artifact_key(model, config.block_size, threads))
+                                     engine_artifact_key(model, config.block_size, threads, kv_cache.dtype))
     if compile_mode == "on":
         compiled = CompiledDecode(model, config.block_size, threads)
         compiled.warm(kv_cache, artifacts, artifact_store)

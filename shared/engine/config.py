@@ -27,6 +27,9 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * scale)
 
 
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"
@@ -43,6 +46,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this process (default: torch's choice)
     quantization: str | None = None  # "int8" / "int8-precise": W8A8 linear layers (CPU), shared/model/quant.py; None: as dtype
+    # the KV pool's dtype: None or "auto" = the model's; on a CPU, float16 or bfloat16 under a float32
+    # model halves the pool's bytes (twice the blocks in a budget, half the reads per decode step)
+    kv_cache_dtype: str | None = None
     # tiers below the KV pool (shared/kvcache/tiers.py): host memory and a local disk directory
     kv_host_memory: int = 0  # bytes; 0: no host tier
     kv_disk_dir: str | None = None
@@ -64,9 +70,28 @@ class EngineConfig:
         if self.quantization is not None:
             self.quantization = quantization_name(self.quantization)
         self.compile = compile_mode(self.compile)
+        if self.kv_cache_dtype == "auto":
+            self.kv_cache_dtype = None
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kv_host_memory < 0 or self.kv_disk_size < 1 or self.kv_disk_min_uses < 1:
             raise ValueError(f"kv_host_memory ({self.kv_host_memory}) must be >= 0, kv_disk_size "
                              f"({self.kv_disk_size}) and kv_disk_min_uses ({self.kv_disk_min_uses}) positive")
+
+    def resolve_kv_dtype(self, model_dtype: torch.dtype, device: torch.device,
+                         quantization: str = "none") -> torch.dtype:
+        """The KV pool's dtype: ``kv_cache_dtype`` where given (another than the model's on the CPU
+        only: the CUDA kernels read the pool in the model's dtype); else float16 under a gguf model on
+        the CPU (llama.cpp's default cache for the same files: as close to float32 on SmolLM2, twice
+        the blocks, a faster decode step), and the model's dtype otherwise."""
+        if self.kv_cache_dtype is None:
+            return torch.float16 if quantization == "gguf" and device.type == "cpu" else model_dtype
+        dtype = getattr(torch, self.kv_cache_dtype)
+        if dtype != model_dtype and device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} differs from the model's {model_dtype}: "
+                             f"only the CPU kernels read a pool of another dtype")
+        return dtype
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -58,9 +58,10 @@ class LLMEngine:
         tokens = self.num_blocks * self.block_size
         gib = self.num_blocks * self.kv_spec.bytes_per_block / 2**30
         per_req = self.kv_spec.bytes_per_token * self.max_model_len / 2**20
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d KiB/token); a %d-token request "
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB %s, %d KiB/token); a %d-token request "
                  "needs %.1f MiB, so at most %d such sequences run at once (max_num_seqs=%d); %s attention",
-                 self.num_blocks, self.block_size, tokens, gib, self.kv_spec.bytes_per_token // 1024,
+                 self.num_blocks, self.block_size, tokens, gib, str(self.kv_spec.dtype).removeprefix("torch."),
+                 self.kv_spec.bytes_per_token // 1024,
                  self.max_model_len, per_req, tokens // self.max_model_len, self.config.max_num_seqs,
                  self.backend.name)
 

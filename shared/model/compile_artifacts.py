@@ -60,19 +60,23 @@ def isa_flags(flags: frozenset[str] | None = None) -> list[str]:
 
 def artifact_key(*, structure: object, block_size: int, threads: int, code: str, torch_version: str,
                  flags: frozenset[str] | None = None, int8_kernel: bool = False,
-                 block_kernel: bool | None = None, attention_kernel: bool = False) -> str:
+                 block_kernel: bool | None = None, attention_kernel: bool = False,
+                 kv_dtype: str | None = None) -> str:
     """The name of one compiled step's artifacts (a NATS object name: letters, digits, ``-``).
     ``int8_kernel``: the graph calls the int8 CPU kernel (kernels/int8_cpu.py), which a process
     that did not load it (no compiler, ``TANDEM_INT8_KERNEL=off``) cannot run. ``block_kernel``
     (gguf models only): the graph calls the block kernel (kernels/blocks_cpu.py), else its torch
     reference, whose sums are rounded differently. ``attention_kernel``: the graph's attention is
-    the C++ kernel (kernels/attention_cpu.py), else the written-out softmax."""
+    the C++ kernel (kernels/attention_cpu.py), else the written-out softmax. ``kv_dtype``: the KV
+    pool's dtype where it is not the model's."""
     identity = {"structure": structure, "block_size": block_size, "threads": threads, "code": code,
                 "torch": torch_version, "python": platform.python_version_tuple()[:2],
                 "machine": platform.machine(), "isa": isa_flags(flags), "int8_kernel": int8_kernel,
                 "attention_kernel": attention_kernel}
     if block_kernel is not None:
         identity["block_kernel"] = block_kernel
+    if kv_dtype is not None:
+        identity["kv_dtype"] = kv_dtype
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return f"decode-{digest}"
 
@@ -115,7 +119,8 @@ def traced_code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def engine_artifact_key(model, block_size: int, threads: int) -> str:
+def engine_artifact_key(model, block_size: int, threads: int, kv_dtype=None) -> str:
+    """``kv_dtype``: the pool's, where it is not the model's (a graph reads the pool it was traced with)."""
     import torch
 
     from kernels import attention_cpu, blocks_cpu, int8_cpu
@@ -125,7 +130,8 @@ def engine_artifact_key(model, block_size: int, threads: int) -> str:
                         code=traced_code_digest(), torch_version=torch.__version__,
                         int8_kernel=model.quantization.startswith("int8") and int8_cpu.kernel_in_graph(),
                         block_kernel=blocks_cpu.kernel_in_graph() if gguf else None,
-                        attention_kernel=attention_cpu.kernel_in_graph())
+                        attention_kernel=attention_cpu.kernel_in_graph(),
+                        **({"kv_dtype": str(kv_dtype)} if kv_dtype is not None and kv_dtype != model.dtype else {}))
 
 
 class ArtifactStore(Protocol):

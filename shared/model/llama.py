@@ -161,12 +161,14 @@ class LlamaModel:
             int8_cpu.load()  # the few-row kernel (built once per machine), or torch._int_mm: same bits
 
     @torch.inference_mode()
-    def prefill_logits(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], block_size: int = 16,
+                       kv_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Float32 logits [n, V] at every position of one prefill of ``token_ids``, over a scratch
-        KV cache: for calibration and for measuring a model against another."""
+        KV cache (of ``kv_dtype``, default the model's): for calibration and for measuring a model
+        against another."""
         cfg, n, dev = self.cfg, len(token_ids), self.device
         num_blocks = -(-n // block_size)
-        kv = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype).allocate(
+        kv = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype or self.dtype).allocate(
             num_blocks, dev)
         meta = AttentionMetadata(
             num_decodes=0, slot_mapping=torch.arange(n, device=dev),

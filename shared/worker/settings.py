@@ -43,6 +43,10 @@ class EngineWorkerSettings(ServiceSettings):
                           "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
                           "float32, slower; gguf: weight-only blocks of 32 as a GGUF file's (its own 4-bit layers kept "
                           "4-bit, others 8-bit), 8-bit block activations, for CPUs with AVX2 but no VNNI; default: see dtype")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the KV pool's dtype (CPU): float16 under a float32 or gguf model halves the pool's "
+                            "bytes, so a budget holds twice the blocks and a decode step reads half as much, as "
+                            "llama.cpp's default f16 cache; auto = float16 under gguf, else the model's dtype")
     kv_host_memory: str | None = Field(None, description="host-memory KV tier under the pool, e.g. 4GiB "
                                        "(evicted blocks are kept there; default: off)")
     kv_disk_dir: str | None = Field(None, description="disk KV tier directory; it outlives the worker, so a "
@@ -89,7 +93,7 @@ class EngineWorkerSettings(ServiceSettings):
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads,
-            quantization=self.quantization,
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             kv_host_memory=parse_size(self.kv_host_memory) if self.kv_host_memory else 0,
             kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
             kv_disk_min_uses=self.kv_disk_min_uses, speculative_tokens=self.speculative_tokens,

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from shared.model.precision import KV_CACHE_DTYPES
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.decode", description=__doc__,
@@ -34,8 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="runs per batch size; the fastest is kept")
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantization", default=None)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the KV pool's dtype (default: %(default)s = the model's)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pool's dtype (default: %(default)s = float16 under gguf, else the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if there is one)")
     p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")

@@ -52,9 +52,9 @@ PRECISIONS = {
     "int8-precise": ("float32", "int8-precise", ()),
     "bfloat16-int8": ("bfloat16", "int8", ()),
     "gguf": ("float32", "gguf", ()),
-    # the KV pool in float16 (--kv-cache-dtype float16) under a float32 or gguf model
+    # a KV pool of another dtype (--kv-cache-dtype) than the default's (float16 under gguf, else the model's)
     "float32-kv-float16": ("float32", "none", (), "float16"),
-    "gguf-kv-float16": ("float32", "gguf", (), "float16"),
+    "gguf-kv-float32": ("float32", "gguf", (), "float32"),
     "int8-fp32-head": ("float32", "int8", ("head",)),
     "int8-fp32-ends": ("float32", "int8", ("ends",)),
     "int8-fp32-head-ends": ("float32", "int8", ("head", "ends")),
@@ -278,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
               "corpus_tokens": len(corpus), "window": args.window, "max_new_tokens": args.max_new_tokens,
               "target_top1": TARGET_TOP1, "precisions": {}}
     for name in names:
-        dtype, quantization, parts, *kv_dtype = PRECISIONS[name]
+        dtype, quantization, parts, *_ = PRECISIONS[name]
         report["precisions"][name] = {
             "dtype": dtype, "quantization": quantization, "float32_parts": list(parts),
-            "kv_cache_dtype": kv_dtype[0] if kv_dtype else dtype,
+            "kv_cache_dtype": str(engines[name].kv_cache.dtype).removeprefix("torch."),
             "teacher_forced": tf[name], "greedy": greedy_equality(answers["float32"], answers[name]),
             "sample": tok.decode(answers[name][0])}
     report["elapsed_s"] = round(time.perf_counter() - started, 1)

@@ -4,7 +4,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.model.precision import QUANTIZATION_METHODS
+from shared.model.precision import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from shared.service.settings import QosSettings
 
 
@@ -40,7 +40,7 @@ class WorkerHostSettings(BaseSettings):
         None, description="workers' linear layers: none (model dtype), int8 (W8A8, CPU only) or "
                                   "int8-precise (two int8 levels of activations, closer to float32) or gguf (weight-only blocks "
                                   "as the GGUF file's, 8-bit block activations, for CPUs with AVX2 but no VNNI); default: see dtype")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(
         None, description="workers' KV pool dtype (CPU): float16 halves the pool's bytes under a float32 or gguf "
                           "model (default: the workers' own, auto = float16 under gguf, else the model's dtype)")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")

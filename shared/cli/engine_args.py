@@ -6,7 +6,7 @@ import argparse
 import os
 
 from shared.model.compile_mode import compile_mode
-from shared.model.precision import QUANTIZATION_METHODS
+from shared.model.precision import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 
 def _env(name: str, default=None):
@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "gguf: weight-only blocks of 32 as in the GGUF file (its 4-bit layers kept 4-bit, others "
                         "8-bit) with 8-bit block activations as llama.cpp, for CPUs with AVX2 but no VNNI")
 
-    g.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), choices=KV_CACHE_DTYPES,
                    help="the KV pool's dtype (CPU): float16 under a float32 or gguf model halves the pool's bytes, "
                         "so a budget holds twice the blocks and a decode step reads half as much, as llama.cpp's "
                         "default f16 cache (default: %(default)s = float16 under --quantization gguf, else the "

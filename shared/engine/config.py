@@ -9,7 +9,7 @@ import torch
 
 from shared.kvcache.layout import KvCacheSpec
 from shared.model.compile_mode import compile_mode
-from shared.model.precision import Precision, choose_precision, cpu_flags
+from shared.model.precision import KV_CACHE_DTYPES, Precision, choose_precision, cpu_flags
 from shared.model.quant import quantization_name
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
@@ -25,9 +25,6 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"cannot parse size {text!r} (examples: 2GiB, 512MiB, 1073741824)")
     scale = 1024 ** " KMGT".index(m.group(2).upper() or " ")
     return int(float(m.group(1)) * scale)
-
-
-KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -73,7 +70,7 @@ class EngineConfig:
         if self.kv_cache_dtype == "auto":
             self.kv_cache_dtype = None
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, "
+            raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES[1:])}, "
                              f"got {self.kv_cache_dtype!r}")
         if self.kv_host_memory < 0 or self.kv_disk_size < 1 or self.kv_disk_min_uses < 1:
             raise ValueError(f"kv_host_memory ({self.kv_host_memory}) must be >= 0, kv_disk_size "

@@ -33,6 +33,7 @@ from pathlib import Path
 # 8-bit), activations in 8-bit blocks as llama.cpp's (two levels for the LM head): for CPUs with
 # AVX2 but no VNNI (shared/model/quant.py's BlockWeight, kernels/blocks_cpu.py)
 QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype; auto: shared/engine/config.py
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")

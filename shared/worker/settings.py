@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from shared.model.compile_mode import compile_mode
-from shared.model.precision import QUANTIZATION_METHODS
+from shared.model.precision import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from shared.service.settings import ServiceSettings
 
 
@@ -43,7 +43,7 @@ class EngineWorkerSettings(ServiceSettings):
                           "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
                           "float32, slower; gguf: weight-only blocks of 32 as a GGUF file's (its own 4-bit layers kept "
                           "4-bit, others 8-bit), 8-bit block activations, for CPUs with AVX2 but no VNNI; default: see dtype")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(
         "auto", description="the KV pool's dtype (CPU): float16 under a float32 or gguf model halves the pool's "
                             "bytes, so a budget holds twice the blocks and a decode step reads half as much, as "
                             "llama.cpp's default f16 cache; auto = float16 under gguf, else the model's dtype")

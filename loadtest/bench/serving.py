@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -34,14 +35,20 @@ from loadtest.tools.workload import RequestSpec
 from shared.stack.servers import free_port
 
 
-def prompt_of_tokens(model: str, num_tokens: int, salt: int) -> str:
-    """A text that the model's tokenizer reads as ``num_tokens`` tokens; ``salt`` makes it unique
-    so that no target serves it from a prefix cache."""
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str):
+    """The model's tokenizer, built once per model (a GGUF's takes a second or more to read)."""
     from shared.model.registry import resolve_model
     from shared.tokenizer import Tokenizer
 
     source = resolve_model(model)
-    tok = Tokenizer.from_model_files(source.path, source.format)
+    return Tokenizer.from_model_files(source.path, source.format)
+
+
+def prompt_of_tokens(model: str, num_tokens: int, salt: int) -> str:
+    """A text that the model's tokenizer reads as ``num_tokens`` tokens; ``salt`` makes it unique
+    so that no target serves it from a prefix cache."""
+    tok = _tokenizer(model)
     words = f"Request {salt}. " + " ".join(f"The {w} of the harbour was logged at {salt + i} in the keeper's notebook."
                                          for i, w in enumerate(["wind", "tide", "height", "colour"] * 40))
     ids = tok.encode(words)[:num_tokens]

@@ -16,7 +16,8 @@ under --out.
 What serving pays while a worker compiles (``--compile background``, the default): for each nice
 value of the compile thread (``TANDEM_COMPILE_NICE``), a fresh process with an empty inductor cache
 times an eager engine's decode steps alone, then builds an engine that compiles in the background
-and times every decode step until the compiled step takes over. Reports the median and p90 step
+and times every decode step until the compiled step takes over (or ``--max-during-s`` has passed).
+Both caches are cold: inductor's and this machine's compiled steps. Reports the median and p90 step
 time during the compile over the eager median alone, and how long the compile took. Writes
 ``during_compile.json`` under --out.
 
@@ -88,19 +89,24 @@ def during_compile(args, batch_size: int) -> dict:
     engine = decoding_engine(args, batch_size, compile="background")
     started = time.perf_counter()
     during: list[float] = []
+    finished = True
     while engine.decode_step() != "compiled":
         if engine.background_compile.done.is_set() and engine.background_compile.error is not None:
             raise RuntimeError(f"the compile failed: {engine.background_compile.error}")
         during.append(timed_steps(engine, 1))
+        if args.max_during_s is not None and time.perf_counter() - started > args.max_during_s:
+            finished = False  # a saturated engine can starve a compile at nice 19: report the steps so far
+            break
     compile_s = time.perf_counter() - started
-    after = [timed_steps(engine, 1) for _ in range(args.steps)]
+    after = [timed_steps(engine, 1) for _ in range(args.steps)] if finished else None
     eager_ms = statistics.median(alone)
     return {"eager_alone_ms": round(eager_ms, 2),
             "during_compile_p50_ms": round(statistics.median(during), 2),
             "during_compile_p90_ms": round(statistics.quantiles(during, n=10)[-1], 2) if len(during) > 1 else None,
             "during_over_alone_p50": round(statistics.median(during) / eager_ms, 2),
-            "compiled_ms": round(statistics.median(after), 2), "steps_during_compile": len(during),
-            "compile_s": round(compile_s, 1), "precision": f"{engine.config.dtype}/{engine.config.quantization}"}
+            "compiled_ms": round(statistics.median(after), 2) if after else None, "steps_during_compile": len(during),
+            "compile_finished": finished, "compile_s": round(compile_s, 1) if finished else None,
+            "timed_s": round(compile_s, 1), "precision": f"{engine.config.dtype}/{engine.config.quantization}"}
 
 
 def precision_flags(args) -> list[str]:
@@ -115,17 +121,21 @@ def run_during_compile(args) -> int:
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for nice in (int(x) for x in args.nice.split(",")):
             with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TANDEM_COMPILE_NICE": str(nice)}
+                # cold caches both: inductor's, and this machine's compiled steps (else the step is loaded)
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TANDEM_COMPILE_NICE": str(nice),
+                       "TANDEM_COMPILE_CACHE_DIR": str(Path(cache) / "tandem")}
                 cmd = [sys.executable, "-m", "loadtest.bench.compile", "--one-during-compile", "--batch-sizes", str(b),
                        "--steps", str(args.steps), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
-                       *precision_flags(args)]
+                       *precision_flags(args),
+                       *(["--max-during-s", str(args.max_during_s)] if args.max_during_s is not None else [])]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             report["batches"].setdefault(str(b), {})[f"nice {nice}"] = r
+            ended = (f"compile {r['compile_s']} s; compiled {r['compiled_ms']} ms" if r["compile_finished"] else
+                     f"the compile had not finished after {r['timed_s']} s (stopped)")
             print(f"batch {b}, compile at nice {nice}: eager alone {r['eager_alone_ms']} ms per step; during the "
                   f"compile p50 {r['during_compile_p50_ms']} ms ({r['during_over_alone_p50']}x), p90 "
-                  f"{r['during_compile_p90_ms']} ms, {r['steps_during_compile']} steps; compile {r['compile_s']} s; "
-                  f"compiled {r['compiled_ms']} ms", flush=True)
+                  f"{r['during_compile_p90_ms']} ms, {r['steps_during_compile']} steps; {ended}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "during_compile.json").write_text(json.dumps(report, indent=1))
     print("wrote", args.out / "during_compile.json")
@@ -201,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--during-compile", action="store_true",
                    help="time decode steps while the decode step compiles in the background (see above)")
     p.add_argument("--nice", default="0,19", help="with --during-compile: the compile thread's nice values")
+    p.add_argument("--max-during-s", type=float, default=None,
+                   help="with --during-compile: stop timing after this many seconds if the compile has not "
+                        "finished (a saturated engine can starve a compile at nice 19)")
     p.add_argument("--one-during-compile", action="store_true", help=argparse.SUPPRESS)  # the child process
     p.add_argument("--artifacts", action="store_true",
                    help="time a fresh machine's way to the compiled step: cold, from the cluster, local (see above)")

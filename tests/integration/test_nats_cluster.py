@@ -181,7 +181,6 @@ def test_killing_the_prefill_queue_leader_under_load_loses_nothing(stack, engine
         # own raft group elects a leader, so it is read again until it answers (a lost entry would
         # come back only with the worker's next heartbeat, seconds later)
         view.update(jetstream_view(stack))
-        time.sleep(0.9)
         return sorted(view["workers"].values()) == ["ready", "ready"]
 
     wait_for(registry_lists_both_ready, 60, "the registry to list both workers ready")

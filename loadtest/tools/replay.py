@@ -86,8 +86,9 @@ misses are rejected, lowest priority first, as the admission service does with a
 it every request is admitted.
 
 ``--start-stack`` starts ``tandem up`` here for the live run (``--decode``, ``--kv-cache-memory``,
-``--routing``; the tiers and, with ``--admission``, their SLOs in a QoS file) and stops it
-after; ``--compare-sim`` also simulates the slice (``cpu``) and reports the simulator's error.
+``--kv-host-memory``, ``--no-kv-peer-fetch``, ``--routing``; the tiers and, with ``--admission``,
+their SLOs in a QoS file) and stops it after; ``--compare-sim`` also simulates the slice (``cpu``)
+and reports the simulator's error.
 
 Writes ``--out`` (JSON: the summary's fields at the top level, then ``config`` and every request
 unless ``--no-per-request``, live ones with the decode worker that served them) and a PNG next to
@@ -386,6 +387,7 @@ class Outcome:
     predicted_ttft_s: float | None = None
     error: str | None = None
     worker: str | None = None         # live: the decode worker admission chose (X-Tandem-Worker)
+    error_message: str | None = None  # live: the error body's message (a 429's reason)
 
 
 def outcome_of(req: ReplayRequest, r: RequestResult) -> Outcome:
@@ -394,7 +396,7 @@ def outcome_of(req: ReplayRequest, r: RequestResult) -> Outcome:
     return Outcome(req.index, req.tier, status, r.scheduled_s, r.ttft_s if ok else None, r.tpot_s if ok else None,
                    r.e2e_s if ok else None, r.finished_s, r.itls_s() if ok else [], r.prompt_tokens,
                    r.cached_tokens, r.num_output_tokens, r.retry_after_s, r.num_retries, r.predicted_ttft_s,
-                   r.error, r.worker_id)
+                   r.error, r.worker_id, r.error_message)
 
 
 def _dist(values: list[float]) -> dict:
@@ -523,6 +525,18 @@ def qos_yaml(tiers: list[TierSpec], with_slos: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def decode_flags(args) -> dict[str, object]:
+    """The decode workers' flags for ``--start-stack`` (their KV pool, host tier, peer fetch)."""
+    flags: dict[str, object] = {"device": "cpu"}
+    if args.kv_cache_memory:
+        flags["kv_cache_memory"] = args.kv_cache_memory
+    if args.kv_host_memory:
+        flags["kv_host_memory"] = args.kv_host_memory
+    if not args.kv_peer_fetch:
+        flags["kv_peer_fetch"] = False
+    return flags
+
+
 def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
     from shared.stack.stack import Stack, StackSpec
 
@@ -534,11 +548,8 @@ def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
         qos.write_text(qos_yaml(tiers, args.admission))
         gateway_flags |= {"qos": str(qos), "api_keys": ",".join(f"{t.api_key}:{t.name}" for t in tiers)}
         admission_flags["qos"] = str(qos)
-    decode_flags: dict[str, object] = {"device": "cpu"}
-    if args.kv_cache_memory:
-        decode_flags["kv_cache_memory"] = args.kv_cache_memory
     stack = Stack(StackSpec(state_dir=state_dir / "stack", num_decode=args.decode, model=args.model_live, port=0,
-                            namespace=f"replay{os.getpid()}", log_level="WARNING", decode_flags=decode_flags,
+                            namespace=f"replay{os.getpid()}", log_level="WARNING", decode_flags=decode_flags(args),
                             gateway_flags=gateway_flags, admission_flags=admission_flags),
                   on_line=lambda name, line: log.write(f"{name:<12}| {line}\n"))
     stack.start()
@@ -662,8 +673,20 @@ def cpu_setup(requests, tiers, args):
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30), routing=_routing(args.routing),
                     admission=_admission(tiers, args.admission), round_robin=args.routing == "round-robin",
                     max_num_seqs=args.max_num_seqs, local_prefill_batch_tokens=args.max_num_batched_tokens,
-                    seed=args.seed, prefix_cache_blocks=args.prefix_cache_blocks)
+                    seed=args.seed, prefix_cache_blocks=cpu_prefix_cache_blocks(args, model))
     return Evaluator(Cluster(spec), model, workload, eff), plan, cfg
+
+
+def cpu_prefix_cache_blocks(args, model) -> int | None:
+    """The simulated prefix cache per worker: ``--prefix-cache-blocks``, or with ``--kv-host-memory``
+    the pool's blocks and the host tier's together, as a cache of its own beside the running
+    requests (the live pool sends what it evicts to the host tier and copies it back on a hit, so
+    what it can hold is about both; the copy back is not timed). None: the pool's free part."""
+    if args.prefix_cache_blocks is not None or not args.kv_host_memory:
+        return args.prefix_cache_blocks
+    block_bytes = model.kv_bytes_per_token() * scaled_block_tokens(args.length_scale)
+    pool_bytes = parse_bytes(args.kv_cache_memory or "1GiB")
+    return int((pool_bytes + parse_bytes(args.kv_host_memory)) // block_bytes)
 
 
 def with_prefill_workers(plan, num_prefill: int):
@@ -845,6 +868,11 @@ def parse_args(argv=None):
     sim.add_argument("--decode", type=int, default=2, help="cpu / --start-stack: decode workers")
     sim.add_argument("--kv-cache-memory", default=None,
                      help="cpu / --start-stack: each decode worker's KV pool, e.g. 64MiB (default: the engine's 1GiB)")
+    sim.add_argument("--kv-host-memory", default=None,
+                     help="cpu / --start-stack: each decode worker's host-memory KV tier, e.g. 2GiB (default: "
+                          "none; simulated as a prefix cache of the pool's and the tier's blocks)")
+    live.add_argument("--no-kv-peer-fetch", dest="kv_peer_fetch", action="store_false",
+                      help="--start-stack: workers do not fetch cached prefixes from each other over NIXL")
     sim.add_argument("--calibration-dir", default=str(CALIBRATION_DIR), help="cpu: calibrate_sim's output")
     sim.add_argument("--cpu-share", type=float, default=None,
                      help="cpu: each worker's share of the machine (default 1/--decode)")

@@ -62,7 +62,7 @@ async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api
                         result.error = f"HTTP {resp.status}"
                         if "Retry-After" in resp.headers:
                             result.retry_after_s = float(resp.headers["Retry-After"])
-                        await resp.read()
+                        result.error_message = _error_message(await resp.read())
                         if resp.status == 429 and result.num_retries < max_retries:
                             result.num_retries += 1
                             await asyncio.sleep(result.retry_after_s if result.retry_after_s is not None else 1.0)
@@ -119,3 +119,12 @@ async def run_in_process(engine, specs: list[RequestSpec], *, progress: bool = T
         result.finished_s = now()
 
     return await _open_loop(specs, one, progress, "in-process")
+
+
+def _error_message(body: bytes) -> str | None:
+    """An error response's message: OpenAI's ``{"error": {"message": ...}}``, else the body's start."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip()
+    return str(message)[:300] or None

@@ -15,6 +15,7 @@ class RequestResult:
     token_times_s: list[float] = field(default_factory=list)  # arrival of each text chunk
     num_output_tokens: int = 0
     error: str | None = None
+    error_message: str | None = None   # the error body's message (a 429's: why admission refused)
     retry_after_s: float | None = None  # a rejection's Retry-After header
     predicted_ttft_s: float | None = None  # admission's prediction (X-Tandem-Predicted-TTFT-Ms)
     prompt_tokens: int | None = None       # the usage the server returned

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import pytest
 
@@ -193,6 +194,26 @@ def test_simulator_on_a_small_trace_writes_the_summary(trace_file, tmp_path):
     assert set(d["tiers"]) == {"premium", "batch"} and d["sim"]["setup"] == "cpu" and d["itl_is_tpot"]
     assert len(d["per_request"]) == 20 and out.with_suffix(".png").exists()
     assert math.isfinite(d["tiers"]["batch"]["ttft_s"]["p50"])
+
+
+def test_a_host_tier_and_peer_fetch_reach_the_stack_and_the_simulator(trace_file, tmp_path):
+    base = ["--trace", str(trace_file), "--length-scale", "1/16", "--time-scale", "10", "--simulate", "cpu",
+            "--decode", "2", "--kv-cache-memory", "12MiB", "--no-progress", "--no-per-request"]
+    args = replay.parse_args([*base, "--kv-host-memory", "64MiB", "--no-kv-peer-fetch"])
+    assert replay.decode_flags(args) == {"device": "cpu", "kv_cache_memory": "12MiB", "kv_host_memory": "64MiB",
+                                         "kv_peer_fetch": False}
+    assert replay.decode_flags(replay.parse_args(base)) == {"device": "cpu", "kv_cache_memory": "12MiB"}
+    model = types.SimpleNamespace(kv_bytes_per_token=lambda: 1024.0)
+    assert replay.cpu_prefix_cache_blocks(args, model) == (76 << 20) // (1024 * 32)  # 32-token blocks at 1/16
+    assert replay.cpu_prefix_cache_blocks(replay.parse_args([*base, "--kv-host-memory", "64MiB",
+                                                             "--prefix-cache-blocks", "7"]), model) == 7
+    assert replay.cpu_prefix_cache_blocks(replay.parse_args(base), model) is None
+    # a pool too small to keep any prefix between requests, then the same pool over a host tier
+    hits = {}
+    for name, extra in (("pool", []), ("host", ["--kv-host-memory", "64MiB"])):
+        assert replay.main([*base, *extra, "--out", str(tmp_path / f"{name}.json")]) == 0
+        hits[name] = json.loads((tmp_path / f"{name}.json").read_text())["hit_ratio"]
+    assert hits["host"] > hits["pool"]
 
 
 @pytest.mark.parametrize("routing", ["load", "round-robin"])

@@ -11,14 +11,17 @@ two engines' greedy tokens agree after the run, and the compile time (warm-up of
 inductor's on-disk cache shortens after the first run). Writes ``compile.json`` and ``compile.png``
 under --out.
 
-    python -m loadtest.bench.compile --during-compile [--nice 0,19] [--batch-sizes 1]
+    python -m loadtest.bench.compile --during-compile [--nice 0,19] [--where process,thread] [--batch-sizes 1]
 
 What serving pays while a worker compiles (``--compile background``, the default): for each nice
-value of the compile thread (``TANDEM_COMPILE_NICE``), a fresh process with an empty inductor cache
-times an eager engine's decode steps alone, then builds an engine that compiles in the background
-and times every decode step until the compiled step takes over (or ``--max-during-s`` has passed).
-Both caches are cold: inductor's and this machine's compiled steps. Reports the median and p90 step
-time during the compile over the eager median alone, and how long the compile took. Writes
+value of the compile (``TANDEM_COMPILE_NICE``) and each place it runs (``--where``: a child process
+of the worker, or its compile thread; ``TANDEM_COMPILE_PROCESS``), a fresh process with an empty
+inductor cache times an eager engine's decode steps alone, then builds an engine that compiles in
+the background and times every decode step until the compiled step takes over (or
+``--max-during-s`` has passed). Both caches are cold: inductor's and this machine's compiled steps.
+Reports the median, p90, p99 and mean step time during the compile (a stall of the engine thread
+shows in the mean and the tail, not the median), the median over the eager median alone, the mean
+over the eager mean, and how long the compile took. Writes
 ``during_compile.json`` under --out.
 
     python -m loadtest.bench.compile --artifacts [--model smollm2-135m]
@@ -48,6 +51,7 @@ import time
 from pathlib import Path
 
 from loadtest.tools.harness import take_turns
+from shared.engine.compile_process import use_child_process
 from loadtest.tools.profile_step import add_decoding_args, decoding_engine
 
 
@@ -100,10 +104,15 @@ def during_compile(args, batch_size: int) -> dict:
     compile_s = time.perf_counter() - started
     after = [timed_steps(engine, 1) for _ in range(args.steps)] if finished else None
     eager_ms = statistics.median(alone)
-    return {"eager_alone_ms": round(eager_ms, 2),
+    return {"eager_alone_ms": round(eager_ms, 2), "eager_alone_mean_ms": round(statistics.fmean(alone), 2),
+            "compile_process": use_child_process(),
             "during_compile_p50_ms": round(statistics.median(during), 2),
             "during_compile_p90_ms": round(statistics.quantiles(during, n=10)[-1], 2) if len(during) > 1 else None,
+            "during_compile_p99_ms": round(statistics.quantiles(during, n=100)[-1], 2) if len(during) > 1 else None,
+            "during_compile_mean_ms": round(statistics.fmean(during), 2),
+            "during_compile_max_ms": round(max(during), 2),
             "during_over_alone_p50": round(statistics.median(during) / eager_ms, 2),
+            "during_over_alone_mean": round(statistics.fmean(during) / statistics.fmean(alone), 2),
             "compiled_ms": round(statistics.median(after), 2) if after else None, "steps_during_compile": len(during),
             "compile_finished": finished, "compile_s": round(compile_s, 1) if finished else None,
             "timed_s": round(compile_s, 1), "precision": f"{engine.config.dtype}/{engine.config.quantization}"}
@@ -119,23 +128,26 @@ def run_during_compile(args) -> int:
     """One fresh process per nice value, each with an empty inductor cache, taking turns."""
     report: dict = {"batches": {}, "config": {k: str(v) for k, v in vars(args).items()}}
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        for nice in (int(x) for x in args.nice.split(",")):
+        for nice, where in ((int(n), w) for n in args.nice.split(",") for w in args.where.split(",")):
             with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
                 # cold caches both: inductor's, and this machine's compiled steps (else the step is loaded)
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TANDEM_COMPILE_NICE": str(nice),
-                       "TANDEM_COMPILE_CACHE_DIR": str(Path(cache) / "tandem")}
+                       "TANDEM_COMPILE_CACHE_DIR": str(Path(cache) / "tandem"),
+                       "TANDEM_COMPILE_PROCESS": "1" if where == "process" else "0"}
                 cmd = [sys.executable, "-m", "loadtest.bench.compile", "--one-during-compile", "--batch-sizes", str(b),
                        "--steps", str(args.steps), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
                        *precision_flags(args),
                        *(["--max-during-s", str(args.max_during_s)] if args.max_during_s is not None else [])]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
-            report["batches"].setdefault(str(b), {})[f"nice {nice}"] = r
+            report["batches"].setdefault(str(b), {})[f"nice {nice}, {where}"] = r
             ended = (f"compile {r['compile_s']} s; compiled {r['compiled_ms']} ms" if r["compile_finished"] else
                      f"the compile had not finished after {r['timed_s']} s (stopped)")
-            print(f"batch {b}, compile at nice {nice}: eager alone {r['eager_alone_ms']} ms per step; during the "
-                  f"compile p50 {r['during_compile_p50_ms']} ms ({r['during_over_alone_p50']}x), p90 "
-                  f"{r['during_compile_p90_ms']} ms, {r['steps_during_compile']} steps; {ended}", flush=True)
+            print(f"batch {b}, compile at nice {nice} in a {where}: eager alone {r['eager_alone_ms']} ms per step "
+                  f"(mean {r['eager_alone_mean_ms']}); during the compile p50 {r['during_compile_p50_ms']} ms "
+                  f"({r['during_over_alone_p50']}x), p90 {r['during_compile_p90_ms']} ms, p99 "
+                  f"{r['during_compile_p99_ms']} ms, mean {r['during_compile_mean_ms']} ms "
+                  f"({r['during_over_alone_mean']}x), {r['steps_during_compile']} steps; {ended}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "during_compile.json").write_text(json.dumps(report, indent=1))
     print("wrote", args.out / "during_compile.json")
@@ -211,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--during-compile", action="store_true",
                    help="time decode steps while the decode step compiles in the background (see above)")
     p.add_argument("--nice", default="0,19", help="with --during-compile: the compile thread's nice values")
+    p.add_argument("--where", default="process,thread",
+                   help="with --during-compile: where the compile runs, process (a child process, the default) "
+                        "and/or thread (the worker's own compile thread; TANDEM_COMPILE_PROCESS=0)")
     p.add_argument("--max-during-s", type=float, default=None,
                    help="with --during-compile: stop timing after this many seconds if the compile has not "
                         "finished (a saturated engine can starve a compile at nice 19)")
@@ -223,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.artifacts:
         return run_artifacts(args)
     if args.one_during_compile:
-        print(json.dumps(during_compile(args, int(args.batch_sizes))))
-        return 0
+        print(json.dumps(during_compile(args, int(args.batch_sizes))), flush=True)
+        # a compile stopped by --max-during-s is still running (a thread, or a child process): leave
+        # without the interpreter's teardown, which can abort under a compiling thread
+        os._exit(0)
     if args.during_compile:
         return run_during_compile(args)
     report: dict = {"batches": {}}

@@ -120,7 +120,7 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
     if compile_mode != "background":
         return runner, None
     background = BackgroundCompile(model, config.block_size, kv_cache, threads, runner.use_compiled,
-                                   artifacts, artifact_store)
+                                   artifacts, artifact_store, getattr(model, "_loaded_with", None))
     background.start()
     return runner, background
 
@@ -186,4 +186,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
              "" if quantization == "none" else f" with {quantization} linear layers ({_layer_formats(model)})",
              time.perf_counter() - t0)
     config = dataclasses.replace(config, dtype=precision.dtype, quantization=quantization)
+    model._loaded_with = config  # another process can load the same model from it (a compile process)
     return LoadedModel(model, config, tokenizer, source.name, frozenset(tokenizer.stop_token_ids))

@@ -14,6 +14,12 @@ built for) and frees its OpenMP team when it is done, so the engine thread is le
 ``cpu_threads``). It runs at nice 19 (``TANDEM_COMPILE_NICE``), and so do the compiler processes
 it starts, so that on a machine with few cores the compile takes the CPU time serving leaves
 rather than half of it. A compile that fails is logged and the worker stays eager.
+
+Where neither this machine nor the cluster has the step, and the engine's model was loaded from its
+config (so that another process can load the same one), the compile itself runs in a child process
+(shared/engine/compile_process.py, ``TANDEM_COMPILE_PROCESS``): in this process the compiling
+thread's Python (dynamo, inductor) took the GIL from the engine thread, and at nice 19 it was often
+descheduled while holding it. This thread then only loads what the child left in the compile cache.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from shared.engine import cpu_threads
+from shared.engine.compile_process import child_fits, compile_in_child, use_child_process
 from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts
 from shared.model.compiled import CompiledDecode
 
@@ -35,11 +42,12 @@ log = logging.getLogger(__name__)
 class BackgroundCompile:
     def __init__(self, model, block_size: int, kv_cache: torch.Tensor, num_threads: int,
                  on_ready: Callable[[CompiledDecode], None], artifacts: CompileArtifacts | None = None,
-                 store: ArtifactStore | None = None) -> None:
+                 store: ArtifactStore | None = None, config=None) -> None:
         self.done = threading.Event()  # set when the graph is handed over, or the compile failed
         self.error: BaseException | None = None
         self._args = (model, block_size, kv_cache, num_threads)
         self._artifacts, self._store = artifacts, store
+        self._config = config  # the engine's EngineConfig: a child process can build the same step from it
         self._on_ready = on_ready
         self._thread = threading.Thread(target=self._run, name="compile-decode", daemon=True)
 
@@ -51,12 +59,35 @@ class BackgroundCompile:
         """True once the compile has ended (``error`` says whether it failed)."""
         return self.done.wait(timeout)
 
+    def _compile_in_child(self, nice: int, num_threads: int) -> None:
+        """Where nothing is there to load (this machine's cache, the cluster's store), compile the
+        step in a child process first (shared/engine/compile_process.py): it shares no GIL with
+        serving; this thread then loads what it built. Any failure leaves the compile to this thread."""
+        artifacts, store = self._artifacts, self._store
+        if self._config is None or artifacts is None or not use_child_process():
+            return
+        if artifacts.complete() is not None or (store is not None and store.has(artifacts.key)):
+            return
+        kv_cache = self._args[2]
+        if not child_fits(kv_cache.numel() * kv_cache.element_size()):
+            log.info("no memory for a second copy of the model: the decode step compiles in this process")
+            return
+        started = time.monotonic()
+        key = compile_in_child(self._config, num_threads, nice)
+        if key is None:
+            return
+        if key != artifacts.key:
+            log.warning("the compile process built step %s, this engine needs %s: compiling here", key, artifacts.key)
+            return
+        log.info("decode step compiled in a child process at nice %d in %.1f s", nice, time.monotonic() - started)
+
     def _run(self) -> None:
         model, block_size, kv_cache, num_threads = self._args
         started = time.monotonic()
         nice = cpu_threads.background_nice()
         if cpu_threads.lower_calling_thread(nice):
             log.info("compile thread at nice %d: serving keeps the CPU first", nice)
+        self._compile_in_child(nice, num_threads)
         # dynamo's guards include the intra-op thread count: compiled with another count than the
         # engine thread's, each graph would be compiled again on that thread's first step
         cpu_threads.adopt(num_threads)  # pinned to this thread: the creator drops to one thread later

@@ -8,6 +8,7 @@ test_compiled_worker.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -70,3 +71,27 @@ def test_a_loaded_step_gives_the_compiled_steps_tokens(tiny_gguf, tmp_path, monk
     assert loaded.runner.compiled.source == "loaded"
     assert loaded.generate(prompts, greedy) == expected
     assert loaded.runner.compiled.num_steps >= 11
+
+
+def test_a_background_compile_runs_in_a_process_of_its_own(tiny_gguf, tmp_path, monkeypatch, caplog):
+    """A worker's background compile (``compile="background"``) builds the step in a child process,
+    which shares no GIL with serving, into the compile cache; the engine thread then loads it from
+    there, and the loaded step gives eager's greedy tokens. Near or over a minute: the child compiles cold."""
+    from shared.engine import EngineConfig, LLMEngine, SamplingParams
+
+    monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    monkeypatch.delenv("TANDEM_COMPILE_PROCESS", raising=False)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + 13 * j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(3)]
+    config = EngineConfig(model=str(tiny_gguf), device="cpu", kv_cache_memory=16 << 20)
+    expected = LLMEngine.from_config(config).generate(prompts, greedy)
+    with caplog.at_level("INFO", logger="shared.engine.compile_thread"):
+        engine = LLMEngine.from_config(dataclasses.replace(config, compile="background"))
+        assert engine.background_compile.wait(timeout=900) and engine.background_compile.error is None
+    assert "compiled in a child process" in caplog.text
+    assert engine.runner.compiled.source == "loaded"  # this process compiled nothing
+    marker = json.loads((tmp_path / engine.runner.compiled.artifacts.key / "complete.json").read_text())
+    assert marker["source"] == "compiled"
+    assert engine.generate(prompts, greedy) == expected
+    assert engine.runner.compiled.num_steps >= 11

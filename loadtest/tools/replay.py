@@ -673,19 +673,19 @@ def cpu_setup(requests, tiers, args):
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30), routing=_routing(args.routing),
                     admission=_admission(tiers, args.admission), round_robin=args.routing == "round-robin",
                     max_num_seqs=args.max_num_seqs, local_prefill_batch_tokens=args.max_num_batched_tokens,
-                    seed=args.seed, prefix_cache_blocks=cpu_prefix_cache_blocks(args, model))
+                    seed=args.seed, prefix_cache_blocks=cpu_prefix_cache_blocks(args, model, kv_bytes))
     return Evaluator(Cluster(spec), model, workload, eff), plan, cfg
 
 
-def cpu_prefix_cache_blocks(args, model) -> int | None:
+def cpu_prefix_cache_blocks(args, model, pool_bytes: int) -> int | None:
     """The simulated prefix cache per worker: ``--prefix-cache-blocks``, or with ``--kv-host-memory``
     the pool's blocks and the host tier's together, as a cache of its own beside the running
     requests (the live pool sends what it evicts to the host tier and copies it back on a hit, so
-    what it can hold is about both; the copy back is not timed). None: the pool's free part."""
+    what it can hold is about both; the copy back is not timed; ``pool_bytes``: the pool's size).
+    None: the pool's free part."""
     if args.prefix_cache_blocks is not None or not args.kv_host_memory:
         return args.prefix_cache_blocks
     block_bytes = model.kv_bytes_per_token() * scaled_block_tokens(args.length_scale)
-    pool_bytes = parse_bytes(args.kv_cache_memory or "1GiB")
     return int((pool_bytes + parse_bytes(args.kv_host_memory)) // block_bytes)
 
 

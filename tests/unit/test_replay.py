@@ -204,10 +204,10 @@ def test_a_host_tier_and_peer_fetch_reach_the_stack_and_the_simulator(trace_file
                                          "kv_peer_fetch": False}
     assert replay.decode_flags(replay.parse_args(base)) == {"device": "cpu", "kv_cache_memory": "12MiB"}
     model = types.SimpleNamespace(kv_bytes_per_token=lambda: 1024.0)
-    assert replay.cpu_prefix_cache_blocks(args, model) == (76 << 20) // (1024 * 32)  # 32-token blocks at 1/16
+    assert replay.cpu_prefix_cache_blocks(args, model, 12 << 20) == (76 << 20) // (1024 * 32)  # 32-token blocks at 1/16
     assert replay.cpu_prefix_cache_blocks(replay.parse_args([*base, "--kv-host-memory", "64MiB",
-                                                             "--prefix-cache-blocks", "7"]), model) == 7
-    assert replay.cpu_prefix_cache_blocks(replay.parse_args(base), model) is None
+                                                             "--prefix-cache-blocks", "7"]), model, 12 << 20) == 7
+    assert replay.cpu_prefix_cache_blocks(replay.parse_args(base), model, 12 << 20) is None
     # a pool too small to keep any prefix between requests, then the same pool over a host tier
     hits = {}
     for name, extra in (("pool", []), ("host", ["--kv-host-memory", "64MiB"])):

@@ -18,6 +18,14 @@ same bits alone and in any batch, in the eager and the compiled step (the graph 
 one for a few rows (a decode step of one or two sequences), and from three rows on an int8 GEMM over
 panels of 16 weight rows unpacked once per call (prompts, larger decode batches: about twice as fast).
 
+Where the CPU has AVX-512 VNNI the same source is built with it, and each weight is also repacked
+once at load (``pack``) into panels of 16 weight rows in vpdpbusd's order, its float16 scales beside
+its levels (``BlockWeight.panels``): ``panel_mm`` then multiplies any number of rows with one loop
+nest that unpacks nothing but nibbles and adds nothing across lanes, and gives the same bits as the
+AVX2 loops (the same exact integer block sums, then the same float instructions per output), so a
+cluster may mix the two. The panels hold the weight a second time in memory (the kernel reads only
+them); ``TANDEM_BLOCK_PANELS=off`` keeps the AVX2 loops.
+
 Built on first use (``kernels/cpu_build.py``) into ``TANDEM_CACHE_DIR/kernels/``; with
 ``TANDEM_BLOCK_KERNEL=off``, without a compiler or without the instructions it is the reference
 (slower by an order of magnitude, and a log line says why).
@@ -26,28 +34,63 @@ Built on first use (``kernels/cpu_build.py``) into ``TANDEM_CACHE_DIR/kernels/``
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from pathlib import Path
 
 import torch
 
 from kernels.cpu_build import CpuKernel
+from shared.model.precision import cpu_flags
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "block_mm.cpp"
 BLOCK = 32  # values of one input row a block scale covers, as in ggml's Q4_0 / Q4_1 / Q8_0
+_PANEL_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+def _panels_wanted() -> bool:
+    """Whether to build the panel kernel: the CPU has AVX-512 VNNI and ``TANDEM_BLOCK_PANELS`` is not off."""
+    if os.environ.get("TANDEM_BLOCK_PANELS", "on").lower() in ("off", "0", "false", "no"):
+        return False
+    return all(f in cpu_flags() for f in _PANEL_NEEDS)
+
+
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
+if _panels_wanted():
+    _FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 _NEEDS = ("avx2", "fma", "f16c")
 _op = None  # torch.ops.tandem_blocks.block_mm once loaded (a global: torch.compile traces the call)
+_panel_op = None  # torch.ops.tandem_blocks.panel_mm where the build has it
+_panels_checked = False
+_panel_lock = threading.Lock()
 
 
 def block_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-             act_levels: int = 1) -> torch.Tensor:
+             act_levels: int = 1, panels: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [M, K] times the block weight (qs, d, m) transposed: float32 [M, N]. With
-    ``act_levels=2`` each activation gets a second int8 level for what the first rounded off."""
-    if _op is not None and x.device.type == "cpu":
-        return _op(x, qs, d, m, act_levels)
+    ``act_levels=2`` each activation gets a second int8 level for what the first rounded off.
+    ``panels`` (``pack``'s, where there are any) go to the panel kernel: the same bits, faster."""
+    if x.device.type == "cpu":
+        if panels is not None and _panel_op is not None:
+            return _panel_op(x, panels, qs.shape[0], m is not None, act_levels)
+        if _op is not None:
+            return _op(x, qs, d, m, act_levels)
     return reference(x, qs, d, m, act_levels)
+
+
+def packs() -> bool:
+    """Whether weights are repacked into panels here (the kernel built with AVX-512 VNNI)."""
+    return load() and _panel_op is not None
+
+
+def pack(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int) -> torch.Tensor | None:
+    """The weight's panels for ``panel_mm`` (uint8 [ceil(N / 16), K / 32, record bytes]), or None
+    where this build has no panel kernel."""
+    if qs.device.type != "cpu" or not packs():
+        return None
+    return torch.ops.tandem_blocks.pack_panels(qs, d, m, k)
 
 
 def quantize_activations(x: torch.Tensor, act_levels: int = 1) -> tuple[torch.Tensor, ...]:
@@ -120,9 +163,23 @@ def _fake_block_mm(x, qs, d, m, act_levels):
     return x.new_empty((x.shape[0], qs.shape[0]), dtype=torch.float32)
 
 
+def _fake_panel_mm(x, panels, n, four_bit, act_levels):
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
 def load() -> bool:
     """Build (once per machine) and load the kernel; False (and why, logged once) where it cannot run."""
-    return _KERNEL.load()
+    global _panel_op, _panels_checked
+    if not _KERNEL.load():
+        return False
+    with _panel_lock:
+        if not _panels_checked:
+            _panels_checked = True
+            if torch.ops.tandem_blocks.has_panels():
+                torch.library.register_fake("tandem_blocks::panel_mm", _fake_panel_mm)
+                _panel_op = torch.ops.tandem_blocks.panel_mm
+                log.info("gguf block weights are repacked into panels for the AVX-512 VNNI kernel")
+    return True
 
 
 _KERNEL = CpuKernel(SOURCE, _FLAGS, "tandem_blocks::block_mm", _fake_block_mm, "TANDEM_BLOCK_KERNEL", _NEEDS,

@@ -43,6 +43,7 @@ struct Quantized {  // activation rows in int8 blocks
   std::vector<float> dx;   // [M, nb]: the step of q (one level) or of 256 q + q2 (two levels)
   std::vector<float> xs;   // [M, nb]: dx * the sum of the block's levels
   std::vector<int16_t> qc;  // [M, K]: q, or 256 q + q2 with two levels (|.| <= 32639): for 8-bit weights
+  std::vector<int32_t> qsum, q2sum;  // [M, nb]: the sums of q and of q2 (the panel kernel's 8-bit weights)
 };
 
 // int32 lanes in order as int8 / int16 (the values fit: no saturation)
@@ -62,8 +63,11 @@ inline int hsum(__m256i v) {
 // Each block of 32: dx = max|x| / 127, q = round-half-even(x / dx) (as x * (1 / dx)); with two levels
 // q2 = round((x - q dx) / dx * 256) within [-127, 127]. Eight lanes at a time, each lane's arithmetic a
 // scalar one's.
-void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool combined, Quantized& out) {
+void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool combined, Quantized& out,
+                   bool level_sums = false) {
   const int64_t nb = K / kBlock;
+  out.qsum.resize(level_sums ? M * nb : 0);
+  out.q2sum.resize(level_sums && two_levels ? M * nb : 0);
   out.qc.resize(combined ? M * K : 0);
   out.q.resize(M * K);
   out.q2.resize(two_levels ? M * K : 0);
@@ -85,7 +89,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool c
       const float id = d > 0.f ? 1.f / d : 0.f;
       const __m256 idv = _mm256_set1_ps(id), dv = _mm256_set1_ps(d);
       __m256i qi[4], q2i[4], both[4];  // both: q, or 256 q + q2 with two levels
-      __m256i sum = _mm256_setzero_si256();
+      __m256i sum = _mm256_setzero_si256(), sum1 = _mm256_setzero_si256(), sum2 = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256 q = _mm256_round_ps(_mm256_mul_ps(xv[j], idv), kRound);
         qi[j] = both[j] = _mm256_cvtps_epi32(q);
@@ -98,6 +102,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool two_levels, bool c
           both[j] = _mm256_add_epi32(_mm256_slli_epi32(qi[j], 8), q2i[j]);
         }
         sum = _mm256_add_epi32(sum, both[j]);
+        if (level_sums) {
+          sum1 = _mm256_add_epi32(sum1, qi[j]);
+          if (two_levels) sum2 = _mm256_add_epi32(sum2, q2i[j]);
+        }
+      }
+      if (level_sums) {
+        out.qsum[i] = hsum(sum1);
+        if (two_levels) out.q2sum[i] = hsum(sum2);
       }
       if (combined)
         for (int j = 0; j < 4; j += 2)
@@ -433,9 +445,192 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   return out;
 }
 
+
+// Panel kernel (built where the CPU has AVX-512 VNNI; ``pack_panels`` / ``panel_mm``): the weight is
+// repacked once, at load, into panels of 16 weight rows, block by block, in the order vpdpbusd reads
+// it, with the block's float16 scales (and offsets) beside its levels, so a step unpacks nothing but
+// nibbles and adds nothing across lanes. One record per (panel, block):
+//   4-bit: 4 vectors of 64 bytes, byte 4r + j of vector t holding level 4t + j of weight row r in its
+//          low nibble and level 16 + 4t + j in its high one; then d [16] and m [16] as float16.
+//   8-bit: 8 vectors, byte 4r + j of vector s holding level 4s + j of row r plus 128 (unsigned, as
+//          vpdpbusd's first operand wants); then d [16].
+// vpdpbusd(acc, levels, four activation bytes broadcast) adds 4 products for each of the 16 weight
+// rows, so a block's 8 k-steps leave its exact integer sum S of all 16 rows in one vector (8-bit
+// weights: less 128 times the block's sum of activation levels). With two activation levels S is
+// 256 S1 + S2, as the narrow kernel's. Then the same float instructions per output as both kernels
+// above: acc = fma(d * dx, S, acc), and acc = fma(m, xs, acc) for 4-bit weights. So a row's output
+// has the same bits from the panels as from ``block_mm`` on any build, alone or in any batch.
+constexpr int64_t kPanelRows = 16;
+
+int64_t record_bytes(bool four_bit) { return four_bit ? 4 * 64 + 2 * 2 * kPanelRows : 8 * 64 + 2 * kPanelRows; }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHavePanels = true;
+
+at::Tensor pack_panels(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+                       int64_t K) {
+  const bool four_bit = m.has_value() && m->defined();
+  const int64_t N = qs.size(0), nb = K / kBlock, P = (N + kPanelRows - 1) / kPanelRows;
+  TORCH_CHECK(K % kBlock == 0 && qs.size(1) == (four_bit ? K / 2 : K), "pack_panels: qs is [N, K / 2] or [N, K]");
+  const at::Tensor qc = qs.contiguous(), dc = d.contiguous();
+  const at::Tensor mc = four_bit ? m->contiguous() : at::Tensor();
+  const int64_t rec = record_bytes(four_bit);
+  at::Tensor out = at::zeros({P, nb, rec}, qs.options().dtype(at::kByte));
+  const auto* q = static_cast<const uint8_t*>(qc.data_ptr());
+  const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  const auto* mp = four_bit ? reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>()) : nullptr;
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i / nb, b = i % nb;
+      uint8_t* r0 = o + i * rec;
+      auto* scales = reinterpret_cast<uint16_t*>(r0 + (four_bit ? 4 : 8) * 64);
+      for (int64_t r = 0; r < kPanelRows; ++r) {
+        const int64_t n = p * kPanelRows + r;
+        if (n >= N) break;  // rows past N stay zero (their outputs are not written)
+        scales[r] = dp[n * nb + b];
+        if (four_bit) scales[kPanelRows + r] = mp[n * nb + b];
+        for (int64_t k = 0; k < kBlock; ++k) {
+          if (four_bit) {  // ggml's byte j: level j low, level j + 16 high
+            const uint8_t byte = q[n * (K / 2) + b * 16 + (k & 15)];
+            const uint8_t level = k < 16 ? (byte & 15) : (byte >> 4);
+            const int64_t t = (k & 15) / 4, j = k % 4;
+            r0[t * 64 + 4 * r + j] |= k < 16 ? level : static_cast<uint8_t>(level << 4);
+          } else {
+            const int64_t s = k / 4, j = k % 4;
+            r0[s * 64 + 4 * r + j] = static_cast<uint8_t>(static_cast<int8_t>(q[n * K + b * kBlock + k]) + 128);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// R activation rows (at most kGroup) from m0 against one panel from n0 (nn rows of it written).
+template <int R, bool kFourBit, bool kTwoLevels>
+void panel_group(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* panel, int64_t n0, int64_t nn,
+                 float* out, int64_t N) {
+  const int64_t nb = K / kBlock, rec = record_bytes(kFourBit);
+  constexpr int kSteps = 8;  // k-steps of 4 levels in a block
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* r0 = panel + b * rec;
+    __m512i w[kSteps];
+    if (kFourBit) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(r0 + 64 * t);
+        w[t] = _mm512_and_si512(v, low);
+        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int s = 0; s < kSteps; ++s) w[s] = _mm512_loadu_si512(r0 + 64 * s);
+    }
+    const auto* scales = reinterpret_cast<const __m256i*>(r0 + (kFourBit ? 4 : 8) * 64);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(scales));
+    const __m512 mv = kFourBit ? _mm512_cvtph_ps(_mm256_loadu_si256(scales + 1)) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const int64_t m = m0 + i;
+      const int8_t* x1 = xq.q.data() + m * K + b * kBlock;
+      __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int s = 0; s < kSteps; ++s) {
+        int32_t four;
+        std::memcpy(&four, x1 + 4 * s, 4);
+        s1 = _mm512_dpbusd_epi32(s1, w[s], _mm512_set1_epi32(four));
+        if (kTwoLevels) {
+          std::memcpy(&four, xq.q2.data() + m * K + b * kBlock + 4 * s, 4);
+          s2 = _mm512_dpbusd_epi32(s2, w[s], _mm512_set1_epi32(four));
+        }
+      }
+      if (!kFourBit) {  // the levels were stored plus 128
+        s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(128 * xq.qsum[m * nb + b]));
+        if (kTwoLevels) s2 = _mm512_sub_epi32(s2, _mm512_set1_epi32(128 * xq.q2sum[m * nb + b]));
+      }
+      const __m512i sum = kTwoLevels ? _mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2) : s1;
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.dx[m * nb + b])), _mm512_cvtepi32_ps(sum), acc[i]);
+      if (kFourBit) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq.xs[m * nb + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (nn == kPanelRows) {
+      _mm512_storeu_ps(out + (m0 + i) * N + n0, acc[i]);
+    } else {
+      _mm512_mask_storeu_ps(out + (m0 + i) * N + n0, static_cast<__mmask16>((1u << nn) - 1), acc[i]);
+    }
+  }
+}
+
+template <bool kFourBit, bool kTwoLevels>
+void run_panel_groups(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out) {
+  const int64_t P = (N + kPanelRows - 1) / kPanelRows, nb = K / kBlock, rec = record_bytes(kFourBit);
+  constexpr int kGroup = 4;  // activation rows per pass over a panel (accumulators in registers)
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = panels + p * nb * rec;
+      const int64_t n0 = p * kPanelRows, nn = std::min<int64_t>(kPanelRows, N - n0);
+      int64_t m0 = 0;
+      for (; m0 + kGroup <= M; m0 += kGroup) panel_group<kGroup, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N);
+      switch (M - m0) {
+        case 3: panel_group<3, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
+        case 2: panel_group<2, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
+        case 1: panel_group<1, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+at::Tensor panel_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, bool four_bit, int64_t act_levels) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_mm: x is float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0, "panel_mm: K is a whole number of blocks of 32");
+  TORCH_CHECK(act_levels == 1 || act_levels == 2, "panel_mm: act_levels is 1 or 2");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (N + kPanelRows - 1) / kPanelRows && panels.size(1) == nb &&
+                  panels.size(2) == record_bytes(four_bit) && panels.is_contiguous(),
+              "panel_mm: panels are pack_panels' of an [N, K] weight");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const bool two = act_levels == 2;
+  Quantized xq;
+  quantize_rows(xc.data_ptr<float>(), M, K, two, false, xq, !four_bit);
+  const uint8_t* pp = panels.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (four_bit) {
+    if (two) run_panel_groups<true, true>(xq, M, K, N, pp, op);
+    else run_panel_groups<true, false>(xq, M, K, N, pp, op);
+  } else {
+    if (two) run_panel_groups<false, true>(xq, M, K, N, pp, op);
+    else run_panel_groups<false, false>(xq, M, K, N, pp, op);
+  }
+  return out;
+}
+#else
+constexpr bool kHavePanels = false;
+
+at::Tensor pack_panels(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "pack_panels: this build has no AVX-512 VNNI");
+}
+
+at::Tensor panel_mm(const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t) {
+  TORCH_CHECK(false, "panel_mm: this build has no AVX-512 VNNI");
+}
+#endif
+
+bool has_panels() { return kHavePanels; }
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_blocks, lib) {
   lib.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, int act_levels) -> Tensor");
   lib.impl("block_mm", c10::DispatchKey::CPU, &block_mm);
+  lib.def("pack_panels(Tensor qs, Tensor d, Tensor? m, int K) -> Tensor");
+  lib.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
+  lib.def("panel_mm(Tensor x, Tensor panels, int N, bool four_bit, int act_levels) -> Tensor");
+  lib.impl("panel_mm", c10::DispatchKey::CPU, &panel_mm);
+  lib.def("has_panels() -> bool", &has_panels);
 }

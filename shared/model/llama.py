@@ -143,7 +143,7 @@ class LlamaModel:
             head = quantize_blocks(self.lm_head)
             self.lm_head = dataclasses.replace(head, act_levels=2) if head is not None else self.lm_head
             if self.device.type == "cpu":
-                blocks_cpu.load()  # the AVX2 kernel (built once per machine), or the torch reference
+                blocks_cpu.load()  # the block kernel (built once per machine; panels with VNNI), or the reference
             return
         assert method in ("int8", "int8-precise"), method
         levels = 2 if method == "int8-precise" else 1

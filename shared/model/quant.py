@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cast import cast
-from kernels.blocks_cpu import BLOCK, block_mm, levels
+from kernels.blocks_cpu import BLOCK, block_mm, levels, pack
 from kernels.int8_cpu import int8_mm, row_sums
 from shared.model.precision import QUANTIZATION_METHODS
 
@@ -214,7 +214,9 @@ class BlockWeight:
     (exact for Q4_0 / Q4_1, whose files hold float16). ``bits=8``: symmetric 8-bit blocks as Q8_0
     (``qs`` int8 [N, K] in [-127, 127], d = max|w| / 127, no m). ``act_levels=2`` gives the
     activations a second int8 level (what the first rounded off): the LM head's, where rounding
-    the last hidden state to 8 bits cost about half of the top-1 agreement lost."""
+    the last hidden state to 8 bits cost about half of the top-1 agreement lost. ``panels``: the same
+    weight repacked for the AVX-512 VNNI kernel where this CPU has one (``kernels/blocks_cpu.py``'s
+    ``pack``; the same bits, and what a step reads instead of ``qs``), else None."""
 
     qs: torch.Tensor  # uint8 [N, K / 2] (4-bit) or int8 [N, K] (8-bit)
     d: torch.Tensor  # float16 [N, K / BLOCK]
@@ -222,6 +224,7 @@ class BlockWeight:
     bits: int  # 4 or 8
     in_features: int  # K
     act_levels: int = 1
+    panels: torch.Tensor | None = None  # uint8 [ceil(N / 16), K / BLOCK, record bytes]
 
     @property
     def shape(self) -> torch.Size:
@@ -275,18 +278,20 @@ def quantize_blocks(weight: torch.Tensor) -> BlockWeight | None:
         q, step, lo = grid
         b = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
         qs = (b[..., :BLOCK // 2] | (b[..., BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
-        return BlockWeight(qs, step.half().contiguous(), lo.half().contiguous(), 4, k)
+        d, m = step.half().contiguous(), lo.half().contiguous()
+        return BlockWeight(qs, d, m, 4, k, panels=pack(qs, d, m, k))
     g = weight.float().reshape(n, k // BLOCK, BLOCK)
     d = g.abs().amax(-1) / 127.0
     q8 = torch.round(g / torch.where(d > 0, d, 1.0)[..., None]).clamp_(-127, 127)
-    return BlockWeight(q8.to(torch.int8).reshape(n, k).contiguous(), d.half().contiguous(), None, 8, k)
+    qs, d = q8.to(torch.int8).reshape(n, k).contiguous(), d.half().contiguous()
+    return BlockWeight(qs, d, None, 8, k, panels=pack(qs, d, None, k))
 
 
 def block_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w.T with x rounded to 8-bit blocks (``kernels/blocks_cpu.py``); returns x's dtype."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = w.shape[0]
-    out = cast(block_mm(cast(x2, torch.float32), w.qs, w.d, w.m, w.act_levels), x.dtype)
+    out = cast(block_mm(cast(x2, torch.float32), w.qs, w.d, w.m, w.act_levels, w.panels), x.dtype)
     if bias is not None:
         out = out + bias
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -2,7 +2,8 @@
 as a GGUF file's Q4 layers are, is kept on that grid; any other weight gets symmetric 8-bit blocks;
 activations are rounded per block to 8 bits as llama.cpp does; the AVX2 kernel
 (``kernels/cpu/block_mm.cpp``) computes what its torch reference does, and gives a row the same bits
-alone and in any batch (alone and in pairs it runs its narrow loops, from three rows its wide ones)."""
+alone and in any batch (alone and in pairs it runs its narrow loops, from three rows its wide ones);
+where the CPU has AVX-512 VNNI, the weight's panels give the same bits as those loops."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shared.model.precision import cpu_flags
 from shared.model.quant import BLOCK, block_linear, four_bit_grid, quantize_blocks
 
 HAS_AVX2 = all(f in cpu_flags() for f in ("avx2", "fma", "f16c"))
+HAS_VNNI = HAS_AVX2 and all(f in cpu_flags() for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
 
 
 def q4_1_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -135,3 +137,27 @@ def test_two_activation_levels_are_closer_and_the_kernel_agrees(kind):
         assert torch.allclose(got, two, rtol=1e-5, atol=1e-5 * float(two.abs().max()))
         for rows in (1, 2, 3, 5):  # the kernel's narrow loops below three rows, its wide ones from three
             assert torch.equal(blocks_cpu.block_mm(x[:rows], w.qs, w.d, w.m, 2), got[:rows])
+
+
+def test_weights_are_packed_into_panels_where_the_cpu_has_avx512_vnni():
+    assert blocks_cpu.packs() == HAS_VNNI, blocks_cpu.identity()
+    w = quantize_blocks(q4_1_weight(40, 64))
+    assert (w.panels is not None) == HAS_VNNI
+    if HAS_VNNI:  # 3 panels of 16 rows (the last one 8 rows short), 2 blocks, 320 bytes a block
+        assert w.panels.shape == (3, 2, 320) and w.panels.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "float"])
+@pytest.mark.parametrize("act_levels", [1, 2])
+def test_the_panels_give_the_bits_of_the_avx2_loops(kind, act_levels):
+    if not blocks_cpu.packs():
+        pytest.skip(f"no AVX-512 VNNI panels here: {blocks_cpu.identity()}")
+    g = torch.Generator().manual_seed(9)
+    for n, k in ((37, 96), (64, 576), (20, 1536)):  # rows past the last whole panel; SmolLM2's widths
+        w = quantize_blocks(q4_1_weight(n, k, seed=n) if kind == "q4_1" else torch.randn(n, k, generator=g))
+        assert w.bits == (4 if kind == "q4_1" else 8) and w.panels is not None
+        x = torch.randn(33, k, generator=g) * 3
+        x[1, :BLOCK] = 0  # an all-zero block
+        for rows in (1, 2, 3, 4, 5, 9, 33):  # the AVX2 kernel's narrow loops below three rows, wide from three
+            want = blocks_cpu.block_mm(x[:rows], w.qs, w.d, w.m, act_levels)
+            assert torch.equal(blocks_cpu.block_mm(x[:rows], w.qs, w.d, w.m, act_levels, w.panels), want), (n, k, rows)

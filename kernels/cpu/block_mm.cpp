@@ -531,7 +531,7 @@ void panel_group(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* pane
     const auto* scales = reinterpret_cast<const __m256i*>(r0 + (kFourBit ? 4 : 8) * 64);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(scales));
     const __m512 mv = kFourBit ? _mm512_cvtph_ps(_mm256_loadu_si256(scales + 1)) : _mm512_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const int64_t m = m0 + i;
       const int8_t* x1 = xq.q.data() + m * K + b * kBlock;
@@ -567,7 +567,7 @@ void panel_group(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* pane
 template <bool kFourBit, bool kTwoLevels>
 void run_panel_groups(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out) {
   const int64_t P = (N + kPanelRows - 1) / kPanelRows, nb = K / kBlock, rec = record_bytes(kFourBit);
-  constexpr int kGroup = 4;  // activation rows per pass over a panel (accumulators in registers)
+  constexpr int kGroup = 8;  // activation rows per pass over a panel (accumulators in registers)
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = panels + p * nb * rec;
@@ -575,6 +575,10 @@ void run_panel_groups(const Quantized& xq, int64_t M, int64_t K, int64_t N, cons
       int64_t m0 = 0;
       for (; m0 + kGroup <= M; m0 += kGroup) panel_group<kGroup, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N);
       switch (M - m0) {
+        case 7: panel_group<7, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
+        case 6: panel_group<6, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
+        case 5: panel_group<5, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
+        case 4: panel_group<4, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
         case 3: panel_group<3, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
         case 2: panel_group<2, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
         case 1: panel_group<1, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;

@@ -185,8 +185,12 @@ class CompiledDecode:
                     log.warning("the compiled step in %s cannot be loaded (%s: %s): compiling it again",
                                 artifacts.dir, type(exc).__name__, exc)
         if self._fn is None:
+            # emulate_precision_casts: a K/V rounded to a float16 / bfloat16 pool's dtype and read back
+            # in float32 keeps the rounding inside a fused loop too (inductor drops the round trip
+            # otherwise), so a row attends to the values the pool holds, as an eager step does
             compiler = torch.compile(self._forward, dynamic=True, fullgraph=True,
-                                     options={"cpp_wrapper": True, "cpp.threads": self.threads})
+                                     options={"cpp_wrapper": True, "cpp.threads": self.threads,
+                                              "emulate_precision_casts": True})
             with torch.inference_mode():
                 self._fn = compiler.aot_compile((example, {}))
             self.source = "compiled"

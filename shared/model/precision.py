@@ -10,11 +10,19 @@ threads the least disturbed steps (min) int8 71 ms, bfloat16 107, float32 132, w
 were even (int8's many small parallel ops wait longest on descheduled threads). So int8 wins
 wherever VNNI exists; bfloat16 is next where the CPU multiplies bf16 natively;
 float32 otherwise. int8's error against float32 stays within the bounds that
-tests/engine/test_quantization_smollm2.py checks on the real model. Without VNNI,
-``--quantization gguf`` (weight-only blocks times 8-bit block activations, llama.cpp's
-arithmetic, kernels/blocks_cpu.py) decodes 2.2x float32 at batch 1 on an AVX2-only Zen 3 and
-serves 1.05x llama-server at one stream, but 0.94x float32 at 32 streams and with 97.2% top-1
-agreement, so it is offered, not chosen (docs/engine.md).
+tests/engine/test_quantization_smollm2.py checks on the real model, but its top-1 agreement with
+float32 is 93.4% on SmolLM2, below the 97% the project holds the default to.
+
+So where the CPU has AVX-512 VNNI, the default is ``gguf`` (weight-only blocks of 32 times 8-bit
+block activations, llama.cpp's arithmetic, kernels/blocks_cpu.py), on the panel kernel that the
+same VNNI instructions make fast: on the Intel Xeon (family 6 model 167, 2 threads), the compiled
+SmolLM2 step decodes 99.6 / 432 / 674 tok/s at batch 1 / 8 / 32 against int8's 84 / 354 / 611 in
+the same session, with 97.3% top-1 agreement against int8's 93.4% (loadtest/bench/quality.py). On a
+Q8_0 1B-shaped model, eager, it is 0.98x / 0.91x int8 at batch 1 / 8. With another kind of VNNI
+(AVX-VNNI without AVX-512) there is no panel kernel, and int8 stays. Without VNNI,
+``--quantization gguf`` decodes 2.2x float32 at batch 1 on an AVX2-only Zen 3 and serves 1.05x
+llama-server at one stream, but 0.94x float32 at 32 streams, so it is offered, not chosen
+(docs/engine.md).
 
 An explicit dtype or quantization is always kept as given: ``--dtype float32`` is the precision
 that matches transformers exactly.
@@ -30,19 +38,20 @@ from pathlib import Path
 # with float32 on SmolLM2, the fastest); "int8-precise": activations and the LM head's weight in two
 # int8 levels (97%), at up to twice the matmul work; "gguf": weight-only, in ggml's blocks of 32
 # values (4-bit where the weights are on a 4-bit grid, as a GGUF file's Q4 formats are, else
-# 8-bit), activations in 8-bit blocks as llama.cpp's (two levels for the LM head): for CPUs with
-# AVX2 but no VNNI (shared/model/quant.py's BlockWeight, kernels/blocks_cpu.py)
+# 8-bit), activations in 8-bit blocks as llama.cpp's (two levels for the LM head; 97% top-1, the
+# default with AVX-512 VNNI; shared/model/quant.py's BlockWeight, kernels/blocks_cpu.py)
 QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype; auto: shared/engine/config.py
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+PANEL_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # kernels/blocks_cpu.py's panel kernel
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
 class Precision:
     dtype: str  # float32, bfloat16 or float16: weights other than int8 ones, activations, KV cache
-    quantization: str  # none or int8 (the linear layers)
+    quantization: str  # none, int8, int8-precise or gguf (the linear layers)
     reason: str  # why: for the start-up log
 
 
@@ -61,13 +70,17 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 def choose_precision(device_type: str, dtype: str | None, quantization: str | None,
                      flags: frozenset[str] = frozenset()) -> Precision:
     """The given dtype/quantization when either is given (the other at its plain default), else the
-    fastest precision for the device: bfloat16 on a GPU; on a CPU int8 with VNNI, bfloat16 with
-    native bf16 instructions, float32 otherwise."""
+    fastest precision for the device: bfloat16 on a GPU; on a CPU gguf with AVX-512 VNNI, int8 with
+    another VNNI, bfloat16 with native bf16 instructions, float32 otherwise."""
     if dtype is not None or quantization is not None:
         default_dtype = "bfloat16" if device_type == "cuda" else "float32"
         return Precision(dtype or default_dtype, quantization or "none", "given")
     if device_type != "cpu":
         return Precision("bfloat16", "none", f"default on {device_type}")
+    if all(f in flags for f in PANEL_FLAGS):
+        return Precision("float32", "gguf", "CPU has avx512_vnni: 4-bit and 8-bit weight blocks on the panel "
+                                            "kernel are the fastest, 97% top-1 agreement with float32 "
+                                            "(pass --dtype float32 for exact float32)")
     vnni = [f for f in VNNI_FLAGS if f in flags]
     if vnni:
         return Precision("float32", "int8", f"CPU has {vnni[0]}: int8 matmuls are the fastest "

@@ -14,7 +14,8 @@ OLD = frozenset({"sse4_2", "avx2"})
 
 
 @pytest.mark.parametrize("flags, want", [
-    (SAPPHIRE, ("float32", "int8")),
+    (SAPPHIRE | {"avx512bw", "avx512vl"}, ("float32", "gguf")),  # the panel kernel's instructions
+    (SAPPHIRE, ("float32", "int8")),  # VNNI, but not all of them
     (frozenset({"avx2", "avx_vnni"}), ("float32", "int8")),
     (COOPER, ("bfloat16", "none")),
     (OLD, ("float32", "none")),

@@ -18,7 +18,7 @@ block activations, llama.cpp's arithmetic, kernels/blocks_cpu.py), on the panel 
 same VNNI instructions make fast: on the Intel Xeon (family 6 model 167, 2 threads), the compiled
 SmolLM2 step decodes 99.6 / 432 / 674 tok/s at batch 1 / 8 / 32 against int8's 84 / 354 / 611 in
 the same session, with 97.3% top-1 agreement against int8's 93.4% (loadtest/bench/quality.py). On a
-Q8_0 1B-shaped model, eager, it is 0.98x / 0.91x int8 at batch 1 / 8. With another kind of VNNI
+Q8_0 1B-shaped model, eager, it is 0.98x / 0.91x int8 at batch 1 / 8, on a Q4_0 one 1.23x / 1.27x. With another kind of VNNI
 (AVX-VNNI without AVX-512) there is no panel kernel, and int8 stays. Without VNNI,
 ``--quantization gguf`` decodes 2.2x float32 at batch 1 on an AVX2-only Zen 3 and serves 1.05x
 llama-server at one stream, but 0.94x float32 at 32 streams, so it is offered, not chosen

@@ -172,6 +172,7 @@ class CompiledDecode:
         self.artifacts = artifacts
         attention_cpu.load()  # before tracing or loading a graph that calls it
         _mark_pool_static(kv_cache)
+        _mark_model_static(self.model)
         example = self._example(kv_cache)
         if artifacts is not None:
             artifacts.activate()
@@ -259,6 +260,31 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k:
     out = (p_past[..., None] * values).sum(1) + p_own[..., None] * cast(v, torch.float32)[:, :, None, :]
     out = out / (p_past.sum(1) + p_own)[..., None]  # [B, Hkv, G, D]
     return out.reshape(num_seqs, heads, head_dim)
+
+
+def _mark_model_static(value, seen: set[int] | None = None) -> None:
+    """Every tensor the model holds (weights, their scales and panels, rotary tables) gets fixed
+    sizes in the graph: the model's structure is part of the artifacts' key anyway. Left symbolic,
+    a weight's size that happens to equal the traced pool's number of blocks would share its symbol
+    (torch gives equal sizes one symbol), and the graph would refuse that weight once the pool had
+    another size (a 1B model's o_proj panels, 128, against the compile process's 128-block pool)."""
+    import dataclasses
+
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        torch._dynamo.mark_static(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _mark_model_static(item, seen)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _mark_model_static(getattr(value, field.name), seen)
+    elif type(value).__module__.startswith("shared.") and hasattr(value, "__dict__"):
+        for item in vars(value).values():
+            _mark_model_static(item, seen)
 
 
 def _mark_pool_static(kv_cache: torch.Tensor) -> None:

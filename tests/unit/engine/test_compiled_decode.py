@@ -413,3 +413,24 @@ def test_a_moved_request_keeps_the_decode_path_it_had_on_the_worker_it_left(tmp_
     back_ids, _, back_paths = run(LLMEngine(model, eager), "back", prompt + ids[:moved_after],
                                   decode_path="compiled", **moved)
     assert back_paths == {"eager"} and len(back_ids) == 16 - moved_after
+
+
+@pytest.mark.long  # a cold compile: the step is compiled afresh, with no cache
+def test_a_step_traced_over_a_pool_as_long_as_a_weight_serves_a_pool_of_another_size(tiny_engine_model, tmp_path,
+                                                                                       monkeypatch):
+    """The model's tensors have fixed sizes in the graph: were they symbolic, a weight's size that
+    equals the traced pool's number of blocks would share its symbol, and the graph, loaded by a
+    worker with another pool, would refuse that weight (a 1B model's o_proj panels against the
+    compile process's pool once did)."""
+    monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path))
+    eager = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
+    config = EngineConfig(block_size=4, compile=True)
+    size = tiny_engine_model.layers[0].qkv.shape[0]  # a weight's first size, as the pool's blocks
+    traced = LLMEngine(tiny_engine_model,
+                       dataclasses.replace(config, kv_cache_memory=size * eager.kv_spec.bytes_per_block))
+    assert traced.num_blocks == size and traced.runner.compiled.source == "compiled"
+    other = LLMEngine(tiny_engine_model, dataclasses.replace(config, kv_cache_memory=4 << 20))
+    assert other.num_blocks != size and other.runner.compiled.source == "loaded"
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert other.generate(prompts(2), greedy) == eager.generate(prompts(2), greedy)
+    assert other.runner.compiled.num_steps >= 5

@@ -46,8 +46,10 @@ def stack(nats_server, redis_server, tmp_path_factory):
     api_keys = ",".join(f"{key}:{tier}" for tier, key in KEYS.items())
     spec = StackSpec(state_dir=state, num_decode=1, model=MODEL, port=0, namespace=f"q{uuid.uuid4().hex[:8]}",
                      nats_url=nats_server.url, redis_url=redis_server.url, registry_ttl_s=3.0,
+                     # eager steps: a background compile (a cold cache) would share the CPU with the
+                     # prompts whose TTFT the tests compare with admission's predictions
                      decode_flags={"max_model_len": 1024, "kv_cache_memory": "128MiB", "device": "cpu",
-                                   "num_warmup_requests": 2, "max_num_seqs": 1},
+                                   "num_warmup_requests": 2, "max_num_seqs": 1, "compile": "off"},
                      gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys},
                      admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": 600, "log_level": "DEBUG"})
     with running_stack(spec, ready_timeout_s=180) as s:

@@ -11,8 +11,9 @@ KV moves between hosts over NIXL with UCX on TCP only (without ``UCX_TLS=tcp`` U
 and copies through shared memory, past the lab network). Every prompt prefills remotely, on wa.
 Under a steady load: wb's link is cut for 20 s and restored (wb comes back into the registry by
 itself, no process restarted), then host wa vanishes (every process in it killed: the prefill
-worker and a NATS member). Every request must complete with the fault-free greedy text (float32),
-after at most a few re-admissions (429/503 with Retry-After), within its deadline.
+worker and a NATS member). Every request must complete with the fault-free greedy text (gguf, whose
+arithmetic is batch-invariant), after at most a few re-admissions (429/503 with Retry-After), within
+its deadline.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ NATS_PORT, ROUTE_PORT, GATEWAY_PORT, PROXY_PORT = 4222, 6222, 8000, 14222
 DELAY_MS = 200
 CUT_S = 20.0
 REQUEST_DEADLINE_S = 240.0
-ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--compile", "off", "--kv-cache-memory", "160MiB"]
+# gguf: exact integer block sums, so a request's greedy text does not depend on its batch-mates (in
+# float32 a near-tie could flip with the batch's size, and the fault-free text is taken one at a time)
+ENGINE_FLAGS = ["--device", "cpu", "--quantization", "gguf", "--compile", "off", "--kv-cache-memory", "160MiB"]
 PROMPTS = [f"Write one sentence about {topic}, as a teacher would say it to a class of children who "
            f"have never seen {topic} before, and keep it simple:"
            for topic in ("rivers", "bridges", "lighthouses", "glaciers", "violins", "orchards")]

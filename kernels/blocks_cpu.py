@@ -34,31 +34,20 @@ Built on first use (``kernels/cpu_build.py``) into ``TANDEM_CACHE_DIR/kernels/``
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import CpuKernel
-from shared.model.precision import cpu_flags
+from kernels.cpu_build import CpuKernel, why_not
+from shared.model.precision import AVX512_VNNI_FLAGS
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "block_mm.cpp"
 BLOCK = 32  # values of one input row a block scale covers, as in ggml's Q4_0 / Q4_1 / Q8_0
-_PANEL_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-
-
-def _panels_wanted() -> bool:
-    """Whether to build the panel kernel: the CPU has AVX-512 VNNI and ``TANDEM_BLOCK_PANELS`` is not off."""
-    if os.environ.get("TANDEM_BLOCK_PANELS", "on").lower() in ("off", "0", "false", "no"):
-        return False
-    return all(f in cpu_flags() for f in _PANEL_NEEDS)
-
-
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
-if _panels_wanted():
+if why_not("TANDEM_BLOCK_PANELS", AVX512_VNNI_FLAGS) is None:  # the panel kernel, unless switched off
     _FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 _NEEDS = ("avx2", "fma", "f16c")
 _op = None  # torch.ops.tandem_blocks.block_mm once loaded (a global: torch.compile traces the call)

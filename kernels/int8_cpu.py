@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_build import CpuKernel
+from shared.model.precision import AVX512_VNNI_FLAGS
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "int8_mm.cpp"
 _FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_NEEDS = AVX512_VNNI_FLAGS
 _op = None  # torch.ops.tandem_cpu.int8_mm once loaded (a global: torch.compile traces the call)
 
 

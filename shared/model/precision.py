@@ -44,7 +44,7 @@ QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype; auto: shared/engine/config.py
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-PANEL_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # kernels/blocks_cpu.py's panel kernel
+AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the int8 kernel and the gguf panel kernel
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -77,7 +77,7 @@ def choose_precision(device_type: str, dtype: str | None, quantization: str | No
         return Precision(dtype or default_dtype, quantization or "none", "given")
     if device_type != "cpu":
         return Precision("bfloat16", "none", f"default on {device_type}")
-    if all(f in flags for f in PANEL_FLAGS):
+    if all(f in flags for f in AVX512_VNNI_FLAGS):
         return Precision("float32", "gguf", "CPU has avx512_vnni: 4-bit and 8-bit weight blocks on the panel "
                                             "kernel are the fastest, 97% top-1 agreement with float32 "
                                             "(pass --dtype float32 for exact float32)")

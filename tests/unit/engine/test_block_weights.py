@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kernels import blocks_cpu
-from shared.model.precision import cpu_flags
+from shared.model.precision import AVX512_VNNI_FLAGS, cpu_flags
 from shared.model.quant import BLOCK, block_linear, four_bit_grid, quantize_blocks
 
 HAS_AVX2 = all(f in cpu_flags() for f in ("avx2", "fma", "f16c"))
-HAS_VNNI = HAS_AVX2 and all(f in cpu_flags() for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+HAS_VNNI = HAS_AVX2 and all(f in cpu_flags() for f in AVX512_VNNI_FLAGS)
 
 
 def q4_1_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -19,7 +19,10 @@ of the worker, or its compile thread; ``TANDEM_COMPILE_PROCESS``), a fresh proce
 inductor cache times an eager engine's decode steps alone, then builds an engine that compiles in
 the background and times every decode step until the compiled step takes over (or
 ``--max-during-s`` has passed). Both caches are cold: inductor's and this machine's compiled steps.
-Reports the median, p90, p99 and mean step time during the compile (a stall of the engine thread
+A step's time grows with its context, so each request restarts (same prompt) after
+``--cycle-tokens`` output tokens, alone and during the compile: both are timed over the same
+contexts (before, the steps during a minutes-long compile ran at contexts thousands of tokens
+longer than the steps alone they were compared with). Reports the median, p90, p99 and mean step time during the compile (a stall of the engine thread
 shows in the mean and the tail, not the median), the median over the eager median alone, the mean
 over the eager mean, and how long the compile took. Writes
 ``during_compile.json`` under --out.
@@ -48,11 +51,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from loadtest.tools.harness import take_turns
 from shared.engine.compile_process import use_child_process
-from loadtest.tools.profile_step import add_decoding_args, decoding_engine
+from loadtest.tools.profile_step import add_decoding_args, any_prefilling, decoding_engine
 
 
 def timed_steps(engine, steps: int) -> float:
@@ -84,11 +88,28 @@ def measure(args, batch_size: int) -> dict:
             "precision": f"{eager.config.dtype}/{eager.config.quantization}"}
 
 
+def recycled_step(engine, cycle: int) -> float:
+    """One timed decode step (ms), after restarting (the same prompt, a fresh id) each request that
+    has ``cycle`` output tokens, and stepping untimed until the restarts have prefilled. So every
+    timed step runs at a context between the prompt and the prompt plus ``cycle`` tokens, whenever
+    it is taken: a step's time grows with its context, and steps taken over minutes of a compile
+    must not be compared with steps taken in its first seconds."""
+    for r in list(engine.scheduler.running):
+        if len(r.output_token_ids) >= cycle:
+            engine.abort_request(r.request_id)
+            engine.add_request(f"{r.request_id.split('.')[0]}.{uuid.uuid4().hex[:6]}", list(r.prompt_token_ids),
+                               r.sampling_params)
+    while any_prefilling(engine):
+        engine.step()
+    return timed_steps(engine, 1)
+
+
 def during_compile(args, batch_size: int) -> dict:
     """In this process (its inductor cache must be cold): eager steps alone, then the steps of an
-    engine whose decode step compiles in the background, until it runs compiled."""
+    engine whose decode step compiles in the background, until it runs compiled. Contexts cycle
+    through the same range in both (``recycled_step``)."""
     eager = decoding_engine(args, batch_size)
-    alone = [timed_steps(eager, 1) for _ in range(args.steps)]
+    alone = [recycled_step(eager, args.cycle_tokens) for _ in range(max(args.steps, 3 * args.cycle_tokens))]
     del eager
     engine = decoding_engine(args, batch_size, compile="background")
     started = time.perf_counter()
@@ -97,12 +118,12 @@ def during_compile(args, batch_size: int) -> dict:
     while engine.decode_step() != "compiled":
         if engine.background_compile.done.is_set() and engine.background_compile.error is not None:
             raise RuntimeError(f"the compile failed: {engine.background_compile.error}")
-        during.append(timed_steps(engine, 1))
+        during.append(recycled_step(engine, args.cycle_tokens))
         if args.max_during_s is not None and time.perf_counter() - started > args.max_during_s:
             finished = False  # a saturated engine can starve a compile at nice 19: report the steps so far
             break
     compile_s = time.perf_counter() - started
-    after = [timed_steps(engine, 1) for _ in range(args.steps)] if finished else None
+    after = [recycled_step(engine, args.cycle_tokens) for _ in range(args.steps)] if finished else None
     eager_ms = statistics.median(alone)
     return {"eager_alone_ms": round(eager_ms, 2), "eager_alone_mean_ms": round(statistics.fmean(alone), 2),
             "compile_process": use_child_process(),
@@ -135,7 +156,7 @@ def run_during_compile(args) -> int:
                        "TANDEM_COMPILE_CACHE_DIR": str(Path(cache) / "tandem"),
                        "TANDEM_COMPILE_PROCESS": "1" if where == "process" else "0"}
                 cmd = [sys.executable, "-m", "loadtest.bench.compile", "--one-during-compile", "--batch-sizes", str(b),
-                       "--steps", str(args.steps), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
+                       "--steps", str(args.steps), "--cycle-tokens", str(args.cycle_tokens), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
                        *precision_flags(args),
                        *(["--max-during-s", str(args.max_during_s)] if args.max_during_s is not None else [])]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
@@ -226,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--where", default="process,thread",
                    help="with --during-compile: where the compile runs, process (a child process, the default) "
                         "and/or thread (the worker's own compile thread; TANDEM_COMPILE_PROCESS=0)")
+    p.add_argument("--cycle-tokens", type=int, default=128,
+                   help="with --during-compile: each request restarts after this many output tokens, so that "
+                        "steps alone and during the compile run at the same contexts (at least 3x this many "
+                        "steps are timed alone)")
     p.add_argument("--max-during-s", type=float, default=None,
                    help="with --during-compile: stop timing after this many seconds if the compile has not "
                         "finished (a saturated engine can starve a compile at nice 19)")

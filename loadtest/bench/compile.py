@@ -22,10 +22,10 @@ the background and times every decode step until the compiled step takes over (o
 A step's time grows with its context, so each request restarts (same prompt) after
 ``--cycle-tokens`` output tokens, alone and during the compile: both are timed over the same
 contexts (before, the steps during a minutes-long compile ran at contexts thousands of tokens
-longer than the steps alone they were compared with). Reports the median, p90, p99 and mean step time during the compile (a stall of the engine thread
-shows in the mean and the tail, not the median), the median over the eager median alone, the mean
-over the eager mean, and how long the compile took. Writes
-``during_compile.json`` under --out.
+longer than the steps alone they were compared with). Reports the median, p90, p99 and mean step
+time during the compile (a stall of the engine thread shows in the mean and the tail, not the
+median), the median over the eager median alone, the mean over the eager mean, and how long the
+compile took. Writes ``during_compile.json`` under --out.
 
     python -m loadtest.bench.compile --artifacts [--model smollm2-135m]
 
@@ -156,7 +156,8 @@ def run_during_compile(args) -> int:
                        "TANDEM_COMPILE_CACHE_DIR": str(Path(cache) / "tandem"),
                        "TANDEM_COMPILE_PROCESS": "1" if where == "process" else "0"}
                 cmd = [sys.executable, "-m", "loadtest.bench.compile", "--one-during-compile", "--batch-sizes", str(b),
-                       "--steps", str(args.steps), "--cycle-tokens", str(args.cycle_tokens), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
+                       "--steps", str(args.steps), "--cycle-tokens", str(args.cycle_tokens),
+                       "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
                        *precision_flags(args),
                        *(["--max-during-s", str(args.max_during_s)] if args.max_during_s is not None else [])]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout

@@ -45,6 +45,7 @@ earlier tokens taken from those rows), so its verified drafts get the bits plain
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -268,8 +269,6 @@ def _mark_model_static(value, seen: set[int] | None = None) -> None:
     a weight's size that happens to equal the traced pool's number of blocks would share its symbol
     (torch gives equal sizes one symbol), and the graph would refuse that weight once the pool had
     another size (a 1B model's o_proj panels, 128, against the compile process's 128-block pool)."""
-    import dataclasses
-
     seen = set() if seen is None else seen
     if id(value) in seen:
         return

@@ -79,11 +79,17 @@ def greedy(engine, prompt_ids: list[int], max_tokens: int) -> str:
 
 
 def worker_load(stack, role: str) -> dict:
+    """The one ``role`` worker's last load report, waiting for its first (a worker is in /status as
+    soon as it registers, its load once its first report has reached the gateway)."""
     from urllib.request import urlopen
 
-    with urlopen(stack.base_url + "/status", timeout=10) as resp:
-        view = json.load(resp)
-    loads = [w["load"] for w in view["workers"] if w["info"]["role"] == role and w["load"]]
+    def read() -> tuple[dict, list[dict]] | None:
+        with urlopen(stack.base_url + "/status", timeout=10) as resp:
+            view = json.load(resp)
+        loads = [w["load"] for w in view["workers"] if w["info"]["role"] == role and w["load"]]
+        return (view, loads) if loads else None
+
+    view, loads = wait_for(read, what=f"a {role} worker's load report")
     assert len(loads) == 1, view
     return {**loads[0], "prefill_queue": view.get("prefill_queue")}
 
@@ -192,7 +198,7 @@ def test_a_cached_prefix_is_not_moved_again(stack, client, engine):
     tok = engine.tokenizer
     first = LONG_DOC + "Question: what moves the KV cache?"
     completion(client, first, max_tokens=4)
-    before = wait_for(lambda: worker_load(stack, "decode"), what="a load report")
+    before = worker_load(stack, "decode")
     second = LONG_DOC + "Question: how many tokens does a block hold? Answer briefly."
     ids = tok.encode(second)
     reply = completion(client, second)

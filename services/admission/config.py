@@ -17,6 +17,8 @@ class AdmissionSettings(ServiceSettings, QosSettings):
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
     min_fetch_blocks: int = Field(2, ge=1, description="name a worker holding at least this many more of the "
                                   "prompt's leading blocks than the chosen one, for it to fetch them from")
+    fallback_workers: int = Field(3, ge=0, description="when the routing's choice would miss the request's "
+                                  "SLO, try this many next-cheapest workers before rejecting it (0: reject)")
     shed_hold_s: float = Field(2.0, ge=0, description="lower tiers stay shed this long after a higher tier's SLO miss")
     arrival_margin_sd: float = Field(
         1.645, ge=0, description="count higher tiers' arrivals during a predicted wait this many standard "

@@ -5,7 +5,10 @@ or with ``--routing round-robin`` the ready workers in turn),
 then the tier rules (``shared.policy.admission.Admitter``: tier queue limit, shedding, predicted
 TTFT against the tier's SLO) on that worker's observations: its reported prefill backlog by
 priority and measured prefill rate, plus what was admitted to it since its last report, and the
-rate at which it was sent higher-priority prompt tokens (``Inflow``: they will go first).
+rate at which it was sent higher-priority prompt tokens (``Inflow``: they will go first). Where the
+request would miss its SLO there, the next cheapest workers (``--fallback-workers``) are tried before
+it is rejected (``Admitter.decide_first``); a worker it goes to without the prefix may fetch it from
+the holder (``kv_source``).
 Rejects with ``unavailable`` when no ready decode worker serves the model, ``overloaded`` when
 every one's queue is at the limit, or the Admitter's code. Asks kv-index for the prompt's prefix
 overlap with a short timeout and routes on load alone when it does not answer.
@@ -21,7 +24,7 @@ import time
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.view import ClusterView, WorkerEntry
 from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, Turnover, slot_wait_s
-from shared.policy.kv_routing import RoutingChoice, RoutingWeights, choose_worker, effective_overlap
+from shared.policy.kv_routing import RoutingChoice, RoutingWeights, effective_overlap, rank_workers
 from shared.policy.qos import load_qos
 from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, KvSource, Subjects, WorkerLoad
@@ -108,20 +111,31 @@ class AdmissionService:
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
         now = time.time()
         views = [w.load_view(now) for w in workers]
-        choice = choose_worker(views, overlaps, num_blocks, self._weights, now, self._last_chosen,
-                               in_turn=self._settings.routing == "round-robin")
-        if choice.worker_id is None:
+        ranked = rank_workers(views, overlaps, num_blocks, self._weights, now, self._last_chosen,
+                              in_turn=self._settings.routing == "round-robin",
+                              limit=self._settings.fallback_workers)
+        if not ranked:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "
                                 f"{self._settings.max_waiting_per_worker}+ queued requests",
                                 self._settings.retry_after_s)
-        entry = self.view.get(choice.worker_id)
-        observed = self._observe(request, entry, workers, choice, now)
-        verdict = self.admitter.decide(observed)
+        inputs: list[AdmissionInput] = []
+
+        def candidates():  # observed lazily: most requests are admitted on the routing's choice
+            for choice in ranked:
+                inputs.append(self._observe(request, self.view.get(choice.worker_id), workers, choice, now))
+                yield inputs[-1]
+
+        k, verdict = self.admitter.decide_first(candidates())
         ttft = verdict.predicted_ttft_s if verdict.predicted_ttft_s is not None and \
             math.isfinite(verdict.predicted_ttft_s) else None
         if not verdict.admitted:
             return self._reject(request, verdict.code, verdict.reason, verdict.retry_after_s, ttft)
+        choice, entry, observed = ranked[k], self.view.get(ranked[k].worker_id), inputs[k]
+        if k:
+            self.metrics.admitted_elsewhere.inc()
+            log.info("%s (tier %s): predicted to miss on %s, admitted on %s (predicted TTFT %s)", request.request_id,
+                     observed.tier, ranked[0].worker_id, choice.worker_id, "?" if ttft is None else f"{ttft:.2f}s")
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)

@@ -3,8 +3,9 @@
 Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is rejected when
 
 1. its prompt is longer than any worker takes, or its own prefill alone takes longer than its tier's
-   TTFT SLO on the worker that would run it (``prompt_too_long``: no load shedding can fix it, so it
-   sheds no other tier);
+   TTFT SLO on the worker that would run it (``own_prefill_s``, or its uncached tokens at that
+   worker's measured prefill rate: ``prompt_too_long``; no load shedding can fix it, so it sheds no
+   other tier);
 2. its tier already has ``max_queued`` requests waiting (``tier_queue_full``);
 3. a tier of higher priority was rejected for its SLO within ``shed_hold_s`` (``shedding``): a
    higher tier is never rejected while a lower one is admitted to the same capacity, so the
@@ -39,6 +40,11 @@ requests of its own or a higher priority (the engine preempts a lower one for it
 measured rate yet (a worker that has not prefilled) there is no prediction and the request is
 admitted. A rejection carries ``retry_after_s``: when the backlog ahead would have drained to the SLO.
 
+Rules 4 and 5, and the deadline, depend on the worker: ``Admitter.decide_first`` tries the next
+cheapest workers (``shared.policy.kv_routing.rank_workers``) before it rejects, so a follow-up turn
+whose prefix sits on a busy worker is served from scratch by an idle one rather than turned away,
+and a higher tier's miss sheds the lower tiers only when every worker it could go to misses.
+
 ``Admitter.decide`` is pure apart from the shedding memory; the caller passes ``now_s``. The admission
 service and the simulator call it with their own observations.
 """
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,6 +94,8 @@ class AdmissionDecision:
     predicted_ttft_s: float | None
     retry_after_s: float = 0.0
     code: RejectCode | None = None     # None when admitted
+    worker_bound: bool = False         # rejected for what the chosen worker would do (its TTFT, its
+                                       # ITL, the deadline on it): another worker may admit it
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,17 @@ def predict_ttft_s(inp: AdmissionInput, margin_sd: float = 0.0) -> float | None:
     wait = fluid_wait_s(work, rate_left, inp.preempting_requests_per_s, per_arrival, margin_sd, inp.inflow_watched_s)
     own_s = 0.0 if inp.own_prefill_s is None else inp.own_prefill_s
     return wait + own_s + inp.transfer_s + inp.decode_wait_s
+
+
+def own_prefill_alone_s(inp: AdmissionInput) -> float | None:
+    """How long the prompt's own uncached tokens take to prefill with nothing ahead of them and
+    nothing arriving above them: ``own_prefill_s`` where given, else those tokens at the worker's
+    measured rate (a worker's rate is a one-worker rate); None when no rate is measured."""
+    if inp.own_prefill_s is not None:
+        return inp.own_prefill_s
+    if not inp.prefill_tokens_per_s:
+        return None
+    return max(inp.prompt_tokens - inp.cached_tokens, 0) / inp.prefill_tokens_per_s
 
 
 def predict_finish_s(inp: AdmissionInput, ttft_s: float | None) -> float | None:
@@ -346,7 +366,36 @@ class Admitter:
         self.cfg = cfg
         self._missed_at: dict[int, float] = {}  # priority -> last SLO rejection
 
-    def decide(self, inp: AdmissionInput) -> AdmissionDecision:
+    def decide_first(self, candidates: Iterable[AdmissionInput]) -> tuple[int, AdmissionDecision]:
+        """The request on each candidate worker in turn (the routing's choice first, then the next
+        cheapest), admitted on the first that meets its tier's rules: a prompt whose predicted TTFT
+        misses on the worker holding its prefix, or whose one more row would push that worker's ITL
+        over a higher tier's budget, may still be served in time by another. ``candidates`` is
+        consumed lazily, so a request admitted on the first is observed once. Rejected on all: the
+        first candidate's rejection, and only then is an SLO miss remembered (the tier is short of
+        capacity everywhere it could go, so the lower tiers are shed). Returns the index of the
+        candidate admitted on (0 when rejected) and the decision."""
+        first: AdmissionDecision | None = None
+        missed_at = None
+        for k, inp in enumerate(candidates):
+            decision = self.decide(inp, remember_miss=False)
+            if decision.admitted:
+                return k, decision
+            if decision.code == "slo":
+                missed_at = inp
+            first = first or decision
+            if not decision.worker_bound:
+                break   # the same on every worker: too long, the tier's queue full, the tier shed
+        if first is None:
+            raise ValueError("no candidate worker to decide on")
+        if missed_at is not None:
+            self._missed_at[self.cfg.qos.tiers[missed_at.tier].priority] = missed_at.now_s
+        return 0, first
+
+    def decide(self, inp: AdmissionInput, remember_miss: bool = True) -> AdmissionDecision:
+        """The tier rules on one worker. An SLO rejection sheds the lower tiers for ``shed_hold_s``
+        unless ``remember_miss`` is False (``decide_first`` remembers it once every candidate
+        missed)."""
         cfg = self.cfg
         tier = cfg.qos.tiers.get(inp.tier)
         if tier is None:
@@ -356,10 +405,12 @@ class Admitter:
             return AdmissionDecision(False, f"prompt {inp.prompt_tokens} > {cfg.max_prompt_tokens} tokens",
                                      ttft, code="prompt_too_long")
         slo = tier.ttft_slo_s
-        if slo is not None and inp.own_prefill_s is not None and inp.own_prefill_s > slo:
+        alone_s = own_prefill_alone_s(inp)
+        if slo is not None and alone_s is not None and alone_s > slo:
             # infeasible however idle the cluster: not a miss that shedding lower tiers could fix
-            return AdmissionDecision(False, f"its prefill alone takes {inp.own_prefill_s:.2f}s > {inp.tier} "
-                                            f"SLO {slo:.2f}s", ttft, code="prompt_too_long")
+            return AdmissionDecision(False, f"its prefill alone takes {alone_s:.2f}s > {inp.tier} "
+                                            f"SLO {slo:.2f}s", ttft, code="prompt_too_long",
+                                     worker_bound=True)
         if tier.max_queued is not None and inp.queued_requests >= tier.max_queued:
             return self._reject(f"tier {inp.tier} has {inp.queued_requests} queued (max {tier.max_queued})",
                                 ttft, cfg.min_retry_after_s, "tier_queue_full")
@@ -373,10 +424,12 @@ class Admitter:
         if budget is not None and itl is not None and itl > budget:
             return self._reject(f"tier {inp.tier} shed: ITL would reach {itl * 1000:.0f}ms, over the "
                                 f"{budget * 1000:.0f}ms budget of a higher tier", ttft, cfg.min_retry_after_s,
-                                "shedding")
+                                "shedding", worker_bound=True)
         if slo is not None and ttft is not None and ttft > slo:
-            self._missed_at[tier.priority] = inp.now_s
-            return self._reject(f"predicted TTFT {ttft:.2f}s > {inp.tier} SLO {slo:.2f}s", ttft, ttft - slo, "slo")
+            if remember_miss:
+                self._missed_at[tier.priority] = inp.now_s
+            return self._reject(f"predicted TTFT {ttft:.2f}s > {inp.tier} SLO {slo:.2f}s", ttft, ttft - slo, "slo",
+                                worker_bound=True)
         if inp.deadline_s is not None:
             # the request's own bound: a miss sheds no other tier (its SLO may still be met)
             finish = predict_finish_s(inp, ttft)
@@ -384,7 +437,7 @@ class Admitter:
                 shown = "now" if finish is None else f"{finish:.2f}s"
                 return self._reject(f"predicted to finish in {shown} (up to {inp.max_output_tokens} tokens), after "
                                     f"its deadline in {max(inp.deadline_s, 0):.2f}s", ttft,
-                                    (finish or 0.0) - inp.deadline_s, "deadline")
+                                    (finish or 0.0) - inp.deadline_s, "deadline", worker_bound=True)
         return AdmissionDecision(True, "ok", ttft)
 
     def _itl_budget_s(self, priority: int) -> float | None:
@@ -392,6 +445,7 @@ class Admitter:
         budgets = [t.itl_slo_s for t in self.cfg.qos.tiers.values() if t.priority < priority and t.itl_slo_s]
         return min(budgets, default=None)
 
-    def _reject(self, reason: str, ttft: float | None, wait_s: float, code: RejectCode) -> AdmissionDecision:
+    def _reject(self, reason: str, ttft: float | None, wait_s: float, code: RejectCode,
+                worker_bound: bool = False) -> AdmissionDecision:
         retry = max(wait_s, self.cfg.min_retry_after_s) if math.isfinite(wait_s) else self.cfg.min_retry_after_s
-        return AdmissionDecision(False, reason, ttft, retry, code)
+        return AdmissionDecision(False, reason, ttft, retry, code, worker_bound)

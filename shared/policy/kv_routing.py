@@ -121,6 +121,18 @@ class RoutingChoice:
     cost: float = 0.0
 
 
+def _over_views(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float], num_request_blocks: int,
+                now_s: float) -> tuple[list[WorkerLoadView], dict[str, int], RoutingInput]:
+    """The views by worker id, their indices, and the array input ``route`` takes."""
+    views = sorted(workers, key=lambda v: v.worker_id)
+    index = {v.worker_id: i for i, v in enumerate(views)}
+    return views, index, RoutingInput(
+        now_s, num_request_blocks, {index[w]: n for w, n in overlaps.items() if w in index},
+        np.array([v.num_active_blocks for v in views], dtype=float),
+        np.array([v.num_waiting for v in views], dtype=float),
+        num_unreported=np.array([v.num_admitted_unreported for v in views], dtype=float))
+
+
 def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float],
                   num_request_blocks: int, weights: RoutingWeights = RoutingWeights(),
                   now_s: float = 0.0, chosen_last: str = "", in_turn: bool = False) -> RoutingChoice:
@@ -129,15 +141,35 @@ def choose_worker(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, floa
     equal costs and active blocks go to the first worker id after ``chosen_last`` (the worker id
     chosen last, wrapping; "": none yet). With ``in_turn``, ``route_in_turn`` instead: the next
     usable worker id after ``chosen_last``, whatever the costs."""
-    views = sorted(workers, key=lambda v: v.worker_id)
-    index = {v.worker_id: i for i, v in enumerate(views)}
-    inp = RoutingInput(
-        now_s, num_request_blocks, {index[w]: n for w, n in overlaps.items() if w in index},
-        np.array([v.num_active_blocks for v in views], dtype=float),
-        np.array([v.num_waiting for v in views], dtype=float),
-        num_unreported=np.array([v.num_admitted_unreported for v in views], dtype=float))
+    views, _, inp = _over_views(workers, overlaps, num_request_blocks, now_s)
     after_last = sum(v.worker_id <= chosen_last for v in views)  # the index after it ("": 0)
     decision = route_in_turn(inp, after_last, weights) if in_turn else route(inp, weights, after_last)
     if decision.worker is None:
         return RoutingChoice(worker_id=None)
     return RoutingChoice(views[decision.worker].worker_id, decision.overlap_blocks, decision.cost)
+
+
+def next_cheapest(inp: RoutingInput, chosen: int, w: RoutingWeights = RoutingWeights(),
+                  limit: int = 3) -> list[RoutingDecision]:
+    """The usable workers other than ``chosen``, cheapest first (ties: fewer active blocks, then
+    index), at most ``limit``: where admission tries a request the routing's choice would serve too
+    late (``Admitter.decide_first``)."""
+    costs = route_costs(inp, w)
+    others = [j for j in np.flatnonzero(np.isfinite(costs)) if j != chosen]
+    others.sort(key=lambda j: (costs[j], inp.active_blocks[j], j))
+    return [RoutingDecision(int(j), float(costs[j]), min(round(inp.overlap_blocks.get(int(j), 0)),
+                                                         inp.num_request_blocks)) for j in others[:limit]]
+
+
+def rank_workers(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float],
+                 num_request_blocks: int, weights: RoutingWeights = RoutingWeights(),
+                 now_s: float = 0.0, chosen_last: str = "", in_turn: bool = False,
+                 limit: int = 3) -> list[RoutingChoice]:
+    """``choose_worker``'s choice, then up to ``limit`` other usable workers, cheapest first
+    (``next_cheapest``); empty when no worker is usable."""
+    first = choose_worker(workers, overlaps, num_request_blocks, weights, now_s, chosen_last, in_turn)
+    if first.worker_id is None:
+        return []
+    views, index, inp = _over_views(workers, overlaps, num_request_blocks, now_s)
+    rest = next_cheapest(inp, index[first.worker_id], weights, limit)
+    return [first] + [RoutingChoice(views[d.worker].worker_id, d.overlap_blocks, d.cost) for d in rest]

@@ -27,6 +27,9 @@ class AdmissionMetrics:
                                         "failed (routed on load alone)", registry=r)
         self.ready_workers = Gauge("tandem_admission_ready_decode_workers", "ready decode workers admission "
                                    "routes to", registry=r)
+        self.admitted_elsewhere = Counter("tandem_admission_admitted_elsewhere", "requests predicted to miss "
+                                          "their SLO on the routing's choice and admitted on another worker",
+                                          registry=r)
 
     @classmethod
     def create(cls, instance: str, num_restarts: int) -> AdmissionMetrics:

@@ -5,9 +5,10 @@ higher one misses.
 
 The tiers (all served by one decode worker that runs one sequence at a time):
     premium  priority 0, generous SLO        batch  priority 2, generous SLO (the default)
-    tight    priority 3, an SLO no prediction can meet      bulk  priority 4, no SLO
-``tight`` and ``bulk`` sit below the others, so the shedding they cause never touches the
-premium/batch tests.
+    tight    priority 3, a 50 ms SLO (met alone, missed behind a queue)
+    never    priority 3, an SLO no prompt can meet           bulk  priority 4, no SLO
+``tight``, ``never`` and ``bulk`` sit below the others, so the shedding they cause never touches
+the premium/batch tests.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from stack_helpers import running_stack
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "smollm2-135m"
-KEYS = {"premium": "kp", "batch": "kb", "tight": "kt", "bulk": "kk"}
+KEYS = {"premium": "kp", "batch": "kb", "tight": "kt", "never": "kn", "bulk": "kk"}
 QOS = """default_tier: batch
 tiers:
   premium: {priority: 0, ttft_slo_ms: 600000}
   batch:   {priority: 2, ttft_slo_ms: 600000}
-  tight:   {priority: 3, ttft_slo_ms: 0.001}
+  tight:   {priority: 3, ttft_slo_ms: 50}
+  never:   {priority: 3, ttft_slo_ms: 0.001}
   bulk:    {priority: 4}
 """
 
@@ -220,16 +222,36 @@ def test_admitted_responses_carry_the_prediction_and_tier(stack):
 
 
 def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(stack):
-    resp = post(stack, "tight", "word " * 200, 2)
+    # a prompt whose own prefill takes longer than its tier's SLO however idle the worker is too
+    # long for the tier: no shedding could serve it, so it sheds nothing
+    resp = post(stack, "never", "word " * 200, 2)
+    body = json.loads(resp.read())
+    assert resp.status == 429 and body["error"]["code"] == "prompt_too_long", body
+    assert "its prefill alone takes" in body["error"]["message"]
+    assert post(stack, "bulk", "hi", 1).status == 200        # not shed for it
+    # a short prompt that would meet tight's 50 ms alone, behind two long batch prompts waiting at the
+    # one-sequence worker (priority 2, ahead of it): a predicted miss, which sheds the lower tiers
+    running = Streamed(stack, "batch", "Count the shells, one by one:", 200)
+    running.start()
+    wait_for(lambda: running.first_token_at, 60, "the batch request to run")
+    queued = [Streamed(stack, "batch", " ".join(f"{chr(97 + i)}{j}" for j in range(220)), 2) for i in range(2)]
+    for t in queued:
+        t.start()
+    wait_for(lambda: decode_load(stack).get("num_waiting_by_priority", {}).get("2") == 2, 60,
+             "two batch requests waiting at the worker")
+    resp = post(stack, "tight", "hi", 2)
     body = json.loads(resp.read())
     assert resp.status == 429, body
-    assert body["error"]["code"] == "slo" and "predicted TTFT" in body["error"]["message"]
+    assert body["error"]["code"] == "slo" and "predicted TTFT" in body["error"]["message"], body
     assert int(resp.headers["Retry-After"]) >= 1
     # bulk (priority 4) would fit (it has no SLO) but is shed while tight (priority 3) misses
     shed = post(stack, "bulk", "hi", 1)
     shed_body = json.loads(shed.read())
     assert shed.status == 429 and shed_body["error"]["code"] == "shedding", shed_body
     assert int(shed.headers["Retry-After"]) >= 1
+    for t in [running, *queued]:
+        t.join(300)
+        assert not t.is_alive() and t.status == 200, (t.args[1:], t.status)
     # higher tiers are untouched
     for tier in ("premium", "batch"):
         ok = post(stack, tier, "hi", 1)
@@ -237,6 +259,7 @@ def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(
     with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as m:
         metrics = m.read().decode()
     assert sample_total(metrics, "tandem_gateway_rejected_total", reason="slo", tier="tight") == 1
+    assert sample_total(metrics, "tandem_gateway_rejected_total", reason="prompt_too_long", tier="never") == 1
     assert sample_total(metrics, "tandem_gateway_rejected_total", reason="shedding", tier="bulk") == 1
 
 

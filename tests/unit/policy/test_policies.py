@@ -183,6 +183,18 @@ def test_a_prompt_whose_own_prefill_exceeds_its_slo_is_too_long_and_sheds_no_oth
     assert admitter.decide(dataclasses.replace(alone, own_prefill_s=1.5)).admitted
 
 
+def test_without_its_own_prefill_time_a_prompt_is_too_long_when_its_tokens_take_longer_at_the_workers_rate():
+    admitter = Admitter(AdmissionConfig(QOS, min_retry_after_s=1.0))
+    # the admission service passes the worker's measured (one-worker) rate, no own_prefill_s:
+    # 15,000 uncached tokens at 10,000 tok/s take 1.5 s alone, over standard's 1 s SLO
+    d = admitter.decide(_adm(prompt=20_000, cached=5_000))
+    assert (d.admitted, d.code, d.worker_bound) == (False, "prompt_too_long", True)
+    assert "alone takes 1.50s > standard SLO 1.00s" in d.reason
+    assert admitter.decide(_adm(tier="batch", prompt=100)).admitted   # nothing shed for it
+    assert admitter.decide(_adm(prompt=20_000, cached=15_000)).admitted     # 0.5 s alone: fits
+    assert admitter.decide(_adm(prompt=20_000, rate=None)).admitted        # no rate: no prediction
+
+
 def test_inflow_is_tokens_per_second_above_a_priority_over_the_window():
     inflow = Inflow(window_s=10.0)
     inflow.note("w1", 0.0, 0, 3000.0)
@@ -360,6 +372,50 @@ def test_a_higher_tier_is_never_rejected_while_a_lower_one_is_admitted():
     assert not shed.admitted and shed.code == "shedding" and shed.retry_after_s == pytest.approx(1.0)
     assert admitter.decide(_adm("premium", queued=12_000, now=2.0)).admitted      # a higher tier still goes
     assert admitter.decide(_adm("batch", queued=0, now=3.01)).admitted            # the hold is over
+
+
+def test_a_request_predicted_to_miss_on_the_routings_choice_is_admitted_on_the_next_worker_that_meets_it():
+    admitter = Admitter(AdmissionConfig(QOS, shed_hold_s=2.0, min_retry_after_s=0.5))
+    seen = []
+
+    def observed(*queues, tier="standard", now=0.0):  # one input per candidate worker, consumed lazily
+        for q in queues:
+            seen.append(q)
+            yield _adm(tier, queued=q, now=now)
+
+    # 12,000 tokens ahead on the holder (1.35 s > 1 s), 2,000 on the next: admitted there
+    k, d = admitter.decide_first(observed(12_000, 2_000, 0))
+    assert (k, d.admitted) == (1, True) and d.predicted_ttft_s == pytest.approx(0.35)
+    assert seen == [12_000, 2_000]                     # the third worker was never observed
+    assert admitter.decide(_adm("batch", queued=0, now=0.5)).admitted   # no miss remembered: nothing shed
+    assert admitter.decide_first(observed(0))[1].admitted
+    # every candidate misses: the first one's rejection, and only now are the lower tiers shed
+    k, d = admitter.decide_first(observed(12_000, 20_000, now=1.0))
+    assert (k, d.admitted, d.code, d.worker_bound) == (0, False, "slo", True)
+    assert "predicted TTFT 1.35s" in d.reason
+    shed = admitter.decide_first(observed(0, tier="batch", now=1.5))[1]
+    assert shed.code == "shedding" and not shed.worker_bound
+    # a rejection that is the same on every worker stops the search at the first candidate
+    seen.clear()
+    d = admitter.decide_first(observed(0, 0, tier="batch", now=1.6))[1]
+    assert d.code == "shedding" and seen == [0]
+    with pytest.raises(ValueError, match="no candidate"):
+        admitter.decide_first(iter(()))
+
+
+def test_next_cheapest_ranks_the_other_usable_workers_by_cost():
+    from shared.policy.kv_routing import next_cheapest, rank_workers
+    inp = RoutingInput(0.0, 10, {0: 10}, np.array([5.0, 0.0, 20.0, 0.0]), np.array([0.0, 0.0, 0.0, 32.0]))
+    best = route(inp)
+    assert (best.worker, best.cost) == (0, 15.0)                  # the holder: nothing to prefill
+    rest = next_cheapest(inp, best.worker)
+    assert [(d.worker, d.cost) for d in rest] == [(1, 20.0), (2, 40.0)]   # worker 3 is at its queue limit
+    assert next_cheapest(inp, best.worker, limit=1) == rest[:1]
+    views = [WorkerLoadView("a", 5, 0), WorkerLoadView("b", 0, 0), WorkerLoadView("c", 20, 0)]
+    ranked = rank_workers(views, {"a": 10}, 10)
+    assert [(c.worker_id, c.num_overlap_blocks) for c in ranked] == [("a", 10), ("b", 0), ("c", 0)]
+    assert rank_workers(views, {"a": 10}, 10, limit=0) == ranked[:1]
+    assert rank_workers([WorkerLoadView("a", 0, 32)], {}, 10) == []   # none usable
 
 
 def test_tier_queue_limit_unknown_tier_and_too_long_prompts():

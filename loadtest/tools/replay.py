@@ -81,9 +81,11 @@ The simulator has no per-token times: its ITL is each request's TPOT (``itl_is_t
 ``--routing load`` sets the overlap weight to 0 (load only), ``round-robin`` cycles through the
 decode workers (live: the admission service's ``--routing round-robin``). ``--prefix-cache-blocks``
 lets each simulated decode worker keep more prefix blocks than its KV pool holds (a host tier; the
-copy back is not timed). ``--admission`` gives the simulated tiers their TTFT SLOs (predicted
-misses are rejected, lowest priority first, as the admission service does with a QoS file); without
-it every request is admitted.
+copy back is not timed). Simulated decode workers fetch a prompt's cached prefix from the worker
+holding more of it, as the engine's peer fetch does (off with ``--no-kv-peer-fetch``).
+``--admission`` gives the simulated tiers their TTFT SLOs (predicted misses are rejected, lowest
+priority first, as the admission service does with a QoS file; a request the routing's choice would
+serve late is tried on ``--fallback-workers`` others first); without it every request is admitted.
 
 ``--start-stack`` starts ``tandem up`` here for the live run (``--decode``, ``--kv-cache-memory``,
 ``--kv-host-memory``, ``--no-kv-peer-fetch``, ``--routing``; the tiers and, with ``--admission``,
@@ -542,7 +544,8 @@ def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
 
     gateway_flags: dict[str, object] = {}
     admission_flags: dict[str, object] = {"overlap_weight": 0.0 if args.routing == "load" else 1.0,
-                                          "routing": "round-robin" if args.routing == "round-robin" else "kv"}
+                                          "routing": "round-robin" if args.routing == "round-robin" else "kv",
+                                          "fallback_workers": args.fallback_workers}
     if any(t.api_key for t in tiers):
         qos = state_dir / "qos.yaml"
         qos.write_text(qos_yaml(tiers, args.admission))
@@ -627,9 +630,17 @@ def gpu_setup(requests, tiers, args):
         plan = with_prefill_workers(plan, args.prefill_workers)
     cfg = SimConfig(routing=_routing(args.routing), admission=_admission(tiers, args.admission),
                     round_robin=args.routing == "round-robin", seed=args.seed,
-                    prefix_cache_blocks=args.prefix_cache_blocks,
+                    prefix_cache_blocks=args.prefix_cache_blocks, fallback_workers=args.fallback_workers,
+                    peer_fetch=_peer_fetch(args),
                     autoscale=AutoscaleConfig(cooldown_s=args.autoscale_cooldown_s) if args.autoscale else None)
     return Evaluator(Cluster(cluster), model, workload, eff), plan, cfg
+
+
+def _peer_fetch(args):
+    """The simulated decode workers' peer fetch: on, as the engine's default, unless --no-kv-peer-fetch."""
+    from shared.policy.kv_fetch import FetchConfig
+
+    return FetchConfig() if args.kv_peer_fetch else None
 
 
 def cpu_setup(requests, tiers, args):
@@ -672,6 +683,7 @@ def cpu_setup(requests, tiers, args):
                 cost_per_million_output_tokens=None, planning_time_s=0.0, search_history=[])
     cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30), routing=_routing(args.routing),
                     admission=_admission(tiers, args.admission), round_robin=args.routing == "round-robin",
+                    fallback_workers=args.fallback_workers, peer_fetch=_peer_fetch(args),
                     max_num_seqs=args.max_num_seqs, local_prefill_batch_tokens=args.max_num_batched_tokens,
                     seed=args.seed, prefix_cache_blocks=cpu_prefix_cache_blocks(args, model, kv_bytes))
     return Evaluator(Cluster(spec), model, workload, eff), plan, cfg
@@ -731,6 +743,7 @@ def run_sim(requests: list[ReplayRequest], tiers: list[TierSpec], args) -> tuple
     workers = [{"name": w.worker_id, "role": w.role, "gpus": w.gpus, "tp": w.tp, "pp": w.pp} for w in plan.workers]
     info = {"setup": args.simulate, "wall_s": wall, "num_events": res.num_events, "workers": workers,
             "num_gpus": plan.num_gpus, "rejections": dict(res.rejections), "itl_is_tpot": True,
+            "admitted_elsewhere": res.admitted_elsewhere, "peer_fetches": res.num_fetches,
             "flips": res.flips, "num_prefill_over_time": [[t, n] for t, n in zip(res.tick_s, res.num_prefill)],
             "model": ev.model.name, "block_tokens": block,
             "kv_capacity_tokens": [float(w.kv_capacity) for w in sim.workers]}
@@ -853,6 +866,9 @@ def parse_args(argv=None):
                      help="kv: overlap + load (default); load: overlap weight 0; round-robin: the workers in turn")
     sim.add_argument("--admission", action="store_true",
                      help="tiers get their TTFT SLOs in admission (predicted misses rejected)")
+    sim.add_argument("--fallback-workers", type=int, default=3,
+                     help="with --admission: where the routing's choice would miss a request's SLO, try this many "
+                          "next-cheapest decode workers before rejecting it (0: reject; admission's flag)")
     sim.add_argument("--prefix-cache-blocks", type=int, default=None,
                      help="simulated: prefix-cache blocks per decode worker (default: what its KV pool holds; "
                           "more stands for a host-memory tier, its copy-back untimed)")
@@ -871,8 +887,9 @@ def parse_args(argv=None):
     sim.add_argument("--kv-host-memory", default=None,
                      help="cpu / --start-stack: each decode worker's host-memory KV tier, e.g. 2GiB (default: "
                           "none; simulated as a prefix cache of the pool's and the tier's blocks)")
-    live.add_argument("--no-kv-peer-fetch", dest="kv_peer_fetch", action="store_false",
-                      help="--start-stack: workers do not fetch cached prefixes from each other over NIXL")
+    sim.add_argument("--no-kv-peer-fetch", dest="kv_peer_fetch", action="store_false",
+                     help="--start-stack and simulated: decode workers do not fetch cached prefixes from each other "
+                          "(live: over NIXL)")
     sim.add_argument("--calibration-dir", default=str(CALIBRATION_DIR), help="cpu: calibrate_sim's output")
     sim.add_argument("--cpu-share", type=float, default=None,
                      help="cpu: each worker's share of the machine (default 1/--decode)")

@@ -33,12 +33,13 @@ from shared.cluster.scaling import Autoscaling
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
 from shared.policy.autoscale_inputs import Capacities, WorkerSample
 from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
-from shared.policy.kv_routing import RoutingInput, RoutingWeights, route, route_in_turn
+from shared.policy.kv_fetch import FetchConfig
+from shared.policy.kv_routing import RoutingInput, RoutingWeights, next_cheapest, route, route_in_turn
 from shared.policy.qos import QosConfig, QosTier
 from shared.sim.traces import Trace
 from shared.sim.workers import DECODE, PREFILL, Worker
 
-PREFILL_FREE, PREFILL_DONE, KV_ARRIVED, DECODE_FINISH, TICK = range(5)
+PREFILL_FREE, PREFILL_DONE, KV_ARRIVED, DECODE_FINISH, TICK, FETCHED = range(6)
 REMOTE = -1   # the prefill pool, as an Inflow key
 
 
@@ -99,6 +100,15 @@ class SimConfig:
     # Route to the decode workers in turn (skipping ineligible ones and those at the queue limit)
     # instead of by ``kv_routing``'s cost: the baseline KV-aware routing is judged against.
     round_robin: bool = False
+    # Where the routing's choice would miss a request's SLO, admission tries this many next-cheapest
+    # decode workers before rejecting it (the admission service's --fallback-workers); 0: reject.
+    fallback_workers: int = 3
+    # A decode worker fetches a prompt's cached prefix from the worker holding more of it (the
+    # engine's peer fetch: admission names the holder, the worker copies the blocks it lacks over
+    # the route between the two before it prefills the rest) where that beats recomputing them.
+    # None: off. The transfer is timed on the route (round trip plus bytes over bandwidth) but does
+    # not occupy the holder or the links.
+    peer_fetch: FetchConfig | None = None
     # Prefix-cache blocks each decode worker keeps (LRU); None: as many as its KV pool holds. More
     # stands for a host-memory tier under the pool (its copy back to the device is not timed).
     prefix_cache_blocks: int | None = None
@@ -126,6 +136,8 @@ class SimResult:
     num_decode: list[int] = field(default_factory=list)
     flips: int = 0
     rejections: dict[str, int] = field(default_factory=dict)   # by cause
+    admitted_elsewhere: int = 0  # predicted to miss on the routing's choice, admitted on another worker
+    num_fetches: int = 0         # prompts whose prefix a decode worker fetched from a peer
     price_per_hour: float = 0.0
     num_events: int = 0
 
@@ -235,6 +247,7 @@ class Simulator:
         self.finish, self.join_t = [math.nan] * n, [0.0] * n
         self.rejected, self.remote = [False] * n, [False] * n
         self.cached, self.uncached, self.dest = [0] * n, [0] * n, [0] * n
+        self.fetch_s = [0.0] * n
         if trace.tiers is not None:
             self.tier = list(trace.tiers)
         else:
@@ -251,7 +264,8 @@ class Simulator:
         self.tick_every = max(span / self.cfg.num_ticks, 1e-3)
         self.pending = n
         self.push(self.arrival[0] if n else 0.0, TICK, 0)
-        handlers = (self._prefill_free, self._prefill_done, self._kv_arrived, self._decode_finish, self._tick)
+        handlers = (self._prefill_free, self._prefill_done, self._kv_arrived, self._decode_finish, self._tick,
+                    self._queue_prefill)
         heap, arrival, i, events = self.heap, self.arrival, 0, 0
         while i < n or heap:
             if heap and (i >= n or heap[0][0] <= arrival[i]):
@@ -298,8 +312,46 @@ class Simulator:
         self._rr_last = self._rr_last if choice.worker is None else choice.worker
         if choice.worker is None:
             return self._reject(i, "no decode worker under its queue limit")
-        w = self.workers[choice.worker]
-        cached = min(choice.overlap_blocks * self.block_size, inp - 1)
+        ranked = [choice]
+        seen: list[tuple[AdmissionInput, Worker, int, bool, float]] = []
+
+        def candidates():   # the routing's choice, then (where it would miss) the next cheapest
+            for k in range(1 + self.cfg.fallback_workers):
+                if k == len(ranked):
+                    ranked.extend(next_cheapest(routing, choice.worker, self.cfg.routing,
+                                                self.cfg.fallback_workers))
+                    if k == len(ranked):
+                        return
+                seen.append(self._admission_input(i, self.workers[ranked[k].worker], ranked[k].overlap_blocks,
+                                                  overlap))
+                yield seen[-1][0]
+
+        k, decision = self.admitter.decide_first(candidates())
+        if not decision.admitted:
+            return self._reject(i, REJECT_CAUSES[decision.code])
+        self.res.admitted_elsewhere += k > 0
+        adm, w, cached, remote, fetch_s = seen[k]
+        priority = self.priority[i]
+        self.inflow.note(REMOTE if remote else w.index, self.now, priority, inp - cached)
+        self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
+        self.fetch_s[i] = fetch_s
+        self.res.num_fetches += fetch_s > 0
+        self.num_prompt_tokens[w.index] += inp - cached
+        self.num_generated_tokens[w.index] += self.out[i]
+        if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0 or not self._has_free_slot(w):
+            w.waiting.append(i)
+            self.num_waiting[w.index] = len(w.waiting)
+        else:
+            self._start(i, w)
+
+    def _admission_input(self, i: int, w: Worker, overlap_blocks: int, overlap: dict[int, int]
+                         ) -> tuple[AdmissionInput, Worker, int, bool, float]:
+        """What admission sees for request ``i`` on decode worker ``w`` holding ``overlap_blocks`` of
+        its prompt (``overlap``: every worker's), with the prompt's tokens cached there once any peer
+        fetch is done, whether it prefills remotely, and how long the fetch takes (0: none). Admission
+        predicts on ``w``'s own hit, as the service does (it does not count a fetch in)."""
+        inp = self.inp[i]
+        cached, fetch_s = self._after_fetch(i, w, overlap_blocks, overlap)
         remote = decide_prefill(DisaggInput(self.now, inp, cached, len(self.prefill_queue),
                                             bool(self.idle_prefill) or self._num_role(PREFILL) > 0),
                                 self.cfg.disagg).remote
@@ -322,24 +374,33 @@ class Simulator:
         watched = self.inflow.span_s(prefill, self.now)
         tokens_above = self.inflow.tokens_per_s_above(prefill, priority, self.now)
         paused = 0.0 if remote else tokens_above / rate  # w's own prefills stall its rows
-        decision = self.admitter.decide(AdmissionInput(
-            self.now, self.tier[i], inp, cached, queued, rate,
+        adm = AdmissionInput(
+            self.now, self.tier[i], inp, min(overlap_blocks * self.block_size, inp - 1), queued, rate,
             len(self.prefill_queue) if remote else len(w.waiting), transfer_s=backlog,
             decode_wait_s=max(self._memory_wait_s(w, inp + self.out[i]),
                               self._slot_wait_s(w, priority, above_per_s, watched, paused)),
             preempting_tokens_per_s=tokens_above, own_prefill_s=own_s,
-            preempting_requests_per_s=above_per_s, inflow_watched_s=watched))
-        if not decision.admitted:
-            return self._reject(i, REJECT_CAUSES[decision.code])
-        self.inflow.note(prefill, self.now, priority, inp - cached)
-        self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote
-        self.num_prompt_tokens[w.index] += inp - cached
-        self.num_generated_tokens[w.index] += self.out[i]
-        if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0 or not self._has_free_slot(w):
-            w.waiting.append(i)
-            self.num_waiting[w.index] = len(w.waiting)
-        else:
-            self._start(i, w)
+            preempting_requests_per_s=above_per_s, inflow_watched_s=watched)
+        return adm, w, cached, remote, fetch_s
+
+    def _after_fetch(self, i: int, w: Worker, own_blocks: int, overlap: dict[int, int]) -> tuple[int, float]:
+        """(tokens of request ``i``'s prompt cached on ``w``, seconds its peer fetch takes): the
+        holder of the longest run of its leading blocks lends what ``w`` lacks when that is at least
+        ``min_blocks`` and copying them is faster than prefilling them on ``w``."""
+        inp, bs, fetch = self.inp[i], self.block_size, self.cfg.peer_fetch
+        own = min(own_blocks * bs, inp - 1)
+        if fetch is None:
+            return own, 0.0
+        holder = max((j for j in overlap if j != w.index and self.workers[j].role == DECODE),
+                     key=lambda j: (overlap[j], -j), default=None)
+        if holder is None or round(overlap[holder]) - own_blocks < fetch.min_blocks:
+            return own, 0.0
+        lent = min(round(overlap[holder]) * bs, inp - 1) - own
+        gbps = self.ev.cluster.route_gbps(self.workers[holder].group, w.group)
+        transfer_s = fetch.round_trip_s + kv_transfer_s(self.ev.model, lent, gbps, self.ev.eff)
+        if transfer_s >= w.prefill_times(lent)[0]:
+            return own, 0.0
+        return own + lent, transfer_s
 
     def _memory_wait_s(self, w: Worker, tokens: int) -> float:
         """Until enough sequences finish to make room: each step of the batch frees about
@@ -378,6 +439,13 @@ class Simulator:
         slots = self.started[w.index]
         slots[self.priority[i]] = slots.get(self.priority[i], 0) + 1
         self.active_blocks[w.index] = w.kv_used * self.load_scale[w.index]
+        if self.fetch_s[i]:   # its prefix first comes over from the holder
+            self.push(self.now + self.fetch_s[i], FETCHED, i, w.index)
+        else:
+            self._queue_prefill(i, w.index)
+
+    def _queue_prefill(self, i: int, w_index: int) -> None:
+        w = self.workers[w_index]
         if self.remote[i]:
             self.prefill_queue.push(self.priority[i], i, self.uncached[i])
             self.queued_tokens += self.uncached[i]

@@ -97,6 +97,29 @@ def test_kv_aware_routing_finds_shared_prefixes():
     assert aware.cached_tokens.sum() > 1.15 * blind.cached_tokens.sum() > 0
 
 
+def test_a_decode_worker_fetches_the_prefix_a_peer_holds_where_that_beats_recomputing_it(plan):
+    from shared.policy.kv_fetch import FetchConfig
+    # a follow-up turn (its first four blocks are the first turn's) goes to the other decode worker
+    trace = Trace(np.array([0.0, 5.0]), np.array([2048, 2560]), np.array([8, 8]),
+                  hash_ids=[[1, 2, 3, 4], [1, 2, 3, 4, 5]], block_size=512)
+    w = workload(1.0)
+
+    def run(fetch, inter_node_gbps):
+        spec = SPEC.model_copy(update={"inter_node_gbps": inter_node_gbps})
+        s = Simulator(Evaluator(Cluster(spec), MODEL, w), plan, SimConfig(round_robin=True, peer_fetch=fetch), 512)
+        assert sum(x.role == "decode" for x in s.workers) >= 2
+        return s.run(trace)
+
+    # RDMA-class links between the nodes (Mooncake's): 2,048 tokens of KV copy faster than they prefill
+    alone, fetched = run(None, 100.0), run(FetchConfig(), 100.0)
+    assert (alone.cached_tokens.tolist(), alone.num_fetches) == ([0, 0], 0)
+    assert (fetched.cached_tokens.tolist(), fetched.num_fetches) == ([0, 2048], 1)
+    assert fetched.ttft_s[1] < alone.ttft_s[1]     # 2,048 tokens copied, 512 prefilled, against 2,560
+    # 12.5 GB/s: 1 GB of llama-2-7b KV takes longer to copy than four A100s take to prefill it
+    slow = run(FetchConfig(), 12.5)
+    assert (slow.cached_tokens.tolist(), slow.num_fetches) == ([0, 0], 0)
+
+
 def test_autoscaler_flips_roles_when_the_mix_changes(tmp_path):
     prefill_heavy = make_plan(SPEC, MODEL, workload(10.0, inp=4096, out=16))
     w = workload(prefill_heavy.capacity_rps, inp=128, out=1024)     # now decode dominates
@@ -117,11 +140,16 @@ def test_capacity_aware_routing_spares_a_small_decode_worker():
                      slo=Slo(ttft_s=3.0, tpot_s=0.1))
     trace = poisson(w, 3000, seed=11)
     ev = Evaluator(Cluster(spec), model, w)
-    blind = Simulator(ev, plan, SimConfig()).run(trace)
-    aware = Simulator(ev, plan, SimConfig(capacity_aware_routing=True)).run(trace)
+    blind = Simulator(ev, plan, SimConfig(fallback_workers=0)).run(trace)
+    aware = Simulator(ev, plan, SimConfig(capacity_aware_routing=True, fallback_workers=0)).run(trace)
     assert blind.rejected.sum() > 300
     assert aware.rejected.sum() < blind.rejected.sum() / 4
     assert summarize(aware, w.slo)["goodput_rps"] > 1.3 * summarize(blind, w.slo)["goodput_rps"]
+    # admission trying the next worker where the routing's choice would miss rescues most of it:
+    # the requests blind routing sends to the full small worker are admitted on a big one instead
+    rescued = Simulator(ev, plan, SimConfig()).run(trace)
+    assert rescued.admitted_elsewhere > 300 and rescued.rejected.sum() < blind.rejected.sum() / 4
+    assert summarize(rescued, w.slo)["goodput_rps"] > 1.3 * summarize(blind, w.slo)["goodput_rps"]
 
 
 def test_qos_tiers_shed_batch_before_premium_under_overload(plan):

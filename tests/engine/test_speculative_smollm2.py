@@ -64,7 +64,8 @@ def test_default_precision_greedy_text_is_identical_with_speculation(smol_tokeni
     CPU has VNNI) every sum in a row is exact, so its logits are bit for bit plain decoding's. In
     float32 (the default without VNNI or bf16: AVX2 only, e.g. AMD Zen 3) the verify step's
     matmuls have a draft's rows where a decode step has one, and MKL sums them in another order:
-    the logits agree to float32 rounding, not to the bit."""
+    the logits agree to float32 rounding, not to the bit. With the compiled step and a cold compile
+    cache (a fresh machine) it takes over a minute: the compile is part of it."""
     from shared.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(model="smollm2-135m", device="cpu", compile=compile_mode, kv_cache_memory=64 << 20)

@@ -193,9 +193,9 @@ class AdmissionService:
                 ) / above_per_s if above_per_s else None, margin_sd=self.admitter.cfg.arrival_margin_sd,
                 watched_s=watched, measured_frees_per_s=self.turnover.frees_per_s(entry.info.worker_id, now),
                 paused_share=tokens_above / prefill_rate if prefill_rate else 0.0)
+        cached = min(choice.num_overlap_blocks * block_size, prompt - 1)
         return AdmissionInput(
-            now_s=now, tier=tier, prompt_tokens=prompt,
-            cached_tokens=min(choice.num_overlap_blocks * block_size, prompt - 1),
+            now_s=now, tier=tier, prompt_tokens=prompt, cached_tokens=cached,
             queued_prefill_tokens=entry.prefill_tokens_ahead(priority, block_size, now),
             prefill_tokens_per_s=prefill_rate,
             queued_requests=sum(w.load.num_waiting_by_priority.get(priority, 0) for w in workers if w.load),
@@ -203,6 +203,7 @@ class AdmissionService:
             num_running=load.num_running if load else 0,
             preempting_tokens_per_s=tokens_above,
             preempting_requests_per_s=above_per_s, inflow_watched_s=watched,
+            own_alone_s=load.prefill_alone_s(prompt - cached, cached) if load else None,
             deadline_s=None if request.deadline_at is None else request.deadline_at - now,
             max_output_tokens=request.sampling.max_tokens)
 

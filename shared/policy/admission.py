@@ -16,7 +16,9 @@ Each tier (``shared.policy.qos``) has a priority and a TTFT SLO. A request is re
    costs about in proportion to the sequences in it: an upper bound, the fixed part ignored);
 5. its predicted TTFT exceeds its tier's SLO (``slo``).
 
-Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens) / (the measured
+Predicted TTFT = (prefill tokens queued ahead of it + its own uncached tokens, or as many as the
+worker's length-aware fit says its prompt takes alone where that is more: ``own_alone_s``, since
+attention makes a long prompt's tokens slower than the average) / (the measured
 prefill rate − the rate at which higher-priority prompt tokens arrive) + the KV transfer + any wait
 for KV memory or a sequence slot (``slot_wait_s``: the requests ahead beyond the free slots, at
 the rate slots free: from output lengths and ITL, stretched by the steps that prefill
@@ -85,6 +87,9 @@ class AdmissionInput:
                                             # count whose spread the margin covers
     inflow_watched_s: float | None = None   # the time those rates are measured over (``Inflow.span_s``);
                                             # None: rates known exactly
+    own_alone_s: float | None = None   # its own uncached tokens' prefill alone on the chosen worker by
+                                       # the worker's length-aware fit (``WorkerLoad.prefill_alone_s``):
+                                       # where longer than at the rate, its own tokens count as this much
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,8 @@ def predict_ttft_s(inp: AdmissionInput, margin_sd: float = 0.0) -> float | None:
     if inp.prefill_tokens_per_s <= 0:
         return math.inf
     own = max(inp.prompt_tokens - inp.cached_tokens, 0)
+    if inp.own_alone_s is not None:   # a long prompt's tokens are more work than the rate says
+        own = max(own, inp.own_alone_s * inp.prefill_tokens_per_s)
     rate_left = inp.prefill_tokens_per_s - inp.preempting_tokens_per_s
     if rate_left <= 0:
         return math.inf  # higher priorities alone take the whole prefill
@@ -171,12 +178,14 @@ def predict_ttft_s(inp: AdmissionInput, margin_sd: float = 0.0) -> float | None:
 def own_prefill_alone_s(inp: AdmissionInput) -> float | None:
     """How long the prompt's own uncached tokens take to prefill with nothing ahead of them and
     nothing arriving above them: ``own_prefill_s`` where given, else those tokens at the worker's
-    measured rate (a worker's rate is a one-worker rate); None when no rate is measured."""
+    measured rate (a worker's rate is a one-worker rate), or ``own_alone_s`` where that is longer;
+    None when no rate is measured."""
     if inp.own_prefill_s is not None:
         return inp.own_prefill_s
     if not inp.prefill_tokens_per_s:
         return None
-    return max(inp.prompt_tokens - inp.cached_tokens, 0) / inp.prefill_tokens_per_s
+    at_rate = max(inp.prompt_tokens - inp.cached_tokens, 0) / inp.prefill_tokens_per_s
+    return at_rate if inp.own_alone_s is None else max(at_rate, inp.own_alone_s)
 
 
 def predict_finish_s(inp: AdmissionInput, ttft_s: float | None) -> float | None:

@@ -115,8 +115,19 @@ class WorkerLoad(WireModel):
     num_waiting_by_priority: dict[int, int] = Field(default_factory=dict)
     num_running_by_priority: dict[int, int] = Field(default_factory=dict)  # empty from older workers
     prefill_tokens_per_s: float | None = Field(None, ge=0)
+    # a prefill step's seconds per prompt token and per (prompt token x context token): long prompts
+    # prefill slower than the rate says (None: not determined yet; see shared.engine.step_stats)
+    prefill_cost_s: tuple[float, float] | None = None
     kv_tiers: KvTierLoad | None = None  # None: no tiers below the pool
     kv_fetch: KvFetchLoad | None = None  # None: no prefix fetches between workers
+
+    def prefill_alone_s(self, num_uncached: int, num_cached: int) -> float | None:
+        """How long a prompt's ``num_uncached`` tokens after ``num_cached`` cached ones take to
+        prefill with nothing else queued, from ``prefill_cost_s``; None without it."""
+        if self.prefill_cost_s is None:
+            return None
+        a, b = self.prefill_cost_s
+        return a * num_uncached + b * num_uncached * (2 * num_cached + num_uncached)
 
     def prefill_tokens_ahead(self, priority: int) -> int:
         """Tokens a new request of ``priority`` waits behind: its own priority and higher ones."""

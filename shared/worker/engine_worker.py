@@ -174,7 +174,8 @@ class EngineWorker:
             num_cached_prompt_tokens_total=stats.num_cached_prompt_tokens,
             queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting_by_priority=stats.num_waiting_by_priority,
             num_running_by_priority=stats.num_running_by_priority,
-            prefill_tokens_per_s=stats.prefill_tokens_per_s, decode_step=stats.decode_step,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s, prefill_cost_s=stats.prefill_cost_s,
+            decode_step=stats.decode_step,
             kv_tiers=KvTierLoad.model_validate({k: int(v) for k, v in stats.kv_tiers.items()
                                                 if k in KvTierLoad.model_fields}) if stats.kv_tiers else None,
             **fields)

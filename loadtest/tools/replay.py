@@ -406,9 +406,16 @@ def _dist(values: list[float]) -> dict:
             **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
 
 
+def meets_slo(status: str, ttft_s: float | None, tpot_s: float | None, ttft_slo_s: float,
+              tpot_slo_s: float | None) -> bool:
+    """A request served within its tier's TTFT SLO and, where the tier has one, its TPOT SLO:
+    what goodput and attainment count."""
+    return (status == "ok" and ttft_s is not None and ttft_s <= ttft_slo_s
+            and (tpot_slo_s is None or (tpot_s or 0.0) <= tpot_slo_s))
+
+
 def _good(o: Outcome, t: TierSpec) -> bool:
-    return (o.status == "ok" and o.ttft_s is not None and o.ttft_s <= t.ttft_slo_s
-            and (t.tpot_slo_s is None or (o.tpot_s or 0.0) <= t.tpot_slo_s))
+    return meets_slo(o.status, o.ttft_s, o.tpot_s, t.ttft_slo_s, t.tpot_slo_s)
 
 
 def summarize(outcomes: list[Outcome], requests: list[ReplayRequest], tiers: list[TierSpec],

@@ -24,7 +24,8 @@ import time
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.cluster.view import ClusterView, WorkerEntry
 from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, Inflow, Turnover, slot_wait_s
-from shared.policy.kv_routing import RoutingChoice, RoutingWeights, effective_overlap, rank_workers
+from shared.policy.kv_routing import (RoutingChoice, RoutingWeights, choose_worker, effective_overlap,
+                                      next_cheapest_workers)
 from shared.policy.qos import load_qos
 from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, KvSource, Subjects, WorkerLoad
@@ -111,31 +112,36 @@ class AdmissionService:
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
         now = time.time()
         views = [w.load_view(now) for w in workers]
-        ranked = rank_workers(views, overlaps, num_blocks, self._weights, now, self._last_chosen,
-                              in_turn=self._settings.routing == "round-robin",
-                              limit=self._settings.fallback_workers)
-        if not ranked:
+        first = choose_worker(views, overlaps, num_blocks, self._weights, now, self._last_chosen,
+                              in_turn=self._settings.routing == "round-robin")
+        if first.worker_id is None:
             return self._reject(request, "overloaded",
                                 f"all {len(workers)} decode workers have "
                                 f"{self._settings.max_waiting_per_worker}+ queued requests",
                                 self._settings.retry_after_s)
-        inputs: list[AdmissionInput] = []
+        tried: list[tuple[RoutingChoice, WorkerEntry, AdmissionInput]] = []
 
-        def candidates():  # observed lazily: most requests are admitted on the routing's choice
-            for choice in ranked:
-                inputs.append(self._observe(request, self.view.get(choice.worker_id), workers, choice, now))
-                yield inputs[-1]
+        def ranked():  # the others are ranked only where the routing's choice misses (generators are lazy)
+            yield first
+            yield from next_cheapest_workers(views, overlaps, num_blocks, first.worker_id, self._weights, now,
+                                             self._settings.fallback_workers)
+
+        def candidates():
+            for choice in ranked():
+                entry = self.view.get(choice.worker_id)
+                tried.append((choice, entry, self._observe(request, entry, workers, choice, now)))
+                yield tried[-1][2]
 
         k, verdict = self.admitter.decide_first(candidates())
         ttft = verdict.predicted_ttft_s if verdict.predicted_ttft_s is not None and \
             math.isfinite(verdict.predicted_ttft_s) else None
         if not verdict.admitted:
             return self._reject(request, verdict.code, verdict.reason, verdict.retry_after_s, ttft)
-        choice, entry, observed = ranked[k], self.view.get(ranked[k].worker_id), inputs[k]
+        choice, entry, observed = tried[k]
         if k:
             self.metrics.admitted_elsewhere.inc()
             log.info("%s (tier %s): predicted to miss on %s, admitted on %s (predicted TTFT %s)", request.request_id,
-                     observed.tier, ranked[0].worker_id, choice.worker_id, "?" if ttft is None else f"{ttft:.2f}s")
+                     observed.tier, first.worker_id, choice.worker_id, "?" if ttft is None else f"{ttft:.2f}s")
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)

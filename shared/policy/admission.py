@@ -43,7 +43,7 @@ measured rate yet (a worker that has not prefilled) there is no prediction and t
 admitted. A rejection carries ``retry_after_s``: when the backlog ahead would have drained to the SLO.
 
 Rules 4 and 5, and the deadline, depend on the worker: ``Admitter.decide_first`` tries the next
-cheapest workers (``shared.policy.kv_routing.rank_workers``) before it rejects, so a follow-up turn
+cheapest workers (``shared.policy.kv_routing.next_cheapest``) before it rejects, so a follow-up turn
 whose prefix sits on a busy worker is served from scratch by an idle one rather than turned away,
 and a higher tier's miss sheds the lower tiers only when every worker it could go to misses.
 
@@ -392,7 +392,8 @@ class Admitter:
                 return k, decision
             if decision.code == "slo":
                 missed_at = inp
-            first = first or decision
+            if first is None:
+                first = decision
             if not decision.worker_bound:
                 break   # the same on every worker: too long, the tier's queue full, the tier shed
         if first is None:

@@ -79,6 +79,12 @@ def route_costs(inp: RoutingInput, w: RoutingWeights = RoutingWeights()) -> np.n
     return np.where(usable, costs, np.inf)
 
 
+def _decision(inp: RoutingInput, costs: np.ndarray, worker: int) -> RoutingDecision:
+    """Worker ``worker`` at its cost, with the leading blocks of the request it holds."""
+    return RoutingDecision(int(worker), float(costs[worker]),
+                           min(round(inp.overlap_blocks.get(int(worker), 0)), inp.num_request_blocks))
+
+
 def route(inp: RoutingInput, w: RoutingWeights = RoutingWeights(), tie_start: int = 0) -> RoutingDecision:
     costs = route_costs(inp, w)
     if costs.size == 0 or not np.isfinite(costs.min()):
@@ -86,9 +92,7 @@ def route(inp: RoutingInput, w: RoutingWeights = RoutingWeights(), tie_start: in
     tied = np.flatnonzero(costs == costs.min())
     if len(tied) > 1:
         tied = tied[inp.active_blocks[tied] == inp.active_blocks[tied].min()]
-    best = int(tied[np.argmin((tied - tie_start) % costs.size)])
-    return RoutingDecision(best, float(costs[best]),
-                           min(round(inp.overlap_blocks.get(best, 0)), inp.num_request_blocks))
+    return _decision(inp, costs, tied[np.argmin((tied - tie_start) % costs.size)])
 
 
 def route_in_turn(inp: RoutingInput, start: int, w: RoutingWeights = RoutingWeights()) -> RoutingDecision:
@@ -99,7 +103,7 @@ def route_in_turn(inp: RoutingInput, start: int, w: RoutingWeights = RoutingWeig
     for k in range(n):
         j = (start + k) % n
         if np.isfinite(costs[j]):
-            return RoutingDecision(j, float(costs[j]), min(round(inp.overlap_blocks.get(j, 0)), inp.num_request_blocks))
+            return _decision(inp, costs, j)
     return RoutingDecision(None, float("inf"), 0)
 
 
@@ -157,19 +161,14 @@ def next_cheapest(inp: RoutingInput, chosen: int, w: RoutingWeights = RoutingWei
     costs = route_costs(inp, w)
     others = [j for j in np.flatnonzero(np.isfinite(costs)) if j != chosen]
     others.sort(key=lambda j: (costs[j], inp.active_blocks[j], j))
-    return [RoutingDecision(int(j), float(costs[j]), min(round(inp.overlap_blocks.get(int(j), 0)),
-                                                         inp.num_request_blocks)) for j in others[:limit]]
+    return [_decision(inp, costs, j) for j in others[:limit]]
 
 
-def rank_workers(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float],
-                 num_request_blocks: int, weights: RoutingWeights = RoutingWeights(),
-                 now_s: float = 0.0, chosen_last: str = "", in_turn: bool = False,
-                 limit: int = 3) -> list[RoutingChoice]:
-    """``choose_worker``'s choice, then up to ``limit`` other usable workers, cheapest first
-    (``next_cheapest``); empty when no worker is usable."""
-    first = choose_worker(workers, overlaps, num_request_blocks, weights, now_s, chosen_last, in_turn)
-    if first.worker_id is None:
-        return []
+def next_cheapest_workers(workers: Sequence[WorkerLoadView], overlaps: Mapping[str, float],
+                          num_request_blocks: int, chosen: str, weights: RoutingWeights = RoutingWeights(),
+                          now_s: float = 0.0, limit: int = 3) -> list[RoutingChoice]:
+    """``next_cheapest`` over views: up to ``limit`` usable workers other than ``chosen`` (the
+    worker id ``choose_worker`` gave), cheapest first."""
     views, index, inp = _over_views(workers, overlaps, num_request_blocks, now_s)
-    rest = next_cheapest(inp, index[first.worker_id], weights, limit)
-    return [first] + [RoutingChoice(views[d.worker].worker_id, d.overlap_blocks, d.cost) for d in rest]
+    return [RoutingChoice(views[d.worker].worker_id, d.overlap_blocks, d.cost)
+            for d in next_cheapest(inp, index[chosen], weights, limit)]

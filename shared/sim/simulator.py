@@ -312,25 +312,22 @@ class Simulator:
         self._rr_last = self._rr_last if choice.worker is None else choice.worker
         if choice.worker is None:
             return self._reject(i, "no decode worker under its queue limit")
-        ranked = [choice]
         seen: list[tuple[AdmissionInput, Worker, int, bool, float]] = []
 
-        def candidates():   # the routing's choice, then (where it would miss) the next cheapest
-            for k in range(1 + self.cfg.fallback_workers):
-                if k == len(ranked):
-                    ranked.extend(next_cheapest(routing, choice.worker, self.cfg.routing,
-                                                self.cfg.fallback_workers))
-                    if k == len(ranked):
-                        return
-                seen.append(self._admission_input(i, self.workers[ranked[k].worker], ranked[k].overlap_blocks,
-                                                  overlap))
+        def ranked():   # the routing's choice, then (only where it would miss) the next cheapest
+            yield choice
+            yield from next_cheapest(routing, choice.worker, self.cfg.routing, self.cfg.fallback_workers)
+
+        def candidates():
+            for d in ranked():
+                seen.append(self._admission_input(i, self.workers[d.worker], d.overlap_blocks, overlap))
                 yield seen[-1][0]
 
         k, decision = self.admitter.decide_first(candidates())
         if not decision.admitted:
             return self._reject(i, REJECT_CAUSES[decision.code])
         self.res.admitted_elsewhere += k > 0
-        adm, w, cached, remote, fetch_s = seen[k]
+        _, w, cached, remote, fetch_s = seen[k]
         priority = self.priority[i]
         self.inflow.note(REMOTE if remote else w.index, self.now, priority, inp - cached)
         self.cached[i], self.uncached[i], self.dest[i], self.remote[i] = cached, inp - cached, w.index, remote

@@ -404,7 +404,7 @@ def test_a_request_predicted_to_miss_on_the_routings_choice_is_admitted_on_the_n
 
 
 def test_next_cheapest_ranks_the_other_usable_workers_by_cost():
-    from shared.policy.kv_routing import next_cheapest, rank_workers
+    from shared.policy.kv_routing import next_cheapest, next_cheapest_workers
     inp = RoutingInput(0.0, 10, {0: 10}, np.array([5.0, 0.0, 20.0, 0.0]), np.array([0.0, 0.0, 0.0, 32.0]))
     best = route(inp)
     assert (best.worker, best.cost) == (0, 15.0)                  # the holder: nothing to prefill
@@ -412,10 +412,13 @@ def test_next_cheapest_ranks_the_other_usable_workers_by_cost():
     assert [(d.worker, d.cost) for d in rest] == [(1, 20.0), (2, 40.0)]   # worker 3 is at its queue limit
     assert next_cheapest(inp, best.worker, limit=1) == rest[:1]
     views = [WorkerLoadView("a", 5, 0), WorkerLoadView("b", 0, 0), WorkerLoadView("c", 20, 0)]
-    ranked = rank_workers(views, {"a": 10}, 10)
+    first = choose_worker(views, {"a": 10}, 10)
+    rest = next_cheapest_workers(views, {"a": 10}, 10, first.worker_id)
+    ranked = [first, *rest]
     assert [(c.worker_id, c.num_overlap_blocks) for c in ranked] == [("a", 10), ("b", 0), ("c", 0)]
-    assert rank_workers(views, {"a": 10}, 10, limit=0) == ranked[:1]
-    assert rank_workers([WorkerLoadView("a", 0, 32)], {}, 10) == []   # none usable
+    assert next_cheapest_workers(views, {"a": 10}, 10, first.worker_id, limit=0) == []
+    assert next_cheapest_workers([*views, WorkerLoadView("d", 0, 32)], {"a": 10}, 10, "a") == rest  # d is full
+    assert choose_worker([WorkerLoadView("a", 0, 32)], {}, 10).worker_id is None   # none usable
 
 
 def test_tier_queue_limit_unknown_tier_and_too_long_prompts():

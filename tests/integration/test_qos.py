@@ -231,7 +231,8 @@ def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(
     assert post(stack, "bulk", "hi", 1).status == 200        # not shed for it
     # a short prompt that would meet tight's 50 ms alone, behind two long batch prompts waiting at the
     # one-sequence worker (priority 2, ahead of it): a predicted miss, which sheds the lower tiers
-    running = Streamed(stack, "batch", "Count the shells, one by one:", 200)
+    # long enough that both prompts are still waiting when the report is read on a slow machine
+    running = Streamed(stack, "batch", "Count the shells, one by one:", 600)
     running.start()
     wait_for(lambda: running.first_token_at, 60, "the batch request to run")
     queued = [Streamed(stack, "batch", " ".join(f"{chr(97 + i)}{j}" for j in range(220)), 2) for i in range(2)]

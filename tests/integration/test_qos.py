@@ -230,8 +230,12 @@ def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(
     assert "its prefill alone takes" in body["error"]["message"]
     assert post(stack, "bulk", "hi", 1).status == 200        # not shed for it
     # a short prompt that would meet tight's 50 ms alone, behind two long batch prompts waiting at the
-    # one-sequence worker (priority 2, ahead of it): a predicted miss, which sheds the lower tiers
-    # long enough that both prompts are still waiting when the report is read on a slow machine
+    # one-sequence worker (priority 2, ahead of it): a predicted miss, which sheds the lower tiers.
+    # The running one is long enough that both prompts are still waiting when the report is read on a
+    # slow machine. First the earlier tests' premium requests leave admission's inflow window: a few
+    # premium arrivals over the last seconds, against the slots a long answer frees, would predict
+    # that the batch prompts never get a slot (an infinite TTFT, rejected however long their SLO)
+    time.sleep(Inflow().window_s + 0.5)
     running = Streamed(stack, "batch", "Count the shells, one by one:", 600)
     running.start()
     wait_for(lambda: running.first_token_at, 60, "the batch request to run")
@@ -265,6 +269,8 @@ def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(
 
 
 def test_a_deadline_predicted_to_be_missed_is_a_429_and_a_malformed_one_a_400(stack):
+    # a recent decode for the worker's ITL (the report forgets an old one)
+    assert post(stack, "premium", "Count the clouds:", 8).status == 200
     wait_for(lambda: decode_load(stack).get("itl_recent_s"), 60, "a measured ITL at admission")
     # 900 tokens at the worker's ITL cannot finish within 2 s: rejected before it runs
     late = post(stack, "premium", "Count to a thousand:", 900, deadline_ms=2000)

@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.bench.serving import decode_steps, wait_for_compiled_steps
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import WorkloadConfig, build_workload
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--batch-in-flight", type=int, default=32, help="batch lines the gateway runs at once")
-    p.add_argument("--batch-in-flight-beside-online", type=int, default=4,
+    p.add_argument("--batch-in-flight-beside-online", type=int, default=2,
                    help="batch lines the gateway runs at once while it serves online requests")
     p.add_argument("--skip-batch-alone", action="store_true",
                    help="leave out step 2 (the batch alone), e.g. to compare settings of step 4 quickly")
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/batch"))
+    p.add_argument("--compile-timeout-s", type=float, default=1800.0,
+                   help="how long to wait for the worker's background compile before measuring")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     import openai  # noqa: PLC0415
@@ -188,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         stack = start_stack(Path(tmp), args, log)
         try:
             stack.wait_ready(timeout_s=300)
+            # every phase on the step the worker settles on: a background compile (eager steps meanwhile,
+            # and a compiler on the same cores) would otherwise end in the middle of one phase
+            wait_for_compiled_steps(stack.base_url, time.monotonic() + args.compile_timeout_s)
+            report["decode_steps"] = decode_steps(stack.base_url)
             client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=2, timeout=120)
 
             def online(specs):

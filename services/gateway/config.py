@@ -34,7 +34,7 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                 "the gateway holds an upload in memory while it stores it")
     batch_max_in_flight: int = Field(8, ge=0, description="batch lines this gateway runs at once (0: it runs "
                                      "none, but still serves /v1/batches)")
-    batch_in_flight_beside_online: int = Field(4, ge=0, description="batch lines this gateway runs at once "
+    batch_in_flight_beside_online: int = Field(2, ge=0, description="batch lines this gateway runs at once "
                                                "while it has online requests in flight or had one in the last "
                                                "batch_online_quiet_s (no more than batch_max_in_flight): batch "
                                                "rows lengthen every engine step, and so online TTFT and ITL")

@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.bench.serving import decode_steps, wait_for_compiled_steps
+from loadtest.bench.serving import wait_for_compiled_steps
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import WorkloadConfig, build_workload
@@ -193,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.wait_ready(timeout_s=300)
             # every phase on the step the worker settles on: a background compile (eager steps meanwhile,
             # and a compiler on the same cores) would otherwise end in the middle of one phase
-            wait_for_compiled_steps(stack.base_url, time.monotonic() + args.compile_timeout_s)
-            report["decode_steps"] = decode_steps(stack.base_url)
+            report["decode_steps"] = wait_for_compiled_steps(stack.base_url, time.monotonic() + args.compile_timeout_s)
             client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=2, timeout=120)
 
             def online(specs):

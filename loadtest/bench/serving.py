@@ -160,20 +160,17 @@ def tandem_up(args: list[str], timeout_s: float = 900.0, name: str = "tandem"):
         proc.wait(timeout=60)
 
 
-def decode_steps(url: str) -> dict[str, str | None]:
-    """Each worker's decode step (eager, compiling or compiled), from ``/status``."""
-    return {w["info"]["worker_id"]: (w.get("load") or {}).get("decode_step") for w in status(url)["workers"]}
-
-
-def wait_for_compiled_steps(url: str, deadline: float) -> None:
+def wait_for_compiled_steps(url: str, deadline: float) -> dict[str, str | None]:
     """Workers serve eagerly while they compile their decode step in the background: measure the
-    step they settle on, so wait until no worker reports ``compiling`` (``/status``)."""
+    step they settle on, so wait until no worker reports ``compiling`` (``/status``). Returns each
+    worker's step."""
     said = False
     while True:
-        steps = decode_steps(url)
+        page = status(url)
+        steps = {w["info"]["worker_id"]: (w.get("load") or {}).get("decode_step") for w in page["workers"]}
         if steps and all(step in ("compiled", "eager") for step in steps.values()):
             print(f"tandem decode steps: {', '.join(f'{k} {v}' for k, v in steps.items())}", flush=True)
-            return
+            return steps
         if time.monotonic() > deadline:
             raise TimeoutError(f"tandem workers still compiling their decode step: {steps}")
         if not said:

@@ -76,6 +76,14 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def outlast_inflow_window() -> None:
+    """Let the requests sent so far leave admission's inflow window (``Inflow``: arrivals above a
+    tier over its last seconds). It is a span of time, with nothing to poll: while they are in it,
+    higher-tier arrivals against a one-sequence worker's slow slot turnover can predict that a lower
+    tier never starts (an infinite TTFT, rejected however long its SLO)."""
+    time.sleep(Inflow().window_s + 0.5)
+
+
 def decode_load(stack) -> dict:
     with urllib.request.urlopen(stack.base_url + "/status", timeout=10) as resp:
         view = json.load(resp)
@@ -175,7 +183,7 @@ def test_the_predicted_ttft_is_near_the_one_measured(stack):
     assert all(1 / 3 <= m / p <= 3 for p, m, _ in results), report
     predictions = sorted(p for p, _, _ in results)
     assert predictions[-1] >= 2.5 * predictions[0], f"the queue was not counted: {report}"
-    time.sleep(Inflow().window_s + 0.5)
+    outlast_inflow_window()
 
 
 def test_a_later_premium_request_runs_before_queued_batch_requests(stack):
@@ -232,10 +240,8 @@ def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(
     # a short prompt that would meet tight's 50 ms alone, behind two long batch prompts waiting at the
     # one-sequence worker (priority 2, ahead of it): a predicted miss, which sheds the lower tiers.
     # The running one is long enough that both prompts are still waiting when the report is read on a
-    # slow machine. First the earlier tests' premium requests leave admission's inflow window: a few
-    # premium arrivals over the last seconds, against the slots a long answer frees, would predict
-    # that the batch prompts never get a slot (an infinite TTFT, rejected however long their SLO)
-    time.sleep(Inflow().window_s + 0.5)
+    # slow machine. The earlier tests' premium requests go first, or the batch prompts are rejected.
+    outlast_inflow_window()
     running = Streamed(stack, "batch", "Count the shells, one by one:", 600)
     running.start()
     wait_for(lambda: running.first_token_at, 60, "the batch request to run")

@@ -4,9 +4,9 @@
 
 For SmolLM2-135M's heads (9 query heads, 3 KV heads of 64) in float32, times one layer's attention:
 
-- prefill of a whole prompt: ``kernels.prefill_attention`` (queries in tiles of 128 positions, each
-  over the keys up to its end, so that a chunked prompt gets the same bits) against one causal SDPA
-  call over the prompt, the baseline;
+- prefill of a whole prompt: ``kernels.prefill_attention`` (queries in tiles of ``QUERY_TILE``
+  positions, each over the keys up to its end, so that a chunked prompt gets the same bits; other
+  tile sizes with ``--query-tiles``) against one causal SDPA call over the prompt, the baseline;
 - decode of a batch whose sequences all have the same context (the prompt length): the planned
   decode attention (whole blocks, always masked) against the same gather cut at the length with no
   mask, which the engine did before when every length in a step was equal.
@@ -18,6 +18,7 @@ Prints each case's time and its ratio to the baseline and writes ``attention.jso
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from loadtest.bench.linear import time_call
 HQ, HKV, D, BS = 9, 3, 64, 16
 
 
-def prefill_cases(length: int) -> dict:
+def prefill_cases(length: int, tiles: list[int]) -> dict:
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
@@ -46,7 +47,8 @@ def prefill_cases(length: int) -> dict:
                                               enable_gqa=True)
 
     return {"baseline": one_causal_call,
-            "invariant": lambda: paged_prefill_attention_ref(q, k_cache, v_cache, table, loc, lens, D ** -0.5)}
+            **{f"invariant, {t}-query tiles": functools.partial(paged_prefill_attention_ref, q, k_cache, v_cache, table,
+                                                                loc, lens, D ** -0.5, tile=t) for t in tiles}}
 
 
 def decode_cases(batch: int, context: int) -> dict:
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-lengths", default="128,700,2000")
+    p.add_argument("--query-tiles", default=None,
+                   help="prefill query tile sizes to compare, e.g. 128,64,32 (default: the engine's, QUERY_TILE)")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--decode-context", type=int, default=256, help="every decoding sequence's context length")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -88,19 +92,24 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.num_threads)
     torch.manual_seed(0)
     report: dict = {"num_threads": torch.get_num_threads(), "decode_context": args.decode_context, "cases": {}}
-    cases = [(f"prefill {n}", prefill_cases(n)) for n in map(int, args.prompt_lengths.split(","))]
+    from kernels.prefill_attention import QUERY_TILE  # noqa: PLC0415
+
+    tiles = [int(t) for t in args.query_tiles.split(",")] if args.query_tiles else [QUERY_TILE]
+    report["query_tiles"] = tiles
+    cases = [(f"prefill {n}", prefill_cases(n, tiles)) for n in map(int, args.prompt_lengths.split(","))]
     cases += [(f"decode x{b}", decode_cases(b, args.decode_context)) for b in map(int, args.batch_sizes.split(","))]
     for name, calls in cases:
         us = {kind: time_call(fn) * 1e6 for kind, fn in calls.items()}
-        ratio = us["invariant"] / us["baseline"]
-        report["cases"][name] = {"us_per_layer": us, "invariant_over_baseline": ratio}
-        print(f"{name}: baseline {us['baseline']:.0f} us, batch-invariant {us['invariant']:.0f} us per layer "
-              f"({ratio:.2f}x)", flush=True)
+        ratios = {kind: t / us["baseline"] for kind, t in us.items() if kind != "baseline"}
+        report["cases"][name] = {"us_per_layer": us, "over_baseline": ratios}
+        print(f"{name}: baseline {us['baseline']:.0f} us per layer; "
+              + ", ".join(f"{kind} {us[kind]:.0f} us ({r:.2f}x)" for kind, r in ratios.items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     names = list(report["cases"])
+    kinds = list(dict.fromkeys(k for n in names for k in report["cases"][n]["us_per_layer"]))
     bar_chart(args.out / "attention.png", names,
-              {kind: [report["cases"][n]["us_per_layer"][kind] / 1e3 for n in names] for kind in ("baseline", "invariant")},
+              {kind: [report["cases"][n]["us_per_layer"].get(kind, 0.0) / 1e3 for n in names] for kind in kinds},
               ylabel="ms per layer", title=f"CPU attention, SmolLM2-135M heads ({report['num_threads']} threads)")
     print("wrote", args.out / "attention.json", args.out / "attention.png")
     return 0

@@ -58,6 +58,7 @@ class EngineConfig:
     # engine is returned, "background" on a thread while eager steps serve, "off" (or False) eager only;
     # on CUDA, "on" and "background" capture CUDA graphs before the engine is returned (shared/model/cuda_graph.py)
     compile: str | bool = "off"
+    step_trace: str | None = None  # a file that gets one JSON line per step (shared/engine/step_trace.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

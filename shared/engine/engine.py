@@ -21,6 +21,7 @@ from shared.engine.reservations import KvReservations, PrefixFetchSlot, RemotePr
 from shared.engine.sampler import SampledToken
 from shared.engine.scheduler import SchedulerOutput
 from shared.engine.step_stats import EngineStats, PrefillRate, StepObserver, StepStats  # noqa: F401
+from shared.engine.step_trace import StepTrace
 from shared.grammar import GrammarError, compile_grammar
 from shared.kvcache.events import KvEventSink
 from shared.model.compile_artifacts import ArtifactStore
@@ -45,6 +46,7 @@ class LLMEngine:
         self.backend, self.runner, self.background_compile = parts.backend, parts.runner, parts.background_compile
         self.reservations = KvReservations(self.scheduler, self._new_request)
         self.step_stats = StepStats(config.block_size)
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         self._log_capacity()
 
     @classmethod
@@ -133,7 +135,10 @@ class LLMEngine:
                 s.request.first_scheduled_time = now
         started = time.perf_counter()
         sampled = self.runner.execute(out)
-        self.step_stats.record(out, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.step_stats.record(out, elapsed)
+        if self.step_trace is not None:
+            self.step_trace.record(now, elapsed, out)
         return sampled
 
     def _outputs(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]], num_before: dict[str, int],
@@ -177,12 +182,14 @@ class LLMEngine:
 
     def close(self) -> None:
         """Write the pool's reusable blocks to the disk tier (if any) so a restart on the same
-        directory finds them, finish queued writes and stop the tier threads."""
+        directory finds them, finish queued writes and stop the tier threads; close the step trace."""
         if self.tiers is not None:
             num = self.tiers.persist(self.kv.pool.cached_blocks())
             if num:
                 log.info("KV disk tier: saving %d cached blocks before exit", num)
             self.tiers.close()
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -176,8 +176,8 @@ class BatchRunner:
         finally:
             keepalive.cancel()
         if await self._store.store_result(result):
-            log.info("batch %s line %d (%s): %s", line.batch_id, line.line, line.custom_id,
-                     result.status_code or result.error_code)
+            log.info("batch %s line %d (%s, request %s): %s", line.batch_id, line.line, line.custom_id,
+                     result.request_id, result.status_code or result.error_code)
         await message.ack()
 
     async def _keep_alive(self, message: QueueMessage) -> None:

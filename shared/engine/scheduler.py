@@ -233,15 +233,16 @@ class Scheduler:
         """A step that prefills a prompt leaves out every row of a lower priority, decode rows and
         prefill chunks alike: they run the step after, and the higher-priority prompt's first token
         waits on none of their work (a batch tier's decode batch or prompt chunks would otherwise
-        make every premium prefill step longer). With a single priority nothing is left out; rows
-        with draft tokens stay (their drafts are taken)."""
+        make every premium prefill step longer). Rows with draft tokens count as decode rows: a
+        lower priority's are left out too (a draft is proposed again the step after; the blocks
+        reserved for it stay the request's). With a single priority nothing is left out."""
         def is_decode(s: ScheduledRequest) -> bool:  # a recomputed output token counts as one too
             return s.num_new_tokens == 1 and s.start >= min(s.request.num_tokens - 1, s.request.prefill_end)
 
         prefills = [s.request.priority for s in out.scheduled if not s.draft and not is_decode(s)]
         if prefills:
             top = min(prefills)
-            out.scheduled = [s for s in out.scheduled if s.draft or s.request.priority <= top]
+            out.scheduled = [s for s in out.scheduled if s.request.priority <= top]
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         num_new = request.chunk(request.num_computed_tokens, budget)

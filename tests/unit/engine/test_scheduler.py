@@ -4,6 +4,7 @@ import pytest
 
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.speculative import SpeculativeConfig, Speculator
 from shared.kvcache.hashing import make_namespace
 from shared.kvcache.manager import KVCacheManager
 
@@ -287,6 +288,25 @@ def test_a_low_priority_prompt_mid_prefill_yields_its_chunks_to_a_higher_priorit
     while s.has_unfinished:
         step(s)
         s.kv.check_integrity()
+
+
+def test_a_lower_prioritys_speculative_row_is_left_out_of_a_higher_prioritys_prefill_step_too():
+    kv = KVCacheManager(64, BS)
+    s = Scheduler(SchedulerConfig(8, 64, 1024), kv, make_namespace("m"),
+                  speculator=Speculator(SpeculativeConfig(num_tokens=3)))
+    s.add_request(Request("bulk", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20, temperature=0.0),
+                          priority=2))
+    step(s, token=3)                           # its prompt; then "... 1, 2, 3" is followed by 4 earlier
+    out = step(s, token=4)
+    assert [(x.request.request_id, x.draft) for x in out.scheduled] == [("bulk", [4, 1, 2])]
+    s.add_request(own("premium", 6, priority=0))
+    out = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("premium", 6)]
+    out = step(s)                              # premium decodes; bulk's draft is proposed again beside it
+    assert {x.request.request_id: bool(x.draft) for x in out.scheduled} == {"premium": False, "bulk": True}
+    while s.has_unfinished:
+        step(s)
+        kv.check_integrity()
 
 
 def test_with_one_priority_running_prompts_keep_their_chunks_before_new_arrivals():

@@ -12,18 +12,27 @@ capacity, the batch's rate and the online rate are all in completed requests per
    official client) run to completion: its lines/s against capacity;
 3. **online alone**: Poisson arrivals at ``--online-load`` × capacity for ``--online-duration-s``:
    TTFT and ITL percentiles;
-4. **online beside a batch**: a second batch of the same size is created and, once its lines are
+4. **online beside a batch**: a fresh batch of the same size is created and, once its lines are
    running, the same online schedule is sent again. The batch's rate during that window (its
    completed-line count read at the window's start and end) is compared with the idle capacity,
    capacity − the online rate achieved; online TTFT p90 is compared with step 3's. The batch is
    then cancelled (its partial results are kept; the cancel's latency is reported).
+
+Steps 3 and 4 are one round; ``--rounds`` rounds run (alone first in even rounds, beside first in odd
+ones), each after one more capacity burst, and the figures pool every round's requests: on a shared
+machine whose speed drifts by tens of percent over minutes, one alone-then-beside pair compared
+whichever minutes each happened to get. ``--step-trace FILE`` has the worker write its step trace
+there and sums it up per phase (``loadtest/tools/step_trace.py``): how busy the engine was and the
+time share of decode steps and of each priority's prefill steps, which shows what online requests
+wait behind.
 
 Batch lines run at a priority below every tier (the gateway's batch runner), so the engine serves
 online prefills first and admission sheds batch lines first; ``--batch-in-flight`` is how many lines
 the gateway runs at once (the gateway's ``--batch-max-in-flight``) and ``--batch-in-flight-beside-online``
 how many while it serves online requests (the gateway's flag of that name: batch rows lengthen every
 engine step online rows share). ``--skip-batch-alone`` leaves out step 2 to compare settings of step 4
-quickly. Writes ``batch.json`` and ``batch.png`` (the batch's progress over time in steps 2 and 4, and online TTFT CDFs).
+quickly. Writes ``batch.json`` (pooled figures, and each round's) and ``batch.png`` (the batch's
+progress over time in steps 2 and 4, and online TTFT CDFs).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import time
 from pathlib import Path
 
 from loadtest.bench.serving import wait_for_compiled_steps
+from loadtest.tools import step_trace
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import WorkloadConfig, build_workload
@@ -50,7 +60,8 @@ def start_stack(state: Path, args, log):
 
     stack = Stack(StackSpec(state_dir=state, model=args.model, port=0, namespace=f"bb{os.getpid()}",
                             decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory,
-                                          "max_num_seqs": args.max_num_seqs},
+                                          "max_num_seqs": args.max_num_seqs,
+                                          **({"step_trace": str(args.step_trace)} if args.step_trace else {})},
                             gateway_flags={"batch_max_in_flight": args.batch_in_flight,
                                            "batch_in_flight_beside_online": args.batch_in_flight_beside_online},
                             admission_flags={"max_waiting_per_worker": args.max_waiting}),
@@ -71,7 +82,9 @@ def online_summary(results: list[RequestResult], duration_s: float) -> dict:
     return {"num_sent": len(results), "num_ok": len(ok), "errors": sorted({r.error for r in results if r.error}),
             "rate_rps": len(ok) / duration_s,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
-            "ttft_p99_s": percentile(ttfts, 99), "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90)}
+            "ttft_p99_s": percentile(ttfts, 99), "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90),
+            "cached_prompt_share": (sum(r.cached_tokens or 0 for r in ok)
+                                    / max(sum(r.prompt_tokens or 0 for r in ok), 1))}
 
 
 def batch_file(args, seed: int) -> bytes:
@@ -131,25 +144,143 @@ def batch_alone(client, args, capacity: float, report: dict) -> Progress:
     return alone
 
 
-def plot(path: Path, alone: Progress | None, beside: Progress, window: tuple[float, float],
-         online: dict[str, list[RequestResult]]) -> None:
+@dataclasses.dataclass
+class Round:
+    """One round: the online schedule alone and the same schedule beside a fresh batch (cancelled after it);
+    alone first in even rounds, beside first in odd ones."""
+
+    alone: list[RequestResult]
+    beside: list[RequestResult]
+    progress: Progress           # the round's batch, seconds since it was created
+    window: tuple[float, float]  # the online arrival span, on the progress clock
+    lines: int                   # batch lines completed in the window
+    window_s: float              # between the polls that bound it
+    summary: dict
+
+
+def tagged(specs, tag: str):
+    """The same schedule and lengths with prompts of their own: a segment that sent the other's prompts
+    again would find them in the prefix cache (up to 86% of its prompt tokens were, in one run)."""
+    return [dataclasses.replace(s, prompt=f"{tag} {s.prompt}") for s in specs]
+
+
+def run_round(client, args, base_url: str, specs, online, index: int) -> Round:
+    span = specs[-1].at_s
+    alone_specs, beside_specs = tagged(specs, f"Alone {index}:"), tagged(specs, f"Beside {index}:")
+    # odd rounds take the two in the other order, so that a drift in the machine's speed within a
+    # round weighs on both alike
+    windows: dict[str, tuple[float, float]] = {}  # time.monotonic(), the step trace's clock
+
+    def timed(name: str, fn):
+        t0 = time.monotonic()
+        result = fn()
+        windows[name] = (t0, time.monotonic())
+        return result
+
+    results_alone = timed("alone", lambda: online(alone_specs)) if index % 2 == 0 else None
+    progress = Progress(client, create_batch(client, args, args.seed + 200 + index).id, time.perf_counter())
+    progress.until(lambda b: (b.request_counts and b.request_counts.completed >= 2 * args.batch_in_flight)
+                   or b.status not in ("validating", "in_progress"), 0.5, 600)
+    start_done, window_start = progress.poll(), progress.points[-1][0]
+    stop = asyncio.Event()
+
+    async def poll_meanwhile():
+        while not stop.is_set():
+            await asyncio.to_thread(progress.poll)
+            await asyncio.sleep(1.0)
+
+    async def online_with_polling():
+        poller = asyncio.create_task(poll_meanwhile())
+        try:
+            return await run_openai(base_url, args.model, beside_specs, progress=not args.no_progress)
+        finally:
+            stop.set()
+            await poller
+
+    results_beside = timed("beside", lambda: asyncio.run(online_with_polling()))
+    # the window is the online arrival span: the batch's lines completed in it, from the polls
+    in_window = [(t, c) for t, c, _ in progress.points if window_start <= t <= window_start + span]
+    (ta, ca), (tb, cb) = in_window[0], in_window[-1]
+    end_done, window_end = progress.poll(), progress.points[-1][0]
+    cancel_t = time.perf_counter()
+    if progress.batch.status in ("validating", "in_progress"):  # a small batch may have ended already
+        client.batches.cancel(progress.batch_id)
+    final = progress.until(lambda b: b.status in ("cancelled", "completed", "failed"), 0.5, 120)
+    cancel_s = time.perf_counter() - cancel_t
+    if results_alone is None:
+        results_alone = timed("alone", lambda: online(alone_specs))
+    a, b = online_summary(results_alone, span), online_summary(results_beside, span)
+    summary = {"online_alone": a, "online_beside_batch": b, "lines_completed_in_window": cb - ca,
+               "window_s": tb - ta, "batch_rate_rps": (cb - ca) / max(tb - ta, 1e-9),
+               "online_ttft_p90_ratio": b["ttft_p90_s"] / a["ttft_p90_s"],
+               "completed_before_window": start_done, "completed_after_online": end_done,
+               "online_ran_s": window_end - window_start, "cancel_s": cancel_s, "final_status": final.status,
+               "final_completed": final.request_counts.completed, "output_file_id": final.output_file_id,
+               "windows_monotonic": windows}
+    print(f"round {index + 1}: online TTFT p90 {a['ttft_p90_s'] * 1000:.0f} ms alone, "
+          f"{b['ttft_p90_s'] * 1000:.0f} ms beside ({summary['online_ttft_p90_ratio']:.2f}x); batch "
+          f"{summary['batch_rate_rps']:.2f} lines/s; cancel -> {final.status} in {cancel_s:.1f} s")
+    return Round(results_alone, results_beside, progress, (window_start, window_start + span), cb - ca, tb - ta,
+                 summary)
+
+
+def pooled(rounds: list[Round], capacity: float, batch_alone_rps: float | None = None) -> dict:
+    """Every round's online requests together, alone and beside; the batch's rate over all windows.
+    The idle capacity is the burst capacity less the online rate; where the batch alone ran faster
+    than the bursts (a sustained load keeps the engine's batch fuller), the same share is also given
+    against that rate (``fraction_of_idle_sustained``)."""
+    span = sum(rd.window[1] - rd.window[0] for rd in rounds)
+    a = online_summary([x for rd in rounds for x in rd.alone], span)
+    b = online_summary([x for rd in rounds for x in rd.beside], span)
+    batch_rate = sum(rd.lines for rd in rounds) / max(sum(rd.window_s for rd in rounds), 1e-9)
+    idle = max(capacity - b["rate_rps"], 1e-9)
+    return {"online_alone": a, "online_beside_batch": b,
+            "batch_beside_online": {"lines_completed_in_windows": sum(rd.lines for rd in rounds),
+                                    "windows_s": sum(rd.window_s for rd in rounds), "rate_rps": batch_rate,
+                                    "idle_capacity_rps": idle, "fraction_of_idle_capacity": batch_rate / idle,
+                                    **({"idle_sustained_rps": max(batch_alone_rps - b["rate_rps"], 1e-9),
+                                        "fraction_of_idle_sustained":
+                                            batch_rate / max(batch_alone_rps - b["rate_rps"], 1e-9)}
+                                       if batch_alone_rps else {})},
+            "online_ttft_p90_ratio": b["ttft_p90_s"] / a["ttft_p90_s"],
+            "online_ttft_p50_ratio": b["ttft_p50_s"] / a["ttft_p50_s"],
+            "online_itl_p50_ratio": b["itl_p50_s"] / a["itl_p50_s"]}
+
+
+def print_summary(report: dict, rounds: list[Round]) -> None:
+    for label, s in (("online alone", report["online_alone"]), ("online beside batch", report["online_beside_batch"])):
+        print(f"{label} ({len(rounds)} rounds): {s['num_ok']}/{s['num_sent']} ok, {s['rate_rps']:.2f} req/s, TTFT "
+              f"p50/p90 {s['ttft_p50_s'] * 1000:.0f}/{s['ttft_p90_s'] * 1000:.0f} ms, ITL p50/p90 "
+              f"{s['itl_p50_s'] * 1000:.0f}/{s['itl_p90_s'] * 1000:.0f} ms")
+    bb = report["batch_beside_online"]
+    sustained = (f", {bb['fraction_of_idle_sustained']:.2f} of the batch alone's rate less the online rate"
+                 if "fraction_of_idle_sustained" in bb else "")
+    print(f"batch beside online: {bb['rate_rps']:.2f} lines/s = {bb['fraction_of_idle_capacity']:.2f} of the idle "
+          f"capacity ({bb['idle_capacity_rps']:.2f} req/s){sustained}; online TTFT p90 "
+          f"{report['online_ttft_p90_ratio']:.2f}x, "
+          f"p50 {report['online_ttft_p50_ratio']:.2f}x, ITL p50 {report['online_itl_p50_ratio']:.2f}x alone")
+
+
+def plot(path: Path, alone: Progress | None, rounds: list[Round], online: dict[str, list[RequestResult]]) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for label, progress in (("batch alone", alone), ("batch beside online", beside)):
-        if progress is None:
-            continue
-        axes[0].plot([p[0] for p in progress.points], [p[1] for p in progress.points], label=label)
-    axes[0].axvspan(*window, alpha=0.15, label="online load running")
+    if alone is not None:
+        axes[0].plot([p[0] for p in alone.points], [p[1] for p in alone.points], label="batch alone")
+    for i, rd in enumerate(rounds):
+        axes[0].plot([p[0] for p in rd.progress.points], [p[1] for p in rd.progress.points],
+                     label=f"batch beside online, round {i + 1}")
+    if rounds:
+        axes[0].axvspan(*rounds[0].window, alpha=0.15, label="online load running (round 1)")
     axes[0].set_title("batch lines completed")
     axes[0].set_xlabel("seconds since the batch was created")
     for label, results in online.items():
         xs = sorted(r.ttft_s * 1000 for r in results if r.error is None and r.ttft_s is not None)
         axes[1].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
-    axes[1].set_title("online TTFT (ms), CDF")
+    axes[1].set_title("online TTFT (ms), CDF, every round")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
@@ -174,19 +305,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out step 2 (the batch alone), e.g. to compare settings of step 4 quickly")
     p.add_argument("--max-waiting", type=int, default=256, help="admission's per-worker queue limit")
     p.add_argument("--capacity-requests", type=int, default=96)
-    p.add_argument("--capacity-bursts", type=int, default=2)
+    p.add_argument("--capacity-bursts", type=int, default=2,
+                   help="saturating bursts before the first round (every later round runs one more)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of online alone then online beside a fresh batch, pooled (the machine's speed drifts)")
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/batch"))
     p.add_argument("--compile-timeout-s", type=float, default=1800.0,
                    help="how long to wait for the worker's background compile before measuring")
+    p.add_argument("--step-trace", type=Path, default=None,
+                   help="the worker's step trace file (its --step-trace); summed up per phase into the JSON")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.step_trace:
+        args.step_trace.unlink(missing_ok=True)
     import openai  # noqa: PLC0415
 
     cfg = WorkloadConfig(prompt_words=args.prompt_words, output_tokens=args.output_tokens, spread=0.3, seed=args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {}
+    rounds: list[Round] = []
     with tempfile.TemporaryDirectory() as tmp, open(args.out / "batch_stack.log", "w") as log:
         stack = start_stack(Path(tmp), args, log)
         try:
@@ -199,87 +338,48 @@ def main(argv: list[str] | None = None) -> int:
             def online(specs):
                 return asyncio.run(run_openai(stack.base_url, args.model, specs, progress=not args.no_progress))
 
-            rates = []
-            for k in range(args.capacity_bursts):
-                burst = build_workload(dataclasses.replace(cfg, num_requests=args.capacity_requests, rate=1000.0,
+            def burst(k: int) -> float:
+                specs = build_workload(dataclasses.replace(cfg, num_requests=args.capacity_requests, rate=1000.0,
                                                            seed=args.seed + 7 + k))
-                rates.append(rate_of(online(burst)))
-            capacity = statistics.median(rates)
-            print(f"capacity: {capacity:.2f} req/s (bursts: {', '.join(f'{r:.2f}' for r in rates)})")
+                return rate_of(online(specs))
+
+            rates = [burst(k) for k in range(args.capacity_bursts)]
+            print(f"capacity: {statistics.median(rates):.2f} req/s (bursts: {', '.join(f'{r:.2f}' for r in rates)})")
 
             alone = None
             if not args.skip_batch_alone:
-                alone = batch_alone(client, args, capacity, report)
+                alone = batch_alone(client, args, statistics.median(rates), report)
 
-            rate = args.online_load * capacity
-            specs = build_workload(dataclasses.replace(cfg, num_requests=max(8, round(rate * args.online_duration_s)),
-                                                       rate=rate, seed=args.seed + 1))
-            span = specs[-1].at_s
-            results_alone = online(specs)
-            report["online_alone"] = online_summary(results_alone, span)
-
-            t1 = time.perf_counter()
-            beside = Progress(client, create_batch(client, args, args.seed + 200).id, t1)
-            beside.until(lambda b: (b.request_counts and b.request_counts.completed >= 2 * args.batch_in_flight)
-                         or b.status not in ("validating", "in_progress"), 0.5, 600)
-            start_done, window_start = beside.poll(), beside.points[-1][0]
-            stop = asyncio.Event()
-
-            async def poll_meanwhile():
-                while not stop.is_set():
-                    await asyncio.to_thread(beside.poll)
-                    await asyncio.sleep(1.0)
-
-            async def online_with_polling():
-                poller = asyncio.create_task(poll_meanwhile())
-                try:
-                    return await run_openai(stack.base_url, args.model, specs, progress=not args.no_progress)
-                finally:
-                    stop.set()
-                    await poller
-
-            results_beside = asyncio.run(online_with_polling())
-            # the window is the online arrival span: the batch's lines completed in it, from the polls
-            in_window = [(t, c) for t, c, _ in beside.points if window_start <= t <= window_start + span]
-            (ta, ca), (tb, cb) = in_window[0], in_window[-1]
-            end_done, window_end = beside.poll(), beside.points[-1][0]
-            cancel_t = time.perf_counter()
-            if beside.batch.status in ("validating", "in_progress"):  # a small batch may have ended already
-                client.batches.cancel(beside.batch_id)
-            final = beside.until(lambda b: b.status in ("cancelled", "completed", "failed"), 0.5, 120)
-            cancel_s = time.perf_counter() - cancel_t
-            report["online_beside_batch"] = online_summary(results_beside, span)
-            batch_rate = (cb - ca) / max(tb - ta, 1e-9)
-            idle = max(capacity - report["online_beside_batch"]["rate_rps"], 1e-9)
-            report["batch_beside_online"] = {
-                "lines_completed_in_window": cb - ca, "window_s": tb - ta, "rate_rps": batch_rate,
-                "idle_capacity_rps": idle, "fraction_of_idle_capacity": batch_rate / idle,
-                "completed_before_window": start_done, "completed_after_online": end_done,
-                "online_ran_s": window_end - window_start, "cancel_s": cancel_s, "final_status": final.status,
-                "final_completed": final.request_counts.completed, "output_file_id": final.output_file_id}
-            a, b = report["online_alone"], report["online_beside_batch"]
-            report["online_ttft_p90_ratio"] = b["ttft_p90_s"] / a["ttft_p90_s"]
-            report["online_ttft_p50_ratio"] = b["ttft_p50_s"] / a["ttft_p50_s"]
-            report["online_itl_p50_ratio"] = b["itl_p50_s"] / a["itl_p50_s"]
-            for label, s in (("online alone", a), ("online beside batch", b)):
-                print(f"{label}: {s['num_ok']}/{s['num_sent']} ok, {s['rate_rps']:.2f} req/s, TTFT p50/p90 "
-                      f"{s['ttft_p50_s'] * 1000:.0f}/{s['ttft_p90_s'] * 1000:.0f} ms, ITL p50/p90 "
-                      f"{s['itl_p50_s'] * 1000:.0f}/{s['itl_p90_s'] * 1000:.0f} ms")
-            bb = report["batch_beside_online"]
-            print(f"batch beside online: {bb['rate_rps']:.2f} lines/s = {bb['fraction_of_idle_capacity']:.2f} of the "
-                  f"idle capacity ({idle:.2f} req/s); online TTFT p90 {report['online_ttft_p90_ratio']:.2f}x, "
-                  f"p50 {report['online_ttft_p50_ratio']:.2f}x, ITL p50 {report['online_itl_p50_ratio']:.2f}x alone; "
-                  f"cancel -> {final.status} in {cancel_s:.1f} s, {final.request_counts.completed} lines kept")
+            # one online rate for every round (from the first bursts), so that the rounds' results pool
+            rate = args.online_load * statistics.median(rates)
+            for r in range(args.rounds):
+                if r > 0:  # capacity sampled across the run, as the machine's speed drifts with it
+                    rates.append(burst(args.capacity_bursts + r - 1))
+                specs = build_workload(dataclasses.replace(
+                    cfg, num_requests=max(8, round(rate * args.online_duration_s)), rate=rate, seed=args.seed + 1 + r))
+                rounds.append(run_round(client, args, stack.base_url, specs, online, r))
+            capacity = statistics.median(rates)
+            report.update(pooled(rounds, capacity, report["batch_alone"]["rate_rps"] if alone else None))
+            print_summary(report, rounds)
         finally:
             stack.stop()
-    payload = {"config": {**vars(args), "out": str(args.out)}, "capacity_rps": capacity, "capacity_bursts_rps": rates,
+    if args.step_trace:
+        steps = step_trace.read(args.step_trace)
+        report["steps"] = {name: step_trace.summarize(steps, [rd.summary["windows_monotonic"][name] for rd in rounds])
+                           for name in ("alone", "beside")}
+        for name, summary in report["steps"].items():
+            print(f"engine steps, online {name}: {step_trace.format_summary(summary)}")
+    config = {**vars(args), "out": str(args.out), "step_trace": str(args.step_trace) if args.step_trace else None}
+    payload = {"config": config, "capacity_rps": capacity, "capacity_bursts_rps": rates,
                "cpu_count": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0], **report,
-               "progress": {"alone": alone.points if alone else None, "beside": beside.points},
-               "online_requests": {"alone": [r.to_json() for r in results_alone],
-                                   "beside": [r.to_json() for r in results_beside]}}
+               "rounds": [rd.summary for rd in rounds],
+               "progress": {"alone": alone.points if alone else None, "beside": [rd.progress.points for rd in rounds]},
+               "online_requests": {"alone": [x.to_json() for rd in rounds for x in rd.alone],
+                                   "beside": [x.to_json() for rd in rounds for x in rd.beside]}}
     (args.out / "batch.json").write_text(json.dumps(payload, indent=2))
-    plot(args.out / "batch.png", alone, beside, (window_start, window_start + span),
-         {"online alone": results_alone, "online beside batch": results_beside})
+    plot(args.out / "batch.png", alone, rounds,
+         {"online alone": [x for rd in rounds for x in rd.alone],
+          "online beside batch": [x for rd in rounds for x in rd.beside]})
     print("wrote", args.out / "batch.json", args.out / "batch.png")
     return 0
 

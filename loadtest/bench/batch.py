@@ -24,7 +24,9 @@ machine whose speed drifts by tens of percent over minutes, one alone-then-besid
 whichever minutes each happened to get. ``--step-trace FILE`` has the worker write its step trace
 there and sums it up per phase (``loadtest/tools/step_trace.py``): how busy the engine was and the
 time share of decode steps and of each priority's prefill steps, which shows what online requests
-wait behind.
+wait behind. Each phase also records the hypervisor's share of the machine's CPU time in it
+(``steal`` in ``/proc/stat``, ``loadtest/tools/cpu_steal.py``): on a shared virtual machine it
+moves from none to half within a run, and the bench's speed with it.
 
 Batch lines run at a priority below every tier (the gateway's batch runner), so the engine serves
 online prefills first and admission sheds batch lines first; ``--batch-in-flight`` is how many lines
@@ -50,6 +52,7 @@ from pathlib import Path
 
 from loadtest.bench.serving import wait_for_compiled_steps
 from loadtest.tools import step_trace
+from loadtest.tools.cpu_steal import cpu_times, steal_share
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import WorkloadConfig, build_workload
@@ -127,7 +130,7 @@ class Progress:
 
 def batch_alone(client, args, capacity: float, report: dict) -> Progress:
     """Step 2: a batch run to completion on the otherwise idle stack."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_times()
     alone = Progress(client, create_batch(client, args, args.seed + 100).id, t0)
     done = alone.until(lambda b: b.status in ("completed", "failed", "cancelled", "expired"), 1.0,
                        args.lines / max(capacity, 0.05) * 10 + 600)
@@ -136,7 +139,8 @@ def batch_alone(client, args, capacity: float, report: dict) -> Progress:
     report["batch_alone"] = {"status": done.status, "lines": args.lines,
                              "completed": done.request_counts.completed, "failed": done.request_counts.failed,
                              "seconds": elapsed, "rate_rps": done.request_counts.completed / elapsed,
-                             "rate_after_first_line_rps": done.request_counts.completed / (elapsed - first)}
+                             "rate_after_first_line_rps": done.request_counts.completed / (elapsed - first),
+                             "cpu_steal_share": steal_share(cpu0, cpu_times())}
     report["batch_alone"]["fraction_of_capacity"] = report["batch_alone"]["rate_rps"] / capacity
     print(f"batch alone: {done.status}, {done.request_counts.completed}/{args.lines} lines in {elapsed:.0f} s "
           f"= {report['batch_alone']['rate_rps']:.2f} lines/s ({report['batch_alone']['fraction_of_capacity']:.2f}"
@@ -170,11 +174,13 @@ def run_round(client, args, base_url: str, specs, online, index: int) -> Round:
     # odd rounds take the two in the other order, so that a drift in the machine's speed within a
     # round weighs on both alike
     windows: dict[str, tuple[float, float]] = {}  # time.monotonic(), the step trace's clock
+    steal: dict[str, float | None] = {}  # the hypervisor's share of the machine's CPU time in each
 
     def timed(name: str, fn):
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), cpu_times()
         result = fn()
         windows[name] = (t0, time.monotonic())
+        steal[name] = steal_share(cpu0, cpu_times())
         return result
 
     results_alone = timed("alone", lambda: online(alone_specs)) if index % 2 == 0 else None
@@ -216,10 +222,11 @@ def run_round(client, args, base_url: str, specs, online, index: int) -> Round:
                "completed_before_window": start_done, "completed_after_online": end_done,
                "online_ran_s": window_end - window_start, "cancel_s": cancel_s, "final_status": final.status,
                "final_completed": final.request_counts.completed, "output_file_id": final.output_file_id,
-               "windows_monotonic": windows}
+               "windows_monotonic": windows, "cpu_steal_share": steal}
     print(f"round {index + 1}: online TTFT p90 {a['ttft_p90_s'] * 1000:.0f} ms alone, "
           f"{b['ttft_p90_s'] * 1000:.0f} ms beside ({summary['online_ttft_p90_ratio']:.2f}x); batch "
-          f"{summary['batch_rate_rps']:.2f} lines/s; cancel -> {final.status} in {cancel_s:.1f} s")
+          f"{summary['batch_rate_rps']:.2f} lines/s; cancel -> {final.status} in {cancel_s:.1f} s; CPU steal "
+          + ", ".join(f"{k} {v:.0%}" for k, v in steal.items() if v is not None))
     return Round(results_alone, results_beside, progress, (window_start, window_start + span), cb - ca, tb - ta,
                  summary)
 
@@ -244,7 +251,14 @@ def pooled(rounds: list[Round], capacity: float, batch_alone_rps: float | None =
                                        if batch_alone_rps else {})},
             "online_ttft_p90_ratio": b["ttft_p90_s"] / a["ttft_p90_s"],
             "online_ttft_p50_ratio": b["ttft_p50_s"] / a["ttft_p50_s"],
-            "online_itl_p50_ratio": b["itl_p50_s"] / a["itl_p50_s"]}
+            "online_itl_p50_ratio": b["itl_p50_s"] / a["itl_p50_s"],
+            "cpu_steal_share": {name: _mean([rd.summary.get("cpu_steal_share", {}).get(name) for rd in rounds])
+                                for name in ("alone", "beside")}}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def print_summary(report: dict, rounds: list[Round]) -> None:
@@ -259,6 +273,9 @@ def print_summary(report: dict, rounds: list[Round]) -> None:
           f"capacity ({bb['idle_capacity_rps']:.2f} req/s){sustained}; online TTFT p90 "
           f"{report['online_ttft_p90_ratio']:.2f}x, "
           f"p50 {report['online_ttft_p50_ratio']:.2f}x, ITL p50 {report['online_itl_p50_ratio']:.2f}x alone")
+    steal = report["cpu_steal_share"]
+    if None not in steal.values():
+        print(f"CPU steal (the hypervisor's share): online alone {steal['alone']:.0%}, beside {steal['beside']:.0%}")
 
 
 def plot(path: Path, alone: Progress | None, rounds: list[Round], online: dict[str, list[RequestResult]]) -> None:
@@ -338,10 +355,15 @@ def main(argv: list[str] | None = None) -> int:
             def online(specs):
                 return asyncio.run(run_openai(stack.base_url, args.model, specs, progress=not args.no_progress))
 
+            burst_steal: list[float | None] = []
+
             def burst(k: int) -> float:
                 specs = build_workload(dataclasses.replace(cfg, num_requests=args.capacity_requests, rate=1000.0,
                                                            seed=args.seed + 7 + k))
-                return rate_of(online(specs))
+                cpu0 = cpu_times()
+                rate = rate_of(online(specs))
+                burst_steal.append(steal_share(cpu0, cpu_times()))
+                return rate
 
             rates = [burst(k) for k in range(args.capacity_bursts)]
             print(f"capacity: {statistics.median(rates):.2f} req/s (bursts: {', '.join(f'{r:.2f}' for r in rates)})")
@@ -371,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engine steps, online {name}: {step_trace.format_summary(summary)}")
     config = {**vars(args), "out": str(args.out), "step_trace": str(args.step_trace) if args.step_trace else None}
     payload = {"config": config, "capacity_rps": capacity, "capacity_bursts_rps": rates,
+               "capacity_bursts_cpu_steal_share": burst_steal,
                "cpu_count": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0], **report,
                "rounds": [rd.summary for rd in rounds],
                "progress": {"alone": alone.points if alone else None, "beside": [rd.progress.points for rd in rounds]},

@@ -28,15 +28,16 @@ def result(index: int, ttft: float, itl: float, tokens: int = 3) -> RequestResul
     return r
 
 
-def a_round(alone_ttfts, beside_ttfts, lines: int, window_s: float) -> Round:
+def a_round(alone_ttfts, beside_ttfts, lines: int, window_s: float, steal: float | None = 0.3) -> Round:
     return Round(alone=[result(i, t, 0.02) for i, t in enumerate(alone_ttfts)],
                  beside=[result(i, t, 0.03) for i, t in enumerate(beside_ttfts)],
-                 progress=None, window=(0.0, 10.0), lines=lines, window_s=window_s, summary={})
+                 progress=None, window=(0.0, 10.0), lines=lines, window_s=window_s,
+                 summary={"cpu_steal_share": {"alone": steal, "beside": 0.1}})
 
 
 def test_the_pooled_report_puts_every_rounds_requests_together_and_the_batch_over_every_window():
     rounds = [a_round([0.1, 0.2], [0.2, 0.4], lines=10, window_s=10.0),
-              a_round([0.3, 0.4], [0.6, 0.8], lines=30, window_s=10.0)]
+              a_round([0.3, 0.4], [0.6, 0.8], lines=30, window_s=10.0, steal=0.1)]
     report = pooled(rounds, capacity=4.0)
     assert report["online_alone"]["num_ok"] == 4 and report["online_beside_batch"]["num_ok"] == 4
     assert report["online_alone"]["rate_rps"] == pytest.approx(4 / 20.0)   # over both rounds' arrival spans
@@ -49,6 +50,7 @@ def test_the_pooled_report_puts_every_rounds_requests_together_and_the_batch_ove
     assert report["online_ttft_p90_ratio"] == pytest.approx(2.0)
     assert report["online_itl_p50_ratio"] == pytest.approx(1.5)
     assert report["online_alone"]["cached_prompt_share"] == 0.0
+    assert report["cpu_steal_share"] == {"alone": pytest.approx(0.2), "beside": pytest.approx(0.1)}
     assert "fraction_of_idle_sustained" not in bb
     # the batch alone ran at 5 lines/s, above the bursts' 4 req/s: the share against that rate too
     sustained = pooled(rounds, capacity=4.0, batch_alone_rps=5.0)["batch_beside_online"]

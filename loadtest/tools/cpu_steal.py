@@ -1,0 +1,37 @@
+"""How much of the machine's CPU time the hypervisor took (``steal`` in ``/proc/stat``) over a
+stretch of a benchmark. On a shared virtual machine a bench's speed moves with it: the same
+capacity burst measured 3.9 and 6.7 req/s within one run, and ``vmstat`` showed 13-51% steal
+while a run was slow. A bench records the share per phase so that two phases are compared knowing
+what each got.
+
+    before = cpu_times()
+    ...
+    share = steal_share(before, cpu_times())   # None where /proc/stat is not there
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# the aggregate "cpu" line's fields, in /proc/stat's order (man 5 proc); guest time is inside user
+_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times(path: Path = Path("/proc/stat")) -> dict[str, int] | None:
+    """The machine's cumulative CPU time per kind, in clock ticks; None without ``/proc/stat``."""
+    try:
+        first = path.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if first[0] != "cpu":
+        return None
+    return {name: int(value) for name, value in zip(_FIELDS, first[1:])}
+
+
+def steal_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
+    """Stolen time over all CPU time between two readings (0 on bare metal); None if either is missing
+    or no time passed."""
+    if not before or not after:
+        return None
+    total = sum(after.get(k, 0) - before.get(k, 0) for k in _FIELDS)
+    return (after.get("steal", 0) - before.get("steal", 0)) / total if total > 0 else None

@@ -9,7 +9,9 @@ For SmolLM2-135M's heads (9 query heads, 3 KV heads of 64) in float32, times one
   tile sizes with ``--query-tiles``) against one causal SDPA call over the prompt, the baseline;
 - decode of a batch whose sequences all have the same context (the prompt length): the planned
   decode attention (whole blocks, always masked) against the same gather cut at the length with no
-  mask, which the engine did before when every length in a step was equal.
+  mask, which the engine did before when every length in a step was equal; and, where it builds,
+  the compiled step's C++ kernel (``kernels/cpu/decode_attention.cpp``) reading a float16 pool in
+  place.
 
 Prints each case's time and its ratio to the baseline and writes ``attention.json`` and
 ``attention.png`` under --out.
@@ -70,8 +72,19 @@ def decode_cases(batch: int, context: int) -> dict:
         return F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=D ** -0.5,
                                               enable_gqa=True)
 
-    return {"baseline": cut_without_mask,
-            "invariant": lambda: paged_decode_attention_planned(q, k_cache, v_cache, plan, D ** -0.5)}
+    cases = {"baseline": cut_without_mask,
+             "invariant": lambda: paged_decode_attention_planned(q, k_cache, v_cache, plan, D ** -0.5)}
+    from kernels import attention_cpu  # noqa: PLC0415
+
+    if attention_cpu.load():  # the compiled step's kernel, on the float16 pool layout gguf serves with
+        pool = torch.stack([k_cache, v_cache], 1)[:, None].to(torch.float16)  # [blocks, 1 layer, 2, BS, HKV, D]
+        valid = torch.arange(per_seq * BS)[None, :] < (lens[:, None] - 1)       # the past; the last token is k, v
+        src = torch.full(valid.shape, -1, dtype=torch.long)
+        k_new, v_new = torch.randn(2, batch, HKV, D).half().float().unbind(0)
+        blocks = tables.long().reshape(-1)
+        cases["compiled step's kernel"] = functools.partial(attention_cpu.decode_attention, q, k_new, v_new, pool, 0,
+                                                            blocks, valid, src)
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:

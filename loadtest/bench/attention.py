@@ -29,11 +29,11 @@ from loadtest.bench.linear import time_call
 HQ, HKV, D, BS = 9, 3, 64, 16
 
 
-def prefill_cases(length: int, tiles: list[int]) -> dict:
+def prefill_cases(length: int, tiles: list[int] | None = None) -> dict:
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
-    from kernels.prefill_attention import paged_prefill_attention_ref  # noqa: PLC0415
+    from kernels.prefill_attention import QUERY_TILE, paged_prefill_attention_ref  # noqa: PLC0415
 
     num_blocks = -(-length // BS)
     k_cache, v_cache = torch.randn(2, num_blocks + 1, BS, HKV, D).unbind(0)
@@ -50,7 +50,8 @@ def prefill_cases(length: int, tiles: list[int]) -> dict:
 
     return {"baseline": one_causal_call,
             **{f"invariant, {t}-query tiles": functools.partial(paged_prefill_attention_ref, q, k_cache, v_cache, table,
-                                                                loc, lens, D ** -0.5, tile=t) for t in tiles}}
+                                                                loc, lens, D ** -0.5, tile=t)
+               for t in tiles or [QUERY_TILE]}}
 
 
 def decode_cases(batch: int, context: int) -> dict:
@@ -60,7 +61,8 @@ def decode_cases(batch: int, context: int) -> dict:
     from kernels.decode_attention import decode_plan, paged_decode_attention_planned  # noqa: PLC0415
 
     per_seq = -(-context // BS)
-    k_cache, v_cache = torch.randn(2, batch * per_seq + 1, BS, HKV, D).unbind(0)
+    # values a float16 pool holds exactly, so that every case reads the same numbers
+    k_cache, v_cache = torch.randn(2, batch * per_seq + 1, BS, HKV, D).half().float().unbind(0)
     tables = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, HQ, D)
@@ -78,9 +80,10 @@ def decode_cases(batch: int, context: int) -> dict:
 
     if attention_cpu.load():  # the compiled step's kernel, on the float16 pool layout gguf serves with
         pool = torch.stack([k_cache, v_cache], 1)[:, None].to(torch.float16)  # [blocks, 1 layer, 2, BS, HKV, D]
-        valid = torch.arange(per_seq * BS)[None, :] < (lens[:, None] - 1)       # the past; the last token is k, v
-        src = torch.full(valid.shape, -1, dtype=torch.long)
-        k_new, v_new = torch.randn(2, batch, HKV, D).half().float().unbind(0)
+        valid = torch.arange(per_seq * BS)[None, :] < (lens[:, None] - 1)  # the past; the last position is
+        src = torch.full(valid.shape, -1, dtype=torch.long)                   # the step's own k, v:
+        last = tables[:, (context - 1) // BS].long()
+        k_new, v_new = k_cache[last, (context - 1) % BS], v_cache[last, (context - 1) % BS]
         blocks = tables.long().reshape(-1)
         cases["compiled step's kernel"] = functools.partial(attention_cpu.decode_attention, q, k_new, v_new, pool, 0,
                                                             blocks, valid, src)

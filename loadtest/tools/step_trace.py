@@ -30,19 +30,26 @@ def kind(step: dict) -> str:
     return f"prefill p{min(prompts)}" if prompts else "decode"
 
 
+def whole(steps: list[dict]) -> tuple[float, float]:
+    """The trace's span: the first step's start to the last one's end."""
+    return steps[0]["t"], steps[-1]["t"] + steps[-1]["s"]
+
+
 def summarize(steps: list[dict], windows: list[tuple[float, float]] | None = None) -> dict:
     """The steps that started in the windows ([start, end) each; default: the whole trace) by kind;
     ``busy`` is their time over the windows' total."""
     if windows is None:
-        windows = [(steps[0]["t"], steps[-1]["t"] + steps[-1]["s"])] if steps else []
+        windows = [whole(steps)] if steps else []
     sel = [s for s in steps if any(a <= s["t"] < b for a, b in windows)]
     if not sel:
         return {"steps": 0}
     window = max(sum(b - a for a, b in windows), 1e-9)
     by_kind: dict[str, list[float]] = defaultdict(list)
+    decode_rows = []
     for s in sel:
-        by_kind[kind(s)].append(s["s"])
-    decode_rows = [len(s["rows"]) for s in sel if kind(s) == "decode"]
+        by_kind[k := kind(s)].append(s["s"])
+        if k == "decode":
+            decode_rows.append(len(s["rows"]))
     return {"steps": len(sel), "window_s": window, "busy": sum(s["s"] for s in sel) / window,
             "decode_rows_per_decode_step": statistics.mean(decode_rows) if decode_rows else None,
             "kinds": {k: {"steps": len(ts), "mean_ms": statistics.mean(ts) * 1000,
@@ -72,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = read(args.trace)
     windows = None
     if steps and (args.t_from is not None or args.t_to is not None):
-        windows = [(steps[0]["t"] if args.t_from is None else args.t_from,
-                    steps[-1]["t"] + steps[-1]["s"] if args.t_to is None else args.t_to)]
+        start, end = whole(steps)
+        windows = [(start if args.t_from is None else args.t_from, end if args.t_to is None else args.t_to)]
     summary = summarize(steps, windows)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
     return 0

@@ -10,7 +10,8 @@ step) / (the machine's memory bandwidth): the bandwidth here is a large torch te
 as bytes read plus bytes written per second, with the same threads. The fraction printed is
 (weight bytes / step time) / that bandwidth. Precision: the engine's default for the device unless
 ``--dtype`` / ``--quantization`` say otherwise; eager decode steps unless ``--compile on`` (the
-CPU's compiled step, or CUDA graphs on a GPU).
+CPU's compiled step, or CUDA graphs on a GPU). Each batch size's row also records the hypervisor's
+share of the machine's CPU while it was measured (``cpu_steal_share``; ``loadtest/tools/cpu_steal.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.tools.cpu_steal import cpu_times, steal_share
 from shared.model.precision import KV_CACHE_DTYPES
 
 
@@ -113,12 +115,15 @@ def main(argv=None) -> int:
     weights = weight_bytes_per_step(engine.model)
     rows = []
     for b in batches:
+        cpu0 = cpu_times()
         tok_s = max(decode_tok_s(engine, b, args) for _ in range(args.repeats))
+        steal = steal_share(cpu0, cpu_times())  # the hypervisor's share of the CPU meanwhile (cpu_steal.py)
         step_s = b / tok_s
         rows.append({"batch": b, "decode_tok_s": tok_s, "step_ms": step_s * 1e3, "weight_read_gb_s": weights / step_s / 1e9,
-                     "fraction_of_copy_bandwidth": weights / step_s / bandwidth})
+                     "fraction_of_copy_bandwidth": weights / step_s / bandwidth, "cpu_steal_share": steal})
         print(f"batch {b:3d}: {tok_s:7.2f} decode tok/s, {step_s * 1e3:7.1f} ms/step, weights read at "
-              f"{weights / step_s / 1e9:5.1f} GB/s = {weights / step_s / bandwidth:.0%} of copy bandwidth", flush=True)
+              f"{weights / step_s / 1e9:5.1f} GB/s = {weights / step_s / bandwidth:.0%} of copy bandwidth"
+              + ("" if steal is None else f"; CPU steal {steal:.0%}"), flush=True)
     result = {"model": args.model, "precision": f"{engine.config.dtype} + {engine.config.quantization}",
               "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
               "weight_bytes_per_step": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,

@@ -12,7 +12,9 @@ greedy tokens with ``ignore_eos``, streamed. At concurrency c the targets take t
 simultaneous streams each, ``--rounds`` times, so that a change in the machine's load hits every
 target alike. Reports aggregate output tokens/s (tokens of a wave / the wave's wall time) and
 inter-token latency; writes ``serving.json`` and ``serving.png`` under ``--out`` and prints each
-target's ratio to the first one.
+target's ratio to the first one. Each wave also records the hypervisor's share of the machine's CPU
+(``round_cpu_steal_share``; ``loadtest/tools/cpu_steal.py``): on a shared virtual machine a round with
+much steal is slower for whoever ran in it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.tools.cpu_steal import cpu_times, steal_share
 from loadtest.tools.harness import status
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import percentile
@@ -57,14 +60,20 @@ def prompt_of_tokens(model: str, num_tokens: int, salt: int) -> str:
 
 async def _wave(url: str, model: str, prompts: list[str], output_tokens: int) -> dict:
     specs = [RequestSpec(i, 0.0, p, output_tokens) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_times()
     results = await run_openai(url, model, specs, progress=False, ignore_eos=True)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": sum(r.num_output_tokens for r in results),
+    return {"wall_s": wall, "cpu_steal_share": steal_share(cpu0, cpu_times()),
+            "tokens": sum(r.num_output_tokens for r in results),
             "itls_s": [x for r in results for x in r.itls_s()],
             "ttfts_s": [r.ttft_s for r in results if r.ttft_s is not None],
             "tpots_s": [r.tpot_s for r in results if r.tpot_s is not None],
             "errors": [r.error for r in results if r.error]}
+
+
+def _steal_note(wave: dict) -> str:
+    share = wave.get("cpu_steal_share")
+    return "" if share is None else f" ({share:.0%} CPU steal)"
 
 
 def summarize_waves(waves: list[dict]) -> dict:
@@ -80,6 +89,8 @@ def summarize_waves(waves: list[dict]) -> dict:
     return {"output_tok_s": round(tokens / wall, 1) if wall else None, "output_tokens": tokens,
             # each round's own figure, in order: how far the machine's load moved them
             "round_tok_s": [round(w["tokens"] / w["wall_s"], 1) if w["wall_s"] else None for w in waves],
+            # and the hypervisor's share of the machine's CPU time during each (cpu_steal.py)
+            "round_cpu_steal_share": [None if (x := w.get("cpu_steal_share")) is None else round(x, 3) for w in waves],
             "itl_p50_ms": ms(percentile(itls, 50)), "itl_p90_ms": ms(percentile(itls, 90)),
             # per-request mean time per output token: unlike the ITL of text chunks, not fooled by
             # chunks that arrive together in one read
@@ -99,7 +110,8 @@ async def measure(targets: dict[str, str], model: str, concurrency: list[int], r
                 prompts = [prompt_of_tokens(model, prompt_tokens, salt := salt + 1) for _ in range(c)]
                 waves[name][c].append(await _wave(url, model, prompts, output_tokens))
             print(f"c={c}, round {len(waves[next(iter(targets))][c])}: " + ", ".join(
-                f"{n} {summarize_waves(waves[n][c][-1:])['output_tok_s']} tok/s" for n in targets), flush=True)
+                f"{n} {summarize_waves(waves[n][c][-1:])['output_tok_s']} tok/s{_steal_note(waves[n][c][-1])}"
+                for n in targets), flush=True)
     return {name: {c: summarize_waves(w) for c, w in per_c.items()} for name, per_c in waves.items()}
 
 

@@ -14,6 +14,12 @@ def test_aggregate_rate_is_all_tokens_over_all_wave_time():
     assert s["itl_p50_ms"] == 30.0 and s["tpot_p50_ms"] == 30.0
     assert s["errors"] == ["HTTP 503"]
     assert s["round_tok_s"] == [128.0, 42.7]  # each round's own rate, in order
+    assert s["round_cpu_steal_share"] == [None, None]  # a wave recorded without /proc/stat
+
+
+def test_each_round_keeps_the_cpu_steal_it_was_measured_under():
+    s = summarize_waves([wave(2.0, 256) | {"cpu_steal_share": 0.0}, wave(2.0, 128) | {"cpu_steal_share": 0.31234}])
+    assert s["round_cpu_steal_share"] == [0.0, 0.312]
 
 
 def test_ratios_are_against_the_last_target_and_skip_a_level_it_has_no_rate_for():

@@ -11,6 +11,7 @@ pytestmark = [pytest.mark.timeout(1500), pytest.mark.long]
 
 
 def test_compiled_decode_gives_the_eager_greedy_text(make_engine, chat_prompts):
+    """Over a minute where the compile cache is cold: the compiled engine builds its decode step first."""
     greedy = SamplingParams(max_tokens=32, temperature=0.0)
     eager = make_engine(dtype="float32")
     compiled = make_engine(dtype="float32", compile=True)

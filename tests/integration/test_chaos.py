@@ -26,7 +26,9 @@ pytestmark = pytest.mark.long
 @pytest.mark.parametrize("dtype", ["float32", None], ids=["float32", "default-precision"])
 def test_sigkill_of_one_of_two_decode_workers_under_load_costs_no_request_and_no_block(tmp_path, dtype):
     """In float32 and in the workers' automatic precision (int8 on a VNNI CPU): a request moved to
-    the other worker replays its tokens so far and continues with the reference's tokens."""
+    the other worker replays its tokens so far and continues with the reference's tokens. Can take
+    over a minute on a busy machine: a stack of two decode workers starts, serves, loses one and
+    recovers."""
     cfg = ChaosConfig(faults=("kill-decode",), num_decode=2, num_prefill=0, num_gateways=1, concurrency=4, num_prompts=4,
                       max_tokens=16, warm_s=2.0, after_s=4.0, deadline_s=90.0, recover_timeout_s=180.0, dtype=dtype)
     spec = stack_spec(cfg, tmp_path, namespace=f"c{uuid.uuid4().hex[:8]}")

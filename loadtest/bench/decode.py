@@ -119,7 +119,8 @@ def main(argv=None) -> int:
         tok_s = max(decode_tok_s(engine, b, args) for _ in range(args.repeats))
         steal = steal_share(cpu0, cpu_times())  # the hypervisor's share of the CPU meanwhile (cpu_steal.py)
         step_s = b / tok_s
-        rows.append({"batch": b, "decode_tok_s": tok_s, "step_ms": step_s * 1e3, "weight_read_gb_s": weights / step_s / 1e9,
+        rows.append({"batch": b, "decode_tok_s": tok_s, "step_ms": step_s * 1e3,
+                     "weight_read_gb_s": weights / step_s / 1e9,
                      "fraction_of_copy_bandwidth": weights / step_s / bandwidth, "cpu_steal_share": steal})
         print(f"batch {b:3d}: {tok_s:7.2f} decode tok/s, {step_s * 1e3:7.1f} ms/step, weights read at "
               f"{weights / step_s / 1e9:5.1f} GB/s = {weights / step_s / bandwidth:.0%} of copy bandwidth"

@@ -94,7 +94,8 @@ def summarize_waves(waves: list[dict]) -> dict:
             "itl_p50_ms": ms(percentile(itls, 50)), "itl_p90_ms": ms(percentile(itls, 90)),
             # per-request mean time per output token: unlike the ITL of text chunks, not fooled by
             # chunks that arrive together in one read
-            "tpot_p50_ms": ms(percentile(tpots, 50)), "ttft_p50_ms": ms(percentile(ttfts, 50)), "errors": [e for w in waves for e in w["errors"]][:5]}
+            "tpot_p50_ms": ms(percentile(tpots, 50)), "ttft_p50_ms": ms(percentile(ttfts, 50)),
+            "errors": [e for w in waves for e in w["errors"]][:5]}
 
 
 async def measure(targets: dict[str, str], model: str, concurrency: list[int], rounds: int,
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, args.out / "serving.png")
     for name, per_c in results.items():
         for c, r in per_c.items():
-            print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  ITL p50 {r['itl_p50_ms']} ms  TPOT p50 {r['tpot_p50_ms']} ms  errors {len(r['errors'])}")
+            print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  ITL p50 {r['itl_p50_ms']} ms  "
+                  f"TPOT p50 {r['tpot_p50_ms']} ms  errors {len(r['errors'])}")
     for name, per_c in report["ratios_to_peer"].items():
         print(f"{name} / {list(results)[-1]}: " + ", ".join(f"c={c}: {x}x" for c, x in per_c.items()))
     print(f"load average before {load_before}, after {report['machine']['loadavg_after']}")

@@ -48,6 +48,11 @@ def running_stack(spec, ready_timeout_s: float = 180.0):
             print("\n".join(lines))
 
 
+def child_lines(stack, name: str) -> list[str]:
+    """The output lines of the stack's child ``name`` so far (as ``running_stack`` keeps them)."""
+    return [line for line in stack.lines if line.startswith(f"{name}| ")]
+
+
 def _exact(flags: dict[str, object]) -> dict[str, object]:
     if "dtype" in flags or "quantization" in flags:
         return flags

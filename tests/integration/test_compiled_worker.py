@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from shared.stack.stack import StackSpec
-from stack_helpers import cluster_status, greedy_text, reference_engine, running_stack, spawn_ready_decode, wait_for
+from stack_helpers import (child_lines, cluster_status, greedy_text, reference_engine, running_stack,
+                           spawn_ready_decode, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -27,6 +28,7 @@ def decode_steps(stack) -> dict[str, str | None]:
 
 
 def test_worker_serves_eagerly_then_compiled_with_the_same_text(nats_server, redis_server, tmp_path, monkeypatch):
+    """Over a minute: two workers start one after the other, and the first compiles or loads its step."""
     spec = StackSpec(state_dir=tmp_path, num_decode=1, model=MODEL, port=0, namespace=f"c{uuid.uuid4().hex[:8]}",
                      nats_url=nats_server.url, redis_url=redis_server.url,
                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB", "device": "cpu",
@@ -51,7 +53,7 @@ def test_worker_serves_eagerly_then_compiled_with_the_same_text(nats_server, red
         monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path / "another-machine"))
         _, second = spawn_ready_decode(stack, "decode-2", timeout_s=600)
         wait_for(lambda: decode_steps(stack).get(second) == "compiled", 600, "the second worker's compiled step")
-        theirs = [line for line in stack.lines if line.startswith("decode-2|")]
+        theirs = child_lines(stack, "decode-2")
         assert any("fetched from the cluster" in line for line in theirs), theirs[-20:]
         assert any("loaded, compiled ahead of time," in line for line in theirs), theirs[-20:]
         assert ask() == expected and ask() == expected

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from shared.stack.stack import StackSpec
-from stack_helpers import cluster_status, running_stack, wait_for
+from stack_helpers import child_lines, cluster_status, running_stack, wait_for
 from test_autoscaler import Load, check, short
 from test_role_flip import ENGINE, MODEL, engine  # noqa: F401 — fixture
 
@@ -53,10 +53,6 @@ def actions(stack, kind: str) -> list[dict]:
     return [a for r in cluster_status(stack)["scaling"]["recent"] for a in r["actions"] if a["kind"] == kind]
 
 
-def worker_lines(stack, name: str) -> list[str]:
-    return [line for line in stack.lines if line.startswith(f"{name}| ")]
-
-
 def decode_workers(stack) -> dict[str, str]:
     return {w["info"]["worker_id"]: w["info"]["state"] for w in cluster_status(stack)["workers"]}
 
@@ -84,9 +80,10 @@ def test_queued_requests_start_a_worker_and_light_load_stops_one_without_failing
         try:
             wait_for(lambda: not child.is_running(), DRAIN_TIMEOUT_S + 150, f"{name} to drain and exit")
         except AssertionError as exc:
-            raise AssertionError(f"{exc}; its last lines:\n" + "\n".join(worker_lines(stack, name)[-40:])) from None
+            raise AssertionError(f"{exc}; its last lines:\n" + "\n".join(child_lines(stack, name)[-40:])) from None
         assert child.proc.returncode == 0
-        assert not any("cut off" in line for line in worker_lines(stack, name)), worker_lines(stack, name)[-40:]
+        theirs = child_lines(stack, name)
+        assert not any("cut off" in line for line in theirs), theirs[-40:]
         num_served = len(light.outcomes)
         wait_for(lambda: len(light.outcomes) >= num_served + 4, 240, "requests served after the scale-down")
         check(light.stop(), engine)

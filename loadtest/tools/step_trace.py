@@ -3,7 +3,9 @@
     python -m loadtest.tools.step_trace FILE [--from T --to T]
 
 Steps are grouped by what they carried: ``decode`` (no prompt tokens) or ``prefill p<P>`` (prompt
-tokens of priority P, the most urgent one if several; decode rows may ride along). For each group:
+tokens of priority P, the most urgent one if several; decode rows may ride along), or ``stopped``
+(the part of a step that ran before its prefill stopped between two layers for a more urgent request;
+the step that ends that prefill is a ``prefill`` step). For each group:
 how many steps, their mean and median time, and their share of the wall-clock window; and how busy
 the engine was (the steps' time over the window). ``--from``/``--to`` cut the window in the trace's
 clock (``time.monotonic()`` on the host, which a bench on the same host can read too).
@@ -26,6 +28,8 @@ def read(path: Path) -> list[dict]:
 
 
 def kind(step: dict) -> str:
+    if step.get("paused"):  # its prefill stopped between two layers for a more urgent request
+        return "stopped"
     prompts = [row["priority"] for row in step["rows"] if row["prompt"]]
     return f"prefill p{min(prompts)}" if prompts else "decode"
 

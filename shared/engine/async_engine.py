@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -278,6 +279,8 @@ class AsyncEngine:
         with self._cv:
             if isinstance(item, _Add):
                 self._unseen[item.request_id] = (item.priority, len(item.prompt_token_ids))
+                # read between the layers of a step: a lower priority's prefill stops for it
+                self.engine.urgent_pending = min(self.engine.urgent_pending, item.priority)
             self._inbox.append(item)
             self._cv.notify()
 
@@ -295,6 +298,7 @@ class AsyncEngine:
                     if self._stopping:
                         return
                     inbox, self._inbox = self._inbox, []
+                    self.engine.urgent_pending = math.inf  # added below, before the next step
                 outputs = self._apply(inbox)
                 outputs.extend(self.engine.step())
                 self._stats = self.engine.stats()

@@ -59,6 +59,9 @@ class EngineConfig:
     # on CUDA, "on" and "background" capture CUDA graphs before the engine is returned (shared/model/cuda_graph.py)
     compile: str | bool = "off"
     step_trace: str | None = None  # a file that gets one JSON line per step (shared/engine/step_trace.py)
+    # a step's prefill of a lower priority stops between two layers when a more urgent request
+    # arrives, and goes on once that one's prompt is computed (LLMEngine.step)
+    prefill_yield: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

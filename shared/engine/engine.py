@@ -16,7 +16,7 @@ from shared.engine.build import build_parts, load_model
 from shared.engine.config import EngineConfig
 from shared.engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from shared.engine.outputs import EngineOutput, TokenLogprobs, make_output  # noqa: F401
-from shared.engine.request import Request, SamplingParams
+from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.reservations import KvReservations, PrefixFetchSlot, RemotePrefillSlot  # noqa: F401
 from shared.engine.sampler import SampledToken
 from shared.engine.scheduler import SchedulerOutput
@@ -47,6 +47,10 @@ class LLMEngine:
         self.reservations = KvReservations(self.scheduler, self._new_request)
         self.step_stats = StepStats(config.block_size)
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
+        # the most urgent priority of requests on their way in from another thread (AsyncEngine sets
+        # it as they are posted and resets it once they are added): a step's prefill of a lower
+        # priority stops between two layers for them (``prefill_yield``)
+        self.urgent_pending = math.inf
         self._log_capacity()
 
     @classmethod
@@ -114,11 +118,21 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """One step: a suspended step's part goes on first unless a more urgent prompt is to be
+        computed (``_resume``); else the scheduler's next step, whose prefill of a lower priority
+        may stop between two layers when a more urgent request arrives (``prefill_yield``)."""
+        if self.runner.suspended is not None and (resumed := self._resume()) is not None:
+            return resumed
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.runner.suspended is not None:  # nothing else can run: it goes on
+                return self._resume(force=True) or []
             self._idle()
             return []
-        sampled = self._run(out)
+        out, sampled = self._run(out)
+        return self._update(out, sampled)
+
+    def _update(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> list[EngineOutput]:
         num_before = {s.request.request_id: len(s.request.output_token_ids) for s in out.scheduled}
         finished = self.scheduler.update_from_output(out, {rid: [t.token_id for t in tokens]
                                                            for rid, tokens in sampled.items()})
@@ -128,18 +142,63 @@ class LLMEngine:
         if self.tiers is not None:  # requests may be waiting for their prefix from disk
             self.tiers.wait_loading(0.01)
 
-    def _run(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
+    def _interrupt(self, priority: int) -> bool:
+        return self.urgent_pending < priority
+
+    def _run(self, out: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, list[SampledToken]]]:
+        """Run a step: what of it ran to the end (the entries of a part that stopped are left out,
+        marked ``suspended``) and their tokens."""
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+        interrupt = self._interrupt if self.config.prefill_yield and self.runner.suspended is None else None
         started = time.perf_counter()
-        sampled = self.runner.execute(out)
+        sampled = self.runner.execute(out, interrupt)
         elapsed = time.perf_counter() - started
-        self.step_stats.record(out, elapsed)
+        part = self.runner.suspended if interrupt is not None else None
+        if part is not None:
+            for s in part.entries:
+                s.request.suspended = True
+            paused, out = part.entries, SchedulerOutput([s for s in out.scheduled if not s.request.suspended],
+                                                        out.preempted)
+            log.debug("step stopped after layer %d of %d for a request more urgent than priority %d",
+                      part.state.next_layer, len(self.model.layers), part.priority)
+        if out.scheduled:  # the stopped part's time is recorded when it ends (``_resume``)
+            self.step_stats.record(out, elapsed - (part.elapsed_s if part is not None else 0.0))
+        if self.step_trace is not None:
+            self.step_trace.record(now, elapsed, out, paused if part is not None else ())
+        return out, sampled
+
+    def _resume(self, force: bool = False) -> list[EngineOutput] | None:
+        """Go on with the suspended part unless a more urgent prompt is to be computed first (with
+        ``force``: whatever waits). None: it did not run; [] (or no output yet): it stopped again."""
+        part = self.runner.suspended
+        if not all(s.request.status is RequestStatus.RUNNING and s.request.num_preemptions == n
+                   for s, n in zip(part.entries, part.num_preemptions)):
+            # one of its requests was aborted or preempted, so its blocks may be another's now: the
+            # part's work is dropped, and its other requests compute those tokens again
+            for s in part.entries:
+                s.request.suspended = False
+            self.runner.suspended = None
+            log.debug("a suspended step's part was dropped: one of its requests ended or was preempted")
+            return None
+        if not force and self.scheduler.has_prompt_work_above(part.priority):
+            return None
+        now, started = time.monotonic(), time.perf_counter()
+        sampled = self.runner.resume(self._interrupt if self.config.prefill_yield else None)
+        elapsed = time.perf_counter() - started
+        out = SchedulerOutput(part.entries)
+        if sampled is None:
+            if self.step_trace is not None:
+                self.step_trace.record(now, elapsed, SchedulerOutput(), part.entries)
+            return []
+        for s in part.entries:
+            s.request.suspended = False
+        self.step_stats.record(out, part.elapsed_s)
         if self.step_trace is not None:
             self.step_trace.record(now, elapsed, out)
-        return sampled
+        return self._update(out, sampled)
 
     def _outputs(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]], num_before: dict[str, int],
                  finished: set[str]) -> list[EngineOutput]:

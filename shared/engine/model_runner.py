@@ -2,14 +2,36 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from shared.engine.sampler import SampledToken, Sampler
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.model.attention import AttentionBackend, AttentionMetadata
 from shared.model.compiled import CompiledDecode
 from shared.model.cuda_graph import GraphedDecode
-from shared.model.llama import LlamaModel
+from shared.model.llama import LayerState, LlamaModel
+
+Interrupt = Callable[[int], bool]  # whether a request more urgent than this priority is on its way in
+
+
+@dataclass
+class SuspendedPart:
+    """The eager part of a step, stopped between two layers for a more urgent request
+    (``ModelRunner.execute``): its entries, where its forward is, their logits rows within it, the
+    most urgent entry's priority, each entry's preemption count when it stopped (one preempted since
+    holds other blocks, or none: the part cannot go on), and the seconds its layers ran so far."""
+
+    entries: list[ScheduledRequest]
+    state: LayerState
+    meta: AttentionMetadata
+    rows: list[int]
+    priority: int
+    num_preemptions: list[int]
+    elapsed_s: float
 
 
 class ModelRunner:
@@ -22,6 +44,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = model.device
         self.compiled = compiled  # runs the decode rows when set: the CPU's compiled step, or CUDA graphs
+        self.suspended: SuspendedPart | None = None  # a step's eager part waiting to go on (``execute``)
 
     def use_compiled(self, compiled: CompiledDecode) -> None:
         """From the background compile: the engine thread's next decode-only step runs the graph."""
@@ -92,13 +115,7 @@ class ModelRunner:
         if num_compiled == ids.shape[0]:
             return self.compiled.forward(ids, pos, self.kv_cache, meta)
         n = num_compiled
-        starts = meta.step_starts
-        first = AttentionMetadata(n, meta.slot_mapping[:n], meta.block_tables[:n], meta.seq_lens[:n],
-                                  meta.query_start_loc[:n + 1], int(meta.seq_lens[:n].max()), 1,
-                                  step_starts=None if starts is None else starts[:n])
-        rest = AttentionMetadata(meta.num_decodes - n, meta.slot_mapping[n:], meta.block_tables[n:],
-                                 meta.seq_lens[n:], meta.query_start_loc[n:] - n, int(meta.seq_lens[n:].max()),
-                                 meta.max_query_len)
+        first, rest = _split_meta(meta, n)
         return torch.cat([self.compiled.forward(ids[:n], pos[:n], self.kv_cache, first),
                           self.model.forward(ids[n:], pos[n:], self.kv_cache, rest, self.backend)])
 
@@ -134,13 +151,53 @@ class ModelRunner:
         return (SchedulerOutput(compiled + eager + prefill, out.preempted), len(compiled) + len(eager),
                 num_compiled_rows)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
+    def execute(self, out: SchedulerOutput, interrupt: Interrupt | None = None) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of every request that reached its last token: one,
-        or for a speculative step the accepted draft tokens and one more."""
+        or for a speculative step the accepted draft tokens and one more.
+
+        With ``interrupt``, the step's eager part (prefill chunks, and decode rows not compiled) runs
+        a layer at a time and stops between two layers once ``interrupt(p)`` says a request more
+        urgent than its most urgent entry (priority ``p``) is on its way: its compiled decode rows
+        are sampled as usual, and the eager part waits in ``suspended`` for ``resume``."""
         out, num_decode_entries, num_compiled = self.split(out)
         ids, pos, meta, rows = self.prepare(out, num_decode_entries)
-        hidden = self.forward(ids, pos, meta, num_compiled)
-        sampling = [s for s in out.scheduled if s.samples]
+        n = num_compiled
+        if interrupt is None or n == ids.shape[0]:
+            return self._sample(out.scheduled, self.forward(ids, pos, meta, n), rows)
+        first, rest = _split_meta(meta, n) if n else (meta, meta)
+        hidden = self.compiled.forward(ids[:n], pos[:n], self.kv_cache, first) if n else None
+        num_entries, num_rows = 0, 0  # the compiled entries: the first ones, n rows in all
+        while num_rows < n:
+            num_rows += out.scheduled[num_entries].num_new_tokens
+            num_entries += 1
+        done, part = out.scheduled[:num_entries], out.scheduled[num_entries:]
+        priority = min(s.request.priority for s in part)
+        state = self.model.start_layers(ids[n:], pos[n:])
+        started = time.perf_counter()
+        if self.model.run_layers(state, self.kv_cache, rest, self.backend, lambda: interrupt(priority)):
+            tail = self.model.finish_layers(state, self.backend)
+            return self._sample(out.scheduled, tail if hidden is None else torch.cat([hidden, tail]), rows)
+        self.suspended = SuspendedPart(part, state, rest, [r - n for r in rows if r >= n], priority,
+                                       [s.request.num_preemptions for s in part], time.perf_counter() - started)
+        return self._sample(done, hidden, [r for r in rows if r < n]) if done else {}
+
+    def resume(self, interrupt: Interrupt | None = None) -> dict[str, list[SampledToken]] | None:
+        """Go on with the ``suspended`` part: its entries' tokens once its last layer ran, or None
+        when ``interrupt`` stopped it again."""
+        part = self.suspended
+        started = time.perf_counter()
+        done = self.model.run_layers(part.state, self.kv_cache, part.meta, self.backend,
+                                     None if interrupt is None else lambda: interrupt(part.priority))
+        part.elapsed_s += time.perf_counter() - started
+        if not done:
+            return None
+        self.suspended = None
+        return self._sample(part.entries, self.model.finish_layers(part.state, self.backend), part.rows)
+
+    def _sample(self, entries: list[ScheduledRequest], hidden: torch.Tensor,
+                rows: list[int]) -> dict[str, list[SampledToken]]:
+        """The new tokens of ``entries``, whose logits rows are ``rows`` of ``hidden``."""
+        sampling = [s for s in entries if s.samples]
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[rows])
@@ -157,3 +214,15 @@ class ModelRunner:
             tokens = self.sampler.sample(logits if len(plain_rows) == row else logits[plain_rows], plain)
             result.update((r.request_id, [t]) for r, t in zip(plain, tokens))
         return result
+
+
+def _split_meta(meta: AttentionMetadata, n: int) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A step's metadata as two forwards': its first ``n`` rows (decode rows, one token each) and the rest."""
+    starts = meta.step_starts
+    first = AttentionMetadata(n, meta.slot_mapping[:n], meta.block_tables[:n], meta.seq_lens[:n],
+                              meta.query_start_loc[:n + 1], int(meta.seq_lens[:n].max()), 1,
+                              step_starts=None if starts is None else starts[:n])
+    rest = AttentionMetadata(meta.num_decodes - n, meta.slot_mapping[n:], meta.block_tables[n:],
+                             meta.seq_lens[n:], meta.query_start_loc[n:] - n, int(meta.seq_lens[n:].max()),
+                             meta.max_query_len)
+    return first, rest

@@ -119,6 +119,7 @@ class Request:
     deadline: float = math.inf  # when it should be finished (Unix seconds): earlier first within a priority
     # "compiled" or "eager": how its decode rows run, fixed at the first one (shared/engine/model_runner.py)
     decode_path: str | None = None
+    suspended: bool = False  # its rows are in a step stopped between two layers (ModelRunner.suspended)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -183,6 +183,12 @@ class Scheduler:
         self.kv.free(request_id)
         return True
 
+    def has_prompt_work_above(self, priority: int) -> bool:
+        """Whether a request more urgent than ``priority`` waits, or runs with prompt left to compute."""
+        return any(r.priority < priority for r in self.waiting) or any(
+            r.priority < priority and not r.suspended and r.num_tokens - r.num_computed_tokens > 1
+            for r in self.running)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -204,7 +210,8 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+            # preempted earlier in this loop, or in a step stopped between two layers (it goes on later)
+            if request.status is not RequestStatus.RUNNING or request.suspended:
                 continue
             if (scheduled := self._speculate(request, budget)) is not None:
                 out.scheduled.append(scheduled)
@@ -334,6 +341,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.suspended = False  # a suspended step of its is dropped (LLMEngine)
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,18 @@ class LlamaLayer:
         return linear(F.silu(gate) * up, self.down), residual
 
 
+@dataclasses.dataclass
+class LayerState:
+    """A forward between two layers (``LlamaModel.run_layers``): the hidden states and residual
+    after ``next_layer`` layers, and the rotary angles of its tokens."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    next_layer: int = 0
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_weights: list[dict]):
         self.cfg = cfg
@@ -112,6 +125,32 @@ class LlamaModel:
         for layer, views in zip(self.layers, self.kv_views(kv_cache)):
             hidden, residual = layer.forward(views, hidden, residual, cos, sin, meta, backend)
         return backend.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    @torch.inference_mode()
+    def start_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> LayerState:
+        """``forward`` a layer at a time: its embedding and rotary angles, before the first layer."""
+        cos, sin = self.rope_cos_sin(positions)
+        return LayerState(F.embedding(input_ids, self.embed), None, cos, sin)
+
+    @torch.inference_mode()
+    def run_layers(self, state: LayerState, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   backend: AttentionBackend, stop: Callable[[], bool] | None = None) -> bool:
+        """Run ``state``'s remaining layers, asking ``stop()`` after each: True when every layer ran,
+        False when ``stop`` said so first (call again later to go on). The same operations as
+        ``forward`` in the same order, so the result has the same bits however often it stopped."""
+        views = self.kv_views(kv_cache)
+        while state.next_layer < len(self.layers):
+            i = state.next_layer
+            state.hidden, state.residual = self.layers[i].forward(views[i], state.hidden, state.residual, state.cos,
+                                                                  state.sin, meta, backend)
+            state.next_layer = i + 1
+            if stop is not None and state.next_layer < len(self.layers) and stop():
+                return False
+        return True
+
+    @torch.inference_mode()
+    def finish_layers(self, state: LayerState, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]
+        return backend.fused_add_rms_norm(state.hidden, state.residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def kv_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (k, v) views of ``kv_cache``, made once for the engine's cache (every step

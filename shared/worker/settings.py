@@ -65,6 +65,9 @@ class EngineWorkerSettings(ServiceSettings):
         "inductor's disk cache has it), on = before the worker registers, off = eager only")
     step_trace: str | None = Field(None, description="append one JSON line per engine step to this file: its "
                                    "start, duration and rows (python -m loadtest.tools.step_trace sums it up)")
+    prefill_yield: bool = Field(True, description="a step computing a lower priority's prompt stops between two "
+                                "layers when a more urgent request arrives, and goes on once that one's prompt is "
+                                "computed (off: the step runs to its end first)")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     warmup_prefill_rate: bool = Field(True, description="end warm-up by measuring the prefill rate on a "
                                       "512-token prompt, which admission predicts TTFT from until real prompts "
@@ -99,4 +102,5 @@ class EngineWorkerSettings(ServiceSettings):
             kv_host_memory=parse_size(self.kv_host_memory) if self.kv_host_memory else 0,
             kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
             kv_disk_min_uses=self.kv_disk_min_uses, speculative_tokens=self.speculative_tokens,
-            speculative_max_batch=self.speculative_max_batch, compile=self.compile, step_trace=self.step_trace)
+            speculative_max_batch=self.speculative_max_batch, compile=self.compile, step_trace=self.step_trace,
+            prefill_yield=self.prefill_yield)

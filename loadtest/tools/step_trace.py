@@ -5,9 +5,10 @@
 Steps are grouped by what they carried: ``decode`` (no prompt tokens) or ``prefill p<P>`` (prompt
 tokens of priority P, the most urgent one if several; decode rows may ride along), or ``stopped``
 (the part of a step that ran before its prefill stopped between two layers for a more urgent request;
-the step that ends that prefill is a ``prefill`` step). For each group:
-how many steps, their mean and median time, and their share of the wall-clock window; and how busy
-the engine was (the steps' time over the window). ``--from``/``--to`` cut the window in the trace's
+the step that ends that prefill is a ``prefill`` step). For each group: how many steps, their mean
+and median time, and their share of the wall-clock window, and for prefill steps the kind of the
+step just before each (``after``: a premium prompt right after a batch prefill step waited for it);
+and how busy the engine was (the steps' time over the window). ``--from``/``--to`` cut the window in the trace's
 clock (``time.monotonic()`` on the host, which a bench on the same host can read too).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from loadtest.tools.stats import percentile
@@ -44,20 +45,26 @@ def summarize(steps: list[dict], windows: list[tuple[float, float]] | None = Non
     ``busy`` is their time over the windows' total."""
     if windows is None:
         windows = [whole(steps)] if steps else []
-    sel = [s for s in steps if any(a <= s["t"] < b for a, b in windows)]
-    if not sel:
+    picked = [i for i, s in enumerate(steps) if any(a <= s["t"] < b for a, b in windows)]
+    if not picked:
         return {"steps": 0}
+    sel = [steps[i] for i in picked]
     window = max(sum(b - a for a, b in windows), 1e-9)
     by_kind: dict[str, list[float]] = defaultdict(list)
+    after: dict[str, Counter] = defaultdict(Counter)  # prefill kind -> kinds of the step just before
     decode_rows = []
-    for s in sel:
+    for i in picked:
+        s = steps[i]
         by_kind[k := kind(s)].append(s["s"])
         if k == "decode":
             decode_rows.append(len(s["rows"]))
+        elif k.startswith("prefill") and i > 0:
+            after[k][kind(steps[i - 1])] += 1
     return {"steps": len(sel), "window_s": window, "busy": sum(s["s"] for s in sel) / window,
             "decode_rows_per_decode_step": statistics.mean(decode_rows) if decode_rows else None,
             "kinds": {k: {"steps": len(ts), "mean_ms": statistics.mean(ts) * 1000,
                           "p50_ms": percentile(ts, 50) * 1000, "time_share": sum(ts) / window}
+                      | ({"after": dict(sorted(after[k].items()))} if k in after else {})
                       for k, ts in sorted(by_kind.items())}}
 
 
@@ -68,6 +75,8 @@ def format_summary(summary: dict) -> str:
     for name, k in summary["kinds"].items():
         lines.append(f"  {name:<12} {k['steps']:6d} steps, mean {k['mean_ms']:6.1f} ms, p50 {k['p50_ms']:6.1f} ms, "
                      f"{k['time_share']:.0%} of the time")
+        if "after" in k:
+            lines.append("      right after: " + ", ".join(f"{n} {c}" for n, c in k["after"].items()))
     if summary["decode_rows_per_decode_step"] is not None:
         lines.append(f"  rows per decode step: {summary['decode_rows_per_decode_step']:.2f}")
     return "\n".join(lines)

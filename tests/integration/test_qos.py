@@ -230,6 +230,8 @@ def test_admitted_responses_carry_the_prediction_and_tier(stack):
 
 
 def test_an_unmeetable_slo_is_a_429_with_retry_after_and_sheds_only_lower_tiers(stack):
+    """Can take over a minute (68 s on a slow day): it waits for a 600-token batch stream and two
+    220-word batch prompts to finish on the one-sequence worker before checking the other tiers."""
     # a prompt whose own prefill takes longer than its tier's SLO however idle the worker is too
     # long for the tier: no shedding could serve it, so it sheds nothing
     resp = post(stack, "never", "word " * 200, 2)

@@ -53,3 +53,23 @@ def test_the_summary_counts_only_the_steps_in_its_windows_and_shares_their_time(
     assert summary["decode_rows_per_decode_step"] == 2
     assert step_trace.summarize(steps, [(9.0, 10.0)]) == {"steps": 0}
     assert "engine busy 30%" in step_trace.format_summary(summary)
+
+
+def test_the_summary_says_what_each_prefill_step_came_right_after_and_counts_stopped_steps_apart():
+    def step(t, *rows, paused=None):
+        entry = {"t": t, "s": 0.1, "rows": [{"id": i, "priority": p, "start": 0, "tokens": n, "prompt": n > 1,
+                                             "draft": 0} for i, p, n in rows]}
+        return entry | ({"paused": paused} if paused else {})
+
+    steps = [step(0.0, ("b1", 1, 60)),                              # a batch prompt ran to its end
+             step(1.0, ("o1", 0, 50)),                              # an online prompt waited for it
+             step(2.0, ("o1", 0, 1), paused=["b2"]),                # the next batch prompt stopped ...
+             step(3.0, ("o2", 0, 40)),                              # ... for this one
+             step(4.0, ("b2", 1, 70)),                              # and went on
+             step(5.0, ("o1", 0, 1), ("o2", 0, 1))]
+    kinds = step_trace.summarize(steps)["kinds"]
+    assert kinds["stopped"]["steps"] == 1 and kinds["decode"]["steps"] == 1
+    assert kinds["prefill p0"]["after"] == {"prefill p1": 1, "stopped": 1}
+    assert kinds["prefill p1"]["after"] == {"prefill p0": 1}
+    assert "after" not in kinds["decode"] and "after" not in kinds["stopped"]
+    assert "right after: prefill p1 1, stopped 1" in step_trace.format_summary(step_trace.summarize(steps))

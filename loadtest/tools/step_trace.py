@@ -4,8 +4,9 @@
 
 Steps are grouped by what they carried: ``decode`` (no prompt tokens) or ``prefill p<P>`` (prompt
 tokens of priority P, the most urgent one if several; decode rows may ride along), or ``stopped``
-(the part of a step that ran before its prefill stopped between two layers for a more urgent request;
-the step that ends that prefill is a ``prefill`` step). For each group: how many steps, their mean
+(the part of a step that ran before its prefill stopped between two layers for a more urgent request
+or for more urgent decode rows, a slice; the step that ends that prefill is a ``prefill`` step, and a
+step of decode rows between two slices a ``decode`` step). For each group: how many steps, their mean
 and median time, and their share of the wall-clock window, and for prefill steps the kind of the
 step just before each (``after``: a premium prompt right after a batch prefill step waited for it);
 and how busy the engine was (the steps' time over the window). ``--from``/``--to`` cut the window in the trace's

@@ -62,6 +62,10 @@ class EngineConfig:
     # a step's prefill of a lower priority stops between two layers when a more urgent request
     # arrives, and goes on once that one's prompt is computed (LLMEngine.step)
     prefill_yield: bool = True
+    # while a more urgent request decodes, a step's prefill of a lower priority (with prefill_yield)
+    # also stops after this many milliseconds, a step of decode rows alone runs, and the prefill goes
+    # on: those rows wait about this long per token for it, not for the whole prompt (0: never)
+    prefill_slice_ms: float = 50.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

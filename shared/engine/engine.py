@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +52,10 @@ class LLMEngine:
         # it as they are posted and resets it once they are added): a step's prefill of a lower
         # priority stops between two layers for them (``prefill_yield``)
         self.urgent_pending = math.inf
+        # the last stop of a step's part was for decode rows of a more urgent priority (``prefill_slice_ms``):
+        # a step of decode rows alone runs before the part goes on
+        self._decode_turn = False
+        self._clock = time.perf_counter
         self._log_capacity()
 
     @classmethod
@@ -119,10 +124,17 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """One step: a suspended step's part goes on first unless a more urgent prompt is to be
-        computed (``_resume``); else the scheduler's next step, whose prefill of a lower priority
-        may stop between two layers when a more urgent request arrives (``prefill_yield``)."""
-        if self.runner.suspended is not None and (resumed := self._resume()) is not None:
-            return resumed
+        computed (``_resume``), or it stopped for decode rows, which then run alone first; else the
+        scheduler's next step, whose prefill of a lower priority may stop between two layers when a
+        more urgent request arrives or when more urgent decode rows have waited ``prefill_slice_ms``
+        for it (``prefill_yield``)."""
+        if self.runner.suspended is not None:
+            if self._decode_turn:
+                self._decode_turn = False
+                if (out := self.scheduler.schedule_decodes()).scheduled:
+                    return self._update(*self._run(out))
+            if (resumed := self._resume()) is not None:
+                return resumed
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.runner.suspended is not None:  # nothing else can run: it goes on
@@ -142,8 +154,25 @@ class LLMEngine:
         if self.tiers is not None:  # requests may be waiting for their prefix from disk
             self.tiers.wait_loading(0.01)
 
-    def _interrupt(self, priority: int) -> bool:
-        return self.urgent_pending < priority
+    def _interrupt(self, decode_priority: float) -> Callable[[int], bool] | None:
+        """What a step's part asks between two layers (its most urgent priority ``p``): stop when a
+        request more urgent than ``p`` is on its way in, or when decode rows more urgent than ``p``
+        (``decode_priority``) have waited ``prefill_slice_ms`` since the step began; None without
+        ``prefill_yield``."""
+        if not self.config.prefill_yield:
+            return None
+        self._decode_turn = False
+        slice_s = self.config.prefill_slice_ms / 1000 if decode_priority < math.inf else 0.0
+        deadline = self._clock() + slice_s
+
+        def interrupt(priority: int) -> bool:
+            if self.urgent_pending < priority:
+                return True
+            if slice_s > 0 and decode_priority < priority and self._clock() >= deadline:
+                self._decode_turn = True
+                return True
+            return False
+        return interrupt
 
     def _run(self, out: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, list[SampledToken]]]:
         """Run a step: what of it ran to the end (the entries of a part that stopped are left out,
@@ -152,7 +181,9 @@ class LLMEngine:
         for s in out.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        interrupt = self._interrupt if self.config.prefill_yield and self.runner.suspended is None else None
+        interrupt = None if self.runner.suspended is not None else self._interrupt(min(
+            (s.request.priority for s in out.scheduled
+             if (s.num_new_tokens == 1 or s.draft) and s.request.decodes_at(s.start)), default=math.inf))
         started = time.perf_counter()
         sampled = self.runner.execute(out, interrupt)
         elapsed = time.perf_counter() - started
@@ -162,8 +193,9 @@ class LLMEngine:
                 s.request.suspended = True
             paused, out = part.entries, SchedulerOutput([s for s in out.scheduled if not s.request.suspended],
                                                         out.preempted)
-            log.debug("step stopped after layer %d of %d for a request more urgent than priority %d",
-                      part.state.next_layer, len(self.model.layers), part.priority)
+            log.debug("step stopped after layer %d of %d for %s more urgent than priority %d",
+                      part.state.next_layer, len(self.model.layers),
+                      "decode rows" if self._decode_turn else "a request", part.priority)
         if out.scheduled:  # the stopped part's time is recorded when it ends (``_resume``)
             self.step_stats.record(out, elapsed - (part.elapsed_s if part is not None else 0.0))
         if self.step_trace is not None:
@@ -186,7 +218,7 @@ class LLMEngine:
         if not force and self.scheduler.has_prompt_work_above(part.priority):
             return None
         now, started = time.monotonic(), time.perf_counter()
-        sampled = self.runner.resume(self._interrupt if self.config.prefill_yield else None)
+        sampled = self.runner.resume(self._interrupt(self.scheduler.decode_priority()))
         elapsed = time.perf_counter() - started
         out = SchedulerOutput(part.entries)
         if sampled is None:

@@ -13,6 +13,7 @@ Pure Python: the scheduler never touches tensors. Each step:
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -189,6 +190,12 @@ class Scheduler:
             r.priority < priority and not r.suspended and r.num_tokens - r.num_computed_tokens > 1
             for r in self.running)
 
+    def decode_priority(self) -> float:
+        """The most urgent priority among running requests with a decode row to compute (not those of a
+        stopped step's part); inf when there is none."""
+        return min((r.priority for r in self.running
+                    if not r.suspended and r.num_tokens - r.num_computed_tokens == 1), default=math.inf)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -233,6 +240,20 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         self._pause_lower_priorities(out)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def schedule_decodes(self) -> SchedulerOutput:
+        """A step of running requests' decode rows alone, between two slices of a stopped step's part
+        (LLMEngine.step): no prompt chunk and no admission, which would make it as long as the wait it
+        is for. No draft tokens either: a decode row's tokens do not depend on whether it speculates."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if (request.status is RequestStatus.RUNNING and not request.suspended
+                    and request.num_tokens - request.num_computed_tokens == 1):
+                budget = self._schedule_running(request, budget, out)
         return out
 
     @staticmethod

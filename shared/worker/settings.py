@@ -68,6 +68,11 @@ class EngineWorkerSettings(ServiceSettings):
     prefill_yield: bool = Field(True, description="a step computing a lower priority's prompt stops between two "
                                 "layers when a more urgent request arrives, and goes on once that one's prompt is "
                                 "computed (off: the step runs to its end first)")
+    prefill_slice_ms: float = Field(50.0, ge=0, description="with prefill yield, while a more urgent request "
+                                    "decodes, a step computing a lower priority's prompt also stops after this many "
+                                    "milliseconds for a step of decode rows alone, then goes on: an online stream "
+                                    "waits about this long per token for a batch prompt, not its whole prefill "
+                                    "(0: never)")
     num_warmup_requests: int = Field(4, ge=0, description="warm-up requests before registering ready")
     warmup_prefill_rate: bool = Field(True, description="end warm-up by measuring the prefill rate on a "
                                       "512-token prompt, which admission predicts TTFT from until real prompts "
@@ -103,4 +108,4 @@ class EngineWorkerSettings(ServiceSettings):
             kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
             kv_disk_min_uses=self.kv_disk_min_uses, speculative_tokens=self.speculative_tokens,
             speculative_max_batch=self.speculative_max_batch, compile=self.compile, step_trace=self.step_trace,
-            prefill_yield=self.prefill_yield)
+            prefill_yield=self.prefill_yield, prefill_slice_ms=self.prefill_slice_ms)

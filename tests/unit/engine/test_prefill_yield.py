@@ -6,6 +6,7 @@ every row of a step is in its eager part)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -39,8 +40,11 @@ def tiny_engine_model(tmp_path_factory):
 def alone(tiny_engine_model) -> dict[str, list[int]]:
     """Each prompt's greedy tokens, run alone with nothing stopping."""
     engine = make(tiny_engine_model, prefill_yield=False)
-    return {name: engine.generate([ids], GREEDY)[0]
-            for name, ids in (("batch", BATCH), ("batch-2", BATCH_2), ("urgent", URGENT))}
+    tokens = {name: engine.generate([ids], GREEDY)[0]
+              for name, ids in (("batch", BATCH), ("batch-2", BATCH_2), ("urgent", URGENT))}
+    tokens["urgent-12"] = engine.generate([URGENT], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                   ignore_eos=True))[0]
+    return tokens
 
 
 def run_to_end(engine: LLMEngine, tokens: dict[str, list[int]], order: list[str]) -> None:
@@ -158,7 +162,7 @@ class EagerStandIn:
 
 def test_the_decode_rows_before_the_eager_part_get_their_tokens_in_the_step_that_stopped(tiny_engine_model):
     def run(stop: bool) -> tuple[dict[str, list[int]], list[list[str]]]:
-        engine = make(tiny_engine_model)
+        engine = make(tiny_engine_model, prefill_slice_ms=0)  # no stop for the urgent decode rows
         engine.runner.use_compiled(EagerStandIn(engine))
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         engine.add_request("urgent", URGENT, params, priority=0)
@@ -181,3 +185,40 @@ def test_the_decode_rows_before_the_eager_part_get_their_tokens_in_the_step_that
     straight, straight_steps = run(stop=False)
     assert stopped_steps == [["urgent"]] and straight_steps == [["urgent", "batch"]]
     assert stopped == straight and len(stopped["urgent"]) == 12 and len(stopped["batch"]) == 6
+
+
+@pytest.mark.parametrize("urgent_priority, config, sliced", [
+    (0, {}, True),
+    (2, {}, False),  # decode rows of the prompt's own priority: no slices
+    (0, {"prefill_slice_ms": 0}, False),
+    (0, {"prefill_yield": False}, False),
+])
+def test_a_lower_priority_prompt_goes_in_slices_while_a_more_urgent_request_decodes(
+        tiny_engine_model, alone, urgent_priority, config, sliced):
+    """Each look at the engine's clock is 10 ms later, and a slice is 15 ms: the batch prompt's step
+    stops after its second layer (the urgent decode row ran before it, compiled), a step of the urgent
+    decode row alone follows, then the prompt's last two layers. Same tokens as without slices."""
+    engine = make(tiny_engine_model, **{"prefill_slice_ms": 15.0, **config})
+    engine.runner.use_compiled(EagerStandIn(engine))
+    ticks = itertools.count()
+    engine._clock = lambda: next(ticks) * 0.010
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("urgent", URGENT, params, priority=urgent_priority)
+    tokens: dict[str, list[int]] = {}
+    for out in engine.step() + engine.step():  # its prompt, then a decode row (the stand-in's)
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.add_request("batch", BATCH, GREEDY, priority=2)
+    per_step = []
+    for _ in range(3):
+        outputs = engine.step()
+        per_step.append(([o.request_id for o in outputs], None if engine.runner.suspended is None
+                         else engine.runner.suspended.state.next_layer))
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    if sliced:
+        assert per_step == [(["urgent"], 2), (["urgent"], 2), (["batch"], None)]
+    else:
+        assert per_step[0] == (["urgent", "batch"], None)
+    run_to_end(engine, tokens, [])
+    assert tokens == {"urgent": alone["urgent-12"], "batch": alone["batch"]}
+    assert_all_blocks_free(engine)

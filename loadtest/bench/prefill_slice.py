@@ -29,12 +29,8 @@ import time
 from pathlib import Path
 
 from loadtest.tools.report import bar_chart
+from loadtest.tools.stats import percentile
 from shared.model.precision import QUANTIZATION_METHODS
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_once(engine, slice_ms: float, args, rng: random.Random, tag: str) -> dict:
@@ -81,8 +77,8 @@ def summarize(runs: list[dict]) -> dict:
                "beside_online_tokens": sum(len(r["itl_beside_s"]) for r in runs)}
     for name, key in (("itl", "itl_s"), ("beside_itl", "itl_beside_s")):
         gaps = [g for r in runs for g in r[key]]
-        figures |= {f"{name}_p50_s": percentile(gaps, 0.5), f"{name}_p90_s": percentile(gaps, 0.9),
-                    f"{name}_p99_s": percentile(gaps, 0.99), f"{name}_max_s": max(gaps),
+        figures |= {f"{name}_p50_s": percentile(gaps, 50), f"{name}_p90_s": percentile(gaps, 90),
+                    f"{name}_p99_s": percentile(gaps, 99), f"{name}_max_s": max(gaps),
                     f"{name}_mean_s": statistics.fmean(gaps)}
     return figures
 
@@ -130,7 +126,7 @@ def main(argv=None) -> int:
             runs[s].append(run)
             beside = run["itl_beside_s"]
             print(f"round {rnd + 1}, prefill_slice_ms {s:g}: online ITL while the batch ran p50/max "
-                  f"{percentile(beside, 0.5) * 1e3:.0f}/{max(beside) * 1e3:.0f} ms ({len(beside)} tokens); "
+                  f"{percentile(beside, 50) * 1e3:.0f}/{max(beside) * 1e3:.0f} ms ({len(beside)} tokens); "
                   f"makespan {run['makespan_s']:.2f} s, batch ends at {run['batch_end_s']:.2f} s", flush=True)
     pooled = {s: summarize(r) for s, r in runs.items()}
     ratios = compare(pooled, settings[0])

@@ -182,8 +182,7 @@ class LLMEngine:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         interrupt = None if self.runner.suspended is not None else self._interrupt(min(
-            (s.request.priority for s in out.scheduled
-             if (s.num_new_tokens == 1 or s.draft) and s.request.decodes_at(s.start)), default=math.inf))
+            (s.request.priority for s in out.scheduled if s.decode_rows), default=math.inf))
         started = time.perf_counter()
         sampled = self.runner.execute(out, interrupt)
         elapsed = time.perf_counter() - started

@@ -137,7 +137,7 @@ class ModelRunner:
         compiled, eager, prefill = [], [], []
         num_compiled_rows = 0
         for s in out.scheduled:
-            if (s.num_new_tokens == 1 or s.draft) and s.request.decodes_at(s.start):  # decode rows
+            if s.decode_rows:
                 # None: its first decode row. "compiled" here without the compiled step: it ran
                 # compiled on a worker it moved from, and runs eagerly here (its tokens can then
                 # differ in the last bits from what they would have been without the move)

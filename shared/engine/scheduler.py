@@ -47,6 +47,12 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens - len(self.draft) == self.request.num_tokens
 
+    @property
+    def decode_rows(self) -> bool:
+        """Whether this entry is decode rows: one output token (generated now or recomputed), or the
+        last token with its draft, a row per token."""
+        return (self.num_new_tokens == 1 or bool(self.draft)) and self.request.decodes_at(self.start)
+
 
 @dataclass
 class SchedulerOutput:

@@ -93,6 +93,7 @@ class Generation:
         self._excluded: dict[str, float | None] = {}
         self._misbehaviour: WorkerMisbehaved | None = None
         self.worker_id: str | None = None
+        self._awaiting: tuple[str, str] | None = None  # (worker, request id) sent, its first chunk not in yet
         self.predicted_ttft_s: float | None = None  # admission's prediction for the current worker
         self.is_finished = False
         self.num_prompt_tokens = len(request.prompt_token_ids)
@@ -170,12 +171,24 @@ class Generation:
             return
 
     async def _first_chunk(self, worker_id: str, started_at: float | None, request_id: str) -> TokenChunk:
+        """The first chunk of the request just sent. Until it comes, or the wait fails (the caller
+        then deals with the worker), the request is ``_awaiting``: a generation whose task is
+        cancelled meanwhile (a cancelled background response or batch line) cancels it at the
+        worker on ``close``, which would otherwise run it to max_tokens for nobody."""
+        self._awaiting = (worker_id, request_id)
+        cancelled = False
         try:
             return await self._watched(worker_id, started_at, awaiting_first=request_id)
         except StopAsyncIteration:
             raise WorkerMisbehaved(worker_id, "early_end", "ended the stream before its first chunk") from None
         except MalformedReply as exc:
             raise WorkerMisbehaved(worker_id, "malformed_chunk", f"sent a malformed chunk: {exc.detail}") from None
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            if not cancelled:
+                self._awaiting = None
 
     def _excluding(self, request: GenerateRequest) -> GenerateRequest:
         """``request`` with the workers that misbehaved on it excluded (those since restarted not)."""
@@ -426,9 +439,15 @@ class Generation:
         return Delta(text, list(chunk.logprobs or []), finish)
 
     async def close(self) -> None:
-        """End the request: if it is still running (client gone, error), cancel it at the worker."""
+        """End the request: if it is still running (client gone, error, its task cancelled), cancel it
+        at the worker, and so a request sent and not answered yet (``_first_chunk``)."""
+        running = []
         if self.worker_id is not None and not self.is_finished:
-            await self._cancel(self.worker_id, self._current.request_id)
+            running.append((self.worker_id, self._current.request_id))
+        if self._awaiting is not None and self._awaiting not in running:
+            running.append(self._awaiting)
+        for worker_id, request_id in running:
+            await self._cancel(worker_id, request_id)
         if self._stream is not None:
             with contextlib.suppress(RuntimeError):  # already closed by a cancelled read
                 await self._stream.aclose()

@@ -292,3 +292,26 @@ async def test_a_worker_whose_namespace_is_not_hex_is_routed_on_load(cluster):
     resp = await client.post("/v1/completions", json=body())
     assert resp.status == 200, await resp.text()
     assert workers[GOOD].requests[0]["block_hashes"] == []
+
+
+async def test_a_request_given_up_before_its_first_token_is_cancelled_at_its_worker(cluster):
+    """A background response or batch line cancelled while its worker has not answered yet (here
+    the worker takes ``SLOW_S`` to its first token): the worker is told, by request id, instead of
+    running the request to max_tokens for nobody."""
+    from shared.openai_api.adapters import CompletionAdapter
+    from shared.policy.qos import DEFAULT_TIER
+
+    client, gateway, workers = await cluster((BAD, "slow"))
+    api = CompletionAdapter.from_json(json.dumps(body()).encode(), gateway.tokenizer)
+    gen_request = gateway.generate_request(api, DEFAULT_TIER, time.time())
+    run = asyncio.create_task(gateway.collect(api, gen_request))
+    await wait_until(lambda: _some(workers[BAD].requests), timeout_s=10, what="the request at the worker")
+    assert not workers[BAD].cancels
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    await wait_until(lambda: _some(workers[BAD].cancels), timeout_s=10, what="the cancel at the worker")
+    assert [c["request_id"] for c in workers[BAD].cancels] == [workers[BAD].requests[0]["request_id"]]
+
+
+async def _some(items: list) -> bool:
+    return bool(items)

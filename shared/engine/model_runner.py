@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,14 @@ class SuspendedPart:
     priority: int
     num_preemptions: list[int]
     elapsed_s: float
+
+
+class StepOrder(NamedTuple):
+    """``ModelRunner.split``'s answer."""
+    out: SchedulerOutput        # the step's entries in the order they run
+    num_decode_entries: int     # the decode entries, first (compiled, then eager)
+    num_compiled_entries: int   # of those, the compiled ones, first
+    num_compiled_rows: int      # their rows
 
 
 class ModelRunner:
@@ -119,9 +128,9 @@ class ModelRunner:
         return torch.cat([self.compiled.forward(ids[:n], pos[:n], self.kv_cache, first),
                           self.model.forward(ids[n:], pos[n:], self.kv_cache, rest, self.backend)])
 
-    def split(self, out: SchedulerOutput) -> tuple[SchedulerOutput, int, int]:
+    def split(self, out: SchedulerOutput) -> StepOrder:
         """The step's entries in the order they run: the decode rows that run compiled, the other
-        decode rows, then prefill chunks; and how many entries the first two groups hold.
+        decode rows, then prefill chunks; and how many entries (and compiled rows) the groups hold.
 
         A request's decode rows all run one way, fixed at its first one: compiled if the compiled
         step is there by then, else eager to its end (a request decoding when the background
@@ -148,8 +157,8 @@ class ModelRunner:
                     num_compiled_rows += s.num_new_tokens
                     continue
             (eager if s.num_new_tokens == 1 or s.draft else prefill).append(s)
-        return (SchedulerOutput(compiled + eager + prefill, out.preempted), len(compiled) + len(eager),
-                num_compiled_rows)
+        return StepOrder(SchedulerOutput(compiled + eager + prefill, out.preempted), len(compiled) + len(eager),
+                         len(compiled), num_compiled_rows)
 
     def execute(self, out: SchedulerOutput, interrupt: Interrupt | None = None) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of every request that reached its last token: one,
@@ -159,18 +168,14 @@ class ModelRunner:
         a layer at a time and stops between two layers once ``interrupt(p)`` says a request more
         urgent than its most urgent entry (priority ``p``) is on its way: its compiled decode rows
         are sampled as usual, and the eager part waits in ``suspended`` for ``resume``."""
-        out, num_decode_entries, num_compiled = self.split(out)
-        ids, pos, meta, rows = self.prepare(out, num_decode_entries)
-        n = num_compiled
+        order = self.split(out)
+        out, n = order.out, order.num_compiled_rows
+        ids, pos, meta, rows = self.prepare(out, order.num_decode_entries)
         if interrupt is None or n == ids.shape[0]:
             return self._sample(out.scheduled, self.forward(ids, pos, meta, n), rows)
         first, rest = _split_meta(meta, n) if n else (meta, meta)
         hidden = self.compiled.forward(ids[:n], pos[:n], self.kv_cache, first) if n else None
-        num_entries, num_rows = 0, 0  # the compiled entries: the first ones, n rows in all
-        while num_rows < n:
-            num_rows += out.scheduled[num_entries].num_new_tokens
-            num_entries += 1
-        done, part = out.scheduled[:num_entries], out.scheduled[num_entries:]
+        done, part = out.scheduled[:order.num_compiled_entries], out.scheduled[order.num_compiled_entries:]
         priority = min(s.request.priority for s in part)
         state = self.model.start_layers(ids[n:], pos[n:])
         started = time.perf_counter()

@@ -68,11 +68,13 @@ def test_only_decode_rows_run_compiled(engines):
     chunk = ScheduledRequest(request("chunk", 20), 8, [3, 4, 5, 13], 8)
     last = ScheduledRequest(request("last", 20), 1, [6, 7, 8, 9, 10], 19)
     draft = ScheduledRequest(request("draft", 5, 2), 4, [11, 12, 14], 6, draft=[7, 8, 9])
-    out, num_decode_entries, num_compiled = compiled.runner.split(SchedulerOutput([last, chunk, decode, draft]))
+    order = compiled.runner.split(SchedulerOutput([last, chunk, decode, draft]))
+    out = order.out
     assert [s.request.request_id for s in out.scheduled] == ["decode", "draft", "last", "chunk"]
-    assert num_decode_entries == 3 and num_compiled == 1 + 4  # rows
+    assert order.num_decode_entries == 3 and order.num_compiled_entries == 2
+    assert order.num_compiled_rows == 1 + 4
     assert decode.request.decode_path == "compiled" == draft.request.decode_path
-    _, _, meta, logits_rows = compiled.runner.prepare(out, num_decode_entries)
+    _, _, meta, logits_rows = compiled.runner.prepare(out, order.num_decode_entries)
     assert meta.num_decodes == 6 and meta.seq_lens.tolist() == [7, 7, 8, 9, 10, 20, 16]
     assert meta.step_starts.tolist() == [6, 6, 6, 6, 6, 19]
     assert logits_rows == [0, 1, 2, 3, 4, 5]  # the chunk does not reach its last token

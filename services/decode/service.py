@@ -52,6 +52,7 @@ class DecodeWorker(EngineWorker):
         self.num_requests_aborted = 0
         self.num_local_prefills = 0
         self._running: set[str] = set()  # request ids received whose streams have not ended
+        self._cancelled: set[str] = set()  # of those, cancelled (one may not have reached the engine yet)
         self.remote = remote  # None: remote prefill off (disabled, or no KV transfer here)
         self.fetcher = fetcher  # None: no prefix fetches from or for other workers
         self._loops: list[asyncio.Task] = []
@@ -100,6 +101,9 @@ class DecodeWorker(EngineWorker):
         try:
             if self.fetcher is not None and request.kv_source is not None:
                 await self.fetcher.fetch(request)
+                if request.request_id in self._cancelled:  # the engine's abort came before the request did
+                    log.info("%s: cancelled during its prefix fetch; not run", request.request_id)
+                    return
             handle = await self.remote.start(request, params) if self.remote is not None else None
             if handle is None:
                 self.num_local_prefills += 1
@@ -137,6 +141,7 @@ class DecodeWorker(EngineWorker):
         finally:
             self.origins.remove(request)
             self._running.discard(request.request_id)
+            self._cancelled.discard(request.request_id)
         log.debug("%s done in %.3fs", request.request_id, time.monotonic() - started)
 
     @staticmethod
@@ -155,6 +160,8 @@ class DecodeWorker(EngineWorker):
 
     async def cancel(self, request: CancelRequest) -> None:
         log.info("cancel %s: %s", request.request_id, request.reason)
+        if request.request_id in self._running:
+            self._cancelled.add(request.request_id)
         self.engine.abort(request.request_id)
         if self.remote is not None:
             self.remote.prefills.cancel(request.request_id)

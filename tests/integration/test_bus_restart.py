@@ -65,7 +65,7 @@ async def test_everything_works_again_after_a_nats_server_restart(own_nats, name
 
         await server_bus.replay(s.kv_events_all(), s.kv_events_stream, on_batch)
         await client_bus.js_publish(s.kv_events("w1"), batch(1))
-        await wait_until(lambda: _const(replayed == [1]), timeout_s=5, what="event 1 replayed")
+        await wait_until(lambda: replayed == [1], timeout_s=5, what="event 1 replayed")
         registry = await WorkerRegistry.open(server_bus, s.workers_bucket, ttl_s=30, watch=True)
         writer = await WorkerRegistry.open(client_bus, s.workers_bucket, ttl_s=30)
         await server_bus.ensure_stream(s.prefill_stream, [s.prefill_queue().subject], max_age_s=60,
@@ -102,7 +102,7 @@ async def test_everything_works_again_after_a_nats_server_restart(own_nats, name
 
         await wait_until(lambda: published(s.kv_events("w1"), batch(2)), timeout_s=BACK_WITHIN_S,
                          what="publishing event 2")
-        await wait_until(lambda: _const(replayed == [1, 2]), timeout_s=BACK_WITHIN_S,
+        await wait_until(lambda: replayed == [1, 2], timeout_s=BACK_WITHIN_S,
                          what=f"event 2 replayed exactly once after the restart (got {replayed})")
         info = WorkerInfo(worker_id="w9", role="decode", model="m", block_size=16, max_model_len=64,
                           generate_subject="g", cancel_subject="c")
@@ -129,7 +129,3 @@ async def test_everything_works_again_after_a_nats_server_restart(own_nats, name
     finally:
         await client_bus.close()
         await server_bus.close()
-
-
-async def _const(value):
-    return value

@@ -305,13 +305,12 @@ async def test_a_request_given_up_before_its_first_token_is_cancelled_at_its_wor
     api = CompletionAdapter.from_json(json.dumps(body()).encode(), gateway.tokenizer)
     gen_request = gateway.generate_request(api, DEFAULT_TIER, time.time())
     run = asyncio.create_task(gateway.collect(api, gen_request))
-    await wait_until(lambda: _some(workers[BAD].requests), timeout_s=10, what="the request at the worker")
+    await wait_until(lambda: workers[BAD].requests, timeout_s=10, what="the request at the worker")
     assert not workers[BAD].cancels
     run.cancel()
     await asyncio.gather(run, return_exceptions=True)
-    await wait_until(lambda: _some(workers[BAD].cancels), timeout_s=10, what="the cancel at the worker")
+    await wait_until(lambda: workers[BAD].cancels, timeout_s=10, what="the cancel at the worker")
     assert [c["request_id"] for c in workers[BAD].cancels] == [workers[BAD].requests[0]["request_id"]]
-
 
 
 async def test_an_http_client_that_hangs_up_before_its_first_token_has_its_request_cancelled(cluster):
@@ -324,11 +323,8 @@ async def test_an_http_client_that_hangs_up_before_its_first_token_has_its_reque
     _, gateway, workers = await cluster((BAD, "slow"))
     async with http_site(build_app(gateway), "127.0.0.1", 0) as port, aiohttp.ClientSession() as session:
         post = asyncio.ensure_future(session.post(f"http://127.0.0.1:{port}/v1/completions", json=body()))
-        await wait_until(lambda: _some(workers[BAD].requests), timeout_s=10, what="the request at the worker")
+        await wait_until(lambda: workers[BAD].requests, timeout_s=10, what="the request at the worker")
         post.cancel()  # the client hangs up
         await asyncio.gather(post, return_exceptions=True)
-        await wait_until(lambda: _some(workers[BAD].cancels), timeout_s=10, what="the cancel at the worker")
+        await wait_until(lambda: workers[BAD].cancels, timeout_s=10, what="the cancel at the worker")
     assert [c["request_id"] for c in workers[BAD].cancels] == [workers[BAD].requests[0]["request_id"]]
-
-async def _some(items: list) -> bool:
-    return bool(items)

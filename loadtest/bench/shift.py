@@ -197,6 +197,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--autoscale-interval-s", type=float, default=2.0)
     p.add_argument("--autoscale-window-s", type=float, default=10.0)
     p.add_argument("--autoscale-cooldown-s", type=float, default=10.0)
+    p.add_argument("--autoscale-stabilization-s", type=float, default=0.0,
+                   help="flip only once every tick of this long asked for it (default 0, as the recorded runs: "
+                        "a phase here lasts a minute)")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of: {', '.join(SETUPS)}")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -229,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("the autoscale setup needs --decode-capacity or the fixed 2D setup before it")
                 autoscale = {"autoscale": True, "autoscale_interval_s": args.autoscale_interval_s,
                              "autoscale_window_s": args.autoscale_window_s,
-                             "autoscale_cooldown_s": args.autoscale_cooldown_s, "min_prefill_workers": 0,
+                             "autoscale_cooldown_s": args.autoscale_cooldown_s,
+                             "autoscale_stabilization_s": args.autoscale_stabilization_s, "min_prefill_workers": 0,
                              "min_decode_workers": 1, "decode_capacity_tokens_per_s": decode_capacity}
             stack = start_stack(Path(tmp), setup, args, *layouts[setup], autoscale, log)
             try:

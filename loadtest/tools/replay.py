@@ -639,7 +639,9 @@ def gpu_setup(requests, tiers, args):
                     round_robin=args.routing == "round-robin", seed=args.seed,
                     prefix_cache_blocks=args.prefix_cache_blocks, fallback_workers=args.fallback_workers,
                     peer_fetch=_peer_fetch(args),
-                    autoscale=AutoscaleConfig(cooldown_s=args.autoscale_cooldown_s) if args.autoscale else None)
+                    autoscale=AutoscaleConfig(cooldown_s=args.autoscale_cooldown_s,
+                                              stabilization_s=args.autoscale_stabilization_s)
+                    if args.autoscale else None)
     return Evaluator(Cluster(cluster), model, workload, eff), plan, cfg
 
 
@@ -827,6 +829,8 @@ def compare(sim: dict, live: dict) -> dict:
 # --- command line ------------------------------------------------------------------------------
 
 def parse_args(argv=None):
+    from shared.policy.autoscale import AutoscaleConfig
+
     p = argparse.ArgumentParser(prog="python -m loadtest.tools.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
@@ -885,6 +889,8 @@ def parse_args(argv=None):
     sim.add_argument("--autoscale", action="store_true",
                      help="gpu: the autoscaler flips groups between prefill and decode as the load shifts")
     sim.add_argument("--autoscale-cooldown-s", type=float, default=60.0, help="gpu: the autoscaler's cooldown")
+    sim.add_argument("--autoscale-stabilization-s", type=float, default=AutoscaleConfig.stabilization_s,
+                     help="gpu: flip only once every tick of this long asked for it (0: at the first)")
     sim.add_argument("--cluster", default=str(DEFAULT_GPU_CLUSTER), help="gpu: cluster YAML")
     sim.add_argument("--model", default="llama-2-70b", help="gpu: model preset or YAML")
     sim.add_argument("--plan", default=None, help="gpu: plan JSON (default: plan the cluster for the slice)")

@@ -12,6 +12,8 @@ class AutoscalerSettings(ServiceSettings):
                                       "steadier, slower to react)")
     autoscale_cooldown_s: float = Field(60.0, ge=0, description="no new flip until this long after "
                                         "the last one is done")
+    autoscale_stabilization_s: float = Field(30.0, ge=0, description="flip only once every tick of this long "
+                                             "asked for it (a shorter burst is not worth a drain)")
     autoscale_hysteresis: float = Field(0.15, ge=0, description="relative change of the prefill share needed "
                                         "to act")
     min_prefill_workers: int = Field(0, ge=0, description="never fewer prefill workers than this")
@@ -60,6 +62,7 @@ class AutoscalerSettings(ServiceSettings):
         from shared.policy.autoscale import AutoscaleConfig
 
         return AutoscaleConfig(cooldown_s=self.autoscale_cooldown_s, hysteresis=self.autoscale_hysteresis,
+                               stabilization_s=self.autoscale_stabilization_s,
                                min_prefill=self.min_prefill_workers, min_decode=self.min_decode_workers,
                                max_flips_per_tick=self.max_flips_per_tick, max_prefill=self.max_prefill_workers,
                                max_decode=self.max_decode_workers)

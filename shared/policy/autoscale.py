@@ -3,13 +3,16 @@
 Each tick compares demand with per-worker capacity in both phases: prefill demand is uncached
 prompt tokens per second, decode demand is output tokens per second. The fleet is split in the
 ratio of the workers each phase needs; a change is made only when it moves at least one worker,
-the imbalance exceeds ``hysteresis``, and ``cooldown_s`` has passed since the last change (flips
-are expensive: the worker drains first). Like Dynamo's planner: ``tick`` takes observations and
-returns a decision; the caller drains and flips.
+the imbalance exceeds ``hysteresis``, ``cooldown_s`` has passed since the last change (flips
+are expensive: the worker drains first), and every tick of the last ``stabilization_s`` asked for
+a change the same way (a burst shorter than that is not worth a drain; the smallest change asked
+for in it is made, as Kubernetes' autoscaler does in its stabilization window). Like Dynamo's
+planner: ``tick`` takes observations and returns a decision; the caller drains and flips.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -22,6 +25,8 @@ class AutoscaleConfig:
     max_flips_per_tick: int = 4
     max_prefill: int | None = None  # None: as many as the fleet has after min_decode
     max_decode: int | None = None   # None: as many as the fleet has after min_prefill
+    # act only once the ticks of this long all asked for a change the same way (0: at the first)
+    stabilization_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,32 @@ class RatioAutoscaler:
     def __init__(self, cfg: AutoscaleConfig = AutoscaleConfig()):
         self.cfg = cfg
         self._last_change_s: float | None = None
+        # (tick time, flips asked) of the unbroken run of ticks asking for a change the same way
+        self._asked: deque[tuple[float, int]] = deque()
 
     def tick(self, inp: TickInput) -> ScalingDecision:
-        total = inp.num_prefill + inp.num_decode
         keep = ScalingDecision(inp.num_prefill, inp.num_decode, 0, "")
         if self._last_change_s is not None and inp.now_s - self._last_change_s < self.cfg.cooldown_s:
             return _why(keep, "cooling down")
+        wanted = self._wanted(inp)
+        if wanted.flips == 0:
+            self._asked.clear()
+            return wanted
+        if self._asked and (self._asked[-1][1] > 0) != (wanted.flips > 0):
+            self._asked.clear()
+        self._asked.append((inp.now_s, wanted.flips))
+        held_s = inp.now_s - self._asked[0][0]
+        if held_s < self.cfg.stabilization_s:
+            return _why(keep, f"{wanted.reason}; asked for {held_s:.0f} s of {self.cfg.stabilization_s:.0f}")
+        flips = min((f for _, f in self._asked), key=abs)  # the smallest change the whole run asked for
+        self._asked.clear()
+        self._last_change_s = inp.now_s
+        return ScalingDecision(inp.num_prefill + flips, inp.num_decode - flips, flips, wanted.reason)
+
+    def _wanted(self, inp: TickInput) -> ScalingDecision:
+        """The change this tick's demand asks for, before the stabilization window."""
+        total = inp.num_prefill + inp.num_decode
+        keep = ScalingDecision(inp.num_prefill, inp.num_decode, 0, "")
         need_p, need_d = workers_needed(inp)
         if need_p + need_d <= 0:
             return _why(keep, "no load")
@@ -88,14 +113,14 @@ class RatioAutoscaler:
                 return _why(keep, f"no gain (prefill share {share:.2f} vs {current_share:.2f}; busier side "
                                   f"{now:.2f} now, {after:.2f} after)")
         flips = max(min(target_p - inp.num_prefill, self.cfg.max_flips_per_tick), -self.cfg.max_flips_per_tick)
-        self._last_change_s = inp.now_s
         return ScalingDecision(inp.num_prefill + flips, inp.num_decode - flips, flips,
                                f"prefill share {share:.2f} wanted, have {current_share:.2f}")
 
     def hold(self, now_s: float) -> None:
         """A change is still being carried out (workers draining, flipping): the cooldown counts
-        from when it is done, not from when it was decided."""
+        from when it is done, not from when it was decided; what was asked before it is void."""
         self._last_change_s = now_s
+        self._asked.clear()
 
     def _fewest_prefill(self, total: int) -> int:
         cfg = self.cfg

@@ -19,12 +19,12 @@ from test_role_flip import ENGINE, LONG_DOC, MODEL, engine, greedy, streamed  # 
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
-# Small interval, window and cooldown so the test sees decisions soon.
+# Small interval, window, cooldown and stabilization window so the test sees decisions soon.
 # On a small shared CPU the workers measure prefill rates of tens of tokens per second and decode a
 # few tokens per second; the decode capacity is set to match, so that either mix is clear-cut.
 AUTOSCALE = {"autoscale": True, "autoscale_interval_s": 2.0, "autoscale_window_s": 10.0,
-             "autoscale_cooldown_s": 6.0, "min_prefill_workers": 0, "min_decode_workers": 1,
-             "decode_capacity_tokens_per_s": 2.0}
+             "autoscale_cooldown_s": 6.0, "autoscale_stabilization_s": 4.0, "min_prefill_workers": 0,
+             "min_decode_workers": 1, "decode_capacity_tokens_per_s": 2.0}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ def status(worker_id, t, prompt=0, generated=0, role="decode", state="ready", lo
 
 
 def scaling(window_s=60.0):
-    return Autoscaling(RatioAutoscaler(AutoscaleConfig(cooldown_s=10, min_prefill=0, min_decode=1)),
+    return Autoscaling(RatioAutoscaler(AutoscaleConfig(cooldown_s=10, stabilization_s=0, min_prefill=0,
+                                                       min_decode=1)),
                        Capacities(prefill_tokens_per_s=1000, decode_tokens_per_s=100), window_s=window_s)
 
 
@@ -77,7 +78,8 @@ def test_a_report_from_the_role_before_a_flip_keeps_the_engines_counters():
 def fleet_scaling():
     from shared.policy.fleet import FleetAutoscaler, FleetConfig
 
-    return Autoscaling(RatioAutoscaler(AutoscaleConfig(cooldown_s=10, min_prefill=0, min_decode=1)),
+    return Autoscaling(RatioAutoscaler(AutoscaleConfig(cooldown_s=10, stabilization_s=0, min_prefill=0,
+                                                       min_decode=1)),
                        Capacities(prefill_tokens_per_s=1000, decode_tokens_per_s=100), window_s=60.0,
                        fleet=FleetAutoscaler(FleetConfig(min_workers=1, max_workers=3, cooldown_s=10)))
 

@@ -89,7 +89,7 @@ def test_tick_input_counts_ready_workers_and_prefers_measured_prefill_rates():
 
 def test_a_shift_to_long_prompts_moves_a_decode_worker_to_prefill_and_back():
     """Adapter and policy together, as the autoscaler service runs them."""
-    policy = RatioAutoscaler(AutoscaleConfig(cooldown_s=5, min_prefill=0, min_decode=1))
+    policy = RatioAutoscaler(AutoscaleConfig(cooldown_s=5, stabilization_s=0, min_prefill=0, min_decode=1))
     # short prompts, long outputs: 20 uncached prompt tokens per 64 output tokens
     t0 = by_id(sample("d1", t=0), sample("d2", t=0))
     t1 = [sample("d1", t=2, prompt=40, generated=128), sample("d2", t=2, prompt=40, generated=128)]
@@ -121,10 +121,10 @@ def test_choose_flips_takes_only_ready_workers_of_the_giving_role():
 def test_max_per_role_bounds_the_target():
     demand_all_prefill = Demand(100_000.0, 1.0, 1.0)
     samples = [sample(f"d{i}") for i in range(4)]
-    capped = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, min_prefill=0, max_prefill=2))
+    capped = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, stabilization_s=0, min_prefill=0, max_prefill=2))
     assert capped.tick(tick_input(1.0, demand_all_prefill, samples, DEFAULTS)).target_prefill == 2
-    uncapped = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, min_prefill=0))
+    uncapped = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, stabilization_s=0, min_prefill=0))
     assert uncapped.tick(tick_input(1.0, demand_all_prefill, samples, DEFAULTS)).target_prefill == 3
-    few_decode = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, min_prefill=0, max_decode=1))
+    few_decode = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, stabilization_s=0, min_prefill=0, max_decode=1))
     quiet = [sample(f"d{i}") for i in range(3)]
     assert few_decode.tick(tick_input(1.0, Demand(1.0, 100_000.0, 1.0), quiet, DEFAULTS)).target_decode == 1

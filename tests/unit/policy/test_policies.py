@@ -483,14 +483,15 @@ def _tick(now, num_p, num_d, p_demand, d_demand):
 
 
 def test_autoscaler_moves_workers_toward_the_demand_ratio():
-    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=60, max_flips_per_tick=8))
+    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=60, stabilization_s=0, max_flips_per_tick=8))
     # prefill needs 6 workers, decode 2 -> of 8 workers, 6 should prefill
     d = scaler.tick(_tick(0.0, 2, 6, 60_000, 2_000))
     assert (d.target_prefill, d.target_decode, d.flips) == (6, 2, 4)
 
 
 def test_autoscaler_cooldown_hysteresis_and_minimums():
-    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=60, hysteresis=0.15, max_flips_per_tick=8))
+    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=60, stabilization_s=0, hysteresis=0.15,
+                                             max_flips_per_tick=8))
     assert scaler.tick(_tick(0.0, 2, 6, 60_000, 2_000)).flips == 4
     assert scaler.tick(_tick(30.0, 6, 2, 10_000, 7_000)).flips == 0       # cooling down
     assert scaler.tick(_tick(61.0, 4, 4, 41_000, 4_000)).flips == 0       # within hysteresis
@@ -502,11 +503,34 @@ def test_autoscaler_cooldown_hysteresis_and_minimums():
 def test_a_flip_that_leaves_the_busier_side_as_busy_is_not_made():
     # 3 prefill + 2 decode, demand 2.5 workers of each: the share (0.5 against 0.6) asks for 2 + 3,
     # but the busier side would carry 1.25 workers' worth per worker either way
-    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=0))
+    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, stabilization_s=0))
     d = scaler.tick(_tick(0.0, 3, 2, 25_000, 2_500))
     assert d.flips == 0 and d.reason.startswith("no gain")
     # decode demand up to 3.5 workers: 2 + 3 brings the busier side from 1.75 to 1.25 per worker
     assert scaler.tick(_tick(1.0, 3, 2, 25_000, 3_500)).flips == -1
+
+
+def test_a_change_is_made_only_once_every_tick_of_the_stabilization_window_asked_for_it():
+    scaler = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, stabilization_s=30, min_prefill=0, max_flips_per_tick=8))
+    prefill_heavy = (60_000, 2_000)                                       # asks for 6 of 8 prefilling
+    assert scaler.tick(_tick(0.0, 2, 6, *prefill_heavy)).flips == 0
+    assert scaler.tick(_tick(10.0, 2, 6, 20_000, 6_000)).flips == 0      # balanced: the run breaks
+    for now in (20.0, 30.0, 40.0):
+        d = scaler.tick(_tick(now, 2, 6, *prefill_heavy))
+        assert d.flips == 0 and "asked for" in d.reason, d
+    # a tick asking the other way (every worker to decode) breaks the run too
+    d = scaler.tick(_tick(45.0, 2, 6, 0, 8_000))
+    assert d.flips == 0 and "wanted" in d.reason, d
+    for now in (50.0, 60.0, 70.0):
+        assert scaler.tick(_tick(now, 2, 6, *prefill_heavy)).flips == 0
+    # 30 s of asks, the smallest of them made: 3 prefill workers wanted once, 6 the other times
+    assert scaler.tick(_tick(75.0, 2, 6, 30_000, 4_000)).flips == 0
+    d = scaler.tick(_tick(80.0, 2, 6, *prefill_heavy))
+    assert (d.target_prefill, d.target_decode, d.flips) == (3, 5, 1)
+    # a change in progress voids the asks before it
+    scaler.hold(200.0)
+    assert scaler.tick(_tick(200.0, 3, 5, *prefill_heavy)).flips == 0
+    assert scaler.tick(_tick(230.0, 3, 5, *prefill_heavy)).flips == 3
 
 
 def test_a_request_predicted_to_finish_after_its_deadline_is_rejected_without_shedding_others():

@@ -51,6 +51,7 @@ class DecodeWorker(EngineWorker):
         self.num_requests_total = 0
         self.num_requests_aborted = 0
         self.num_local_prefills = 0
+        self.num_local_only_prompt_tokens = 0  # uncached, of prompts no prefill worker would take
         self._running: set[str] = set()  # request ids received whose streams have not ended
         self._cancelled: set[str] = set()  # of those, cancelled (one may not have reached the engine yet)
         self.remote = remote  # None: remote prefill off (disabled, or no KV transfer here)
@@ -95,6 +96,8 @@ class DecodeWorker(EngineWorker):
         self.num_requests_total += 1
         started = last = time.monotonic()
         index = 0
+        local_only = self.remote is None or not self.remote.prefills.may_go_remote(len(request.prompt_token_ids),
+                                                                                   time.time())
         params = engine_params(request.sampling)
         self.origins.add(request)
         self._running.add(request.request_id)
@@ -130,6 +133,8 @@ class DecodeWorker(EngineWorker):
                     await self.publish_load()
                 chunk = token_chunk(out, index, self.worker_id)
                 if index == 0:
+                    if local_only:
+                        self.num_local_only_prompt_tokens += len(request.prompt_token_ids) - out.num_cached_tokens
                     chunk = chunk.model_copy(update={"phases": self._first_token_phases(
                         started, now, out.first_scheduled_time, handle)})
                 yield chunk
@@ -194,6 +199,7 @@ class DecodeWorker(EngineWorker):
                                               if (m := r.mean()) is not None},
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
             num_local_prefills=self.num_local_prefills,
+            num_local_only_prompt_tokens_total=self.num_local_only_prompt_tokens,
             num_remote_prefills=prefills.num_remote if prefills else 0,
             num_prefill_fallbacks=prefills.num_fallbacks if prefills else 0,
             kv_bytes_received=transfer.stats.num_bytes_received if transfer else 0,

@@ -30,6 +30,7 @@ def worker_sample(status: WorkerStatus) -> WorkerSample:
         num_prompt_tokens=load.num_prompt_tokens_total, num_cached_prompt_tokens=load.num_cached_prompt_tokens_total,
         num_generated_tokens=load.num_generated_tokens_total,
         num_queued_prefill_tokens=sum(load.queued_prefill_tokens.values()),
+        num_local_only_prompt_tokens=load.num_local_only_prompt_tokens_total,
         num_in_flight=load.num_running + load.num_waiting, num_waiting=load.num_waiting,
         prefill_tokens_per_s=load.prefill_tokens_per_s, max_num_seqs=load.max_num_seqs)
 
@@ -56,8 +57,11 @@ class ScalingPlan:
         if self.tick is None:
             return self.reason
         t = self.tick
+        local = (f"; {t.local_prefill_tokens_per_s:.0f} of them decode-side only" if t.local_prefill_tokens_per_s
+                 else "")
         return (f"{t.num_prefill} prefill + {t.num_decode} decode; demand {t.prefill_tokens_per_s:.0f} prompt tok/s "
-                f"(capacity {t.prefill_capacity_tokens_per_s:.0f}/worker), {t.decode_tokens_per_s:.0f} output tok/s "
+                f"(capacity {t.prefill_capacity_tokens_per_s:.0f}/worker{local}), {t.decode_tokens_per_s:.0f} "
+                f"output tok/s "
                 f"(capacity {t.decode_capacity_tokens_per_s:.0f}/worker): {self.reason}{flips}")
 
 

@@ -1,7 +1,9 @@
 """Autoscaling: how many workers should prefill and how many decode (a fixed fleet that flips roles).
 
 Each tick compares demand with per-worker capacity in both phases: prefill demand is uncached
-prompt tokens per second, decode demand is output tokens per second. The fleet is split in the
+prompt tokens per second, decode demand is output tokens per second. Prompts too short for a
+remote prefill are prefilled by decode workers whatever the split (conditional disaggregation):
+that part of the prefill demand counts on the decode side. The fleet is split in the
 ratio of the workers each phase needs; a change is made only when it moves at least one worker,
 the imbalance exceeds ``hysteresis``, ``cooldown_s`` has passed since the last change (flips
 are expensive: the worker drains first), and every tick of the last ``stabilization_s`` asked for
@@ -38,6 +40,8 @@ class TickInput:
     decode_tokens_per_s: float                # output tokens produced (or demanded) per second
     prefill_capacity_tokens_per_s: float      # one prefill worker, within SLO
     decode_capacity_tokens_per_s: float       # one decode worker, at its SLO batch
+    # of prefill_tokens_per_s, prompts decode workers prefill themselves whatever the split
+    local_prefill_tokens_per_s: float = 0.0
     num_waiting: int = 0                      # requests queued on the workers (not yet running)
     # the fewest queued in any sample of the measuring window (None: only this sample is known):
     # a request counts as queued from its arrival until the next step schedules it, so one sample
@@ -58,9 +62,12 @@ class ScalingDecision:
 
 
 def workers_needed(inp: TickInput) -> tuple[float, float]:
-    """Prefill and decode demand in workers' worth of capacity."""
-    return (inp.prefill_tokens_per_s / max(inp.prefill_capacity_tokens_per_s, 1e-9),
-            inp.decode_tokens_per_s / max(inp.decode_capacity_tokens_per_s, 1e-9))
+    """Prefill and decode demand in workers' worth of capacity. The prompts only decode workers
+    prefill are decode-side work, at a prefill worker's rate."""
+    prefill_capacity = max(inp.prefill_capacity_tokens_per_s, 1e-9)
+    local = min(max(inp.local_prefill_tokens_per_s, 0.0), inp.prefill_tokens_per_s)
+    return ((inp.prefill_tokens_per_s - local) / prefill_capacity,
+            inp.decode_tokens_per_s / max(inp.decode_capacity_tokens_per_s, 1e-9) + local / prefill_capacity)
 
 
 class RatioAutoscaler:

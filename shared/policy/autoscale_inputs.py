@@ -6,7 +6,9 @@ Demand is measured, not predicted: prefill demand is the uncached prompt tokens 
 per second (prompt minus cached-prefix tokens, summed over every worker: a remotely prefilled prompt
 is counted by the prefill worker that computed it, not again by its decode worker) plus the growth
 of the prefill backlog still queued on the workers (work that arrived but was not computed yet);
-decode demand is the output tokens decode workers produced per second. Capacity per worker is the
+decode demand is the output tokens decode workers produced per second. Of the prefill demand, the
+part decode workers compute themselves whatever the split (prompts too short for a remote prefill)
+is counted apart: a prefill worker cannot take it. Capacity per worker is the
 measured prefill rate where workers report one, otherwise the configured figure; decode capacity
 is configured (a decode worker's reports show what it does, not what it could do).
 """
@@ -34,6 +36,7 @@ class WorkerSample:
     num_generated_tokens: int
     num_queued_prefill_tokens: int = 0   # now, not cumulative
     num_in_flight: int = 0               # running + waiting: what a flip would have to drain
+    num_local_only_prompt_tokens: int = 0  # cumulative: uncached tokens of prompts too short to prefill remotely
     num_waiting: int = 0                 # queued, not yet running: the fleet is saturated
     prefill_tokens_per_s: float | None = None
     max_num_seqs: int | None = None      # its sequence slots (None: not reported)
@@ -53,6 +56,7 @@ class Demand:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     interval_s: float  # the span the counters covered (0: nothing to compare yet)
+    local_prefill_tokens_per_s: float = 0.0  # of prefill_tokens_per_s, what only decode workers compute
 
 
 def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[WorkerSample]) -> Demand:
@@ -63,7 +67,7 @@ def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[Worke
     role, output tokens count as decode work only if the worker decoded at both ends. The interval
     is the longest any worker's counters covered, so rates are not inflated by a worker that
     reported twice quickly."""
-    prefill = decode = backlog_growth = 0.0
+    prefill = decode = backlog_growth = local = 0.0
     interval = 0.0
     for now in current:
         before = previous.get(now.worker_id)
@@ -79,12 +83,15 @@ def measure_demand(previous: Mapping[str, WorkerSample], current: Iterable[Worke
             continue
         interval = max(interval, now.timestamp - before.timestamp)
         prefill += computed
+        # a flip starts the role's counter again: a worker whose count went back adds none this window
+        local += max(now.num_local_only_prompt_tokens - before.num_local_only_prompt_tokens, 0)
         backlog_growth += now.num_queued_prefill_tokens - before.num_queued_prefill_tokens
         if now.role == DECODE and before.role == DECODE:
             decode += generated  # a prefill worker's one sampled token per prompt is not decode work
     if interval <= 0:
         return Demand(0.0, 0.0, 0.0)
-    return Demand((prefill + max(backlog_growth, 0.0)) / interval, decode / interval, interval)
+    total = prefill + max(backlog_growth, 0.0)
+    return Demand(total / interval, decode / interval, interval, min(local, total) / interval)
 
 
 def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], defaults: Capacities,
@@ -98,6 +105,7 @@ def tick_input(now_s: float, demand: Demand, samples: Iterable[WorkerSample], de
     return TickInput(now_s=now_s, num_prefill=sum(s.role == PREFILL for s in ready),
                      num_decode=sum(s.role == DECODE for s in ready),
                      prefill_tokens_per_s=demand.prefill_tokens_per_s,
+                     local_prefill_tokens_per_s=demand.local_prefill_tokens_per_s,
                      decode_tokens_per_s=demand.decode_tokens_per_s,
                      prefill_capacity_tokens_per_s=prefill_capacity,
                      decode_capacity_tokens_per_s=defaults.decode_tokens_per_s,

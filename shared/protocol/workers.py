@@ -101,6 +101,9 @@ class WorkerLoad(WireModel):
     num_prompt_tokens_total: int = Field(0, ge=0)
     num_generated_tokens_total: int = Field(0, ge=0)
     num_cached_prompt_tokens_total: int = Field(0, ge=0)  # of num_prompt_tokens_total, served from the cache
+    # decode: uncached prompt tokens of requests too short for a remote prefill (at most the worker's
+    # local-prefill limit, or all with remote prefill off): work the decode side does whatever the split
+    num_local_only_prompt_tokens_total: int = Field(0, ge=0)
     # disaggregated prefill (decode: requests whose prompt was prefilled remotely / locally, remote
     # attempts that fell back to a local prefill; prefill: requests written / dropped)
     num_remote_prefills: int = Field(0, ge=0)

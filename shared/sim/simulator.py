@@ -216,6 +216,7 @@ class Simulator:
         self._rr_last = -1                         # the worker chosen last: round-robin's turn, kv routing's ties
         self._routes: dict[tuple[int, int], float] = {}
         self.num_prompt_tokens = np.zeros(len(self.workers))     # per worker, cumulative, uncached
+        self.num_local_only_tokens = np.zeros(len(self.workers))  # of those, prompts too short to go remote
         self.num_generated_tokens = np.zeros(len(self.workers))  # (counted when admitted)
         self._busy_start: list[float] = []    # prefill busy intervals, for utilisation per tick
         self._busy_end: list[float] = []
@@ -229,6 +230,15 @@ class Simulator:
     def _pool_capacity_tps(self, role: str) -> float:
         k = 0 if role == PREFILL else 1
         return sum(self.cap_tps[w.index][k] for w in self.workers if w.role == role and not w.draining)
+
+    def _per_worker_capacity_tps(self, role: str, num_role: int) -> float:
+        """One worker's capacity in ``role``: the mean over those in it, or with none, over every worker
+        able to run it (as a worker would after a flip)."""
+        if num_role:
+            return self._pool_capacity_tps(role) / num_role
+        k = 0 if role == PREFILL else 1
+        able = [self.cap_tps[w.index][k] for w in self.workers if self.cap_tps[w.index][k] > 0]
+        return sum(able) / len(able) if able else 0.0
 
     def _prefill_drain_tps(self) -> float:
         return sum(self.drain_tps[w.index] for w in self.workers if w.role == PREFILL and not w.draining)
@@ -334,6 +344,8 @@ class Simulator:
         self.fetch_s[i] = fetch_s
         self.res.num_fetches += fetch_s > 0
         self.num_prompt_tokens[w.index] += inp - cached
+        if not decide_prefill(DisaggInput(self.now, inp, 0, 0, True), self.cfg.disagg).remote:
+            self.num_local_only_tokens[w.index] += inp - cached
         self.num_generated_tokens[w.index] += self.out[i]
         if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0 or not self._has_free_slot(w):
             w.waiting.append(i)
@@ -600,8 +612,8 @@ class Simulator:
         """The autoscaler service's own tick (``shared.cluster.scaling``: demand over its window
         from per-worker counters, no decision while a worker drains, the cooldown counted from when
         a flip is done, the least busy workers flipped), on this simulation's workers."""
-        self.scaling.defaults = Capacities(self._pool_capacity_tps(PREFILL) / max(num_p, 1),
-                                           self._pool_capacity_tps(DECODE) / max(num_d, 1))
+        self.scaling.defaults = Capacities(self._per_worker_capacity_tps(PREFILL, num_p),
+                                           self._per_worker_capacity_tps(DECODE, num_d))
         plan = self.scaling.plan_samples(self.now, [self._sample(w) for w in self.workers])
         by_name = {w.name: w for w in self.workers}
         for flip in plan.flips:
@@ -615,6 +627,7 @@ class Simulator:
         return WorkerSample(w.name, w.role, is_ready=not w.draining, timestamp=self.now,
                             num_prompt_tokens=int(self.num_prompt_tokens[w.index]), num_cached_prompt_tokens=0,
                             num_generated_tokens=int(self.num_generated_tokens[w.index]),
+                            num_local_only_prompt_tokens=int(self.num_local_only_tokens[w.index]),
                             num_in_flight=len(w.finish_heap) + len(w.waiting), num_waiting=len(w.waiting))
 
     def _start_flip(self, w: Worker) -> None:

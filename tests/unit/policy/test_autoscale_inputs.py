@@ -10,10 +10,11 @@ DEFAULTS = Capacities(prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0)
 
 
 def sample(worker_id, role="decode", t=0.0, prompt=0, cached=0, generated=0, queued=0, ready=True, in_flight=0,
-           rate=None):
+           rate=None, local_only=0):
     return WorkerSample(worker_id=worker_id, role=role, is_ready=ready, timestamp=t, num_prompt_tokens=prompt,
                         num_cached_prompt_tokens=cached, num_generated_tokens=generated,
-                        num_queued_prefill_tokens=queued, num_in_flight=in_flight, prefill_tokens_per_s=rate)
+                        num_queued_prefill_tokens=queued, num_in_flight=in_flight, prefill_tokens_per_s=rate,
+                        num_local_only_prompt_tokens=local_only)
 
 
 def by_id(*samples):
@@ -106,6 +107,27 @@ def test_a_shift_to_long_prompts_moves_a_decode_worker_to_prefill_and_back():
     t4 = [sample("d1", t=12, prompt=3120, generated=386), sample("d2", role="prefill", t=12, prompt=3040)]
     decision = policy.tick(tick_input(12.0, measure_demand(by_id(*t3), t4), t4, DEFAULTS))
     assert decision.flips == -1 and choose_flips(decision, t4) == [Flip("d2", "decode")]
+
+
+def test_prompts_too_short_for_a_remote_prefill_count_as_decode_side_work():
+    """Decode workers prefill short prompts themselves whatever the split: a prefill worker would
+    get none of them, so a flood of short prompts asks for no prefill worker; long ones still do."""
+    policy = RatioAutoscaler(AutoscaleConfig(cooldown_s=0, stabilization_s=0, min_prefill=0, min_decode=1))
+    t0 = by_id(sample("d1", t=0), sample("d2", t=0))
+    # 3,000 uncached prompt tokens a second against 130 output tokens: prefill-heavy, all of it short prompts
+    short = [sample("d1", t=2, prompt=3040, generated=130, local_only=3040),
+             sample("d2", t=2, prompt=3040, generated=130, local_only=3040)]
+    demand = measure_demand(t0, short)
+    assert demand.local_prefill_tokens_per_s == demand.prefill_tokens_per_s == 3040
+    decision = policy.tick(tick_input(2.0, demand, short, DEFAULTS))
+    assert decision.flips == 0 and "balanced" in decision.reason, decision
+    # the same tokens from prompts long enough for a remote prefill: a prefill worker takes them
+    long = [sample("d1", t=2, prompt=3040, generated=130), sample("d2", t=2, prompt=3040, generated=130)]
+    assert policy.tick(tick_input(2.0, measure_demand(t0, long), long, DEFAULTS)).flips == 1
+    # a worker whose count went back (a flip restarted its role) adds none; never more than computed
+    back = measure_demand(by_id(*short), [sample("d1", t=4, prompt=4040, generated=130, local_only=0),
+                                          sample("d2", t=4, prompt=3040, generated=130, local_only=9000)])
+    assert back.prefill_tokens_per_s == 500 and back.local_prefill_tokens_per_s == 500
 
 
 def test_choose_flips_takes_only_ready_workers_of_the_giving_role():

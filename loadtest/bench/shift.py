@@ -28,11 +28,9 @@ import dataclasses
 import json
 import os
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from loadtest.tools.harness import status
+from loadtest.tools.harness import SplitSampler, status
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import RequestSpec, WorkloadConfig, build_workload
@@ -87,36 +85,6 @@ def phase_report(results: list[RequestResult], phase_of: dict[int, str], ttft_sl
     out["all"] = {"num_sent": len(results),
                   "slo_attainment": sum(meets_slo(r, ttft_slo_s, itl_slo_s) for r in results) / max(1, len(results))}
     return out
-
-
-class SplitSampler:
-    """Every ``interval_s``: seconds since ``start`` → ready workers per role, from ``/status``."""
-
-    def __init__(self, base_url: str, interval_s: float = 1.0) -> None:
-        self.samples: list[tuple[float, int, int]] = []  # (t, prefill, decode)
-        self._url, self._interval = base_url, interval_s
-        self._stop = threading.Event()
-        self._start = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> SplitSampler:
-        self._start = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                workers = [w["info"] for w in status(self._url)["workers"] if w["info"]["state"] == "ready"]
-            except OSError:
-                continue
-            self.samples.append((round(time.monotonic() - self._start, 2),
-                                 sum(w["role"] == "prefill" for w in workers),
-                                 sum(w["role"] == "decode" for w in workers)))
 
 
 def start_stack(state: Path, label: str, args, num_decode: int, num_prefill: int, autoscale: dict | None, log):

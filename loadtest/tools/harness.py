@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +47,36 @@ def status(base_url: str, timeout_s: float = 10.0) -> dict:
     """A gateway's ``/status`` page: its workers (``info`` and last ``load``), services and queues."""
     with urllib.request.urlopen(base_url + "/status", timeout=timeout_s) as resp:
         return json.load(resp)
+
+
+class SplitSampler:
+    """Every ``interval_s``: seconds since ``start`` → ready workers per role, from ``/status``."""
+
+    def __init__(self, base_url: str, interval_s: float = 1.0) -> None:
+        self.samples: list[tuple[float, int, int]] = []  # (t, prefill, decode)
+        self._url, self._interval = base_url, interval_s
+        self._stop = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SplitSampler:
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                workers = [w["info"] for w in status(self._url)["workers"] if w["info"]["state"] == "ready"]
+            except OSError:
+                continue
+            self.samples.append((round(time.monotonic() - self._start, 2),
+                                 sum(w["role"] == "prefill" for w in workers),
+                                 sum(w["role"] == "decode" for w in workers)))
 
 
 def log_to(file: IO[str], prefix: str = "") -> Callable[[str, str], None]:

@@ -112,6 +112,7 @@ from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 
+from loadtest.tools.harness import SplitSampler, status
 from loadtest.tools.stats import RequestResult, percentile
 from loadtest.tools.workload import WORDS
 
@@ -546,6 +547,21 @@ def decode_flags(args) -> dict[str, object]:
     return flags
 
 
+def autoscaler_flags(args) -> dict[str, object]:
+    """The autoscaler's flags for ``--start-stack --autoscale`` (none: it only serves the cluster view).
+    Every worker may flip, as long as one decodes."""
+    if not args.autoscale:
+        return {}
+    flags: dict[str, object] = {"autoscale": True, "min_prefill_workers": 0, "min_decode_workers": 1,
+                                "autoscale_interval_s": args.autoscale_interval_s,
+                                "autoscale_window_s": args.autoscale_window_s,
+                                "autoscale_cooldown_s": args.autoscale_cooldown_s,
+                                "autoscale_stabilization_s": args.autoscale_stabilization_s}
+    if args.autoscale_decode_capacity is not None:
+        flags["decode_capacity_tokens_per_s"] = args.autoscale_decode_capacity
+    return flags
+
+
 def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
     from shared.stack.stack import Stack, StackSpec
 
@@ -560,7 +576,9 @@ def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
         admission_flags["qos"] = str(qos)
     stack = Stack(StackSpec(state_dir=state_dir / "stack", num_decode=args.decode, model=args.model_live, port=0,
                             namespace=f"replay{os.getpid()}", log_level="WARNING", decode_flags=decode_flags(args),
-                            gateway_flags=gateway_flags, admission_flags=admission_flags),
+                            num_prefill=args.prefill_workers or 0, prefill_flags=decode_flags(args),
+                            gateway_flags=gateway_flags, admission_flags=admission_flags,
+                            autoscaler_flags=autoscaler_flags(args)),
                   on_line=lambda name, line: log.write(f"{name:<12}| {line}\n"))
     stack.start()
     return stack
@@ -626,7 +644,6 @@ def gpu_setup(requests, tiers, args):
     from shared.planner.devices import Cluster
     from shared.planner.flow import Evaluator
     from shared.planner.plan import Plan, make_plan
-    from shared.policy.autoscale import AutoscaleConfig
     from shared.sim.simulator import SimConfig
 
     cluster, model, workload = load_cluster(args.cluster), load_model(args.model), _workload(requests, tiers)
@@ -639,10 +656,18 @@ def gpu_setup(requests, tiers, args):
                     round_robin=args.routing == "round-robin", seed=args.seed,
                     prefix_cache_blocks=args.prefix_cache_blocks, fallback_workers=args.fallback_workers,
                     peer_fetch=_peer_fetch(args),
-                    autoscale=AutoscaleConfig(cooldown_s=args.autoscale_cooldown_s,
-                                              stabilization_s=args.autoscale_stabilization_s)
-                    if args.autoscale else None)
+                    autoscale=_autoscale(args), autoscale_window_s=args.autoscale_window_s)
     return Evaluator(Cluster(cluster), model, workload, eff), plan, cfg
+
+
+def _autoscale(args, **bounds):
+    """The simulated autoscaler's policy settings (None: roles stay as set), as the service's flags."""
+    from shared.policy.autoscale import AutoscaleConfig
+
+    if not args.autoscale:
+        return None
+    return AutoscaleConfig(cooldown_s=args.autoscale_cooldown_s, stabilization_s=args.autoscale_stabilization_s,
+                           **bounds)
 
 
 def _peer_fetch(args):
@@ -670,7 +695,9 @@ def cpu_setup(requests, tiers, args):
     model = load_model(cal.model)
     eff = calibrate(model, cal.gpu, [PrefillSample(m.num_tokens, m.seconds) for m in cal.prefill],
                     [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode], fit_overheads=True)
-    share = args.cpu_share if args.cpu_share is not None else 1.0 / args.decode
+    num_prefill = args.prefill_workers or 0
+    num_workers = args.decode + num_prefill
+    share = args.cpu_share if args.cpu_share is not None else 1.0 / num_workers
     # the workers split the CPU: each runs at ``share`` of the measured speed (overheads included)
     eff = dc_replace(eff, compute=eff.compute * share, hbm=eff.hbm * share,
                      prefill_overhead_s=eff.prefill_overhead_s / share, decode_seq_s=eff.decode_seq_s / share)
@@ -678,23 +705,35 @@ def cpu_setup(requests, tiers, args):
     hbm_gib = (kv_bytes + model.weight_bytes) / eff.mem_fraction / (1 << 30)
     gpu = GpuType(tflops_bf16=cal.gpu.tflops_bf16, hbm_gib=hbm_gib, hbm_gbps=cal.gpu.hbm_gbps, price_per_hour=0.0)
     spec = ClusterSpec(gpu_types={"cpu": gpu}, inter_node_gbps=1.0,
-                       nodes=[{"name": "local", "gpu_type": "cpu", "num_gpus": args.decode, "intra_gbps": 1.0}])
+                       nodes=[{"name": "local", "gpu_type": "cpu", "num_gpus": num_workers, "intra_gbps": 1.0}])
     workload = _workload(requests, tiers)
+    if num_prefill or args.autoscale:
+        # a worker's prefill capacity is taken at the loosest tier's TTFT: at its share of the CPU a
+        # long prompt of the slice misses the tightest one alone, and the cost model then gives a
+        # worker no prefill capacity at all (it could neither prefill nor flip to it)
+        loosest = max(t.ttft_slo_s for t in tiers)
+        if math.isfinite(loosest):
+            workload = workload.model_copy(update={"slo": workload.slo.model_copy(update={"ttft_s": loosest})})
     rate = workload.request_rate
-    plan = Plan(model=model.name, num_gpus=args.decode, request_rate=rate, mean_input_len=workload.input_len,
+    roles = ["decode"] * args.decode + ["prefill"] * num_prefill
+    numbers = {"decode": iter(range(1, args.decode + 1)), "prefill": iter(range(1, num_prefill + 1))}
+    plan = Plan(model=model.name, num_gpus=num_workers, request_rate=rate, mean_input_len=workload.input_len,
                 mean_output_len=workload.output_len, slo=workload.slo,
-                workers=[WorkerPlan(worker_id=f"decode-{k + 1}", role="decode", gpu_type="cpu",
+                workers=[WorkerPlan(worker_id=f"{role}-{next(numbers[role])}", role=role, gpu_type="cpu",
                                     gpus=[f"local/gpu{k}"], tp=1, pp=1, capacity_rps=0.0,
-                                    assigned_rps=rate / args.decode, latency_s=0.0, price_per_hour=0.0)
-                         for k in range(args.decode)],
+                                    assigned_rps=rate / num_workers, latency_s=0.0, price_per_hour=0.0)
+                         for k, role in enumerate(roles)],
                 routes=[], capacity_rps=0.0, throughput_rps=rate, output_tokens_per_s=rate * workload.output_len,
                 predicted_ttft_s=None, predicted_tpot_s=None, cost_per_hour=0.0,
                 cost_per_million_output_tokens=None, planning_time_s=0.0, search_history=[])
-    cfg = SimConfig(disagg=DisaggConfig(max_local_prefill_tokens=1 << 30), routing=_routing(args.routing),
+    # decode workers prefill locally up to the engine's threshold, as live (with no prefill worker, all)
+    disagg = DisaggConfig() if num_prefill or args.autoscale else DisaggConfig(max_local_prefill_tokens=1 << 30)
+    cfg = SimConfig(disagg=disagg, routing=_routing(args.routing),
                     admission=_admission(tiers, args.admission), round_robin=args.routing == "round-robin",
                     fallback_workers=args.fallback_workers, peer_fetch=_peer_fetch(args),
                     max_num_seqs=args.max_num_seqs, local_prefill_batch_tokens=args.max_num_batched_tokens,
-                    seed=args.seed, prefix_cache_blocks=cpu_prefix_cache_blocks(args, model, kv_bytes))
+                    seed=args.seed, prefix_cache_blocks=cpu_prefix_cache_blocks(args, model, kv_bytes),
+                    autoscale=_autoscale(args, min_prefill=0, min_decode=1), autoscale_window_s=args.autoscale_window_s)
     return Evaluator(Cluster(spec), model, workload, eff), plan, cfg
 
 
@@ -885,12 +924,19 @@ def parse_args(argv=None):
                           "more stands for a host-memory tier, its copy-back untimed)")
     sim.add_argument("--prefill-workers", type=int, default=None,
                      help="gpu: a fixed split: this many of the plan's groups prefill, the rest decode "
-                          "(default: as planned)")
+                          "(default: as planned); cpu / --start-stack: prefill workers beside --decode "
+                          "(default 0; decode workers prefill prompts of up to 512 uncached tokens themselves)")
     sim.add_argument("--autoscale", action="store_true",
-                     help="gpu: the autoscaler flips groups between prefill and decode as the load shifts")
-    sim.add_argument("--autoscale-cooldown-s", type=float, default=60.0, help="gpu: the autoscaler's cooldown")
+                     help="the autoscaler flips workers between prefill and decode as the load shifts (gpu: the "
+                          "plan's groups; cpu / --start-stack: any worker, as long as one decodes)")
+    sim.add_argument("--autoscale-interval-s", type=float, default=10.0,
+                     help="--start-stack: how often the autoscaler decides (simulated: every tick)")
+    sim.add_argument("--autoscale-window-s", type=float, default=30.0, help="the autoscaler's demand window")
+    sim.add_argument("--autoscale-cooldown-s", type=float, default=60.0, help="the autoscaler's cooldown")
     sim.add_argument("--autoscale-stabilization-s", type=float, default=AutoscaleConfig.stabilization_s,
-                     help="gpu: flip only once every tick of this long asked for it (0: at the first)")
+                     help="flip only once every tick of this long asked for it (0: at the first)")
+    sim.add_argument("--autoscale-decode-capacity", type=float, default=None,
+                     help="--start-stack: one decode worker's output tokens/s for the autoscaler (default: its own)")
     sim.add_argument("--cluster", default=str(DEFAULT_GPU_CLUSTER), help="gpu: cluster YAML")
     sim.add_argument("--model", default="llama-2-70b", help="gpu: model preset or YAML")
     sim.add_argument("--plan", default=None, help="gpu: plan JSON (default: plan the cluster for the slice)")
@@ -905,7 +951,7 @@ def parse_args(argv=None):
                           "(live: over NIXL)")
     sim.add_argument("--calibration-dir", default=str(CALIBRATION_DIR), help="cpu: calibrate_sim's output")
     sim.add_argument("--cpu-share", type=float, default=None,
-                     help="cpu: each worker's share of the machine (default 1/--decode)")
+                     help="cpu: each worker's share of the machine (default 1/(--decode + --prefill-workers))")
     sim.add_argument("--max-num-seqs", type=int, default=64, help="cpu: the engine's sequence slots")
     sim.add_argument("--max-num-batched-tokens", type=int, default=512, help="cpu: the engine's step budget")
     args = p.parse_args(argv)
@@ -957,9 +1003,13 @@ def main(argv=None) -> int:
                 url = stack.base_url
                 print(f"stack ready at {url} ({args.decode} decode workers, {args.routing} routing)", flush=True)
             t0 = time.perf_counter()
-            outcomes = run_live(url, args.model_live, requests, seed=args.seed, max_retries=args.retry_429,
-                                progress=not args.no_progress, timeout_s=args.timeout_s)
+            with SplitSampler(url) as split:
+                outcomes = run_live(url, args.model_live, requests, seed=args.seed, max_retries=args.retry_429,
+                                    progress=not args.no_progress, timeout_s=args.timeout_s)
             extra["wall_s"] = time.perf_counter() - t0
+            # ready workers per role over the run, and the autoscaler's decisions that acted
+            extra["split_over_time"] = [list(s) for s in split.samples]
+            extra["scaling"] = _scaling_status(url)
         finally:
             if stack is not None:
                 stack.stop()
@@ -988,6 +1038,13 @@ def main(argv=None) -> int:
         paths = write_out(args.out, summary, config, outcomes, title, extra, per_request=not args.no_per_request)
         print("wrote", *paths)
     return 0 if summary["failed"] == 0 else 1
+
+
+def _scaling_status(url: str) -> dict | None:
+    try:
+        return status(url).get("scaling")
+    except OSError:
+        return None
 
 
 def _cpu_model() -> str:

@@ -163,6 +163,7 @@ def _record(plan: ScalingPlan, actions: list[ScalingAction]) -> ScalingDecisionR
     return ScalingDecisionRecord(
         timestamp=plan.now_s, reason=plan.reason, num_prefill=inp.num_prefill, num_decode=inp.num_decode,
         target_prefill=d.target_prefill, target_decode=d.target_decode,
-        prefill_tokens_per_s=inp.prefill_tokens_per_s, decode_tokens_per_s=inp.decode_tokens_per_s,
+        prefill_tokens_per_s=inp.prefill_tokens_per_s, local_prefill_tokens_per_s=inp.local_prefill_tokens_per_s,
+        decode_tokens_per_s=inp.decode_tokens_per_s,
         prefill_capacity_tokens_per_s=inp.prefill_capacity_tokens_per_s,
         decode_capacity_tokens_per_s=inp.decode_capacity_tokens_per_s, actions=actions)

@@ -257,6 +257,7 @@ class ScalingDecisionRecord(WireModel):
     target_prefill: int = Field(ge=0)
     target_decode: int = Field(ge=0)
     prefill_tokens_per_s: float = 0.0           # demand measured over the tick
+    local_prefill_tokens_per_s: float = 0.0     # of it, prompts too short for a remote prefill
     decode_tokens_per_s: float = 0.0
     prefill_capacity_tokens_per_s: float = 0.0  # one worker's, as the policy was told
     decode_capacity_tokens_per_s: float = 0.0

@@ -90,7 +90,11 @@ serve late is tried on ``--fallback-workers`` others first); without it every re
 ``--start-stack`` starts ``tandem up`` here for the live run (``--decode``, ``--kv-cache-memory``,
 ``--kv-host-memory``, ``--no-kv-peer-fetch``, ``--routing``; the tiers and, with ``--admission``,
 their SLOs in a QoS file) and stops it after; ``--compare-sim`` also simulates the slice (``cpu``)
-and reports the simulator's error.
+and reports the simulator's error. ``--prefill-workers N`` adds prefill workers beside the decode
+workers (live and ``cpu``; decode workers still prefill prompts of up to 512 uncached tokens), and
+``--autoscale`` lets the autoscaler flip any worker between the roles as long as one decodes
+(``--autoscale-*`` set its interval, window, cooldown, stabilization window and decode capacity);
+a live run then records the split over time and the autoscaler's decisions.
 
 Writes ``--out`` (JSON: the summary's fields at the top level, then ``config`` and every request
 unless ``--no-per-request``, live ones with the decode worker that served them) and a PNG next to

@@ -11,7 +11,9 @@ capacity, the batch's rate and the online rate are all in completed requests per
 2. **batch alone**: a ``--lines``-line batch (``files.create`` + ``batches.create`` through the
    official client) run to completion: its lines/s against capacity;
 3. **online alone**: Poisson arrivals at ``--online-load`` × capacity for ``--online-duration-s``:
-   TTFT and ITL percentiles;
+   TTFT and ITL percentiles (``--online-rate R`` sends R requests/s instead, whatever the bursts
+   measured: the capacity bursts vary by tens of percent between runs, and the online load with
+   them, so settings are compared on equal loads only with a fixed rate);
 4. **online beside a batch**: a fresh batch of the same size is created and, once its lines are
    running, the same online schedule is sent again. The batch's rate during that window (its
    completed-line count read at the window's start and end) is compared with the idle capacity,
@@ -311,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--lines", type=int, default=2000, help="lines of each batch")
     p.add_argument("--online-load", type=float, default=0.5, help="online arrival rate, a multiple of capacity")
+    p.add_argument("--online-rate", type=float, default=None,
+                   help="online arrival rate in requests/s (instead of --online-load x the measured capacity)")
     p.add_argument("--online-duration-s", type=float, default=120.0, help="arrival span of the online load")
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
@@ -335,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the worker's step trace file (its --step-trace); summed up per phase into the JSON")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.online_rate is not None and args.online_rate <= 0:
+        p.error(f"--online-rate must be positive, not {args.online_rate:g}")
     if args.step_trace:
         args.step_trace.unlink(missing_ok=True)
     import openai  # noqa: PLC0415
@@ -373,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                 alone = batch_alone(client, args, statistics.median(rates), report)
 
             # one online rate for every round (from the first bursts), so that the rounds' results pool
-            rate = args.online_load * statistics.median(rates)
+            rate = args.online_rate if args.online_rate is not None else args.online_load * statistics.median(rates)
+            report["online_rate_rps"] = rate
+            print(f"online load: {rate:.2f} req/s" + ("" if args.online_rate is not None
+                                                      else f" ({args.online_load:g} x capacity)"))
             for r in range(args.rounds):
                 if r > 0:  # capacity sampled across the run, as the machine's speed drifts with it
                     rates.append(burst(args.capacity_bursts + r - 1))

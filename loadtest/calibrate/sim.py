@@ -5,8 +5,10 @@
 
 In one run:
 
-1. **Step times.** The in-process engine (same defaults as a decode worker) times prefill steps at
-   a few prompt lengths and pure decode steps at a few batch sizes (median of ``--repeats``),
+1. **Step times.** The in-process engine (a decode worker's defaults, its decode step compiled as a
+   worker's is once its background compile is done) times prefills at a few prompt lengths (a
+   prompt beyond the step budget in the steps of its chunks) and pure decode steps at a few batch
+   sizes (median of ``--repeats``),
    stepping on a thread of its own as the decode worker's ``AsyncEngine`` does, with the intra-op
    threads handed over to it (``shared.engine.cpu_threads``; without the hand-over a step there
    took twice as long as on the main thread, and the fit predicted a worker twice as slow as the
@@ -144,8 +146,9 @@ def on_engine_thread(fn, *args):
 
 
 def measure_step_times(engine, prefill_lengths, decode_batches, context_len: int, repeats: int):
-    """Median wall time of ``engine.step()``: one whole-prompt prefill (fresh prompt, nothing
-    cached) per length, and pure decode steps of ``batch`` sequences at ``context_len`` tokens."""
+    """Median wall time of a whole-prompt prefill (fresh prompt, nothing cached; one ``engine.step()``
+    up to the engine's step budget, the steps of its chunks beyond it) per length, and of pure decode
+    steps of ``batch`` sequences at ``context_len`` tokens."""
     import torch  # noqa: PLC0415
 
     from shared.engine import SamplingParams
@@ -160,10 +163,9 @@ def measure_step_times(engine, prefill_lengths, decode_batches, context_len: int
                 engine.add_request(f"cal-p{salt}", _prompt(n, salt, vocab),
                                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
                 t0 = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - t0)
-                while engine.has_unfinished_requests():
+                while engine.has_unfinished_requests():   # max_tokens=1: it ends with its prompt's prefill
                     engine.step()
+                times.append(time.perf_counter() - t0)
             prefill.append({"num_tokens": n, "seconds": statistics.median(times), "runs_s": times})
             print(f"  prefill {n:4d} tokens: {statistics.median(times) * 1e3:7.1f} ms", flush=True)
         for b in decode_batches:
@@ -334,7 +336,8 @@ def main(argv=None) -> int:
     specs = build_workload(wl)
 
     print("1. step times (in-process engine)", flush=True)
-    engine = LLMEngine.from_config(EngineConfig(model=args.model))
+    # the decode step compiled, as a decode worker runs it once its background compile is done
+    engine = LLMEngine.from_config(EngineConfig(model=args.model, compile="on"))
     warmup(engine)
     input_lens = [len(engine.tokenizer.encode(s.prompt)) for s in specs]
     ctx = round(float(np.mean(input_lens)) + args.output_tokens / 2)
@@ -363,8 +366,9 @@ def main(argv=None) -> int:
     cal_path.write_text(
         f"# SmolLM2-135M step times measured by loadtest/calibrate/sim.py on {platform.node() or 'this machine'} "
         f"({device}, {threads} torch threads), {started}.\n"
-        "# Median wall time of one engine.step(), stepped on its own thread as the decode worker does:\n"
-        "# a whole-prompt prefill, or a pure decode step of `batch` sequences.\n"
+        "# Median wall time, stepped on its own thread as the decode worker does: a whole-prompt prefill\n"
+        "# (one engine.step(), or its chunks' steps beyond the step budget), or a pure decode step of\n"
+        "# `batch` sequences (the decode step compiled).\n"
         f"# The CPU is described in nominal units ({NOMINAL_TFLOPS:g} TFLOP/s, {NOMINAL_GBPS:g} GB/s);\n"
         "# the fitted efficiencies carry the real rates. `model` is a path relative to the repository root.\n"
         + yaml.safe_dump(cal_doc, sort_keys=False))

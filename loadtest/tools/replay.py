@@ -90,7 +90,8 @@ serve late is tried on ``--fallback-workers`` others first); without it every re
 ``--start-stack`` starts ``tandem up`` here for the live run (``--decode``, ``--kv-cache-memory``,
 ``--kv-host-memory``, ``--no-kv-peer-fetch``, ``--routing``; the tiers and, with ``--admission``,
 their SLOs in a QoS file) and stops it after; ``--compare-sim`` also simulates the slice (``cpu``)
-and reports the simulator's error. ``--prefill-workers N`` adds prefill workers beside the decode
+and reports the simulator's error. ``--simulate cpu --compare-with LIVE_JSON`` compares a simulation
+with a live run of the same slice recorded earlier (with another ``--calibration-dir``, say). ``--prefill-workers N`` adds prefill workers beside the decode
 workers (live and ``cpu``; decode workers still prefill prompts of up to 512 uncached tokens), and
 ``--autoscale`` lets the autoscaler flip any worker between the roles as long as one decodes
 (``--autoscale-*`` set its interval, window, cooldown, stabilization window and decode capacity);
@@ -911,6 +912,8 @@ def parse_args(argv=None):
     live.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     live.add_argument("--start-stack", action="store_true",
                       help="start tandem up here for the run (--decode, --kv-cache-memory, --routing, --admission)")
+    live.add_argument("--compare-with", type=Path, default=None, metavar="LIVE_JSON",
+                      help="with --simulate: compare with a live run of the same slice recorded earlier (its --out)")
     live.add_argument("--compare-sim", action="store_true",
                       help="also simulate the slice on this machine's model (as --simulate cpu) and compare")
     sim = p.add_argument_group("simulated / stack shape")
@@ -991,6 +994,17 @@ def main(argv=None) -> int:
         label = f"simulated ({args.simulate}, {info['num_gpus']} devices, {args.routing} routing)"
         print(format_summary(label, summary))
         print(f"simulated {len(requests):,} requests ({info['num_events']:,} events) in {info['wall_s']:.2f} s")
+        if args.compare_with:
+            live = json.loads(args.compare_with.read_text())
+            if live.get("requests") != summary["requests"]:
+                print(f"error: {args.compare_with} has {live.get('requests')} requests, this slice "
+                      f"{summary['requests']}: not the same slice", file=sys.stderr)
+                return 2
+            extra["sim_vs_live"] = compare(summary, live)
+            extra["compared_with"] = str(args.compare_with)
+            print("sim vs live: " + "; ".join(
+                f"{k} {'-' if r['rel_error'] is None else format(r['rel_error'], '+.0%')}"
+                for k, r in extra["sim_vs_live"].items()))
     else:
         stack = None
         log = None

@@ -245,6 +245,35 @@ def test_a_fixed_split_and_the_autoscaler_in_the_gpu_simulation(trace_file, tmp_
         replay.main([*base, "--prefill-workers", str(len(groups)), "--out", str(fixed)])
 
 
+def test_prefill_workers_and_the_autoscaler_in_the_cpu_simulation_and_the_stack(trace_file, tmp_path):
+    base = ["--trace", str(trace_file), "--length-scale", "1/16", "--time-scale", "10", "--simulate", "cpu",
+            "--kv-cache-memory", "64MiB", "--no-progress", "--no-per-request",
+            "--api-keys", "kp:premium:0.3,kb:batch:0.7", "--slo-ttft-ms", "premium=3000,batch=9000"]
+    fixed, auto, other = (tmp_path / f"{n}.json" for n in ("fixed", "auto", "other"))
+    assert replay.main([*base, "--decode", "1", "--prefill-workers", "1", "--out", str(fixed)]) == 0
+    d = json.loads(fixed.read_text())
+    assert [w["role"] for w in d["sim"]["workers"]] == ["decode", "prefill"]
+    assert {n for _, n in d["sim"]["num_prefill_over_time"]} == {1} and d["completed"] == 20
+    assert replay.main([*base, "--decode", "2", "--autoscale", "--out", str(auto)]) == 0
+    assert json.loads(auto.read_text())["completed"] == 20
+    # what the started stack would be given
+    args = replay.parse_args([*base, "--decode", "2", "--autoscale", "--autoscale-stabilization-s", "5",
+                              "--autoscale-decode-capacity", "150"])
+    assert replay.autoscaler_flags(args) == {
+        "autoscale": True, "min_prefill_workers": 0, "min_decode_workers": 1, "autoscale_interval_s": 10.0,
+        "autoscale_window_s": 30.0, "autoscale_cooldown_s": 60.0, "autoscale_stabilization_s": 5.0,
+        "decode_capacity_tokens_per_s": 150.0}
+    assert replay.autoscaler_flags(replay.parse_args(base)) == {}
+    # a simulation compared with a run recorded earlier (here: the fixed split's, as if it were live)
+    assert replay.main([*base, "--decode", "1", "--prefill-workers", "1", "--compare-with", str(fixed),
+                        "--out", str(other)]) == 0
+    rows = json.loads(other.read_text())["sim_vs_live"]
+    assert rows["goodput_rps"]["rel_error"] == 0 and rows["hit_ratio"]["rel_error"] == 0
+    # not the same slice: refused
+    assert replay.main([*base, "--max-requests", "5", "--decode", "2", "--compare-with", str(fixed),
+                        "--out", str(other)]) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_live_replay_against_a_small_stack(trace_file, tmp_path):

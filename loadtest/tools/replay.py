@@ -91,8 +91,9 @@ serve late is tried on ``--fallback-workers`` others first); without it every re
 ``--kv-host-memory``, ``--no-kv-peer-fetch``, ``--routing``; the tiers and, with ``--admission``,
 their SLOs in a QoS file) and stops it after; ``--compare-sim`` also simulates the slice (``cpu``)
 and reports the simulator's error. ``--simulate cpu --compare-with LIVE_JSON`` compares a simulation
-with a live run of the same slice recorded earlier (with another ``--calibration-dir``, say). ``--prefill-workers N`` adds prefill workers beside the decode
-workers (live and ``cpu``; decode workers still prefill prompts of up to 512 uncached tokens), and
+with a live run of the same slice recorded earlier (with another ``--calibration-dir``, say).
+``--prefill-workers N`` adds prefill workers beside the decode workers (live and ``cpu``; decode
+workers still prefill prompts of up to 512 uncached tokens), and
 ``--autoscale`` lets the autoscaler flip any worker between the roles as long as one decodes
 (``--autoscale-*`` set its interval, window, cooldown, stabilization window and decode capacity);
 a live run then records the split over time and the autoscaler's decisions.
@@ -712,7 +713,8 @@ def cpu_setup(requests, tiers, args):
     spec = ClusterSpec(gpu_types={"cpu": gpu}, inter_node_gbps=1.0,
                        nodes=[{"name": "local", "gpu_type": "cpu", "num_gpus": num_workers, "intra_gbps": 1.0}])
     workload = _workload(requests, tiers)
-    if num_prefill or args.autoscale:
+    any_prefill = bool(num_prefill or args.autoscale)   # a worker prefills now, or may after a flip
+    if any_prefill:
         # a worker's prefill capacity is taken at the loosest tier's TTFT: at its share of the CPU a
         # long prompt of the slice misses the tightest one alone, and the cost model then gives a
         # worker no prefill capacity at all (it could neither prefill nor flip to it)
@@ -732,7 +734,7 @@ def cpu_setup(requests, tiers, args):
                 predicted_ttft_s=None, predicted_tpot_s=None, cost_per_hour=0.0,
                 cost_per_million_output_tokens=None, planning_time_s=0.0, search_history=[])
     # decode workers prefill locally up to the engine's threshold, as live (with no prefill worker, all)
-    disagg = DisaggConfig() if num_prefill or args.autoscale else DisaggConfig(max_local_prefill_tokens=1 << 30)
+    disagg = DisaggConfig() if any_prefill else DisaggConfig(max_local_prefill_tokens=1 << 30)
     cfg = SimConfig(disagg=disagg, routing=_routing(args.routing),
                     admission=_admission(tiers, args.admission), round_robin=args.routing == "round-robin",
                     fallback_workers=args.fallback_workers, peer_fetch=_peer_fetch(args),
@@ -857,6 +859,12 @@ def relative_error(sim: float | None, live: float | None) -> float | None:
     if sim is None or live is None or live == 0:
         return None
     return (sim - live) / live
+
+
+def format_sim_vs_live(rows: dict) -> str:
+    """``compare``'s rows on one line."""
+    return "sim vs live: " + "; ".join(
+        f"{k} {'-' if r['rel_error'] is None else format(r['rel_error'], '+.0%')}" for k, r in rows.items())
 
 
 def compare(sim: dict, live: dict) -> dict:
@@ -1002,9 +1010,7 @@ def main(argv=None) -> int:
                 return 2
             extra["sim_vs_live"] = compare(summary, live)
             extra["compared_with"] = str(args.compare_with)
-            print("sim vs live: " + "; ".join(
-                f"{k} {'-' if r['rel_error'] is None else format(r['rel_error'], '+.0%')}"
-                for k, r in extra["sim_vs_live"].items()))
+            print(format_sim_vs_live(extra["sim_vs_live"]))
     else:
         stack = None
         log = None
@@ -1044,9 +1050,7 @@ def main(argv=None) -> int:
             print(format_summary("simulated (cpu)", sim_summary))
             extra["sim"] = {"summary": sim_summary, **info}
             extra["sim_vs_live"] = compare(sim_summary, summary)
-            print("sim vs live: " + "; ".join(
-                f"{k} {'-' if r['rel_error'] is None else format(r['rel_error'], '+.0%')}"
-                for k, r in extra["sim_vs_live"].items()))
+            print(format_sim_vs_live(extra["sim_vs_live"]))
     load = os.getloadavg()[0]
     extra["load_average_1m_at_end"] = load
     if args.out:

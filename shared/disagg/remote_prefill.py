@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from shared.engine import AsyncEngine, EngineOutput, SamplingParams
 from shared.disagg.incoming import Delivery, IncomingWrites
 from shared.disagg.lease import CLOCK_MARGIN_S, ReservationLeases
-from shared.policy.disagg import DisaggConfig, DisaggDecision, DisaggInput, decide_prefill
+from shared.policy.disagg import DisaggConfig, DisaggDecision, DisaggInput, decide_prefill, may_go_remote
 from shared.protocol import (GenerateRequest, PrefillLeaseRequest, PrefillLeaseResult, PrefillNotification,
                              RemotePrefillRequest)
 from shared.telemetry.phases import RemoteTimes
@@ -108,9 +108,7 @@ class RemotePrefills:
     def may_go_remote(self, num_prompt_tokens: int, now: float) -> bool:
         """Whether the policy could send this prompt remote in the best case (nothing cached, prefill
         workers idle): if not, the service need not read the queue state nor the engine its cache."""
-        best = DisaggInput(now, num_prompt_tokens, 0, 0, has_prefill_workers=True,
-                           block_size=self._engine.block_size)
-        return decide_prefill(best, self.config).remote
+        return may_go_remote(num_prompt_tokens, self.config, self._engine.block_size)
 
     @property
     def has_waiting(self) -> bool:

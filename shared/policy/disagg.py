@@ -48,3 +48,9 @@ def decide_prefill(inp: DisaggInput, cfg: DisaggConfig = DisaggConfig()) -> Disa
         return DisaggDecision(False, uncached,
                               f"prefill queue {inp.prefill_queue_len} >= {cfg.max_prefill_queue}")
     return DisaggDecision(True, uncached, "long uncached prompt, queue has room")
+
+
+def may_go_remote(prompt_tokens: int, cfg: DisaggConfig = DisaggConfig(), block_size: int = 1) -> bool:
+    """Whether ``decide_prefill`` could send this prompt remote in the best case (nothing cached,
+    prefill workers idle, the queue empty); if not, the decode worker prefills it whatever the split."""
+    return decide_prefill(DisaggInput(0.0, prompt_tokens, 0, 0, True, block_size), cfg).remote

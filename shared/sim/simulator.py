@@ -32,7 +32,7 @@ from shared.policy.admission import AdmissionConfig, AdmissionInput, Admitter, I
 from shared.cluster.scaling import Autoscaling
 from shared.policy.autoscale import AutoscaleConfig, RatioAutoscaler
 from shared.policy.autoscale_inputs import Capacities, WorkerSample
-from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill
+from shared.policy.disagg import DisaggConfig, DisaggInput, decide_prefill, may_go_remote
 from shared.policy.kv_fetch import FetchConfig
 from shared.policy.kv_routing import RoutingInput, RoutingWeights, next_cheapest, route, route_in_turn
 from shared.policy.qos import QosConfig, QosTier
@@ -344,7 +344,7 @@ class Simulator:
         self.fetch_s[i] = fetch_s
         self.res.num_fetches += fetch_s > 0
         self.num_prompt_tokens[w.index] += inp - cached
-        if not decide_prefill(DisaggInput(self.now, inp, 0, 0, True), self.cfg.disagg).remote:
+        if not may_go_remote(inp, self.cfg.disagg):
             self.num_local_only_tokens[w.index] += inp - cached
         self.num_generated_tokens[w.index] += self.out[i]
         if w.kv_used + inp + self.out[i] > w.kv_capacity and w.kv_used > 0 or not self._has_free_slot(w):

@@ -1,6 +1,7 @@
 """The autoscaler acting on its own: two decode workers on the real SmolLM2; short prompts with long
 outputs leave the split alone, a shift to long prompts with short outputs makes the autoscaler flip
-a decode worker to prefill, and the shift back flips it back. Every request served meanwhile
+a decode worker to prefill, and the shift back flips it back. The decode workers report the short
+prompts as theirs to prefill whatever the split. Every request served meanwhile
 completes with the in-process reference's greedy text; the decisions show in ``/status``.
 """
 
@@ -139,6 +140,8 @@ def test_a_shift_to_long_prompts_flips_a_decode_worker_to_prefill_and_back(stack
                  and d["reason"].startswith("balanced"), 240, "a decision on the decode-heavy mix")
         assert scaling(stack)["recent"] == [], scaling(stack)["recent"]
         assert all(r == "decode" for r, _ in roles(stack).values())
+        # short prompts are prefilled by the decode workers whatever the split: reported as such
+        assert scaling(stack)["last_decision"]["local_prefill_tokens_per_s"] > 0, scaling(stack)["last_decision"]
     check(load.outcomes, engine)
 
     with Load(client, long) as load:
@@ -147,6 +150,8 @@ def test_a_shift_to_long_prompts_flips_a_decode_worker_to_prefill_and_back(stack
         record = scaling(stack)["recent"][-1]
         assert (record["num_prefill"], record["target_prefill"], record["target_decode"]) == (0, 1, 1), record
         assert record["prefill_tokens_per_s"] > record["decode_tokens_per_s"], record
+        # long enough for a remote prefill: most of the demand is prefill-worker work
+        assert record["local_prefill_tokens_per_s"] < record["prefill_tokens_per_s"] / 2, record
         wait_for(lambda: roles(stack).get(flip["worker_id"]) == ("prefill", "ready"), 120,
                  f"{flip['worker_id']} serving as prefill")
     check(load.outcomes, engine)

@@ -287,3 +287,18 @@ def test_live_replay_against_a_small_stack(trace_file, tmp_path):
     assert d["prompt_tokens_mismatched"] == 0
     assert len({r["worker"] for r in d["per_request"]}) == 1 and d["per_request"][0]["worker"]  # who served each
     assert d["hit_ratio"] > 0.5 * d["ideal_token_hit_ratio"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_live_replay_with_a_prefill_worker_records_the_split(trace_file, tmp_path):
+    """tandem up with one prefill and one decode worker (``--prefill-workers``): every request
+    completes, and the run records the split it ran on and the autoscaler's view (not acting)."""
+    out = tmp_path / "live.json"
+    rc = replay.main(["--trace", str(trace_file), "--max-requests", "8", "--length-scale", "1/16",
+                      "--time-scale", "5", "--start-stack", "--decode", "1", "--prefill-workers", "1",
+                      "--out", str(out), "--no-progress"])
+    d = json.loads(out.read_text())
+    assert rc == 0 and d["completed"] == 8, d["errors"]
+    assert d["split_over_time"] and {(p, n) for _, p, n in d["split_over_time"]} == {(1, 1)}, d["split_over_time"]
+    assert d["scaling"] is not None and not d["scaling"]["enabled"]

@@ -4,7 +4,8 @@
 
 Shapes (``--shape``): ``llama-1b`` is Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, rope theta 500000, tied embeddings), ``llama-8b`` Llama-3-8B (4096, 32 layers,
-32/8 heads, 14336, untied), ``smollm2-135m`` SmolLM2-135M, ``tiny`` a 2-layer model for tests.
+32/8 heads, 14336, untied), ``smollm2-135m`` SmolLM2-135M, ``tiny`` a 2-layer model for tests, ``heads-32`` a 2-layer model
+with 32 heads and 8 KV heads of size 8 (tensor-parallel tests).
 Every shape takes its vocabulary from a tokenizer GGUF (``--tokenizer-from``, default the
 SmolLM2-135M GGUF that ``tandem model fetch`` caches, 49152 tokens), so the embedding and LM head
 are smaller than Llama 3's (128256 tokens): llama-1b has 1.07B parameters, llama-8b 7.38B. No
@@ -65,6 +66,8 @@ SHAPES = {
     "llama-8b": Shape(4096, 32, 32, 8, 14336, 500000.0, tie_word_embeddings=False),
     "smollm2-135m": Shape(576, 30, 9, 3, 1536, 100000.0, tie_word_embeddings=True),
     "tiny": Shape(64, 2, 4, 2, 128, 10000.0, tie_word_embeddings=False, context_length=512),
+    # many heads on a small model: tensor parallelism at 2, 4 and 8 ranks in seconds (head size 8)
+    "heads-32": Shape(256, 2, 32, 8, 512, 10000.0, tie_word_embeddings=False, context_length=1024),
 }
 FORMATS = ("gguf-q8_0", "gguf-q4_0", "gguf-f16", "hf")
 

@@ -15,6 +15,7 @@ from shared.engine.compile_thread import BackgroundCompile
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
 from shared.engine.cpu_threads import engine_thread_count
 from shared.engine.model_runner import ModelRunner
+from shared.engine.parallel import ParallelModel, free_port, start_followers
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.speculative import SpeculativeConfig, Speculator
@@ -29,6 +30,7 @@ from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts, engi
 from shared.model.compiled import CompiledDecode
 from shared.model.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
+from shared.model.parallel import Collectives, ProcessGroupCollectives
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +68,14 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     namespace = make_namespace(model_id)
-    kv_spec = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+    kv_spec = KvCacheSpec(cfg.num_layers, model.num_kv_heads, cfg.head_dim, config.block_size,
                           config.resolve_kv_dtype(model.dtype, model.device, model.quantization))
     num_blocks = num_kv_blocks(kv_spec, kv_cache_bytes(config, model.device))
     events = KvEventEmitter()
     kv_cache = kv_spec.allocate(num_blocks, model.device)
+    if isinstance(model, ParallelModel):
+        _check_parallel(config)
+        model.attach_kv(kv_cache, config.block_size)
     tiers = _tiers(config, kv_spec, kv_cache, namespace, events, model, max_model_len)
     kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
                         events=events, tiers=tiers)
@@ -82,6 +87,13 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
                                          max_model_len)
     return EngineParts(max_model_len, namespace, kv_spec, num_blocks, events, kv_cache, tiers, kv, scheduler,
                        backend, runner, background_compile)
+
+
+def _check_parallel(config: EngineConfig) -> None:
+    """What a tensor-parallel group does not run yet, refused before it takes traffic."""
+    if config.kv_host_memory or config.kv_disk_dir:
+        raise ValueError("the KV host and disk tiers are not available on a tensor-parallel worker yet: "
+                         "drop --kv-host-memory / --kv-disk-dir or use --tensor-parallel-size 1")
 
 
 def _tiers(config: EngineConfig, kv_spec: KvCacheSpec, kv_cache: torch.Tensor, namespace: bytes,
@@ -102,6 +114,9 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
     On CUDA either captures the decode step as CUDA graphs now (seconds; shared/model/cuda_graph.py)."""
     compile_mode = config.compile
     sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
+    if isinstance(model, ParallelModel) and compile_mode != "off":
+        log.info("no compiled decode step on a tensor-parallel group yet: decode steps run eagerly")
+        compile_mode = "off"
     if model.device.type == "cuda":
         return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
                            _cuda_graphs(model, config, kv_cache, backend, max_model_len)), None
@@ -159,9 +174,11 @@ def _layer_formats(model) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) + ", 8-bit block activations"
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, group: Collectives | None = None) -> LoadedModel:
     """Resolve the model name (fetching the default model if needed) and load it at the precision
-    chosen for the device."""
+    chosen for the device. With ``config.tensor_parallel_size`` above 1 and no ``group``, this process
+    becomes rank 0 of a new group: it starts the other ranks (``shared.engine.parallel``), loads its
+    shard and returns it as a ``ParallelModel``; with ``group``, a follower's shard."""
     from shared.model.loader import load_model as load_weights
     from shared.model.quant import calibration_token_ids, check_quantization
     from shared.model.registry import resolve_model
@@ -178,7 +195,21 @@ def load_model(config: EngineConfig) -> LoadedModel:
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_files(source.path, source.format)
     quantization = check_quantization(precision.quantization, device)
-    model = load_weights(source.path, source.format, device, dtype)
+    followers = []
+    if group is None and config.tensor_parallel_size > 1:
+        port = free_port()
+        followers = start_followers(config, config.tensor_parallel_size, "127.0.0.1", port)
+        try:
+            group = ProcessGroupCollectives(0, config.tensor_parallel_size, "127.0.0.1", port, device)
+        except Exception:
+            for proc in followers:
+                proc.kill()
+            raise
+        log.info("tensor-parallel group of %d ranks (gloo on %s); ranks 1-%d are processes %s",
+                 group.size, device, group.size - 1, [p.pid for p in followers])
+    if group is not None:
+        device = group.device
+    model = load_weights(source.path, source.format, device, dtype, group, quantization)
     if quantization != "none":  # the calibration text is read where the method smooths (int8)
         model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
     log.info("loaded %s (%s, %.0fM parameters) on %s as %s%s in %.1fs", source.name, source.format,
@@ -187,4 +218,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
              time.perf_counter() - t0)
     config = dataclasses.replace(config, dtype=precision.dtype, quantization=quantization)
     model._loaded_with = config  # another process can load the same model from it (a compile process)
+    if followers:
+        model = ParallelModel(model, group, followers)
     return LoadedModel(model, config, tokenizer, source.name, frozenset(tokenizer.stop_token_ids))

@@ -16,6 +16,7 @@ import torch
 from shared.engine.build import build_parts, load_model
 from shared.engine.config import EngineConfig
 from shared.engine.errors import InvalidRequestError, InvalidSamplingParamsError
+from shared.engine.parallel import ParallelModel
 from shared.engine.outputs import EngineOutput, TokenLogprobs, make_output  # noqa: F401
 from shared.engine.request import Request, RequestStatus, SamplingParams
 from shared.engine.reservations import KvReservations, PrefixFetchSlot, RemotePrefillSlot  # noqa: F401
@@ -272,7 +273,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Write the pool's reusable blocks to the disk tier (if any) so a restart on the same
-        directory finds them, finish queued writes and stop the tier threads; close the step trace."""
+        directory finds them, finish queued writes and stop the tier threads; close the step trace;
+        stop the other ranks of a tensor-parallel group."""
         if self.tiers is not None:
             num = self.tiers.persist(self.kv.pool.cached_blocks())
             if num:
@@ -280,6 +282,8 @@ class LLMEngine:
             self.tiers.close()
         if self.step_trace is not None:
             self.step_trace.close()
+        if isinstance(self.model, ParallelModel):
+            self.model.close()
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

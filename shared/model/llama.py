@@ -19,6 +19,7 @@ from kernels import blocks_cpu, int8_cpu
 from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
+from shared.model.parallel import Collectives, SingleRank, TensorSplit
 from shared.model.quant import BlockWeight, Int8Weight, ObservedWeight, linear, observe, quantize_blocks, quantize_int8
 
 
@@ -46,8 +47,13 @@ LINEAR_NAMES = ("qkv", "o_proj", "gate_up", "down")  # a layer's linear weights 
 
 
 class LlamaLayer:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    """One decoder layer; on a tensor-parallel rank, its heads and MLP channels
+    (shared/model/parallel.py), the two row-parallel products summed over the group."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
+                 group: Collectives):
         self.cfg = cfg
+        self.group = group
         self.attn_norm = weights["attn_norm"]
         self.qkv = weights["qkv"]  # [(Hq + 2 Hkv) * D, hidden]
         self.qkv_bias = weights.get("qkv_bias")
@@ -55,25 +61,26 @@ class LlamaLayer:
         self.mlp_norm = weights["mlp_norm"]
         self.gate_up = weights["gate_up"]  # [2 * intermediate, hidden]
         self.down = weights["down"]
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads  # this rank's
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
 
     def forward(self, kv_views, hidden, residual, cos, sin, meta, backend):
         cfg = self.cfg
         x, residual = backend.fused_add_rms_norm(hidden, residual, self.attn_norm, cfg.rms_norm_eps)
         qkv = linear(x, self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        q = q.view(-1, self.num_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         q, k = backend.rotary_embedding(q, k, cos, sin)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, self.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_views
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
-        hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
+        hidden = self.group.all_reduce(linear(attn.reshape(-1, self.q_size), self.o_proj))
         x, residual = backend.fused_add_rms_norm(hidden, residual, self.mlp_norm, cfg.rms_norm_eps)
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down), residual
+        return self.group.all_reduce(linear(F.silu(gate) * up, self.down)), residual
 
 
 @dataclasses.dataclass
@@ -89,12 +96,17 @@ class LayerState:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_weights: list[dict]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_weights: list[dict],
+                 group: Collectives | None = None):
+        """``weights`` and ``layer_weights``: the whole model's, or with ``group`` of more than one
+        rank, this rank's shard of them (``shared.model.parallel.shard_top`` and ``shard_layer``)."""
         self.cfg = cfg
-        self.embed = weights["embed"]  # [V, hidden]
+        self.group = group or SingleRank()
+        self.split = TensorSplit(cfg, self.group.rank, self.group.size)
+        self.embed = weights["embed"]  # [V, hidden]; [V / tp, hidden] on a rank of a group
         self.norm = weights["norm"]
         self.lm_head = weights.get("lm_head", self.embed)
-        self.layers = [LlamaLayer(cfg, w) for w in layer_weights]
+        self.layers = [LlamaLayer(cfg, w, self.split, self.group) for w in layer_weights]
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
         self._kv_views: tuple[torch.Tensor, list] | None = None  # (cache, each layer's (k, v) views)
 
@@ -105,6 +117,20 @@ class LlamaModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this process computes and caches (all of them outside a parallel group)."""
+        return self.split.num_kv_heads
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.embed)
+        # vocab-parallel: the rank holding a token's row gives it, the others zeros
+        local = input_ids - self.split.vocab_start
+        mine = (local >= 0) & (local < self.split.vocab_shard)
+        rows = F.embedding(torch.where(mine, local, 0), self.embed)
+        return self.group.all_reduce(torch.where(mine[:, None], rows, 0.0))
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -119,7 +145,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions)
         residual = None
         for layer, views in zip(self.layers, self.kv_views(kv_cache)):
@@ -130,7 +156,7 @@ class LlamaModel:
     def start_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> LayerState:
         """``forward`` a layer at a time: its embedding and rotary angles, before the first layer."""
         cos, sin = self.rope_cos_sin(positions)
-        return LayerState(F.embedding(input_ids, self.embed), None, cos, sin)
+        return LayerState(self.embed_tokens(input_ids), None, cos, sin)
 
     @torch.inference_mode()
     def run_layers(self, state: LayerState, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -161,7 +187,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32
-        return linear(hidden, self.lm_head).float()
+        """On a rank of a group every rank calls it with the same ``hidden`` and gets every logit."""
+        logits = linear(hidden, self.lm_head).float()
+        if self.group.size == 1:
+            return logits
+        return self.group.all_gather(logits)[:, :self.cfg.vocab_size]
 
     def quantize(self, method: str, calibration_ids: list[int] | None = None, alpha: float = 0.5) -> None:
         """Replace every linear weight (and the LM head, a copy when tied) by its int8 form.
@@ -207,7 +237,7 @@ class LlamaModel:
         against another."""
         cfg, n, dev = self.cfg, len(token_ids), self.device
         num_blocks = -(-n // block_size)
-        kv = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype or self.dtype).allocate(
+        kv = KvCacheSpec(cfg.num_layers, self.num_kv_heads, cfg.head_dim, block_size, kv_dtype or self.dtype).allocate(
             num_blocks, dev)
         meta = AttentionMetadata(
             num_decodes=0, slot_mapping=torch.arange(n, device=dev),

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import GgufFile, GgufTensor, read_gguf
 from shared.model.llama import LlamaModel
+from shared.model.parallel import Collectives, check_tensor_parallel, shard_layer, shard_top
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +207,11 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
 
 
 def build_model(
-    cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+    group: Collectives | None = None,
 ) -> LlamaModel:
+    """The model from its named tensors; with ``group``, that rank's shard of it (the full tensors
+    are read, cut and let go layer by layer)."""
     def take(name: str) -> torch.Tensor:
         try:
             return tensors.pop(name).to(device=device, dtype=dtype)
@@ -230,12 +234,21 @@ def build_model(
         }
         if cfg.attention_bias:
             w["qkv_bias"] = torch.cat([take(p + "q_bias"), take(p + "k_bias"), take(p + "v_bias")])
+        if group is not None:
+            w = shard_layer(cfg, w, group.rank, group.size)
         layers.append(w)
-    return LlamaModel(cfg, top, layers)
+    if group is not None:
+        top = shard_top(cfg, top, group.rank, group.size)
+    return LlamaModel(cfg, top, layers, group)
 
 
-def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype) -> LlamaModel:
-    """Load a model from a GGUF file (``fmt="gguf"``) or an HF directory (``fmt="hf"``)."""
+def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
+               group: Collectives | None = None, quantization: str = "none") -> LlamaModel:
+    """Load a model from a GGUF file (``fmt="gguf"``) or an HF directory (``fmt="hf"``); with
+    ``group``, that rank's shard, refused before any weight is kept where the model's shape does not
+    split into ``group.size`` ranks at ``quantization`` (shared/model/parallel.py)."""
     load = load_gguf if fmt == "gguf" else load_hf_dir
     cfg, tensors = load(path, device, dtype)
-    return build_model(cfg, tensors, device, dtype)
+    if group is not None:
+        check_tensor_parallel(cfg, group.size, quantization)
+    return build_model(cfg, tensors, device, dtype, group)

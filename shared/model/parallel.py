@@ -1,0 +1,224 @@
+"""Tensor parallelism: how a Llama-family model's weights split over the ranks of a group, and the
+collectives a rank's forward calls.
+
+The split (Megatron's, as vLLM and SGLang make it):
+
+* q/k/v and gate/up are column-parallel: rank r holds the output rows of its attention heads (its
+  KV heads' rows of k and v) and its slice of the MLP's intermediate channels, so attention and the
+  gated activation run on local data with no communication;
+* o_proj and down are row-parallel: rank r holds the input columns that its heads and channels
+  produce, each rank's product is a partial sum of the full output, and one all-reduce per layer
+  (two per decoder layer) adds them up;
+* where there are fewer KV heads than ranks (``tp`` a multiple of ``num_kv_heads``), each KV head is
+  replicated on the ``tp / num_kv_heads`` ranks whose query heads read it;
+* the embedding and the LM head are split by vocabulary rows (vocab-parallel), not replicated: on a
+  small model they are a large share of the weights (SmolLM2-135M's tied embedding is 21% of its
+  parameters), and a replicated copy on every rank would keep a rank's weights far above 1/tp of
+  the whole. A token's embedding row lives on one rank; the others contribute zeros and an
+  all-reduce gives every rank the row, bit for bit (one addend is non-zero). The LM head's logits
+  are gathered in vocabulary order. A vocabulary that ``tp`` does not divide is padded with zero
+  rows on the last rank; the padded logits are cut off after the gather.
+
+Every rank holds its shard of the KV pool (its KV heads, every layer), so a group's pool holds
+``tp`` times the tokens of one process's pool of the same per-rank bytes, less where heads are
+replicated. A split is refused before any weight is loaded when the shape does not allow it
+(``check_tensor_parallel``).
+
+Collectives go through ``Collectives`` (gloo on a CPU, NCCL on CUDA, the same code); a model made
+without one is a group of one, whose collectives do nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from shared.model.config import ModelConfig
+
+GGUF_BLOCK = 32  # input values per block of a gguf weight (kernels/blocks_cpu.py's BLOCK)
+
+
+class Collectives(Protocol):
+    """The collectives of one rank of a tensor-parallel group. Every rank calls each one in the
+    same order with tensors of the same shape and dtype; a call returns once the group has done it,
+    or raises (``RuntimeError``) when a rank is gone."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place; returns it."""
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` [..., N] side by side in rank order: [..., size * N]."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``tensor`` into every rank's ``tensor`` (same shape and dtype), in place."""
+
+
+class SingleRank:
+    """A group of one: every collective is the identity."""
+
+    rank, size = 0, 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+
+class ProcessGroupCollectives:
+    """The collectives over a torch.distributed process group of its own (not the process's default
+    group, so one process can hold several, as a test does): gloo for CPU tensors, NCCL for CUDA."""
+
+    def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
+                 timeout_s: float = 600.0) -> None:
+        """Join the group whose rank 0 listens on ``host:port`` (rank 0 opens that TCP store)."""
+        self.rank, self.size, self.device = rank, size, device
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+        if device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("tp", self.store), rank, size)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore("tp", self.store), rank, size, options)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.group.allgather([parts], [tensor]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self.group.broadcast([tensor], opts).wait()
+        return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """What one rank of ``tp`` holds of a model of config ``cfg``."""
+
+    cfg: ModelConfig
+    rank: int
+    tp: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.cfg.num_heads // self.tp
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads on this rank: a share of them, or one replicated head where tp exceeds them."""
+        return max(1, self.cfg.num_kv_heads // self.tp)
+
+    @property
+    def kv_head_start(self) -> int:
+        if self.tp <= self.cfg.num_kv_heads:
+            return self.rank * self.num_kv_heads
+        return self.rank // (self.tp // self.cfg.num_kv_heads)  # the head this rank's query heads read
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.cfg.intermediate_size // self.tp
+
+    @property
+    def vocab_shard(self) -> int:
+        """Vocabulary rows per rank (the last rank's padded with zero rows)."""
+        return -(-self.cfg.vocab_size // self.tp)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_shard
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
+    """Refuse, naming the numbers, a degree ``tp`` that the model's shape does not split into."""
+    if tp < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {tp}")
+    if tp == 1:
+        return
+    if cfg.num_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} does not divide the model's {cfg.num_heads} attention heads")
+    kv = cfg.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor parallel size {tp} must divide the model's {kv} KV heads or be a multiple "
+                         f"of them (to replicate each KV head)")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor parallel size {tp} does not divide the model's MLP width "
+                         f"{cfg.intermediate_size}")
+    if quantization == "gguf":
+        # the row-parallel layers' input axis is cut between ranks: on block boundaries only
+        for name, k in (("o_proj", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size)):
+            if k % GGUF_BLOCK == 0 and (k // tp) % GGUF_BLOCK:
+                raise ValueError(f"tensor parallel size {tp} would cut the gguf blocks of {name}: its {k} inputs "
+                                 f"make {k // GGUF_BLOCK} blocks of {GGUF_BLOCK}, which {tp} ranks cannot share")
+
+
+def shard_top(cfg: ModelConfig, top: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s part of the model's embedding, final norm and LM head (``build_model``'s names):
+    copies, so the full tensors can be freed."""
+    if tp == 1:
+        return top
+    split = TensorSplit(cfg, rank, tp)
+    out = {"norm": top["norm"], "embed": _vocab_rows(top["embed"], split)}
+    if "lm_head" in top:
+        out["lm_head"] = _vocab_rows(top["lm_head"], split)
+    return out
+
+
+def shard_layer(cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s part of one decoder layer's float weights (fused qkv and gate_up): copies."""
+    return w if tp == 1 else _shard_layer(w, TensorSplit(cfg, rank, tp))
+
+
+def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torch.Tensor]:
+    cfg, d = split.cfg, split.cfg.head_dim
+    q_rows = _rows(split.rank * split.num_heads * d, split.num_heads * d)
+    kv_rows = _rows(split.kv_head_start * d, split.num_kv_heads * d)
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def qkv(t: torch.Tensor) -> torch.Tensor:  # [(Hq + 2 Hkv) D, ...] -> this rank's heads' rows
+        q, k, v = t.split([q_size, kv_size, kv_size])
+        return torch.cat([q[q_rows], k[kv_rows], v[kv_rows]]).clone()
+
+    inter, i0 = cfg.intermediate_size, split.rank * split.intermediate_size
+    mlp = _rows(i0, split.intermediate_size)
+    out = {
+        "attn_norm": w["attn_norm"],
+        "mlp_norm": w["mlp_norm"],
+        "qkv": qkv(w["qkv"]),
+        "o_proj": w["o_proj"][:, q_rows].contiguous(),
+        "gate_up": torch.cat([w["gate_up"][:inter][mlp], w["gate_up"][inter:][mlp]]).clone(),
+        "down": w["down"][:, mlp].contiguous(),
+    }
+    if "qkv_bias" in w:
+        out["qkv_bias"] = qkv(w["qkv_bias"])
+    return out
+
+
+def _rows(start: int, count: int) -> slice:
+    return slice(start, start + count)
+
+
+def _vocab_rows(weight: torch.Tensor, split: TensorSplit) -> torch.Tensor:
+    """This rank's vocabulary rows of an embedding or LM head [V, hidden], zero-padded to the shard."""
+    rows = weight[split.vocab_start:split.vocab_start + split.vocab_shard]
+    if rows.shape[0] < split.vocab_shard:
+        rows = torch.cat([rows, rows.new_zeros(split.vocab_shard - rows.shape[0], weight.shape[1])])
+    return rows.clone()

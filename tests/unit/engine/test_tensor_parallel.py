@@ -1,0 +1,134 @@
+"""Tensor parallelism at the model level: a random-weight Llama of 32 heads and 8 KV heads (head size
+8, so it runs in seconds) split over 2, 4, 8 and 16 ranks gives the logits of the whole model, every
+rank the same; shapes that do not split are refused with the numbers; gguf blocks split on block
+boundaries quantize as the whole weight does. The ranks here are threads of this process, each with
+its own gloo process group (tests/engine/test_tensor_parallel_smollm2.py runs rank processes)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from shared.engine.parallel import free_port
+from shared.model.config import ModelConfig
+from shared.model.loader import load_model
+from shared.model.parallel import ProcessGroupCollectives, TensorSplit, check_tensor_parallel, shard_layer
+from shared.model.quant import quantize_blocks
+from tiny_hf_models import save_tiny
+
+HEADS_32 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=32, num_key_value_heads=8,
+                vocab_size=250)  # 250: not a multiple of 4, 8 or 16 ranks, so the vocabulary is padded
+
+
+@pytest.fixture(scope="module")
+def heads_32(tmp_path_factory):
+    path = tmp_path_factory.mktemp("heads32")
+    save_tiny("llama", path, **HEADS_32)
+    return path
+
+
+def run_ranks(tp: int, work) -> list:
+    """``work(group)`` on each of ``tp`` ranks, threads of this process; their results in rank order."""
+    port, results, errors = free_port(), [None] * tp, []
+
+    def run(rank: int) -> None:
+        try:
+            group = ProcessGroupCollectives(rank, tp, "127.0.0.1", port, torch.device("cpu"), timeout_s=60)
+            results[rank] = work(group)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8, 16])
+def test_split_model_gives_the_whole_models_logits(heads_32, tp):
+    ids = [(7 * i + 3) % 250 for i in range(40)]
+    whole = load_model(heads_32, "hf", torch.device("cpu"), torch.float32).prefill_logits(ids)
+
+    def shard_logits(group):
+        model = load_model(heads_32, "hf", torch.device("cpu"), torch.float32, group)
+        return model.num_kv_heads, model.embed.shape[0], model.prefill_logits(ids)
+
+    results = run_ranks(tp, shard_logits)
+    kv_heads, vocab_rows, _ = results[0]
+    assert kv_heads == max(1, 8 // tp)  # 16 ranks: each of the 8 KV heads on two ranks
+    assert vocab_rows == -(-250 // tp)
+    for _, _, logits in results:
+        assert torch.equal(logits, results[0][2])  # every rank the same bits
+    got = results[0][2]
+    assert got.shape == whole.shape
+    torch.testing.assert_close(got, whole, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), whole.argmax(-1))
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=1000, hidden_size=576, intermediate_size=1536, num_layers=30,
+                num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                max_position_embeddings=2048, tie_word_embeddings=True)
+    return ModelConfig(**(base | kw))
+
+
+def test_shapes_that_do_not_split_are_refused_with_their_numbers():
+    smol = _cfg()
+    check_tensor_parallel(smol, 3, "gguf")  # 3 heads, 1 KV head, 512 MLP channels and whole blocks per rank
+    check_tensor_parallel(_cfg(intermediate_size=1152), 9, "none")  # each KV head on 3 ranks
+    with pytest.raises(ValueError, match="tensor parallel size 2 does not divide the model's 9 attention heads"):
+        check_tensor_parallel(smol, 2)
+    with pytest.raises(ValueError, match="must divide the model's 4 KV heads or be a multiple"):
+        check_tensor_parallel(_cfg(num_heads=12, num_kv_heads=4), 6)
+    with pytest.raises(ValueError, match="MLP width 1000"):
+        check_tensor_parallel(_cfg(intermediate_size=1000), 3)
+    # 6 heads of 16: o_proj has 96 inputs, 3 blocks of 32, which 6 ranks cannot share (16 inputs each)
+    narrow = _cfg(num_heads=6, num_kv_heads=3, head_dim=16, intermediate_size=1152)
+    with pytest.raises(ValueError, match="would cut the gguf blocks of o_proj: its 96 inputs make 3 blocks"):
+        check_tensor_parallel(narrow, 6, "gguf")
+    check_tensor_parallel(narrow, 6, "none")  # a float weight splits anywhere
+    with pytest.raises(ValueError, match="gguf blocks of down: its 1600 inputs make 50 blocks"):
+        check_tensor_parallel(_cfg(num_heads=12, num_kv_heads=4, head_dim=32, intermediate_size=1600), 4, "gguf")
+    with pytest.raises(ValueError, match="at least 1"):
+        check_tensor_parallel(smol, 0)
+
+
+def test_the_loader_refuses_a_split_before_the_group_loads(heads_32):
+    class FakeGroup:  # only its size is read before the refusal
+        rank, size = 0, 3
+
+    with pytest.raises(ValueError, match="does not divide the model's 32 attention heads"):
+        load_model(heads_32, "hf", torch.device("cpu"), torch.float32, FakeGroup())
+
+
+@pytest.mark.parametrize("four_bit", [True, False])
+def test_gguf_blocks_of_a_shard_are_the_whole_weights_blocks(four_bit):
+    """Column and row splits on block boundaries quantize to exactly the rows and blocks of the whole
+    weight's quantization, so a rank multiplies the very blocks a single process would."""
+    torch.manual_seed(0)
+    cfg = _cfg(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=128, intermediate_size=256)
+    weights = {"attn_norm": torch.ones(128), "mlp_norm": torch.ones(128),
+               "qkv": torch.randn(256, 128), "o_proj": torch.randn(128, 128),
+               "gate_up": torch.randn(512, 128), "down": torch.randn(128, 256)}
+    if four_bit:  # on a 4-bit grid per block, as a GGUF Q4 layer dequantized is
+        weights = {k: (torch.randint(0, 16, v.shape) * 0.01 - 0.07 if v.dim() == 2 else v) for k, v in weights.items()}
+    whole = {k: quantize_blocks(v) for k, v in weights.items() if v.dim() == 2}
+    assert whole["down"].bits == (4 if four_bit else 8)
+    tp = 2
+    for rank in range(tp):
+        split = TensorSplit(cfg, rank, tp)
+        part = shard_layer(cfg, weights, rank, tp)
+        down = quantize_blocks(part["down"])  # row-parallel: input columns of this rank's channels
+        k0, width = rank * split.intermediate_size, split.intermediate_size
+        per_byte = 256 // whole["down"].qs.shape[1]  # inputs per byte of qs: 2 at 4 bits, 1 at 8
+        assert torch.equal(down.qs, whole["down"].qs[:, k0 // per_byte:(k0 + width) // per_byte])
+        assert torch.equal(down.d, whole["down"].d[:, k0 // 32:(k0 + width) // 32])
+        gate_up = quantize_blocks(part["gate_up"])  # column-parallel: whole rows
+        rows = torch.cat([torch.arange(k0, k0 + 128), 256 + torch.arange(k0, k0 + 128)])
+        assert torch.equal(gate_up.qs, whole["gate_up"].qs[rows])
+        assert torch.equal(gate_up.d, whole["gate_up"].d[rows])

@@ -43,7 +43,11 @@ class WorkerHostSettings(BaseSettings):
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(
         None, description="workers' KV pool dtype (CPU): float16 halves the pool's bytes under a float32 or gguf "
                           "model (default: the workers' own, auto = float16 under gguf, else the model's dtype)")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's)")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker, per rank of a "
+                                     "tensor-parallel one (default: the host's cores shared out)")
+    decode_tp: int = Field(1, ge=1, le=64, description="ranks of each decode worker's tensor-parallel group: one "
+                           "worker, that many processes, each with its shard of the weights and KV (the model's "
+                           "heads, KV heads and MLP width must split into it)")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
                                            "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")
     compile: Literal["off", "on", "background"] | None = Field(
@@ -69,6 +73,8 @@ class WorkerHostSettings(BaseSettings):
         decode_only = _given(max_local_prefill_tokens=self.max_local_prefill_tokens,
                              max_prefill_queue=self.max_prefill_queue, kv_host_memory=self.kv_host_memory,
                              kv_disk_dir=self.kv_disk_dir, speculative_tokens=self.speculative_tokens)
+        if self.decode_tp > 1:
+            decode_only["tensor_parallel_size"] = self.decode_tp
         return {**engine, **decode_only}, engine
 
 

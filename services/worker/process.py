@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
 from shared.disagg import RemotePrefills
@@ -98,6 +99,10 @@ class WorkerRoles:
 
     def open_transfer(self):
         """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""
+        if self.transfer is None and self.transfer_error is None and self._engine.tensor_parallel_size > 1:
+            # rank 0's pool is one shard of the group's: moving it alone would move a part of each block
+            self.transfer_error = "the KV transfer of a tensor-parallel worker's shards is not built yet"
+            log.warning("remote prefill and peer fetch OFF: %s", self.transfer_error)
         if self.transfer is None and self.transfer_error is None:
             from shared.transfer.nixl import NixlTransfer
 
@@ -129,6 +134,19 @@ class WorkerRoles:
                 log.warning("withdrawing NIXL metadata failed: %s", exc)
 
 
+EXIT_ENGINE_DEAD = 70
+
+
+def _exit_on_engine_death(exc: BaseException) -> None:
+    """A broken engine (a step raised; on a tensor-parallel group, a rank died) serves nothing more:
+    the worker exits at once, as a killed one would, so that its requests migrate, its registry
+    entry lapses and its supervisor restarts it (the other ranks exit with it)."""
+    log.critical("engine died (%s: %s): exiting", type(exc).__name__, exc)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_ENGINE_DEAD)
+
+
 async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> None:
     role = role_of(settings)
     bus = await Bus.connect(settings.nats_url, settings.worker_id, tls_ca=settings.nats_ca,
@@ -139,7 +157,7 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
         # the compiled decode step: loaded from the cluster where another worker compiled it
         store = await NatsArtifactStore.open(bus, subjects) if config.compile != "off" else None
         log.info("loading %s", settings.model)
-        engine = await asyncio.to_thread(AsyncEngine.start, config, store)
+        engine = await asyncio.to_thread(AsyncEngine.start, config, store, _exit_on_engine_death)
     except BaseException:
         await bus.close()
         raise

@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--num-threads", type=int, default=_env("NUM_THREADS"),
                    help="torch CPU threads (default: torch's, usually one per core)")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=int(_env("TENSOR_PARALLEL_SIZE", 1)),
+                   help="ranks of a tensor-parallel group: this process is rank 0 and starts the others, each a "
+                        "process holding its shard of the weights and of the KV pool (gloo on a CPU, NCCL on CUDA; "
+                        "--num-threads per rank, default 1 in a group) (default: %(default)s)")
     g.add_argument("--quantization", default=_env("QUANTIZATION"), choices=QUANTIZATION_METHODS,
                    help="int8: int8 weights and per-token int8 activations in every linear layer, CPU only; "
                         "about 2x the decode throughput, slightly different outputs (default: see --dtype). "
@@ -84,6 +88,7 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed,
         num_threads=int(args.num_threads) if args.num_threads else None, quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype, kv_host_memory=parse_size(args.kv_host_memory) if args.kv_host_memory else 0,
         kv_disk_dir=args.kv_disk_dir, kv_disk_size=parse_size(args.kv_disk_size),
         kv_disk_min_uses=args.kv_disk_min_uses, speculative_tokens=args.speculative_tokens,

@@ -51,8 +51,11 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """``on_dead(exc)``: called on the engine thread when a step raises, before the callers are
+        failed (a worker exits there, so that its requests move as a killed worker's do)."""
         self.engine = engine
+        self._on_dead = on_dead
         self._cv = threading.Condition()
         self._inbox: list[_Add | _Call | str] = []  # adds, calls, and request ids to abort
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -72,9 +75,10 @@ class AsyncEngine:
         self._handed_over = (threading.get_ident(), cpu_threads.release_calling_thread())
 
     @classmethod
-    def start(cls, config: EngineConfig, artifact_store=None) -> "AsyncEngine":
+    def start(cls, config: EngineConfig, artifact_store=None,
+              on_dead: Callable[[BaseException], None] | None = None) -> "AsyncEngine":
         """``artifact_store``: see ``LLMEngine``."""
-        return cls(LLMEngine.from_config(config, artifact_store))
+        return cls(LLMEngine.from_config(config, artifact_store), on_dead)
 
     # -- properties the services use --------------------------------------------------------------
     @property
@@ -96,6 +100,15 @@ class AsyncEngine:
     @property
     def kv_namespace(self) -> bytes:
         return self.engine.kv_namespace
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.model.group.size
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The process ids of a tensor-parallel group's ranks 1.. (empty for one process)."""
+        return [p.pid for p in getattr(self.engine.model, "followers", ())]
 
     @property
     def kv_spec(self) -> KvCacheSpec:
@@ -310,6 +323,8 @@ class AsyncEngine:
         except BaseException as exc:  # the engine is broken: fail every caller, never hang them
             log.exception("engine thread crashed")
             self._dead = exc
+            if self._on_dead is not None:
+                self._on_dead(exc)
             err = EngineDeadError(f"engine crashed: {exc!r}")
             for rid in list(self._streams):
                 self._deliver_one(rid, err)

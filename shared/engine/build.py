@@ -30,7 +30,7 @@ from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts, engi
 from shared.model.compiled import CompiledDecode
 from shared.model.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
-from shared.model.parallel import Collectives, ProcessGroupCollectives
+from shared.model.parallel import Collectives, ProcessGroupCollectives, check_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +179,14 @@ def load_model(config: EngineConfig, group: Collectives | None = None) -> Loaded
     chosen for the device. With ``config.tensor_parallel_size`` above 1 and no ``group``, this process
     becomes rank 0 of a new group: it starts the other ranks (``shared.engine.parallel``), loads its
     shard and returns it as a ``ParallelModel``; with ``group``, a follower's shard."""
-    from shared.model.loader import load_model as load_weights
+    from shared.model.loader import load_model as load_weights, read_config
     from shared.model.quant import calibration_token_ids, check_quantization
     from shared.model.registry import resolve_model
     from shared.tokenizer import Tokenizer
 
     source = resolve_model(config.model)
+    if config.tensor_parallel_size > 1 and not config.num_threads:
+        config = dataclasses.replace(config, num_threads=1)  # a rank a thread: ranks share the cores
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = config.resolve_device()
@@ -197,6 +199,8 @@ def load_model(config: EngineConfig, group: Collectives | None = None) -> Loaded
     quantization = check_quantization(precision.quantization, device)
     followers = []
     if group is None and config.tensor_parallel_size > 1:
+        # refused here, before any rank process starts, where the shape does not split
+        check_tensor_parallel(read_config(source.path, source.format), config.tensor_parallel_size, quantization)
         port = free_port()
         followers = start_followers(config, config.tensor_parallel_size, "127.0.0.1", port)
         try:

@@ -242,6 +242,13 @@ def build_model(
     return LlamaModel(cfg, top, layers, group)
 
 
+def read_config(path: Path, fmt: str) -> ModelConfig:
+    """The model's shape alone, without its tensors (to check a parallel split before loading)."""
+    if fmt == "gguf":
+        return gguf_config(read_gguf(path))
+    return ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
 def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
                group: Collectives | None = None, quantization: str = "none") -> LlamaModel:
     """Load a model from a GGUF file (``fmt="gguf"``) or an HF directory (``fmt="hf"``); with

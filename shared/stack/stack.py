@@ -218,9 +218,11 @@ class Stack:
     def _start_worker(self, name: str, service: str, flags: dict[str, object]) -> Child:
         spec = self.spec
         worker_id = self.worker_id(name)
-        # workers sharing one machine split its cores rather than each spinning a thread per core
-        num_workers = spec.num_decode + spec.num_prefill
-        threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_workers)} if num_workers > 1 else {}
+        # workers sharing one machine split its cores rather than each spinning a thread per core; a
+        # tensor-parallel worker's ranks are processes of their own, each with num_threads
+        num_ranks = (spec.num_decode * int(spec.decode_flags.get("tensor_parallel_size", 1))
+                     + spec.num_prefill * int(spec.prefill_flags.get("tensor_parallel_size", 1)))
+        threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_ranks)} if num_ranks > 1 else {}
         if flags.get("kv_disk_dir"):  # one disk tier per worker, under its stable name
             flags = {**flags, "kv_disk_dir": str(Path(str(flags["kv_disk_dir"])) / name)}
         return self._start_child(name, service, {

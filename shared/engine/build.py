@@ -209,7 +209,7 @@ def load_model(config: EngineConfig, group: Collectives | None = None) -> Loaded
             for proc in followers:
                 proc.kill()
             raise
-        log.info("tensor-parallel group of %d ranks (gloo on %s); ranks 1-%d are processes %s",
+        log.info("tensor-parallel group of %d ranks on %s; ranks 1-%d are processes %s",
                  group.size, device, group.size - 1, [p.pid for p in followers])
     if group is not None:
         device = group.device

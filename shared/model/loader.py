@@ -256,6 +256,21 @@ def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
     split into ``group.size`` ranks at ``quantization`` (shared/model/parallel.py)."""
     load = load_gguf if fmt == "gguf" else load_hf_dir
     cfg, tensors = load(path, device, dtype)
-    if group is not None:
-        check_tensor_parallel(cfg, group.size, quantization)
-    return build_model(cfg, tensors, device, dtype, group)
+    if group is None:
+        return build_model(cfg, tensors, device, dtype)
+    check_tensor_parallel(cfg, group.size, quantization)
+    model = build_model(cfg, tensors, device, dtype, group)
+    _return_freed_memory()  # the whole tensors this rank read and cut are garbage now
+    return model
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc keeps them otherwise, and a rank's
+    resident memory would stay at the whole model's after it kept its shard)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -205,8 +205,9 @@ class Stack:
         self.servers.append(server)
         self._restarts.started(server.name, time.monotonic())
 
-    def spawn_decode(self, name: str) -> Child:
-        return self._spawn_worker(name, "decode", self.spec.decode_flags)
+    def spawn_decode(self, name: str, flags: dict[str, object] | None = None) -> Child:
+        """A decode worker with the spec's decode flags, ``flags`` over them (e.g. its own parallel shape)."""
+        return self._spawn_worker(name, "decode", {**self.spec.decode_flags, **(flags or {})})
 
     def spawn_prefill(self, name: str) -> Child:
         return self._spawn_worker(name, "prefill", self.spec.prefill_flags)

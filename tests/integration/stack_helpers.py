@@ -82,9 +82,10 @@ def decode_states(stack) -> dict[str, str]:
             if w["info"]["role"] == "decode"}
 
 
-def spawn_ready_decode(stack, name: str, timeout_s: float = 180.0):
-    """A new decode worker of the stack, once it is listed as ready; returns (child, worker id)."""
-    child = stack.spawn_decode(name)
+def spawn_ready_decode(stack, name: str, timeout_s: float = 180.0, flags: dict[str, object] | None = None):
+    """A new decode worker of the stack (``flags`` over the spec's), once it is listed as ready;
+    returns (child, worker id)."""
+    child = stack.spawn_decode(name, flags)
     worker_id = f"{stack.spec.namespace}-{name}"[:64]
 
     def ready():

@@ -1,0 +1,101 @@
+"""A tensor-parallel decode worker in a real stack: SmolLM2 (float32) at TP=3, three processes that
+register as one worker beside an ordinary one, serving streamed chat with the in-process greedy
+text; one of its ranks SIGKILLed mid-stream: the stream finishes on the other worker with the same
+text, the group's entry leaves the registry, and none of its rank processes is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from http.client import HTTPConnection
+
+import pytest
+
+from shared.stack.stack import StackSpec
+from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, spawn_ready_decode, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.long]
+
+MODEL = "smollm2-135m"
+MAX_MODEL_LEN = 1024
+TTL_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, redis_server, tmp_path_factory):
+    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, model=MODEL, port=0,
+                     namespace=f"tp{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
+                     redis_url=redis_server.url, registry_ttl_s=TTL_S,
+                     decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "64MiB",
+                                   "device": "cpu", "num_warmup_requests": 1, "drain_timeout_s": 30})
+    with running_stack(spec, ready_timeout_s=180) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with reference_engine(MODEL, MAX_MODEL_LEN, 64 << 20) as e:
+        yield e
+
+
+def worker_info(stack, worker_id: str) -> dict | None:
+    return next((w["info"] for w in cluster_status(stack)["workers"] if w["info"]["worker_id"] == worker_id), None)
+
+
+def stream_chat(stack, content: str, max_tokens: int):
+    conn = HTTPConnection("127.0.0.1", stack.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.connection = conn
+    return resp
+
+
+def stream_on(stack, worker_id: str, content: str, max_tokens: int):
+    """A streamed chat admitted to ``worker_id`` (one that lands elsewhere is closed and sent again)."""
+    def attempt():
+        resp = stream_chat(stack, content, max_tokens)
+        if resp.getheader("X-Tandem-Worker") == worker_id:
+            return resp
+        resp.connection.sock.shutdown(2)
+        resp.connection.close()
+        return None
+
+    return wait_for(attempt, 60, f"a stream admitted to {worker_id}")
+
+
+def text_of(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+
+def test_a_group_serves_as_one_worker_and_a_dead_rank_loses_no_request(stack, engine):
+    _, group_id = spawn_ready_decode(stack, "decode-0-tp3", flags={"tensor_parallel_size": 3})
+    info = worker_info(stack, group_id)
+    assert info["tensor_parallel_size"] == 3 and len(info["rank_pids"]) == 2
+    pids = [info["pid"], *info["rank_pids"]]
+    assert all(_alive(p) for p in pids)
+
+    tok = engine.tokenizer
+    content = "Write a list of ten animals that live in the sea, one per line."
+    chat_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True))
+    expected = greedy_text(engine, chat_ids, 32, ignore_eos=True)
+    assert text_of(read_events(stream_on(stack, group_id, content, 32))) == expected
+
+    resp = stream_on(stack, group_id, content, 32)
+    events = read_events(resp, 4)
+    os.kill(info["rank_pids"][0], 9)  # one follower rank: the group breaks at its next step
+    events += read_events(resp)
+    assert text_of(events) == expected  # finished on the other worker from the tokens it had
+    wait_for(lambda: not any(_alive(p) for p in pids), 30, f"every rank process of {group_id} gone")
+    wait_for(lambda: (worker_info(stack, group_id) or {}).get("pid") != info["pid"], 4 * TTL_S,
+             f"{group_id}'s broken group gone from the registry")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is gone, only not reaped yet
+    except FileNotFoundError:
+        return False

@@ -48,6 +48,8 @@ class WorkerHostSettings(BaseSettings):
     decode_tp: int = Field(1, ge=1, le=64, description="ranks of each decode worker's tensor-parallel group: one "
                            "worker, that many processes, each with its shard of the weights and KV (the model's "
                            "heads, KV heads and MLP width must split into it)")
+    decode_pp: int = Field(1, ge=1, le=64, description="pipeline stages of each decode worker, each of --decode-tp "
+                           "ranks with a contiguous share of the layers")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
                                            "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")
     compile: Literal["off", "on", "background"] | None = Field(
@@ -75,6 +77,8 @@ class WorkerHostSettings(BaseSettings):
                              kv_disk_dir=self.kv_disk_dir, speculative_tokens=self.speculative_tokens)
         if self.decode_tp > 1:
             decode_only["tensor_parallel_size"] = self.decode_tp
+        if self.decode_pp > 1:
+            decode_only["pipeline_parallel_size"] = self.decode_pp
         return {**engine, **decode_only}, engine
 
 

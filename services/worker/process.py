@@ -99,9 +99,9 @@ class WorkerRoles:
 
     def open_transfer(self):
         """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""
-        if self.transfer is None and self.transfer_error is None and self._engine.tensor_parallel_size > 1:
+        if self.transfer is None and self.transfer_error is None and self._engine.rank_pids:
             # rank 0's pool is one shard of the group's: moving it alone would move a part of each block
-            self.transfer_error = "the KV transfer of a tensor-parallel worker's shards is not built yet"
+            self.transfer_error = "the KV transfer of a parallel worker's shards is not built yet"
             log.warning("remote prefill and peer fetch OFF: %s", self.transfer_error)
         if self.transfer is None and self.transfer_error is None:
             from shared.transfer.nixl import NixlTransfer

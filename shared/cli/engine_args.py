@@ -39,6 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="ranks of a tensor-parallel group: this process is rank 0 and starts the others, each a "
                         "process holding its shard of the weights and of the KV pool (gloo on a CPU, NCCL on CUDA; "
                         "--num-threads per rank, default 1 in a group) (default: %(default)s)")
+    g.add_argument("--pipeline-parallel-size", "--pp", type=int, default=int(_env("PIPELINE_PARALLEL_SIZE", 1)),
+                   help="pipeline stages, each of --tensor-parallel-size ranks holding a contiguous share of the "
+                        "layers and their KV; stages run one after another in a step (default: %(default)s)")
     g.add_argument("--quantization", default=_env("QUANTIZATION"), choices=QUANTIZATION_METHODS,
                    help="int8: int8 weights and per-token int8 activations in every linear layer, CPU only; "
                         "about 2x the decode throughput, slightly different outputs (default: see --dtype). "
@@ -88,7 +91,7 @@ def engine_config_from_args(args: argparse.Namespace, seed: int = 0):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching, seed=seed,
         num_threads=int(args.num_threads) if args.num_threads else None, quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype, kv_host_memory=parse_size(args.kv_host_memory) if args.kv_host_memory else 0,
         kv_disk_dir=args.kv_disk_dir, kv_disk_size=parse_size(args.kv_disk_size),
         kv_disk_min_uses=args.kv_disk_min_uses, speculative_tokens=args.speculative_tokens,

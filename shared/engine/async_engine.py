@@ -106,6 +106,10 @@ class AsyncEngine:
         return self.engine.model.group.size
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        return self.engine.model.pipeline.num_stages
+
+    @property
     def rank_pids(self) -> list[int]:
         """The process ids of a tensor-parallel group's ranks 1.. (empty for one process)."""
         return [p.pid for p in getattr(self.engine.model, "followers", ())]

@@ -15,7 +15,7 @@ from shared.engine.compile_thread import BackgroundCompile
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
 from shared.engine.cpu_threads import engine_thread_count
 from shared.engine.model_runner import ModelRunner
-from shared.engine.parallel import ParallelModel, free_port, start_followers
+from shared.engine.parallel import ParallelModel, free_port, join_stage, start_followers
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.speculative import SpeculativeConfig, Speculator
@@ -30,7 +30,8 @@ from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts, engi
 from shared.model.compiled import CompiledDecode
 from shared.model.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
-from shared.model.parallel import Collectives, ProcessGroupCollectives, check_tensor_parallel
+from shared.model.parallel import (Collectives, ProcessGroupCollectives, check_pipeline_parallel,
+                                   check_tensor_parallel)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
     cfg = model.cfg
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     namespace = make_namespace(model_id)
-    kv_spec = KvCacheSpec(cfg.num_layers, model.num_kv_heads, cfg.head_dim, config.block_size,
+    kv_spec = KvCacheSpec(len(model.layers), model.num_kv_heads, cfg.head_dim, config.block_size,
                           config.resolve_kv_dtype(model.dtype, model.device, model.quantization))
     num_blocks = num_kv_blocks(kv_spec, kv_cache_bytes(config, model.device))
     events = KvEventEmitter()
@@ -174,18 +175,19 @@ def _layer_formats(model) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) + ", 8-bit block activations"
 
 
-def load_model(config: EngineConfig, group: Collectives | None = None) -> LoadedModel:
+def load_model(config: EngineConfig, world: Collectives | None = None) -> LoadedModel:
     """Resolve the model name (fetching the default model if needed) and load it at the precision
-    chosen for the device. With ``config.tensor_parallel_size`` above 1 and no ``group``, this process
-    becomes rank 0 of a new group: it starts the other ranks (``shared.engine.parallel``), loads its
-    shard and returns it as a ``ParallelModel``; with ``group``, a follower's shard."""
+    chosen for the device. With ``config.tensor_parallel_size`` or ``pipeline_parallel_size`` above 1
+    and no ``world``, this process becomes rank 0 of a new parallel worker: it starts the other ranks
+    (``shared.engine.parallel``), loads its shard and returns it as a ``ParallelModel``; with
+    ``world`` (the worker's ranks), a follower's shard."""
     from shared.model.loader import load_model as load_weights, read_config
     from shared.model.quant import calibration_token_ids, check_quantization
     from shared.model.registry import resolve_model
     from shared.tokenizer import Tokenizer
 
     source = resolve_model(config.model)
-    if config.tensor_parallel_size > 1 and not config.num_threads:
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and not config.num_threads:
         config = dataclasses.replace(config, num_threads=1)  # a rank a thread: ranks share the cores
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -198,22 +200,29 @@ def load_model(config: EngineConfig, group: Collectives | None = None) -> Loaded
     tokenizer = Tokenizer.from_model_files(source.path, source.format)
     quantization = check_quantization(precision.quantization, device)
     followers = []
-    if group is None and config.tensor_parallel_size > 1:
+    size = config.tensor_parallel_size * config.pipeline_parallel_size
+    if world is None and size > 1:
         # refused here, before any rank process starts, where the shape does not split
-        check_tensor_parallel(read_config(source.path, source.format), config.tensor_parallel_size, quantization)
+        shape = read_config(source.path, source.format)
+        check_tensor_parallel(shape, config.tensor_parallel_size, quantization)
+        check_pipeline_parallel(shape, config.pipeline_parallel_size)
         port = free_port()
-        followers = start_followers(config, config.tensor_parallel_size, "127.0.0.1", port)
+        followers = start_followers(config, size, "127.0.0.1", port)
         try:
-            group = ProcessGroupCollectives(0, config.tensor_parallel_size, "127.0.0.1", port, device)
+            world = ProcessGroupCollectives(0, size, "127.0.0.1", port, device)
         except Exception:
             for proc in followers:
                 proc.kill()
             raise
-        log.info("tensor-parallel group of %d ranks on %s; ranks 1-%d are processes %s",
-                 group.size, device, group.size - 1, [p.pid for p in followers])
-    if group is not None:
-        device = group.device
-    model = load_weights(source.path, source.format, device, dtype, group, quantization)
+        log.info("parallel worker of %d ranks (TP=%d x PP=%d) on %s; ranks 1-%d are processes %s", size,
+                 config.tensor_parallel_size, config.pipeline_parallel_size, device, size - 1,
+                 [p.pid for p in followers])
+    group = pipeline = None
+    if world is not None:
+        device = world.device
+        group, pipeline = join_stage(world, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                     read_config(source.path, source.format).num_layers)
+    model = load_weights(source.path, source.format, device, dtype, group, quantization, pipeline)
     if quantization != "none":  # the calibration text is read where the method smooths (int8)
         model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))
     log.info("loaded %s (%s, %.0fM parameters) on %s as %s%s in %.1fs", source.name, source.format,
@@ -223,5 +232,5 @@ def load_model(config: EngineConfig, group: Collectives | None = None) -> Loaded
     config = dataclasses.replace(config, dtype=precision.dtype, quantization=quantization)
     model._loaded_with = config  # another process can load the same model from it (a compile process)
     if followers:
-        model = ParallelModel(model, group, followers)
+        model = ParallelModel(model, world, followers)
     return LoadedModel(model, config, tokenizer, source.name, frozenset(tokenizer.stop_token_ids))

@@ -45,6 +45,9 @@ class EngineConfig:
     # ranks of a tensor-parallel group (shared/model/parallel.py, shared/engine/parallel.py): this
     # process is rank 0 and starts the others, each a process with its shard of weights and KV
     tensor_parallel_size: int = 1
+    # pipeline stages, each of tensor_parallel_size ranks with a contiguous share of the layers (and
+    # their KV); stage 0's first rank is this process
+    pipeline_parallel_size: int = 1
     quantization: str | None = None  # "int8" / "int8-precise": W8A8 linear layers (CPU), shared/model/quant.py; None: as dtype
     # the KV pool's dtype: None or "auto" = the model's; on a CPU, float16 or bfloat16 under a float32
     # model halves the pool's bytes (twice the blocks in a budget, half the reads per decode step)
@@ -83,8 +86,9 @@ class EngineConfig:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES[1:])}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) and pipeline_parallel_size "
+                             f"({self.pipeline_parallel_size}) must be at least 1")
         if self.kv_host_memory < 0 or self.kv_disk_size < 1 or self.kv_disk_min_uses < 1:
             raise ValueError(f"kv_host_memory ({self.kv_host_memory}) must be >= 0, kv_disk_size "
                              f"({self.kv_disk_size}) and kv_disk_min_uses ({self.kv_disk_min_uses}) positive")

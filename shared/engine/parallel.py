@@ -30,7 +30,7 @@ import torch
 
 from shared.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from shared.model.llama import LayerState, LlamaModel
-from shared.model.parallel import Collectives, ProcessGroupCollectives
+from shared.model.parallel import Collectives, PipelineStage, stage_layers
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,9 @@ class ParallelModel:
     and each call that computes is first sent to the followers (``follow``), which make the same
     call on their shards. Every other attribute is the shard's."""
 
-    def __init__(self, model: LlamaModel, group: Collectives, followers: list | None = None) -> None:
-        self.model, self.group, self.followers = model, group, followers or []
+    def __init__(self, model: LlamaModel, world: Collectives, followers: list | None = None) -> None:
+        """``world``: every rank of the worker (its stages' too); ``model.group``: rank 0's stage."""
+        self.model, self.world, self.followers = model, world, followers or []
         self.closed = False
 
     def __getattr__(self, name: str):
@@ -61,7 +62,7 @@ class ParallelModel:
 
     @property
     def parallel_shape(self) -> dict[str, int]:
-        return {"tp": self.group.size, "pp": 1}
+        return {"tp": self.model.group.size, "pp": self.model.pipeline.num_stages}
 
     def attach_kv(self, kv_cache: torch.Tensor, block_size: int) -> None:
         """The followers make their shards of the pool: as many blocks as rank 0's, same dtype."""
@@ -87,7 +88,7 @@ class ParallelModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.contiguous()
         self._send(LOGITS, hidden.shape[0], hidden.shape[1], DTYPES.index(hidden.dtype))
-        self.group.broadcast(hidden)
+        self.world.broadcast(hidden)
         return self.model.compute_logits(hidden)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -109,7 +110,7 @@ class ParallelModel:
     def _send(self, op: int, *args: int) -> None:
         header = torch.zeros(HEADER, dtype=torch.long, device=self.model.device)
         header[:1 + len(args)] = torch.tensor((op, *args))
-        self.group.broadcast(header)
+        self.world.broadcast(header)
 
     def _send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         tables = meta.block_tables
@@ -119,16 +120,16 @@ class ParallelModel:
         parts = [input_ids, positions, meta.slot_mapping, tables.reshape(-1), meta.seq_lens, meta.query_start_loc]
         if starts is not None:
             parts.append(starts)
-        self.group.broadcast(torch.cat([p.to(torch.long) for p in parts]))
+        self.world.broadcast(torch.cat([p.to(torch.long) for p in parts]))
 
 
-def follow(model: LlamaModel, group: Collectives, backend: AttentionBackend | None = None) -> None:
-    """A follower's loop: run what rank 0 sends (``ParallelModel``) until it says stop."""
+def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | None = None) -> None:
+    """A follower's loop: run what rank 0 sends over ``world`` (``ParallelModel``) until it says stop."""
     dev = model.device
     backend = backend or get_attention_backend("auto", dev)
     kv_cache = None
     while True:
-        header = group.broadcast(torch.zeros(HEADER, dtype=torch.long, device=dev)).tolist()
+        header = world.broadcast(torch.zeros(HEADER, dtype=torch.long, device=dev)).tolist()
         op, args = header[0], header[1:]
         if op == STOP:
             return
@@ -136,19 +137,19 @@ def follow(model: LlamaModel, group: Collectives, backend: AttentionBackend | No
             num_blocks, dtype, block_size = args[:3]
             from shared.kvcache.layout import KvCacheSpec
 
-            spec = KvCacheSpec(model.cfg.num_layers, model.num_kv_heads, model.cfg.head_dim, block_size, DTYPES[dtype])
+            spec = KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, block_size, DTYPES[dtype])
             kv_cache = spec.allocate(num_blocks, dev)
-            log.info("rank %d: KV shard of %d blocks (%.0f MiB)", group.rank, num_blocks,
+            log.info("rank %d: KV shard of %d blocks (%.0f MiB)", world.rank, num_blocks,
                      kv_cache.nbytes / 2**20)
         elif op == FORWARD:
-            ids, pos, meta = _receive_forward(group, args, dev)
+            ids, pos, meta = _receive_forward(world, args, dev)
             model.forward(ids, pos, kv_cache, meta, backend)
         elif op == LOGITS:
             rows, width, dtype = args[:3]
-            hidden = group.broadcast(torch.empty(rows, width, dtype=DTYPES[dtype], device=dev))
-            model.compute_logits(hidden)
+            hidden = world.broadcast(torch.empty(rows, width, dtype=DTYPES[dtype], device=dev))
+            model.compute_logits(hidden)  # on stage 0's ranks; past it, nothing
         else:
-            raise RuntimeError(f"rank {group.rank}: unknown operation {op} from rank 0")
+            raise RuntimeError(f"rank {world.rank}: unknown operation {op} from rank 0")
 
 
 def _receive_forward(group: Collectives, args: list[int], dev: torch.device):
@@ -162,6 +163,14 @@ def _receive_forward(group: Collectives, args: list[int], dev: torch.device):
                              seq_lens.to(torch.int32), qsl.to(torch.int32), max_seq_len, max_query_len,
                              step_starts=rest[0] if rest else None)
     return ids, pos, meta
+
+
+def join_stage(world: Collectives, tp: int, pp: int, num_layers: int) -> tuple[Collectives, PipelineStage]:
+    """This rank's stage of a worker of ``pp`` stages of ``tp`` ranks: its tensor-parallel group (every
+    rank of the stage makes it together) and its place in the pipeline."""
+    stage = world.rank // tp
+    group = world.subgroup(list(range(stage * tp, stage * tp + tp)))
+    return group, PipelineStage(world, stage, pp, tp, stage_layers(num_layers, pp, stage))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

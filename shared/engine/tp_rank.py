@@ -23,7 +23,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     from shared.engine.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="python -m shared.engine.tp_rank",
-                                     description="One follower rank of a tensor-parallel engine (started by rank 0).")
+                                     description="One follower rank of a parallel engine (started by rank 0).")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--host", required=True, help="rank 0's address")
@@ -40,9 +40,9 @@ def follower_main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     try:
-        group = ProcessGroupCollectives(rank, args.size, args.host, args.port, device)
-        loaded = load_model(config, group=group)
-        follow(loaded.model, group)
+        world = ProcessGroupCollectives(rank, args.size, args.host, args.port, device)
+        loaded = load_model(config, world=world)
+        follow(loaded.model, world)
     except RuntimeError as exc:  # rank 0 or another rank is gone: the group is over
         log.warning("rank %d leaves its tensor-parallel group: %s", rank, exc)
         return 1

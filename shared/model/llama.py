@@ -19,7 +19,7 @@ from kernels import blocks_cpu, int8_cpu
 from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
-from shared.model.parallel import Collectives, SingleRank, TensorSplit
+from shared.model.parallel import Collectives, PipelineStage, SingleRank, TensorSplit
 from shared.model.quant import BlockWeight, Int8Weight, ObservedWeight, linear, observe, quantize_blocks, quantize_int8
 
 
@@ -97,26 +97,28 @@ class LayerState:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_weights: list[dict],
-                 group: Collectives | None = None):
+                 group: Collectives | None = None, pipeline: PipelineStage | None = None):
         """``weights`` and ``layer_weights``: the whole model's, or with ``group`` of more than one
-        rank, this rank's shard of them (``shared.model.parallel.shard_top`` and ``shard_layer``)."""
+        rank, this rank's shard of them (``shared.model.parallel.shard_top`` and ``shard_layer``);
+        with ``pipeline``, its stage's layers only (and the embedding and LM head on stage 0 alone)."""
         self.cfg = cfg
         self.group = group or SingleRank()
+        self.pipeline = pipeline or PipelineStage(self.group, 0, 1, self.group.size, range(cfg.num_layers))
         self.split = TensorSplit(cfg, self.group.rank, self.group.size)
-        self.embed = weights["embed"]  # [V, hidden]; [V / tp, hidden] on a rank of a group
+        self.embed = weights.get("embed")  # [V, hidden]; [V / tp, hidden] on a rank of a group; None past stage 0
         self.norm = weights["norm"]
         self.lm_head = weights.get("lm_head", self.embed)
         self.layers = [LlamaLayer(cfg, w, self.split, self.group) for w in layer_weights]
-        self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
+        self.inv_freq = rope_inv_freq(cfg).to(self.norm.device)
         self._kv_views: tuple[torch.Tensor, list] | None = None  # (cache, each layer's (k, v) views)
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
 
     @property
     def num_kv_heads(self) -> int:
@@ -141,16 +143,32 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [N, L, 2, bs, Hkv, D]
+        kv_cache: torch.Tensor,  # [N, L, 2, bs, Hkv, D]: this stage's L layers
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:  # [T, hidden]
-        hidden = self.embed_tokens(input_ids)
+    ) -> torch.Tensor | None:  # [T, hidden]; None past a pipeline's stage 0
+        """Every rank of a pipeline calls it for the same step: the stages run their layers one
+        after the other, each handing (hidden, residual) on to the next, the last back to stage 0."""
         cos, sin = self.rope_cos_sin(positions)
-        residual = None
+        pipe = self.pipeline
+        hidden = residual = None
+        if pipe.stage == 0:
+            hidden, residual = self._run_stage(self.embed_tokens(input_ids), None, cos, sin, kv_cache, meta, backend)
+        shape = (input_ids.shape[0], self.cfg.hidden_size)
+        for stage in range(1, pipe.num_stages):
+            hidden, residual = pipe.hand_over(stage - 1, hidden, residual, shape, self.dtype, self.device)
+            if pipe.stage == stage:
+                hidden, residual = self._run_stage(hidden, residual, cos, sin, kv_cache, meta, backend)
+        if pipe.num_stages > 1:
+            hidden, residual = pipe.hand_over(pipe.num_stages - 1, hidden, residual, shape, self.dtype, self.device)
+        if pipe.stage != 0:
+            return None
+        return backend.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    def _run_stage(self, hidden, residual, cos, sin, kv_cache, meta, backend):
         for layer, views in zip(self.layers, self.kv_views(kv_cache)):
             hidden, residual = layer.forward(views, hidden, residual, cos, sin, meta, backend)
-        return backend.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+        return hidden, residual
 
     @torch.inference_mode()
     def start_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> LayerState:
@@ -186,8 +204,11 @@ class LlamaModel:
         return self._kv_views[1]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32
-        """On a rank of a group every rank calls it with the same ``hidden`` and gets every logit."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, hidden] -> [S, V] float32
+        """On a rank of a group every rank of stage 0 calls it with the same ``hidden`` and gets every
+        logit; past stage 0 (no LM head) None."""
+        if self.lm_head is None:
+            return None
         logits = linear(hidden, self.lm_head).float()
         if self.group.size == 1:
             return logits
@@ -209,7 +230,7 @@ class LlamaModel:
             for layer in self.layers:
                 for name in LINEAR_NAMES:
                     setattr(layer, name, quantize_blocks(getattr(layer, name)) or getattr(layer, name))
-            head = quantize_blocks(self.lm_head)
+            head = quantize_blocks(self.lm_head) if self.lm_head is not None else None  # none past stage 0
             self.lm_head = dataclasses.replace(head, act_levels=2) if head is not None else self.lm_head
             if self.device.type == "cpu":
                 blocks_cpu.load()  # the block kernel (built once per machine; panels with VNNI), or the reference
@@ -220,12 +241,13 @@ class LlamaModel:
             for layer in self.layers:
                 for name in LINEAR_NAMES:
                     setattr(layer, name, observe(getattr(layer, name)))
-            self.lm_head = observe(self.lm_head)
+            self.lm_head = observe(self.lm_head) if self.lm_head is not None else None
             self.prefill_logits(calibration_ids)  # every position: the LM head's calibration sees them all
         for layer in self.layers:
             for name in LINEAR_NAMES:
                 setattr(layer, name, _to_int8(getattr(layer, name), alpha, False, levels))
-        self.lm_head = _to_int8(self.lm_head, alpha, levels == 2, levels)
+        if self.lm_head is not None:
+            self.lm_head = _to_int8(self.lm_head, alpha, levels == 2, levels)
         if self.device.type == "cpu":
             int8_cpu.load()  # the few-row kernel (built once per machine), or torch._int_mm: same bits
 
@@ -237,7 +259,7 @@ class LlamaModel:
         against another."""
         cfg, n, dev = self.cfg, len(token_ids), self.device
         num_blocks = -(-n // block_size)
-        kv = KvCacheSpec(cfg.num_layers, self.num_kv_heads, cfg.head_dim, block_size, kv_dtype or self.dtype).allocate(
+        kv = KvCacheSpec(len(self.layers), self.num_kv_heads, cfg.head_dim, block_size, kv_dtype or self.dtype).allocate(
             num_blocks, dev)
         meta = AttentionMetadata(
             num_decodes=0, slot_mapping=torch.arange(n, device=dev),
@@ -252,9 +274,10 @@ class LlamaModel:
     def quantization(self) -> str:
         if any(isinstance(w, BlockWeight) for w in (self.lm_head, self.layers[0].qkv, self.layers[0].gate_up)):
             return "gguf"
-        if not isinstance(self.lm_head, Int8Weight):
+        int8 = next((w for w in (self.lm_head, self.layers[0].qkv) if isinstance(w, Int8Weight)), None)
+        if int8 is None:
             return "none"
-        return "int8-precise" if self.lm_head.act_levels == 2 else "int8"
+        return "int8-precise" if int8.act_levels == 2 else "int8"
 
 
 def _to_int8(weight: torch.Tensor | ObservedWeight, alpha: float, residual: bool, act_levels: int) -> Int8Weight:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import GgufFile, GgufTensor, read_gguf
 from shared.model.llama import LlamaModel
-from shared.model.parallel import Collectives, check_tensor_parallel, shard_layer, shard_top
+from shared.model.parallel import Collectives, PipelineStage, check_tensor_parallel, shard_layer, shard_top
 
 log = logging.getLogger(__name__)
 
@@ -208,22 +208,31 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
 
 def build_model(
     cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-    group: Collectives | None = None,
+    group: Collectives | None = None, pipeline: PipelineStage | None = None,
 ) -> LlamaModel:
     """The model from its named tensors; with ``group``, that rank's shard of it (the full tensors
-    are read, cut and let go layer by layer)."""
+    are read, cut and let go layer by layer); with ``pipeline``, its stage's layers (and the
+    embedding and LM head on stage 0 alone)."""
     def take(name: str) -> torch.Tensor:
         try:
             return tensors.pop(name).to(device=device, dtype=dtype)
         except KeyError:
             raise ValueError(f"model weights are missing tensor {name!r}") from None
 
-    top = {"embed": take("embed"), "norm": take("norm")}
-    if not cfg.tie_word_embeddings:
-        top["lm_head"] = take("lm_head")
+    rank, tp = (group.rank, group.size) if group is not None else (0, 1)
+    stage0 = pipeline is None or pipeline.stage == 0
+    top = {"norm": take("norm")}
+    if stage0:
+        top["embed"] = take("embed")
+        if not cfg.tie_word_embeddings:
+            top["lm_head"] = take("lm_head")
     layers = []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
+        if pipeline is not None and i not in pipeline.layers:
+            for name in [n for n in tensors if n.startswith(p)]:
+                del tensors[name]  # another stage's
+            continue
         w = {
             "attn_norm": take(p + "attn_norm"),
             "qkv": torch.cat([take(p + "q"), take(p + "k"), take(p + "v")]),
@@ -234,12 +243,11 @@ def build_model(
         }
         if cfg.attention_bias:
             w["qkv_bias"] = torch.cat([take(p + "q_bias"), take(p + "k_bias"), take(p + "v_bias")])
-        if group is not None:
-            w = shard_layer(cfg, w, group.rank, group.size)
-        layers.append(w)
-    if group is not None:
-        top = shard_top(cfg, top, group.rank, group.size)
-    return LlamaModel(cfg, top, layers, group)
+        layers.append(shard_layer(cfg, w, rank, tp))
+    tensors.clear()
+    if stage0:
+        top = shard_top(cfg, top, rank, tp)
+    return LlamaModel(cfg, top, layers, group, pipeline)
 
 
 def read_config(path: Path, fmt: str) -> ModelConfig:
@@ -250,16 +258,18 @@ def read_config(path: Path, fmt: str) -> ModelConfig:
 
 
 def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
-               group: Collectives | None = None, quantization: str = "none") -> LlamaModel:
+               group: Collectives | None = None, quantization: str = "none",
+               pipeline: PipelineStage | None = None) -> LlamaModel:
     """Load a model from a GGUF file (``fmt="gguf"``) or an HF directory (``fmt="hf"``); with
     ``group``, that rank's shard, refused before any weight is kept where the model's shape does not
-    split into ``group.size`` ranks at ``quantization`` (shared/model/parallel.py)."""
+    split into ``group.size`` ranks at ``quantization`` (shared/model/parallel.py); with
+    ``pipeline``, its stage's layers."""
     load = load_gguf if fmt == "gguf" else load_hf_dir
     cfg, tensors = load(path, device, dtype)
-    if group is None:
+    if group is None and pipeline is None:
         return build_model(cfg, tensors, device, dtype)
-    check_tensor_parallel(cfg, group.size, quantization)
-    model = build_model(cfg, tensors, device, dtype, group)
+    check_tensor_parallel(cfg, group.size if group is not None else 1, quantization)
+    model = build_model(cfg, tensors, device, dtype, group, pipeline)
     _return_freed_memory()  # the whole tensors this rank read and cut are garbage now
     return model
 

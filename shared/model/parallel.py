@@ -88,30 +88,44 @@ class ProcessGroupCollectives:
     loopback for a decode step's all-reduce); the gloo group is made all the same."""
 
     def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
-                 timeout_s: float = 120.0, shared_memory: bool = True, idle_timeout_s: float = 7 * 86400.0) -> None:
+                 timeout_s: float = 120.0, shared_memory: bool = True, idle_timeout_s: float = 7 * 86400.0,
+                 *, store: dist.Store | None = None, prefix: str = "tp") -> None:
         """Join the group whose rank 0 listens on ``host:port`` (rank 0 opens that TCP store), every
         rank within ``timeout_s``. ``shared_memory=False`` keeps gloo even on one host (to compare
         them). Gloo's collectives wait up to ``idle_timeout_s``: a follower waits in a broadcast for
         rank 0's next step for as long as the worker has no request (a dead rank breaks the wait
-        at once, its connections closed)."""
+        at once, its connections closed). ``store`` and ``prefix``: a subgroup's (``subgroup``)."""
         self.rank, self.size, self.device = rank, size, device
+        self.host, self.timeout_s, self.shared_memory, self.idle_timeout_s = host, timeout_s, shared_memory, idle_timeout_s
         self.num_calls, self.seconds = 0, 0.0  # collectives made on this rank, and the time they took
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+        self.store = store if store is not None else dist.TCPStore(host, port, size, is_master=rank == 0,
+                                                                   timeout=timeout, wait_for_workers=True)
         timeout = datetime.timedelta(seconds=idle_timeout_s)
         if device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("tp", self.store), rank, size)
+            self.group = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, self.store), rank, size)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore("tp", self.store), rank, size, options)
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, size, options)
         self.shm = None
         if shared_memory and device.type == "cpu":
-            self.shm = join_shared_memory(dist.PrefixStore("shm", self.store), rank, size, timeout_s)
-        if rank == 0:
-            log.info("tensor-parallel group of %d: collectives over %s", size,
+            self.shm = join_shared_memory(dist.PrefixStore(f"shm-{prefix}", self.store), rank, size, timeout_s)
+        if rank == 0 and store is None:
+            log.info("parallel group of %d: collectives over %s", size,
                      "shared memory" if self.shm else "nccl" if device.type == "cuda" else "gloo")
+
+    def subgroup(self, ranks: list[int]) -> "Collectives":
+        """The group of ``ranks`` (this rank among them; every one of them asks for it, and no
+        other rank needs to): a pipeline stage's tensor-parallel ranks."""
+        if len(ranks) == self.size:
+            return self
+        if len(ranks) == 1:
+            return SingleRank()
+        return ProcessGroupCollectives(ranks.index(self.rank), len(ranks), self.host, 0, self.device, self.timeout_s,
+                                       self.shared_memory, self.idle_timeout_s, store=self.store,
+                                       prefix="g" + "-".join(map(str, ranks)))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
@@ -149,6 +163,47 @@ class ProcessGroupCollectives:
     def _count(self, started: float) -> None:
         self.num_calls += 1
         self.seconds += time.perf_counter() - started
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStage:
+    """Where a process sits in a pipeline of ``num_stages`` stages, each of ``tp`` ranks: the
+    stage's layers, and the whole worker's ranks (``world``) over which stages hand their hidden
+    states on. World rank ``stage * tp + r`` is rank r of stage ``stage``.
+
+    Stage 0 holds the embedding, the final norm and the LM head (tied in SmolLM2 and Llama-3.2-1B:
+    one tensor), so the last stage hands its hidden states back to stage 0, where rank 0 samples."""
+
+    world: Collectives
+    stage: int
+    num_stages: int
+    tp: int
+    layers: range  # the model's layers this stage runs
+
+    def hand_over(self, src_stage: int, hidden: torch.Tensor | None, residual: torch.Tensor | None,
+                  shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage ``src_stage``'s (hidden, residual) [T, H] each, to every rank of the worker (every
+        rank calls it, in the same order): a broadcast from that stage's first rank."""
+        buf = torch.stack([hidden, residual]) if self.stage == src_stage else torch.empty(2, *shape, dtype=dtype,
+                                                                                           device=device)
+        self.world.broadcast(buf, src=src_stage * self.tp)
+        return buf[0], buf[1]
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """Stage ``stage``'s share of ``num_layers`` layers: contiguous, the first stages one longer
+    where they do not divide."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def check_pipeline_parallel(cfg: ModelConfig, pp: int) -> None:
+    if pp < 1:
+        raise ValueError(f"pipeline parallel size must be at least 1, got {pp}")
+    if pp > cfg.num_layers:
+        raise ValueError(f"pipeline parallel size {pp} is larger than the model's {cfg.num_layers} layers: "
+                         f"every stage needs one")
 
 
 @dataclasses.dataclass(frozen=True)

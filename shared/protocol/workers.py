@@ -40,9 +40,11 @@ class WorkerInfo(WireModel):
     # text in (GenerateRequest.messages / prompt_text), text out (TokenChunk.text): the worker
     # brings its own model and tokenizer, and the gateway sends it no token ids or block hashes
     takes_text: bool = False
-    # the worker's parallel shape: one entry for a group of tensor_parallel_size ranks (processes
-    # with their shards of the weights and of the KV pool; ``pid`` is rank 0's, ``rank_pids`` the others')
+    # the worker's parallel shape: one entry for a group of tensor_parallel_size x pipeline_parallel_size
+    # ranks (processes with their shards of the weights and of the KV pool; ``pid`` is rank 0's,
+    # ``rank_pids`` the others')
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
     rank_pids: list[int] = Field(default_factory=list)
 
 

@@ -221,8 +221,7 @@ class Stack:
         worker_id = self.worker_id(name)
         # workers sharing one machine split its cores rather than each spinning a thread per core; a
         # tensor-parallel worker's ranks are processes of their own, each with num_threads
-        num_ranks = (spec.num_decode * int(spec.decode_flags.get("tensor_parallel_size", 1))
-                     + spec.num_prefill * int(spec.prefill_flags.get("tensor_parallel_size", 1)))
+        num_ranks = spec.num_decode * _ranks(spec.decode_flags) + spec.num_prefill * _ranks(spec.prefill_flags)
         threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_ranks)} if num_ranks > 1 else {}
         if flags.get("kv_disk_dir"):  # one disk tier per worker, under its stable name
             flags = {**flags, "kv_disk_dir": str(Path(str(flags["kv_disk_dir"])) / name)}
@@ -366,3 +365,8 @@ class Stack:
         for server in reversed(self.servers):
             server.stop()
         self.servers.clear()
+
+
+def _ranks(flags: dict[str, object]) -> int:
+    """Processes of one worker with these flags (a parallel worker's ranks)."""
+    return int(flags.get("tensor_parallel_size", 1)) * int(flags.get("pipeline_parallel_size", 1))

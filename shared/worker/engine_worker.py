@@ -160,7 +160,8 @@ class EngineWorker:
             kv_namespace_hex=self.engine.kv_namespace.hex(), host=socket.gethostname(),
             pid=os.getpid(), started_at=self._started_at, num_restarts=self._settings.num_restarts,
             warmup_prefill_tokens_per_s=stats.warmup_prefill_tokens_per_s,
-            tensor_parallel_size=self.engine.tensor_parallel_size, rank_pids=self.engine.rank_pids,
+            tensor_parallel_size=self.engine.tensor_parallel_size,
+            pipeline_parallel_size=self.engine.pipeline_parallel_size, rank_pids=self.engine.rank_pids,
             **subjects)
 
     def _load(self, **fields) -> WorkerLoad:

@@ -41,6 +41,8 @@ class EngineWorkerSettings(ServiceSettings):
     tensor_parallel_size: int = Field(1, ge=1, description="ranks of a tensor-parallel group: this worker is rank 0 "
                                       "and starts the others, each a process with its shard of the weights and KV "
                                       "(threads per rank: num_threads, default 1 for a group)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages of tensor_parallel_size ranks each, "
+                                        "every stage a contiguous share of the layers and their KV")
     quantization: Literal[QUANTIZATION_METHODS] | None = Field(
         None, description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only); "
                           "int8-precise: activations and the LM head's weights in two int8 levels, closer to "
@@ -106,7 +108,8 @@ class EngineWorkerSettings(ServiceSettings):
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             attention_backend=self.attention_backend, seed=self.seed, num_threads=self.num_threads,
-            tensor_parallel_size=self.tensor_parallel_size, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             kv_host_memory=parse_size(self.kv_host_memory) if self.kv_host_memory else 0,
             kv_disk_dir=self.kv_disk_dir, kv_disk_size=parse_size(self.kv_disk_size),
             kv_disk_min_uses=self.kv_disk_min_uses, speculative_tokens=self.speculative_tokens,

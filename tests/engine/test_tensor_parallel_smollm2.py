@@ -1,9 +1,10 @@
-"""The engine on a tensor-parallel group of real rank processes (gloo, one thread each).
+"""The engine on parallel workers of real rank processes (shared-memory collectives, one thread each).
 
 SmolLM2-135M-Instruct in float32 (9 heads, 3 KV heads, MLP 1536) at TP=3, one KV head per rank:
 greedy text equal to transformers' with chunked prefill, speculation, a warm prefix cache,
 structured output and preemption on the group; a random-weight Llama of 32 heads and 8 KV heads at
-TP=2 and TP=4 equal to its own TP=1 text; the quantized precisions on a group as close to float32
+TP=2 and TP=4 equal to its own TP=1 text; SmolLM2 in pipeline stages (PP=2, PP=3, TP=3 x PP=2)
+equal to transformers; shapes that do not split refused before a rank starts; the quantized precisions on a group as close to float32
 as one process is; a follower that dies breaks the group at its next step, and followers exit with
 rank 0."""
 
@@ -44,15 +45,17 @@ def reference(hf_smol, chat_prompts, smol_tokenizer):
     return refs
 
 
-def group_engine(model: str, tp: int, **kw) -> LLMEngine:
+def group_engine(model: str, tp: int, pp: int = 1, **kw) -> LLMEngine:
     kw.setdefault("kv_cache_memory", 32 << 20)
     return LLMEngine.from_config(EngineConfig(model=str(model), dtype="float32", tensor_parallel_size=tp,
-                                              num_threads=1, **kw))
+                                              pipeline_parallel_size=pp, num_threads=1, **kw))
 
 
 def test_smollm2_at_tp3_equals_transformers(smollm2_gguf, chat_prompts, reference):
     """Chunked prefill (16-token budget), speculation (4 drafts), then the same prompts again on
-    the warm prefix cache, then a JSON-schema request: every rank's KV shard holds its one head."""
+    the warm prefix cache, then a JSON-schema request: every rank's KV shard holds its one head.
+    Can take over a minute on 2 cores with its module's first fixture: transformers' reference
+    texts, then three rank processes loading the model."""
     engine = group_engine(smollm2_gguf, 3, max_num_batched_tokens=16, block_size=16, speculative_tokens=4)
     try:
         assert engine.model.group.size == 3 and engine.kv_cache.shape[-2] == 1  # one KV head per rank
@@ -71,6 +74,28 @@ def test_smollm2_at_tp3_equals_transformers(smollm2_gguf, chat_prompts, referenc
     finally:
         engine.close()
     assert [p.returncode for p in engine.model.followers] == [0, 0]
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (1, 3), (3, 2)])
+def test_smollm2_in_pipeline_stages_equals_transformers(smollm2_gguf, chat_prompts, reference, tp, pp):
+    """Stages of 15 or 10 layers, each with its layers' KV; TP=3 x PP=2 is six processes."""
+    engine = group_engine(smollm2_gguf, tp, pp, max_num_batched_tokens=32)
+    try:
+        assert len(engine.model.layers) == 30 // pp and len(engine.model.followers) == tp * pp - 1
+        assert engine.kv_cache.shape[1] == 30 // pp
+        assert engine.generate(chat_prompts, GREEDY) == reference
+    finally:
+        engine.close()
+    assert all(p.returncode == 0 for p in engine.model.followers)
+
+
+def test_a_shape_that_does_not_split_is_refused_before_any_rank_starts(smollm2_gguf):
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        group_engine(smollm2_gguf, 2)
+    with pytest.raises(ValueError, match="pipeline parallel size 31 is larger than the model's 30 layers"):
+        group_engine(smollm2_gguf, 1, 31)
+    with pytest.raises(ValueError, match="does not divide the model's MLP width 1536"):  # 9 heads, 3 KV heads: fine
+        group_engine(smollm2_gguf, 9)
 
 
 def test_smollm2_at_tp3_through_preemption(smollm2_gguf, chat_prompts, hf_smol):

@@ -14,7 +14,9 @@ import torch
 from shared.engine.parallel import free_port
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
-from shared.model.parallel import ProcessGroupCollectives, TensorSplit, check_tensor_parallel, shard_layer
+from shared.engine.parallel import join_stage
+from shared.model.parallel import (ProcessGroupCollectives, TensorSplit, check_pipeline_parallel, check_tensor_parallel,
+                                   shard_layer, stage_layers)
 from shared.model.quant import quantize_blocks
 from tiny_hf_models import save_tiny
 
@@ -68,6 +70,34 @@ def test_split_model_gives_the_whole_models_logits(heads_32, tp):
     assert got.shape == whole.shape
     torch.testing.assert_close(got, whole, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), whole.argmax(-1))
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (4, 2)])
+def test_pipeline_stages_give_the_whole_models_logits(heads_32, tp, pp):
+    """Two stages of one layer each (the model has two), each stage of ``tp`` ranks: stage 0's ranks
+    get the whole model's logits, the other stage's none (it holds no LM head)."""
+    ids = [(11 * i + 5) % 250 for i in range(33)]
+    whole = load_model(heads_32, "hf", torch.device("cpu"), torch.float32).prefill_logits(ids)
+
+    def stage_logits(world):
+        group, pipeline = join_stage(world, tp, pp, 2)
+        model = load_model(heads_32, "hf", torch.device("cpu"), torch.float32, group, pipeline=pipeline)
+        assert len(model.layers) == 1 and (model.embed is None) == (pipeline.stage > 0)
+        return model.prefill_logits(ids)
+
+    results = run_ranks(tp * pp, stage_logits)
+    assert all(r is None for r in results[tp:])
+    for logits in results[:tp]:
+        torch.testing.assert_close(logits, whole, rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), whole.argmax(-1))
+
+
+def test_stages_share_the_layers_out_contiguously_and_one_per_stage_at_least():
+    assert [stage_layers(30, 4, s) for s in range(4)] == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert [len(stage_layers(30, 3, s)) for s in range(3)] == [10, 10, 10]
+    check_pipeline_parallel(_cfg(), 30)
+    with pytest.raises(ValueError, match="pipeline parallel size 31 is larger than the model's 30 layers"):
+        check_pipeline_parallel(_cfg(), 31)
 
 
 def _cfg(**kw) -> ModelConfig:

@@ -1,15 +1,18 @@
 """What a tensor-parallel group costs against one process with the same cores.
 
-    python -m loadtest.bench.parallel --tp 1,2,3 --out loadtest/results/parallel/zen4
+    python -m loadtest.bench.parallel --tp 3 --pp 2 --out loadtest/results/parallel/zen4
 
 For each configuration an engine is started on ``--model`` (SmolLM2-135M by default, float32):
 the baseline is one process with as many threads as the machine has cores (``--baseline-threads``),
 then one process with one thread (TP=1), then a group of each ``--tp`` size, one thread per rank.
 Measured per configuration: decode tokens/s and step time at each ``--batch-sizes`` (decode-only
 steps after the prompts are in, as loadtest.bench.decode times them), the time to first token of
-one ``--prompt-len``-token prompt alone, the share of a decode step rank 0 spends in the group's
-collectives (all-reduces, the logits' gather, the step's broadcast: counted by the collectives
-themselves), each rank's resident memory and rank 0's weight bytes against TP=1's.
+one ``--ttft-prompt-len``-token prompt alone, the share of a decode step rank 0 spends in the
+worker's collectives (all-reduces, the logits' gather, the step's broadcast, the stages' hand-overs:
+counted by the collectives themselves, waiting for the other ranks included), each rank's resident
+memory and rank 0's weight bytes against TP=1's. Pipeline sizes (``--pp``) run at TP=1: their
+stages run one after another within a step, so a step is as long as the stages together plus the
+hand-overs.
 
 On a CPU with fewer cores than ranks a group cannot beat one process: every rank computes its
 share while the others wait in collectives, and ranks share cores. What this reports is what a
@@ -35,7 +38,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.parallel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face directory")
-    p.add_argument("--tp", default="2,3", help="tensor-parallel sizes to measure beside TP=1 (default: %(default)s)")
+    p.add_argument("--tp", default="3", help="tensor-parallel sizes to measure beside TP=1 (default: %(default)s)")
+    p.add_argument("--pp", default="2", help="pipeline-parallel sizes to measure, at TP=1 (default: %(default)s; "
+                   "empty: none)")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-len", type=int, default=128, help="decode requests' prompt length")
     p.add_argument("--ttft-prompt-len", type=int, default=512, help="the prompt whose TTFT is timed")
@@ -77,19 +82,19 @@ def ttft_s(engine, prompt_len: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(args, tp: int, threads: int) -> dict:
+def measure(args, tp: int, pp: int, threads: int) -> dict:
     from shared.engine import EngineConfig, LLMEngine, warmup
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     torch.set_num_threads(threads)
     engine = LLMEngine.from_config(EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=tp,
-        num_threads=threads, max_num_seqs=max(batches), kv_cache_memory=256 << 20,
+        pipeline_parallel_size=pp, num_threads=threads, max_num_seqs=max(batches), kv_cache_memory=256 << 20,
         max_num_batched_tokens=max(512, args.prompt_len)))
     try:
         warmup(engine)
-        group = engine.model.group
-        row = {"tp": tp, "threads_per_rank": threads, "weight_bytes_rank0": weight_bytes(engine.model),
+        group = getattr(engine.model, "world", engine.model.group)  # every rank's collectives, rank 0's count
+        row = {"tp": tp, "pp": pp, "threads_per_rank": threads, "weight_bytes_rank0": weight_bytes(engine.model),
                "rss_bytes": [rss_bytes(os.getpid())] + [rss_bytes(p.pid) for p in getattr(engine.model, "followers", [])],
                "ttft_s": min(ttft_s(engine, args.ttft_prompt_len) for _ in range(args.repeats)), "batches": []}
         for b in batches:
@@ -116,11 +121,12 @@ def _collective_s(group) -> float | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    configs = [("baseline", 1, args.baseline_threads), ("TP=1", 1, 1)]
-    configs += [(f"TP={tp}", tp, 1) for tp in (int(t) for t in args.tp.split(",")) if tp > 1]
+    configs = [("baseline", 1, 1, args.baseline_threads), ("TP=1", 1, 1, 1)]
+    configs += [(f"TP={tp}", tp, 1, 1) for tp in (int(t) for t in args.tp.split(",") if t) if tp > 1]
+    configs += [(f"PP={pp}", 1, pp, 1) for pp in (int(p) for p in args.pp.split(",") if p) if pp > 1]
     rows = []
-    for name, tp, threads in configs:
-        row = measure(args, tp, threads) | {"name": name}
+    for name, tp, pp, threads in configs:
+        row = measure(args, tp, pp, threads) | {"name": name}
         rows.append(row)
         base = rows[0]
         cells = [f"batch {b['batch']}: {b['decode_tok_s']:6.1f} tok/s ({b['decode_tok_s'] / bb['decode_tok_s']:.2f}x)"

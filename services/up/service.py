@@ -6,6 +6,7 @@ import signal
 import threading
 from pathlib import Path
 
+from shared.cli.errors import CliError
 from shared.stack.servers import advertised_host
 from shared.stack.stack import Stack, StackSpec, print_line
 from shared.stack.supervisor import Backoff
@@ -15,8 +16,11 @@ from services.up.config import UpSettings
 
 def spec_from_settings(s: UpSettings) -> StackSpec:
     decode_flags, prefill_flags = s.worker_flags()
+    num_decode, num_prefill, worker_flags = s.decode, s.prefill, {}
+    if s.plan is not None:
+        num_decode, num_prefill, worker_flags = _planned(s.plan, s.device, s.model, s.quantization)
     return StackSpec(
-        state_dir=s.state_dir / s.namespace, num_decode=s.decode, num_prefill=s.prefill,
+        state_dir=s.state_dir / s.namespace, num_decode=num_decode, num_prefill=num_prefill, worker_flags=worker_flags,
         num_gateways=s.gateways, num_admissions=s.admissions, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         nats_cluster=s.nats_cluster, nats_host=s.nats_host, nats_port=s.nats_port, advertise_host=s.advertise_host,
@@ -27,6 +31,31 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,
                              rate_limit_burst=s.rate_limit_burst),
         admission_flags=_given(qos=s.qos), **_autoscaling(s))
+
+
+def _planned(path: Path, device: str, model: str, quantization: str | None) -> tuple[int, int, dict[str, dict[str, object]]]:
+    """The plan's decode and prefill worker counts and each worker's flags (shared/planner/launch.py),
+    every worker's shape checked against ``model`` before anything starts."""
+    from shared.model.loader import read_config
+    from shared.model.parallel import check_pipeline_parallel, check_tensor_parallel
+    from shared.model.registry import resolve_model
+    from shared.planner.launch import PlanNotRunnable, workers_from_plan
+    from shared.planner.plan import Plan
+
+    workers = workers_from_plan(Plan.model_validate_json(Path(path).read_text()), device)
+    source = resolve_model(model)
+    shape = read_config(source.path, source.format)
+    for w in workers:
+        try:
+            check_tensor_parallel(shape, int(w.flags.get("tensor_parallel_size", 1)), quantization or "none")
+            check_pipeline_parallel(shape, int(w.flags.get("pipeline_parallel_size", 1)))
+        except ValueError as exc:
+            raise PlanNotRunnable(f"{w.plan_id} on {source.name}: {exc}") from None
+    for w in workers:
+        print_line("up", f"plan: {w.name} is {w.plan_id} ({w.role}, TP={w.flags.get('tensor_parallel_size', 1)} "
+                         f"x PP={w.flags.get('pipeline_parallel_size', 1)}{', ' + str(w.flags['device']) if 'device' in w.flags else ''})")
+    return (sum(w.role == "decode" for w in workers), sum(w.role == "prefill" for w in workers),
+            {w.name: w.flags for w in workers})
 
 
 def _autoscaling(s: UpSettings) -> dict[str, object]:
@@ -48,11 +77,17 @@ def run(settings: UpSettings) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    stack = Stack(spec_from_settings(settings))
+    try:
+        spec = spec_from_settings(settings)
+    except (OSError, ValueError) as exc:  # a plan file that cannot be read or run (PlanNotRunnable)
+        if settings.plan is None:
+            raise
+        raise CliError(f"--plan {settings.plan}: {exc}") from None
+    stack = Stack(spec)
     try:
         stack.start()
-        if settings.decode or settings.prefill:
-            print_line("up", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
+        if spec.num_decode or spec.num_prefill:
+            print_line("up", f"starting {spec.num_decode} decode and {spec.num_prefill} prefill worker(s) of "
                              f"{settings.model}; waiting for {stack.base_url}/ready")
         else:
             print_line("up", f"starting the control plane alone (no workers: register your own, see "

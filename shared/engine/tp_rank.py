@@ -36,8 +36,8 @@ def follower_main(argv: list[str] | None = None) -> int:
     config = EngineConfig(**json.loads(args.config))
     torch.set_num_threads(config.num_threads or 1)
     device = config.resolve_device()
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
+    if device.type == "cuda":  # rank r on the GPU r after rank 0's
+        device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
     try:
         world = ProcessGroupCollectives(rank, args.size, args.host, args.port, device)

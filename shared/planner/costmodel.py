@@ -177,15 +177,22 @@ def decode_capacity(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Eff
     return PhaseCapacity(rate=lo / (step * output_len), latency_s=step, batch=lo)
 
 
-def parallel_options(num_gpus: int, gpus_per_node: int) -> list[Parallel]:
-    """TP x PP factorisations of a group; TP stays within a node (power-of-two degrees)."""
+def parallel_options(num_gpus: int, gpus_per_node: int, model: ModelSpec | None = None) -> list[Parallel]:
+    """TP x PP factorisations of a group; TP stays within a node (power-of-two degrees). With
+    ``model``, only the shapes a worker can start with (shared/model/parallel.py's rules): TP divides
+    the attention heads and divides the KV heads or is a multiple of them, PP is at most the layers."""
     opts = []
     tp = 1
     while tp <= num_gpus:
-        if num_gpus % tp == 0 and tp <= gpus_per_node:
+        if num_gpus % tp == 0 and tp <= gpus_per_node and (model is None or _splits(model, tp, num_gpus // tp)):
             opts.append(Parallel(tp=tp, pp=num_gpus // tp))
         tp *= 2
     return opts
+
+
+def _splits(model: ModelSpec, tp: int, pp: int) -> bool:
+    kv = model.num_kv_heads
+    return model.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and pp <= model.num_layers
 
 
 @dataclass(frozen=True)

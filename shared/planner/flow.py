@@ -73,7 +73,7 @@ class Evaluator:
         transfer = kv_transfer_s(self.model, self.input_len, self._worst_link * len(group), self.eff)
         tail_transfer = kv_transfer_s(self.model, self.tail_input_len, self._worst_link * len(group), self.eff)
         best_p, best_d = (None, NO_CAPACITY), (None, NO_CAPACITY)
-        for par in parallel_options(len(group), self.cluster.max_tp(group)):
+        for par in parallel_options(len(group), self.cluster.max_tp(group), self.model):
             p = prefill_capacity(self.model, hw, par, self.eff, self.input_len, self.workload.slo, transfer,
                                  self.tail_input_len, tail_transfer)
             d = decode_capacity(self.model, hw, par, self.eff, self.input_len, self.output_len,

@@ -64,6 +64,8 @@ class StackSpec:
     log_level: str = "INFO"
     decode_flags: dict[str, object] = field(default_factory=dict)
     prefill_flags: dict[str, object] = field(default_factory=dict)
+    # a worker's own flags over its role's, by name ("decode-1"): a plan's parallel shapes and devices
+    worker_flags: dict[str, dict[str, object]] = field(default_factory=dict)
     gateway_flags: dict[str, object] = field(default_factory=dict)
     admission_flags: dict[str, object] = field(default_factory=dict)
     # off by default: tests that take a worker away on purpose want it to stay gone
@@ -133,9 +135,9 @@ class Stack:
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         common = self._start_control_plane() if spec.control_plane else {}
         for i in range(spec.num_decode):
-            self.spawn_decode(f"decode-{i + 1}")
+            self.spawn_decode(f"decode-{i + 1}", spec.worker_flags.get(f"decode-{i + 1}"))
         for i in range(spec.num_prefill):
-            self.spawn_prefill(f"prefill-{i + 1}")
+            self.spawn_prefill(f"prefill-{i + 1}", spec.worker_flags.get(f"prefill-{i + 1}"))
         if spec.control_plane:
             urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
             for i, port in enumerate(self.ports):
@@ -209,8 +211,8 @@ class Stack:
         """A decode worker with the spec's decode flags, ``flags`` over them (e.g. its own parallel shape)."""
         return self._spawn_worker(name, "decode", {**self.spec.decode_flags, **(flags or {})})
 
-    def spawn_prefill(self, name: str) -> Child:
-        return self._spawn_worker(name, "prefill", self.spec.prefill_flags)
+    def spawn_prefill(self, name: str, flags: dict[str, object] | None = None) -> Child:
+        return self._spawn_worker(name, "prefill", {**self.spec.prefill_flags, **(flags or {})})
 
     def _spawn_worker(self, name: str, service: str, flags: dict[str, object]) -> Child:
         with self._children_lock:
@@ -221,7 +223,10 @@ class Stack:
         worker_id = self.worker_id(name)
         # workers sharing one machine split its cores rather than each spinning a thread per core; a
         # tensor-parallel worker's ranks are processes of their own, each with num_threads
-        num_ranks = spec.num_decode * _ranks(spec.decode_flags) + spec.num_prefill * _ranks(spec.prefill_flags)
+        num_ranks = sum(_ranks({**role_flags, **spec.worker_flags.get(f"{role}-{i + 1}", {})})
+                        for role, count, role_flags in (("decode", spec.num_decode, spec.decode_flags),
+                                                        ("prefill", spec.num_prefill, spec.prefill_flags))
+                        for i in range(count))
         threads = {"num_threads": max(1, (os.cpu_count() or 1) // num_ranks)} if num_ranks > 1 else {}
         if flags.get("kv_disk_dir"):  # one disk tier per worker, under its stable name
             flags = {**flags, "kv_disk_dir": str(Path(str(flags["kv_disk_dir"])) / name)}

@@ -1,7 +1,8 @@
 """A tensor-parallel decode worker in a real stack: SmolLM2 (float32) at TP=3, three processes that
 register as one worker beside an ordinary one, serving streamed chat with the in-process greedy
 text; one of its ranks SIGKILLed mid-stream: the stream finishes on the other worker with the same
-text, the group's entry leaves the registry, and none of its rank processes is left behind."""
+text, the group's entry leaves the registry, and none of its rank processes is left behind. And a
+plan file (``tandem up --plan``) started as written: a TP=3 and a PP=2 decode worker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from http.client import HTTPConnection
 
 import pytest
 
+from services.up.config import UpSettings
+from services.up.service import spec_from_settings
+from shared.planner.plan import Plan
 from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, spawn_ready_decode, wait_for
 
@@ -71,6 +75,8 @@ def text_of(events: list[dict]) -> str:
 
 
 def test_a_group_serves_as_one_worker_and_a_dead_rank_loses_no_request(stack, engine):
+    """Can take over a minute on 2 cores: the stack, the in-process reference engine and the group's
+    three rank processes all load the model."""
     _, group_id = spawn_ready_decode(stack, "decode-0-tp3", flags={"tensor_parallel_size": 3})
     info = worker_info(stack, group_id)
     assert info["tensor_parallel_size"] == 3 and len(info["rank_pids"]) == 2
@@ -99,3 +105,36 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is gone, only not reaped yet
     except FileNotFoundError:
         return False
+
+
+def test_a_plan_file_starts_its_workers_as_written(nats_server, redis_server, tmp_path, engine):
+    planned = {"model": "smollm2-135m", "num_gpus": 5, "request_rate": 1.0, "mean_input_len": 100,
+               "mean_output_len": 100, "slo": {"ttft_s": 5.0, "tpot_s": 0.5}, "routes": [], "capacity_rps": 1.0,
+               "throughput_rps": 1.0, "output_tokens_per_s": 10.0, "predicted_ttft_s": 1.0, "predicted_tpot_s": 0.1,
+               "cost_per_hour": 0.0, "cost_per_million_output_tokens": None, "planning_time_s": 0.0,
+               "search_history": [], "workers": [
+                   {"worker_id": "decode-0", "role": "decode", "gpu_type": "cpu-core", "tp": 3, "pp": 1,
+                    "gpus": ["host/gpu0", "host/gpu1", "host/gpu2"], "capacity_rps": 1.0, "assigned_rps": 1.0,
+                    "latency_s": 0.1, "price_per_hour": 0.0},
+                   {"worker_id": "decode-1", "role": "decode", "gpu_type": "cpu-core", "tp": 1, "pp": 2,
+                    "gpus": ["host/gpu3", "host/gpu4"], "capacity_rps": 1.0, "assigned_rps": 1.0,
+                    "latency_s": 0.1, "price_per_hour": 0.0}]}
+    path = tmp_path / "plan.json"
+    path.write_text(Plan.model_validate(planned).model_dump_json())
+    settings = UpSettings(plan=path, model=MODEL, device="cpu", port=0, namespace=f"plan{uuid.uuid4().hex[:6]}",
+                          nats_url=nats_server.url, redis_url=redis_server.url, state_dir=tmp_path / "state",
+                          kv_cache_memory="32MiB", registry_ttl_s=TTL_S)
+    spec = spec_from_settings(settings)
+    assert (spec.num_decode, spec.num_prefill) == (2, 0)
+    assert spec.worker_flags == {"decode-1": {"tensor_parallel_size": 3}, "decode-2": {"pipeline_parallel_size": 2}}
+    with running_stack(spec, ready_timeout_s=180) as stack:
+        shapes = {w["info"]["worker_id"].removeprefix(f"{spec.namespace}-"):
+                  (w["info"]["tensor_parallel_size"], w["info"]["pipeline_parallel_size"], len(w["info"]["rank_pids"]))
+                  for w in cluster_status(stack)["workers"]}
+        assert shapes == {"decode-1": (3, 1, 2), "decode-2": (1, 2, 1)}
+        tok = engine.tokenizer
+        content = "Name three colours of the rainbow."
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True))
+        expected = greedy_text(engine, ids, 16, ignore_eos=True)
+        for worker_id in (f"{spec.namespace}-decode-1", f"{spec.namespace}-decode-2"):
+            assert text_of(read_events(stream_on(stack, worker_id, content, 16))) == expected

@@ -1,0 +1,62 @@
+"""A plan as the workers tandem up starts (shared/planner/launch.py): each planned worker under
+tandem up's name with its parallel shape and device, or the plan refused naming the worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.planner.config import MODEL_PRESETS, Slo
+from shared.planner.costmodel import parallel_options
+from shared.planner.launch import PlanNotRunnable, workers_from_plan
+from shared.planner.plan import Plan, WorkerPlan
+
+
+def worker(worker_id: str, role: str, gpus: list[str], tp: int = 1, pp: int = 1) -> WorkerPlan:
+    return WorkerPlan(worker_id=worker_id, role=role, gpu_type="cpu", gpus=gpus, tp=tp, pp=pp, capacity_rps=1.0,
+                      assigned_rps=1.0, latency_s=0.1, price_per_hour=0.0)
+
+
+def plan(*workers: WorkerPlan) -> Plan:
+    return Plan(model="smollm2-135m", num_gpus=sum(len(w.gpus) for w in workers), request_rate=1.0,
+                mean_input_len=100, mean_output_len=100, slo=Slo(ttft_s=5, tpot_s=0.1), workers=list(workers),
+                routes=[], capacity_rps=1.0, throughput_rps=1.0, output_tokens_per_s=100.0, predicted_ttft_s=0.1,
+                predicted_tpot_s=0.05, cost_per_hour=0.0, cost_per_million_output_tokens=None, planning_time_s=0.0,
+                search_history=[])
+
+
+def test_each_planned_worker_gets_its_shape_under_tandem_ups_name():
+    p = plan(worker("d0", "decode", ["host/gpu0", "host/gpu1", "host/gpu2"], tp=3),
+             worker("p0", "prefill", ["host/gpu3"]), worker("idle0", "idle", ["host/gpu6"]),
+             worker("d1", "decode", ["host/gpu4", "host/gpu5"], pp=2))
+    got = [(w.name, w.plan_id, w.role, w.flags) for w in workers_from_plan(p, "cpu")]
+    assert got == [("decode-1", "d0", "decode", {"tensor_parallel_size": 3}),
+                   ("decode-2", "d1", "decode", {"pipeline_parallel_size": 2}),
+                   ("prefill-1", "p0", "prefill", {})]
+    on_gpus = {w.name: w.flags["device"] for w in workers_from_plan(p, "cuda")}
+    assert on_gpus == {"decode-1": "cuda:0", "decode-2": "cuda:4", "prefill-1": "cuda:3"}
+
+
+@pytest.mark.parametrize("workers,message", [
+    ([worker("d0", "decode", ["a/gpu0"]), worker("d1", "decode", ["b/gpu0"])], r"on 2 nodes \(a, b\)"),
+    ([worker("d0", "decode", ["a/gpu0"]), worker("p0", "prefill", ["a/gpu1", "a/gpu2"], tp=2)],
+     "p0: a prefill worker of TP=2 x PP=1"),
+    ([worker("p0", "prefill", ["a/gpu1"])], "no decode worker"),
+])
+def test_a_plan_this_host_cannot_run_is_refused_naming_the_worker(workers, message):
+    with pytest.raises(PlanNotRunnable, match=message):
+        workers_from_plan(plan(*workers), "cpu")
+
+
+def test_gpus_of_a_group_must_be_consecutive_on_cuda():
+    p = plan(worker("d0", "decode", ["a/gpu0", "a/gpu2"], tp=2))
+    assert workers_from_plan(p, "cpu")[0].flags == {"tensor_parallel_size": 2}
+    with pytest.raises(PlanNotRunnable, match="d0: its GPUs .* are not consecutive"):
+        workers_from_plan(p, "cuda")
+
+
+def test_the_planner_offers_only_shapes_a_worker_can_start_with():
+    smol = MODEL_PRESETS["smollm2-135m"]  # 9 heads, 3 KV heads: no power-of-two TP above 1
+    assert [(p.tp, p.pp) for p in parallel_options(4, 8, smol)] == [(1, 4)]
+    llama = MODEL_PRESETS["llama-2-70b"]  # 64 heads, 8 KV heads
+    assert [(p.tp, p.pp) for p in parallel_options(8, 8, llama)] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert [(p.tp, p.pp) for p in parallel_options(8, 8)] == [(1, 8), (2, 4), (4, 2), (8, 1)]

@@ -40,7 +40,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
-    seed: int = 0
+    # the seed of the generator that unseeded requests draw from; None: one from the OS at start, so
+    # an unseeded request at temperature > 0 differs across restarts and workers (a request's own
+    # ``seed`` has its own generator and gives the same tokens on any worker either way)
+    seed: int | None = None
     num_threads: int | None = None  # torch CPU threads for this process (default: torch's choice)
     # ranks of a tensor-parallel group (shared/model/parallel.py, shared/engine/parallel.py): this
     # process is rank 0 and starts the others, each a process with its shard of weights and KV

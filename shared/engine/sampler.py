@@ -94,10 +94,23 @@ def _grammar_item(request: Request, *new_tokens: int) -> tuple:
     return request.request_id, request.sampling_params.grammar, request.grammar_token_ids + list(new_tokens)
 
 
+def _default_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The generator of unseeded requests: seeded from the OS when ``seed`` is None, since a fixed
+    seed would make the same unseeded request give the same text after every restart and on every
+    worker."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()  # a nondeterministic seed (std::random_device)
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, grammars: TokenizerGrammars | None = None) -> None:
+    def __init__(self, device: torch.device, seed: int | None = None,
+                 grammars: TokenizerGrammars | None = None) -> None:
         self.device = device
-        self._default = torch.Generator(device=device).manual_seed(seed)
+        self._default = _default_generator(device, seed)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarTable(grammars) if grammars is not None else None
 

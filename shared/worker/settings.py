@@ -36,7 +36,9 @@ class EngineWorkerSettings(ServiceSettings):
     max_num_seqs: int = Field(64, ge=1, description="max concurrent sequences")
     max_num_batched_tokens: int = Field(512, ge=16, description="token budget per engine step")
     attention_backend: str = Field("auto", description="auto, torch or triton")
-    seed: int = Field(0, description="engine seed")
+    seed: int | None = Field(None, description="seed of the generator for requests without a seed of their own "
+                             "(default: one from the OS at start, so unseeded sampling differs between workers and "
+                             "restarts; a request's own seed gives the same tokens on any worker)")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, one per core)")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks of a tensor-parallel group: this worker is rank 0 "
                                       "and starts the others, each a process with its shard of the weights and KV "

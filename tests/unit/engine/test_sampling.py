@@ -102,3 +102,26 @@ def test_stop_tokens_eos_and_max_tokens(tiny_engine_model):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
+
+
+def test_unseeded_requests_differ_across_engines_and_seeded_ones_do_not(tiny_engine_model):
+    """Two engines from one config (as two workers, or one after a restart): an unseeded request at
+    temperature 1 gets different tokens on each (40 tokens of a random model: a collision is
+    practically impossible), a seeded one the same tokens on both."""
+    config = EngineConfig(kv_cache_memory=2 << 20)
+    engines = [LLMEngine(tiny_engine_model, config, eos_token_ids=frozenset()) for _ in range(2)]
+    prompt = list(range(10, 30))
+    unseeded = SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
+    a, b = (e.generate([prompt], unseeded)[0] for e in engines)
+    assert a != b
+    a, b = (e.generate([prompt], seeded)[0] for e in engines)
+    assert a == b and len(set(a)) > 1
+
+
+def test_a_configured_engine_seed_fixes_unseeded_samples(tiny_engine_model):
+    config = EngineConfig(kv_cache_memory=2 << 20, seed=5)
+    params = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    runs = [LLMEngine(tiny_engine_model, config, eos_token_ids=frozenset()).generate([list(range(10, 30))], params)
+            for _ in range(2)]
+    assert runs[0] == runs[1]

@@ -26,6 +26,9 @@ class GatewaySettings(ServiceSettings, QosSettings):
     status_timeout_s: float = Field(1.0, gt=0, description="wait for the autoscaler's cluster view")
     refresh_interval_s: float = Field(0.5, gt=0, description="how often to re-read the registry")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body (413 above)")
+    max_tokenize_chars: int = Field(1 << 20, ge=1, description="longest text /tokenize takes, in characters "
+                                    "(the prompt, or the rendered messages; 413 above)")
+    max_detokenize_tokens: int = Field(1 << 18, ge=1, description="most token ids /detokenize takes (413 above)")
     rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key (per "
                                            "client address without keys), 429 above; unset: no limit")
     rate_limit_burst: int = Field(10, ge=1, description="requests a key may send at once before "

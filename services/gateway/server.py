@@ -15,6 +15,7 @@ from shared.openai_api.adapters import ApiAdapter, Choice, Delta, ResponseHead
 from shared.openai_api.errors import ApiError
 from shared.telemetry.phases import server_timing
 from services.gateway.generation import Generation
+from services.gateway.unsupported import unrouted_error
 
 log = logging.getLogger(__name__)
 
@@ -139,22 +140,22 @@ async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Ge
     head = _head(gens, request_id)
     for index in range(len(gens)):
         for chunk in api.opening_chunks(head, index):
-            await resp.write(responses.sse_event(chunk))
+            await resp.write(api.sse_event(chunk))
     offsets = [len(api.echo_text())] * len(gens)
     try:
         async for index, delta in _merged_deltas(gens):
             if not delta.text and not delta.finish_reason and not delta.logprobs:
                 continue
             for chunk in api.stream_chunks(head, index, delta, offsets[index]):
-                await resp.write(responses.sse_event(chunk))
+                await resp.write(api.sse_event(chunk))
             offsets[index] += len(delta.text)
     except ApiError as exc:  # mid-stream: the status line is gone, report in the stream
-        await resp.write(responses.sse_event(exc.body()))
+        await resp.write(api.sse_event(exc.body()))
     closing = api.closing_chunks(head, _usage(gens))
     if on_complete is not None:
         await on_complete()
     for chunk in closing:
-        await resp.write(responses.sse_event(chunk))
+        await resp.write(api.sse_event(chunk))
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()
 
@@ -172,7 +173,8 @@ def errors_middleware(count: Callable[[int], None]):
                 headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
             resp = web.json_response(exc.body(), status=exc.status, headers=headers)
         except web.HTTPException as exc:  # 404 route, 405 method, 413 body too large
-            resp = web.json_response(ApiError(exc.status, exc.reason).body(), status=exc.status)
+            error = unrouted_error(request) or ApiError(exc.status, exc.reason)
+            resp = web.json_response(error.body(), status=error.status)
         except asyncio.CancelledError:
             count(499)  # client closed the connection (nginx's code)
             raise

@@ -215,16 +215,24 @@ class Gateway:
             raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return web.json_response(_model_card(model_id))
 
+    # /tokenize and /detokenize: behind the API key and the rate limit as /v1/* are (they spend the
+    # gateway's CPU), and run in a thread: a large text would hold the event loop, /health included
     async def tokenize(self, request: web.Request) -> web.Response:
+        self.api_keys.tier(request.headers.get("Authorization"))
+        self._check_rate(request)
         body = parse_body(await request.read(), TokenizeRequest)
         resolve_model(body.model, self.served_models())
         max_model_len = min((w.max_model_len for w in self.ready_workers(body.model)), default=None)
-        return web.json_response(tokenize(body, self.tokenizer, max_model_len))
+        return web.json_response(await asyncio.to_thread(tokenize, body, self.tokenizer, max_model_len,
+                                                         max_chars=self.settings.max_tokenize_chars))
 
     async def detokenize(self, request: web.Request) -> web.Response:
+        self.api_keys.tier(request.headers.get("Authorization"))
+        self._check_rate(request)
         body = parse_body(await request.read(), DetokenizeRequest)
         resolve_model(body.model, self.served_models())
-        return web.json_response(detokenize(body, self.tokenizer))
+        return web.json_response(await asyncio.to_thread(detokenize, body, self.tokenizer,
+                                                         max_tokens=self.settings.max_detokenize_tokens))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

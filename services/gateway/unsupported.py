@@ -25,6 +25,20 @@ def unsupported_error(path: str) -> ApiError:
                     f"generation ({SERVED})", param=None, code="unsupported_endpoint")
 
 
+def unrouted_error(request: web.Request) -> ApiError | None:
+    """A ``/v1/`` path or method that no route serves (``POST /v1/conversations``, ``GET
+    /v1/chat/completions``): a 404 that says so, as OpenAI answers a URL it does not know, rather
+    than a bare "Not Found" or "Method Not Allowed". None where the router matched (a handler's
+    own 404 stays as it is) or the path is not under ``/v1/``."""
+    exc = request.match_info.http_exception
+    if exc is None or exc.status not in (404, 405) or not request.path.startswith("/v1/"):
+        return None
+    allowed = getattr(exc, "allowed_methods", None)
+    only = f" (this path takes {', '.join(sorted(allowed))})" if allowed else ""
+    return ApiError(404, f"{request.method} {request.path} is not supported by this server{only}; it serves text "
+                    f"generation ({SERVED}) and the APIs beside them (docs/api.md)", code="unsupported_endpoint")
+
+
 def add_unsupported_routes(app: web.Application) -> None:
     for path in UNSUPPORTED:
         async def handler(request: web.Request, path: str = path) -> web.Response:

@@ -6,7 +6,6 @@ once against ``ApiAdapter``.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from shared.openai_api import responses
 from shared.openai_api.errors import ApiError, from_validation_error
 from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
+from shared.openai_api.json_body import JsonTooDeep, load_json
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
 from shared.openai_api.tools import ToolCall, ToolUse, may_become_call, system_prompt
 from shared.protocol.generate import TokenLogprob
@@ -117,7 +117,9 @@ def parse_body(raw: bytes, body_type: type[B], rules: dict[str, FieldRule] | Non
     """The validated request body; a 400 ``ApiError`` naming the problem otherwise (an unknown or
     refused parameter included: ``rules``)."""
     try:
-        data = json.loads(raw)
+        data = load_json(raw)
+    except JsonTooDeep as exc:
+        raise ApiError(400, f"request body is {exc}", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -142,10 +144,15 @@ class ApiAdapter(ABC, Generic[Body]):
     id_prefix: ClassVar[str]      # request ids are "<prefix>-<hex>", as OpenAI's
     prompt_param: ClassVar[str]   # the parameter a too-long prompt is reported on
     chunk_object: ClassVar[str]   # "object" of streamed chunks, the usage chunk included
+    named_events: ClassVar[bool] = False  # an "event: <type>" line before each chunk's data line
 
     def __init__(self, body: Body, tokenizer: Tokenizer) -> None:
         self.body = body
         self.tokenizer = tokenizer
+
+    def sse_event(self, chunk: dict) -> bytes:
+        """One streamed chunk (or an error body) as a server-sent event."""
+        return responses.sse_event(chunk, named=self.named_events)
 
     @classmethod
     def from_json(cls, raw: bytes, tokenizer: Tokenizer) -> Self:

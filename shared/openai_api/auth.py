@@ -33,7 +33,7 @@ class ApiKeys:
         if not self.key_tiers:
             return self.default_tier
         key = _bearer(authorization)
-        if key not in self.key_tiers:
+        if not key or key not in self.key_tiers:  # not key: an empty key never matches, even a mistyped ":gold"
             raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
         return self.key_tiers[key]
 
@@ -67,4 +67,8 @@ def owns(caller: str | None, owner: str | None) -> bool:
 
 
 def _bearer(authorization: str | None) -> str:
-    return (authorization or "").removeprefix("Bearer ").strip()
+    """The key of ``Bearer <key>``; "" (no key) for any other header, a bare key included, so a
+    key sent without its scheme is refused rather than guessed at. The scheme is matched without
+    regard to case, as RFC 9110 has it."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else ""

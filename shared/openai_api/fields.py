@@ -46,7 +46,7 @@ _COMMON: dict[str, FieldRule] = {
     "seed": FieldRule(I, "per-request generator; choice i of `n` uses seed + i"),
     "stop": FieldRule(I, "up to 4 strings"),
     "n": FieldRule(I, "up to 16; the choices share the prompt's KV blocks (prefix cache)"),
-    "logit_bias": FieldRule(I, "token id → bias in [-100, 100]; -100 bans the token"),
+    "logit_bias": FieldRule(I, "token id (decimal, up to 9 digits, in the vocabulary) → bias in [-100, 100]; -100 bans the token"),
     "max_tokens": FieldRule(I),
     "user": FieldRule(X, "no per-user accounting here"),
     "top_k": FieldRule(E, "as vLLM"),
@@ -78,8 +78,9 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "audio": FieldRule(R, "no audio output"),
     "prediction": FieldRule(R, "no predicted outputs"),
     "web_search_options": FieldRule(R, "no web search"),
-    "reasoning_effort": FieldRule(R, "not a reasoning model"),
-    "verbosity": FieldRule(R, "no verbosity control", accepts=_one_of("medium")),
+    # agent frameworks send these to any model: accepted where they change nothing
+    "reasoning_effort": FieldRule(X, "not a reasoning model: no reasoning to set the effort of"),
+    "verbosity": FieldRule(X, "no verbosity control: the length of the text does not change"),
     "moderation": FieldRule(R, "no moderation"),
     "service_tier": FieldRule(R, "tiers come from the API key; only `auto`/`default`",
                               accepts=_one_of("auto", "default")),
@@ -107,7 +108,8 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "input": FieldRule(I, "a string, or items: text messages, `function_call`, `function_call_output`"),
     "instructions": FieldRule(I, "a system message before the input"),
     "max_output_tokens": FieldRule(I),
-    "text": FieldRule(I, "`format`: text, json_object, json_schema; `verbosity`: only `medium`"),
+    "text": FieldRule(I, "`format`: text, json_object, json_schema; `verbosity`: accepted and echoed in "
+                         "`response.text.verbosity`, the text does not change"),
     "metadata": FieldRule(I, "responses: up to 16 string pairs, kept with the stored response"),
     "safety_identifier": FieldRule(X, "no per-user accounting here"),
     "prompt_cache_key": FieldRule(X, "prefix caching is automatic"),
@@ -129,9 +131,8 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "include": FieldRule(R, "nothing extra to include", accepts=lambda v: not v),
     "top_logprobs": FieldRule(R, "no logprobs on this endpoint yet", accepts=_one_of(0)),
     "stream_options": FieldRule(X, "`include_obfuscation`: events are not padded"),
-    "reasoning": FieldRule(R, "not a reasoning model", accepts=lambda v: not v or (
-        isinstance(v, dict) and v.get("effort") in (None, "none") and not v.get("summary")
-        and not v.get("generate_summary"))),
+    "reasoning": FieldRule(I, "not a reasoning model: `effort` is accepted and echoed in `response.reasoning.effort` "
+                              "(nothing changes); `summary` refused, there is no reasoning to summarize"),
     "service_tier": FieldRule(R, "tiers come from the API key", accepts=_one_of("auto", "default")),
     **{name: FieldRule(R, why) for name, why in (
         ("conversation", "no conversations (chain responses with `previous_response_id`)"),

@@ -93,6 +93,7 @@ Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=4)], None]
 
 MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI documents
+MAX_TOKEN_ID_DIGITS = 9  # a token id in logit_bias: vocabularies are far below 10**9
 
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week: past that a deadline orders nothing
@@ -129,8 +130,12 @@ class _Sampling(_Body):
     @classmethod
     def _bias_keys_and_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            # isascii: str.isdigit() admits "²" and other digits int() refuses; the length bound keeps
+            # int() off a 5,000-digit key (it refuses those too). The vocabulary bound is checked
+            # against the tokenizer later (check_logit_bias).
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"keys must be token ids (up to {MAX_TOKEN_ID_DIGITS} decimal digits), "
+                                 f"got {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return v
@@ -170,6 +175,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    # accepted and ignored (fields.py), but a value OpenAI would refuse is a 400 here too
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
     @model_validator(mode="before")
     @classmethod

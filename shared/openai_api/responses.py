@@ -13,8 +13,12 @@ TokenText = Callable[[int], str]
 SSE_DONE = b"data: [DONE]\n\n"  # the stream's last event, after the finish and usage chunks
 
 
-def sse_event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+def sse_event(payload: dict, *, named: bool = False) -> bytes:
+    """One server-sent event. ``named``: an ``event:`` line with the payload's ``type`` first, as
+    OpenAI sends the Responses API's events (chat and text completion chunks have none)."""
+    data = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    kind = payload.get("type") if named else None
+    return data if not isinstance(kind, str) else f"event: {kind}\n".encode() + data
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict:

@@ -85,6 +85,19 @@ class TextOptions(_Closed):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class ReasoningOptions(_Closed):
+    """Not a reasoning model: the effort is echoed in the response and changes nothing; a summary
+    is refused, since there is no reasoning to summarize."""
+
+    effort: Effort | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the SDK's older name
+
+
 class FunctionTool(_Closed):
     """A function as the Responses API declares it (flat, not under ``function``)."""
 
@@ -119,6 +132,7 @@ class ResponsesRequest(_Sampling):
     instructions: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice] | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -169,9 +183,10 @@ class ResponsesRequest(_Sampling):
         if self.background and self.stream:
             raise ApiError(400, "background responses are not streamed here: poll GET /v1/responses/{id}",
                            param="stream", code="unsupported_parameter")
-        if self.text is not None and self.text.verbosity not in (None, "medium"):
-            raise ApiError(400, "text.verbosity is not supported: no verbosity control (only medium)",
-                           param="text.verbosity", code="unsupported_parameter")
+        for name in ("summary", "generate_summary"):
+            if self.reasoning is not None and getattr(self.reasoning, name) is not None:
+                raise ApiError(400, f"reasoning.{name} is not supported: not a reasoning model, nothing to summarize",
+                               param=f"reasoning.{name}", code="unsupported_parameter")
 
     def continued(self, history: list[dict]) -> "ResponsesRequest":
         """This request after the items of an earlier conversation (``previous_response_id``);
@@ -219,6 +234,7 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
     id_prefix = "resp"
     prompt_param = "input"
     chunk_object = "response"
+    named_events = True  # as OpenAI streams them: "event: response.created" before its data line
 
     def __init__(self, body: ResponsesRequest, tokenizer) -> None:
         super().__init__(body, tokenizer)
@@ -338,7 +354,11 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
                           for t in body.tools or []],
                 "temperature": body.temperature, "top_p": body.top_p,
                 "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
-                                    if body.text and body.text.format else {"type": "text"})},
+                                    if body.text and body.text.format else {"type": "text"}),
+                         # as asked (OpenAI's default: medium); no verbosity control here
+                         "verbosity": (body.text.verbosity if body.text else None) or "medium"},
+                # as asked; not a reasoning model, so the effort changed nothing
+                "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
                 "usage": usage, "previous_response_id": body.previous_response_id, "store": body.store,
                 "background": body.background, "metadata": body.metadata or {}}
 

@@ -126,3 +126,20 @@ async def test_what_needs_the_models_tokens_is_a_400_naming_it(setup, extra, par
     body = await resp.json()
     assert resp.status == 400 and body["error"]["param"] == param, body
     assert worker.requests == []
+
+
+async def test_a_responses_stream_names_each_event_and_a_chat_stream_does_not(setup):
+    """As OpenAI streams them: ``event: <type>`` before each data line of ``/v1/responses``, none
+    on chat completions."""
+    client, _ = setup
+    resp = await client.post("/v1/responses", json={
+        "model": TEXT_MODEL, "input": "one two", "stream": True, "store": False})
+    assert resp.status == 200
+    blocks = [b.splitlines() for b in (await resp.text()).split("\n\n") if b.strip()]
+    named = [b for b in blocks if b[-1] != "data: [DONE]"]
+    assert named and all(len(b) == 2 and b[0] == f"event: {json.loads(b[1].removeprefix('data: '))['type']}"
+                         for b in named), blocks
+    assert [b[0] for b in named][0] == "event: response.created" and named[-1][0] == "event: response.completed"
+    resp = await client.post("/v1/chat/completions", json={
+        "model": TEXT_MODEL, "messages": [{"role": "user", "content": "one two"}], "stream": True})
+    assert resp.status == 200 and "event:" not in await resp.text()

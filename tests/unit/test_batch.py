@@ -10,6 +10,7 @@ import openai.types
 import pytest
 
 from shared.batch.lines import parse_input
+from shared.openai_api.json_body import MAX_JSON_DEPTH
 from shared.batch.objects import batch_object, file_object, page, result_file_ids
 from shared.batch.output import assemble, line_id
 from shared.batch.state import InvalidTransition, can_cancel, next_step, transition
@@ -27,6 +28,12 @@ def jsonl(*objs) -> bytes:
 def line(custom_id: str, url: str = CHAT, **extra) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": url,
             "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, **extra}
+
+
+def deep_line(depth: int) -> str:
+    """A line whose body is nested ``depth`` levels deep."""
+    lists = "[" * (depth - 1) + "]" * (depth - 1)
+    return f'{{"custom_id": "x", "method": "POST", "url": "{CHAT}", "body": {{"messages": {lists}}}}}'
 
 
 # --- input lines ---------------------------------------------------------------------------------
@@ -50,6 +57,37 @@ def test_a_malformed_line_fails_the_file_naming_its_line(bad, code, param):
     assert lines == []
     assert [(e.code, e.line, e.param) for e in errors] == [(code, 2, param)]
     assert errors[0].message.startswith("line 2: ")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"²": 5}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"9" * 5000: 5}}, "logit_bias"),
+    ({"messages": json.loads("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)}, None),  # invalid_json: no param
+])
+async def test_a_line_the_endpoint_refuses_is_a_400_result_not_a_failure(body, param):
+    """``execute`` turns the refusal into the line's result (its error file row), so the batch
+    completes instead of retrying the line to its last delivery."""
+    from services.gateway.batch_runner import execute  # noqa: PLC0415
+
+    class Gateway:  # the parse refuses before any of the gateway is used
+        tokenizer = None
+
+        def generate_request(self, *args):
+            raise AssertionError("the line should have been refused before")
+
+    request = BatchLineRequest(batch_id="batch_1", line=1, custom_id="a", url=CHAT, body=json.dumps(body))
+    outcome = await execute(Gateway(), request, tier="default", priority=9)
+    assert outcome.status == 400 and outcome.body["error"]["type"] == "invalid_request_error"
+    assert param is None or outcome.body["error"]["param"] == param
+
+
+# nested past MAX_JSON_DEPTH, and past what Python's json can parse at all (once a RecursionError
+# that left the batch unvalidated)
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 10_000])
+def test_a_line_nested_too_deep_fails_the_file_naming_its_line(depth):
+    lines, errors = parse_input(jsonl(line("a"), deep_line(depth)), CHAT, max_line_bytes=64 << 10)
+    assert lines == [] and [(e.code, e.line, e.param) for e in errors] == [("invalid_json_line", 2, "body")]
+    assert parse_input(jsonl(deep_line(MAX_JSON_DEPTH)), CHAT, max_line_bytes=4096)[1] == []
 
 
 def test_duplicate_custom_id_names_both_lines():

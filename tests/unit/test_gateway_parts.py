@@ -25,6 +25,7 @@ from shared.policy.qos import QosConfig, QosTier
 from shared.openai_api.errors import ApiError
 from shared.openai_api.generate_request import build_generate_request, max_tokens_in_context
 from shared.openai_api.fields import CHAT_FIELDS
+from shared.openai_api.json_body import MAX_JSON_DEPTH
 from shared.openai_api.models import ChatCompletionRequest
 from shared.protocol import TokenLogprob, WorkerInfo, WorkerLoad
 from shared.service.lifecycle import every
@@ -67,9 +68,11 @@ def test_api_keys_resolve_tiers_and_refuse_unknown_keys():
     keys = ApiKeys.parse(" k1:gold, k2 ,", qos)
     assert keys.key_tiers == {"k1": "gold", "k2": "silver"}
     assert keys.tier("Bearer k1") == "gold" and keys.tier("Bearer k2") == "silver"
-    for header in (None, "", "Bearer nope", "k3"):
+    # a known key without its scheme (or under another) is refused too: only "Bearer <key>" counts
+    for header in (None, "", "Bearer nope", "k3", "k1", "Basic k1", "Bearerk1", "Bearer ", "Token k1"):
         err = error_of(lambda: keys.tier(header))
         assert (err.status, err.code) == (401, "invalid_api_key")
+    assert keys.tier("bearer  k1 ") == "gold"  # the scheme is case-insensitive (RFC 9110)
     assert ApiKeys.parse(None, qos).tier(None) == "silver"  # no keys configured: no auth, default tier
     assert ApiKeys.parse("k1", QosConfig.single()).tier("Bearer k1") == "default"
     with pytest.raises(ConfigError, match="names tier 'gold'"):
@@ -189,6 +192,37 @@ def test_completion_chunks_and_response(tok):
 def test_bad_bodies_are_400(raw, code):
     err = error_of(lambda: parse_body(raw, ChatCompletionRequest, CHAT_FIELDS))
     assert (err.status, err.code) == (400, code)
+
+
+def nested(depth: int) -> bytes:
+    """A chat body nested ``depth`` levels deep in all: its ``messages`` are ``depth - 1`` lists."""
+    return b'{"model": "m", "messages": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 10_000])  # 10,000: past Python's own recursion limit
+def test_bodies_nested_past_the_limit_are_400_not_500(depth):
+    err = error_of(lambda: parse_body(nested(depth), ChatCompletionRequest, CHAT_FIELDS))
+    assert (err.status, err.code) == (400, "invalid_json") and f"deeper than {MAX_JSON_DEPTH}" in err.message
+    at_limit = error_of(lambda: parse_body(nested(MAX_JSON_DEPTH), ChatCompletionRequest, CHAT_FIELDS))
+    assert at_limit.code != "invalid_json"  # read, then refused for what it says
+
+
+def object_schema(levels: int) -> dict:
+    """A JSON schema of ``levels`` objects each nested in the one before, under an array."""
+    schema: dict = {"type": "string"}
+    for i in range(levels):
+        schema = {"type": "object", "properties": {f"f{i}": {"type": "array", "items": schema}},
+                  "required": [f"f{i}"], "additionalProperties": False}
+    return schema
+
+
+def test_deep_but_legitimate_schemas_pass_the_nesting_limit(tok):
+    # 10 nested objects is OpenAI's own structured-output limit; each adds 4 levels here (array items)
+    schema = object_schema(10)
+    api = chat(tok, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert api.body.grammar() is not None
+    tool = {"type": "function", "function": {"name": "f", "parameters": object_schema(10)}}
+    assert chat(tok, tools=[tool]).body.tools
 
 
 def test_one_ready_worker_filter_for_lists_and_the_cluster_view():

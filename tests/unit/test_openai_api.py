@@ -36,6 +36,10 @@ def test_stop_strings(stops, pieces, expected, stopped):
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, "logit_bias"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -101}}, "logit_bias"),
+    # str.isdigit() admits "²", and int() refuses keys past 4,300 digits: both once were 500s
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"²": 1}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1234567890": 1}}, "logit_bias"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": list("abcde")}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
 ])

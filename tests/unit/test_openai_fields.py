@@ -71,6 +71,16 @@ def test_off_values_of_refused_parameters_and_ignored_ones_are_accepted():
     assert refused and all(CHAT_FIELDS[n].accepts(None) for n in refused)  # an explicit null is absent
 
 
+def test_reasoning_effort_and_verbosity_are_accepted_on_chat():
+    """Agent frameworks send them to any model: accepted (nothing changes here), a value OpenAI
+    would refuse is still a 400 naming the parameter."""
+    body = parse_body(json.dumps({**CHAT, "reasoning_effort": "high", "verbosity": "low"}).encode(),
+                      ChatCompletionRequest, CHAT_FIELDS)
+    assert (body.reasoning_effort, body.verbosity) == ("high", "low")
+    assert chat_error(reasoning_effort="extreme").param == "reasoning_effort"
+    assert chat_error(verbosity="terse").param == "verbosity"
+
+
 def test_completion_combinations():
     assert completion_error(suffix="x").param == "suffix"
     assert completion_error(best_of=1, n=2).param == "best_of"
@@ -192,5 +202,31 @@ async def test_embeddings_and_other_unserved_endpoints_say_they_are_not_supporte
         body = await resp.json()
         assert resp.status == 404 and body["error"]["code"] == "unsupported_endpoint"
         assert body["error"]["message"].startswith("embeddings (/v1/embeddings) is not supported by this server")
-        resp = await client.post("/v1/nothing", json={})
+        resp = await client.get("/elsewhere")  # outside /v1/: a plain 404
         assert resp.status == 404 and (await resp.json())["error"]["message"] == "Not Found"
+
+
+async def test_every_unserved_v1_path_or_method_is_a_404_saying_so():
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.gateway.server import errors_middleware
+    from services.gateway.unsupported import add_unsupported_routes
+
+    async def own_404(request):  # a handler's own 404 (an unknown id) keeps its message
+        raise web.HTTPNotFound(reason="no such thing")
+
+    app = web.Application(middlewares=[errors_middleware(lambda status: None)])
+    app.router.add_post("/v1/chat/completions", lambda request: web.json_response({}))
+    app.router.add_get("/v1/things/{id}", own_404)
+    add_unsupported_routes(app)
+    async with TestClient(TestServer(app)) as client:
+        for method, path in (("POST", "/v1/conversations"), ("GET", "/v1/conversations/c_1/items"),
+                             ("DELETE", "/v1/vector_stores/vs_1"), ("GET", "/v1/chat/completions")):
+            resp = await client.request(method, path, json={})
+            error = (await resp.json())["error"]
+            assert resp.status == 404 and error["code"] == "unsupported_endpoint", (method, path, error)
+            assert error["message"].startswith(f"{method} {path} is not supported by this server"), error
+        assert "(this path takes POST)" in error["message"]
+        resp = await client.get("/v1/things/x")
+        assert resp.status == 404 and (await resp.json())["error"]["message"] == "no such thing"

@@ -71,6 +71,21 @@ def test_response_and_events_read_by_the_sdk(tok):
     assert typed[-1].response.output_text == "hello" and typed[-1].response.usage.total_tokens == 5
 
 
+def test_streamed_events_are_named_by_their_type_as_the_sdk_reads_them(tok):
+    from openai._streaming import SSEDecoder
+    api = adapter(tok, stream=True)
+    events = [*api.opening_chunks(HEAD, 0), *api.stream_chunks(HEAD, 0, Delta("hello", [], "stop"), 0),
+              *api.closing_chunks(HEAD, usage(3, 1, 0))]
+    wire = b"".join(api.sse_event(e) for e in events)
+    assert wire.startswith(b"event: response.created\ndata: {")
+    read = list(SSEDecoder().iter_bytes(iter([wire])))
+    assert [(s.event, s.json()) for s in read] == [(e["type"], e) for e in events]
+    from shared.openai_api.adapters import ChatAdapter
+    chat = ChatAdapter.from_json(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}],
+                                             "stream": True}).encode(), tok)
+    assert chat.sse_event({"object": "chat.completion.chunk", "type": "x"}).startswith(b"data: ")
+
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "weather of a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}}
@@ -83,11 +98,25 @@ def test_off_values_are_accepted(tok):
                   text={"format": {"type": "text"}, "verbosity": "medium"})
     assert api.body.tool_mode() == "none"
     for fields, param in (({"include": ["message.output_text.logprobs"]}, "include"), ({"top_logprobs": 2}, "top_logprobs"),
-                          ({"reasoning": {"effort": "high"}}, "reasoning"),
-                          ({"text": {"verbosity": "low"}}, "text.verbosity")):
+                          ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning.summary"),
+                          ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+                          ({"text": {"verbosity": "terse"}}, "text.verbosity")):
         with pytest.raises(ApiError) as info:
             adapter(tok, **fields)
         assert info.value.param == param, info.value.body()
+
+
+def test_verbosity_and_reasoning_effort_are_accepted_and_echoed(tok):
+    """No verbosity or reasoning control here: the values are echoed as OpenAI echoes them, and
+    change nothing in generation (the same prompt and sampling)."""
+    plain = adapter(tok)
+    api = adapter(tok, text={"verbosity": "low"}, reasoning={"effort": "high"})
+    assert api.prompt_ids() == plain.prompt_ids() and api.body.grammar() == plain.body.grammar()
+    parsed = Response.model_validate(api.response(HEAD, [api.choice(0, Choice("hello", "stop", []))], usage(3, 1, 0)))
+    assert parsed.text.verbosity == "low" and parsed.reasoning.effort == "high"
+    assert parsed.text.format.type == "text"
+    shell = Response.model_validate(plain.shell(HEAD, "queued"))
+    assert shell.text.verbosity == "medium" and shell.reasoning.effort is None
 
 
 def test_function_tools_and_their_round_trip_in_the_prompt(tok):

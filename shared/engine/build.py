@@ -15,7 +15,7 @@ from shared.engine.compile_thread import BackgroundCompile
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
 from shared.engine.cpu_threads import engine_thread_count
 from shared.engine.model_runner import ModelRunner
-from shared.engine.parallel import ParallelModel, free_port, join_stage, start_followers
+from shared.engine.parallel import GroupBlocks, ParallelModel, free_port, join_stage, start_followers
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.speculative import SpeculativeConfig, Speculator
@@ -75,7 +75,6 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
     events = KvEventEmitter()
     kv_cache = kv_spec.allocate(num_blocks, model.device)
     if isinstance(model, ParallelModel):
-        _check_parallel(config)
         model.attach_kv(kv_cache, config.block_size)
     tiers = _tiers(config, kv_spec, kv_cache, namespace, events, model, max_model_len)
     kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
@@ -90,20 +89,18 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
                        backend, runner, background_compile)
 
 
-def _check_parallel(config: EngineConfig) -> None:
-    """What a tensor-parallel group does not run yet, refused before it takes traffic."""
-    if config.kv_host_memory or config.kv_disk_dir:
-        raise ValueError("the KV host and disk tiers are not available on a tensor-parallel worker yet: "
-                         "drop --kv-host-memory / --kv-disk-dir or use --tensor-parallel-size 1")
-
-
 def _tiers(config: EngineConfig, kv_spec: KvCacheSpec, kv_cache: torch.Tensor, namespace: bytes,
            events: KvEventEmitter, model: LlamaModel, max_model_len: int) -> KvTiers | None:
     tier_config = TierConfig(config.kv_host_memory, config.kv_disk_dir, config.kv_disk_size, config.kv_disk_min_uses)
     if not (tier_config.enabled and config.enable_prefix_caching):
         return None
+    blocks = None
+    if isinstance(model, ParallelModel):  # the tiers keep whole blocks, gathered from every rank's part
+        cfg = model.cfg
+        kv_spec = KvCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_spec.block_size, kv_spec.dtype)
+        blocks = GroupBlocks(model)
     return KvTiers(tier_config, kv_spec, kv_cache, namespace, events, precision=f"{model.dtype}/{model.quantization}",
-                   max_blocks_per_request=-(-max_model_len // config.block_size))
+                   max_blocks_per_request=-(-max_model_len // config.block_size), blocks=blocks)
 
 
 def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,

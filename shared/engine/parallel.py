@@ -30,12 +30,12 @@ import torch
 
 from shared.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from shared.model.llama import LayerState, LlamaModel
-from shared.model.parallel import Collectives, PipelineStage, stage_layers
+from shared.model.parallel import Collectives, PipelineStage, TensorSplit, stage_layers
 
 log = logging.getLogger(__name__)
 
 HEADER = 8
-ALLOCATE, FORWARD, LOGITS, STOP = 1, 2, 3, 4
+ALLOCATE, FORWARD, LOGITS, STOP, READ_BLOCKS, WRITE_BLOCKS = 1, 2, 3, 4, 5, 6
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -66,6 +66,7 @@ class ParallelModel:
 
     def attach_kv(self, kv_cache: torch.Tensor, block_size: int) -> None:
         """The followers make their shards of the pool: as many blocks as rank 0's, same dtype."""
+        self._kv_cache = kv_cache
         self._send(ALLOCATE, kv_cache.shape[0], DTYPES.index(kv_cache.dtype), block_size)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
@@ -90,6 +91,22 @@ class ParallelModel:
         self._send(LOGITS, hidden.shape[0], hidden.shape[1], DTYPES.index(hidden.dtype))
         self.world.broadcast(hidden)
         return self.model.compute_logits(hidden)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks [n, L, 2, bs, Hkv, D] on the CPU, every rank's part put in its place (for the
+        KV tiers: ``GroupBlocks``)."""
+        layout = ShardLayout(self.model.cfg, self.model.group.size, self.model.pipeline.num_stages)
+        self._send(READ_BLOCKS, len(block_ids))
+        self.world.broadcast(torch.tensor(block_ids, dtype=torch.long, device=self.model.device))
+        gathered = self.world.all_gather(layout.flatten(self._kv_cache[block_ids], self.world.rank))
+        return layout.assemble(gathered.to("cpu"), len(block_ids))
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Whole blocks [n, L, 2, bs, Hkv, D] into the pool: every rank takes its layers and heads."""
+        self._send(WRITE_BLOCKS, len(block_ids))
+        self.world.broadcast(torch.tensor(block_ids, dtype=torch.long, device=self.model.device))
+        data = self.world.broadcast(data.to(self.model.device).contiguous())
+        _write_part(self.model, self._kv_cache, block_ids, data)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Tell the followers to exit and wait for them (killed past ``timeout_s``)."""
@@ -144,12 +161,78 @@ def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | No
         elif op == FORWARD:
             ids, pos, meta = _receive_forward(world, args, dev)
             model.forward(ids, pos, kv_cache, meta, backend)
+        elif op in (READ_BLOCKS, WRITE_BLOCKS):
+            ids = world.broadcast(torch.empty(args[0], dtype=torch.long, device=dev)).tolist()
+            if op == READ_BLOCKS:
+                layout = ShardLayout(model.cfg, model.group.size, model.pipeline.num_stages)
+                world.all_gather(layout.flatten(kv_cache[ids], world.rank))
+            else:
+                shape = (len(ids), model.cfg.num_layers, 2, kv_cache.shape[3], model.cfg.num_kv_heads, model.cfg.head_dim)
+                _write_part(model, kv_cache, ids, world.broadcast(torch.empty(shape, dtype=kv_cache.dtype, device=dev)))
         elif op == LOGITS:
             rows, width, dtype = args[:3]
             hidden = world.broadcast(torch.empty(rows, width, dtype=DTYPES[dtype], device=dev))
             model.compute_logits(hidden)  # on stage 0's ranks; past it, nothing
         else:
             raise RuntimeError(f"rank {world.rank}: unknown operation {op} from rank 0")
+
+
+class ShardLayout:
+    """Where each rank's part of a block sits in the whole block [L, 2, bs, Hkv, D]: world rank
+    ``stage * tp + r`` holds its stage's layers and tensor rank r's KV heads (a replicated head:
+    every replica, the same values)."""
+
+    def __init__(self, cfg, tp: int, pp: int) -> None:
+        self.cfg, self.tp, self.pp = cfg, tp, pp
+        self.num_heads = TensorSplit(cfg, 0, tp).num_kv_heads
+        self.max_layers = len(stage_layers(cfg.num_layers, pp, 0))  # the first stages are the longest
+
+    def place(self, world_rank: int) -> tuple[range, slice]:
+        stage, r = divmod(world_rank, self.tp)
+        start = TensorSplit(self.cfg, r, self.tp).kv_head_start
+        return stage_layers(self.cfg.num_layers, self.pp, stage), slice(start, start + self.num_heads)
+
+    def flatten(self, part: torch.Tensor, world_rank: int) -> torch.Tensor:
+        """A rank's part [n, its layers, 2, bs, its heads, D], flat and padded to the longest stage's
+        size, so that every rank gives the all-gather the same shape."""
+        n, layers = part.shape[0], part.shape[1]
+        flat = part.contiguous().reshape(n, -1)
+        pad = (self.max_layers - layers) * flat.shape[1] // max(1, layers)
+        return torch.nn.functional.pad(flat, (0, pad)).reshape(-1)
+
+    def assemble(self, gathered: torch.Tensor, n: int) -> torch.Tensor:  # [world * padded] -> [n, L, 2, bs, H, D]
+        cfg = self.cfg
+        size = self.tp * self.pp
+        parts = gathered.reshape(size, n, -1)
+        bs = parts.shape[-1] // (self.max_layers * 2 * self.num_heads * cfg.head_dim)
+        whole = torch.empty(n, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=gathered.dtype)
+        for w in range(size):
+            layers, heads = self.place(w)
+            part = parts[w].reshape(n, self.max_layers, 2, bs, self.num_heads, cfg.head_dim)[:, :len(layers)]
+            whole[:, layers.start:layers.stop, :, :, heads] = part
+        return whole
+
+
+def _write_part(model: LlamaModel, kv_cache: torch.Tensor, block_ids: list[int], whole: torch.Tensor) -> None:
+    """This rank's layers and heads of whole blocks ``whole`` into its pool's ``block_ids``."""
+    layers = model.pipeline.layers
+    start = model.split.kv_head_start
+    part = whole[:, layers.start:layers.stop, :, :, start:start + model.num_kv_heads]
+    kv_cache.index_copy_(0, torch.tensor(block_ids, device=kv_cache.device), part.to(kv_cache.dtype).contiguous())
+
+
+class GroupBlocks:
+    """Whole blocks of a parallel worker's sharded pool, for the KV tiers (``PoolBlocks``' twin):
+    a read gathers every rank's part, a write gives each rank its part."""
+
+    def __init__(self, model: ParallelModel) -> None:
+        self.model = model
+
+    def read(self, block_ids) -> torch.Tensor:
+        return self.model.read_blocks(list(block_ids))
+
+    def write(self, block_ids, data: torch.Tensor) -> None:
+        self.model.write_blocks(list(block_ids), data)
 
 
 def _receive_forward(group: Collectives, args: list[int], dev: torch.device):

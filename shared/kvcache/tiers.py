@@ -251,6 +251,22 @@ def tier_directory(base: str | os.PathLike, spec: KvCacheSpec, namespace: bytes,
     return Path(base) / hashlib.blake2b(what, digest_size=8).hexdigest()
 
 
+class PoolBlocks:
+    """Whole blocks of one process's pool, as a tier copies them out and back. A parallel worker's
+    pool is sharded over its ranks: ``shared.engine.parallel.GroupBlocks`` reads and writes whole
+    blocks across them instead, with the same two methods."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def read(self, block_ids: Sequence[int]) -> torch.Tensor:  # [n, L, 2, bs, Hkv, D] on the CPU
+        return self.kv_cache.index_select(0, torch.tensor(list(block_ids), device=self.kv_cache.device)).to("cpu")
+
+    def write(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        dev = self.kv_cache.device
+        self.kv_cache.index_copy_(0, torch.tensor(list(block_ids), device=dev), data.to(dev))
+
+
 class KvTiers:
     """The host and disk tiers of one engine, and the threads that move blocks to and from disk.
 
@@ -259,10 +275,13 @@ class KvTiers:
     """
 
     def __init__(self, config: TierConfig, spec: KvCacheSpec, kv_cache: torch.Tensor, namespace: bytes,
-                 events: KvEventEmitter, *, precision: str = "", max_blocks_per_request: int = 0) -> None:
+                 events: KvEventEmitter, *, precision: str = "", max_blocks_per_request: int = 0,
+                 blocks: PoolBlocks | None = None) -> None:
+        """``spec``: the whole blocks the tiers keep; ``blocks``: how they are read from and written
+        to the pool (default: ``kv_cache`` itself, whose blocks are whole)."""
         self.config = config
         self.spec = spec
-        self.kv_cache = kv_cache
+        self.blocks = blocks if blocks is not None else PoolBlocks(kv_cache)
         self.events = events
         self.counters = TierCounters()
         self.host = HostTier(config.host_bytes // spec.bytes_per_block) if config.host_bytes > 0 else None
@@ -318,8 +337,7 @@ class KvTiers:
 
     def _copy_out(self, blocks: list[Block]) -> list[StoredBlock]:
         """The blocks' KV on the host: one gather, one copy."""
-        ids = torch.tensor([b.block_id for b in blocks], device=self.kv_cache.device)
-        data = self.kv_cache.index_select(0, ids).to("cpu")
+        data = self.blocks.read([b.block_id for b in blocks])
         return [StoredBlock(b.block_hash, b.parent_hash, b.token_ids, data[i]) for i, b in enumerate(blocks)]
 
     def _wants_disk(self, block_hash: int) -> bool:
@@ -334,8 +352,7 @@ class KvTiers:
 
     def load(self, block_ids: Sequence[int], stored: Sequence[StoredBlock]) -> None:
         """Copy blocks into the pool's ``block_ids``."""
-        data = torch.stack([s.data for s in stored]).to(self.kv_cache.device)
-        self.kv_cache.index_copy_(0, torch.tensor(list(block_ids), device=self.kv_cache.device), data)
+        self.blocks.write(block_ids, torch.stack([s.data for s in stored]))
         self.counters.onboarded += len(stored)
         self.counters.onboarded_disk += sum(1 for s in stored if s.from_disk)
 

@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct in float32 (9 heads, 3 KV heads, MLP 1536) at TP=3, one KV
 greedy text equal to transformers' with chunked prefill, speculation, a warm prefix cache,
 structured output and preemption on the group; a random-weight Llama of 32 heads and 8 KV heads at
 TP=2 and TP=4 equal to its own TP=1 text; SmolLM2 in pipeline stages (PP=2, PP=3, TP=3 x PP=2)
-equal to transformers; shapes that do not split refused before a rank starts; the quantized precisions on a group as close to float32
+equal to transformers; the host and disk KV tiers keeping whole blocks gathered from every rank;
+shapes that do not split refused before a rank starts; the quantized precisions on a group as close to float32
 as one process is; a follower that dies breaks the group at its next step, and followers exit with
 rank 0."""
 
@@ -110,6 +111,55 @@ def test_smollm2_at_tp3_through_preemption(smollm2_gguf, chat_prompts, hf_smol):
         got = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         assert engine.stats().num_preemptions > 0
         assert got == reference
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def long_prompts(smol_tokenizer):
+    tok = smol_tokenizer
+    texts = ["List three prime numbers and explain why each one is prime. " * 24,
+             "Describe how a bicycle works, from the pedals to the wheels. " * 24]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+
+
+TIER_GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def cached_run(engine, prompt):
+    before = engine.stats().num_cached_prompt_tokens
+    out = engine.generate([prompt], TIER_GREEDY)[0]
+    return out, engine.stats().num_cached_prompt_tokens - before
+
+
+@pytest.mark.parametrize("tp,pp", [(3, 1), (1, 2)])
+def test_kv_tiers_keep_whole_blocks_of_a_parallel_worker(smollm2_gguf, make_engine, long_prompts, tmp_path, tp, pp):
+    """40 blocks a rank: two long prompts do not fit together, so running b evicts a's prefix to the
+    host tier, whose whole blocks are gathered from every rank; a comes back from there, and after a
+    restart on the same disk directory from disk, each rank given its layers and heads back. The
+    text equals one process's cold run. Over a minute on 2 cores: two starts of the group and one
+    process's cold runs."""
+    a, b = long_prompts
+    cold = [make_engine(kv_cache_memory=40 * 737280).generate([p], TIER_GREEDY)[0] for p in (a, b)]
+    per_block = 737280 // tp // pp  # a rank's share of a float32 block of 16 tokens
+    tiers = dict(kv_cache_memory=40 * per_block, kv_host_memory=64 << 20, kv_disk_dir=str(tmp_path),
+                 kv_disk_min_uses=1)
+    engine = group_engine(smollm2_gguf, tp, pp, **tiers)
+    try:
+        assert engine.tiers.spec.num_kv_heads == 3 and engine.tiers.spec.num_layers == 30  # whole blocks
+        assert cached_run(engine, a)[0] == cold[0]
+        assert cached_run(engine, b)[0] == cold[1]
+        assert engine.tiers.counters.offloaded_host > 0
+        out, cached = cached_run(engine, a)
+        assert out == cold[0] and cached >= (len(a) - 1) // 16 * 16 - 16
+        assert engine.tiers.counters.onboarded > 0
+    finally:
+        engine.close()  # the pool's cached blocks go to disk
+    engine = group_engine(smollm2_gguf, tp, pp, **tiers)
+    try:
+        out, cached = cached_run(engine, b)
+        assert out == cold[1] and cached >= (len(b) - 1) // 16 * 16 - 16
+        assert engine.tiers.counters.onboarded_disk > 0
     finally:
         engine.close()
 

@@ -6,9 +6,19 @@ from shared.service.command import register_command
 HELP = ("start decode/prefill workers on this host for a control plane elsewhere (tandem up on another "
         "host), with the credentials from its connect.env")
 
+# the numbers are shared.bus.errors' exit_code and services.join.service's (a unit test keeps them
+# equal); written out here so that --help imports no nats
+EXIT_CODES = ("Exit codes, each failure with one line on stderr naming its cause: 0 stopped by Ctrl-C or "
+              "SIGTERM; 1 a worker exited under --no-restart; 2 bad settings or connect file; 3 the control "
+              "plane's NATS not reachable within --ready-timeout-s (address, port, firewall); 4 TLS failed (the "
+              "CA file is not the control plane's ca.pem, or the address is not one its certificate names); "
+              "5 credentials refused (copy connect.env from the control plane again: tandem up makes a fresh "
+              "password each run); 6 workers not ready in the control plane's registry within "
+              "--ready-timeout-s.")
+
 
 def register(subparsers) -> None:
-    register_command(subparsers, "join", HELP, JoinSettings, run)
+    register_command(subparsers, "join", HELP, JoinSettings, run, epilog=EXIT_CODES)
 
 
 def run(settings: JoinSettings) -> int:

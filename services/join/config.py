@@ -4,7 +4,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.up.config import WorkerHostSettings
+from services.up.config import WorkerHostSettings, default_state_dir
 
 
 def default_host_name() -> str:
@@ -12,6 +12,9 @@ def default_host_name() -> str:
 
 
 class JoinSettings(WorkerHostSettings):
+    """``tandem up``'s worker settings, with the descriptions that hold for a host without the
+    control plane; plus where that control plane is."""
+
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
     connect: Path = Field(..., description="the control plane's connect.env (tandem up writes it in its state "
@@ -20,3 +23,12 @@ class JoinSettings(WorkerHostSettings):
     host_name: str = Field(default_factory=default_host_name, pattern=r"^[A-Za-z0-9_-]{1,24}$",
                            description="this host's name in its workers' ids (<namespace>-<host>-decode-1), "
                                        "unique among the hosts joined to one control plane")
+    decode: int = Field(1, ge=0, le=64, description="number of decode workers on this host (0: prefill "
+                        "workers only; --decode and --prefill may not both be 0)")
+    prefill: int = Field(0, ge=0, le=64, description="number of prefill workers on this host")
+    state_dir: Path = Field(default_factory=default_state_dir, description="this host's own "
+                            "directory (join-<namespace>/ in it); the control plane's JetStream and Redis "
+                            "state stay on its host")
+    ready_timeout_s: float = Field(300.0, gt=0, description="give up (exit 3) if the control plane's NATS "
+                                   "cannot be reached within this, and (exit 6) if the workers are not ready "
+                                   "in its registry within this")

@@ -9,6 +9,7 @@ local ones; KV moves between hosts over NIXL. Ctrl-C drains and stops them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 import time
@@ -67,25 +68,34 @@ def spec_from_settings(s: JoinSettings, connect: dict[str, str]) -> StackSpec:
         decode_flags=decode_flags, prefill_flags=prefill_flags)
 
 
+EXIT_NOT_READY = 6  # workers not in the registry in time; NATS's own causes: shared.bus.errors (3, 4, 5)
+
+
 def run(settings: JoinSettings) -> int:
     connect = read_connect_file(settings.connect)
     if settings.decode + settings.prefill == 0:
         raise CliError("nothing to join: give --decode and/or --prefill")
+    spec = spec_from_settings(settings, connect)
+    # before any worker starts: a wrong address, CA or password fails in seconds, not after loading
+    asyncio.run(check_control_plane(spec, settings.ready_timeout_s))
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    stack = Stack(spec_from_settings(settings, connect))
+    stack = Stack(spec)
+    failed: list[CliError] = []  # why the readiness wait gave up, if it did
     try:
         stack.start()
         print_line("join", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
                            f"{settings.model} as host {settings.host_name!r} for the control plane at "
                            f"{redact_url(stack.nats_url)} (namespace {stack.spec.namespace})")
-        threading.Thread(target=_wait_registered, args=(stack, settings, stop), daemon=True).start()
+        threading.Thread(target=_wait_registered, args=(stack, settings, stop, failed), daemon=True).start()
         while not stop.wait(0.5):
             dead = stack.exited()
             if dead and not settings.restart:
                 print_line("join", f"exited: {', '.join(dead)}; stopping")
                 return 1
+        if failed:
+            raise failed[0]
         return 0
     finally:
         print_line("join", "stopping (workers drain first)")
@@ -93,15 +103,35 @@ def run(settings: JoinSettings) -> int:
         print_line("join", "stopped")
 
 
-def _wait_registered(stack: Stack, settings: JoinSettings, stop: threading.Event) -> None:
+async def check_control_plane(spec: StackSpec, timeout_s: float) -> None:
+    """Connect to the control plane's NATS as the workers will, or raise its cause as a CliError
+    with that cause's exit code (unreachable within ``timeout_s``, TLS, credentials)."""
+    from shared.bus.bus import Bus  # noqa: PLC0415 — nats only when the command runs
+    from shared.bus.errors import NatsUnavailable  # noqa: PLC0415
+
+    # asyncio warns when a TLS server hangs up on a refused login ("returning true from
+    # eof_received()..."): noise beside the one line that names the cause
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
+    try:
+        bus = await Bus.connect(spec.nats_url, f"{spec.namespace}-join-{spec.host_name}", timeout_s=timeout_s,
+                                tls_ca=spec.nats_ca, replicas=spec.nats_replicas)
+    except NatsUnavailable as exc:
+        raise CliError(f"cannot join: {exc}", exc.exit_code) from None
+    await bus.close()
+
+
+def _wait_registered(stack: Stack, settings: JoinSettings, stop: threading.Event, failed: list[CliError]) -> None:
     worker_ids = sorted(stack.worker_id(name) for name in stack.children)
     try:
         asyncio.run(wait_workers_ready(stack, worker_ids, settings.ready_timeout_s))
-    except (ConnectionError, TimeoutError) as exc:
-        print_line("join", f"not ready: {exc}")
-        stop.set()
+    except ConnectionError as exc:  # NATS went away since check_control_plane
+        failed.append(CliError(f"not ready: {exc}", getattr(exc, "exit_code", 1)))
+    except TimeoutError as exc:
+        failed.append(CliError(f"not ready: {exc}", EXIT_NOT_READY))
+    else:
+        print_line("join", f"ready: {', '.join(worker_ids)} registered with the control plane; Ctrl-C stops")
         return
-    print_line("join", f"ready: {', '.join(worker_ids)} registered with the control plane; Ctrl-C stops")
+    stop.set()
 
 
 async def wait_workers_ready(stack: Stack, worker_ids: list[str], timeout_s: float) -> None:

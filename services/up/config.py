@@ -48,9 +48,6 @@ class WorkerHostSettings(BaseSettings):
     decode_tp: int = Field(1, ge=1, le=64, description="ranks of each decode worker's tensor-parallel group: one "
                            "worker, that many processes, each with its shard of the weights and KV (the model's "
                            "heads, KV heads and MLP width must split into it)")
-    plan: Path | None = Field(None, description="start the workers of a plan from `tandem plan --json`: its decode and "
-                              "prefill workers with their TP/PP and devices, in place of --decode/--prefill and "
-                              "--decode-tp/--decode-pp (a plan this host cannot run is refused, naming the worker)")
     decode_pp: int = Field(1, ge=1, le=64, description="pipeline stages of each decode worker, each of --decode-tp "
                            "ranks with a contiguous share of the layers")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
@@ -91,6 +88,10 @@ def _given(**flags: object) -> dict[str, object]:
 
 class UpSettings(WorkerHostSettings, QosSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
+
+    plan: Path | None = Field(None, description="start the workers of a plan from `tandem plan --json`: its decode and "
+                              "prefill workers with their TP/PP and devices, in place of --decode/--prefill and "
+                              "--decode-tp/--decode-pp (a plan this host cannot run is refused, naming the worker)")
 
     gateways: int = Field(1, ge=1, le=16, description="number of gateways (gateway i listens on port + i), so "
                           "one can die without taking the service down")

@@ -2,7 +2,8 @@
 KV buckets, object stores, registry."""
 
 from shared.bus.bus import Bus
-from shared.bus.errors import BusTimeout, Disconnected, MalformedReply, NoResponders, RemoteError, ServiceError
+from shared.bus.errors import (BusTimeout, Disconnected, MalformedReply, NatsCredentialsRefused, NatsTlsFailed,
+                               NatsUnavailable, NatsUnreachable, NoResponders, RemoteError, ServiceError)
 from shared.bus.jetstream import ConsumerState, QueueMessage, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.objects import ObjectBucket, StoredObject
@@ -10,7 +11,8 @@ from shared.bus.registry import WorkerRegistry
 from shared.bus.replay import Replay
 from shared.bus.services import ServiceDirectory
 
-__all__ = ["Bus", "BusTimeout", "ConsumerState", "Disconnected", "KvBucket", "MalformedReply", "NoResponders", "ObjectBucket",
+__all__ = ["Bus", "BusTimeout", "ConsumerState", "Disconnected", "KvBucket", "MalformedReply", "NatsCredentialsRefused",
+           "NatsTlsFailed", "NatsUnavailable", "NatsUnreachable", "NoResponders", "ObjectBucket",
            "QueueMessage",
            "RemoteError", "Replay", "ServiceDirectory", "ServiceError", "StoredObject", "StreamState", "WorkQueue",
            "WorkerRegistry"]

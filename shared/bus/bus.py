@@ -28,7 +28,8 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfi
                          RetentionPolicy, StreamConfig)
 from pydantic import ValidationError
 
-from shared.bus.errors import BusTimeout, Disconnected, MalformedReply, NoResponders, RemoteError, ServiceError
+from shared.bus.errors import (BusTimeout, Disconnected, MalformedReply, NatsCredentialsRefused, NatsTlsFailed,
+                               NatsUnavailable, NatsUnreachable, NoResponders, RemoteError, ServiceError)
 from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
 from shared.bus.kv import KvBucket
 from shared.bus.link import Link
@@ -102,24 +103,47 @@ def _is_auth_error(exc: BaseException) -> bool:
             or "authorization violation" in str(exc).lower())
 
 
-async def _first_connection(connecting: Awaitable[Client], rejected: asyncio.Event, *,
+_TRANSIENT_TLS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)  # a server going away
+
+
+def _lasting_error(exc: BaseException, shown: str) -> NatsUnavailable | None:
+    """The one-line error to stop with when ``exc`` is one that retrying cannot mend (a refused
+    login, a certificate our CA did not sign); None when another try may succeed."""
+    if _is_auth_error(exc):
+        return NatsCredentialsRefused(
+            f"NATS at {shown} rejected the credentials: {exc}; on a joined host copy connect.env from the "
+            "control plane again (tandem up makes a fresh password each run)")
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, _TRANSIENT_TLS):
+        return NatsTlsFailed(f"TLS with NATS at {shown} failed: {exc}; is the CA file the control plane's "
+                             "(its state directory's tls/ca.pem) and the URL's host one its certificate names?")
+    return None
+
+
+def _exit_now(exc: NatsUnavailable) -> None:
+    """End the process with ``exc``'s line and exit code. For a login refused on a reconnect:
+    nats-py would retry it forever while everything this process serves waits on the bus, and
+    its supervisor (tandem join, systemd) sees an exit, not a log."""
+    log.error("%s", exc)
+    logging.shutdown()  # flush every handler: os._exit skips it
+    os._exit(exc.exit_code)
+
+
+async def _first_connection(connecting: Awaitable[Client], given_up: asyncio.Event, *,
                             timeout_s: float) -> Client:
-    """The client ``connecting`` makes, unless the server rejects the credentials first: nats-py
-    retries a rejected login forever, telling only its error callback (which sets ``rejected``)."""
+    """The client ``connecting`` makes, unless ``given_up`` is set first: nats-py retries a refused
+    login or a bad certificate forever, telling only its error callback (which sets it)."""
     connect = asyncio.ensure_future(connecting)
-    refused = asyncio.ensure_future(rejected.wait())
+    giving_up = asyncio.ensure_future(given_up.wait())
     try:
-        done, _ = await asyncio.wait({connect, refused}, timeout=timeout_s,
+        done, _ = await asyncio.wait({connect, giving_up}, timeout=timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
     finally:
-        refused.cancel()
+        giving_up.cancel()
     if connect in done:
         return connect.result()
     connect.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await connect
-    if rejected.is_set():
-        raise nats.errors.AuthorizationError
     raise asyncio.TimeoutError
 
 
@@ -144,9 +168,13 @@ class Bus:
         reconnects forever, every 0.5 s, to any server of ``url`` (several, comma-separated: a
         cluster; a server that dies is left for another; a server restart is survived: nats-py replays the core
         subscriptions, the bus's ``link`` ends streams cut by the disconnect and re-creates
-        JetStream consumers, streams and buckets the server lost). A server that
-        rejects the credentials ends the first connection at once with a one-line ConnectionError
-        naming the URL (its password redacted): retrying cannot mend a wrong password.
+        JetStream consumers, streams and buckets the server lost).
+
+        Failing, it raises a one-line ``NatsUnavailable`` (a ConnectionError) naming the URL, its
+        password redacted: ``NatsCredentialsRefused`` and ``NatsTlsFailed`` at once (retrying
+        cannot mend a wrong password or CA), ``NatsUnreachable`` at the deadline. A login refused
+        on a later reconnect (the server's password changed) ends the process at once with
+        ``NatsCredentialsRefused``'s line and exit code: see ``_exit_now``.
 
         ``tls_ca`` (default: ``TANDEM_NATS_CA``): a CA file; the connection is then TLS and the
         server's certificate must be signed by it for the host name in the URL. ``replicas``
@@ -158,17 +186,20 @@ class Bus:
         replicas = replicas or _replicas_from_env()
         delay, deadline = 0.05, time.monotonic() + timeout_s
         last_error: list[Exception] = []
-        rejected, connected = asyncio.Event(), False
+        lasting: list[NatsUnavailable] = []  # an error retrying cannot mend, once seen
+        given_up, connected = asyncio.Event(), False
         link = Link(name)
 
         async def on_error(exc: Exception) -> None:
-            if not connected:
-                if rejected.is_set():  # the server hanging up after the rejection says nothing new
-                    return
-                last_error[:] = [exc]
-                if _is_auth_error(exc):
-                    rejected.set()  # reported once, by the ConnectionError below
-                    return
+            if not connected:  # reported once, by the error connect raises
+                if not given_up.is_set():  # the server hanging up after a refusal says nothing new
+                    last_error[:] = [exc]
+                    if error := _lasting_error(exc, shown):
+                        lasting.append(error)
+                        given_up.set()
+                return
+            if _is_auth_error(exc):
+                _exit_now(_lasting_error(exc, shown))
             log.warning("nats %s: %s", name, exc)
 
         async def on_disconnect() -> None:
@@ -192,16 +223,15 @@ class Bus:
                     # link) is given up after 3 unanswered pings, 5 s apart, for another member
                     ping_interval=_PING_INTERVAL_S, max_outstanding_pings=3,
                     error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
-                    rejected, timeout_s=max(deadline - time.monotonic(), 0.1))
-                connected = True  # from here on every error is logged: nats-py retries them all
+                    given_up, timeout_s=max(deadline - time.monotonic(), 0.1))
+                connected = True  # from here on errors are logged (nats-py retries them) but a refused login
                 return cls(nc, name, link, replicas=replicas or detect_replicas(nc._server_info))
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
-                if rejected.is_set() or _is_auth_error(exc):
-                    why = last_error[0] if last_error else exc
-                    raise ConnectionError(f"NATS at {shown} rejected the credentials: {why}") from None
+                if error := (lasting[0] if lasting else _lasting_error(exc, shown)):
+                    raise error from None
                 if time.monotonic() + delay > deadline:
                     why = exc if str(exc) else (last_error[0] if last_error else "timed out")
-                    raise ConnectionError(f"cannot reach NATS at {shown} within {timeout_s:g}s: {why}") from exc
+                    raise NatsUnreachable(f"cannot reach NATS at {shown} within {timeout_s:g}s: {why}") from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

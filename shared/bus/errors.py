@@ -1,5 +1,8 @@
 """Errors that cross the bus. A handler raises ``ServiceError``; the caller gets ``RemoteError``
-with the same code (nats.micro style: the code travels in a header, the body is an ErrorReply)."""
+with the same code (nats.micro style: the code travels in a header, the body is an ErrorReply).
+
+And the bus's own failures to connect (``NatsUnavailable``): one line each, with the exit code a
+process that cannot go on without NATS ends with, so that systemd or a script tells them apart."""
 
 from __future__ import annotations
 
@@ -45,3 +48,29 @@ class Disconnected(ServiceError):
 
     def __init__(self, subject: str) -> None:
         super().__init__("timeout", f"connection to NATS lost while streaming from {subject}")
+
+
+class NatsUnavailable(ConnectionError):
+    """NATS cannot be used; ``exit_code`` is the process's exit code when it gives up for this."""
+
+    exit_code = 1
+
+
+class NatsUnreachable(NatsUnavailable):
+    """No server answered within the deadline (a wrong address or port, a firewall, a host down)."""
+
+    exit_code = 3
+
+
+class NatsTlsFailed(NatsUnavailable):
+    """The TLS handshake failed: the server's certificate is not signed by our CA file, or not for
+    the host name dialled, or one side speaks TLS and the other not. Retrying cannot mend it."""
+
+    exit_code = 4
+
+
+class NatsCredentialsRefused(NatsUnavailable):
+    """The server refused the login (a wrong password: the control plane makes a fresh one each
+    run). Retrying cannot mend it."""
+
+    exit_code = 5

@@ -31,9 +31,10 @@ def register_service(subparsers, name: str, help_text: str, settings_class, run:
 
 
 def register_command(subparsers, name: str, help_text: str, settings_class,
-                     main: Callable[[Any], int | None]) -> None:
-    """Add ``tandem <name>``: ``main(settings)`` returns the exit code."""
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+                     main: Callable[[Any], int | None], epilog: str | None = None) -> None:
+    """Add ``tandem <name>``: ``main(settings)`` returns the exit code (``epilog``: what its
+    ``--help`` says after the flags, e.g. those codes)."""
+    parser = subparsers.add_parser(name, help=help_text, description=help_text, epilog=epilog)
     add_settings_arguments(parser, settings_class)
     parser.set_defaults(func=partial(_run_command, main), settings_class=settings_class)
 
@@ -56,8 +57,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
     """One ``--flag`` per field; defaults stay None so that unset flags fall back to the env."""
     for name, info in cls.model_fields.items():
         env = f"TANDEM_{name.upper()}"
-        default = info.get_default(call_default_factory=True)
-        help_text = f"{info.description or name} (env {env}, default {default!r})"
+        given = "required" if info.is_required() else f"default {info.get_default(call_default_factory=True)!r}"
+        help_text = f"{info.description or name} (env {env}, {given})"
         kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
         annotation = _without_none(info.annotation)
         if annotation is bool:

@@ -53,7 +53,7 @@ def run_service(name: str, level: str, main: Callable[[asyncio.Event], Awaitable
         asyncio.run(runner())
     except ConnectionError as exc:  # a server we need is unreachable: a clear line, not a traceback
         log.error("%s", exc)
-        return 1
+        return getattr(exc, "exit_code", 1)  # NATS's cause, told apart (shared.bus.errors)
     return 0
 
 

@@ -257,8 +257,13 @@ class Stack:
     def retire(self, name: str, is_retired: bool = True) -> None:
         (self.retired.add if is_retired else self.retired.discard)(name)
 
+    @property
+    def label(self) -> str:
+        """The name the stack's own lines go under: the command that runs it."""
+        return "up" if self.spec.control_plane else "join"
+
     def log_line(self, line: str) -> None:
-        self._line("up", line)
+        self._line(self.label, line)
 
     def spawn(self, name: str, service: str, flags: dict[str, object]) -> Child:
         with self._children_lock:
@@ -287,28 +292,28 @@ class Stack:
         for server in self.servers:
             if not server.is_running() and not self._restarts.has_exited(server.name):
                 decision = self._restarts.exited(server.name, server.proc.returncode, now_s, is_crash=True)
-                self._line("up", decision.describe())
+                self._line(self.label, decision.describe())
         for name, child in list(self.children.items()):
             if not child.is_running() and not self._restarts.has_exited(name):
-                self._line("up", self._restarts.exited(name, child.proc.returncode, now_s).describe())
+                self._line(self.label, self._restarts.exited(name, child.proc.returncode, now_s).describe())
         for name in self._restarts.due(now_s):
             if server := next((s for s in self.servers if s.name == name), None):
                 self._restart_server(server, now_s)
                 continue
             service, flags = self._spawned[name]
             child = self._start_child(name, service, flags)
-            self._line("up", f"{name} restarted (restart {self.num_restarts(name)}, pid {child.pid})")
+            self._line(self.label, f"{name} restarted (restart {self.num_restarts(name)}, pid {child.pid})")
 
     def _restart_server(self, server: ServerProcess, now_s: float) -> None:
         try:
             server.restart()
         except RuntimeError as exc:  # e.g. its port taken meanwhile: retried after the next backoff
             self._restarts.started(server.name, now_s)
-            self._line("up", self._restarts.exited(server.name, 1, now_s, is_crash=True).describe()
+            self._line(self.label, self._restarts.exited(server.name, 1, now_s, is_crash=True).describe()
                        + f": {str(exc).splitlines()[0]}")
             return
         self._restarts.started(server.name, now_s)
-        self._line("up", f"{server.name} restarted (restart {self.num_restarts(server.name)}, "
+        self._line(self.label, f"{server.name} restarted (restart {self.num_restarts(server.name)}, "
                          f"pid {server.pid}, same port and data)")
 
     def exited(self) -> list[str]:
@@ -364,7 +369,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         for child in order:
             if not child.wait(max(0.1, deadline - time.monotonic())):
-                self._line("up", f"{child.name} did not stop in {timeout_s:g}s: killing it")
+                self._line(self.label, f"{child.name} did not stop in {timeout_s:g}s: killing it")
                 child.kill()
                 child.wait(5)
         for server in reversed(self.servers):

@@ -115,3 +115,8 @@ def test_up_refuses_cluster_and_tls_flags_for_a_nats_it_does_not_run():
     args = build_parser().parse_args(["up", "--nats-url", "nats://a:1", "--nats-cluster", "3"])
     with pytest.raises(CliError, match="nats_cluster and nats_tls"):
         settings_from_args(args.settings_class, args)
+
+
+def test_a_joined_hosts_stack_speaks_as_join(tmp_path):
+    assert Stack(StackSpec(tmp_path, control_plane=False)).label == "join"
+    assert Stack(StackSpec(tmp_path)).label == "up"

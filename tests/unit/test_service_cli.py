@@ -171,3 +171,13 @@ def test_up_compile_reaches_every_worker_and_the_engine(monkeypatch):
     assert engine_config_from_args(build_parser().parse_args(["complete", "--compile", "on", "hi"])).compile == "on"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["complete", "--compile", "sometimes", "hi"])
+
+
+def test_join_help_describes_a_host_without_the_control_plane(capsys):
+    with pytest.raises(SystemExit):
+        main(["join", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "PydanticUndefined" not in text and "(env TANDEM_CONNECT, required)" in text
+    assert "number of decode workers on this host" in text and "the control plane alone" not in text
+    assert "JetStream/Redis state" not in text and "Exit codes" in text
+    assert "5 credentials refused (copy connect.env from the control plane again" in text

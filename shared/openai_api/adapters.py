@@ -56,7 +56,7 @@ class ResponseHead:
 @dataclass
 class Calls:
     """A choice that ended as tool calls: ``finish_reason`` as generation ended (``stop``, or
-    ``length`` for calls cut off by the token limit, their arguments as generated)."""
+    ``length`` for output cut off by the token limit: the calls written whole before it)."""
 
     calls: list[ToolCall]
     logprobs: list[TokenLogprob]

@@ -69,9 +69,11 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "tools": FieldRule(I, "functions; in the chat template when it renders tools, else a system message; "
                           "arguments follow the schema by grammar (forced, or `strict` under `auto`), where "
                           "properties it does not name are not allowed unless it sets `additionalProperties`"),
-    "tool_choice": FieldRule(I, "`none`, `auto`, `required`, a named function (the last two by grammar; "
-                                "cut off by the token limit: still calls, finish `length`)"),
-    "parallel_tool_calls": FieldRule(I, "false: at most one call"),
+    "tool_choice": FieldRule(I, "`none`, `auto`, `required`, a named function (the last two by grammar); "
+                                "cut off by the token limit: the calls written whole, finish `length` "
+                                "(see Tool calls below)"),
+    "parallel_tool_calls": FieldRule(I, "false: at most one call; true: distinct calls, at most 8 under a "
+                                        "forced choice"),
     "functions": FieldRule(R, "deprecated; use `tools`", accepts=lambda v: not v),
     "function_call": FieldRule(R, "deprecated; use `tool_choice`", accepts=_one_of("none")),
     "modalities": FieldRule(R, "text only", accepts=lambda v: v is None or v == ["text"]),
@@ -126,7 +128,7 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
                                "`TANDEM_BACKGROUND_RETRY_MAX_WAIT_S` (default 10 min)"),
     "tools": FieldRule(I, "functions only (as chat completions)"),
     "tool_choice": FieldRule(I, "as chat completions"),
-    "parallel_tool_calls": FieldRule(I, "false: at most one call"),
+    "parallel_tool_calls": FieldRule(I, "as chat completions"),
     "max_tool_calls": FieldRule(X, "limits built-in tools; there are none"),
     "include": FieldRule(R, "nothing extra to include", accepts=lambda v: not v),
     "top_logprobs": FieldRule(R, "no logprobs on this endpoint yet", accepts=_one_of(0)),

@@ -8,8 +8,11 @@ or a named function is enforced by a grammar: the output is then a JSON list of 
 for a named function, or without ``parallel_tool_calls``), whose items are the functions'
 ``{"name", "arguments"}`` schemas. Under ``auto``, a ``strict`` function brings a grammar too: text
 without ``<tool_call>``, or calls of the declared functions only. In both grammars an argument
-schema's objects are closed unless they say otherwise (``closed_schema``). A forced call cut off
-by the token limit still reads back as calls, its arguments as far as they were written.
+schema's objects are closed unless they say otherwise (``closed_schema``).
+
+Every call read back has JSON ``arguments`` and differs from the others: output cut off by the
+token limit keeps only the calls written whole (none: the output is text, finish ``length``), and a
+repeat of an earlier call's name and arguments is dropped (``ToolUse.calls``).
 """
 
 from __future__ import annotations
@@ -130,6 +133,14 @@ def _one_of_calls(tools: list[Tool]) -> dict:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
+# The most calls a forced list holds with parallel calls allowed. A small model under a forced
+# call, greedy, repeats its first call until the token limit (SmolLM2: 13 identical calls); the
+# grammar cannot refuse a repeat (an item unlike the earlier ones is no JSON schema llguidance
+# compiles), so it ends the list here and ``ToolUse.calls`` drops the repeats. Eight is more
+# distinct calls than one turn of an agent makes in practice; OpenAI sets no such limit.
+MAX_FORCED_CALLS = 8
+
+
 def forced_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> GrammarSpec | None:
     """The grammar of a forced call (``required`` or a named function); None when the model may
     answer in text."""
@@ -137,7 +148,7 @@ def forced_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool)
     if not chosen:
         return None
     schema = {"type": "array", "items": _one_of_calls(chosen), "minItems": 1,
-              **({} if parallel else {"maxItems": 1})}
+              "maxItems": MAX_FORCED_CALLS if parallel else 1}
     return GrammarSpec(kind="json_schema", value=json.dumps(schema))
 
 
@@ -192,41 +203,46 @@ def parse_calls(text: str, forced: bool) -> list[ToolCall] | None:
     return [_new_call(c["name"], json.dumps(c.get("arguments", {}))) for c in raw]
 
 
-_PARTIAL_ITEM = re.compile(r'\{\s*(?:"name"\s*:\s*"(?P<name>[^"\\]*)(?P<closed>")?)?'
-                           r'(?:\s*,\s*"arguments"\s*:\s*(?P<arguments>.*))?', re.S)
-
-
-def partial_calls(text: str, names: list[str], forced: bool) -> list[ToolCall]:
-    """The calls in output cut off before its end (the token limit): those written whole, then the
-    one being written, with its arguments as generated so far. A name cut off is completed to the
-    one declared name it can still become (the grammar allowed no other); at least one call."""
+def whole_calls(text: str, forced: bool) -> list[ToolCall]:
+    """The calls written whole in output cut off before its end (the token limit), in order; the
+    one being written when it was cut off is left out, as its arguments are not JSON yet."""
     decoder, calls = json.JSONDecoder(), []
+    rest = text.lstrip()
     if forced:
-        rest = text.lstrip()
-        rest = rest[1:] if rest.startswith("[") else rest
+        rest = rest[1:] if rest.startswith("[") else ""
     else:
-        rest = text.lstrip()
         rest = rest[len(CALL_OPEN):] if rest.startswith(CALL_OPEN) else ""
     while rest.strip():
-        rest = rest.lstrip()
         try:
-            item, end = decoder.raw_decode(rest)
+            item, end = decoder.raw_decode(rest.lstrip())
         except ValueError:
             break
+        rest = rest.lstrip()[end:].lstrip()
+        if not forced:  # a block counts once its closing tag is written
+            if not rest.startswith(CALL_CLOSE):
+                break
+            rest = rest[len(CALL_CLOSE):].lstrip()
+            rest = rest[len(CALL_OPEN):] if rest.startswith(CALL_OPEN) else ""
+        elif rest.startswith(","):
+            rest = rest[1:]
         if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
             break
         calls.append(_new_call(item["name"], json.dumps(item.get("arguments", {}))))
-        rest = rest[end:].lstrip()
-        rest = rest[1:] if forced and rest.startswith(",") else rest
-        if not forced:
-            rest = rest[len(CALL_CLOSE):].lstrip() if rest.startswith(CALL_CLOSE) else ""
-            rest = rest[len(CALL_OPEN):] if rest.startswith(CALL_OPEN) else ""
-    match = _PARTIAL_ITEM.match(rest.lstrip()) if rest.strip() else None
-    if match is not None or not calls:
-        prefix = (match and match["name"]) or ""
-        name = prefix if match and match["closed"] else next((n for n in names if n.startswith(prefix)), prefix)
-        calls.append(_new_call(name or (names[0] if names else ""), (match and match["arguments"]) or ""))
     return calls
+
+
+def distinct_calls(calls: list[ToolCall]) -> list[ToolCall]:
+    """``calls`` less those that repeat an earlier one's name and arguments (as JSON values, key
+    order aside). A repeat in one reply is, from the small models this serves, a loop rather than
+    a wish to run the function twice: dropping it costs a client that wanted two runs one more
+    turn, keeping it runs a side effect twice."""
+    seen, out = set(), []
+    for call in calls:
+        key = (call.function.name, json.dumps(json.loads(call.function.arguments), sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            out.append(call)
+    return out
 
 
 def may_become_call(text: str) -> bool:
@@ -267,16 +283,17 @@ class ToolUse:
         return None
 
     def calls(self, text: str, finish_reason: str | None) -> list[ToolCall] | None:
-        """The calls ``text`` (the whole output, ended by ``finish_reason``) makes; None: it is
-        text. A forced call is always calls, cut off or not."""
+        """The calls ``text`` (the whole output, ended by ``finish_reason``) makes, each once and
+        each with JSON arguments; None: it is text. Output cut off (``length``) keeps the calls
+        written whole; with none, even a forced call's output is text (OpenAI returns the cut-off
+        call with its arguments as far as written, which no client can parse: docs/api.md)."""
         if self.mode == "none":
             return None
         forced = self.mode == "forced"
         calls = parse_calls(text, forced) if finish_reason == "stop" else None
-        if calls and any(c.function.name not in self.names() for c in calls):
-            calls = None  # a function never declared: not a call (auto without a grammar)
         if calls is None and (forced or (finish_reason != "stop" and text.lstrip().startswith(CALL_OPEN))):
-            calls = partial_calls(text, self.names(), forced)
-        if calls and not self.parallel:
-            calls = calls[:1]
-        return calls
+            calls = whole_calls(text, forced)
+        if calls and any(c.function.name not in self.names() for c in calls):
+            return None  # a function never declared: not a call (auto without a grammar)
+        calls = distinct_calls(calls or [])
+        return (calls if self.parallel else calls[:1]) or None

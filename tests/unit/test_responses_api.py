@@ -176,14 +176,18 @@ def test_function_calls_in_the_response_and_events_read_by_the_sdk(tok):
     assert typed[-1].response.output_text == "Sunny"
 
 
-def test_a_forced_call_cut_off_is_an_incomplete_function_call(tok):
+def test_a_forced_call_cut_off_keeps_the_calls_written_whole_and_is_incomplete(tok):
     api = adapter(tok, tools=[WEATHER], tool_choice="required", max_output_tokens=8)
-    body = api.response(HEAD, [api.choice(0, Choice('[{"name":"get_weather","arguments":{"ci', "length", []))],
-                        usage(3, 8, 0))
+    text = '[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"get_weather","arguments":{"ci'
+    body = api.response(HEAD, [api.choice(0, Choice(text, "length", []))], usage(3, 8, 0))
     parsed = Response.model_validate(body)
     assert parsed.status == "incomplete" and parsed.incomplete_details.reason == "max_output_tokens"
-    assert (parsed.output[0].type, parsed.output[0].name, parsed.output[0].arguments) == \
-        ("function_call", "get_weather", '{"ci')
+    assert [(o.type, o.name, o.arguments) for o in parsed.output] == \
+        [("function_call", "get_weather", '{"city": "Oslo"}')]
+    # none written whole: the output is the text, incomplete (arguments that are not JSON never come back)
+    body = api.response(HEAD, [api.choice(0, Choice(text[:40], "length", []))], usage(3, 8, 0))
+    parsed = Response.model_validate(body)
+    assert parsed.status == "incomplete" and [o.type for o in parsed.output] == ["message"]
 
 
 def test_a_continued_request_puts_the_stored_items_first_and_lists_its_own(tok):

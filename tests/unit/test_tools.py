@@ -13,7 +13,7 @@ from shared.openai_api.adapters import ChatAdapter, Choice, Delta, ResponseHead,
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import CHAT_FIELDS
 from shared.openai_api.models import ChatCompletionRequest
-from shared.openai_api.tools import Tool, closed_schema, forced_grammar, parse_calls
+from shared.openai_api.tools import MAX_FORCED_CALLS, Tool, closed_schema, forced_grammar, parse_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -34,7 +34,7 @@ def test_modes_and_the_forced_grammar():
     assert schema["items"]["properties"]["name"] == {"const": "get_time"}
     compile_grammar(spec)
     spec, _ = body(tool_choice="required").grammar()
-    assert "maxItems" not in json.loads(spec.value)
+    assert json.loads(spec.value)["maxItems"] == MAX_FORCED_CALLS  # a loop of repeats ends there
     assert [c["properties"]["name"]["const"] for c in json.loads(spec.value)["items"]["anyOf"]] == \
         ["get_weather", "get_time"]
     compile_grammar(spec)
@@ -99,29 +99,52 @@ def test_tool_argument_schemas_are_closed_unless_they_say_otherwise():
     assert "additionalProperties" not in closed_schema({"allOf": [{"type": "object"}]})
 
 
-def test_a_forced_call_cut_off_is_still_calls_with_finish_reason_length():
+def test_output_cut_off_keeps_only_the_calls_written_whole():
     api = ChatAdapter(body(tool_choice="required"), tokenizer=None)
-    choice = api.choice(0, Choice('[{"name":"get_weather","arguments":{"city":"Os', "length", []))
+    choice = api.choice(0, Choice('[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{"city":"Os',
+                                  "length", []))
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
-    call = choice["message"]["tool_calls"][0]["function"]
-    assert call == {"name": "get_weather", "arguments": '{"city":"Os'}
-    # cut off inside the name: completed to the one declared name it can become; before any: the first
-    assert parse_forced('[{"name":"get_t') == [("get_time", "")]
-    assert parse_forced("[") == [("get_weather", "")]
-    assert parse_forced('[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{"ci') == \
-        [("get_time", "{}"), ("get_weather", '{"ci')]
-    # streamed: nothing as content, then the calls and finish_reason length
-    stream_api = ChatAdapter(body(tool_choice={"type": "function", "function": {"name": "get_weather"}}), None)
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
+    assert parse_forced('[{"name":"get_time","arguments":{}}') == [("get_time", "{}")]  # before "," or "]"
+    # no call written whole: the output is text, finish_reason length (as any output cut off)
+    for cut in ('[{"name":"get_weather","arguments":{"city":"Os', '[{"name":"get_t', "[", ""):
+        assert body(tool_choice="required").tool_use().calls(cut, "length") is None, cut
+    choice = api.choice(0, Choice('[{"name":"get_weather","arguments":{"ci', "length", []))
+    assert choice["message"] == {"role": "assistant", "content": '[{"name":"get_weather","arguments":{"ci'}
+    assert choice["finish_reason"] == "length"
+    # under auto: a <tool_call> block counts once its closing tag is written
+    auto = body().tool_use()
+    whole = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert [c.function.name for c in auto.calls(whole + '\n<tool_call>{"name": "get_weather", "argu', "length")] == \
+        ["get_time"]
+    assert auto.calls(whole[:-3], "length") is None and auto.calls('<tool_call>{"name": "get_', "length") is None
+    # streamed: nothing as content, then the whole calls and finish_reason length
+    stream_api = ChatAdapter(body(tool_choice="required"), None)
     head = ResponseHead("chatcmpl-1", 1, "m")
-    assert stream_api.stream_chunks(head, 0, Delta('[{"name":"get_weather",'), 0) == []
-    chunks = stream_api.stream_chunks(head, 0, Delta('"arguments":{"city":"R', [], "length"), 0)
+    assert stream_api.stream_chunks(head, 0, Delta('[{"name":"get_time","arguments":{}},'), 0) == []
+    chunks = stream_api.stream_chunks(head, 0, Delta('{"name":"get_weather","arguments":{"city":"R', [], "length"), 0)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
-    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"city":"R'
+    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
     assert all("content" not in c["choices"][0]["delta"] for c in chunks)
 
 
-def parse_forced(text: str) -> list[tuple[str, str]]:
-    calls = body(tool_choice="required").tool_use().calls(text, "length")
+def test_a_repeat_of_an_earlier_call_is_dropped():
+    """SmolLM2 under tool_choice required, greedy, repeats its first call until the token limit."""
+    oslo = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
+    loop = "[" + ",".join([oslo] * 7 + ['{"name":"get_weather","arguments":{"city":"Rome"}}', oslo]) + "]"
+    assert parse_forced(loop, "stop") == [("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"city": "Rome"}')]
+    cut = "[" + ",".join([oslo] * 12) + ',{"name":"get_weather","arguments":'
+    assert parse_forced(cut) == [("get_weather", '{"city": "Oslo"}')]
+    # the same arguments in another key order are the same call; another function is another call
+    auto = body(tools=[WEATHER, TIME, {"type": "function", "function": {"name": "add", "parameters": {}}}]).tool_use()
+    two = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+           '<tool_call>{"name": "add", "arguments": {"b": 2, "a": 1}}</tool_call>'
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert [c.function.name for c in auto.calls(two, "stop")] == ["add", "get_time"]
+
+
+def parse_forced(text: str, finish_reason: str = "length") -> list[tuple[str, str]]:
+    calls = body(tool_choice="required").tool_use().calls(text, finish_reason)
     return [(c.function.name, c.function.arguments) for c in calls]
 
 

@@ -31,19 +31,8 @@ from shared.model.loader import load_model
 from shared.model.parallel import ProcessGroupCollectives
 from shared.model.quant import EVAL_PASSAGE, calibration_token_ids, compare_models
 
-MAX_NEW = 24
-GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def reference(hf_smol, chat_prompts, smol_tokenizer):
-    refs = []
-    for prompt in chat_prompts:
-        with torch.no_grad():
-            out = hf_smol.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                                   eos_token_id=list(smol_tokenizer.stop_token_ids))
-        refs.append(out[0, len(prompt):].tolist())
-    return refs
+from test_engine_smollm2 import GREEDY, hf_greedy_ignoring_eos, reference  # noqa: F401 — fixture
+from test_kv_tiers_smollm2 import GREEDY as TIER_GREEDY, long_prompts, run as cached_run  # noqa: F401 — fixture
 
 
 def group_engine(model: str, tp: int, pp: int = 1, **kw) -> LLMEngine:
@@ -100,8 +89,6 @@ def test_a_shape_that_does_not_split_is_refused_before_any_rank_starts(smollm2_g
 
 
 def test_smollm2_at_tp3_through_preemption(smollm2_gguf, chat_prompts, hf_smol):
-    from test_engine_smollm2 import hf_greedy_ignoring_eos
-
     prompts = [chat_prompts[i] for i in (0, 2, 4)]
     n = 48
     reference = [hf_greedy_ignoring_eos(hf_smol, p, n) for p in prompts]
@@ -113,23 +100,6 @@ def test_smollm2_at_tp3_through_preemption(smollm2_gguf, chat_prompts, hf_smol):
         assert got == reference
     finally:
         engine.close()
-
-
-@pytest.fixture(scope="module")
-def long_prompts(smol_tokenizer):
-    tok = smol_tokenizer
-    texts = ["List three prime numbers and explain why each one is prime. " * 24,
-             "Describe how a bicycle works, from the pedals to the wheels. " * 24]
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-
-
-TIER_GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def cached_run(engine, prompt):
-    before = engine.stats().num_cached_prompt_tokens
-    out = engine.generate([prompt], TIER_GREEDY)[0]
-    return out, engine.stats().num_cached_prompt_tokens - before
 
 
 @pytest.mark.parametrize("tp,pp", [(3, 1), (1, 2)])

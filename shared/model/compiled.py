@@ -95,7 +95,8 @@ class CompiledDecode:
         for i, layer in enumerate(model.layers):
             x, residual = fused_add_rms_norm_ref(hidden, residual, layer.attn_norm, cfg.rms_norm_eps)
             q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-            q, k = rotary_embedding_ref(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), cos, sin)
+            q, k = layer.norm_qk(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim))  # Qwen3's q/k norm
+            q, k = rotary_embedding_ref(q, k, cos, sin)
             v = v.view(-1, kv_heads, head_dim)
             new_k.append(k)
             new_v.append(v)

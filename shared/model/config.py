@@ -17,8 +17,30 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class Family:
+    """What a model family changes from the Llama decoder layer (``FAMILIES``, by HF model_type).
+
+    The loader maps every family's tensor names at once (they do not clash: Phi-3 stores the fused
+    ``qkv_proj`` and ``gate_up_proj`` that the model fuses for the others); the rest is here."""
+
+    attention_bias: bool = False  # a bias on the q/k/v projections (Qwen2), unless config.json says
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before rotary (Qwen3)
+    # attention past ``sliding_window`` tokens is not implemented: the context is cut to the window
+    context_within_window: bool = False
+
+
+FAMILIES = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(attention_bias=True),
+    "qwen3": Family(qk_norm=True, context_within_window=True),
+    "phi3": Family(context_within_window=True),
+}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "qwen2", ...
+    architecture: str  # a key of FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,6 +53,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
     rope_scaling: RopeScaling | None = None
     # explicit per-frequency divisors (GGUF stores Llama-3 scaling as a `rope_freqs` tensor)
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
@@ -62,8 +85,21 @@ class ModelConfig:
                 high_freq_factor=float(scaling["high_freq_factor"]),
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
         elif scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling {scaling!r} (supported: llama3)")
+            kind = scaling.get("rope_type") or scaling.get("type")
+            raise ValueError(f"unsupported rope scaling {kind!r} of {model_type} (supported: default, llama3): "
+                             f"{scaling!r}")
+        partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if float(partial) != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {partial} of {model_type} (rotary over the "
+                             f"whole head only)")
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} of {model_type} (SwiGLU's silu only)")
         rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        family = FAMILIES.get(model_type, Family())  # the loader refuses a model_type it does not know
+        max_positions = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if family.context_within_window and window:
+            max_positions = min(max_positions, int(window))
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
@@ -75,8 +111,9 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
+            qk_norm=family.qk_norm,
             rope_scaling=rope,
         )

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
 
 Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention, the KV
 write, the residual add + RMSNorm and rotary go through an ``AttentionBackend`` (the kernel seam,
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import blocks_cpu, int8_cpu
+from kernels.rms_norm import fused_add_rms_norm_ref
 from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
@@ -72,6 +73,7 @@ class LlamaLayer:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        q, k = self.norm_qk(q, k)
         q, k = backend.rotary_embedding(q, k, cos, sin)
         v = v.view(-1, self.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_views
@@ -81,6 +83,30 @@ class LlamaLayer:
         x, residual = backend.fused_add_rms_norm(hidden, residual, self.mlp_norm, cfg.rms_norm_eps)
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
         return self.group.all_reduce(linear(F.silu(gate) * up, self.down)), residual
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hook between the q/k projections and rotary ([T, H, D] each): none in Llama."""
+        return q, k
+
+
+class QkNormLayer(LlamaLayer):
+    """Qwen3's layer: RMSNorm over each head of q and of k (weights [D], the same for every head and
+    so whole on every tensor-parallel rank) between the projections and rotary."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
+                 group: Collectives):
+        super().__init__(cfg, weights, split, group)
+        self.q_norm, self.k_norm = weights["q_norm"], weights["k_norm"]  # [D] each
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.cfg.rms_norm_eps
+        q = fused_add_rms_norm_ref(q, None, self.q_norm, eps)[0]
+        return q, fused_add_rms_norm_ref(k, None, self.k_norm, eps)[0]
+
+
+def layer_class(cfg: ModelConfig) -> type[LlamaLayer]:
+    """The decoder layer of ``cfg``'s family (shared/model/config.py's ``FAMILIES``)."""
+    return QkNormLayer if cfg.qk_norm else LlamaLayer
 
 
 @dataclasses.dataclass
@@ -108,7 +134,7 @@ class LlamaModel:
         self.embed = weights.get("embed")  # [V, hidden]; [V / tp, hidden] on a rank of a group; None past stage 0
         self.norm = weights["norm"]
         self.lm_head = weights.get("lm_head", self.embed)
-        self.layers = [LlamaLayer(cfg, w, self.split, self.group) for w in layer_weights]
+        self.layers = [layer_class(cfg)(cfg, w, self.split, self.group) for w in layer_weights]
         self.inv_freq = rope_inv_freq(cfg).to(self.norm.device)
         self._kv_views: tuple[torch.Tensor, list] | None = None  # (cache, each layer's (k, v) views)
 

@@ -27,7 +27,8 @@ from shared.model.parallel import Collectives, PipelineStage, check_tensor_paral
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")  # from a GGUF file
+SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "qwen3", "phi3")  # from a Hugging Face directory
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
     "attn_v.weight": "v", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
@@ -41,6 +42,8 @@ _HF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "k_bias", "self_attn.v_proj.bias": "v_bias",
     "self_attn.o_proj.weight": "o_proj", "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",  # Qwen3
+    "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",  # Phi-3: fused already
 }
 _HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
@@ -187,8 +190,8 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
 
     path = Path(path)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    if cfg.architecture not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported model_type {cfg.architecture!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if cfg.architecture not in SUPPORTED_HF_ARCHS:
+        raise ValueError(f"unsupported model_type {cfg.architecture!r} (supported: {', '.join(SUPPORTED_HF_ARCHS)})")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -219,6 +222,10 @@ def build_model(
         except KeyError:
             raise ValueError(f"model weights are missing tensor {name!r}") from None
 
+    def fused(prefix: str, name: str, parts: tuple[str, ...]) -> torch.Tensor:
+        """A fused weight: as the checkpoint stores it (Phi-3), or its parts concatenated."""
+        return take(prefix + name) if prefix + name in tensors else torch.cat([take(prefix + n) for n in parts])
+
     rank, tp = (group.rank, group.size) if group is not None else (0, 1)
     stage0 = pipeline is None or pipeline.stage == 0
     top = {"norm": take("norm")}
@@ -235,14 +242,16 @@ def build_model(
             continue
         w = {
             "attn_norm": take(p + "attn_norm"),
-            "qkv": torch.cat([take(p + "q"), take(p + "k"), take(p + "v")]),
+            "qkv": fused(p, "qkv", ("q", "k", "v")),
             "o_proj": take(p + "o_proj"),
             "mlp_norm": take(p + "mlp_norm"),
-            "gate_up": torch.cat([take(p + "gate"), take(p + "up")]),
+            "gate_up": fused(p, "gate_up", ("gate", "up")),
             "down": take(p + "down"),
         }
         if cfg.attention_bias:
             w["qkv_bias"] = torch.cat([take(p + "q_bias"), take(p + "k_bias"), take(p + "v_bias")])
+        if cfg.qk_norm:
+            w["q_norm"], w["k_norm"] = take(p + "q_norm"), take(p + "k_norm")
         layers.append(shard_layer(cfg, w, rank, tp))
     tensors.clear()
     if stage0:

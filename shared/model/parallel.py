@@ -305,6 +305,9 @@ def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, to
     }
     if "qkv_bias" in w:
         out["qkv_bias"] = qkv(w["qkv_bias"])
+    for name in ("q_norm", "k_norm"):  # [D]: the same for every head, so whole on every rank
+        if name in w:
+            out[name] = w[name]
     return out
 
 

@@ -198,6 +198,21 @@ def test_two_models_in_one_process_each_run_their_own_graph(tmp_path):
     assert outputs[0] != outputs[1]
 
 
+def test_qwen3_compiled_decode_gives_the_eager_tokens(tmp_path):
+    """The graph calls the layer's own q/k hook (``LlamaLayer.norm_qk``), so Qwen3's per-head
+    norms run in it as in the eager step."""
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny("qwen3", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
+    compiled = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="on"))
+    assert compiled.generate(prompts(2), greedy) == eager.generate(prompts(2), greedy)
+    assert compiled.runner.compiled.num_steps > 0
+
+
 @pytest.mark.parametrize("method", ["int8", "int8-precise", "gguf"])
 def test_a_row_gets_the_same_bits_alone_and_among_any_batch_mates(tmp_path, method):
     """One graph serves every batch (a lone sequence runs beside a companion row), so with int8

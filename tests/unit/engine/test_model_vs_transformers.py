@@ -1,9 +1,12 @@
 """Our model and engine against transformers on tiny random-weight models of each family."""
 
+import pytest
 import torch
 
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
+from shared.model.config import ModelConfig
 from shared.model.loader import load_model
+from tiny_hf_models import save_tiny
 
 
 def assert_greedy_under_hf(model, prompt, generated, tol=1e-4):
@@ -31,6 +34,18 @@ def test_prefill_logits_match(tiny_hf):
     assert torch.allclose(torch.tensor([lp for _, lp in top]), ref_lp.topk(5).values, atol=1e-4)
 
 
+def test_logits_at_every_position_match(tiny_hf):
+    """The whole model in float32 (Qwen3's q/k norms, Phi-3's fused checkpoint tensors included):
+    every position's logits within float32 rounding of transformers'."""
+    _, path, hf = tiny_hf
+    model = load_model(path, "hf", torch.device("cpu"), torch.float32)
+    prompt = [(13 * i + 5) % 256 for i in range(50)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    got = model.prefill_logits(prompt)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_batched_greedy_matches_transformers(tiny_hf):
     kind, path, hf = tiny_hf
     model = load_model(path, "hf", torch.device("cpu"), torch.float32)
@@ -45,3 +60,40 @@ def test_batched_greedy_matches_transformers(tiny_hf):
         assert len(generated) == 12
         assert_greedy_under_hf(hf, prompt, generated)
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
+
+
+PHI3 = dict(model_type="phi3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("rope, named", [
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "'longrope'"),
+    ({"type": "su", "short_factor": [1.0], "long_factor": [2.0]}, "'su'"),
+    ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+])
+def test_phi3_rope_it_does_not_compute_is_refused_by_name(rope, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf(PHI3 | {"rope_scaling": rope})
+
+
+def test_context_is_cut_to_the_sliding_window():
+    """Phi-3-mini-4k's window (2047) under its 4096 positions: attention over a window is not
+    implemented, so the context stops where it would start to matter."""
+    assert ModelConfig.from_hf(PHI3 | {"sliding_window": 2047}).max_position_embeddings == 2047
+    assert ModelConfig.from_hf(PHI3).max_position_embeddings == 4096
+    qwen3 = PHI3 | {"model_type": "qwen3", "sliding_window": 1024, "use_sliding_window": False}
+    assert ModelConfig.from_hf(qwen3).max_position_embeddings == 4096
+    assert ModelConfig.from_hf(qwen3).qk_norm
+
+
+def test_qwen3_split_over_two_ranks_gives_the_whole_models_logits(tmp_path):
+    """q_norm and k_norm ([head_dim]) go whole to every rank, beside its heads of q/k/v."""
+    from test_tensor_parallel import run_ranks
+
+    save_tiny("qwen3", tmp_path)
+    ids = [(7 * i + 3) % 256 for i in range(30)]
+    whole = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32).prefill_logits(ids)
+    results = run_ranks(2, lambda group: load_model(tmp_path, "hf", torch.device("cpu"), torch.float32,
+                                                    group).prefill_logits(ids))
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)

@@ -18,6 +18,11 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**shape, tie_word_embeddings=True)
+    elif kind == "qwen3":  # head_dim 32, not hidden / heads = 16: the explicit one must be used
+        cfg = transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)
+    elif kind == "phi3":  # the defaults' ids (pad 32000) lie outside the tiny vocabulary
+        cfg = transformers.Phi3Config(**shape, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
+                                      eos_token_id=2)
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -25,6 +30,11 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
     else:
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    if kind in ("qwen3", "phi3"):  # norms start at ones: random ones catch a weight loaded in the wrong place
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

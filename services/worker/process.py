@@ -99,7 +99,8 @@ class WorkerRoles:
 
     def open_transfer(self):
         """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""
-        if self.transfer is None and self.transfer_error is None and self._engine.rank_pids:
+        is_group = self._engine is not None and bool(self._engine.rank_pids)
+        if self.transfer is None and self.transfer_error is None and is_group:
             # rank 0's pool is one shard of the group's: moving it alone would move a part of each block
             self.transfer_error = "the KV transfer of a parallel worker's shards is not built yet"
             log.warning("remote prefill and peer fetch OFF: %s", self.transfer_error)

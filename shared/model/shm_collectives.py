@@ -240,7 +240,7 @@ class SharedMemoryCollectives:
             if words[layout.word(r, CLOSED)]:
                 raise RuntimeError(f"rank {r} (pid {pid}) closed its collectives while rank {self.rank} "
                                    f"waited {waited_s:.1f} s for it at step {seq}")
-            if pid and not _is_alive(pid):
+            if pid and not is_alive(pid):
                 raise RuntimeError(f"rank {r} (pid {pid}) is gone: rank {self.rank} waited {waited_s:.1f} s "
                                    f"for it at step {seq}")
         if timeout_s is not None and waited_s > timeout_s:
@@ -283,7 +283,7 @@ def _open_segment(store, rank: int, layout: Layout) -> tuple[int, Layout]:
     return os.open(path, os.O_RDWR | os.O_CLOEXEC), Layout(layout.size, int(slot_bytes))
 
 
-def _is_alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie does not: it is dead, only not yet reaped)."""
     if pid == os.getpid():
         return True

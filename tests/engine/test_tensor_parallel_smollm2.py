@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -29,6 +28,8 @@ from shared.engine.parallel import free_port
 from shared.grammar.spec import GrammarSpec
 from shared.model.loader import load_model
 from shared.model.parallel import ProcessGroupCollectives
+from shared.model.shm_collectives import is_alive
+from shared.stack.waiting import wait_until
 from shared.model.quant import EVAL_PASSAGE, calibration_token_ids, compare_models
 
 from test_engine_smollm2 import GREEDY, hf_greedy_ignoring_eos, reference  # noqa: F401 — fixture
@@ -199,7 +200,7 @@ def test_a_dead_follower_breaks_the_group_at_its_next_step(heads_32):
         engine.close()
 
 
-def test_followers_exit_when_rank_0_is_killed(heads_32):
+async def test_followers_exit_when_rank_0_is_killed(heads_32):
     script = textwrap.dedent(f"""
         from shared.engine import EngineConfig, LLMEngine
         engine = LLMEngine.from_config(EngineConfig(model={str(heads_32)!r}, dtype="float32",
@@ -208,24 +209,15 @@ def test_followers_exit_when_rank_0_is_killed(heads_32):
         input()
     """)
     rank0 = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
     try:
         pids = [int(p) for p in rank0.stdout.readline().split()]
         assert len(pids) == 3
         os.kill(rank0.pid, signal.SIGKILL)
         rank0.wait(10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), "a follower outlived rank 0"
+        await wait_until(lambda: not any(is_alive(p) for p in pids), timeout_s=20, what="every follower gone with rank 0")
     finally:
         rank0.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (exited, not yet reaped by its parent, which is gone) counts as gone
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
+        for pid in pids:  # a follower that outlived rank 0 (the test failed) is not left behind
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import pytest
 
 from services.up.config import UpSettings
 from services.up.service import spec_from_settings
+from shared.model.shm_collectives import is_alive
 from shared.planner.plan import Plan
 from shared.stack.stack import StackSpec
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, spawn_ready_decode, wait_for
@@ -85,7 +86,7 @@ def test_a_group_serves_as_one_worker_and_a_dead_rank_loses_no_request(stack, en
     info = worker_info(stack, group_id)
     assert info["tensor_parallel_size"] == 3 and len(info["rank_pids"]) == 2
     pids = [info["pid"], *info["rank_pids"]]
-    assert all(_alive(p) for p in pids)
+    assert all(is_alive(p) for p in pids)
 
     tok = engine.tokenizer
     content = "Write a list of ten animals that live in the sea, one per line."
@@ -98,17 +99,9 @@ def test_a_group_serves_as_one_worker_and_a_dead_rank_loses_no_request(stack, en
     os.kill(info["rank_pids"][0], 9)  # one follower rank: the group breaks at its next step
     events += read_events(resp)
     assert text_of(events) == expected  # finished on the other worker from the tokens it had
-    wait_for(lambda: not any(_alive(p) for p in pids), 30, f"every rank process of {group_id} gone")
+    wait_for(lambda: not any(is_alive(p) for p in pids), 30, f"every rank process of {group_id} gone")
     wait_for(lambda: (worker_info(stack, group_id) or {}).get("pid") != info["pid"], 4 * TTL_S,
              f"{group_id}'s broken group gone from the registry")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is gone, only not reaped yet
-    except FileNotFoundError:
-        return False
 
 
 def test_a_plan_file_starts_its_workers_as_written(nats_server, redis_server, tmp_path, engine):

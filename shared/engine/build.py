@@ -113,7 +113,7 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
     compile_mode = config.compile
     sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
     if isinstance(model, ParallelModel) and compile_mode != "off":
-        log.info("no compiled decode step on a tensor-parallel group yet: decode steps run eagerly")
+        log.info("no compiled decode step on a parallel worker yet: decode steps run eagerly")
         compile_mode = "off"
     if model.device.type == "cuda":
         return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
@@ -198,9 +198,9 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
     quantization = check_quantization(precision.quantization, device)
     followers = []
     size = config.tensor_parallel_size * config.pipeline_parallel_size
+    shape = read_config(source.path, source.format) if size > 1 else None
     if world is None and size > 1:
         # refused here, before any rank process starts, where the shape does not split
-        shape = read_config(source.path, source.format)
         check_tensor_parallel(shape, config.tensor_parallel_size, quantization)
         check_pipeline_parallel(shape, config.pipeline_parallel_size)
         port = free_port()
@@ -218,7 +218,7 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
     if world is not None:
         device = world.device
         group, pipeline = join_stage(world, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                     read_config(source.path, source.format).num_layers)
+                                     shape.num_layers)
     model = load_weights(source.path, source.format, device, dtype, group, quantization, pipeline)
     if quantization != "none":  # the calibration text is read where the method smooths (int8)
         model.quantize(quantization, calibration_token_ids(tokenizer, min(512, model.cfg.max_position_embeddings)))

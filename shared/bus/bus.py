@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 Req = TypeVar("Req", bound=WireModel)
 Rep = TypeVar("Rep", bound=WireModel)
+T = TypeVar("T")
 
 ERROR_HEADER = "Tandem-Error-Code"
 STREAM_HEADER = "Tandem-Stream"  # "end" on the empty message that closes a streamed reply
@@ -512,16 +513,35 @@ class Bus:
             return None
 
     async def _bind_key_value(self, bucket: str, ttl_s: float | None):
-        try:
-            kv = await self.js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=self.replicas)
+        async def bind():
             try:
-                kv = await self.js.create_key_value(config)
-            except nats.js.errors.BadRequestError:  # created concurrently by another process
-                kv = await self.js.key_value(bucket)
+                return await self.js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=self.replicas)
+                try:
+                    return await self.js.create_key_value(config)
+                except nats.js.errors.BadRequestError:  # created concurrently by another process
+                    return await self.js.key_value(bucket)
+
+        kv = await self._while_electing(bind, f"KV_{bucket}")
         await self._wait_for_leader(f"KV_{bucket}")
         return kv
+
+    async def _while_electing(self, bind: Callable[[], Awaitable[T]], stream: str, timeout_s: float = 30.0) -> T:
+        """``bind()``, asked again while JetStream does not answer in time: a replicated bucket that
+        another process is creating at the same moment (every worker of a stack starting on a fresh
+        3-member cluster) answers nothing until its raft group has elected a leader, and a worker's
+        start-up failed so (``nats: timeout``) on a loaded host. After ``timeout_s`` the timeout is
+        raised."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await bind()
+            except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("binding %s: %r; asking again (a leader may be being elected)", stream, exc)
+                await asyncio.sleep(0.5)
 
     async def object_store(self, bucket: str) -> ObjectBucket:
         """Bind to an Object Store bucket, creating it (file storage, no expiry) when it does not
@@ -531,13 +551,16 @@ class Bus:
         return store
 
     async def _bind_object_store(self, bucket: str):
-        try:
-            store = await self.js.object_store(bucket)
-        except nats.js.errors.BucketNotFoundError:
+        async def bind():
             try:
-                store = await self.js.create_object_store(bucket, ObjectStoreConfig(replicas=self.replicas))
-            except nats.js.errors.BadRequestError:  # created concurrently by another process
-                store = await self.js.object_store(bucket)
+                return await self.js.object_store(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                try:
+                    return await self.js.create_object_store(bucket, ObjectStoreConfig(replicas=self.replicas))
+                except nats.js.errors.BadRequestError:  # created concurrently by another process
+                    return await self.js.object_store(bucket)
+
+        store = await self._while_electing(bind, f"OBJ_{bucket}")
         await self._wait_for_leader(f"OBJ_{bucket}")
         return store
 

@@ -183,7 +183,10 @@ def test_killing_the_prefill_queue_leader_under_load_loses_nothing(stack, engine
         view.update(jetstream_view(stack))
         return sorted(view["workers"].values()) == ["ready", "ready"]
 
-    wait_for(registry_lists_both_ready, 60, "the registry to list both workers ready")
+    try:
+        wait_for(registry_lists_both_ready, 60, "the registry to list both workers ready")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the registry last listed {view.get('workers')}") from None
     new_leader = view["streams"][queue_stream][1]
     assert new_leader and new_leader != leader
 

@@ -216,8 +216,8 @@ def miss_tight(stack) -> str:
 
 
 def retries(stack, response_id: str) -> int:
-    """The gateway's log lines of ``response_id`` waiting out a shedding 429."""
-    return sum(f"{response_id}: 429 shedding; asking again" in line for line in list(stack.lines))
+    """The gateway's log lines of ``response_id`` waiting out one of admission's 429s."""
+    return sum(f"{response_id}: 429 " in line and "; asking again" in line for line in list(stack.lines))
 
 
 def finished(client: openai.OpenAI, response_id: str, timeout_s: float = 60.0):
@@ -266,7 +266,11 @@ def test_a_background_response_gives_up_after_the_wait_and_a_cancel_ends_its_wai
         stop.set()
         shedder.join(30)
     assert failed.status == "failed" and failed.error.code == "rate_limit_exceeded", failed
-    assert "shed" in failed.error.message and "tries in" in failed.error.message, failed.error
+    # the last rejection, as admission worded it: shed for the tight misses, or, when the last try
+    # fell between two shedding holds, low's own predicted miss (the shedder's long standard
+    # prompts, a tier above, take the whole prefill rate: an infinite prediction)
+    assert "tries in" in failed.error.message, failed.error
+    assert "shed" in failed.error.message or "> low SLO" in failed.error.message, failed.error
     assert MAX_RETRY_WAIT_S - 1 <= waited_s <= MAX_RETRY_WAIT_S + 30
     seen = retries(stack, cancelled.id)
     time.sleep(SHED_HOLD_S + 1)  # no longer shed: a wait still going on would have asked again by now

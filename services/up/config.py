@@ -50,6 +50,10 @@ class WorkerHostSettings(BaseSettings):
                            "heads, KV heads and MLP width must split into it)")
     decode_pp: int = Field(1, ge=1, le=64, description="pipeline stages of each decode worker, each of --decode-tp "
                            "ranks with a contiguous share of the layers")
+    prefill_tp: int = Field(1, ge=1, le=64, description="ranks of each prefill worker's tensor-parallel group; "
+                            "its KV is re-laid out in transit to the decode workers' shape")
+    prefill_pp: int = Field(1, ge=1, le=64, description="pipeline stages of each prefill worker, each of "
+                            "--prefill-tp ranks")
     speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
                                            "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")
     compile: Literal["off", "on", "background"] | None = Field(
@@ -79,7 +83,12 @@ class WorkerHostSettings(BaseSettings):
             decode_only["tensor_parallel_size"] = self.decode_tp
         if self.decode_pp > 1:
             decode_only["pipeline_parallel_size"] = self.decode_pp
-        return {**engine, **decode_only}, engine
+        prefill_only = {}
+        if self.prefill_tp > 1:
+            prefill_only["tensor_parallel_size"] = self.prefill_tp
+        if self.prefill_pp > 1:
+            prefill_only["pipeline_parallel_size"] = self.prefill_pp
+        return {**engine, **decode_only}, {**engine, **prefill_only}
 
 
 def _given(**flags: object) -> dict[str, object]:

@@ -101,9 +101,7 @@ class WorkerRoles:
         """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""
         is_group = self._engine is not None and bool(self._engine.rank_pids)
         if self.transfer is None and self.transfer_error is None and is_group:
-            # rank 0's pool is one shard of the group's: moving it alone would move a part of each block
-            self.transfer_error = "the KV transfer of a parallel worker's shards is not built yet"
-            log.warning("remote prefill and peer fetch OFF: %s", self.transfer_error)
+            self._open_group_transfer()
         if self.transfer is None and self.transfer_error is None:
             from shared.transfer.nixl import NixlTransfer
 
@@ -116,6 +114,21 @@ class WorkerRoles:
             transfer.register_kv_pool(self._engine.kv_cache, self._engine.kv_spec)
             self.transfer = transfer
         return self.transfer
+
+    def _open_group_transfer(self) -> None:
+        """A parallel worker: every rank's agent over its shard (made in the engine thread, where
+        rank 0 talks to the others), driven through ``GroupTransfer``."""
+        from shared.transfer.group import GroupTransfer
+
+        try:
+            rank0, metadata = self._engine.submit(
+                lambda e: e.model.open_transfer(self._settings.worker_id)).result(timeout=120)
+        except TransferUnavailable as exc:
+            log.warning("remote prefill OFF: %s (this worker cannot flip to prefill either)", exc)
+            self.transfer_error = str(exc)
+            return
+        self.transfer = GroupTransfer(rank0, metadata, self._engine.submit)
+        log.info("KV transfer: %d agents, one per rank (%s)", metadata.shape.size, metadata.shape.describe())
 
     async def _publish_metadata(self) -> None:
         """Prefill workers find this agent by worker id (decode role); a prefill role reads the

@@ -237,10 +237,15 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between two steps and return its result. For
         tests and tools that look inside the engine; services use the typed methods above."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """``call`` from any thread: the future of ``fn(engine)``, run in the engine thread between
+        two steps (a parallel worker's KV writes, which every rank makes together)."""
         self._check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._post(_Call(fn, future))
-        return await asyncio.wrap_future(future)
+        return future
 
     async def forget_prefill_rate(self, keep_as_warmup: bool = False) -> None:
         """See ``StepStats.forget_prefill_rate``; ``stats()`` shows it once this returns."""

@@ -8,6 +8,12 @@ What rank 0 sends is small: a header of eight integers, then one int64 tensor wi
 ids, positions, KV slots and attention metadata (or, for logits, the hidden rows to score). Every
 rank then runs the same forward, meeting the others in the two all-reduces of each layer.
 
+KV moves between workers as each rank's part (``shared.transfer.relayout``): at ``open_transfer``
+every rank makes a NIXL agent over its shard of the pool (followers keep theirs polled by a
+thread, since a one-sided write into a rank needs that rank's agent to make progress) and rank 0
+publishes the group's metadata; ``send_kv`` has every rank write its pieces of a transfer into
+the target's ranks, then rank 0 notifies the target once every rank says its writes landed.
+
 A step's forward is not interrupted between two layers on a group (``prefill_yield``: every rank
 would have to stop at the same layer): a group's step runs whole. A rank that dies breaks the
 group's next collective on every other rank, which raises: rank 0's engine fails its step and its
@@ -35,7 +41,7 @@ from shared.model.parallel import Collectives, PipelineStage, TensorSplit, stage
 log = logging.getLogger(__name__)
 
 HEADER = 8
-ALLOCATE, FORWARD, LOGITS, STOP, READ_BLOCKS, WRITE_BLOCKS = 1, 2, 3, 4, 5, 6
+ALLOCATE, FORWARD, LOGITS, STOP, READ_BLOCKS, WRITE_BLOCKS, OPEN_TRANSFER, SEND_KV = 1, 2, 3, 4, 5, 6, 7, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -56,6 +62,7 @@ class ParallelModel:
         """``world``: every rank of the worker (its stages' too); ``model.group``: rank 0's stage."""
         self.model, self.world, self.followers = model, world, followers or []
         self.closed = False
+        self.transfer = None  # rank 0's NIXL agent, once ``open_transfer`` made the group's
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
@@ -108,6 +115,41 @@ class ParallelModel:
         data = self.world.broadcast(data.to(self.model.device).contiguous())
         _write_part(self.model, self._kv_cache, block_ids, data)
 
+    def open_transfer(self, name: str):
+        """Every rank's NIXL agent over its shard (rank 0's named ``name``, rank r's ``name-rankR``);
+        returns rank 0's agent and the group's metadata, or raises ``TransferUnavailable`` naming the
+        ranks that could not make one. Runs in the engine thread, between steps."""
+        from shared.transfer.base import TransferUnavailable
+
+        blob = torch.tensor(list(name.encode()), dtype=torch.uint8, device=self.model.device)
+        self._send(OPEN_TRANSFER, blob.numel())
+        self.world.broadcast(blob)
+        self.transfer, metadata, errors = _open_rank_transfer(self.model, self.world, self._kv_cache, name)
+        if errors:
+            raise TransferUnavailable("; ".join(errors))
+        return self.transfer, metadata
+
+    def send_kv(self, target: bytes, local_ids: list[int], remote_ids: list[int], notify: bytes,
+                timeout_s: float) -> tuple[int, int]:
+        """Every rank writes its pieces of ``local_ids`` into ``remote_ids`` of the worker whose
+        metadata is ``target`` (``GroupMetadata`` bytes); once every rank's writes landed, rank 0
+        sends ``notify`` to the target's rank 0. Returns (bytes, descriptors) of the whole group;
+        raises ``KVTransferFailed`` when any rank's part failed (the target then never hears of
+        it: it treats the blocks as unwritten). Runs in the engine thread, between steps."""
+        from shared.transfer.base import KVTransferFailed
+
+        order = json.dumps({"target": target.decode(), "local": local_ids, "remote": remote_ids,
+                            "timeout_s": timeout_s}).encode()
+        blob = torch.tensor(list(order), dtype=torch.uint8, device=self.model.device)
+        self._send(SEND_KV, blob.numel())
+        self.world.broadcast(blob)
+        failures, num_bytes, num_descriptors, name = _send_rank_part(self.model, self.world, self._kv_cache,
+                                                                     self.transfer, order)
+        if failures:
+            raise KVTransferFailed(f"{failures} of the {self.world.size} ranks could not write their part")
+        self.transfer.notify(name, num_bytes, notify)
+        return num_bytes, num_descriptors
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Tell the followers to exit and wait for them (killed past ``timeout_s``)."""
         if self.closed:
@@ -144,37 +186,170 @@ def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | No
     """A follower's loop: run what rank 0 sends over ``world`` (``ParallelModel``) until it says stop."""
     dev = model.device
     backend = backend or get_attention_backend("auto", dev)
-    kv_cache = None
-    while True:
-        header = world.broadcast(torch.zeros(HEADER, dtype=torch.long, device=dev)).tolist()
-        op, args = header[0], header[1:]
-        if op == STOP:
-            return
-        if op == ALLOCATE:
-            num_blocks, dtype, block_size = args[:3]
-            from shared.kvcache.layout import KvCacheSpec
+    kv_cache = transfer = progress = None
+    try:
+        while True:
+            header = world.broadcast(torch.zeros(HEADER, dtype=torch.long, device=dev)).tolist()
+            op, args = header[0], header[1:]
+            if op == STOP:
+                return
+            if op in (OPEN_TRANSFER, SEND_KV):
+                blob = bytes(world.broadcast(torch.empty(args[0], dtype=torch.uint8, device=dev)).tolist())
+                if op == OPEN_TRANSFER:
+                    transfer, _, _ = _open_rank_transfer(model, world, kv_cache, blob.decode())
+                    if transfer is not None and progress is None:
+                        progress = _Progress(transfer)
+                else:
+                    _send_rank_part(model, world, kv_cache, transfer, blob)
+                continue
+            kv_cache = _follow_op(model, world, backend, kv_cache, op, args)
+    finally:
+        if progress is not None:
+            progress.stop()
+        if transfer is not None:
+            transfer.close()
 
-            spec = KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, block_size, DTYPES[dtype])
-            kv_cache = spec.allocate(num_blocks, dev)
-            log.info("rank %d: KV shard of %d blocks (%.0f MiB)", world.rank, num_blocks,
-                     kv_cache.nbytes / 2**20)
-        elif op == FORWARD:
-            ids, pos, meta = _receive_forward(world, args, dev)
-            model.forward(ids, pos, kv_cache, meta, backend)
-        elif op in (READ_BLOCKS, WRITE_BLOCKS):
-            ids = world.broadcast(torch.empty(args[0], dtype=torch.long, device=dev)).tolist()
-            if op == READ_BLOCKS:
-                layout = ShardLayout(model.cfg, model.group.size, model.pipeline.num_stages)
-                world.all_gather(layout.flatten(kv_cache[ids], world.rank))
-            else:
-                shape = (len(ids), model.cfg.num_layers, 2, kv_cache.shape[3], model.cfg.num_kv_heads, model.cfg.head_dim)
-                _write_part(model, kv_cache, ids, world.broadcast(torch.empty(shape, dtype=kv_cache.dtype, device=dev)))
-        elif op == LOGITS:
-            rows, width, dtype = args[:3]
-            hidden = world.broadcast(torch.empty(rows, width, dtype=DTYPES[dtype], device=dev))
-            model.compute_logits(hidden)  # on stage 0's ranks; past it, nothing
+
+def _follow_op(model: LlamaModel, world: Collectives, backend: AttentionBackend, kv_cache, op: int, args: list[int]):
+    """One operation of rank 0's on this follower; returns the KV pool (made by ALLOCATE)."""
+    dev = model.device
+    if op == ALLOCATE:
+        num_blocks, dtype, block_size = args[:3]
+        from shared.kvcache.layout import KvCacheSpec
+
+        spec = KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, block_size, DTYPES[dtype])
+        kv_cache = spec.allocate(num_blocks, dev)
+        log.info("rank %d: KV shard of %d blocks (%.0f MiB)", world.rank, num_blocks,
+                 kv_cache.nbytes / 2**20)
+    elif op == FORWARD:
+        ids, pos, meta = _receive_forward(world, args, dev)
+        model.forward(ids, pos, kv_cache, meta, backend)
+    elif op in (READ_BLOCKS, WRITE_BLOCKS):
+        ids = world.broadcast(torch.empty(args[0], dtype=torch.long, device=dev)).tolist()
+        if op == READ_BLOCKS:
+            layout = ShardLayout(model.cfg, model.group.size, model.pipeline.num_stages)
+            world.all_gather(layout.flatten(kv_cache[ids], world.rank))
         else:
-            raise RuntimeError(f"rank {world.rank}: unknown operation {op} from rank 0")
+            shape = (len(ids), model.cfg.num_layers, 2, kv_cache.shape[3], model.cfg.num_kv_heads, model.cfg.head_dim)
+            _write_part(model, kv_cache, ids, world.broadcast(torch.empty(shape, dtype=kv_cache.dtype, device=dev)))
+    elif op == LOGITS:
+        rows, width, dtype = args[:3]
+        hidden = world.broadcast(torch.empty(rows, width, dtype=DTYPES[dtype], device=dev))
+        model.compute_logits(hidden)  # on stage 0's ranks; past it, nothing
+    else:
+        raise RuntimeError(f"rank {world.rank}: unknown operation {op} from rank 0")
+    return kv_cache
+
+
+def kv_shape(model: LlamaModel):
+    from shared.transfer.relayout import KvShape
+
+    return KvShape(model.group.size, model.pipeline.num_stages, model.cfg.num_layers, model.cfg.num_kv_heads)
+
+
+def _open_rank_transfer(model: LlamaModel, world: Collectives, kv_cache: torch.Tensor, name: str):
+    """This rank's agent over its shard, and every rank's metadata gathered: (agent or None,
+    ``GroupMetadata`` on rank 0 when every rank made one, else None; the ranks' errors)."""
+    from shared.kvcache.layout import KvCacheSpec
+    from shared.transfer.base import AgentMetadata
+    from shared.transfer.relayout import GroupMetadata
+
+    transfer, data = None, b""
+    try:
+        from shared.transfer.nixl import NixlTransfer
+
+        transfer = NixlTransfer(name if world.rank == 0 else f"{name}-rank{world.rank}", thread_safe=True)
+        spec = KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, kv_cache.shape[3],
+                           kv_cache.dtype)
+        transfer.register_kv_pool(kv_cache, spec, shape=kv_shape(model), rank=world.rank)
+        data = transfer.local_metadata().to_bytes()
+    except Exception as exc:  # noqa: BLE001 - NIXL missing or broken on this rank: every rank must hear it
+        log.warning("rank %d: no KV transfer: %s", world.rank, exc)
+        data = f"error: rank {world.rank}: {exc}".encode()
+        if transfer is not None:
+            transfer.close()
+        transfer = None
+    parts = _all_gather_bytes(world, data)
+    errors = [p.decode()[len("error: "):] for p in parts if p.startswith(b"error: ")]
+    if errors or world.rank != 0:
+        return transfer, None, errors
+    return transfer, GroupMetadata(kv_shape(model), tuple(AgentMetadata.from_bytes(p) for p in parts)), []
+
+
+def _send_rank_part(model: LlamaModel, world: Collectives, kv_cache: torch.Tensor, transfer, order: bytes):
+    """This rank's part of a ``send_kv``: gather the stage's heads if the plan needs them, write
+    this rank's pieces and wait for them, then count over the group. Returns (ranks failed, the
+    group's bytes, its descriptors, the peer name)."""
+    from shared.transfer.relayout import load_target, plan_pieces, stages_gathering
+
+    d = json.loads(order)
+    target = load_target(d["target"].encode())
+    local_ids, remote_ids = d["local"], d["remote"]
+    shape = kv_shape(model)
+    gathered = None
+    if world.rank // shape.tp in stages_gathering(plan_pieces(shape, target.shape), shape) and local_ids:
+        gathered = gather_heads(model.group, kv_cache, local_ids, shape, world.rank)
+    num_bytes = num_descriptors = 0
+    try:
+        if transfer is None:
+            raise RuntimeError("this rank has no KV transfer")
+        name = transfer.add_peer(target)
+        handle = transfer.write_pieces(name, local_ids, remote_ids, gathered=gathered)
+        transfer.wait(handle, float(d["timeout_s"]))
+        failed, num_bytes, num_descriptors = 0, handle.num_bytes, handle.num_descriptors
+    except Exception as exc:  # noqa: BLE001 - counted over the group below: every rank must get there
+        log.warning("rank %d: KV write into %s failed: %s", world.rank, target.name, exc)
+        failed = 1
+    counts = world.all_reduce(torch.tensor([failed, num_bytes, num_descriptors], dtype=torch.long,
+                                           device=model.device)).tolist()
+    return counts[0], counts[1], counts[2], target.name
+
+
+def gather_heads(group: Collectives, kv_cache: torch.Tensor, block_ids: list[int], shape, rank: int) -> torch.Tensor:
+    """Blocks ``block_ids`` of this rank's stage with every KV head, gathered over the stage's
+    tensor-parallel ranks (``group``): [n, stage layers, 2, bs, all KV heads, D]."""
+    part = kv_cache[block_ids].contiguous()  # [n, L, 2, bs, my heads, D]
+    parts = group.all_gather(part.reshape(-1)).reshape(shape.tp, *part.shape)
+    n, layers, _, bs, _, head_dim = part.shape
+    whole = torch.empty(n, layers, 2, bs, shape.num_kv_heads, head_dim, dtype=part.dtype, device=part.device)
+    stage = rank // shape.tp
+    for r in range(shape.tp):
+        heads = shape.heads(stage * shape.tp + r)
+        whole[:, :, :, :, heads.start:heads.stop] = parts[r]
+    return whole
+
+
+def _all_gather_bytes(world: Collectives, data: bytes) -> list[bytes]:
+    dev = torch.device("cpu") if not hasattr(world, "device") else world.device
+    sizes = world.all_gather(torch.tensor([len(data)], dtype=torch.long, device=dev)).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    padded[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    gathered = world.all_gather(padded).reshape(world.size, -1)
+    return [bytes(gathered[r, :sizes[r]].tolist()) for r in range(world.size)]
+
+
+class _Progress:
+    """Polls a follower's agent every few milliseconds from a thread of its own: a peer's write into
+    this rank's pool (UCX's connection set-up, then the write) completes only while it is polled."""
+
+    def __init__(self, transfer, interval_s: float = 0.005) -> None:
+        import threading
+
+        self.transfer, self.interval_s = transfer, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.transfer.get_notifications()
+            except Exception as exc:  # noqa: BLE001 - keep polling: a broken agent shows in the writes
+                log.debug("polling the KV agent: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 class ShardLayout:

@@ -3,9 +3,9 @@ its parallel shape and its device, named as tandem up names its workers (``decod
 
 A plan is run as written or refused, naming the worker and the reason; nothing is silently
 changed. What cannot run yet is refused: a plan over several nodes (tandem up starts one host's
-workers; each host's share would be a ``tandem join``), and a prefill worker of more than one rank
-(its KV would have to be re-laid out for decode workers of other shapes on the way, which is not
-built). Idle workers of the plan start nothing.
+workers; each host's share would be a ``tandem join``). Prefill and decode workers may have
+different shapes: the KV is re-laid out in transit (``shared.transfer.relayout``). Idle workers of
+the plan start nothing.
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ def workers_from_plan(plan: Plan, device: str = "auto") -> list[PlannedWorker]:
     out = []
     for role in ("decode", "prefill"):
         for number, w in enumerate((w for w in active if w.role == role), start=1):
-            if role == "prefill" and w.tp * w.pp > 1:
-                raise PlanNotRunnable(f"{w.worker_id}: a prefill worker of TP={w.tp} x PP={w.pp} would have to "
-                                      f"re-lay its KV out for the decode workers, which is not built yet: plan "
-                                      f"prefill workers of one rank")
             out.append(PlannedWorker(f"{role}-{number}", w.worker_id, role, _flags(w, device)))
     if not any(w.role == "decode" for w in out):
         raise PlanNotRunnable("the plan has no decode worker: nothing could serve a request")

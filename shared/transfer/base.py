@@ -113,6 +113,7 @@ class TransferHandle:
     backend_descriptors: int | None = None  # the backend's own count, when it reports one
     backend_handle: object = field(default=None, repr=False)
     resources: list = field(default_factory=list, repr=False)  # kept alive until done (staging)
+    then_notify: bytes | None = None  # sent once every part landed (a write of several parts)
 
 
 @dataclass(frozen=True)

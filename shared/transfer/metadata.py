@@ -10,7 +10,7 @@ import abc
 import asyncio
 import time
 
-from shared.transfer.base import AgentMetadata, KvTransfer, KVTransferFailed
+from shared.transfer.base import KvTransfer, KVTransferFailed
 
 
 class MetadataStore(abc.ABC):
@@ -59,5 +59,7 @@ async def connect_peer(store: MetadataStore, worker_id: str, transfer: KvTransfe
         if time.monotonic() >= deadline:
             raise KVTransferFailed(f"worker {worker_id!r} has published no transfer metadata")
         await asyncio.sleep(0.02)
-    return transfer.add_peer(AgentMetadata.from_bytes(data))
+    from shared.transfer.relayout import load_target
+
+    return transfer.add_peer(load_target(data))
 

@@ -7,6 +7,10 @@ NIXL merges entries that are consecutive on both sides, so it moves one descript
 
 Notifications carry a small header with the number of bytes the write moved, so the target can
 count received bytes (a one-sided write is otherwise invisible to it).
+
+Between workers of different parallel shapes (``shared.transfer.relayout``) an agent is one rank
+of its group: it writes its pieces of the plan, each staged in the target rank's layout, into the
+target ranks' agents, and the notification goes to the target's rank 0 once every piece landed.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import torch
 
 from kernels.dispatch import gather_kv_blocks
 from shared.kvcache.layout import KvCacheSpec, contiguous_runs
-from shared.transfer.base import (AgentMetadata, KVTransferFailed, TransferHandle, TransferNotification,
-                                  TransferStats, TransferUnavailable, joint_runs)
+from shared.transfer.base import (AgentMetadata, KVTransferFailed, KvLayoutMismatch, TransferHandle,
+                                  TransferNotification, TransferStats, TransferUnavailable, describe_spec, joint_runs)
 from shared.transfer.convert import check_convertible, convert_slab, needs_conversion
+from shared.transfer.relayout import GroupMetadata, KvShape, Piece, plan_pieces
 from shared.transfer.write import pauses_until_written
 
 log = logging.getLogger(__name__)
@@ -65,7 +70,8 @@ class NixlTransfer:
     """See ``KvTransfer``. One NIXL agent per process (per worker)."""
 
     def __init__(self, agent_name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = False,
-                 capture_telemetry: bool = False, backend_params: dict[str, str] | None = None) -> None:
+                 capture_telemetry: bool = False, backend_params: dict[str, str] | None = None,
+                 thread_safe: bool = False) -> None:
         """``progress_thread``: NIXL's own progress thread polls without pause and keeps a core busy
         even when idle (measured: 3 idle agents took 0.7 of a core here), which a 2-core CPU host
         cannot spare. Without it, ``poll``/``wait`` and ``get_notifications`` drive progress, which
@@ -76,11 +82,15 @@ class NixlTransfer:
         shared-memory transport supports that, so on one host UCX sends its active messages
         (connection setup, notifications) over TCP loopback while the DRAM writes themselves go
         through CMA. "none" allows shared memory for both but loses the detection; on this project's
-        2-core host both move KV at the same speed (loadtest/bench/kv_transfer.py --error-modes)."""
+        2-core host both move KV at the same speed (loadtest/bench/kv_transfer.py --error-modes).
+
+        ``thread_safe``: the agent serializes its calls (NIXL's strict sync mode), for a rank of a
+        parallel worker whose agent is polled by one thread and written from another."""
         api = load_nixl()
         try:
+            sync = {"sync_mode": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT} if thread_safe else {}
             config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
-                                           capture_telemetry=capture_telemetry)
+                                           capture_telemetry=capture_telemetry, **sync)
             self._agent = api.nixl_agent(agent_name, config)
             for backend in backends:
                 if backend in self._agent.plugin_list:
@@ -93,20 +103,31 @@ class NixlTransfer:
         self.agent_name = agent_name
         self._capture_telemetry = capture_telemetry
         self.stats = TransferStats()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _Peer] = {}  # by agent name: every target rank added
+        self._groups: dict[str, GroupMetadata] = {}  # by peer name (a group's rank 0 agent)
         self._pool: torch.Tensor | None = None
         self._spec: KvCacheSpec | None = None
+        self.shape: KvShape | None = None  # this agent's worker (a group of one unless a rank of a parallel worker)
+        self.rank = 0
         self._registration = None
         self._local_blocks = None
 
     # -- setup ------------------------------------------------------------------------------------
-    def register_kv_pool(self, kv_cache: torch.Tensor, spec: KvCacheSpec) -> None:
+    def register_kv_pool(self, kv_cache: torch.Tensor, spec: KvCacheSpec, *, shape: KvShape | None = None,
+                         rank: int = 0) -> None:
+        """(See ``KvTransfer``.) ``shape`` and ``rank``: the pool is world rank ``rank``'s shard of a
+        parallel worker of that shape (its layers and heads, ``KvShape``); default a whole pool."""
         if self._pool is not None:
             raise RuntimeError(f"agent {self.agent_name} already has a registered KV pool")
         expected = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         if not kv_cache.is_contiguous() or tuple(kv_cache.shape[1:]) != expected or kv_cache.dtype != spec.dtype:
             raise ValueError(f"KV pool {tuple(kv_cache.shape)} {kv_cache.dtype} is not a contiguous "
                              f"[blocks, *{expected}] {spec.dtype} tensor")
+        self.shape = shape or KvShape(1, 1, spec.num_layers, spec.num_kv_heads)
+        self.rank = rank
+        if (len(self.shape.layers(rank)), len(self.shape.heads(rank))) != (spec.num_layers, spec.num_kv_heads):
+            raise ValueError(f"a pool of {spec.num_layers} layers and {spec.num_kv_heads} KV heads is not rank {rank}'s "
+                             f"shard of {self.shape.describe()}")
         self._registration = self._agent.register_memory(kv_cache)
         self._pool, self._spec = kv_cache, spec
         self._local_blocks = self._agent.prep_xfer_dlist(
@@ -128,14 +149,38 @@ class NixlTransfer:
         return AgentMetadata(self.agent_name, self._agent.get_agent_metadata(), self._pool.data_ptr(),
                              self._pool.shape[0], self._spec, self._mem_type, self._device_id)
 
-    def add_peer(self, metadata: AgentMetadata) -> str:
-        assert self._spec is not None, "register_kv_pool first"
-        known = self._peers.get(metadata.agent_name)
-        if known is not None and known.metadata == metadata:
-            return known.name
-        if known is not None:
-            self.remove_peer(known.name)
-        check_convertible(self._spec, metadata.spec)
+    def add_peer(self, metadata: AgentMetadata | GroupMetadata) -> str:
+        """(See ``KvTransfer``.) ``metadata`` may be a parallel worker's (``GroupMetadata``): its
+        ranks this agent writes to are added, and the peer's name is its rank 0's."""
+        assert self._spec is not None and self.shape is not None, "register_kv_pool first"
+        if isinstance(metadata, AgentMetadata):
+            metadata = GroupMetadata(KvShape(1, 1, metadata.spec.num_layers, metadata.spec.num_kv_heads), (metadata,))
+        name = metadata.name
+        if self._groups.get(name) == metadata:
+            return name
+        self.remove_peer(name)
+        if metadata.shape.size == 1 and self.shape.size == 1:
+            check_convertible(self._spec, metadata.ranks[0].spec)
+            wanted = [0]
+        else:
+            self._check_relayout(metadata)
+            wanted = sorted({0, *(p.dst for p in plan_pieces(self.shape, metadata.shape) if p.src == self.rank)})
+        for dst in wanted:
+            self._add_agent(metadata.ranks[dst])
+        self._groups[name] = metadata
+        return name
+
+    def _check_relayout(self, target: GroupMetadata) -> None:
+        """Between shapes only the split differs: block size, dtype and head size must match."""
+        plan_pieces(self.shape, target.shape)  # the same model's layers and heads, or KvLayoutMismatch
+        theirs = target.ranks[0].spec
+        if (theirs.block_size, theirs.dtype, theirs.head_dim) != (self._spec.block_size, self._spec.dtype,
+                                                                  self._spec.head_dim):
+            raise KvLayoutMismatch(f"cannot write KV of {self.shape.describe()} {describe_spec(self._spec)} into "
+                                   f"{target.shape.describe()} {describe_spec(theirs)}: between parallel shapes "
+                                   "block size, dtype and head size must match")
+
+    def _add_agent(self, metadata: AgentMetadata) -> None:
         try:
             name = self._agent.add_remote_agent(metadata.backend_metadata)
             name = name.decode() if isinstance(name, bytes) else name
@@ -147,24 +192,28 @@ class NixlTransfer:
         if name != metadata.agent_name:
             raise KVTransferFailed(f"peer metadata names agent {name!r}, published as {metadata.agent_name!r}")
         self._peers[name] = _Peer(name, metadata, blocks)
-        return name
 
     def remove_peer(self, peer: str) -> None:
-        entry = self._peers.pop(peer, None)
-        if entry is None:
-            return
-        entry.blocks.release()
-        try:
-            self._agent.remove_remote_agent(peer)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("removing NIXL peer %s: %s", peer, exc)
+        group = self._groups.pop(peer, None)
+        for agent in [r.agent_name for r in group.ranks] if group else [peer]:
+            entry = self._peers.pop(agent, None)
+            if entry is None:
+                continue
+            entry.blocks.release()
+            try:
+                self._agent.remove_remote_agent(agent)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("removing NIXL peer %s: %s", agent, exc)
 
     # -- writes -----------------------------------------------------------------------------------
     def write_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
                      notify: bytes) -> TransferHandle:
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise KVTransferFailed(f"unknown peer {peer!r} (known: {sorted(self._peers)}): add_peer first")
+        group = self._groups.get(peer)
+        if group is None:
+            raise KVTransferFailed(f"unknown peer {peer!r} (known: {sorted(self._groups)}): add_peer first")
+        if group.shape.size > 1 or self.shape.size > 1:
+            return self.write_pieces(peer, local_block_ids, remote_block_ids, then_notify=notify)
+        entry = self._peers[peer]
         assert self._pool is not None and self._spec is not None
         local_ids, remote_ids = list(local_block_ids), list(remote_block_ids)
         _check_ids("local", local_ids, self._pool.shape[0])
@@ -227,6 +276,102 @@ class NixlTransfer:
             raise
         return handle
 
+    def write_pieces(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int], *,
+                     then_notify: bytes | None = None, gathered: torch.Tensor | None = None) -> TransferHandle:
+        """This rank's pieces (``plan_pieces``) of a write into ``peer``, a worker of another
+        parallel shape (or a rank of the same shape): each piece gathered into a staging slab in
+        the target rank's layout and written with one descriptor per block (per run of consecutive
+        blocks where it fills the target's whole block; straight from the pool, staged nowhere,
+        where the piece is this rank's whole block and the target's too). ``gathered``: this
+        stage's blocks with every head ``[n, stage layers, 2, bs, all KV heads, D]``, for pieces the
+        plan marks ``gathered``. ``then_notify``: sent to the peer's rank 0 once every piece landed
+        (a parallel worker's rank 0 sends it itself, with ``notify``, once every rank is done)."""
+        group = self._groups.get(peer)
+        if group is None:
+            raise KVTransferFailed(f"unknown peer {peer!r} (known: {sorted(self._groups)}): add_peer first")
+        assert self._pool is not None and self._spec is not None and self.shape is not None
+        local_ids, remote_ids = list(local_block_ids), list(remote_block_ids)
+        _check_ids("local", local_ids, self._pool.shape[0])
+        _check_ids("remote", remote_ids, group.ranks[0].num_blocks)
+        if len(local_ids) != len(remote_ids) or len(set(remote_ids)) != len(remote_ids):
+            raise KVTransferFailed(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones "
+                                   f"(remote ids must not repeat)")
+        handle = TransferHandle(peer, 0, 0, then_notify or b"", backend_handle=[], then_notify=then_notify)
+        try:
+            for piece in plan_pieces(self.shape, group.shape):
+                if piece.src == self.rank and local_ids:
+                    self._write_piece(handle, group, piece, local_ids, remote_ids, gathered)
+        except Exception as exc:  # noqa: BLE001 - binding errors become ours; what was posted is dropped
+            self._release(handle)
+            self.stats.num_failed += 1
+            if isinstance(exc, KVTransferFailed):
+                raise
+            raise KVTransferFailed(f"write of {len(local_ids)} blocks to {peer!r} failed to start: {exc}") from exc
+        if not handle.backend_handle:
+            self._finish(handle)
+        return handle
+
+    def _write_piece(self, handle: TransferHandle, group: GroupMetadata, piece: Piece, local_ids: list[int],
+                     remote_ids: list[int], gathered: torch.Tensor | None) -> None:
+        assert self._pool is not None and self.shape is not None
+        target = group.ranks[piece.dst]
+        peer = self._peers[target.agent_name]
+        mine_layers, mine_heads = self.shape.layers(self.rank), self.shape.heads(self.rank)
+        theirs_layers = group.shape.layers(piece.dst)
+        layer_bytes = target.block_bytes // target.spec.num_layers
+        chunk_bytes = len(piece.layers) * layer_bytes
+        offset = (piece.layers.start - theirs_layers.start) * layer_bytes
+        whole = piece.layers == mine_layers == theirs_layers and piece.heads == mine_heads and not piece.gathered
+        if whole:  # this rank's whole block is the target's whole block: no staging
+            xfer = self._agent.make_prepped_xfer("WRITE", self._local_blocks, np.asarray(local_ids, dtype=np.int32),
+                                                 peer.blocks, np.asarray(remote_ids, dtype=np.int32), b"")
+            handle.num_descriptors += len(joint_runs(local_ids, remote_ids))
+        else:
+            if piece.gathered:
+                if gathered is None:
+                    raise KVTransferFailed(f"rank {self.rank}: a gathered piece without the stage's gathered heads")
+                source, first_head = gathered, 0
+            else:
+                source, first_head = self._pool[local_ids], mine_heads.start
+            layers = slice(piece.layers.start - mine_layers.start, piece.layers.stop - mine_layers.start)
+            heads = slice(piece.heads.start - first_head, piece.heads.stop - first_head)
+            staging = source[:, layers, :, :, heads].contiguous()  # [n, its layers, 2, bs, their heads, D]
+            assert staging.nbytes == len(local_ids) * chunk_bytes
+            registration = self._agent.register_memory(staging)
+            handle.resources += [staging, registration]
+            if chunk_bytes == target.block_bytes:  # the target's whole blocks: one descriptor per run
+                runs = contiguous_runs(remote_ids)
+            else:
+                runs = [(b, 1) for b in remote_ids]
+            local_descs = np.empty((len(runs), 3), dtype=np.uint64)
+            remote_descs = np.empty((len(runs), 3), dtype=np.uint64)
+            done = 0
+            for i, (first, count) in enumerate(runs):
+                local_descs[i] = (staging.data_ptr() + done * chunk_bytes, count * chunk_bytes, self._device_id)
+                remote_descs[i] = (target.pool_address + first * target.block_bytes + offset, count * chunk_bytes,
+                                   target.device_id)
+                done += count
+            xfer = self._agent.initialize_xfer(
+                "WRITE", self._agent.get_xfer_descs(local_descs, self._mem_type),
+                self._agent.get_xfer_descs(remote_descs, target.mem_type), target.agent_name, b"")
+            handle.num_descriptors += len(runs)
+        handle.backend_handle.append(xfer)
+        handle.num_bytes += len(local_ids) * chunk_bytes
+        if self._agent.transfer(xfer) == "ERR":
+            raise KVTransferFailed(f"NIXL refused to post a write of {len(local_ids) * chunk_bytes} B to "
+                                   f"{target.agent_name!r}")
+
+    def notify(self, peer: str, num_bytes: int, notify: bytes) -> None:
+        """Send ``notify`` to ``peer``'s rank 0, counting ``num_bytes`` as written into it (a
+        parallel worker's rank 0, once every rank's pieces landed)."""
+        group = self._groups.get(peer)
+        if group is None:
+            raise KVTransferFailed(f"unknown peer {peer!r}: add_peer first")
+        try:
+            self._agent.send_notif(group.name, _NOTIFY_HEADER.pack(_NOTIFY_MAGIC, num_bytes) + notify)
+        except Exception as exc:  # noqa: BLE001
+            raise KVTransferFailed(f"cannot notify {peer!r}: {exc}") from exc
+
     def _post(self, handle: TransferHandle, message: bytes) -> None:
         state = self._agent.transfer(handle.backend_handle, message)
         if state == "ERR":
@@ -236,6 +381,16 @@ class NixlTransfer:
     # -- completion -------------------------------------------------------------------------------
     def poll(self, handle: TransferHandle) -> bool:
         if handle.done:
+            return True
+        if isinstance(handle.backend_handle, list):  # pieces (write_pieces)
+            states = [self._agent.check_xfer_state(x) for x in handle.backend_handle]
+            if "PROC" in states and "ERR" not in states:
+                return False
+            self._release(handle)
+            if "ERR" in states:
+                self.stats.num_failed += 1
+                raise KVTransferFailed(f"write of {handle.num_bytes} B to {handle.peer!r} failed")
+            self._finish(handle)
             return True
         state = self._agent.check_xfer_state(handle.backend_handle)
         if state == "PROC":
@@ -262,18 +417,27 @@ class NixlTransfer:
         self._release(handle)
         self.stats.num_failed += 1
 
+    def _finish(self, handle: TransferHandle) -> None:
+        if handle.then_notify is not None:
+            self.notify(handle.peer, handle.num_bytes, handle.then_notify)
+        handle.done = True
+        self._count_done(handle)
+
     def _count_done(self, handle: TransferHandle) -> None:
         self.stats.num_transfers += 1
         self.stats.num_bytes_sent += handle.num_bytes
         self.stats.num_descriptors += handle.num_descriptors
 
     def _release(self, handle: TransferHandle) -> None:
-        if handle.backend_handle is not None:
+        xfers = handle.backend_handle if isinstance(handle.backend_handle, list) else [handle.backend_handle]
+        for xfer in xfers:
+            if xfer is None:
+                continue
             try:
-                handle.backend_handle.release()
+                xfer.release()
             except Exception as exc:  # noqa: BLE001 - an uncancellable write: nixl keeps it for later
                 log.warning("releasing a NIXL write to %s: %s", handle.peer, exc)
-            handle.backend_handle = None
+        handle.backend_handle = None
         for resource in handle.resources:
             if not isinstance(resource, torch.Tensor):  # a registration of a staging slab
                 self._agent.deregister_memory(resource)

@@ -38,13 +38,17 @@ def test_each_planned_worker_gets_its_shape_under_tandem_ups_name():
 
 @pytest.mark.parametrize("workers,message", [
     ([worker("d0", "decode", ["a/gpu0"]), worker("d1", "decode", ["b/gpu0"])], r"on 2 nodes \(a, b\)"),
-    ([worker("d0", "decode", ["a/gpu0"]), worker("p0", "prefill", ["a/gpu1", "a/gpu2"], tp=2)],
-     "p0: a prefill worker of TP=2 x PP=1"),
     ([worker("p0", "prefill", ["a/gpu1"])], "no decode worker"),
 ])
 def test_a_plan_this_host_cannot_run_is_refused_naming_the_worker(workers, message):
     with pytest.raises(PlanNotRunnable, match=message):
         workers_from_plan(plan(*workers), "cpu")
+
+
+def test_a_prefill_worker_of_several_ranks_starts_with_its_own_shape():
+    p = plan(worker("d0", "decode", ["a/gpu0"]), worker("p0", "prefill", ["a/gpu1", "a/gpu2"], tp=2))
+    assert [(w.name, w.flags) for w in workers_from_plan(p, "cpu")] == [
+        ("decode-1", {}), ("prefill-1", {"tensor_parallel_size": 2})]
 
 
 def test_gpus_of_a_group_must_be_consecutive_on_cuda():

@@ -1,0 +1,141 @@
+"""KV written between workers of different parallel shapes over real NIXL, by real rank processes:
+every rank of the writer writes its pieces of the plan into the target's ranks, and the target's
+whole blocks (read back gathered from every rank) are bit-equal to what the writer held. A
+random-weight Llama of 2 layers and 8 KV heads (32 query heads), so that TP 1/2/4 and PP 2
+all split it; the same pairs on SmolLM2 with greedy text are in
+tests/integration/test_parallel_disagg.py."""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from loadtest.tools import synth_model
+from shared.engine import EngineConfig, LLMEngine
+from shared.engine.parallel import ParallelModel
+from shared.transfer.relayout import KvShape, load_target, plan_pieces
+
+if platform.system() != "Linux":
+    pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def heads_32(smollm2_gguf, tmp_path_factory):
+    path = tmp_path_factory.mktemp("relayout")
+    synth_model.write_model(path, "heads-32", "hf", tokenizer_from=str(smollm2_gguf))
+    return path
+
+
+def start(model, tp: int, pp: int) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(model=str(model), dtype="float32", tensor_parallel_size=tp,
+                                              pipeline_parallel_size=pp, num_threads=1, kv_cache_memory=4 << 20,
+                                              max_model_len=256))
+
+
+class Side:
+    """One worker's transfer for the test: a group's (every rank's agent) or a single process's,
+    its rank 0's agent polled by a thread of the test (a service's event loop does it)."""
+
+    def __init__(self, engine: LLMEngine, name: str) -> None:
+        from shared.transfer.group import GroupTransfer
+        from shared.transfer.nixl import NixlTransfer
+
+        self.engine = engine
+        if isinstance(engine.model, ParallelModel):
+            rank0, metadata = engine.model.open_transfer(name)
+            self.transfer = GroupTransfer(rank0, metadata, self._run_now, write_timeout_s=30)
+        else:
+            self.transfer = NixlTransfer(name, thread_safe=True)
+            self.transfer.register_kv_pool(engine.kv_cache, engine.kv_spec)
+        self.notes: list = []
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, daemon=True)
+        self._poller.start()
+
+    def _run_now(self, fn):
+        from concurrent.futures import Future
+
+        future = Future()
+        try:
+            future.set_result(fn(self.engine))
+        except Exception as exc:  # noqa: BLE001
+            future.set_exception(exc)
+        return future
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.002):
+            self.notes += self.transfer.get_notifications()
+
+    def write_whole(self, block_ids: list[int], data: torch.Tensor) -> None:
+        if isinstance(self.engine.model, ParallelModel):
+            self.engine.model.write_blocks(block_ids, data)
+        else:
+            self.engine.kv_cache[block_ids] = data
+
+    def read_whole(self, block_ids: list[int]) -> torch.Tensor:
+        if isinstance(self.engine.model, ParallelModel):
+            return self.engine.model.read_blocks(block_ids)
+        return self.engine.kv_cache[block_ids].clone()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._poller.join(5)
+        self.transfer.close()
+        self.engine.close()
+
+
+# (writer TP, PP) -> (target TP, PP): TP down (the writer's stage gathers its heads), TP up (per-head
+# staging), stages into one process, one process into stages, the same shape (whole blocks, no
+# staging), nested heads, and stages of two ranks into four ranks
+PAIRS = [((4, 1), (1, 1)), ((1, 1), (4, 1)), ((1, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (2, 1)),
+         ((2, 1), (4, 1)), ((2, 2), (4, 1))]
+
+
+@pytest.mark.parametrize("src_shape,dst_shape", PAIRS, ids=[f"tp{a}pp{b}-to-tp{c}pp{d}" for (a, b), (c, d) in PAIRS])
+def test_kv_written_between_shapes_arrives_whole(heads_32, src_shape, dst_shape):
+    tag = uuid.uuid4().hex[:6]
+    src = Side(start(heads_32, *src_shape), f"src-{tag}")
+    try:
+        dst = Side(start(heads_32, *dst_shape), f"dst-{tag}")
+    except BaseException:
+        src.close()
+        raise
+    try:
+        cfg = src.engine.model.cfg
+        shape = (5, cfg.num_layers, 2, src.engine.block_size, cfg.num_kv_heads, cfg.head_dim)
+        data = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+        src_ids, dst_ids = [3, 4, 9, 10, 11], [20, 21, 22, 7, 30]  # runs of consecutive ids on both sides
+        src.write_whole(src_ids, data)
+        before = dst.read_whole(list(range(40)))
+
+        peer = src.transfer.add_peer(load_target(dst.transfer.local_metadata().to_bytes()))
+        handle = src.transfer.write_blocks(peer, src_ids, dst_ids, b"all landed")
+        src.transfer.wait(handle, 60)
+        deadline = time.monotonic() + 30
+        while not dst.notes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        [note] = dst.notes
+        assert note.message == b"all landed"
+
+        after = dst.read_whole(list(range(40)))
+        assert torch.equal(after[dst_ids], data)  # every layer and head of every block, bit for bit
+        untouched = [b for b in range(40) if b not in dst_ids]
+        assert torch.equal(after[untouched], before[untouched])
+        # the bytes written: each target rank's own layers and heads of the 5 blocks, once
+        src_kv = KvShape(*src_shape, cfg.num_layers, cfg.num_kv_heads)
+        dst_kv = KvShape(*dst_shape, cfg.num_layers, cfg.num_kv_heads)
+        per_head_layer = 2 * src.engine.block_size * cfg.head_dim * 4
+        wanted = sum(len(dst_kv.layers(r)) * len(dst_kv.heads(r)) for r in range(dst_kv.size)) * per_head_layer * 5
+        assert note.num_bytes == handle.num_bytes == wanted
+        pieces = plan_pieces(src_kv, dst_kv)
+        assert handle.num_descriptors <= sum(5 for _ in pieces)  # at most one per block per piece
+    finally:
+        dst.close()
+        src.close()

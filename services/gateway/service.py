@@ -30,6 +30,7 @@ from shared.openai_api.generate_request import (DEADLINE_HEADER, build_generate_
                                                 prompt_block_hashes, resolve_model)
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from shared.responses.conversation_store import ConversationStore
 from shared.responses.store import ResponseStore
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, GenerateRequest, OriginAlive, OriginPing,
                              ServiceInfo, Subjects, WorkerInfo, WorkerStatus)
@@ -43,6 +44,7 @@ from shared.telemetry.redact import redact_url
 from shared.tokenizer import Tokenizer, load_tokenizer
 from services.gateway.batch_api import Batches
 from services.gateway.config import GatewaySettings
+from services.gateway.conversations import Conversations
 from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.unsupported import add_unsupported_routes
 from services.gateway.generation import Generation
@@ -61,7 +63,8 @@ Answer = Callable[[web.Request, ApiAdapter, str, float], Awaitable[web.StreamRes
 class Gateway:
     def __init__(self, settings: GatewaySettings, bus: Bus, registry: WorkerRegistry,
                  tokenizer: Tokenizer, services: ServiceDirectory | None = None,
-                 responses: ResponseStore | None = None) -> None:
+                 responses: ResponseStore | None = None,
+                 conversations: ConversationStore | None = None) -> None:
         self.settings = settings
         self.subjects = Subjects(settings.namespace)
         self.bus = bus
@@ -77,8 +80,9 @@ class Gateway:
         # named in every request this gateway sends: workers abort its requests once nobody
         # answers here (shared.worker.origins)
         self.origin = f"gw-{uuid.uuid4().hex[:16]}"
-        # None: responses are not stored (a gateway embedded without NATS KV, in tests)
-        self.stored = StoredResponses(self, responses) if responses is not None else None
+        # None: responses (conversations) are not stored (a gateway embedded without NATS KV, in tests)
+        self.conversations = Conversations(self, conversations) if conversations is not None else None
+        self.stored = StoredResponses(self, responses, self.conversations) if responses is not None else None
 
     # --- lifecycle and cluster view --------------------------------------------------------------
     async def start(self) -> None:
@@ -312,6 +316,8 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/status", gateway.status)
     if gateway.stored is not None:
         gateway.stored.add_routes(app)
+    if gateway.conversations is not None:
+        gateway.conversations.add_routes(app)
     add_dashboard_routes(app, gateway)
     add_unsupported_routes(app)
     return app
@@ -323,7 +329,8 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
         services = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
                                                ttl_s=settings.registry_ttl_s)
         responses = await ResponseStore.open(bus, Subjects(settings.namespace), ttl_s=settings.responses_ttl_s)
-        gateway = Gateway(settings, bus, registry, tokenizer, services, responses)
+        conversations = await ConversationStore.open(bus, Subjects(settings.namespace))
+        gateway = Gateway(settings, bus, registry, tokenizer, services, responses, conversations)
         app = build_app(gateway)
         batches = await Batches.open(gateway)
         batches.add_routes(app)

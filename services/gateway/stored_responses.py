@@ -1,6 +1,7 @@
-"""``/v1/responses`` with OpenAI's stored responses: ``store`` (the default), ``previous_response_id``
-and ``background`` on create; ``GET`` and ``DELETE /v1/responses/{id}``, ``/input_items`` and
-``/cancel``, answered by any gateway from the store in NATS (``shared.responses``).
+"""``/v1/responses`` with OpenAI's stored responses: ``store`` (the default), ``previous_response_id``,
+``conversation`` (``services.gateway.conversations``) and ``background`` on create; ``GET`` and
+``DELETE /v1/responses/{id}``, ``/input_items`` and ``/cancel``, answered by any gateway from the
+store in NATS (``shared.responses``).
 
 A background response runs in the gateway that took it, as a task beside its HTTP site, and its
 record names that gateway (``origin``) until it ends. A gateway that reads a record still queued or
@@ -38,6 +39,7 @@ from shared.protocol.responses import StoredResponse
 from shared.responses.items import input_items, items_page, stored, with_status
 from shared.responses.store import ResponseNotFound, ResponseStore
 from services.gateway.batch_api import list_limit
+from services.gateway.conversations import Conversations
 from services.gateway.core import GatewayCore
 
 
@@ -55,8 +57,8 @@ _DEFAULT_RETRY_WAIT_S = 1.0  # a 429 without a Retry-After
 
 
 class StoredResponses:
-    def __init__(self, gateway: GatewayCore, store: ResponseStore) -> None:
-        self._gateway, self._store = gateway, store
+    def __init__(self, gateway: GatewayCore, store: ResponseStore, conversations: Conversations | None = None) -> None:
+        self._gateway, self._store, self._conversations = gateway, store, conversations
         self._tasks: dict[str, asyncio.Task] = {}  # background responses running here, by id
 
     def add_routes(self, app: web.Application) -> None:
@@ -87,19 +89,34 @@ class StoredResponses:
         if body.previous_response_id is not None:
             api = ResponsesAdapter(body.continued(await self._history(body.previous_response_id, owner)),
                                    api.tokenizer)
-        if not body.store:
-            return await self._gateway.answer(request, api, tier, arrived_at)
-        if (size := len(json.dumps(own))) > _MAX_STORED_INPUT_BYTES:
+        if body.conversation_id is not None:
+            if self._conversations is None:
+                raise ApiError(400, "conversations are not stored by this gateway", param="conversation",
+                               code="unsupported_parameter")
+            api = ResponsesAdapter(body.continued(await self._conversations.history(body.conversation_id, owner, own)),
+                                   api.tokenizer)
+        if body.store and (size := len(json.dumps(own))) > _MAX_STORED_INPUT_BYTES:
             raise ApiError(400, f"input is too large to store ({size} bytes of items, at most "
                            f"{_MAX_STORED_INPUT_BYTES}); send store: false", param="input", code="input_too_large")
         if body.background:
             return await self._start_background(api, own, tier, owner)
+        if not body.store and body.conversation_id is None:
+            return await self._gateway.answer(request, api, tier, arrived_at)
 
         async def keep() -> None:
-            if api.completed is not None:
+            if api.completed is None:
+                return
+            if body.store:
                 await self._keep(stored(api.completed, own, body, owner=owner))
+            await self._add_turn(body.conversation_id, own, api.completed)
 
         return await self._gateway.answer(request, api, tier, arrived_at, keep)
+
+    async def _add_turn(self, conversation_id: str | None, own: list[dict], response: dict) -> None:
+        """A made response's input and output items, added to its conversation (if it has one)."""
+        if conversation_id is not None and self._conversations is not None \
+                and response["status"] in ("completed", "incomplete"):
+            await self._conversations.add_turn(conversation_id, own + response["output"])
 
     async def _history(self, previous_id: str, owner: str | None) -> list[dict]:
         try:
@@ -130,13 +147,13 @@ class StoredResponses:
         queued = api.shell(head, "queued")
         record = stored(queued, own, api.body, origin=self._gateway.origin, owner=owner)
         await self._store.create(record)
-        task = asyncio.create_task(self._run(api, gen_request, head, record))
+        task = asyncio.create_task(self._run(api, gen_request, head, record, own))
         self._tasks[record.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
         return web.json_response(queued)
 
     async def _run(self, api: ResponsesAdapter, gen_request: GenerateRequest, head: ResponseHead,
-                   record: StoredResponse) -> None:
+                   record: StoredResponse, own: list[dict]) -> None:
         origin = self._gateway.origin
         current = await self._store.get(record.id)
         if current is not None:
@@ -153,8 +170,12 @@ class StoredResponses:
         except Exception as exc:  # noqa: BLE001 — a bug or NATS trouble: the record must still end
             log.exception("%s: background response failed", record.id)
             response = _failed(api.shell(head, "failed"), f"internal error: {type(exc).__name__}", "server_error")
-        if response is not None and await self._store.replace(current, with_status(record, response)) is None:
+        if response is None:
+            return
+        if await self._store.replace(current, with_status(record, response)) is None:
             log.info("%s: cancelled or deleted while it ran; its result is dropped", record.id)
+            return
+        await self._add_turn(api.body.conversation_id, own, response)
 
     async def _collect(self, api: ResponsesAdapter, gen_request: GenerateRequest, response_id: str) -> dict:
         """The response body, after waiting out admission's 429s (``retry_wait_s``); the last

@@ -26,7 +26,7 @@ def unsupported_error(path: str) -> ApiError:
 
 
 def unrouted_error(request: web.Request) -> ApiError | None:
-    """A ``/v1/`` path or method that no route serves (``POST /v1/conversations``, ``GET
+    """A ``/v1/`` path or method that no route serves (``POST /v1/assistants``, ``GET
     /v1/chat/completions``): a 404 that says so, as OpenAI answers a URL it does not know, rather
     than a bare "Not Found" or "Method Not Allowed". None where the router matched (a handler's
     own 404 stays as it is) or the path is not under ``/v1/``."""

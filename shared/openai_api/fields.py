@@ -123,6 +123,10 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "previous_response_id": FieldRule(I, "the stored conversation (each earlier turn's input and output "
                                          "items, not its `instructions`) comes before `input`; another API "
                                          "key's response is a 404"),
+    "conversation": FieldRule(I, "a conversation id or `{\"id\": ...}`: its items come before `input`, and this "
+                                 "request's input and output items are added to it once the response is made "
+                                 "(`/v1/conversations`); not with `previous_response_id`; another API key's "
+                                 "conversation is a 404"),
     "background": FieldRule(I, "requires `store`; not with `stream`; poll `GET /v1/responses/{id}`; "
                                "admission's 429s are waited out (Retry-After) for up to "
                                "`TANDEM_BACKGROUND_RETRY_MAX_WAIT_S` (default 10 min)"),
@@ -137,7 +141,6 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
                               "(nothing changes); `summary` refused, there is no reasoning to summarize"),
     "service_tier": FieldRule(R, "tiers come from the API key", accepts=_one_of("auto", "default")),
     **{name: FieldRule(R, why) for name, why in (
-        ("conversation", "no conversations (chain responses with `previous_response_id`)"),
         ("background_options", "no background options"),
         ("prompt", "no stored prompts"), ("context_management", "no context management"),
         ("moderation", "no moderation"), ("image", "text only"), ("access_programs", "not supported"))},

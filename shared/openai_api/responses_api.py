@@ -123,6 +123,10 @@ class FunctionToolChoice(_Closed):
     name: StrictStr
 
 
+class ConversationParam(_Closed):
+    id: StrictStr = Field(min_length=1)
+
+
 class StreamOptions(_Closed):
     include_obfuscation: StrictBool | None = None  # accepted; events are not padded
 
@@ -140,6 +144,7 @@ class ResponsesRequest(_Sampling):
     store: StrictBool = True
     background: StrictBool = False
     previous_response_id: StrictStr | None = Field(None, min_length=1)
+    conversation: Union[Annotated[StrictStr, Field(min_length=1)], ConversationParam] | None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
 
     @model_validator(mode="before")
@@ -148,6 +153,11 @@ class ResponsesRequest(_Sampling):
         if isinstance(data, dict):
             refuse_media(data.get("input"), "input")
         return data
+
+    @property
+    def conversation_id(self) -> str | None:
+        """The conversation this response belongs to (sent as its id or ``{"id": ...}``)."""
+        return self.conversation.id if isinstance(self.conversation, ConversationParam) else self.conversation
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
@@ -177,6 +187,10 @@ class ResponsesRequest(_Sampling):
         if self.tool_mode() == "forced" and (self._format_grammar() or self.guided_regex):
             raise ApiError(400, "a forced tool call cannot also have a text.format or guided_regex",
                            param="tool_choice")
+        if self.conversation is not None and self.previous_response_id is not None:
+            # OpenAI's words and code
+            raise ApiError(400, "Mutually exclusive parameters: Ensure you are only providing one of: "
+                           "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")
         if self.background and not self.store:
             raise ApiError(400, "background requires store: a background response is only read back stored",
                            param="background", code="invalid_value")
@@ -189,8 +203,8 @@ class ResponsesRequest(_Sampling):
                                param=f"reasoning.{name}", code="unsupported_parameter")
 
     def continued(self, history: list[dict]) -> "ResponsesRequest":
-        """This request after the items of an earlier conversation (``previous_response_id``);
-        its own ``input`` comes last."""
+        """This request after the items of an earlier conversation (``previous_response_id``, or
+        a ``conversation``'s items); its own ``input`` comes last."""
         own = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
         return self.model_copy(update={"input": _INPUT_ITEMS.validate_python(history) + own})
 
@@ -359,7 +373,9 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
                          "verbosity": (body.text.verbosity if body.text else None) or "medium"},
                 # as asked; not a reasoning model, so the effort changed nothing
                 "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
-                "usage": usage, "previous_response_id": body.previous_response_id, "store": body.store,
+                "usage": usage, "previous_response_id": body.previous_response_id,
+                "conversation": {"id": body.conversation_id} if body.conversation is not None else None,
+                "store": body.store,
                 "background": body.background, "metadata": body.metadata or {}}
 
 

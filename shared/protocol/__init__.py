@@ -4,6 +4,7 @@ from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.batch import (BatchLineError, BatchLineRequest, BatchLineResult, BatchRecord, FileRecord,
                                    RequestCounts)
+from shared.protocol.conversations import StoredConversation, StoredConversationItem
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import (CancelRequest, GenerateRequest, GrammarSpec, OriginAlive, OriginPing,
                                       SamplingParams, TokenChunk, TokenLogprob, TopLogprob)
@@ -24,6 +25,7 @@ __all__ = [
     "ControlResult", "Endpoint", "ErrorReply", "GenerateRequest", "KvEventBatch", "KvMatchRequest",
     "KvFetchRequest", "KvFetchResult", "KvMatchResult", "KvSource", "OriginAlive", "OriginPing", "PrefillLeaseRequest", "PrefillLeaseResult", "PrefillNotification", "PrefillQueueStatus",
     "RemotePrefillRequest", "SamplingParams", "GrammarSpec", "ScaleRequest", "ScaleResult", "ScalingAction",
-    "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "StoredResponse", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "ScalingDecisionRecord", "ScalingStatus", "ServiceInfo", "StoredConversation", "StoredConversationItem",
+    "StoredResponse", "Subjects", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WireModel", "WorkerInfo", "WorkerLoad", "WorkerOverlap", "WorkerStatus",
 ]

@@ -17,6 +17,7 @@ from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol.admission import AdmissionDecision
 from shared.protocol.base import WireModel
 from shared.protocol.batch import BatchLineRequest, BatchLineResult, BatchRecord, FileRecord
+from shared.protocol.conversations import StoredConversation, StoredConversationItem
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import CancelRequest, GenerateRequest, OriginAlive, OriginPing, TokenChunk
 from shared.protocol.kv import KvEventBatch, KvMatchRequest, KvMatchResult
@@ -32,7 +33,8 @@ MESSAGES: tuple[type[WireModel], ...] = (
     ControlRequest, ControlResult, ServiceInfo, KvEventBatch, KvMatchRequest, KvMatchResult,
     RemotePrefillRequest, PrefillNotification, PrefillLeaseRequest, PrefillLeaseResult, KvFetchRequest, KvFetchResult,
     ClusterStatusRequest, ClusterStatusResult, ScaleRequest, ScaleResult,
-    FileRecord, BatchRecord, BatchLineRequest, BatchLineResult, StoredResponse)
+    FileRecord, BatchRecord, BatchLineRequest, BatchLineResult, StoredResponse, StoredConversation,
+    StoredConversationItem)
 
 # (model id, block size, token ids): short and long prompts, a partial last block, two namespaces.
 _VECTOR_CASES = (

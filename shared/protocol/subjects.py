@@ -189,6 +189,22 @@ class Subjects:
         """Response ids come from URLs: anything but a subject token is refused (``ValueError``)."""
         return _token(response_id, "response_id")
 
+    @property
+    def conversations_bucket(self) -> str:
+        """KV: ``conversation_key`` → ``StoredConversation``, ``conversation_item_key`` →
+        ``StoredConversationItem``; no TTL (OpenAI keeps conversations until they are deleted)."""
+        return f"{self.namespace}-conversations"
+
+    @staticmethod
+    def conversation_key(conversation_id: str) -> str:
+        """Conversation ids come from URLs: anything but a subject token is refused (``ValueError``)."""
+        return f"c.{_token(conversation_id, 'conversation_id')}"
+
+    @staticmethod
+    def conversation_item_key(conversation_id: str, item_id: str) -> str:
+        """An item id is the client's to choose (any text): it enters the key as a digest."""
+        return f"i.{_token(conversation_id, 'conversation_id')}.{_digest(item_id)}"
+
     @staticmethod
     def batch_result_key(batch_id: str, custom_id: str) -> str:
         """custom_id is any text: it enters the key as a digest (KV keys allow few characters)."""

@@ -17,10 +17,12 @@ def input_items(body: ResponsesRequest) -> list[dict]:
     """This request's ``input`` as stored items, each with an id (the client's where it sent one)."""
     if isinstance(body.input, str):
         return [_message(None, "user", [{"type": "input_text", "text": body.input}])]
-    return [_item(item) for item in body.input]
+    return [as_item(item) for item in body.input]
 
 
-def _item(item: InputMessage | FunctionCallItem | FunctionCallOutputItem) -> dict:
+def as_item(item: InputMessage | FunctionCallItem | FunctionCallOutputItem) -> dict:
+    """``item`` as it is stored and returned: with an id (the client's where it sent one, else a
+    new one), a status, and a message's content as a list of parts."""
     if isinstance(item, FunctionCallItem):
         return {"id": item.id or f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": item.call_id,
                 "name": item.name, "arguments": item.arguments, "status": "completed"}

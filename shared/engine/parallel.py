@@ -287,8 +287,9 @@ def _send_rank_part(model: LlamaModel, world: Collectives, kv_cache: torch.Tenso
     local_ids, remote_ids = d["local"], d["remote"]
     shape = kv_shape(model)
     gathered = None
-    if world.rank // shape.tp in stages_gathering(plan_pieces(shape, target.shape), shape) and local_ids:
-        gathered = gather_heads(model.group, kv_cache, local_ids, shape, world.rank)
+    pieces = plan_pieces(shape, target.shape)
+    if world.rank // shape.tp in stages_gathering(pieces, shape) and local_ids:
+        gathered = gather_heads(model.group, kv_cache, local_ids, shape, world.rank, pieces)
     num_bytes = num_descriptors = 0
     try:
         if transfer is None:
@@ -305,18 +306,32 @@ def _send_rank_part(model: LlamaModel, world: Collectives, kv_cache: torch.Tenso
     return counts[0], counts[1], counts[2], target.name
 
 
-def gather_heads(group: Collectives, kv_cache: torch.Tensor, block_ids: list[int], shape, rank: int) -> torch.Tensor:
-    """Blocks ``block_ids`` of this rank's stage with every KV head, gathered over the stage's
-    tensor-parallel ranks (``group``): [n, stage layers, 2, bs, all KV heads, D]."""
-    part = kv_cache[block_ids].contiguous()  # [n, L, 2, bs, my heads, D]
-    parts = group.all_gather(part.reshape(-1)).reshape(shape.tp, *part.shape)
-    n, layers, _, bs, _, head_dim = part.shape
-    whole = torch.empty(n, layers, 2, bs, shape.num_kv_heads, head_dim, dtype=part.dtype, device=part.device)
+def gather_heads(group: Collectives, kv_cache: torch.Tensor, block_ids: list[int], shape, rank: int,
+                 pieces: list) -> tuple[torch.Tensor, int] | None:
+    """For the ``gathered`` pieces of a transfer (``plan_pieces``): each rank of this stage in turn
+    receives, from every rank of the stage (``group``), its heads of the layers that rank's pieces
+    cover. Returns this rank's: (blocks [n, those layers, 2, bs, all KV heads, D], the model's
+    number of the first of those layers), or None when it writes no gathered piece. A round per
+    writing rank moves only the layers it writes, not the stage's whole blocks to every rank."""
     stage = rank // shape.tp
-    for r in range(shape.tp):
-        heads = shape.heads(stage * shape.tp + r)
-        whole[:, :, :, :, heads.start:heads.stop] = parts[r]
-    return whole
+    first_of_stage = shape.layers(rank).start
+    mine = None
+    for k in shape.stage_ranks(stage):
+        covered = [p.layers for p in pieces if p.src == k and p.gathered]
+        if not covered:
+            continue
+        lo, hi = min(r.start for r in covered), max(r.stop for r in covered)
+        part = kv_cache[:, lo - first_of_stage:hi - first_of_stage][block_ids].contiguous()  # [n, l, 2, bs, h, D]
+        parts = group.all_gather(part.reshape(-1)).reshape(shape.tp, *part.shape)
+        if k != rank:
+            continue
+        n, layers, _, bs, _, head_dim = part.shape
+        whole = torch.empty(n, layers, 2, bs, shape.num_kv_heads, head_dim, dtype=part.dtype, device=part.device)
+        for r in range(shape.tp):
+            heads = shape.heads(stage * shape.tp + r)
+            whole[:, :, :, :, heads.start:heads.stop] = parts[r]
+        mine = (whole, lo)
+    return mine
 
 
 def _all_gather_bytes(world: Collectives, data: bytes) -> list[bytes]:

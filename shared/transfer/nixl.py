@@ -277,14 +277,15 @@ class NixlTransfer:
         return handle
 
     def write_pieces(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int], *,
-                     then_notify: bytes | None = None, gathered: torch.Tensor | None = None) -> TransferHandle:
+                     then_notify: bytes | None = None,
+                     gathered: tuple[torch.Tensor, int] | None = None) -> TransferHandle:
         """This rank's pieces (``plan_pieces``) of a write into ``peer``, a worker of another
         parallel shape (or a rank of the same shape): each piece gathered into a staging slab in
         the target rank's layout and written with one descriptor per block (per run of consecutive
         blocks where it fills the target's whole block; straight from the pool, staged nowhere,
-        where the piece is this rank's whole block and the target's too). ``gathered``: this
-        stage's blocks with every head ``[n, stage layers, 2, bs, all KV heads, D]``, for pieces the
-        plan marks ``gathered``. ``then_notify``: sent to the peer's rank 0 once every piece landed
+        where the piece is this rank's whole block and the target's too). ``gathered``: the blocks
+        with every KV head over the layers of this rank's gathered pieces, ``[n, layers, 2, bs, all
+        KV heads, D]``, with the model's number of its first layer (``gather_heads``). ``then_notify``: sent to the peer's rank 0 once every piece landed
         (a parallel worker's rank 0 sends it itself, with ``notify``, once every rank is done)."""
         group = self._groups.get(peer)
         if group is None:
@@ -330,12 +331,12 @@ class NixlTransfer:
             if piece.gathered:
                 if gathered is None:
                     raise KVTransferFailed(f"rank {self.rank}: a gathered piece without the stage's gathered heads")
-                source, first_head = gathered, 0
-            else:
-                source, first_head = self._pool[local_ids], mine_heads.start
-            layers = slice(piece.layers.start - mine_layers.start, piece.layers.stop - mine_layers.start)
+                (source, first_layer), first_head, ids = gathered, 0, slice(None)
+            else:  # slice the pool before taking the blocks: only the piece's bytes are copied
+                source, first_layer, first_head, ids = self._pool, mine_layers.start, mine_heads.start, local_ids
+            layers = slice(piece.layers.start - first_layer, piece.layers.stop - first_layer)
             heads = slice(piece.heads.start - first_head, piece.heads.stop - first_head)
-            staging = source[:, layers, :, :, heads].contiguous()  # [n, its layers, 2, bs, their heads, D]
+            staging = source[:, layers, :, :, heads][ids].contiguous()  # [n, its layers, 2, bs, their heads, D]
             assert staging.nbytes == len(local_ids) * chunk_bytes
             registration = self._agent.register_memory(staging)
             handle.resources += [staging, registration]

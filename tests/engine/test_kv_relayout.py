@@ -8,17 +8,15 @@ tests/integration/test_parallel_disagg.py."""
 from __future__ import annotations
 
 import platform
-import threading
-import time
 import uuid
 
 import pytest
 import torch
 
+from loadtest.bench.relayout import Endpoint
 from loadtest.tools import synth_model
 from shared.engine import EngineConfig, LLMEngine
-from shared.engine.parallel import ParallelModel
-from shared.transfer.relayout import KvShape, load_target, plan_pieces
+from shared.transfer.relayout import KvShape, plan_pieces
 
 if platform.system() != "Linux":
     pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
@@ -39,58 +37,6 @@ def start(model, tp: int, pp: int) -> LLMEngine:
                                               max_model_len=256))
 
 
-class Side:
-    """One worker's transfer for the test: a group's (every rank's agent) or a single process's,
-    its rank 0's agent polled by a thread of the test (a service's event loop does it)."""
-
-    def __init__(self, engine: LLMEngine, name: str) -> None:
-        from shared.transfer.group import GroupTransfer
-        from shared.transfer.nixl import NixlTransfer
-
-        self.engine = engine
-        if isinstance(engine.model, ParallelModel):
-            rank0, metadata = engine.model.open_transfer(name)
-            self.transfer = GroupTransfer(rank0, metadata, self._run_now, write_timeout_s=30)
-        else:
-            self.transfer = NixlTransfer(name, thread_safe=True)
-            self.transfer.register_kv_pool(engine.kv_cache, engine.kv_spec)
-        self.notes: list = []
-        self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, daemon=True)
-        self._poller.start()
-
-    def _run_now(self, fn):
-        from concurrent.futures import Future
-
-        future = Future()
-        try:
-            future.set_result(fn(self.engine))
-        except Exception as exc:  # noqa: BLE001
-            future.set_exception(exc)
-        return future
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.002):
-            self.notes += self.transfer.get_notifications()
-
-    def write_whole(self, block_ids: list[int], data: torch.Tensor) -> None:
-        if isinstance(self.engine.model, ParallelModel):
-            self.engine.model.write_blocks(block_ids, data)
-        else:
-            self.engine.kv_cache[block_ids] = data
-
-    def read_whole(self, block_ids: list[int]) -> torch.Tensor:
-        if isinstance(self.engine.model, ParallelModel):
-            return self.engine.model.read_blocks(block_ids)
-        return self.engine.kv_cache[block_ids].clone()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._poller.join(5)
-        self.transfer.close()
-        self.engine.close()
-
-
 # (writer TP, PP) -> (target TP, PP): TP down (the writer's stage gathers its heads), TP up (per-head
 # staging), stages into one process, one process into stages, the same shape (whole blocks, no
 # staging), nested heads, and stages of two ranks into four ranks
@@ -101,9 +47,9 @@ PAIRS = [((4, 1), (1, 1)), ((1, 1), (4, 1)), ((1, 2), (1, 1)), ((1, 1), (2, 2)),
 @pytest.mark.parametrize("src_shape,dst_shape", PAIRS, ids=[f"tp{a}pp{b}-to-tp{c}pp{d}" for (a, b), (c, d) in PAIRS])
 def test_kv_written_between_shapes_arrives_whole(heads_32, src_shape, dst_shape):
     tag = uuid.uuid4().hex[:6]
-    src = Side(start(heads_32, *src_shape), f"src-{tag}")
+    src = Endpoint(start(heads_32, *src_shape), f"src-{tag}")
     try:
-        dst = Side(start(heads_32, *dst_shape), f"dst-{tag}")
+        dst = Endpoint(start(heads_32, *dst_shape), f"dst-{tag}")
     except BaseException:
         src.close()
         raise
@@ -115,12 +61,7 @@ def test_kv_written_between_shapes_arrives_whole(heads_32, src_shape, dst_shape)
         src.write_whole(src_ids, data)
         before = dst.read_whole(list(range(40)))
 
-        peer = src.transfer.add_peer(load_target(dst.transfer.local_metadata().to_bytes()))
-        handle = src.transfer.write_blocks(peer, src_ids, dst_ids, b"all landed")
-        src.transfer.wait(handle, 60)
-        deadline = time.monotonic() + 30
-        while not dst.notes and time.monotonic() < deadline:
-            time.sleep(0.01)
+        handle = src.send(dst, src_ids, dst_ids, b"all landed")
         [note] = dst.notes
         assert note.message == b"all landed"
 

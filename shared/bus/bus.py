@@ -104,6 +104,20 @@ def _is_auth_error(exc: BaseException) -> bool:
             or "authorization violation" in str(exc).lower())
 
 
+_AUTH_GRACE_S = 5.0  # reconnects refused for this long: the password changed (not one server's hiccup)
+
+
+def _credentials(servers: list[str]) -> dict[str, str]:
+    """``user`` and ``password`` for nats.connect from the first server URL that carries them."""
+    from urllib.parse import unquote, urlparse
+
+    for server in servers:
+        uri = urlparse(server)
+        if uri.username and uri.password:
+            return {"user": unquote(uri.username), "password": unquote(uri.password)}
+    return {}
+
+
 _TRANSIENT_TLS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)  # a server going away
 
 
@@ -175,7 +189,10 @@ class Bus:
         password redacted: ``NatsCredentialsRefused`` and ``NatsTlsFailed`` at once (retrying
         cannot mend a wrong password or CA), ``NatsUnreachable`` at the deadline. A login refused
         on a later reconnect (the server's password changed) ends the process at once with
-        ``NatsCredentialsRefused``'s line and exit code: see ``_exit_now``.
+        ``NatsCredentialsRefused``'s line and exit code once every try for ``_AUTH_GRACE_S`` was
+        refused: see ``_exit_now``. The URL's user and password are given to every server of the
+        pool, those the cluster gossips too (nats-py adds them without the credentials of the URL,
+        and a reconnect to one of them was refused after a member died).
 
         ``tls_ca`` (default: ``TANDEM_NATS_CA``): a CA file; the connection is then TLS and the
         server's certificate must be signed by it for the host name in the URL. ``replicas``
@@ -183,12 +200,14 @@ class Bus:
         of each stream and bucket this bus creates."""
         shown = redact_url(url)
         servers = server_urls(url)
+        credentials = _credentials(servers)
         tls = tls_context(tls_ca or os.environ.get("TANDEM_NATS_CA"))
         replicas = replicas or _replicas_from_env()
         delay, deadline = 0.05, time.monotonic() + timeout_s
         last_error: list[Exception] = []
         lasting: list[NatsUnavailable] = []  # an error retrying cannot mend, once seen
         given_up, connected = asyncio.Event(), False
+        refused_since: list[float] = []  # when reconnects began to be refused (none since the last success)
         link = Link(name)
 
         async def on_error(exc: Exception) -> None:
@@ -200,7 +219,9 @@ class Bus:
                         given_up.set()
                 return
             if _is_auth_error(exc):
-                _exit_now(_lasting_error(exc, shown))
+                refused_since[:] = refused_since or [time.monotonic()]
+                if time.monotonic() - refused_since[0] >= _AUTH_GRACE_S:
+                    _exit_now(_lasting_error(exc, shown))
             log.warning("nats %s: %s", name, exc)
 
         async def on_disconnect() -> None:
@@ -210,6 +231,7 @@ class Bus:
             link.disconnected()
 
         async def on_reconnect() -> None:
+            refused_since.clear()
             log.info("nats %s: reconnected", name)
             link.reconnected()
 
@@ -223,7 +245,8 @@ class Bus:
                     # a server that vanished without closing the connection (its host gone, a cut
                     # link) is given up after 3 unanswered pings, 5 s apart, for another member
                     ping_interval=_PING_INTERVAL_S, max_outstanding_pings=3,
-                    error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
+                    error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                    **credentials),
                     given_up, timeout_s=max(deadline - time.monotonic(), 0.1))
                 connected = True  # from here on errors are logged (nats-py retries them) but a refused login
                 return cls(nc, name, link, replicas=replicas or detect_replicas(nc._server_info))

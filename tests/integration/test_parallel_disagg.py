@@ -60,7 +60,7 @@ def wait_for(predicate, timeout_s: float, what: str):
                                                                     "prefill-pp2-to-decode-tp3"])
 def test_kv_re_laid_out_between_phases_gives_the_aggregated_text(nats_server, redis_server, tmp_path_factory,
                                                                  engine, prefill_shape, decode_shape):
-    """About a minute each: a stack of four or five rank processes starting on two cores."""
+    """Takes over a minute each: a stack of four or five rank processes starting on two cores."""
     spec = StackSpec(
         state_dir=tmp_path_factory.mktemp("phases"), num_decode=1, num_prefill=1, model=MODEL, port=0,
         namespace=f"ph{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
@@ -85,3 +85,36 @@ def test_kv_re_laid_out_between_phases_gives_the_aggregated_text(nats_server, re
         assert load["num_local_prefills"] == before["num_local_prefills"]
         assert load["num_prefill_fallbacks"] == before["num_prefill_fallbacks"]
         assert any("wrote" in line and "KV blocks into" in line for line in stack.lines if line.startswith("prefill-1|"))
+
+
+DOC = ("A steam engine boils water in a closed boiler; the steam pushes a piston back and forth, and a "
+       "crank turns that motion into the rotation of a wheel. ") * 12  # ~380 tokens
+
+
+def test_a_prefix_is_fetched_between_decode_workers_of_different_shapes(nats_server, redis_server,
+                                                                        tmp_path_factory, engine):
+    """A TP=3 decode worker lends its cached prefix to a TP=1 one, and the other way round: the
+    taker's text equal to the in-process greedy text, its prompt served from the fetched blocks.
+    Takes over a minute: a stack of four rank processes starting on two cores."""
+    import asyncio
+
+    from test_peer_fetch import generate, request
+
+    from shared.protocol import KvSource
+
+    spec = StackSpec(state_dir=tmp_path_factory.mktemp("fetch-shapes"), num_decode=2, model=MODEL, port=0,
+                     namespace=f"fs{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
+                     decode_flags={**ENGINE, "kv_cache_memory": "160MiB", "max_model_len": 2048},
+                     worker_flags={"decode-1": {"tensor_parallel_size": 3}})
+    num_doc_blocks = len(engine.tokenizer.encode(DOC)) // BLOCK
+    with running_stack(spec, ready_timeout_s=300) as stack:
+        group, single = stack.worker_id("decode-1"), stack.worker_id("decode-2")
+        for holder, taker, topic in ((group, single, "what turns the wheel?"), (single, group, "what is boiled?")):
+            doc = f"{topic} " + DOC  # a prefix of its own for each direction
+            asyncio.run(generate(stack, holder, request(engine, doc + "Question: " + topic)))
+            second = request(engine, doc + "Question: where does the steam go?")
+            source = KvSource(worker_id=holder, num_blocks=num_doc_blocks - 1)
+            ids, cached = asyncio.run(generate(stack, taker, second.model_copy(update={"kv_source": source})))
+            assert engine.tokenizer.decode(ids) == greedy_text(engine, second.prompt_token_ids, 16, ignore_eos=True)
+            assert cached >= (num_doc_blocks - 1) * BLOCK, (holder, taker)
+            assert any(f"{second.request_id}: fetched" in line and f"from {holder}" in line for line in stack.lines)

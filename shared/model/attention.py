@@ -105,6 +105,44 @@ class TorchAttentionBackend:
         return rotary_embedding_ref(q, k, cos, sin)
 
 
+def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """``AttentionBackend.attend`` with every score s made ``softcap * tanh(s / softcap)`` before the
+    softmax (Gemma 2). No kernel caps scores, so this is torch over K/V gathered from the cache (any
+    device, float32 sums): decode rows at once over their whole block-table rows (no host sync, so
+    a CUDA graph can hold it), prefill chunks one sequence at a time. [T, Hq, D] -> [T, Hq, D]."""
+    nd, parts = meta.num_decodes, []
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    if nd:
+        tables = meta.block_tables[:nd].long()  # [nd, M]
+        valid = torch.arange(tables.shape[1] * block_size, device=q.device)[None] < meta.seq_lens[:nd, None]
+        k = k_cache[tables].reshape(nd, -1, kv_heads, head_dim)  # [nd, M * bs, Hkv, D]
+        v = torch.where(valid[:, :, None, None], v_cache[tables].reshape(nd, -1, kv_heads, head_dim), 0.0)
+        parts.append(_capped(q[:nd, None], k, v, valid[:, None], scale, softcap)[:, 0])
+    starts, lens = (meta.query_start_loc.tolist(), meta.seq_lens.tolist()) if q.shape[0] > nd else ([], [])
+    for i in range(nd, len(lens)):
+        q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
+        table = meta.block_tables[i, :-(-seq_len // block_size)].long()
+        k = k_cache[table].reshape(-1, kv_heads, head_dim)[None, :seq_len]  # [1, L, Hkv, D]
+        v = v_cache[table].reshape(-1, kv_heads, head_dim)[None, :seq_len]
+        q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, L]
+        parts.append(_capped(q[None, q_start:q_end], k, v, causal[None], scale, softcap)[0])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _capped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """q [B, Lq, Hq, D]; k, v [B, L, Hkv, D]; mask [B, Lq, L] true where a query sees a key."""
+    b, lq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    qg = q.float().view(b, lq, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
+    return out.reshape(b, lq, heads, head_dim).to(q.dtype)
+
+
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto`` picks Triton on CUDA and the torch reference elsewhere."""
     if name == "auto":

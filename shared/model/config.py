@@ -16,26 +16,51 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+# the checkpoint names of the norms that sit after a sublayer instead of before the next one
+_POST_NORM_NAMES = {"post_attention_layernorm.weight": "attn_out_norm",
+                    "post_feedforward_layernorm.weight": "mlp_out_norm"}
+_GEMMA_NAMES = {**_POST_NORM_NAMES, "pre_feedforward_layernorm.weight": "mlp_norm"}
+
+
 @dataclass(frozen=True)
 class Family:
     """What a model family changes from the Llama decoder layer (``FAMILIES``, by HF model_type).
 
     The loader maps every family's tensor names at once (they do not clash: Phi-3 stores the fused
-    ``qkv_proj`` and ``gate_up_proj`` that the model fuses for the others); the rest is here."""
+    ``qkv_proj`` and ``gate_up_proj`` that the model fuses for the others), except the few that
+    ``hf_names`` gives another meaning; the rest is here. Numbers a family's config.json carries
+    (Granite's multipliers, Gemma's soft-caps and ``query_pre_attn_scalar``) are read by
+    ``ModelConfig.from_hf`` wherever they appear."""
 
     attention_bias: bool = False  # a bias on the q/k/v projections (Qwen2), unless config.json says
-    qk_norm: bool = False  # RMSNorm over each head of q and of k, before rotary (Qwen3)
+    # RMSNorm of q and of k before rotary: "head" over each head (weights [D]: Qwen3, Gemma 3),
+    # "whole" over all of q and all of k (weights [H * D]: OLMo 2)
+    qk_norm: str | None = None
+    pre_norms: bool = True  # RMSNorm before attention and before the MLP (all but OLMo 2)
+    # RMSNorm of attention's and the MLP's outputs, before the residual add (OLMo 2, Gemma 2 and 3)
+    post_norms: bool = False
+    norm_offset: float = 0.0  # every RMSNorm scales by (offset + weight): Gemma's 1 + weight
+    embed_scale_sqrt: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    local_rope: bool = False  # sliding-window layers rotate with their own base (Gemma 3)
     # attention past ``sliding_window`` tokens is not implemented: the context is cut to the window
     context_within_window: bool = False
+    hf_names: dict[str, str] = field(default_factory=dict)  # checkpoint names that mean another tensor here
 
 
 FAMILIES = {
     "llama": Family(),
     "mistral": Family(),
     "qwen2": Family(attention_bias=True),
-    "qwen3": Family(qk_norm=True, context_within_window=True),
+    "qwen3": Family(qk_norm="head", context_within_window=True),
     "phi3": Family(context_within_window=True),
+    "olmo2": Family(qk_norm="whole", pre_norms=False, post_norms=True, hf_names=_POST_NORM_NAMES),
+    "granite": Family(),  # embedding, residual, attention and logits multipliers: all in config.json
+    "gemma2": Family(post_norms=True, norm_offset=1.0, embed_scale_sqrt=True, context_within_window=True,
+                     hf_names=_GEMMA_NAMES),
+    "gemma3_text": Family(qk_norm="head", post_norms=True, norm_offset=1.0, embed_scale_sqrt=True,
+                          local_rope=True, context_within_window=True, hf_names=_GEMMA_NAMES),
 }
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> the model's
 
 
 @dataclass(frozen=True)
@@ -53,7 +78,19 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    qk_norm: str | None = None  # Family.qk_norm: "head" (Qwen3, Gemma 3), "whole" (OLMo 2)
+    pre_norms: bool = True  # Family.pre_norms
+    post_norms: bool = False  # Family.post_norms
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (Gemma)
+    embedding_multiplier: float = 1.0  # Granite's embedding_multiplier, Gemma's sqrt(hidden)
+    residual_multiplier: float = 1.0  # Granite: each sublayer's output scaled before the residual add
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap)
+    logits_scaling: float = 1.0  # Granite: the logits divided by it
+    final_softcap: float | None = None  # Gemma 2: logits become cap * tanh(logits / cap)
+    # Gemma 3: the rope base of the sliding-window layers (``local_layers``); the others use rope_theta
+    local_rope_theta: float | None = None
+    local_layers: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None
     # explicit per-frequency divisors (GGUF stores Llama-3 scaling as a `rope_freqs` tensor)
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
@@ -73,33 +110,20 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
+        family = FAMILIES.get(model_type, Family())  # the loader refuses a model_type it does not know
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        # transformers < 5 writes rope_theta + rope_scaling; >= 5 one rope_parameters dict
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
-        rope = None
-        if scaling and (scaling.get("rope_type") or scaling.get("type")) == "llama3":
-            rope = RopeScaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-        elif scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-            kind = scaling.get("rope_type") or scaling.get("type")
-            raise ValueError(f"unsupported rope scaling {kind!r} of {model_type} (supported: default, llama3): "
-                             f"{scaling!r}")
-        partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if float(partial) != 1.0:
-            raise ValueError(f"unsupported partial_rotary_factor {partial} of {model_type} (rotary over the "
-                             f"whole head only)")
-        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} of {model_type} (SwiGLU's silu only)")
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        family = FAMILIES.get(model_type, Family())  # the loader refuses a model_type it does not know
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")  # Gemma names it hidden_activation
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r} of {model_type} (supported: {', '.join(ACTIVATIONS)})")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"unsupported use_bidirectional_attention of {model_type} (causal attention only)")
         max_positions = int(cfg.get("max_position_embeddings", 4096))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         if family.context_within_window and window:
             max_positions = min(max_positions, int(window))
+        scalar = cfg.get("query_pre_attn_scalar")  # Gemma's softmax scale; Granite's attention_multiplier
+        attention_scale = float(scalar) ** -0.5 if scalar else cfg.get("attention_multiplier")
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
@@ -110,10 +134,58 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
             qk_norm=family.qk_norm,
-            rope_scaling=rope,
+            pre_norms=family.pre_norms,
+            post_norms=family.post_norms,
+            activation=ACTIVATIONS[act],
+            embedding_multiplier=(float(cfg["hidden_size"]) ** 0.5 if family.embed_scale_sqrt
+                                  else float(cfg.get("embedding_multiplier", 1.0))),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            attention_scale=None if attention_scale is None else float(attention_scale),
+            attn_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+            final_softcap=_optional_float(cfg.get("final_logit_softcapping")),
+            **_hf_rope(cfg, family, model_type, head_dim),
         )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _hf_rope(cfg: dict[str, Any], family: Family, model_type: str, head_dim: int) -> dict[str, Any]:
+    """``ModelConfig``'s rope fields from a config.json: transformers < 5 writes rope_theta and
+    rope_scaling, >= 5 one rope_parameters dict (Gemma 3: one per layer type)."""
+    params = cfg.get("rope_parameters") or {}
+    local_params = params.get("sliding_attention") if family.local_rope else None
+    params = params.get("full_attention", params) if family.local_rope else params
+    scaling = cfg.get("rope_scaling") or params or None
+    rope, rope_kind = None, (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    freq_factors = None
+    if rope_kind == "llama3":
+        rope = RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    elif rope_kind == "linear":  # positions divided by the factor: every frequency divided by it
+        freq_factors = (float(scaling["factor"]),) * (head_dim // 2)
+    elif rope_kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {rope_kind!r} of {model_type} (supported: default, llama3, "
+                         f"linear): {scaling!r}")
+    partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {partial} of {model_type} (rotary over the "
+                         f"whole head only)")
+    local_theta, local_layers = None, ()
+    if family.local_rope:  # Gemma 3: the sliding-window layers' own base, never scaled
+        local_theta = float((local_params or {}).get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0))
+        pattern = int(cfg.get("sliding_window_pattern", 6))  # configs from before layer_types
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(cfg["num_hidden_layers"])]
+        local_layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return dict(rope_theta=float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0)), rope_scaling=rope,
+                rope_freq_factors=freq_factors, local_rope_theta=local_theta, local_layers=local_layers)

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite, Gemma 2,
+Gemma 3) over a paged KV cache.
 
 Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention, the KV
 write, the residual add + RMSNorm and rotary go through an ``AttentionBackend`` (the kernel seam,
@@ -9,6 +10,7 @@ All sequences of a step are flattened into one token dimension ``T``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -16,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import blocks_cpu, int8_cpu
+from kernels.cast import cast
 from kernels.rms_norm import fused_add_rms_norm_ref
 from shared.kvcache.layout import KvCacheSpec, layer_views
-from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, softcapped_attention
 from shared.model.config import ModelConfig
 from shared.model.parallel import Collectives, PipelineStage, SingleRank, TensorSplit
 from shared.model.quant import BlockWeight, Int8Weight, ObservedWeight, linear, observe, quantize_blocks, quantize_int8
@@ -47,66 +50,129 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 LINEAR_NAMES = ("qkv", "o_proj", "gate_up", "down")  # a layer's linear weights (quantize replaces them)
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+Norm = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # fused_add_rms_norm(x, residual, weight, eps)
+
+
 class LlamaLayer:
     """One decoder layer; on a tensor-parallel rank, its heads and MLP channels
-    (shared/model/parallel.py), the two row-parallel products summed over the group."""
+    (shared/model/parallel.py), the two row-parallel products summed over the group.
+
+    What a family changes (shared/model/config.py's ``FAMILIES``) arrives as the config's fields
+    and as which norms the weights hold: no norm before a sublayer (OLMo 2), a norm of a
+    sublayer's all-reduced output (OLMo 2, Gemma), the MLP's activation, Granite's residual
+    multiplier, the softmax scale and Gemma 2's score soft-cap. The compiled decode step calls the
+    same methods (shared/model/compiled.py)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
-                 group: Collectives):
+                 group: Collectives, index: int = 0):
         self.cfg = cfg
         self.group = group
-        self.attn_norm = weights["attn_norm"]
+        self.attn_norm = weights.get("attn_norm")  # [hidden]; None: no norm before attention (OLMo 2)
         self.qkv = weights["qkv"]  # [(Hq + 2 Hkv) * D, hidden]
         self.qkv_bias = weights.get("qkv_bias")
         self.o_proj = weights["o_proj"]
-        self.mlp_norm = weights["mlp_norm"]
+        self.attn_out_norm = weights.get("attn_out_norm")  # [hidden]: of attention's output (OLMo 2, Gemma)
+        self.mlp_norm = weights.get("mlp_norm")
         self.gate_up = weights["gate_up"]  # [2 * intermediate, hidden]
         self.down = weights["down"]
+        self.mlp_out_norm = weights.get("mlp_out_norm")
         self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads  # this rank's
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
+        # settled here, not in the forward: the compiled step's tracer makes the config's floats symbols,
+        # and a test of one (``== 1.0``) inside the graph makes it start over, which an ahead-of-time
+        # compile cannot
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        self.softcap = cfg.attn_softcap
+        self.residual_multiplier = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None
+        self.act = _ACTIVATIONS[cfg.activation]
+        self.rope = (1 if index in cfg.local_layers else 0) if cfg.local_layers else None  # Gemma 3's cos/sin pair
 
     def forward(self, kv_views, hidden, residual, cos, sin, meta, backend):
-        cfg = self.cfg
-        x, residual = backend.fused_add_rms_norm(hidden, residual, self.attn_norm, cfg.rms_norm_eps)
-        qkv = linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, cfg.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        q, k = self.norm_qk(q, k)
-        q, k = backend.rotary_embedding(q, k, cos, sin)
-        v = v.view(-1, self.num_kv_heads, cfg.head_dim)
+        norm = backend.fused_add_rms_norm
+        x, residual = self.norm_in(norm, hidden, residual, self.attn_norm)
+        q, k, v = self.project_qkv(x, cos, sin, backend.rotary_embedding)
         k_cache, v_cache = kv_views
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        attn = backend.attend(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
-        hidden = self.group.all_reduce(linear(attn.reshape(-1, self.q_size), self.o_proj))
-        x, residual = backend.fused_add_rms_norm(hidden, residual, self.mlp_norm, cfg.rms_norm_eps)
+        if self.softcap is None:
+            attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        else:
+            attn = softcapped_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
+        hidden = self.norm_out(norm, self.group.all_reduce(linear(attn.reshape(-1, self.q_size), self.o_proj)),
+                               self.attn_out_norm)
+        x, residual = self.norm_in(norm, hidden, residual, self.mlp_norm)
+        return self.norm_out(norm, self.group.all_reduce(self.mlp(x)), self.mlp_out_norm), residual
+
+    def norm_in(self, norm: Norm, hidden, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sublayer's input, the residual stream): hidden + residual, normed unless ``weight`` is None."""
+        if weight is not None:
+            return norm(hidden, residual, weight, self.cfg.rms_norm_eps)
+        summed = hidden if residual is None else hidden + residual
+        return summed, summed
+
+    def norm_out(self, norm: Norm, out: torch.Tensor, weight) -> torch.Tensor:
+        """A sublayer's all-reduced output as it joins the residual stream."""
+        if weight is not None:
+            out = norm(out, None, weight, self.cfg.rms_norm_eps)[0]
+        return out if self.residual_multiplier is None else out * self.residual_multiplier
+
+    def project_qkv(self, x, cos, sin, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of this rank's heads, q and k normed and rotated."""
+        q, k, v = linear(x, self.qkv, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.norm_qk(q, k)
+        if self.rope is not None:
+            cos, sin = cos[self.rope], sin[self.rope]
+        q = q.reshape(-1, self.num_heads, self.cfg.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.cfg.head_dim)
+        q, k = rotary(q, k, cos, sin)
+        return q, k, v.reshape(-1, self.num_kv_heads, self.cfg.head_dim)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> this rank's partial sum [T, hidden]
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.group.all_reduce(linear(F.silu(gate) * up, self.down)), residual
+        return linear(self.act(gate) * up, self.down)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The hook between the q/k projections and rotary ([T, H, D] each): none in Llama."""
+        """The hook between the q/k projections ([T, Hq * D], [T, Hkv * D]) and rotary: none in Llama."""
         return q, k
 
 
 class QkNormLayer(LlamaLayer):
-    """Qwen3's layer: RMSNorm over each head of q and of k (weights [D], the same for every head and
-    so whole on every tensor-parallel rank) between the projections and rotary."""
+    """Qwen3's and Gemma 3's layer: RMSNorm over each head of q and of k (weights [D], the same for
+    every head and so whole on every tensor-parallel rank) between the projections and rotary."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
-                 group: Collectives):
-        super().__init__(cfg, weights, split, group)
+                 group: Collectives, index: int = 0):
+        super().__init__(cfg, weights, split, group, index)
         self.q_norm, self.k_norm = weights["q_norm"], weights["k_norm"]  # [D] each
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        eps, d = self.cfg.rms_norm_eps, self.cfg.head_dim
+        q = fused_add_rms_norm_ref(q.reshape(-1, self.num_heads, d), None, self.q_norm, eps)[0]
+        return q, fused_add_rms_norm_ref(k.reshape(-1, self.num_kv_heads, d), None, self.k_norm, eps)[0]
+
+
+class WholeQkNormLayer(QkNormLayer):
+    """OLMo 2's layer: RMSNorm over all of q and all of k (weights [Hq * D] and [Hkv * D]). On a
+    tensor-parallel rank, its heads' part of each weight, and the mean square averaged over the group."""
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.cfg.rms_norm_eps
-        q = fused_add_rms_norm_ref(q, None, self.q_norm, eps)[0]
-        return q, fused_add_rms_norm_ref(k, None, self.k_norm, eps)[0]
+        if self.group.size == 1:
+            q = fused_add_rms_norm_ref(q, None, self.q_norm, eps)[0]
+            return q, fused_add_rms_norm_ref(k, None, self.k_norm, eps)[0]
+        # every rank holds as many heads of q (of k) as the next, so the mean square over all of them is the
+        # mean of the ranks' (a KV head replicated on n ranks counts n times, as each of its peers does)
+        local = torch.stack([cast(q, torch.float32).pow(2).mean(-1), cast(k, torch.float32).pow(2).mean(-1)])
+        mean = self.group.all_reduce(local) / self.group.size  # [2, T]
+        q = self.q_norm * cast(cast(q, torch.float32) * torch.rsqrt(mean[0, :, None] + eps), q.dtype)
+        return q, self.k_norm * cast(cast(k, torch.float32) * torch.rsqrt(mean[1, :, None] + eps), k.dtype)
 
 
 def layer_class(cfg: ModelConfig) -> type[LlamaLayer]:
     """The decoder layer of ``cfg``'s family (shared/model/config.py's ``FAMILIES``)."""
-    return QkNormLayer if cfg.qk_norm else LlamaLayer
+    return {None: LlamaLayer, "head": QkNormLayer, "whole": WholeQkNormLayer}[cfg.qk_norm]
 
 
 @dataclasses.dataclass
@@ -134,8 +200,16 @@ class LlamaModel:
         self.embed = weights.get("embed")  # [V, hidden]; [V / tp, hidden] on a rank of a group; None past stage 0
         self.norm = weights["norm"]
         self.lm_head = weights.get("lm_head", self.embed)
-        self.layers = [layer_class(cfg)(cfg, w, self.split, self.group) for w in layer_weights]
+        # Granite's embedding_multiplier, Gemma's sqrt(hidden): in the model's dtype, as Gemma rounds it
+        self.embed_scale = (torch.tensor(cfg.embedding_multiplier, dtype=self.norm.dtype, device=self.norm.device)
+                            if cfg.embedding_multiplier != 1.0 else None)
+        self.layers = [layer_class(cfg)(cfg, w, self.split, self.group, i)
+                       for i, w in zip(self.pipeline.layers, layer_weights, strict=True)]
         self.inv_freq = rope_inv_freq(cfg).to(self.norm.device)
+        self.local_inv_freq = None  # Gemma 3's sliding-window layers' own base (no scaling)
+        if cfg.local_layers:
+            local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
+            self.local_inv_freq = rope_inv_freq(local).to(self.norm.device)
         self._kv_views: tuple[torch.Tensor, list] | None = None  # (cache, each layer's (k, v) views)
 
     @property
@@ -153,15 +227,20 @@ class LlamaModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.group.size == 1:
-            return F.embedding(input_ids, self.embed)
-        # vocab-parallel: the rank holding a token's row gives it, the others zeros
-        local = input_ids - self.split.vocab_start
-        mine = (local >= 0) & (local < self.split.vocab_shard)
-        rows = F.embedding(torch.where(mine, local, 0), self.embed)
-        return self.group.all_reduce(torch.where(mine[:, None], rows, 0.0))
+            rows = F.embedding(input_ids, self.embed)
+        else:  # vocab-parallel: the rank holding a token's row gives it, the others zeros
+            local = input_ids - self.split.vocab_start
+            mine = (local >= 0) & (local < self.split.vocab_shard)
+            rows = F.embedding(torch.where(mine, local, 0), self.embed)
+            rows = self.group.all_reduce(torch.where(mine[:, None], rows, 0.0))
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D/2]; with local layers (Gemma 3) [2, T, D/2]: the global layers' and the
+        local ones' (each layer picks its own: ``LlamaLayer.rope``)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        if self.local_inv_freq is not None:
+            freqs = torch.stack([freqs, positions.float()[:, None] * self.local_inv_freq[None, :]])
         return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
 
     @torch.inference_mode()
@@ -236,9 +315,18 @@ class LlamaModel:
         if self.lm_head is None:
             return None
         logits = linear(hidden, self.lm_head).float()
-        if self.group.size == 1:
-            return logits
-        return self.group.all_gather(logits)[:, :self.cfg.vocab_size]
+        if self.group.size > 1:
+            logits = self.group.all_gather(logits)[:, :self.cfg.vocab_size]
+        return self.scale_logits(logits)
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Granite's division by ``logits_scaling``, Gemma 2's final soft-cap."""
+        cfg = self.cfg
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits
 
     def quantize(self, method: str, calibration_ids: list[int] | None = None, alpha: float = 0.5) -> None:
         """Replace every linear weight (and the LM head, a copy when tied) by its int8 form.

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.model.config import ModelConfig
+from shared.model.config import FAMILIES, Family, ModelConfig
 from shared.model.gguf_file import GgufFile, GgufTensor, read_gguf
 from shared.model.llama import LlamaModel
 from shared.model.parallel import Collectives, PipelineStage, check_tensor_parallel, shard_layer, shard_top
@@ -28,7 +28,8 @@ from shared.model.parallel import Collectives, PipelineStage, check_tensor_paral
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")  # from a GGUF file
-SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "qwen3", "phi3")  # from a Hugging Face directory
+# from a Hugging Face directory
+SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text")
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
     "attn_v.weight": "v", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
@@ -42,7 +43,7 @@ _HF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "k_bias", "self_attn.v_proj.bias": "v_bias",
     "self_attn.o_proj.weight": "o_proj", "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
-    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",  # Qwen3
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",  # Qwen3, OLMo 2, Gemma 3
     "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",  # Phi-3: fused already
 }
 _HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
@@ -171,15 +172,26 @@ def _read_gguf_tensor(tensor: GgufTensor, qk_heads: int | None, device: torch.de
     return w.to(device=device, dtype=dtype)
 
 
-def _canonical_hf_name(hf_name: str) -> str | None:
+def _canonical_hf_name(hf_name: str, family: Family) -> str | None:
     """``model.layers.3.self_attn.q_proj.weight`` → ``layers.3.q``; None for one the model does not use."""
     if hf_name in _HF_TOP_NAMES:
         return _HF_TOP_NAMES[hf_name]
     if hf_name.startswith("model.layers."):
         idx, rest = hf_name[len("model.layers."):].split(".", 1)
-        if rest in _HF_LAYER_NAMES:
-            return f"layers.{idx}.{_HF_LAYER_NAMES[rest]}"
+        name = family.hf_names.get(rest) or _HF_LAYER_NAMES.get(rest)
+        if name is not None:
+            return f"layers.{idx}.{name}"
     return None
+
+
+def hf_config(path: Path) -> ModelConfig:
+    """A Hugging Face directory's config.json, refused in one line naming the model types there are
+    before any other field of it is read."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    model_type = raw.get("model_type", "llama")
+    if model_type not in SUPPORTED_HF_ARCHS:
+        raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_HF_ARCHS)})")
+    return ModelConfig.from_hf(raw)
 
 
 def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
@@ -189,9 +201,7 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
     from safetensors import safe_open
 
     path = Path(path)
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    if cfg.architecture not in SUPPORTED_HF_ARCHS:
-        raise ValueError(f"unsupported model_type {cfg.architecture!r} (supported: {', '.join(SUPPORTED_HF_ARCHS)})")
+    cfg = hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -199,7 +209,7 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
     for f in tqdm(files, desc=f"loading {path.name}", unit="file", leave=False):
         with safe_open(str(f), framework="pt") as st:
             for hf_name in st.keys():
-                name = _canonical_hf_name(hf_name)
+                name = _canonical_hf_name(hf_name, FAMILIES[cfg.architecture])
                 if name is not None:
                     tensors[name] = st.get_tensor(hf_name).to(device=device, dtype=dtype)
                 elif not hf_name.endswith("rotary_emb.inv_freq"):
@@ -226,9 +236,15 @@ def build_model(
         """A fused weight: as the checkpoint stores it (Phi-3), or its parts concatenated."""
         return take(prefix + name) if prefix + name in tensors else torch.cat([take(prefix + n) for n in parts])
 
+    offset = FAMILIES.get(cfg.architecture, Family()).norm_offset
+
+    def norm(name: str) -> torch.Tensor:
+        """An RMSNorm's weight as the model multiplies by it: Gemma's stored ``w`` scales by 1 + w."""
+        return take(name) + offset if offset else take(name)
+
     rank, tp = (group.rank, group.size) if group is not None else (0, 1)
     stage0 = pipeline is None or pipeline.stage == 0
-    top = {"norm": take("norm")}
+    top = {"norm": norm("norm")}
     if stage0:
         top["embed"] = take("embed")
         if not cfg.tie_word_embeddings:
@@ -241,17 +257,19 @@ def build_model(
                 del tensors[name]  # another stage's
             continue
         w = {
-            "attn_norm": take(p + "attn_norm"),
             "qkv": fused(p, "qkv", ("q", "k", "v")),
             "o_proj": take(p + "o_proj"),
-            "mlp_norm": take(p + "mlp_norm"),
             "gate_up": fused(p, "gate_up", ("gate", "up")),
             "down": take(p + "down"),
         }
+        if cfg.pre_norms:
+            w["attn_norm"], w["mlp_norm"] = norm(p + "attn_norm"), norm(p + "mlp_norm")
+        if cfg.post_norms:
+            w["attn_out_norm"], w["mlp_out_norm"] = norm(p + "attn_out_norm"), norm(p + "mlp_out_norm")
         if cfg.attention_bias:
             w["qkv_bias"] = torch.cat([take(p + "q_bias"), take(p + "k_bias"), take(p + "v_bias")])
         if cfg.qk_norm:
-            w["q_norm"], w["k_norm"] = take(p + "q_norm"), take(p + "k_norm")
+            w["q_norm"], w["k_norm"] = norm(p + "q_norm"), norm(p + "k_norm")
         layers.append(shard_layer(cfg, w, rank, tp))
     tensors.clear()
     if stage0:
@@ -263,7 +281,7 @@ def read_config(path: Path, fmt: str) -> ModelConfig:
     """The model's shape alone, without its tensors (to check a parallel split before loading)."""
     if fmt == "gguf":
         return gguf_config(read_gguf(path))
-    return ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    return hf_config(path)
 
 
 def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,

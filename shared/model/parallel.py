@@ -296,18 +296,21 @@ def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, to
     inter, i0 = cfg.intermediate_size, split.rank * split.intermediate_size
     mlp = _rows(i0, split.intermediate_size)
     out = {
-        "attn_norm": w["attn_norm"],
-        "mlp_norm": w["mlp_norm"],
         "qkv": qkv(w["qkv"]),
         "o_proj": w["o_proj"][:, q_rows].contiguous(),
         "gate_up": torch.cat([w["gate_up"][:inter][mlp], w["gate_up"][inter:][mlp]]).clone(),
         "down": w["down"][:, mlp].contiguous(),
     }
-    if "qkv_bias" in w:
-        out["qkv_bias"] = qkv(w["qkv_bias"])
-    for name in ("q_norm", "k_norm"):  # [D]: the same for every head, so whole on every rank
+    # [hidden]: the norms before a sublayer and those after it (which act on the all-reduced output)
+    for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
         if name in w:
             out[name] = w[name]
+    if "qkv_bias" in w:
+        out["qkv_bias"] = qkv(w["qkv_bias"])
+    if cfg.qk_norm == "head":  # [D]: the same for every head, so whole on every rank
+        out["q_norm"], out["k_norm"] = w["q_norm"], w["k_norm"]
+    elif cfg.qk_norm == "whole":  # [H * D]: this rank's heads' part, as the rows of q and k
+        out["q_norm"], out["k_norm"] = w["q_norm"][q_rows].clone(), w["k_norm"][kv_rows].clone()
     return out
 
 

@@ -78,20 +78,34 @@ def max_rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float(err.max())
 
 
-def tiny_model(dtype: torch.dtype, device):
-    """A 2-layer Llama with random weights (64 wide, 4 query heads over 2 KV heads of 16)."""
+def tiny_model(dtype: torch.dtype, device, **family):
+    """A 2-layer Llama with random weights (64 wide, 4 query heads over 2 KV heads of 16); ``family``:
+    ``ModelConfig`` fields another family sets (post-norms, q/k norms, ...), with the weights they need."""
     from shared.model.config import ModelConfig
     from shared.model.llama import LlamaModel
 
     cfg = ModelConfig("llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=256, tie_word_embeddings=True)
+                      max_position_embeddings=256, tie_word_embeddings=True, **family)
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape, scale=0.1):
         return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
 
     qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    layers = [dict(attn_norm=1 + rand(64), qkv=rand(qkv_rows, 64), o_proj=rand(64, 64), mlp_norm=1 + rand(64),
-                   gate_up=rand(256, 64), down=rand(64, 128)) for _ in range(cfg.num_layers)]
+
+    def layer() -> dict:
+        w = dict(attn_norm=1 + rand(64), qkv=rand(qkv_rows, 64), o_proj=rand(64, 64), mlp_norm=1 + rand(64),
+                 gate_up=rand(256, 64), down=rand(64, 128))
+        if not cfg.pre_norms:
+            del w["attn_norm"], w["mlp_norm"]
+        if cfg.post_norms:
+            w.update(attn_out_norm=1 + rand(64), mlp_out_norm=1 + rand(64))
+        if cfg.qk_norm:
+            d = cfg.head_dim
+            q, k = (cfg.num_heads * d, cfg.num_kv_heads * d) if cfg.qk_norm == "whole" else (d, d)
+            w.update(q_norm=1 + rand(q), k_norm=1 + rand(k))
+        return w
+
+    layers = [layer() for _ in range(cfg.num_layers)]
     return LlamaModel(cfg, dict(embed=rand(97, 64, scale=1.0), norm=1 + rand(64)), layers)

@@ -86,7 +86,27 @@ def test_random_mixed_batches_match_oracle(device, seed):
 def test_model_forward_agrees_across_backends(device, dtype):
     """The model's norms, rotary, KV writes and attention all go through the backend: a prefill of
     two prompts, then a decode step of both, on each backend with its own pool."""
-    model = tiny_model(dtype, device)
+    assert_forward_agrees_across_backends(tiny_model(dtype, device), device, dtype)
+
+
+# OLMo 2's layer (no pre-norms, post-norms, q/k norms over all heads) and a Gemma-like one (pre- and
+# post-norms, gelu, scale and soft-cap, per-head q/k norms, a local rope on layer 0, scaled embeddings)
+FAMILY_LAYERS = {
+    "olmo2": dict(qk_norm="whole", pre_norms=False, post_norms=True),
+    "gemma": dict(qk_norm="head", post_norms=True, activation="gelu_tanh", embedding_multiplier=8.0,
+                  attention_scale=0.2, attn_softcap=2.0, local_layers=(0,), local_rope_theta=100.0),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_LAYERS)
+def test_other_families_forward_agrees_across_backends(device, family):
+    """The post-norms' residual-less norm through the Triton norm kernel, rotary of normed q/k,
+    Gemma's soft-capped attention (torch on every backend) beside the Triton KV write."""
+    assert_forward_agrees_across_backends(tiny_model(torch.float32, device, **FAMILY_LAYERS[family]), device,
+                                          torch.float32)
+
+
+def assert_forward_agrees_across_backends(model, device, dtype):
     block_size, prompt_lens = 8, [13, 21]
     spec = KvCacheSpec(2, 2, 16, block_size, dtype)
     tables = torch.tensor([[0, 1, 2, 0], [3, 4, 5, 6]], dtype=torch.int32, device=device)

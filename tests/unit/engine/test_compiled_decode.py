@@ -198,13 +198,17 @@ def test_two_models_in_one_process_each_run_their_own_graph(tmp_path):
     assert outputs[0] != outputs[1]
 
 
-def test_qwen3_compiled_decode_gives_the_eager_tokens(tmp_path):
-    """The graph calls the layer's own q/k hook (``LlamaLayer.norm_qk``), so Qwen3's per-head
-    norms run in it as in the eager step."""
+@pytest.mark.parametrize("kind", ["qwen3", "olmo2", "granite", "gemma2", "gemma3_text"])
+def test_each_familys_compiled_decode_gives_the_eager_tokens(tmp_path, kind):
+    """The graph calls the eager layer's own steps (``LlamaLayer.norm_in``, ``project_qkv``,
+    ``norm_out``, ``mlp``), so each family's differences run in it as in the eager step: Qwen3's
+    per-head q/k norms, OLMo 2's whole-q/k norms and post-norms, Granite's multipliers and scale
+    (the written-out attention: the C++ kernel scales by head_dim ** -0.5 only), Gemma 2's
+    soft-caps, Gemma 3's local rope."""
     from shared.model.loader import load_model
     from tiny_hf_models import save_tiny
 
-    save_tiny("qwen3", tmp_path)
+    save_tiny(kind, tmp_path)
     model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     eager = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))

@@ -6,7 +6,7 @@ import torch
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
-from tiny_hf_models import save_tiny
+from tiny_hf_models import GEMMA_WINDOW, save_tiny
 
 
 def assert_greedy_under_hf(model, prompt, generated, tol=1e-4):
@@ -35,11 +35,13 @@ def test_prefill_logits_match(tiny_hf):
 
 
 def test_logits_at_every_position_match(tiny_hf):
-    """The whole model in float32 (Qwen3's q/k norms, Phi-3's fused checkpoint tensors included):
-    every position's logits within float32 rounding of transformers'."""
+    """The whole model in float32 (Qwen3's q/k norms, Phi-3's fused checkpoint tensors, OLMo 2's
+    post-norms, Granite's multipliers, Gemma's soft-caps and local rope included): every position's
+    logits within float32 rounding of transformers'. The prompt fills the tiny Gemmas' whole sliding
+    window, which transformers applies on their local layers: the cut context is exact."""
     _, path, hf = tiny_hf
     model = load_model(path, "hf", torch.device("cpu"), torch.float32)
-    prompt = [(13 * i + 5) % 256 for i in range(50)]
+    prompt = [(13 * i + 5) % 256 for i in range(GEMMA_WINDOW)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     got = model.prefill_logits(prompt)
@@ -97,3 +99,113 @@ def test_qwen3_split_over_two_ranks_gives_the_whole_models_logits(tmp_path):
                                                     group).prefill_logits(ids))
     assert torch.equal(results[0], results[1])
     torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind, tp", [("olmo2", 2), ("olmo2", 4), ("gemma2", 2)])
+def test_new_families_split_over_ranks_give_the_whole_models_logits(tmp_path, kind, tp):
+    """OLMo 2's q/k norms span every head: each rank holds its heads' part of the weights and the
+    mean square is summed over the group (at 4 ranks each of the 2 KV heads sits on two ranks, and
+    counts twice in both sum and width). Post-norms act on the all-reduced outputs, whole on every
+    rank; Gemma 2's scores are capped per head, its logits after the gather."""
+    from test_tensor_parallel import run_ranks
+
+    save_tiny(kind, tmp_path)
+    ids = [(7 * i + 3) % 256 for i in range(30)]
+    whole = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32).prefill_logits(ids)
+    results = run_ranks(tp, lambda group: load_model(tmp_path, "hf", torch.device("cpu"), torch.float32,
+                                                     group).prefill_logits(ids))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_type_not_built_is_refused_in_one_line_naming_those_that_are(tmp_path):
+    """Before any other field is read: a Mamba config has no attention heads to read."""
+    from shared.model.loader import read_config
+
+    (tmp_path / "config.json").write_text('{"model_type": "mamba", "hidden_size": 64}')
+    for load in (lambda: load_model(tmp_path, "hf", torch.device("cpu"), torch.float32),
+                 lambda: read_config(tmp_path, "hf")):
+        with pytest.raises(ValueError) as caught:
+            load()
+        assert str(caught.value) == ("unsupported model_type 'mamba' (supported: llama, mistral, qwen2, qwen3, phi3, "
+                                     "olmo2, granite, gemma2, gemma3_text)")
+
+
+GEMMA2 = PHI3 | dict(model_type="gemma2", head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
+                     max_position_embeddings=8192)
+
+
+def test_each_familys_differences_are_read_from_its_config():
+    gemma2 = ModelConfig.from_hf(GEMMA2)
+    assert gemma2.max_position_embeddings == 4096  # Gemma 2's window: its context
+    assert (gemma2.activation, gemma2.attention_scale, gemma2.attn_softcap, gemma2.final_softcap) == (
+        "gelu_tanh", 24 ** -0.5, 50.0, 30.0)
+    assert gemma2.embedding_multiplier == 8.0 and gemma2.post_norms and gemma2.pre_norms
+    olmo2 = ModelConfig.from_hf(PHI3 | dict(model_type="olmo2"))
+    assert (olmo2.qk_norm, olmo2.pre_norms, olmo2.post_norms) == ("whole", False, True)
+    granite = ModelConfig.from_hf(PHI3 | dict(model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+                                              attention_multiplier=0.0078125, logits_scaling=8.0))
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attention_scale,
+            granite.logits_scaling) == (12.0, 0.22, 0.0078125, 8.0)
+    # Gemma 3 as transformers 4 wrote it: rope_theta, rope_local_base_freq, a linear rope_scaling
+    gemma3 = ModelConfig.from_hf(GEMMA2 | dict(model_type="gemma3_text", num_hidden_layers=6, sliding_window=1024,
+                                               rope_theta=1e6, rope_local_base_freq=1e4, attn_logit_softcapping=None,
+                                               final_logit_softcapping=None,
+                                               rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert gemma3.local_layers == (0, 1, 2, 3, 4) and gemma3.local_rope_theta == 1e4 and gemma3.rope_theta == 1e6
+    assert gemma3.rope_freq_factors == (8.0,) * 8 and gemma3.max_position_embeddings == 1024
+    assert gemma3.attn_softcap is None and gemma3.qk_norm == "head"
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"hidden_activation": "gelu"}, "hidden_act 'gelu'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+])
+def test_what_gemma_configs_ask_and_is_not_built_is_refused_by_name(fields, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf(GEMMA2 | fields)
+
+
+def test_softcapped_attention_under_a_cap_far_above_the_scores_is_the_backends_attention():
+    """Decode rows and prefill chunks of one step, over a pool whose unused slots hold NaN; with a
+    cap of 1e4 the scores (a few units) are not bent, so the result is plain attention's."""
+    from shared.model.attention import AttentionMetadata, TorchAttentionBackend, softcapped_attention
+
+    gen = torch.Generator().manual_seed(0)
+    bs, kv_heads, heads, d = 4, 2, 4, 16
+    k_cache = torch.full((12, bs, kv_heads, d), float("nan"))
+    v_cache = k_cache.clone()
+    seq_lens, q_lens = [7, 3, 10, 5], [1, 1, 4, 5]  # two decode rows, then two prefill chunks
+    tables = torch.tensor([[0, 1, 0], [2, 0, 0], [3, 4, 5], [6, 7, 0]], dtype=torch.int32)
+    for row, n in enumerate(seq_lens):
+        for pos in range(n):
+            block, offset = int(tables[row, pos // bs]), pos % bs
+            k_cache[block, offset] = torch.randn(kv_heads, d, generator=gen)
+            v_cache[block, offset] = torch.randn(kv_heads, d, generator=gen)
+    q = torch.randn(sum(q_lens), heads, d, generator=gen)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(num_decodes=2, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+                             block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             query_start_loc=starts, max_seq_len=10, max_query_len=5)
+    want = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.25)
+    got = softcapped_attention(q, k_cache, v_cache, meta, 0.25, 1e4)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    bent = softcapped_attention(q, k_cache, v_cache, meta, 0.25, 0.5)  # and a low cap does bend them
+    assert (bent - want).abs().max() > 0.05
+
+
+def test_the_gemma_context_ends_where_the_window_would_start_to_matter(tmp_path):
+    """Cut to the window, the context is exact (every position above, the window full); one token
+    more and transformers' sliding layers drop the first token, which ours, attending to all, keep."""
+    hf = save_tiny("gemma2", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    assert model.cfg.max_position_embeddings == GEMMA_WINDOW
+    prompt = [(13 * i + 5) % 256 for i in range(GEMMA_WINDOW + 1)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    got = model.prefill_logits(prompt)
+    torch.testing.assert_close(got[:GEMMA_WINDOW], ref[:GEMMA_WINDOW], rtol=1e-4, atol=1e-4)
+    assert (got[GEMMA_WINDOW] - ref[GEMMA_WINDOW]).abs().max() > 1e-2

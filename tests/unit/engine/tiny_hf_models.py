@@ -7,6 +7,7 @@ import torch
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             initializer_range=0.2)
+GEMMA_WINDOW = 128  # the tiny Gemmas' sliding window: also their context (shared/model/config.py)
 
 
 def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
@@ -23,6 +24,23 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
     elif kind == "phi3":  # the defaults' ids (pad 32000) lie outside the tiny vocabulary
         cfg = transformers.Phi3Config(**shape, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
                                       eos_token_id=2)
+    elif kind == "olmo2":
+        cfg = transformers.Olmo2Config(**shape, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
+                                       eos_token_id=2)
+    elif kind == "granite":  # multipliers far from 1 (the scale 0.5, not head_dim ** -0.5 = 0.25)
+        cfg = transformers.GraniteConfig(**shape, tie_word_embeddings=True, embedding_multiplier=3.0,
+                                         residual_multiplier=0.5, attention_multiplier=0.5, logits_scaling=4.0)
+    elif kind == "gemma2":  # caps low enough to bend random scores; a window the tests' prompts fill exactly
+        cfg = transformers.Gemma2Config(**shape, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                        final_logit_softcapping=10.0, sliding_window=GEMMA_WINDOW,
+                                        pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    elif kind == "gemma3_text":  # local layers (0, 2) rotate with base 100, the global one (1) with 1e4 x 8
+        cfg = transformers.Gemma3TextConfig(
+            **(shape | dict(num_hidden_layers=3)), head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=GEMMA_WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+            pad_token_id=None, bos_token_id=1, eos_token_id=2)
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -30,7 +48,8 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
     else:
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    if kind in ("qwen3", "phi3"):  # norms start at ones: random ones catch a weight loaded in the wrong place
+    if kind not in ("llama", "qwen2", "llama3"):  # norms start at ones (Gemma's at zeros, for 1 + w):
+        # random ones catch a weight loaded in the wrong place
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

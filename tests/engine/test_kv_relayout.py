@@ -37,11 +37,12 @@ def start(model, tp: int, pp: int) -> LLMEngine:
                                               max_model_len=256))
 
 
-# (writer TP, PP) -> (target TP, PP): TP down (the writer's stage gathers its heads), TP up (per-head
-# staging), stages into one process, one process into stages, the same shape (whole blocks, no
-# staging), nested heads, and stages of two ranks into four ranks
-PAIRS = [((4, 1), (1, 1)), ((1, 1), (4, 1)), ((1, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (2, 1)),
-         ((2, 1), (4, 1)), ((2, 2), (4, 1))]
+# (writer TP, PP) -> (target TP, PP): TP down (the writer's stage gathers its heads), stages into one
+# process, one process into stages of two ranks (per-head staging at a layer offset), the same shape
+# (whole blocks, no staging), and stages of two ranks into four ranks (gathers and layer shares per
+# stage). TP=1 into TP=3 and TP=3 into TP=1 and TP=3 run on SmolLM2 in a stack:
+# tests/integration/test_parallel_disagg.py
+PAIRS = [((4, 1), (1, 1)), ((1, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (2, 1)), ((2, 2), (4, 1))]
 
 
 @pytest.mark.parametrize("src_shape,dst_shape", PAIRS, ids=[f"tp{a}pp{b}-to-tp{c}pp{d}" for (a, b), (c, d) in PAIRS])

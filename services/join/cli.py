@@ -13,8 +13,10 @@ EXIT_CODES = ("Exit codes, each failure with one line on stderr naming its cause
               "plane's NATS not reachable within --ready-timeout-s (address, port, firewall); 4 TLS failed (the "
               "CA file is not the control plane's ca.pem, or the address is not one its certificate names); "
               "5 credentials refused (copy connect.env from the control plane again: tandem up makes a fresh "
-              "password each run); 6 workers not ready in the control plane's registry within "
-              "--ready-timeout-s.")
+              "password each run), at the start or when a worker's login is refused later; 6 workers not ready "
+              "in the control plane's registry within --ready-timeout-s; 7 another host's workers are live under "
+              "the worker ids this host would use (the same --host-name: machines cloned from one image share "
+              "their host name), refused before any worker starts.")
 
 
 def register(subparsers) -> None:

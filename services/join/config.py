@@ -22,12 +22,14 @@ class JoinSettings(WorkerHostSettings):
                           "names or, copied beside it, as ca.pem")
     host_name: str = Field(default_factory=default_host_name, pattern=r"^[A-Za-z0-9_-]{1,24}$",
                            description="this host's name in its workers' ids (<namespace>-<host>-decode-1), "
-                                       "unique among the hosts joined to one control plane")
+                                       "unique among the hosts joined to one control plane (a join whose worker "
+                                       "ids another host's live workers hold exits 7)")
     decode: int = Field(1, ge=0, le=64, description="number of decode workers on this host (0: prefill "
                         "workers only; --decode and --prefill may not both be 0)")
     prefill: int = Field(0, ge=0, le=64, description="number of prefill workers on this host")
     state_dir: Path = Field(default_factory=default_state_dir, description="this host's own "
-                            "directory (join-<namespace>/ in it); the control plane's JetStream and Redis "
+                            "directory (join-<namespace>/ in it, with the host id that tells this host's workers "
+                            "from another's under the same host name); the control plane's JetStream and Redis "
                             "state stay on its host")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up (exit 3) if the control plane's NATS "
                                    "cannot be reached within this, and (exit 6) if the workers are not ready "

@@ -14,12 +14,17 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.join.config import JoinSettings
+from services.join.identity import EXIT_HOST_NAME_TAKEN, describe_conflict, is_ready_here, live_conflicts, load_host_id
 from shared.cli.errors import CliError
 from shared.stack.stack import Stack, StackSpec, print_line
 from shared.stack.supervisor import Backoff
 from shared.telemetry.redact import redact_url
+
+if TYPE_CHECKING:
+    from shared.bus.bus import Bus
 
 _CONNECT_KEYS = {"TANDEM_NATS_URL", "TANDEM_REDIS_URL", "TANDEM_NAMESPACE", "TANDEM_REGISTRY_TTL_S",
                  "TANDEM_NATS_CA", "TANDEM_NATS_REPLICAS", "TANDEM_GATEWAY_URL"}
@@ -54,43 +59,61 @@ def read_connect_file(path: Path) -> dict[str, str]:
     return values
 
 
-def spec_from_settings(s: JoinSettings, connect: dict[str, str]) -> StackSpec:
+def spec_from_settings(s: JoinSettings, connect: dict[str, str], host_id: str | None = None) -> StackSpec:
+    """The stack of this host's workers; ``host_id``: this host's (``load_host_id`` of the spec's
+    state directory), passed to its workers."""
     decode_flags, prefill_flags = s.worker_flags()
     namespace = connect.get("TANDEM_NAMESPACE", "tandem")
     replicas = connect.get("TANDEM_NATS_REPLICAS")
     return StackSpec(
-        state_dir=s.state_dir / f"join-{namespace}", control_plane=False, host_name=s.host_name,
+        state_dir=join_state_dir(s, namespace), control_plane=False, host_name=s.host_name, host_id=host_id,
         num_decode=s.decode, num_prefill=s.prefill, model=s.model, namespace=namespace,
         nats_url=connect["TANDEM_NATS_URL"], nats_ca=connect.get("TANDEM_NATS_CA"),
         nats_replicas=int(replicas) if replicas else None,
         registry_ttl_s=float(connect.get("TANDEM_REGISTRY_TTL_S", 6.0)), log_level=s.log_level,
         restart_children=s.restart, restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
-        decode_flags=decode_flags, prefill_flags=prefill_flags)
+        final_exit_codes=frozenset({EXIT_CREDENTIALS_REFUSED}), decode_flags=decode_flags,
+        prefill_flags=prefill_flags)
+
+
+def join_state_dir(s: JoinSettings, namespace: str) -> Path:
+    return s.state_dir / f"join-{namespace}"
 
 
 EXIT_NOT_READY = 6  # workers not in the registry in time; NATS's own causes: shared.bus.errors (3, 4, 5)
+# shared.bus.errors.NatsCredentialsRefused's (a unit test keeps them equal): a worker exiting with it
+# was refused by NATS, and so will every restart be until connect.env is copied again
+EXIT_CREDENTIALS_REFUSED = 5
 
 
 def run(settings: JoinSettings) -> int:
     connect = read_connect_file(settings.connect)
     if settings.decode + settings.prefill == 0:
         raise CliError("nothing to join: give --decode and/or --prefill")
-    spec = spec_from_settings(settings, connect)
-    # before any worker starts: a wrong address, CA or password fails in seconds, not after loading
-    asyncio.run(check_control_plane(spec, settings.ready_timeout_s))
+    host_id = load_host_id(join_state_dir(settings, connect.get("TANDEM_NAMESPACE", "tandem")))
+    spec = spec_from_settings(settings, connect, host_id)
+    stack = Stack(spec)
+    # before any worker starts: a wrong address, CA or password, or a host name another host's
+    # workers use, fails in seconds, not after loading
+    asyncio.run(check_control_plane(spec, settings.ready_timeout_s, worker_ids_of(stack)))
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    stack = Stack(spec)
     failed: list[CliError] = []  # why the readiness wait gave up, if it did
+    started_at = time.time()  # the workers' entries start after this (their started_at, this host's clock)
     try:
         stack.start()
         print_line("join", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
-                           f"{settings.model} as host {settings.host_name!r} for the control plane at "
-                           f"{redact_url(stack.nats_url)} (namespace {stack.spec.namespace})")
-        threading.Thread(target=_wait_registered, args=(stack, settings, stop, failed), daemon=True).start()
+                           f"{settings.model} as host {settings.host_name!r} (host id {host_id}) for the control "
+                           f"plane at {redact_url(stack.nats_url)} (namespace {stack.spec.namespace})")
+        threading.Thread(target=_wait_registered, args=(stack, settings, started_at, stop, failed),
+                         daemon=True).start()
         while not stop.wait(0.5):
             dead = stack.exited()
+            if refused := refused_workers(stack):
+                raise CliError(f"{', '.join(refused)} exited: the control plane's NATS refused the credentials "
+                               f"of {settings.connect} (it restarted with a fresh password?): copy connect.env "
+                               f"from the control plane again and restart tandem join", EXIT_CREDENTIALS_REFUSED)
             if dead and not settings.restart:
                 print_line("join", f"exited: {', '.join(dead)}; stopping")
                 return 1
@@ -103,9 +126,23 @@ def run(settings: JoinSettings) -> int:
         print_line("join", "stopped")
 
 
-async def check_control_plane(spec: StackSpec, timeout_s: float) -> None:
+def refused_workers(stack: Stack) -> list[str]:
+    """Workers that exited because NATS refused their login: not restarted (the spec's
+    ``final_exit_codes``), as every restart would be refused too."""
+    return [name for name in stack.exited() if stack.children[name].proc.returncode == EXIT_CREDENTIALS_REFUSED]
+
+
+def worker_ids_of(stack: Stack) -> list[str]:
+    """The ids of the workers ``stack`` starts."""
+    names = [*(f"decode-{i + 1}" for i in range(stack.spec.num_decode)),
+             *(f"prefill-{i + 1}" for i in range(stack.spec.num_prefill))]
+    return [stack.worker_id(name) for name in names]
+
+
+async def check_control_plane(spec: StackSpec, timeout_s: float, worker_ids: list[str]) -> None:
     """Connect to the control plane's NATS as the workers will, or raise its cause as a CliError
-    with that cause's exit code (unreachable within ``timeout_s``, TLS, credentials)."""
+    with that cause's exit code (unreachable within ``timeout_s``, TLS, credentials); then check
+    that no other host's workers are live under ``worker_ids`` (exit 7)."""
     from shared.bus.bus import Bus  # noqa: PLC0415 — nats only when the command runs
     from shared.bus.errors import NatsUnavailable  # noqa: PLC0415
 
@@ -117,25 +154,52 @@ async def check_control_plane(spec: StackSpec, timeout_s: float) -> None:
                                 tls_ca=spec.nats_ca, replicas=spec.nats_replicas)
     except NatsUnavailable as exc:
         raise CliError(f"cannot join: {exc}", exc.exit_code) from None
-    await bus.close()
-
-
-def _wait_registered(stack: Stack, settings: JoinSettings, stop: threading.Event, failed: list[CliError]) -> None:
-    worker_ids = sorted(stack.worker_id(name) for name in stack.children)
     try:
-        asyncio.run(wait_workers_ready(stack, worker_ids, settings.ready_timeout_s))
+        await check_host_name(bus, spec, worker_ids)
+    finally:
+        await bus.close()
+
+
+async def check_host_name(bus: Bus, spec: StackSpec, worker_ids: list[str]) -> None:
+    """Raise (exit 7) when the registry holds another host's live entry under one of
+    ``worker_ids``: a second host under this host name (``services.join.identity``)."""
+    from shared.bus.errors import NatsUnreachable, ServiceError  # noqa: PLC0415 — nats only when the command runs
+    from shared.bus.registry import WorkerRegistry  # noqa: PLC0415
+    from shared.protocol.subjects import Subjects  # noqa: PLC0415
+
+    try:
+        registry = await WorkerRegistry.open(bus, Subjects(spec.namespace).workers_bucket,
+                                             ttl_s=spec.registry_ttl_s)
+        entries = await registry.list()
+    except (ConnectionError, TimeoutError, ServiceError) as exc:
+        raise CliError(f"cannot join: reading the control plane's worker registry failed: {exc}",
+                       NatsUnreachable.exit_code) from None
+    if conflicts := live_conflicts(entries, worker_ids, spec.host_id):
+        raise CliError(describe_conflict(spec.host_name, conflicts, time.time()), EXIT_HOST_NAME_TAKEN)
+    if own := sorted(e.worker_id for e in entries if e.worker_id in worker_ids):
+        print_line("join", f"{', '.join(own)} of this host (host id {spec.host_id}) still in the registry "
+                           f"from an earlier run: taken over by the workers starting now")
+
+
+def _wait_registered(stack: Stack, settings: JoinSettings, started_at: float, stop: threading.Event,
+                     failed: list[CliError]) -> None:
+    ids = worker_ids_of(stack)
+    try:
+        asyncio.run(wait_workers_ready(stack, ids, settings.ready_timeout_s, started_at))
     except ConnectionError as exc:  # NATS went away since check_control_plane
         failed.append(CliError(f"not ready: {exc}", getattr(exc, "exit_code", 1)))
     except TimeoutError as exc:
         failed.append(CliError(f"not ready: {exc}", EXIT_NOT_READY))
     else:
-        print_line("join", f"ready: {', '.join(worker_ids)} registered with the control plane; Ctrl-C stops")
+        print_line("join", f"ready: {', '.join(ids)} registered with the control plane; Ctrl-C stops")
         return
     stop.set()
 
 
-async def wait_workers_ready(stack: Stack, worker_ids: list[str], timeout_s: float) -> None:
-    """Until every one of ``worker_ids`` is in the control plane's registry, ready."""
+async def wait_workers_ready(stack: Stack, worker_ids: list[str], timeout_s: float, started_at: float) -> None:
+    """Until every one of ``worker_ids`` is in the control plane's registry, ready, with this
+    host's id and started after ``started_at``: not another host's entry under the same id (one
+    that joined since this join's check), nor one an earlier run of this host left."""
     from shared.bus.bus import Bus  # noqa: PLC0415 — nats only when the command runs
     from shared.bus.registry import WorkerRegistry  # noqa: PLC0415
     from shared.protocol.subjects import Subjects  # noqa: PLC0415
@@ -147,7 +211,8 @@ async def wait_workers_ready(stack: Stack, worker_ids: list[str], timeout_s: flo
                                              ttl_s=stack.spec.registry_ttl_s)
         deadline = time.monotonic() + timeout_s
         while True:
-            ready = {w.worker_id for w in await registry.list() if w.state == "ready"}
+            ready = {w.worker_id for w in await registry.list()
+                     if is_ready_here(w, stack.spec.host_id, started_at)}
             if set(worker_ids) <= ready:
                 return
             if time.monotonic() > deadline:

@@ -29,6 +29,9 @@ class WorkerInfo(WireModel):
     control_subject: str | None = None
     kv_namespace_hex: str = ""
     host: str = ""
+    # the joined host's random id (tandem join keeps it in its state directory): tells apart two
+    # hosts under one name, whose workers would share ids (None: a worker not started by a join)
+    host_id: str | None = None
     pid: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0

@@ -60,6 +60,7 @@ class StackSpec:
     # gateway, admission, kv-index or autoscaler
     control_plane: bool = True
     host_name: str = ""               # in worker ids, so that workers of several hosts never collide
+    host_id: str | None = None        # a joined host's id, in its workers' registry entries (services.join.identity)
     registry_ttl_s: float = 6.0
     log_level: str = "INFO"
     decode_flags: dict[str, object] = field(default_factory=dict)
@@ -71,6 +72,9 @@ class StackSpec:
     # off by default: tests that take a worker away on purpose want it to stay gone
     restart_children: bool = False
     restart_backoff: Backoff = Backoff()
+    # a child exiting with one of these is not restarted: its cause outlives a restart (NATS
+    # refusing the login: the control plane's password changed); the stack's owner sees it in exited()
+    final_exit_codes: frozenset[int] = frozenset()
     autoscaler_flags: dict[str, object] = field(default_factory=dict)
     # set: serve the autoscaler's start/stop requests (shared.stack.fleet); a stopped worker
     # drains this long before what it still holds is cut off
@@ -232,8 +236,8 @@ class Stack:
             flags = {**flags, "kv_disk_dir": str(Path(str(flags["kv_disk_dir"])) / name)}
         return self._start_child(name, service, {
             **self._bus_flags(), "registry_ttl_s": spec.registry_ttl_s,
-            "log_level": spec.log_level, "worker_id": worker_id, "model": spec.model, **_OWN_METRICS_PORT,
-            **threads, **flags})
+            "log_level": spec.log_level, "worker_id": worker_id, "host_id": spec.host_id, "model": spec.model,
+            **_OWN_METRICS_PORT, **threads, **flags})
 
     # -- the fleet, as the autoscaler changes it (shared.stack.fleet) -----------------------------
     def add_worker(self, role: str) -> tuple[str, str, Child]:
@@ -295,7 +299,10 @@ class Stack:
                 self._line(self.label, decision.describe())
         for name, child in list(self.children.items()):
             if not child.is_running() and not self._restarts.has_exited(name):
-                self._line(self.label, self._restarts.exited(name, child.proc.returncode, now_s).describe())
+                returncode = child.proc.returncode
+                decision = self._restarts.exited(name, returncode, now_s,
+                                                 is_final=returncode in self.spec.final_exit_codes)
+                self._line(self.label, decision.describe())
         for name in self._restarts.due(now_s):
             if server := next((s for s in self.servers if s.name == name), None):
                 self._restart_server(server, now_s)

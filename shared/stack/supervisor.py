@@ -48,15 +48,17 @@ class ExitDecision:
     name: str
     returncode: int
     ran_for_s: float
-    restart_in_s: float | None          # None: a clean exit, not restarted
+    restart_in_s: float | None          # None: not restarted (a clean exit, or a final one)
     num_restarts: int                   # the restart this will be (1 for the first)
     num_consecutive_crashes: int
 
     def describe(self) -> str:
         """The one log line for this exit."""
         what = f"{self.name} exited ({describe_exit(self.returncode)}) after {self.ran_for_s:.1f}s"
-        if self.restart_in_s is None:
+        if self.restart_in_s is None and self.returncode == 0:
             return f"{what}; a clean exit: not restarted"
+        if self.restart_in_s is None:
+            return f"{what}; not restarted (a restart cannot mend its cause)"
         again = (f", {self.num_consecutive_crashes} crashes in a row" if self.num_consecutive_crashes > 1
                  else "")
         return f"{what}; restart {self.num_restarts} in {self.restart_in_s:g}s{again}"
@@ -78,14 +80,16 @@ class RestartPolicy:
         record.started_at_s, record.restart_at_s, record.has_exited = now_s, None, False
         return record.num_restarts
 
-    def exited(self, name: str, returncode: int, now_s: float, *, is_crash: bool = False) -> ExitDecision:
+    def exited(self, name: str, returncode: int, now_s: float, *, is_crash: bool = False,
+               is_final: bool = False) -> ExitDecision:
         """Record the exit; ``is_crash``: restart it even after a clean exit (a server the stack
-        cannot work without)."""
+        cannot work without); ``is_final``: do not restart it whatever the exit code (its cause
+        outlives a restart)."""
         record = self._children[name]
         assert not record.has_exited, f"{name} exited twice without a start in between"
         record.has_exited = True
         ran_for_s = now_s - record.started_at_s
-        if returncode == 0 and not is_crash:
+        if (returncode == 0 and not is_crash) or is_final:
             return ExitDecision(name, returncode, ran_for_s, None, record.num_restarts,
                                 record.num_consecutive_crashes)
         if ran_for_s >= self.backoff.stable_after_s:

@@ -88,6 +88,9 @@ class EngineWorkerSettings(ServiceSettings):
     drain_timeout_s: float = Field(120.0, ge=0, description="on SIGTERM, how long to finish in-flight work")
     events_max_age_s: float = Field(3600.0, gt=0, description="KV event stream retention (seconds)")
     events_max_msgs: int = Field(1_000_000, gt=0, description="KV event stream retention (messages)")
+    host_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the joined host's id "
+                                "(tandem join passes the one kept in its state directory), carried in the registry "
+                                "entry so that two hosts under one host name are told apart")
 
     @field_validator("compile", mode="before")
     @classmethod

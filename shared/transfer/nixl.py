@@ -59,6 +59,17 @@ def _block_descs(base: int, num_blocks: int, block_bytes: int, device_id: int) -
     return descs
 
 
+@dataclass(eq=False)  # compared by identity (a field-wise == would compare the buffers)
+class _Slab:
+    """A staging buffer registered once with the agent and reused by later writes."""
+
+    buffer: torch.Tensor  # uint8
+    registration: object
+
+
+_MAX_FREE_SLAB_BYTES = 512 << 20  # staging kept registered between writes, at most
+
+
 @dataclass
 class _Peer:
     name: str
@@ -111,6 +122,7 @@ class NixlTransfer:
         self.rank = 0
         self._registration = None
         self._local_blocks = None
+        self._free_slabs: list[_Slab] = []  # staging of re-laid-out writes, registered, not in use
 
     # -- setup ------------------------------------------------------------------------------------
     def register_kv_pool(self, kv_cache: torch.Tensor, spec: KvCacheSpec, *, shape: KvShape | None = None,
@@ -336,10 +348,14 @@ class NixlTransfer:
                 source, first_layer, first_head, ids = self._pool, mine_layers.start, mine_heads.start, local_ids
             layers = slice(piece.layers.start - first_layer, piece.layers.stop - first_layer)
             heads = slice(piece.heads.start - first_head, piece.heads.stop - first_head)
-            staging = source[:, layers, :, :, heads][ids].contiguous()  # [n, its layers, 2, bs, their heads, D]
-            assert staging.nbytes == len(local_ids) * chunk_bytes
-            registration = self._agent.register_memory(staging)
-            handle.resources += [staging, registration]
+            view = source[:, layers, :, :, heads]  # strided: the piece's layers and heads of every block
+            slab = self._take_slab(len(local_ids) * chunk_bytes)
+            handle.resources.append(slab)
+            staging = slab.buffer[:len(local_ids) * chunk_bytes].view(view.dtype).view(len(local_ids), *view.shape[1:])
+            if piece.gathered:  # [n, its layers, 2, bs, their heads, D], one copy into registered memory
+                staging.copy_(view)
+            else:
+                torch.index_select(view, 0, torch.tensor(ids, dtype=torch.long, device=view.device), out=staging)
             if chunk_bytes == target.block_bytes:  # the target's whole blocks: one descriptor per run
                 runs = contiguous_runs(remote_ids)
             else:
@@ -440,9 +456,30 @@ class NixlTransfer:
                 log.warning("releasing a NIXL write to %s: %s", handle.peer, exc)
         handle.backend_handle = None
         for resource in handle.resources:
-            if not isinstance(resource, torch.Tensor):  # a registration of a staging slab
+            if isinstance(resource, _Slab):
+                self._give_back(resource)
+            elif not isinstance(resource, torch.Tensor):  # a registration of a staging slab
                 self._agent.deregister_memory(resource)
         handle.resources.clear()
+
+    def _take_slab(self, num_bytes: int) -> _Slab:
+        """Registered staging of at least ``num_bytes``: the smallest free one that fits, else a new
+        one (rounded up to a MiB). Registering and first touching a fresh buffer for every write
+        cost more than the copy into it."""
+        fits = [s for s in self._free_slabs if s.buffer.numel() >= num_bytes]
+        if fits:
+            slab = min(fits, key=lambda s: s.buffer.numel())
+            self._free_slabs.remove(slab)
+            return slab
+        assert self._pool is not None
+        buffer = torch.empty(-(-num_bytes // (1 << 20)) << 20, dtype=torch.uint8, device=self._pool.device)
+        return _Slab(buffer, self._agent.register_memory(buffer))
+
+    def _give_back(self, slab: _Slab) -> None:
+        self._free_slabs.append(slab)
+        while sum(s.buffer.numel() for s in self._free_slabs) > _MAX_FREE_SLAB_BYTES:
+            oldest = self._free_slabs.pop(0)
+            self._agent.deregister_memory(oldest.registration)
 
     def get_notifications(self) -> list[TransferNotification]:
         out = []
@@ -458,8 +495,11 @@ class NixlTransfer:
         return out
 
     def close(self) -> None:
-        for peer in list(self._peers):
+        for peer in list(self._groups):
             self.remove_peer(peer)
+        for slab in self._free_slabs:
+            self._agent.deregister_memory(slab.registration)
+        self._free_slabs.clear()
         if self._local_blocks is not None:
             self._local_blocks.release()
             self._local_blocks = None

@@ -81,3 +81,24 @@ def test_kv_written_between_shapes_arrives_whole(heads_32, src_shape, dst_shape)
     finally:
         dst.close()
         src.close()
+
+
+def test_staging_is_reused_across_writes_of_other_sizes(heads_32):
+    """A writer's registered staging slabs serve later writes of other sizes and shapes (a big
+    slab taken for a small piece, a small one passed over for a big one), every write whole."""
+    tag = uuid.uuid4().hex[:6]
+    src = Endpoint(start(heads_32, 1, 2), f"src-{tag}")
+    targets = []
+    try:
+        targets = [Endpoint(start(heads_32, tp, pp), f"dst{tp}{pp}-{tag}") for tp, pp in ((1, 1), (4, 1))]
+        cfg = src.engine.model.cfg
+        for i, (dst, n) in enumerate([(targets[0], 150), (targets[1], 3), (targets[1], 12), (targets[0], 2)]):
+            data = torch.randn(n, cfg.num_layers, 2, src.engine.block_size, cfg.num_kv_heads, cfg.head_dim,
+                               generator=torch.Generator().manual_seed(i))
+            ids = list(range(1, n + 1))
+            src.write_whole(ids, data)
+            src.send(dst, ids, [b + 5 for b in ids], f"write {i}".encode())
+            assert torch.equal(dst.read_whole([b + 5 for b in ids]), data), i
+    finally:
+        for endpoint in [*targets, src]:
+            endpoint.close()

@@ -54,6 +54,9 @@ class GatewaySettings(ServiceSettings, QosSettings):
     background_retry_max_wait_s: float = Field(600.0, ge=0, description="how long a background /v1/responses "
                                                "response keeps waiting out admission's 429s (each for its "
                                                "Retry-After) before it fails with the last one; 0: no retry")
+    flex_max_wait_s: float = Field(60.0, ge=0, description="how long a service_tier: flex request keeps "
+                                   "waiting out admission's 429s for load (each for its Retry-After) before it "
+                                   "is answered with the last one; 0: no wait")
     batch_sweep_interval_s: float = Field(1.0, gt=0, description="how often to move batches along (validate, "
                                           "finalize, expire, finish a cancel)")
 

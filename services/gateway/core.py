@@ -11,7 +11,7 @@ from aiohttp import web
 from shared.bus import Bus
 from shared.openai_api.adapters import ApiAdapter
 from shared.openai_api.auth import ApiKeys
-from shared.policy.qos import QosConfig
+from shared.policy.qos import QosConfig, ServedTier
 from shared.protocol import GenerateRequest, Subjects
 from shared.tokenizer import Tokenizer
 from services.gateway.config import GatewaySettings
@@ -32,9 +32,9 @@ class GatewayCore(Protocol):
     def generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
         """The request the workers are sent for ``api``: tokenized and hashed, or as text."""
 
-    async def answer(self, request: web.Request, api: ApiAdapter, tier: str, arrived_at: float,
+    async def answer(self, request: web.Request, api: ApiAdapter, served: ServedTier, arrived_at: float,
                      on_complete: OnComplete | None = None) -> web.StreamResponse:
-        """Run the parsed request and answer it over HTTP."""
+        """Run the parsed request in ``served.tier`` and answer it over HTTP."""
 
-    async def collect(self, api: ApiAdapter, gen_request: GenerateRequest) -> dict:
-        """The response body of ``gen_request``, run to the end without HTTP."""
+    async def collect(self, api: ApiAdapter, gen_request: GenerateRequest, service_tier: str | None = None) -> dict:
+        """The response body of ``gen_request``, run to the end without HTTP, echoing ``service_tier``."""

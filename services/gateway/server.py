@@ -24,14 +24,16 @@ OnComplete = Callable[[], Awaitable[None]]
 
 
 async def respond(request: web.Request, api: ApiAdapter, gens: list[Generation], request_id: str,
-                  on_complete: OnComplete | None = None) -> web.StreamResponse:
+                  on_complete: OnComplete | None = None, service_tier: str | None = None) -> web.StreamResponse:
     """Answer started generations (one per choice, ``gens[i]`` is choice i) of the API request
-    ``request_id``: streamed when the body asks for it, else one JSON body. ``on_complete`` runs
-    once the whole response is made and before its end reaches the client (a stored response is
-    stored before the client can ask for it)."""
+    ``request_id``: streamed when the body asks for it, else one JSON body; the body and every
+    chunk echo ``service_tier`` (None: not asked, not echoed). ``on_complete`` runs once the whole
+    response is made and before its end reaches the client (a stored response is stored before
+    the client can ask for it)."""
+    head = _head(gens, request_id, service_tier)
     if api.body.stream:
-        return await _stream(request, api, gens, request_id, on_complete)
-    return await _collect(api, gens, request_id, on_complete)
+        return await _stream(request, api, gens, head, on_complete)
+    return await _collect(api, gens, head, on_complete)
 
 
 def _ids(gen: Generation) -> dict[str, str]:
@@ -46,8 +48,8 @@ def _ids(gen: Generation) -> dict[str, str]:
     return ids
 
 
-def _head(gens: list[Generation], request_id: str) -> ResponseHead:
-    return ResponseHead(request_id, int(gens[0].request.created_at), gens[0].request.model)
+def _head(gens: list[Generation], request_id: str, service_tier: str | None) -> ResponseHead:
+    return ResponseHead(request_id, int(gens[0].request.created_at), gens[0].request.model, service_tier)
 
 
 def _usage(gens: list[Generation]) -> dict:
@@ -74,30 +76,34 @@ def best_choices(choices: list[Choice], n: int) -> list[Choice]:
     return sorted(choices, key=mean_logprob, reverse=True)[:n]
 
 
-async def _collect(api: ApiAdapter, gens: list[Generation], request_id: str,
+async def _collect(api: ApiAdapter, gens: list[Generation], head: ResponseHead,
                    on_complete: OnComplete | None) -> web.Response:
-    body = await collect_body(api, gens, request_id)
+    body = await _body(api, gens, head)
     if on_complete is not None:
         await on_complete()
     return web.json_response(body, headers=_ids(gens[0]))
 
 
-async def collect_body(api: ApiAdapter, gens: list[Generation], request_id: str) -> dict:
+async def collect_body(api: ApiAdapter, gens: list[Generation], request_id: str,
+                       service_tier: str | None = None) -> dict:
     """The JSON body of started generations, run to the end (also a batch line's response)."""
+    return await _body(api, gens, _head(gens, request_id, service_tier))
+
+
+async def _body(api: ApiAdapter, gens: list[Generation], head: ResponseHead) -> dict:
     choices = best_choices(list(await asyncio.gather(*(_choice(g) for g in gens))), api.body.n)
-    return api.response(_head(gens, request_id), [api.choice(i, c) for i, c in enumerate(choices)],
-                        _usage(gens))
+    return api.response(head, [api.choice(i, c) for i, c in enumerate(choices)], _usage(gens))
 
 
 async def _stream(request: web.Request, api: ApiAdapter, gens: list[Generation],
-                  request_id: str, on_complete: OnComplete | None) -> web.StreamResponse:
+                  head: ResponseHead, on_complete: OnComplete | None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **_ids(gens[0])})
     try:
         await resp.prepare(request)
-        await _write_events(resp, api, gens, request_id, on_complete)
+        await _write_events(resp, api, gens, head, on_complete)
     except ConnectionResetError:  # the client went away; the handler's close() cancels at the worker
-        log.info("%s: client disconnected", request_id)
+        log.info("%s: client disconnected", head.request_id)
     return resp
 
 
@@ -136,8 +142,7 @@ async def _merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Del
 
 
 async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Generation],
-                        request_id: str, on_complete: OnComplete | None) -> None:
-    head = _head(gens, request_id)
+                        head: ResponseHead, on_complete: OnComplete | None) -> None:
     for index in range(len(gens)):
         for chunk in api.opening_chunks(head, index):
             await resp.write(api.sse_event(chunk))

@@ -1,10 +1,12 @@
 """gateway: the OpenAI-compatible HTTP API in front of admission and the decode workers.
 
 The handlers are written once for both endpoints against an ``ApiAdapter`` (shared/openai_api):
-API key → tier, body → prompt ids → ``GenerateRequest`` (with the context rules), then a
-``Generation`` (admission, the worker's stream, detokenization, stop strings) answered as JSON or
-SSE (``server.py``). A client that disconnects cancels its request at the worker (aiohttp cancels
-the handler; ``Generation.close`` publishes the cancel).
+API key and ``service_tier`` → tier (``serve_tier``), body → prompt ids → ``GenerateRequest``
+(with the context rules), then a ``Generation`` (admission, the worker's stream, detokenization,
+stop strings) answered as JSON or SSE (``server.py``). A ``flex`` request waits out admission's
+429s for load (``shared.openai_api.retry``) for up to ``flex_max_wait_s`` before its answer. A
+client that disconnects cancels its request at the worker (aiohttp cancels the handler;
+``Generation.close`` publishes the cancel).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from shared.cluster.workers import ready_workers
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter, parse_body
 from shared.openai_api.auth import ApiKeys
 from shared.openai_api.errors import ApiError
-from shared.policy.qos import load_qos
+from shared.openai_api.retry import waiting_out_429s
+from shared.policy.qos import ServedTier, load_qos, serve_tier
 from shared.policy.rate_limit import RateLimiter
 from shared.openai_api.generate_request import (DEADLINE_HEADER, build_generate_request, build_text_request,
                                                 choice_requests, deadline_at, with_header_deadline,
@@ -56,8 +59,8 @@ __all__ = ["Gateway", "build_app", "load_tokenizer", "run"]  # load_tokenizer: t
 
 log = logging.getLogger(__name__)
 
-# takes a parsed request from the handler: (HTTP request, adapter, tier, arrived_at) → response
-Answer = Callable[[web.Request, ApiAdapter, str, float], Awaitable[web.StreamResponse]]
+# takes a parsed request from the handler: (HTTP request, adapter, where it runs, arrived_at) → response
+Answer = Callable[[web.Request, ApiAdapter, ServedTier, float], Awaitable[web.StreamResponse]]
 
 
 class Gateway:
@@ -138,46 +141,61 @@ class Gateway:
 
     async def _generate_traced(self, request: web.Request, adapter: type[ApiAdapter],
                                arrived_at: float, answer: Answer) -> web.StreamResponse:
-        tier = self.api_keys.tier(request.headers.get("Authorization"))
+        key_tier = self.api_keys.tier(request.headers.get("Authorization"))
         self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
         with_header_deadline(api, request.headers.get(DEADLINE_HEADER))
-        return await answer(request, api, tier, arrived_at)
+        return await answer(request, api, serve_tier(self.qos, api.body.service_tier, key_tier), arrived_at)
 
-    async def answer(self, request: web.Request, api: ApiAdapter, tier: str, arrived_at: float,
+    async def answer(self, request: web.Request, api: ApiAdapter, served: ServedTier, arrived_at: float,
                      on_complete: OnComplete | None = None) -> web.StreamResponse:
-        """Run the parsed request and answer it over HTTP (``respond``: JSON or SSE)."""
-        gen_request = self.generate_request(api, tier, time.time())
+        """Run the parsed request in ``served.tier`` and answer it over HTTP (``respond``: JSON or
+        SSE), echoing ``served.service_tier``; a flex one (``served.waits``) waits out 429s first."""
+        gen_request = self.generate_request(api, served.tier, time.time())
         bind_request_id(gen_request.request_id)
-        gens = [self._generation(r, api.body.stop_strings(), arrived_at)
-                for r in choice_requests(gen_request, api.body.num_choices())]
         self.metrics.observe_started()
+        gens: list[Generation] = []
         try:
-            # the first choice's prefill fills the prefix cache; the others then share its blocks
-            await gens[0].start()
-            await asyncio.gather(*(g.start() for g in gens[1:]))
+            max_wait_s = self.settings.flex_max_wait_s if served.waits else 0.0
+            gens = await self._started(api, gen_request, arrived_at, max_wait_s)
             self.metrics.observe_phases(gens[0].phases)
-            return await respond(request, api, gens, gen_request.request_id, on_complete)
+            return await respond(request, api, gens, gen_request.request_id, on_complete, served.service_tier)
         finally:
             self.metrics.observe_ended()
             if any(g.worker_id is not None for g in gens):  # a first token: finished (or cut off)
-                self.metrics.observe_finished(time.monotonic() - arrived_at, tier,
+                self.metrics.observe_finished(time.monotonic() - arrived_at, served.tier,
                                               sum(g.num_completion_tokens for g in gens))
             for gen in gens:  # before any await: a client that hung up cancels this task there
                 _log_request(gen)
             await asyncio.gather(*(g.close() for g in gens))
 
-    async def collect(self, api: ApiAdapter, gen_request: GenerateRequest) -> dict:
+    async def collect(self, api: ApiAdapter, gen_request: GenerateRequest, service_tier: str | None = None) -> dict:
         """The response body of ``gen_request`` (made by ``generate_request`` from ``api``), run to
         the end without HTTP: a batch line, a background response."""
-        gens = [self._generation(r, api.body.stop_strings(), time.monotonic())
-                for r in choice_requests(gen_request, api.body.num_choices())]
+        gens = await self._started(api, gen_request, time.monotonic(), 0.0)
         try:
-            await gens[0].start()
-            await asyncio.gather(*(g.start() for g in gens[1:]))
-            return await collect_body(api, gens, gen_request.request_id)
+            return await collect_body(api, gens, gen_request.request_id, service_tier)
         finally:
             await asyncio.gather(*(g.close() for g in gens))
+
+    async def _started(self, api: ApiAdapter, gen_request: GenerateRequest, arrived_at: float,
+                       max_wait_s: float) -> list[Generation]:
+        """One generation per choice, each admitted and at its first token. A try that fails
+        closes its generations (cancelling those started); 429s for load are tried again for up
+        to ``max_wait_s`` (``waiting_out_429s``; 0: one try)."""
+        async def attempt() -> list[Generation]:
+            gens = [self._generation(r, api.body.stop_strings(), arrived_at)
+                    for r in choice_requests(gen_request, api.body.num_choices())]
+            try:
+                # the first choice's prefill fills the prefix cache; the others then share its blocks
+                await gens[0].start()
+                await asyncio.gather(*(g.start() for g in gens[1:]))
+            except BaseException:  # an error, or the client gone (cancelled): nothing is left running
+                await asyncio.gather(*(g.close() for g in gens))
+                raise
+            return gens
+
+        return await waiting_out_429s(attempt, max_wait_s, gen_request.request_id)
 
     def generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
         """Tokenized and hashed here, or, for a model that text workers serve, as text."""

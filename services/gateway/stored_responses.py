@@ -11,7 +11,7 @@ nothing runs it again. A cancel, from any gateway, makes the record ``cancelled`
 compare-and-set; the running gateway looks at its record every ``_WATCH_INTERVAL_S`` and stops
 the generation (at once when the cancel came to it). Admission's 429 does not fail a background
 response (its caller is not there to retry): it waits for the rejection's Retry-After and asks
-again (``retry_wait_s``), for up to ``background_retry_max_wait_s`` in all.
+again (``shared.openai_api.retry``), for up to ``background_retry_max_wait_s`` in all.
 
 Each record names its owner, the API key's owner id (``ApiKeys.owner``): with keys configured, a
 response of another key is a 404 to every endpoint here and to ``previous_response_id``, as if
@@ -34,6 +34,8 @@ from shared.openai_api.adapters import ResponseHead
 from shared.openai_api.auth import owns
 from shared.openai_api.errors import ApiError
 from shared.openai_api.responses_api import ResponsesAdapter
+from shared.openai_api.retry import retry_wait_s, waiting_out_429s  # noqa: F401 — retry_wait_s: tests import it here
+from shared.policy.qos import ServedTier
 from shared.protocol import GenerateRequest, OriginPing
 from shared.protocol.responses import StoredResponse
 from shared.responses.items import input_items, items_page, stored, with_status
@@ -50,10 +52,6 @@ _ORIGIN_TIMEOUT_S = 1.0
 # a record is one NATS message (1 MiB by default): the input must leave room for the response
 _MAX_STORED_INPUT_BYTES = 768 << 10
 _CANCEL_TRIES = 5
-# admission's 429s that are answers, not load: the same request is rejected again however long it waits
-_FINAL_REJECTIONS = ("prompt_too_long", "deadline")
-_MIN_RETRY_WAIT_S = 0.5
-_DEFAULT_RETRY_WAIT_S = 1.0  # a 429 without a Retry-After
 
 
 class StoredResponses:
@@ -80,7 +78,7 @@ class StoredResponses:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- create ----------------------------------------------------------------------------------
-    async def create(self, request: web.Request, api: ResponsesAdapter, tier: str,
+    async def create(self, request: web.Request, api: ResponsesAdapter, served: ServedTier,
                      arrived_at: float) -> web.StreamResponse:
         """``POST /v1/responses`` once parsed (``Gateway.answer`` does the generation)."""
         body = api.body
@@ -99,9 +97,9 @@ class StoredResponses:
             raise ApiError(400, f"input is too large to store ({size} bytes of items, at most "
                            f"{_MAX_STORED_INPUT_BYTES}); send store: false", param="input", code="input_too_large")
         if body.background:
-            return await self._start_background(api, own, tier, owner)
+            return await self._start_background(api, own, served, owner)
         if not body.store and body.conversation_id is None:
-            return await self._gateway.answer(request, api, tier, arrived_at)
+            return await self._gateway.answer(request, api, served, arrived_at)
 
         async def keep() -> None:
             if api.completed is None:
@@ -110,7 +108,7 @@ class StoredResponses:
                 await self._keep(stored(api.completed, own, body, owner=owner))
             await self._add_turn(body.conversation_id, own, api.completed)
 
-        return await self._gateway.answer(request, api, tier, arrived_at, keep)
+        return await self._gateway.answer(request, api, served, arrived_at, keep)
 
     async def _add_turn(self, conversation_id: str | None, own: list[dict], response: dict) -> None:
         """A made response's input and output items, added to its conversation (if it has one)."""
@@ -139,11 +137,12 @@ class StoredResponses:
             log.exception("%s: could not store the response", record.id)
 
     # --- background ------------------------------------------------------------------------------
-    async def _start_background(self, api: ResponsesAdapter, own: list[dict], tier: str,
+    async def _start_background(self, api: ResponsesAdapter, own: list[dict], served: ServedTier,
                                 owner: str | None) -> web.Response:
         # the request is built first: a prompt too long for the model is a 400 now, not a failed record
-        gen_request = self._gateway.generate_request(api, tier, time.time())
-        head = ResponseHead(gen_request.request_id, int(gen_request.created_at), gen_request.model)
+        gen_request = self._gateway.generate_request(api, served.tier, time.time())
+        head = ResponseHead(gen_request.request_id, int(gen_request.created_at), gen_request.model,
+                            served.service_tier)
         queued = api.shell(head, "queued")
         record = stored(queued, own, api.body, origin=self._gateway.origin, owner=owner)
         await self._store.create(record)
@@ -162,7 +161,7 @@ class StoredResponses:
         if current is None:
             return  # cancelled or deleted before it started
         try:
-            response = await self._watched(asyncio.create_task(self._collect(api, gen_request, record.id)),
+            response = await self._watched(asyncio.create_task(self._collect(api, gen_request, head, record.id)),
                                            record.id)
         except ApiError as exc:
             response = _failed(api.shell(head, "failed"), exc.message,
@@ -177,23 +176,12 @@ class StoredResponses:
             return
         await self._add_turn(api.body.conversation_id, own, response)
 
-    async def _collect(self, api: ResponsesAdapter, gen_request: GenerateRequest, response_id: str) -> dict:
-        """The response body, after waiting out admission's 429s (``retry_wait_s``); the last
+    async def _collect(self, api: ResponsesAdapter, gen_request: GenerateRequest, head: ResponseHead,
+                       response_id: str) -> dict:
+        """The response body, after waiting out admission's 429s (``waiting_out_429s``); the last
         rejection once the wait is over. Run under ``_watched``: a cancel stops a wait too."""
-        max_wait_s = self._gateway.settings.background_retry_max_wait_s
-        started, tries = time.monotonic(), 0
-        while True:
-            tries += 1
-            try:
-                return await self._gateway.collect(api, gen_request)
-            except ApiError as exc:
-                waited_s = time.monotonic() - started
-                if (wait_s := retry_wait_s(exc, waited_s, max_wait_s)) is None:
-                    if tries > 1:
-                        exc.message += f" (the last of {tries} tries in {waited_s:.0f}s)"
-                    raise
-                log.info("%s: %d %s; asking again in %.1fs", response_id, exc.status, exc.code, wait_s)
-                await asyncio.sleep(wait_s)
+        return await waiting_out_429s(lambda: self._gateway.collect(api, gen_request, head.service_tier),
+                                      self._gateway.settings.background_retry_max_wait_s, response_id)
 
     async def _watched(self, work: asyncio.Task, response_id: str) -> dict | None:
         """``work``'s result; None (and ``work`` stopped) once the response is cancelled or deleted."""
@@ -297,22 +285,6 @@ class StoredResponses:
     def _authorize(self, request: web.Request) -> str | None:
         """The caller's owner id; a 401 for a bad key."""
         return self._gateway.api_keys.owner(request.headers.get("Authorization"))
-
-
-def retry_wait_s(exc: ApiError, waited_s: float, max_wait_s: float) -> float | None:
-    """How long a background response that got ``exc``, after ``waited_s`` of retrying, waits
-    before asking again; None: ``exc`` is its end. Admission's 429s for load (``overloaded``,
-    ``slo``, ``shedding``, ``tier_queue_full``) are waited out for their Retry-After (at least
-    ``_MIN_RETRY_WAIT_S``; ``_DEFAULT_RETRY_WAIT_S`` without one), never past ``max_wait_s`` in
-    all: the last try comes when that is up. Every other error, and a 429 that waiting does not
-    change (``prompt_too_long``, ``deadline``), ends it at once."""
-    if exc.status != 429 or exc.code in _FINAL_REJECTIONS:
-        return None
-    left_s = max_wait_s - waited_s
-    if left_s <= 0:
-        return None
-    wait_s = _DEFAULT_RETRY_WAIT_S if exc.retry_after_s is None else max(exc.retry_after_s, _MIN_RETRY_WAIT_S)
-    return min(wait_s, left_s)
 
 
 def _failed(response: dict, message: str, code: str) -> dict:

@@ -51,6 +51,7 @@ class ResponseHead:
     request_id: str
     created: int
     model: str
+    service_tier: str | None = None  # echoed (shared.policy.qos.serve_tier); None: not asked
 
 
 @dataclass
@@ -197,7 +198,8 @@ class ApiAdapter(ABC, Generic[Body]):
         return [self.usage_chunk(head, usage)] if self.body.include_usage() else []
 
     def usage_chunk(self, head: ResponseHead, usage: dict) -> dict:
-        return responses.usage_chunk(head.request_id, head.created, head.model, self.chunk_object, usage)
+        return responses.usage_chunk(head.request_id, head.created, head.model, self.chunk_object, usage,
+                                     head.service_tier)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -234,19 +236,21 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
         calls = [{"index": i, **c.model_dump()} for i, c in enumerate(held.calls)]
         logprobs = self._logprobs(held.logprobs) if held.logprobs else None
         return [responses.chat_chunk(head.request_id, head.created, head.model, index, {"tool_calls": calls},
-                                     logprobs=logprobs),
+                                     logprobs=logprobs, service_tier=head.service_tier),
                 responses.chat_chunk(head.request_id, head.created, head.model, index, {},
-                                     finish_reason=chat_finish_reason(held.finish_reason))]
+                                     finish_reason=chat_finish_reason(held.finish_reason),
+                                     service_tier=head.service_tier)]
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         return [responses.chat_chunk(head.request_id, head.created, head.model, index,
-                                     {"role": "assistant", "content": ""})]
+                                     {"role": "assistant", "content": ""}, service_tier=head.service_tier)]
 
     def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
         content = {"content": delta.text} if delta.text else {}
         return responses.chat_chunk(head.request_id, head.created, head.model, index, content,
-                                    finish_reason=delta.finish_reason, logprobs=logprobs)
+                                    finish_reason=delta.finish_reason, logprobs=logprobs,
+                                    service_tier=head.service_tier)
 
     def choice(self, index: int, choice: Choice) -> dict:
         calls = self.body.tool_use().calls(choice.text, choice.finish_reason)
@@ -258,7 +262,8 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
         return responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
-        return responses.envelope(head.request_id, head.created, head.model, "chat.completion", choices, usage)
+        return responses.envelope(head.request_id, head.created, head.model, "chat.completion", choices, usage,
+                                  head.service_tier)
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict | None:
         return responses.chat_logprobs(entries, self.token_text) if self.body.logprobs else None
@@ -292,7 +297,8 @@ class CompletionAdapter(ApiAdapter[CompletionRequest]):
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         echo = self.echo_text()
-        return [responses.completion_chunk(head.request_id, head.created, head.model, index, echo)] if echo else []
+        return [responses.completion_chunk(head.request_id, head.created, head.model, index, echo,
+                                           service_tier=head.service_tier)] if echo else []
 
     def echo_text(self) -> str:
         if not self.body.echo:
@@ -305,7 +311,8 @@ class CompletionAdapter(ApiAdapter[CompletionRequest]):
     def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         logprobs = self._logprobs(delta.logprobs, offset) if delta.logprobs else None
         return responses.completion_chunk(head.request_id, head.created, head.model, index, delta.text,
-                                          finish_reason=delta.finish_reason, logprobs=logprobs)
+                                          finish_reason=delta.finish_reason, logprobs=logprobs,
+                                          service_tier=head.service_tier)
 
     def choice(self, index: int, choice: Choice) -> dict:
         echo = self.echo_text()
@@ -313,7 +320,8 @@ class CompletionAdapter(ApiAdapter[CompletionRequest]):
                                            self._logprobs(choice.entries, len(echo)))
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
-        return responses.envelope(head.request_id, head.created, head.model, "text_completion", choices, usage)
+        return responses.envelope(head.request_id, head.created, head.model, "text_completion", choices, usage,
+                                  head.service_tier)
 
     def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> dict | None:
         if self.body.logprobs is None:

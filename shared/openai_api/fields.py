@@ -56,6 +56,9 @@ _COMMON: dict[str, FieldRule] = {
     "guided_regex": FieldRule(E, "as vLLM: the output matches the regex"),
     "deadline_ms": FieldRule(E, "finish within this many ms of arrival (or the `x-tandem-deadline-ms` header): "
                                 "earliest deadline first within the tier; 429 `deadline` when predicted later"),
+    "service_tier": FieldRule(I, "`auto`, `default`, `flex`, `priority` → a QoS tier (`service_tiers` of the QoS "
+                                 "file), never above the API key's; echoed as served; `flex` waits out 429s for "
+                                 "load up to `--flex-max-wait-s` (see Service tiers below)"),
 }
 
 CHAT_FIELDS: dict[str, FieldRule] = {
@@ -84,8 +87,6 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "reasoning_effort": FieldRule(X, "not a reasoning model: no reasoning to set the effort of"),
     "verbosity": FieldRule(X, "no verbosity control: the length of the text does not change"),
     "moderation": FieldRule(R, "no moderation"),
-    "service_tier": FieldRule(R, "tiers come from the API key; only `auto`/`default`",
-                              accepts=_one_of("auto", "default")),
     "store": FieldRule(R, "chat completions are not stored", accepts=_one_of(False)),
     "metadata": FieldRule(X, "chat: only stored completions use it, and none are"),
     "prompt_cache_key": FieldRule(X, "prefix caching is automatic"),
@@ -106,7 +107,7 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
 
 RESPONSES_FIELDS: dict[str, FieldRule] = {
     **{k: _COMMON[k] for k in ("model", "stream", "temperature", "top_p", "user", "top_k", "min_p",
-                               "ignore_eos", "guided_regex", "deadline_ms")},
+                               "ignore_eos", "guided_regex", "deadline_ms", "service_tier")},
     "input": FieldRule(I, "a string, or items: text messages, `function_call`, `function_call_output`"),
     "instructions": FieldRule(I, "a system message before the input"),
     "max_output_tokens": FieldRule(I),
@@ -139,7 +140,6 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "stream_options": FieldRule(X, "`include_obfuscation`: events are not padded"),
     "reasoning": FieldRule(I, "not a reasoning model: `effort` is accepted and echoed in `response.reasoning.effort` "
                               "(nothing changes); `summary` refused, there is no reasoning to summarize"),
-    "service_tier": FieldRule(R, "tiers come from the API key", accepts=_one_of("auto", "default")),
     **{name: FieldRule(R, why) for name, why in (
         ("background_options", "no background options"),
         ("prompt", "no stored prompts"), ("context_management", "no context management"),

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from shared.openai_api.errors import ApiError
 from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolUse, render_call
+from shared.policy.qos import ServiceTierName
 from shared.protocol.generate import GrammarSpec
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -119,6 +120,8 @@ class _Sampling(_Body):
     guided_regex: StrictStr | None = Field(None, min_length=1)  # extension, as vLLM
     # extension: finish within this many ms of arrival (also the x-tandem-deadline-ms header)
     deadline_ms: float | None = Field(None, gt=0, le=MAX_DEADLINE_MS)
+    # OpenAI's processing tier, mapped onto a QoS tier (shared.policy.qos.serve_tier); None: as "auto"
+    service_tier: ServiceTierName | None = None
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
         """What the output must match, and the parameter that asked for it."""

@@ -49,22 +49,35 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset
             "text_offset": offsets}
 
 
+def tier_field(service_tier: str | None) -> dict:
+    """The ``service_tier`` a response and each of its chunks echo: only when the request asked
+    for one (OpenAI: "when the service_tier parameter is set, the response body will include
+    the service_tier value based on the processing mode actually used")."""
+    return {} if service_tier is None else {"service_tier": service_tier}
+
+
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict, *,
-               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+               finish_reason: str | None = None, logprobs: dict | None = None,
+               service_tier: str | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            **tier_field(service_tier),
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
 def completion_chunk(request_id: str, created: int, model: str, index: int, text: str, *,
-                     finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+                     finish_reason: str | None = None, logprobs: dict | None = None,
+                     service_tier: str | None = None) -> dict:
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            **tier_field(service_tier),
             "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
-def usage_chunk(request_id: str, created: int, model: str, object_name: str, usage_body: dict) -> dict:
+def usage_chunk(request_id: str, created: int, model: str, object_name: str, usage_body: dict,
+                service_tier: str | None = None) -> dict:
     return {"id": request_id, "object": object_name, "created": created, "model": model,
+            **tier_field(service_tier),
             "choices": [], "usage": usage_body}
 
 
@@ -78,6 +91,7 @@ def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict 
 
 
 def envelope(request_id: str, created: int, model: str, object_name: str, choices: list[dict],
-             usage_body: dict) -> dict:
+             usage_body: dict, service_tier: str | None = None) -> dict:
     return {"id": request_id, "object": object_name, "created": created, "model": model,
+            **tier_field(service_tier),
             "choices": choices, "usage": usage_body}

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
 
+from shared.openai_api import responses
 from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
                                         chat_prompt_ids)
 from shared.openai_api.errors import ApiError
@@ -376,7 +377,8 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
                 "usage": usage, "previous_response_id": body.previous_response_id,
                 "conversation": {"id": body.conversation_id} if body.conversation is not None else None,
                 "store": body.store,
-                "background": body.background, "metadata": body.metadata or {}}
+                "background": body.background, "metadata": body.metadata or {},
+                **responses.tier_field(head.service_tier)}
 
 
 def _call_item(call: ToolCall, status: str) -> dict:

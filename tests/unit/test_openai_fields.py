@@ -54,7 +54,7 @@ def test_the_docs_table_is_the_code_table():
 @pytest.mark.parametrize("fields", [{"audio": {"voice": "alloy", "format": "wav"}},
                                     {"modalities": ["text", "audio"]}, {"suffix_typo": 1},
                                     {"prediction": {"type": "content", "content": "x"}},
-                                    {"store": True}, {"service_tier": "flex"}])
+                                    {"store": True}, {"service_tier": "scale"}])
 def test_refused_and_unknown_chat_parameters_are_400_naming_them(fields):
     err = chat_error(**fields)
     assert (err.status, err.param) == (400, next(iter(fields))), err.body()

@@ -181,3 +181,14 @@ def test_join_help_describes_a_host_without_the_control_plane(capsys):
     assert "number of decode workers on this host" in text and "the control plane alone" not in text
     assert "JetStream/Redis state" not in text and "Exit codes" in text
     assert "5 credentials refused (copy connect.env from the control plane again" in text
+
+
+def test_up_gives_prefill_and_decode_workers_their_own_parallel_shapes():
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+
+    spec = spec_from_settings(UpSettings(prefill=1, prefill_tp=3, decode_pp=2))
+    assert spec.prefill_flags["tensor_parallel_size"] == 3 and "pipeline_parallel_size" not in spec.prefill_flags
+    assert spec.decode_flags["pipeline_parallel_size"] == 2 and "tensor_parallel_size" not in spec.decode_flags
+    plain = spec_from_settings(UpSettings(prefill=1))
+    assert not {"tensor_parallel_size", "pipeline_parallel_size"} & {*plain.prefill_flags, *plain.decode_flags}

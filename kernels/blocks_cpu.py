@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_build import CpuKernel, why_not
-from shared.model.precision import AVX512_VNNI_FLAGS
+from kernels.cpu_features import AVX512_VNNI_FLAGS
 
 log = logging.getLogger(__name__)
 

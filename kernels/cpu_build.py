@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from kernels.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w"]
@@ -56,7 +58,7 @@ def build(source: Path, flags: list[str]) -> Path:
 
 
 def cache_dir() -> Path:
-    from shared.model.registry import cache_dir
+    from kernels.cache_dir import cache_dir
 
     return cache_dir() / "kernels"
 
@@ -65,8 +67,6 @@ def why_not(switch: str, needs: tuple[str, ...]) -> str | None:
     """Why a kernel cannot run here (its ``switch`` env var set to off, or CPU flags missing), or None."""
     if os.environ.get(switch, "on").lower() in ("off", "0", "false", "no"):
         return f"{switch}=off"
-    from shared.model.precision import cpu_flags
-
     missing = [f for f in needs if f not in cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"

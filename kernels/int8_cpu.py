@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_build import CpuKernel
-from shared.model.precision import AVX512_VNNI_FLAGS
+from kernels.cpu_features import AVX512_VNNI_FLAGS
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from shared.service.settings import QosSettings
 
 
 def default_state_dir() -> Path:
-    from shared.model.registry import cache_dir
+    from kernels.cache_dir import cache_dir
 
     return cache_dir() / "up"
 

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_features import cpu_flags
 from shared.kvcache.layout import KvCacheSpec
 from shared.model.compile_mode import compile_mode
-from shared.model.precision import KV_CACHE_DTYPES, Precision, choose_precision, cpu_flags
+from shared.model.precision import KV_CACHE_DTYPES, Precision, choose_precision
 from shared.model.quant import quantization_name
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from shared.model.precision import cpu_flags
+from kernels.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class CompileArtifacts:
 
     @classmethod
     def default_root(cls) -> Path:
-        from shared.model.registry import cache_dir
+        from kernels.cache_dir import cache_dir
 
         configured = os.environ.get("TANDEM_COMPILE_CACHE_DIR")
         return Path(configured).expanduser() if configured else cache_dir() / "compile"

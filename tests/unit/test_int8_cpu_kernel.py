@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import int8_cpu
-from shared.model.precision import cpu_flags
+from kernels.cpu_features import cpu_flags
 
 HAS_VNNI = all(f in cpu_flags() for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
 

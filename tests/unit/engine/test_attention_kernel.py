@@ -11,7 +11,7 @@ import torch
 
 from kernels import attention_cpu
 from shared.model.compiled import _decode_attention
-from shared.model.precision import cpu_flags
+from kernels.cpu_features import cpu_flags
 
 HAS_AVX2 = all(f in cpu_flags() for f in ("avx2", "fma", "f16c"))
 needs_kernel = pytest.mark.skipif(not HAS_AVX2, reason="the kernel needs AVX2, FMA and F16C")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import blocks_cpu
-from shared.model.precision import AVX512_VNNI_FLAGS, cpu_flags
+from kernels.cpu_features import AVX512_VNNI_FLAGS, cpu_flags
 from shared.model.quant import BLOCK, block_linear, four_bit_grid, quantize_blocks
 
 HAS_AVX2 = all(f in cpu_flags() for f in ("avx2", "fma", "f16c"))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from shared.engine import EngineConfig
-from shared.model.precision import choose_precision, cpu_flags
+from kernels.cpu_features import cpu_flags
+from shared.model.precision import choose_precision
 
 SAPPHIRE = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"})
 COOPER = frozenset({"avx2", "avx512f", "avx512_bf16"})  # bf16 without VNNI (a made-up mix)

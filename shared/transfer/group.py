@@ -25,8 +25,9 @@ class GroupTransfer:
     """See ``KvTransfer``; ``submit(fn)`` runs ``fn(engine)`` in the engine thread (a future)."""
 
     def __init__(self, rank0, metadata: GroupMetadata, submit: Callable[[Callable], concurrent.futures.Future],
-                 *, write_timeout_s: float = 30.0) -> None:
-        """``write_timeout_s``: how long each rank waits for its writes before the group gives up."""
+                 *, write_timeout_s: float = 5.0) -> None:
+        """``write_timeout_s``: how long each rank waits for its writes before the group gives up
+        (the engine's steps wait meanwhile: a target that died costs the group that long)."""
         self._rank0, self._metadata, self._submit = rank0, metadata, submit
         self.write_timeout_s = write_timeout_s
         self.agent_name = metadata.name

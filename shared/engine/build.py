@@ -27,7 +27,7 @@ from shared.kvcache.manager import KVCacheManager
 from shared.kvcache.tiers import KvTiers, TierConfig
 from shared.model.attention import AttentionBackend, get_attention_backend
 from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts, engine_artifact_key
-from shared.model.compiled import CompiledDecode
+from shared.model.compiled import CompiledDecode, unsupported_reason
 from shared.model.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
 from shared.model.parallel import (Collectives, ProcessGroupCollectives, check_pipeline_parallel,
@@ -120,6 +120,9 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
                            _cuda_graphs(model, config, kv_cache, backend, max_model_len)), None
     if compile_mode != "off" and model.device.type != "cpu":
         log.info("no compiled decode step on %s: decode steps run eagerly", model.device.type)
+        compile_mode = "off"
+    if compile_mode != "off" and (reason := unsupported_reason(model.cfg)):
+        log.info("no compiled decode step for this model yet (%s): decode steps run eagerly", reason)
         compile_mode = "off"
     compiled = artifacts = None
     threads = engine_thread_count(config.num_threads)  # the engine thread's count, read before any hand-over

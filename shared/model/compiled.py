@@ -63,10 +63,34 @@ from shared.model.quant import linear
 log = logging.getLogger(__name__)
 
 
+def unsupported_reason(cfg) -> str | None:
+    """Why the compiled decode step cannot run a model of ``cfg`` (None: it can). It runs the Llama
+    layer, with Qwen3's per-head q/k norms; the families whose layers differ further (post-norms,
+    OLMo 2's whole q/k norm, multipliers, soft-caps, non-default softmax scales, a second rope base,
+    an activation other than SiLU) decode eagerly. A step that called the eager layer's own methods
+    for all of them sent the ahead-of-time compile of a default-precision SmolLM2 step into minutes
+    of symbolic shape reasoning, so they are left out until it does not."""
+    differs = [name for name, is_plain in (
+        ("post-norms", not cfg.post_norms and cfg.pre_norms),
+        ("a q/k norm over the whole projection", cfg.qk_norm in (None, "head")),
+        ("embedding or residual multipliers", cfg.embedding_multiplier == 1.0 and cfg.residual_multiplier == 1.0),
+        ("a softmax scale of its own", cfg.attention_scale is None),
+        ("soft-capping", cfg.attn_softcap is None and cfg.final_softcap is None),
+        ("logits scaling", cfg.logits_scaling == 1.0),
+        ("local layers with their own rope base", not cfg.local_layers),
+        (f"the {cfg.activation} activation", cfg.activation == "silu"),
+    ) if not is_plain]
+    if not differs:
+        return None
+    return f"the {cfg.architecture} layer has " + ", ".join(differs)
+
+
 class CompiledDecode:
     def __init__(self, model, block_size: int, num_threads: int | None = None) -> None:
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode step runs on the CPU, not on {model.device.type}")
+        if reason := unsupported_reason(model.cfg):
+            raise ValueError(f"no compiled decode step for this model yet: {reason}")
         self.model = model
         self.block_size = block_size
         # the C++ loops' OpenMP team size is fixed when they are generated: the engine thread's, not
@@ -77,36 +101,31 @@ class CompiledDecode:
         self.warm_s = 0.0  # how long warm() took
         self.artifacts: CompileArtifacts | None = None  # where warm() loaded or kept the step
         self._fn = None  # the step compiled ahead of time (torch's AOTCompiledFunction)
-        # the layers whose attention the C++ kernel computes, which scales by head_dim ** -0.5 and caps
-        # nothing (Granite's and Gemma's scales, Gemma 2's caps: the written-out attention); settled
-        # here, not in the traced step, which makes the layer's floats symbols
-        self.kernel_layers = [layer.softcap is None and layer.scale == model.cfg.head_dim ** -0.5
-                              for layer in model.layers]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  past_blocks: torch.Tensor, past_valid: torch.Tensor, step_src: torch.Tensor):
         model, cfg = self.model, self.model.cfg
         num_seqs, past_len = past_valid.shape
-        kv_heads, head_dim = cfg.num_kv_heads, cfg.head_dim
-        q_size = cfg.num_heads * head_dim
-        hidden = model.embed_tokens(input_ids)
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        hidden = F.embedding(input_ids, model.embed)
         cos, sin = model.rope_cos_sin(positions)
-        kernel_usable = attention_cpu.usable(kv_cache, head_dim)
+        in_place = attention_cpu.usable(kv_cache, head_dim)
         mask = past_valid[:, :, None, None]  # [B, L, 1, 1]: the past positions each row has
         from_step = (step_src >= 0)[:, :, None, None]  # [B, L, 1, 1]: a past position this step computes
         src = step_src.clamp(min=0)  # [B, L]: the row of the step that computes it
         residual = None
         new_k, new_v = [], []
-        norm = fused_add_rms_norm_ref
         for i, layer in enumerate(model.layers):
-            # the eager layer's own steps (LlamaLayer): each family's norms, q/k norms, rope, activation
-            x, residual = layer.norm_in(norm, hidden, residual, layer.attn_norm)
-            q, k, v = layer.project_qkv(x, cos, sin, rotary_embedding_ref)
+            x, residual = fused_add_rms_norm_ref(hidden, residual, layer.attn_norm, cfg.rms_norm_eps)
+            q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+            q, k = layer.norm_qk(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim))  # Qwen3's q/k norm
+            q, k = rotary_embedding_ref(q, k, cos, sin)
+            v = v.view(-1, kv_heads, head_dim)
             new_k.append(k)
             new_v.append(v)
             k, v = cast(k, kv_cache.dtype), cast(v, kv_cache.dtype)  # as the cache will hold them
-            if kernel_usable and self.kernel_layers[i]:
-                # it reads the pool where it is (kernels/attention_cpu.py)
+            if in_place:  # the C++ kernel reads the pool where it is (kernels/attention_cpu.py)
                 attn = attention_cpu.decode_attention(cast(q, torch.float32), cast(k, torch.float32),
                                                       cast(v, torch.float32), kv_cache, i, past_blocks,
                                                       past_valid, step_src)
@@ -117,11 +136,11 @@ class CompiledDecode:
                                      kv_cache[past_blocks, i, 0].view(num_seqs, past_len, kv_heads, head_dim))
                 past_v = torch.where(from_step, v[src],
                                      kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim))
-                attn = _decode_attention(q, k, v, past_k, past_v, mask, layer.scale, layer.softcap)
-            hidden = layer.norm_out(norm, linear(cast(attn, q.dtype).reshape(num_seqs, q_size), layer.o_proj),
-                                    layer.attn_out_norm)
-            x, residual = layer.norm_in(norm, hidden, residual, layer.mlp_norm)
-            hidden = layer.norm_out(norm, layer.mlp(x), layer.mlp_out_norm)
+                attn = _decode_attention(q, k, v, past_k, past_v, mask)
+            hidden = linear(cast(attn, q.dtype).reshape(num_seqs, q_size), layer.o_proj)
+            x, residual = fused_add_rms_norm_ref(hidden, residual, layer.mlp_norm, cfg.rms_norm_eps)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = linear(F.silu(gate) * up, layer.down)
         out = fused_add_rms_norm_ref(hidden, residual, model.norm, cfg.rms_norm_eps)[0]
         return out, torch.stack(new_k, dim=1), torch.stack(new_v, dim=1)  # [B, hidden], [B, layers, Hkv, D] x2
 
@@ -245,25 +264,21 @@ def _load(data: bytes, forward):
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
-                      past_v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      past_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query per sequence over its cached past and its own new key/value, in float32.
 
     q [B, H, D]; k, v [B, Hkv, D] (the step's token); past_k, past_v [B, L, Hkv, D] gathered from the
     pool; mask [B, L, 1, 1] true where a past position exists. Written as products and sums, not as
     matmuls over a concatenated K/V: inductor then reads the pool inside its reduction loops instead
     of copying the gathered K/V out first. The new token's score joins the softmax separately.
-    ``scale`` defaults to head_dim ** -0.5; with ``softcap``, a score s becomes softcap * tanh(s / softcap)
-    (Gemma 2). Returns [B, H, D]."""
+    Returns [B, H, D]."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = head_dim ** -0.5
     qg = cast(q, torch.float32).view(num_seqs, 1, kv_heads, heads // kv_heads, head_dim)  # [B, 1, Hkv, G, D]
     past = (qg * cast(past_k, torch.float32)[:, :, :, None, :]).sum(-1) * scale  # [B, L, Hkv, G]
-    own = (qg[:, 0] * cast(k, torch.float32)[:, :, None, :]).sum(-1) * scale  # [B, Hkv, G]
-    if softcap is not None:
-        past, own = torch.tanh(past / softcap) * softcap, torch.tanh(own / softcap) * softcap
     past = torch.where(mask, past, float("-inf"))  # also drops whatever an unused slot holds (NaN included)
+    own = (qg[:, 0] * cast(k, torch.float32)[:, :, None, :]).sum(-1) * scale  # [B, Hkv, G]
     top = torch.maximum(past.amax(dim=1), own)
     p_past = torch.exp(past - top[:, None])
     p_own = torch.exp(own - top)

@@ -62,8 +62,9 @@ class LlamaLayer:
     What a family changes (shared/model/config.py's ``FAMILIES``) arrives as the config's fields
     and as which norms the weights hold: no norm before a sublayer (OLMo 2), a norm of a
     sublayer's all-reduced output (OLMo 2, Gemma), the MLP's activation, Granite's residual
-    multiplier, the softmax scale and Gemma 2's score soft-cap. The compiled decode step calls the
-    same methods (shared/model/compiled.py)."""
+    multiplier, the softmax scale and Gemma 2's score soft-cap. The compiled decode step
+    (shared/model/compiled.py) covers the Llama layer and Qwen3's q/k norms; the other families
+    decode eagerly (``compiled.unsupported_reason``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
                  group: Collectives, index: int = 0):
@@ -81,9 +82,7 @@ class LlamaLayer:
         self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads  # this rank's
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        # settled here, not in the forward: the compiled step's tracer makes the config's floats symbols,
-        # and a test of one (``== 1.0``) inside the graph makes it start over, which an ahead-of-time
-        # compile cannot
+        # settled here, once, not in every forward
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.softcap = cfg.attn_softcap
         self.residual_multiplier = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None

@@ -198,23 +198,42 @@ def test_two_models_in_one_process_each_run_their_own_graph(tmp_path):
     assert outputs[0] != outputs[1]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "olmo2", "granite", "gemma2", "gemma3_text"])
-def test_each_familys_compiled_decode_gives_the_eager_tokens(tmp_path, kind):
-    """The graph calls the eager layer's own steps (``LlamaLayer.norm_in``, ``project_qkv``,
-    ``norm_out``, ``mlp``), so each family's differences run in it as in the eager step: Qwen3's
-    per-head q/k norms, OLMo 2's whole-q/k norms and post-norms, Granite's multipliers and scale
-    (the written-out attention: the C++ kernel scales by head_dim ** -0.5 only), Gemma 2's
-    soft-caps, Gemma 3's local rope."""
+def test_qwen3_compiled_decode_gives_the_eager_tokens(tmp_path):
+    """The graph calls the layer's own q/k hook (``LlamaLayer.norm_qk``), so Qwen3's per-head
+    norms run in it as in the eager step."""
     from shared.model.loader import load_model
     from tiny_hf_models import save_tiny
 
-    save_tiny(kind, tmp_path)
+    save_tiny("qwen3", tmp_path)
     model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     eager = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
     compiled = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="on"))
     assert compiled.generate(prompts(2), greedy) == eager.generate(prompts(2), greedy)
     assert compiled.runner.compiled.num_steps > 0
+
+
+@pytest.mark.parametrize("kind,differs", [("olmo2", "post-norms"), ("granite", "multipliers"),
+                                          ("gemma2", "soft-capping"), ("gemma3_text", "local layers")])
+def test_families_the_compiled_step_does_not_cover_decode_eagerly(tmp_path, kind, differs, caplog):
+    """OLMo 2, Granite and the Gemmas: compile on gives the eager engine (and says why), and the
+    compiled step refuses the model rather than run the Llama layer on it."""
+    import logging
+
+    from shared.model.compiled import CompiledDecode
+    from shared.model.loader import load_model
+    from tiny_hf_models import save_tiny
+
+    save_tiny(kind, tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=differs):
+        CompiledDecode(model, 4)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4))
+    with caplog.at_level(logging.INFO, logger="shared.engine.build"):
+        asked = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=4, compile="on"))
+    assert asked.runner.compiled is None and "decode steps run eagerly" in caplog.text
+    assert asked.generate(prompts(2), greedy) == eager.generate(prompts(2), greedy)
 
 
 @pytest.mark.parametrize("method", ["int8", "int8-precise", "gguf"])

@@ -36,7 +36,7 @@ import torch
 
 from shared.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from shared.model.llama import LayerState, LlamaModel
-from shared.model.parallel import Collectives, PipelineStage, TensorSplit, stage_layers
+from shared.model.parallel import Collectives, PipelineStage, stage_layers
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,7 @@ class ParallelModel:
         ranks that could not make one. Runs in the engine thread, between steps."""
         from shared.transfer.base import TransferUnavailable
 
-        blob = torch.tensor(list(name.encode()), dtype=torch.uint8, device=self.model.device)
-        self._send(OPEN_TRANSFER, blob.numel())
-        self.world.broadcast(blob)
+        self._send_bytes(OPEN_TRANSFER, name.encode())
         self.transfer, metadata, errors = _open_rank_transfer(self.model, self.world, self._kv_cache, name)
         if errors:
             raise TransferUnavailable("; ".join(errors))
@@ -140,9 +138,7 @@ class ParallelModel:
 
         order = json.dumps({"target": target.decode(), "local": local_ids, "remote": remote_ids,
                             "timeout_s": timeout_s}).encode()
-        blob = torch.tensor(list(order), dtype=torch.uint8, device=self.model.device)
-        self._send(SEND_KV, blob.numel())
-        self.world.broadcast(blob)
+        self._send_bytes(SEND_KV, order)
         failures, num_bytes, num_descriptors, name = _send_rank_part(self.model, self.world, self._kv_cache,
                                                                      self.transfer, order)
         if failures:
@@ -165,6 +161,11 @@ class ParallelModel:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def _send_bytes(self, op: int, data: bytes) -> None:
+        """``op`` with ``data`` (the follower reads it with ``_receive_bytes``)."""
+        self._send(op, len(data))
+        self.world.broadcast(_bytes_tensor(data, self.model.device))
 
     def _send(self, op: int, *args: int) -> None:
         header = torch.zeros(HEADER, dtype=torch.long, device=self.model.device)
@@ -194,7 +195,7 @@ def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | No
             if op == STOP:
                 return
             if op in (OPEN_TRANSFER, SEND_KV):
-                blob = bytes(world.broadcast(torch.empty(args[0], dtype=torch.uint8, device=dev)).tolist())
+                blob = world.broadcast(torch.empty(args[0], dtype=torch.uint8, device=dev)).cpu().numpy().tobytes()
                 if op == OPEN_TRANSFER:
                     transfer, _, _ = _open_rank_transfer(model, world, kv_cache, blob.decode())
                     if transfer is not None and progress is None:
@@ -215,10 +216,7 @@ def _follow_op(model: LlamaModel, world: Collectives, backend: AttentionBackend,
     dev = model.device
     if op == ALLOCATE:
         num_blocks, dtype, block_size = args[:3]
-        from shared.kvcache.layout import KvCacheSpec
-
-        spec = KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, block_size, DTYPES[dtype])
-        kv_cache = spec.allocate(num_blocks, dev)
+        kv_cache = _shard_spec(model, block_size, DTYPES[dtype]).allocate(num_blocks, dev)
         log.info("rank %d: KV shard of %d blocks (%.0f MiB)", world.rank, num_blocks,
                  kv_cache.nbytes / 2**20)
     elif op == FORWARD:
@@ -241,6 +239,13 @@ def _follow_op(model: LlamaModel, world: Collectives, backend: AttentionBackend,
     return kv_cache
 
 
+def _shard_spec(model: LlamaModel, block_size: int, dtype: torch.dtype):
+    """The layout of this rank's KV pool: its layers and KV heads."""
+    from shared.kvcache.layout import KvCacheSpec
+
+    return KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, block_size, dtype)
+
+
 def kv_shape(model: LlamaModel):
     from shared.transfer.relayout import KvShape
 
@@ -250,7 +255,6 @@ def kv_shape(model: LlamaModel):
 def _open_rank_transfer(model: LlamaModel, world: Collectives, kv_cache: torch.Tensor, name: str):
     """This rank's agent over its shard, and every rank's metadata gathered: (agent or None,
     ``GroupMetadata`` on rank 0 when every rank made one, else None; the ranks' errors)."""
-    from shared.kvcache.layout import KvCacheSpec
     from shared.transfer.base import AgentMetadata
     from shared.transfer.relayout import GroupMetadata
 
@@ -259,8 +263,7 @@ def _open_rank_transfer(model: LlamaModel, world: Collectives, kv_cache: torch.T
         from shared.transfer.nixl import NixlTransfer
 
         transfer = NixlTransfer(name if world.rank == 0 else f"{name}-rank{world.rank}", thread_safe=True)
-        spec = KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, kv_cache.shape[3],
-                           kv_cache.dtype)
+        spec = _shard_spec(model, kv_cache.shape[3], kv_cache.dtype)
         transfer.register_kv_pool(kv_cache, spec, shape=kv_shape(model), rank=world.rank)
         data = transfer.local_metadata().to_bytes()
     except Exception as exc:  # noqa: BLE001 - NIXL missing or broken on this rank: every rank must hear it
@@ -334,13 +337,18 @@ def gather_heads(group: Collectives, kv_cache: torch.Tensor, block_ids: list[int
     return mine
 
 
+def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else \
+        torch.empty(0, dtype=torch.uint8, device=device)
+
+
 def _all_gather_bytes(world: Collectives, data: bytes) -> list[bytes]:
-    dev = torch.device("cpu") if not hasattr(world, "device") else world.device
+    dev = getattr(world, "device", torch.device("cpu"))
     sizes = world.all_gather(torch.tensor([len(data)], dtype=torch.long, device=dev)).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
-    padded[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    gathered = world.all_gather(padded).reshape(world.size, -1)
-    return [bytes(gathered[r, :sizes[r]].tolist()) for r in range(world.size)]
+    padded[:len(data)] = _bytes_tensor(data, dev)
+    gathered = world.all_gather(padded).reshape(world.size, -1).cpu()
+    return [gathered[r, :sizes[r]].numpy().tobytes() for r in range(world.size)]
 
 
 class _Progress:
@@ -373,14 +381,16 @@ class ShardLayout:
     every replica, the same values)."""
 
     def __init__(self, cfg, tp: int, pp: int) -> None:
+        from shared.transfer.relayout import KvShape
+
         self.cfg, self.tp, self.pp = cfg, tp, pp
-        self.num_heads = TensorSplit(cfg, 0, tp).num_kv_heads
-        self.max_layers = len(stage_layers(cfg.num_layers, pp, 0))  # the first stages are the longest
+        self.shape = KvShape(tp, pp, cfg.num_layers, cfg.num_kv_heads)
+        self.num_heads = len(self.shape.heads(0))
+        self.max_layers = len(self.shape.layers(0))  # the first stages are the longest
 
     def place(self, world_rank: int) -> tuple[range, slice]:
-        stage, r = divmod(world_rank, self.tp)
-        start = TensorSplit(self.cfg, r, self.tp).kv_head_start
-        return stage_layers(self.cfg.num_layers, self.pp, stage), slice(start, start + self.num_heads)
+        heads = self.shape.heads(world_rank)
+        return self.shape.layers(world_rank), slice(heads.start, heads.stop)
 
     def flatten(self, part: torch.Tensor, world_rank: int) -> torch.Tensor:
         """A rank's part [n, its layers, 2, bs, its heads, D], flat and padded to the longest stage's

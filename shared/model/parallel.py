@@ -206,6 +206,16 @@ def check_pipeline_parallel(cfg: ModelConfig, pp: int) -> None:
                          f"every stage needs one")
 
 
+def kv_heads_of(rank: int, tp: int, num_kv_heads: int) -> range:
+    """The KV heads tensor rank ``rank`` of ``tp`` holds: a share of them, or, where tp exceeds
+    them, the one replicated head its query heads read."""
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSplit:
     """What one rank of ``tp`` holds of a model of config ``cfg``."""
@@ -221,13 +231,11 @@ class TensorSplit:
     @property
     def num_kv_heads(self) -> int:
         """KV heads on this rank: a share of them, or one replicated head where tp exceeds them."""
-        return max(1, self.cfg.num_kv_heads // self.tp)
+        return len(kv_heads_of(self.rank, self.tp, self.cfg.num_kv_heads))
 
     @property
     def kv_head_start(self) -> int:
-        if self.tp <= self.cfg.num_kv_heads:
-            return self.rank * self.num_kv_heads
-        return self.rank // (self.tp // self.cfg.num_kv_heads)  # the head this rank's query heads read
+        return kv_heads_of(self.rank, self.tp, self.cfg.num_kv_heads).start
 
     @property
     def intermediate_size(self) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from shared.transfer.base import AgentMetadata, KVTransferFailed, TransferHandle, TransferNotification, TransferStats
 from shared.transfer.relayout import GroupMetadata, plan_pieces
-from shared.transfer.write import pauses_until_written
+from shared.transfer.write import sleep_until_written
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,7 @@ class GroupTransfer:
         return True
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
-        import time
-
-        for pause in pauses_until_written(self, handle, timeout_s, first_pause_s=1e-4):
-            if pause:
-                time.sleep(pause)
+        sleep_until_written(self, handle, timeout_s, first_pause_s=1e-4)
 
     def cancel(self, handle: TransferHandle) -> None:
         """The group's write goes on to its own deadline (its ranks cannot be stopped mid-way); its

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import struct
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from shared.transfer.base import (AgentMetadata, KVTransferFailed, KvLayoutMisma
                                   TransferNotification, TransferStats, TransferUnavailable, describe_spec, joint_runs)
 from shared.transfer.convert import check_convertible, convert_slab, needs_conversion
 from shared.transfer.relayout import GroupMetadata, KvShape, Piece, plan_pieces
-from shared.transfer.write import pauses_until_written
+from shared.transfer.write import sleep_until_written
 
 log = logging.getLogger(__name__)
 
@@ -424,9 +423,7 @@ class NixlTransfer:
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
         # spin briefly (small writes finish in microseconds), then back off to spare the cores
-        for pause in pauses_until_written(self, handle, timeout_s, first_pause_s=1e-5):
-            if pause:
-                time.sleep(pause)
+        sleep_until_written(self, handle, timeout_s, first_pause_s=1e-5)
 
     def cancel(self, handle: TransferHandle) -> None:
         if handle.done:

@@ -30,7 +30,7 @@ import base64
 import json
 from dataclasses import dataclass
 
-from shared.model.parallel import stage_layers
+from shared.model.parallel import kv_heads_of, stage_layers
 from shared.transfer.base import AgentMetadata, KVTransferFailed, KvLayoutMismatch
 
 
@@ -51,13 +51,8 @@ class KvShape:
         return stage_layers(self.num_layers, self.pp, rank // self.tp)
 
     def heads(self, rank: int) -> range:
-        """The KV heads world rank ``rank`` holds (as ``TensorSplit`` places them)."""
-        r, tp, h = rank % self.tp, self.tp, self.num_kv_heads
-        if tp <= h:
-            per = h // tp
-            return range(r * per, (r + 1) * per)
-        first = r // (tp // h)
-        return range(first, first + 1)
+        """The KV heads world rank ``rank`` holds (its tensor rank's, as the model places them)."""
+        return kv_heads_of(rank % self.tp, self.tp, self.num_kv_heads)
 
     def stage_ranks(self, stage: int) -> range:
         return range(stage * self.tp, (stage + 1) * self.tp)

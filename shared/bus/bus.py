@@ -28,6 +28,7 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfi
                          RetentionPolicy, StreamConfig)
 from pydantic import ValidationError
 
+from shared.bus.backoff import Backoff
 from shared.bus.errors import (BusTimeout, Disconnected, MalformedReply, NatsCredentialsRefused, NatsTlsFailed,
                                NatsUnavailable, NatsUnreachable, NoResponders, RemoteError, ServiceError)
 from shared.bus.jetstream import ConsumerState, StreamState, WorkQueue
@@ -52,6 +53,7 @@ ERROR_HEADER = "Tandem-Error-Code"
 STREAM_HEADER = "Tandem-Stream"  # "end" on the empty message that closes a streamed reply
 _STATUS = "Status"
 _PING_INTERVAL_S = 5.0
+_CONNECT_BACKOFF = Backoff(initial_s=0.05, factor=2.0, max_s=2.0)  # between tries of the first connection
 
 
 def _error_from_msg(msg: Msg, subject: str) -> ServiceError | None:
@@ -203,7 +205,7 @@ class Bus:
         credentials = _credentials(servers)
         tls = tls_context(tls_ca or os.environ.get("TANDEM_NATS_CA"))
         replicas = replicas or _replicas_from_env()
-        delay, deadline = 0.05, time.monotonic() + timeout_s
+        delays, deadline = _CONNECT_BACKOFF.delays(), time.monotonic() + timeout_s
         last_error: list[Exception] = []
         lasting: list[NatsUnavailable] = []  # an error retrying cannot mend, once seen
         given_up, connected = asyncio.Event(), False
@@ -253,11 +255,11 @@ class Bus:
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if error := (lasting[0] if lasting else _lasting_error(exc, shown)):
                     raise error from None
+                delay = next(delays)
                 if time.monotonic() + delay > deadline:
                     why = exc if str(exc) else (last_error[0] if last_error else "timed out")
                     raise NatsUnreachable(f"cannot reach NATS at {shown} within {timeout_s:g}s: {why}") from None
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     # --- caller side ------------------------------------------------------------------------------
     async def request(self, endpoint: Endpoint[Req, Rep], payload: Req, *, timeout_s: float) -> Rep:

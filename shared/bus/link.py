@@ -18,10 +18,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from shared.bus.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
-_RETRY_INITIAL_S = 0.1
-_RETRY_MAX_S = 2.0
+_RESUME_BACKOFF = Backoff(initial_s=0.1, factor=2.0, max_s=2.0)
 
 
 class Link:
@@ -68,8 +69,9 @@ class Link:
             self._resuming[key] = asyncio.create_task(self._retry(key, resume))
 
     async def _retry(self, key: str, resume: Callable[[], Awaitable[None]]) -> None:
-        delay = _RETRY_INITIAL_S
-        while not self.is_closed:
+        for delay in _RESUME_BACKOFF.delays():
+            if self.is_closed:
+                return
             try:
                 await resume()
                 log.info("nats %s: %s resumed", self.name, key)
@@ -79,7 +81,6 @@ class Link:
             except Exception as exc:  # noqa: BLE001 — e.g. JetStream not restored yet: try again
                 log.warning("nats %s: resuming %s failed (%r); retrying in %.1fs", self.name, key, exc, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, _RETRY_MAX_S)
 
     def close(self) -> None:
         self.is_closed = True

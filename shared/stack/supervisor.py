@@ -12,17 +12,16 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
+from shared.bus import backoff
+
 
 @dataclass(frozen=True)
-class Backoff:
+class Backoff(backoff.Backoff):
+    """``delay_s(num_consecutive_crashes)``: the wait before a restart."""
     initial_s: float = 0.5
     factor: float = 2.0
     max_s: float = 30.0
     stable_after_s: float = 60.0
-
-    def delay_s(self, num_consecutive_crashes: int) -> float:
-        assert num_consecutive_crashes >= 1, f"no crash to back off from ({num_consecutive_crashes})"
-        return min(self.max_s, self.initial_s * self.factor ** (num_consecutive_crashes - 1))
 
 
 def describe_exit(returncode: int) -> str:

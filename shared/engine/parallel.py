@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import json
+import math
 import os
 import signal
 import socket
@@ -292,7 +293,7 @@ def _send_rank_part(model: LlamaModel, world: Collectives, kv_cache: torch.Tenso
     gathered = None
     pieces = plan_pieces(shape, target.shape)
     if world.rank // shape.tp in stages_gathering(pieces, shape) and local_ids:
-        gathered = gather_heads(model.group, kv_cache, local_ids, shape, world.rank, pieces)
+        gathered = _stage_heads(model.group, kv_cache, local_ids, shape, world.rank, pieces, transfer)
     num_bytes = num_descriptors = 0
     try:
         if transfer is None:
@@ -309,13 +310,46 @@ def _send_rank_part(model: LlamaModel, world: Collectives, kv_cache: torch.Tenso
     return counts[0], counts[1], counts[2], target.name
 
 
+def _stage_heads(group: Collectives, kv_cache: torch.Tensor, block_ids: list[int], shape, rank: int, pieces: list,
+                 transfer):
+    """The stage's heads put together for this rank's gathered pieces (``Gathered``; None where it
+    writes none): in the stage's shared staging (``kv_staging``) where its ranks share memory, each
+    rank copying its own heads there, else over the stage's collectives (``gather_heads``)."""
+    from shared.engine.kv_staging import stage_staging
+    from shared.transfer.relayout import Gathered
+
+    stage = rank // shape.tp
+    covered = [p.layers for p in pieces if p.gathered and p.src // shape.tp == stage]
+    lo, hi = min(r.start for r in covered), max(r.stop for r in covered)
+    out_shape = (len(block_ids), hi - lo, 2, kv_cache.shape[3], shape.num_kv_heads, kv_cache.shape[-1])
+    staging = None
+    if kv_cache.device.type == "cpu":
+        staging = stage_staging(group, math.prod(out_shape) * kv_cache.element_size())
+    if staging is None:
+        return gather_heads(group, kv_cache, block_ids, shape, rank, pieces)
+    blocks = staging.blocks(out_shape, kv_cache.dtype)
+    mine = shape.heads(rank)
+    if all(shape.heads(r) != mine for r in shape.stage_ranks(stage) if r < rank):  # replicated: one copy
+        first = shape.layers(rank).start
+        source, into = kv_cache[:, lo - first:hi - first], blocks[:, :, :, :, mine.start:mine.stop]
+        for i, block in enumerate(block_ids):  # one strided copy per block, no temporary
+            into[i].copy_(source[block])
+    group.all_reduce(torch.zeros(1, device=kv_cache.device))  # every rank's heads are in
+    if not any(p.src == rank and p.gathered for p in pieces):
+        return None
+    return Gathered(blocks, lo, registered=staging.registered_with(transfer))
+
+
 def gather_heads(group: Collectives, kv_cache: torch.Tensor, block_ids: list[int], shape, rank: int,
-                 pieces: list) -> tuple[torch.Tensor, int] | None:
+                 pieces: list):
     """For the ``gathered`` pieces of a transfer (``plan_pieces``): each rank of this stage in turn
     receives, from every rank of the stage (``group``), its heads of the layers that rank's pieces
     cover. Returns this rank's: (blocks [n, those layers, 2, bs, all KV heads, D], the model's
-    number of the first of those layers), or None when it writes no gathered piece. A round per
-    writing rank moves only the layers it writes, not the stage's whole blocks to every rank."""
+    number of the first of those layers: ``Gathered``), or None when it writes no gathered piece.
+    A round per writing rank moves only the layers it writes, not the stage's whole blocks to
+    every rank."""
+    from shared.transfer.relayout import Gathered
+
     stage = rank // shape.tp
     first_of_stage = shape.layers(rank).start
     mine = None
@@ -333,7 +367,7 @@ def gather_heads(group: Collectives, kv_cache: torch.Tensor, block_ids: list[int
         for r in range(shape.tp):
             heads = shape.heads(stage * shape.tp + r)
             whole[:, :, :, :, heads.start:heads.stop] = parts[r]
-        mine = (whole, lo)
+        mine = Gathered(whole, lo)
     return mine
 
 

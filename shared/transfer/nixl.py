@@ -28,7 +28,7 @@ from shared.kvcache.layout import KvCacheSpec, contiguous_runs
 from shared.transfer.base import (AgentMetadata, KVTransferFailed, KvLayoutMismatch, TransferHandle,
                                   TransferNotification, TransferStats, TransferUnavailable, describe_spec, joint_runs)
 from shared.transfer.convert import check_convertible, convert_slab, needs_conversion
-from shared.transfer.relayout import GroupMetadata, KvShape, Piece, plan_pieces
+from shared.transfer.relayout import Gathered, GroupMetadata, KvShape, Piece, plan_pieces
 from shared.transfer.write import sleep_until_written
 
 log = logging.getLogger(__name__)
@@ -289,15 +289,16 @@ class NixlTransfer:
 
     def write_pieces(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int], *,
                      then_notify: bytes | None = None,
-                     gathered: tuple[torch.Tensor, int] | None = None) -> TransferHandle:
+                     gathered: Gathered | None = None) -> TransferHandle:
         """This rank's pieces (``plan_pieces``) of a write into ``peer``, a worker of another
         parallel shape (or a rank of the same shape): each piece gathered into a staging slab in
         the target rank's layout and written with one descriptor per block (per run of consecutive
         blocks where it fills the target's whole block; straight from the pool, staged nowhere,
-        where the piece is this rank's whole block and the target's too). ``gathered``: the blocks
-        with every KV head over the layers of this rank's gathered pieces, ``[n, layers, 2, bs, all
-        KV heads, D]``, with the model's number of its first layer (``gather_heads``). ``then_notify``: sent to the peer's rank 0 once every piece landed
-        (a parallel worker's rank 0 sends it itself, with ``notify``, once every rank is done)."""
+        where the piece is this rank's whole block and the target's too). ``gathered``: the stage's
+        heads put together for this rank's gathered pieces (``Gathered``; straight from there, with
+        no slab, where it lies in registered memory and a piece takes every head).
+        ``then_notify``: sent to the peer's rank 0 once every piece landed (a parallel worker's
+        rank 0 sends it itself, with ``notify``, once every rank is done)."""
         group = self._groups.get(peer)
         if group is None:
             raise KVTransferFailed(f"unknown peer {peer!r} (known: {sorted(self._groups)}): add_peer first")
@@ -324,7 +325,7 @@ class NixlTransfer:
         return handle
 
     def _write_piece(self, handle: TransferHandle, group: GroupMetadata, piece: Piece, local_ids: list[int],
-                     remote_ids: list[int], gathered: torch.Tensor | None) -> None:
+                     remote_ids: list[int], gathered: Gathered | None) -> None:
         assert self._pool is not None and self.shape is not None
         target = group.ranks[piece.dst]
         peer = self._peers[target.agent_name]
@@ -342,20 +343,26 @@ class NixlTransfer:
             if piece.gathered:
                 if gathered is None:
                     raise KVTransferFailed(f"rank {self.rank}: a gathered piece without the stage's gathered heads")
-                (source, first_layer), first_head, ids = gathered, 0, slice(None)
+                source, first_layer, first_head, ids = gathered.blocks, gathered.first_layer, 0, slice(None)
             else:  # slice the pool before taking the blocks: only the piece's bytes are copied
                 source, first_layer, first_head, ids = self._pool, mine_layers.start, mine_heads.start, local_ids
             layers = slice(piece.layers.start - first_layer, piece.layers.stop - first_layer)
             heads = slice(piece.heads.start - first_head, piece.heads.stop - first_head)
             view = source[:, layers, :, :, heads]  # strided: the piece's layers and heads of every block
-            slab = self._take_slab(len(local_ids) * chunk_bytes)
-            handle.resources.append(slab)
-            staging = slab.buffer[:len(local_ids) * chunk_bytes].view(view.dtype).view(len(local_ids), *view.shape[1:])
-            if piece.gathered:  # [n, its layers, 2, bs, their heads, D], one copy into registered memory
-                staging.copy_(view)
+            if piece.gathered and gathered.registered and heads == slice(0, source.shape[4]):
+                # in registered memory already, every block's piece one contiguous run: written from there
+                staging, stride = view, source.stride(0) * source.element_size()
             else:
-                torch.index_select(view, 0, torch.tensor(ids, dtype=torch.long, device=view.device), out=staging)
-            if chunk_bytes == target.block_bytes:  # the target's whole blocks: one descriptor per run
+                slab = self._take_slab(len(local_ids) * chunk_bytes)
+                handle.resources.append(slab)
+                staging = slab.buffer[:len(local_ids) * chunk_bytes].view(view.dtype).view(len(local_ids),
+                                                                                            *view.shape[1:])
+                stride = chunk_bytes
+                if piece.gathered:  # [n, its layers, 2, bs, their heads, D], one copy into registered memory
+                    staging.copy_(view)
+                else:
+                    torch.index_select(view, 0, torch.tensor(ids, dtype=torch.long, device=view.device), out=staging)
+            if chunk_bytes == target.block_bytes == stride:  # the target's whole blocks: one descriptor per run
                 runs = contiguous_runs(remote_ids)
             else:
                 runs = [(b, 1) for b in remote_ids]
@@ -363,7 +370,7 @@ class NixlTransfer:
             remote_descs = np.empty((len(runs), 3), dtype=np.uint64)
             done = 0
             for i, (first, count) in enumerate(runs):
-                local_descs[i] = (staging.data_ptr() + done * chunk_bytes, count * chunk_bytes, self._device_id)
+                local_descs[i] = (staging.data_ptr() + done * stride, count * chunk_bytes, self._device_id)
                 remote_descs[i] = (target.pool_address + first * target.block_bytes + offset, count * chunk_bytes,
                                    target.device_id)
                 done += count
@@ -471,6 +478,14 @@ class NixlTransfer:
         assert self._pool is not None
         buffer = torch.empty(-(-num_bytes // (1 << 20)) << 20, dtype=torch.uint8, device=self._pool.device)
         return _Slab(buffer, self._agent.register_memory(buffer))
+
+    def register(self, buffer: torch.Tensor) -> object:
+        """Register ``buffer`` (memory this rank shares with its stage: ``SharedStaging``) so that
+        writes can start from it; ``deregister`` with what this returns."""
+        return self._agent.register_memory(buffer)
+
+    def deregister(self, registration: object) -> None:
+        self._agent.deregister_memory(registration)
 
     def _give_back(self, slab: _Slab) -> None:
         self._free_slabs.append(slab)

@@ -81,6 +81,19 @@ class Piece:
     gathered: bool = False
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """A stage's KV heads of some layers, put together for this rank's gathered pieces: ``blocks``
+    ``[n, layers, 2, bs, every KV head, D]`` (the transfer's blocks in order), ``first_layer`` the
+    model's number of the first of those layers. ``registered``: ``blocks`` lies in memory this
+    rank's agent registered (the stage's shared staging), so a piece with every head is written
+    from where it lies, not copied into a slab first."""
+
+    blocks: "torch.Tensor"  # noqa: F821 - no torch import here: this module plans, it moves nothing
+    first_layer: int
+    registered: bool = False
+
+
 def plan_pieces(src: KvShape, dst: KvShape) -> list[Piece]:
     """Every piece of a transfer from a ``src``-shaped group into a ``dst``-shaped one, in target
     rank order. Each (target rank, layer, head) is written exactly once; a replicated head (tp

@@ -47,6 +47,20 @@ class AttentionMetadata:
         return value
 
 
+def chunk_metadata(meta: AttentionMetadata, lo: int, hi: int, num_tokens: int) -> AttentionMetadata:
+    """The metadata of tokens ``[lo, hi)`` of a step of one prefill sequence of ``num_tokens``
+    tokens, run as a step of their own after tokens ``[0, lo)`` (a pipeline's chunk: the earlier
+    ones' K/V are in the cache by then)."""
+    assert meta.num_decodes == 0 and meta.seq_lens.shape[0] == 1, "one prefill sequence"
+    seq_len = int(meta.seq_lens[0]) - num_tokens + hi
+    return AttentionMetadata(
+        num_decodes=0, slot_mapping=meta.slot_mapping[lo:hi], block_tables=meta.block_tables,
+        seq_lens=torch.tensor([seq_len], dtype=meta.seq_lens.dtype, device=meta.seq_lens.device),
+        query_start_loc=torch.tensor([0, hi - lo], dtype=meta.query_start_loc.dtype,
+                                     device=meta.query_start_loc.device),
+        max_seq_len=seq_len, max_query_len=hi - lo)
+
+
 class AttentionBackend(Protocol):
     name: str
 

@@ -21,9 +21,10 @@ from kernels import blocks_cpu, int8_cpu
 from kernels.cast import cast
 from kernels.rms_norm import fused_add_rms_norm_ref
 from shared.kvcache.layout import KvCacheSpec, layer_views
-from shared.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, softcapped_attention
+from shared.model.attention import (AttentionBackend, AttentionMetadata, TorchAttentionBackend, chunk_metadata,
+                                    softcapped_attention)
 from shared.model.config import ModelConfig
-from shared.model.parallel import Collectives, PipelineStage, SingleRank, TensorSplit
+from shared.model.parallel import Collectives, PipelineStage, SingleRank, TensorSplit, pipeline_chunks
 from shared.model.quant import BlockWeight, Int8Weight, ObservedWeight, linear, observe, quantize_blocks, quantize_int8
 
 
@@ -210,6 +211,7 @@ class LlamaModel:
             local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
             self.local_inv_freq = rope_inv_freq(local).to(self.norm.device)
         self._kv_views: tuple[torch.Tensor, list] | None = None  # (cache, each layer's (k, v) views)
+        self.num_pipelined_steps = 0  # prefill steps run in chunks overlapped across pipeline stages
 
     @property
     def device(self) -> torch.device:
@@ -252,22 +254,65 @@ class LlamaModel:
         backend: AttentionBackend,
     ) -> torch.Tensor | None:  # [T, hidden]; None past a pipeline's stage 0
         """Every rank of a pipeline calls it for the same step: the stages run their layers one
-        after the other, each handing (hidden, residual) on to the next, the last back to stage 0."""
+        after the other, each handing (hidden, residual) on to the next, the last back to stage 0;
+        one long prompt's prefill in chunks that overlap across the stages (``pipeline_chunks``)."""
         cos, sin = self.rope_cos_sin(positions)
         pipe = self.pipeline
-        hidden = residual = None
-        if pipe.stage == 0:
-            hidden, residual = self._run_stage(self.embed_tokens(input_ids), None, cos, sin, kv_cache, meta, backend)
         shape = (input_ids.shape[0], self.cfg.hidden_size)
-        for stage in range(1, pipe.num_stages):
-            hidden, residual = pipe.hand_over(stage - 1, hidden, residual, shape, self.dtype, self.device)
-            if pipe.stage == stage:
-                hidden, residual = self._run_stage(hidden, residual, cos, sin, kv_cache, meta, backend)
+        chunks = pipeline_chunks(input_ids.shape[0], meta.num_decodes, meta.seq_lens.shape[0], pipe.num_stages)
+        if len(chunks) > 1:
+            hidden, residual = self._run_pipelined(input_ids, cos, sin, kv_cache, meta, backend, chunks)
+        else:
+            hidden = residual = None
+            if pipe.stage == 0:
+                hidden, residual = self._run_stage(self.embed_tokens(input_ids), None, cos, sin, kv_cache, meta,
+                                                   backend)
+            for stage in range(1, pipe.num_stages):
+                hidden, residual = pipe.hand_over(stage - 1, hidden, residual, shape, self.dtype, self.device)
+                if pipe.stage == stage:
+                    hidden, residual = self._run_stage(hidden, residual, cos, sin, kv_cache, meta, backend)
         if pipe.num_stages > 1:
             hidden, residual = pipe.hand_over(pipe.num_stages - 1, hidden, residual, shape, self.dtype, self.device)
         if pipe.stage != 0:
             return None
         return backend.fused_add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    def _run_pipelined(self, input_ids, cos, sin, kv_cache, meta, backend, chunks):
+        """One prompt's prefill in ``chunks`` of its tokens, overlapped across the stages: in round
+        t this stage runs chunk t - stage, then every stage hands the chunk it ran to the next (one
+        broadcast each, in stage order, on every rank). Returns the last stage's (hidden, residual)
+        of every token there, None elsewhere. A chunk's attention reads the earlier chunks' KV, which
+        this stage wrote in earlier rounds: the same operations as a chunked prefill."""
+        pipe, width = self.pipeline, self.cfg.hidden_size
+        last = pipe.num_stages - 1
+        self.num_pipelined_steps += 1
+        received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        done: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t in range(len(chunks) + last):
+            ran = None
+            m = t - pipe.stage
+            if 0 <= m < len(chunks):
+                lo, hi = chunks[m]
+                part = chunk_metadata(meta, lo, hi, input_ids.shape[0])
+                if pipe.stage == 0:
+                    hidden, residual = self.embed_tokens(input_ids[lo:hi]), None
+                else:
+                    hidden, residual = received.pop(m)
+                ran = self._run_stage(hidden, residual, cos[..., lo:hi, :], sin[..., lo:hi, :], kv_cache, part,
+                                      backend)
+                if pipe.stage == last:
+                    done.append(ran)
+            for src in range(last):  # hand-offs of this round, the same order on every rank
+                k = t - src
+                if 0 <= k < len(chunks):
+                    shape = (chunks[k][1] - chunks[k][0], width)
+                    mine = ran if pipe.stage == src else (None, None)
+                    handed = pipe.hand_over(src, *mine, shape, self.dtype, self.device)
+                    if pipe.stage == src + 1:
+                        received[k] = handed
+        if pipe.stage != last:
+            return None, None
+        return torch.cat([h for h, _ in done]), torch.cat([r for _, r in done])
 
     def _run_stage(self, hidden, residual, cos, sin, kv_cache, meta, backend):
         for layer, views in zip(self.layers, self.kv_views(kv_cache)):

@@ -190,6 +190,26 @@ class PipelineStage:
         return buf[0], buf[1]
 
 
+# A prefill step of one prompt on a pipeline runs in chunks of its tokens, stage s + 1 running chunk
+# m while stage s runs chunk m + 1: with P stages and M chunks the step takes M + P - 1 chunk-times
+# of one stage instead of P whole-prompt stage-times. Chunks of at least PIPELINE_MIN_CHUNK tokens
+# (a matmul of fewer rows wastes more than the overlap wins on a CPU), at most
+# PIPELINE_CHUNKS_PER_STAGE per stage.
+PIPELINE_MIN_CHUNK = 64
+PIPELINE_CHUNKS_PER_STAGE = 2
+
+
+def pipeline_chunks(num_tokens: int, num_decodes: int, num_seqs: int, num_stages: int) -> list[tuple[int, int]]:
+    """The token ranges a step runs in, one after another through the stages: several for a
+    prefill of one sequence long enough to split, else the whole step. The same on every rank
+    (it depends on the step alone)."""
+    if num_stages == 1 or num_decodes or num_seqs != 1 or num_tokens < 2 * PIPELINE_MIN_CHUNK:
+        return [(0, num_tokens)]
+    count = min(PIPELINE_CHUNKS_PER_STAGE * num_stages, num_tokens // PIPELINE_MIN_CHUNK)
+    bounds = [num_tokens * i // count for i in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     """Stage ``stage``'s share of ``num_layers`` layers: contiguous, the first stages one longer
     where they do not divide."""

@@ -80,6 +80,24 @@ def test_smollm2_in_pipeline_stages_equals_transformers(smollm2_gguf, chat_promp
     assert all(p.returncode == 0 for p in engine.model.followers)
 
 
+def test_long_prompts_prefill_in_chunks_overlapped_across_stages_equal_transformers(smollm2_gguf, long_prompts,
+                                                                                   hf_smol, smol_tokenizer):
+    """A prompt of some 300 tokens, prefilled in one step at PP=2, runs in chunks that overlap
+    across the two stages (stage 1 on a chunk while stage 0 runs the next): the same greedy text as
+    transformers'."""
+    engine = group_engine(smollm2_gguf, 1, 2, max_num_batched_tokens=1024)
+    try:
+        for prompt in long_prompts:
+            with torch.no_grad():
+                want = hf_smol.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                        eos_token_id=list(smol_tokenizer.stop_token_ids))[0, len(prompt):].tolist()
+            before = engine.model.model.num_pipelined_steps
+            assert engine.generate([prompt], GREEDY) == [want]
+            assert engine.model.model.num_pipelined_steps == before + 1  # its one prefill step, chunked
+    finally:
+        engine.close()
+
+
 def test_a_shape_that_does_not_split_is_refused_before_any_rank_starts(smollm2_gguf):
     with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
         group_engine(smollm2_gguf, 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 
 import openai
@@ -119,6 +120,19 @@ def test_a_forced_call_cut_off_by_max_tokens_is_never_a_call_with_arguments_that
     assert "".join(c.delta.content or "" for ch in chunks for c in ch.choices).startswith("[")
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]
     assert not any(c.delta.tool_calls for ch in chunks for c in ch.choices)
+
+
+def test_a_sweep_of_forced_calls_gives_only_calls_a_client_can_parse(stack):
+    """A share of loadtest.tools.tool_sweep's grid (tool_choice required or named, parallel calls on
+    and off, max_tokens 6 to 120, greedy and sampled, streamed and not): every call's arguments are
+    a JSON object, no reply repeats a call, and a reply without calls was cut off by max_tokens.
+    The whole sweep of 100 is run by hand (docs/api.md, Tool calls)."""
+    from loadtest.tools.tool_sweep import sweep
+
+    tally = sweep(stack.base_url, MODEL, int(os.environ.get("TANDEM_TOOL_SWEEP_REQUESTS", "24")))
+    print(json.dumps(tally.to_dict()))  # shown with -s
+    assert not tally.bad, tally.bad
+    assert tally.calls >= tally.requests // 4  # replies with room for a call made one (65 of 100 in the sweep)
 
 
 def test_a_forced_call_without_additional_properties_has_only_the_schemas_keys(client):

@@ -34,6 +34,9 @@ class WorkerHostSettings(BaseSettings):
     kv_disk_dir: str | None = Field(None, description="disk KV tier: each decode worker keeps its blocks in "
                                     "DIR/<worker name>, found again when it restarts (default: off)")
     device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
+    metrics_host: str | None = Field(None, description="where every process this command starts serves /metrics "
+                                     "(each on a free port, listed in /status): 0.0.0.0 or this host's address "
+                                     "lets a Prometheus on another host scrape them (default: 127.0.0.1)")
     dtype: str | None = Field(None, description="workers' dtype: float32 (exact), bfloat16, float16; with "
                               "no quantization either, the fastest for the device (logged by each worker)")
     quantization: Literal[QUANTIZATION_METHODS] | None = Field(

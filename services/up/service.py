@@ -25,7 +25,7 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         nats_cluster=s.nats_cluster, nats_host=s.nats_host, nats_port=s.nats_port, advertise_host=s.advertise_host,
         nats_tls=s.nats_tls, nats_ca=s.nats_ca, nats_replicas=s.nats_replicas,
-        registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, restart_children=s.restart,
+        registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, metrics_host=s.metrics_host, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         decode_flags=decode_flags, prefill_flags=prefill_flags,
         gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,

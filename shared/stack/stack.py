@@ -63,6 +63,9 @@ class StackSpec:
     host_id: str | None = None        # a joined host's id, in its workers' registry entries (services.join.identity)
     registry_ttl_s: float = 6.0
     log_level: str = "INFO"
+    # where every child's /metrics listens (None: the services' default, loopback); 0.0.0.0 (or this
+    # host's address) lets the control plane's Prometheus scrape another host's workers
+    metrics_host: str | None = None
     decode_flags: dict[str, object] = field(default_factory=dict)
     prefill_flags: dict[str, object] = field(default_factory=dict)
     # a worker's own flags over its role's, by name ("decode-1"): a plan's parallel shapes and devices
@@ -170,7 +173,7 @@ class Stack:
             self._add_server(server)
             self.redis_url = server.url
         common = {**self._bus_flags(), "registry_ttl_s": spec.registry_ttl_s, "log_level": spec.log_level,
-                  **_OWN_METRICS_PORT}
+                  **self._metrics_flags()}
         self.spawn("kv-index", "kv-index", {**common, "redis_url": self.redis_url})
         for i in range(spec.num_admissions):
             self.spawn(_nth("admission", i), "admission", {**common, **spec.admission_flags})
@@ -207,6 +210,11 @@ class Stack:
         return {"nats_url": self.nats_url, "namespace": self.spec.namespace, "nats_ca": self.nats_ca,
                 "nats_replicas": self.nats_replicas}
 
+    def _metrics_flags(self) -> dict[str, object]:
+        """Where every child serves /metrics: a port of its own, on the spec's ``metrics_host``."""
+        host = self.spec.metrics_host
+        return {**_OWN_METRICS_PORT, **({"metrics_host": host} if host else {})}
+
     def _add_server(self, server: ServerProcess) -> None:
         self.servers.append(server)
         self._restarts.started(server.name, time.monotonic())
@@ -237,7 +245,7 @@ class Stack:
         return self._start_child(name, service, {
             **self._bus_flags(), "registry_ttl_s": spec.registry_ttl_s,
             "log_level": spec.log_level, "worker_id": worker_id, "host_id": spec.host_id, "model": spec.model,
-            **_OWN_METRICS_PORT, **threads, **flags})
+            **self._metrics_flags(), **threads, **flags})
 
     # -- the fleet, as the autoscaler changes it (shared.stack.fleet) -----------------------------
     def add_worker(self, role: str) -> tuple[str, str, Child]:

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from services.join.service import read_connect_file, spec_from_settings
+from services.up.service import spec_from_settings as up_spec
 from shared.bus.bus import detect_replicas, server_urls
 from shared.cli.errors import CliError
 from services.cli import build_parser
@@ -98,6 +99,17 @@ def test_join_reads_the_connect_file_and_finds_the_ca_beside_it(tmp_path):
     assert (spec.num_decode, spec.num_prefill, spec.nats_url) == (2, 1, "tls://tandem:pw@10.0.0.1:4222")
     assert Stack(spec).worker_id("decode-1") == "prod-gpu7-decode-1"
     assert Stack(StackSpec(state_dir=tmp_path, namespace="prod")).worker_id("decode-1") == "prod-decode-1"
+    assert Stack(spec)._metrics_flags() == {"metrics_port": 0}  # the services' default: loopback
+
+
+def test_metrics_host_reaches_every_child_of_up_and_join(tmp_path):
+    connect = tmp_path / "connect.env"
+    connect.write_text("TANDEM_NATS_URL=nats://tandem:pw@10.0.0.1:4222\n")
+    for argv in (["join", "--connect", str(connect), "--state-dir", str(tmp_path)], ["up"]):
+        args = build_parser().parse_args([*argv, "--metrics-host", "0.0.0.0"])
+        settings = settings_from_args(args.settings_class, args)
+        spec = spec_from_settings(settings, read_connect_file(connect)) if argv[0] == "join" else up_spec(settings)
+        assert Stack(spec)._metrics_flags() == {"metrics_port": 0, "metrics_host": "0.0.0.0"}, argv[0]
 
 
 @pytest.mark.parametrize("text, why", [("TANDEM_NAMESPACE=x\n", "no TANDEM_NATS_URL"),

@@ -128,13 +128,15 @@ def gateway_url(stack: Stack) -> str:
 
 
 def write_connect_file(stack: Stack) -> Path:
-    """``connect.env`` in the stack's state directory, readable by its owner only: the URLs with
-    their passwords and the namespace, as the ``TANDEM_*`` variables every command and the example
-    workers read (``set -a; . connect.env; set +a``)."""
+    """``connect.env`` in the stack's state directory, readable by its owner only: the NATS URL with
+    its password and the namespace, as the ``TANDEM_*`` variables every command and the example
+    workers read (``set -a; . connect.env; set +a``). No Redis URL: only the control plane's own
+    gateway and kv-index use Redis, which listens on this host's loopback, so a joined host could
+    not use it, and its password stays on this host."""
     path = stack.spec.state_dir / "connect.env"
     path.touch(mode=0o600)
     path.chmod(0o600)
-    lines = [f"TANDEM_NATS_URL={stack.nats_url}", f"TANDEM_REDIS_URL={stack.redis_url}",
+    lines = [f"TANDEM_NATS_URL={stack.nats_url}",
              f"TANDEM_NAMESPACE={stack.spec.namespace}", f"TANDEM_REGISTRY_TTL_S={stack.spec.registry_ttl_s:g}",
              f"TANDEM_GATEWAY_URL={gateway_url(stack)}"]  # `tandem status` reads it
     if stack.nats_ca:  # a joining host copies it beside this file: tandem join looks there too

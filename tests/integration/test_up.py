@@ -126,6 +126,7 @@ def test_up_with_no_workers_serves_a_worker_of_your_own(tmp_path):
         env = dict(line.split("=", 1) for line in connect.read_text().splitlines())
         assert env["TANDEM_NAMESPACE"] == namespace and env["TANDEM_NATS_URL"].startswith("nats://")
         assert env["TANDEM_NATS_URL"] not in "\n".join(seen)  # the password itself is never printed
+        assert "TANDEM_REDIS_URL" not in env  # loopback only: nothing another host could use
 
         example = Path(__file__).resolve().parents[2] / "docs" / "examples" / "echo_worker.py"
         worker = subprocess.Popen([sys.executable, str(example), "--worker-id", "echo-byo", "--ttl", "15"],

@@ -42,6 +42,7 @@ import torch
 from loadtest.bench.quality import CORPUS, TARGET_TOP1, cpu_name, load_engine, window_stats, windows
 from shared.model import quant
 from shared.model.quant import Int8Weight, _per_row, observe, quantize_rows
+from shared.telemetry.plot import figure
 
 
 def _grid_sym(x: torch.Tensor) -> torch.Tensor:
@@ -210,26 +211,18 @@ def _nothing():
 
 
 def plot(path: Path, report: dict) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
     names = list(report["schemes"])
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    ax.bar(names, [100 * report["schemes"][n]["top1_agreement"] for n in names], 0.6)
-    ax.axhline(100 * report["target_top1"], color="k", ls="--", lw=1, label=f"target {report['target_top1']:.0%}")
-    ax.set_ylim(85, 100)
-    ax.set_ylabel("teacher-forced top-1 agreement with float32, %")
-    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_title(f"{report['model']}: int8 weights (LM head in {report['lm_head_levels']} level(s)), "
-                 "activations rounded by each scheme "
-                 f"({report['corpus_tokens']} tokens)\n{report['cpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, figsize=(8, 4.2)) as (fig, ax):
+        ax.bar(names, [100 * report["schemes"][n]["top1_agreement"] for n in names], 0.6)
+        ax.axhline(100 * report["target_top1"], color="k", ls="--", lw=1, label=f"target {report['target_top1']:.0%}")
+        ax.set_ylim(85, 100)
+        ax.set_ylabel("teacher-forced top-1 agreement with float32, %")
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_title(f"{report['model']}: int8 weights (LM head in {report['lm_head_levels']} level(s)), "
+                     "activations rounded by each scheme "
+                     f"({report['corpus_tokens']} tokens)\n{report['cpu']}", fontsize=9)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ from loadtest.bench.serving import wait_for_compiled_steps
 from loadtest.tools import step_trace
 from loadtest.tools.cpu_steal import cpu_times, steal_share
 from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import RequestResult, percentile
+from loadtest.tools.stats import RequestResult
 from loadtest.tools.workload import WorkloadConfig, build_workload
+from shared.telemetry.measure import percentile
+from shared.telemetry.plot import figure
 
 
 def start_stack(state: Path, args, log):
@@ -107,7 +109,6 @@ def create_batch(client, args, seed: int):
 
 class Progress:
     """The batch's completed-line count over time, read by polling ``batches.retrieve``."""
-
     def __init__(self, client, batch_id: str, t0: float):
         self.client, self.batch_id, self.t0 = client, batch_id, t0
         self.points: list[tuple[float, int, int]] = []   # (seconds since t0, completed, failed)
@@ -281,31 +282,23 @@ def print_summary(report: dict, rounds: list[Round]) -> None:
 
 
 def plot(path: Path, alone: Progress | None, rounds: list[Round], online: dict[str, list[RequestResult]]) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    if alone is not None:
-        axes[0].plot([p[0] for p in alone.points], [p[1] for p in alone.points], label="batch alone")
-    for i, rd in enumerate(rounds):
-        axes[0].plot([p[0] for p in rd.progress.points], [p[1] for p in rd.progress.points],
-                     label=f"batch beside online, round {i + 1}")
-    if rounds:
-        axes[0].axvspan(*rounds[0].window, alpha=0.15, label="online load running (round 1)")
-    axes[0].set_title("batch lines completed")
-    axes[0].set_xlabel("seconds since the batch was created")
-    for label, results in online.items():
-        xs = sorted(r.ttft_s * 1000 for r in results if r.error is None and r.ttft_s is not None)
-        axes[1].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
-    axes[1].set_title("online TTFT (ms), CDF, every round")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(12, 4)) as (fig, axes):
+        if alone is not None:
+            axes[0].plot([p[0] for p in alone.points], [p[1] for p in alone.points], label="batch alone")
+        for i, rd in enumerate(rounds):
+            axes[0].plot([p[0] for p in rd.progress.points], [p[1] for p in rd.progress.points],
+                         label=f"batch beside online, round {i + 1}")
+        if rounds:
+            axes[0].axvspan(*rounds[0].window, alpha=0.15, label="online load running (round 1)")
+        axes[0].set_title("batch lines completed")
+        axes[0].set_xlabel("seconds since the batch was created")
+        for label, results in online.items():
+            xs = sorted(r.ttft_s * 1000 for r in results if r.error is None and r.ttft_s is not None)
+            axes[1].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+        axes[1].set_title("online TTFT (ms), CDF, every round")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,8 @@ import platform
 import time
 from pathlib import Path
 
+from shared.telemetry.plot import figure
+
 
 def step_layers(shape_name: str, vocab_size: int = 49152):
     """The step's weights as ``BlockWeight``s (4-bit decoder layers, an 8-bit LM head with two
@@ -109,25 +111,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(path: Path, report: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = report["rows"]
     ms = [r["rows"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(ms, [r["avx2_ms"] for r in rows], "o-", label="gguf, AVX2 loops")
-    ax.plot(ms, [r["panels_ms"] for r in rows], "o-", label="gguf, VNNI panels")
-    ax.plot(ms, [r["int8_products_ms"] for r in rows], "o--", label="int8 products (reference)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("activation rows (batch)")
-    ax.set_ylabel("ms per decode step's linear layers")
-    ax.set_title(f"{report['model_shape']}, {report['threads']} threads")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, figsize=(6, 4)) as (fig, ax):
+        ax.plot(ms, [r["avx2_ms"] for r in rows], "o-", label="gguf, AVX2 loops")
+        ax.plot(ms, [r["panels_ms"] for r in rows], "o-", label="gguf, VNNI panels")
+        ax.plot(ms, [r["int8_products_ms"] for r in rows], "o--", label="int8 products (reference)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("activation rows (batch)")
+        ax.set_ylabel("ms per decode step's linear layers")
+        ax.set_title(f"{report['model_shape']}, {report['threads']} threads")
+        ax.set_ylim(bottom=0)
+        ax.legend()
 
 
 if __name__ == "__main__":

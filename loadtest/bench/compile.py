@@ -57,6 +57,8 @@ from pathlib import Path
 from loadtest.tools.harness import take_turns
 from shared.engine.compile_process import use_child_process
 from loadtest.tools.profile_step import add_decoding_args, any_prefilling, decoding_engine
+from shared.telemetry.measure import percentile
+from shared.telemetry.plot import figure
 
 
 def timed_steps(engine, steps: int) -> float:
@@ -128,8 +130,8 @@ def during_compile(args, batch_size: int) -> dict:
     return {"eager_alone_ms": round(eager_ms, 2), "eager_alone_mean_ms": round(statistics.fmean(alone), 2),
             "compile_process": use_child_process(),
             "during_compile_p50_ms": round(statistics.median(during), 2),
-            "during_compile_p90_ms": round(statistics.quantiles(during, n=10)[-1], 2) if len(during) > 1 else None,
-            "during_compile_p99_ms": round(statistics.quantiles(during, n=100)[-1], 2) if len(during) > 1 else None,
+            "during_compile_p90_ms": round(percentile(during, 90), 2) if len(during) > 1 else None,
+            "during_compile_p99_ms": round(percentile(during, 99), 2) if len(during) > 1 else None,
             "during_compile_mean_ms": round(statistics.fmean(during), 2),
             "during_compile_max_ms": round(max(during), 2),
             "during_over_alone_p50": round(statistics.median(during) / eager_ms, 2),
@@ -215,26 +217,19 @@ def run_artifacts(args) -> int:
 
 
 def plot(path: Path, report: dict) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
     sizes = list(report["batches"])
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    x = range(len(sizes))
-    for offset, key in ((-0.2, "eager_ms"), (0.2, "compiled_ms")):
-        ax.bar([i + offset for i in x], [report["batches"][b][key] for b in sizes], 0.4, label=key.removesuffix("_ms"))
-    for i, b in enumerate(sizes):
-        r = report["batches"][b]
-        ax.text(i, max(r["eager_ms"], r["compiled_ms"]) * 1.02, f"{r['speedup']}x", ha="center")
-    ax.set_xticks(list(x), [f"batch {b}" for b in sizes])
-    ax.set_ylabel("ms per decode step (median of rounds)")
-    ax.set_title(f"compiled vs eager decode step ({report['precision']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, figsize=(6.5, 4)) as (fig, ax):
+        x = range(len(sizes))
+        for offset, key in ((-0.2, "eager_ms"), (0.2, "compiled_ms")):
+            ax.bar([i + offset for i in x], [report["batches"][b][key] for b in sizes], 0.4,
+                   label=key.removesuffix("_ms"))
+        for i, b in enumerate(sizes):
+            r = report["batches"][b]
+            ax.text(i, max(r["eager_ms"], r["compiled_ms"]) * 1.02, f"{r['speedup']}x", ha="center")
+        ax.set_xticks(list(x), [f"batch {b}" for b in sizes])
+        ax.set_ylabel("ms per decode step (median of rounds)")
+        ax.set_title(f"compiled vs eager decode step ({report['precision']})")
+        ax.legend()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from loadtest.tools.harness import take_turns
+from shared.telemetry.plot import figure
 
 
 def parse_args(argv=None):
@@ -112,32 +113,27 @@ VARIANTS = {"fp32": {"dtype": "float32"}, "int8": {"quantization": "int8"}, "bf1
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
-    rows = result["throughput"]
-    series = [k for k in rows[0]["tok_s"]]
-    width = 0.8 / len(series)
-    for j, name in enumerate(series):
-        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))]
-        ys = [r["tok_s"][name] for r in rows]
-        ax1.bar(xs, ys, width, label=name)
-        if not name.startswith("transformers"):
-            for x, r in zip(xs, rows):
-                ax1.annotate(f"{r['ratio'][name]:.2f}x", (x, r["tok_s"][name]), ha="center", va="bottom", fontsize=8)
-    ax1.set_xticks(range(len(rows)), [str(r["concurrency"]) for r in rows])
-    ax1.set_xlabel("concurrent requests (128 in / 128 out); ratios against transformers fp32")
-    ax1.set_ylabel("output tokens / s")
-    ax1.legend(fontsize=8)
-    t = result["ttft"]
-    ax2.bar(["cold", f"{int(result['config']['ttft_cached_fraction'] * 100)}% cached"],
-            [t["cold_p50_s"] * 1000, t["warm_p50_s"] * 1000], color=["tab:gray", "tab:green"])
-    ax2.set_ylabel(f"TTFT of a {t['prompt_len']}-token prompt (ms, p50)")
-    fig.suptitle(f"{result['model']} on {result['device']} ({result['host']}, {result['threads']} threads)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]}, dpi=110) as (fig, (ax1, ax2)):
+        rows = result["throughput"]
+        series = [k for k in rows[0]["tok_s"]]
+        width = 0.8 / len(series)
+        for j, name in enumerate(series):
+            xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))]
+            ys = [r["tok_s"][name] for r in rows]
+            ax1.bar(xs, ys, width, label=name)
+            if not name.startswith("transformers"):
+                for x, r in zip(xs, rows):
+                    ax1.annotate(f"{r['ratio'][name]:.2f}x", (x, r["tok_s"][name]), ha="center", va="bottom",
+                                 fontsize=8)
+        ax1.set_xticks(range(len(rows)), [str(r["concurrency"]) for r in rows])
+        ax1.set_xlabel("concurrent requests (128 in / 128 out); ratios against transformers fp32")
+        ax1.set_ylabel("output tokens / s")
+        ax1.legend(fontsize=8)
+        t = result["ttft"]
+        ax2.bar(["cold", f"{int(result['config']['ttft_cached_fraction'] * 100)}% cached"],
+                [t["cold_p50_s"] * 1000, t["warm_p50_s"] * 1000], color=["tab:gray", "tab:green"])
+        ax2.set_ylabel(f"TTFT of a {t['prompt_len']}-token prompt (ms, p50)")
+        fig.suptitle(f"{result['model']} on {result['device']} ({result['host']}, {result['threads']} threads)")
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,8 @@ import platform
 import time
 from pathlib import Path
 
+from shared.telemetry.plot import figure
+
 
 def step_weights(shape_name: str, vocab_size: int = 49152):
     import torch
@@ -91,24 +93,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(path: Path, report: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = report["rows"]
     ms = [r["rows"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(ms, [r["int_mm_gb_s"] for r in rows], "o-", label="torch._int_mm")
-    ax.plot(ms, [r["kernel_gb_s"] for r in rows], "o-", label="int8 kernel (VNNI)")
-    ax.axhline(report["plain_read_gb_s"], color="gray", linestyle="--", label="plain read")
-    ax.set_xlabel("activation rows (batch)")
-    ax.set_ylabel("weight bytes read, GB/s")
-    ax.set_title(f"{report['model_shape']} step's int8 linear layers, {report['threads']} threads")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, figsize=(6, 4)) as (fig, ax):
+        ax.plot(ms, [r["int_mm_gb_s"] for r in rows], "o-", label="torch._int_mm")
+        ax.plot(ms, [r["kernel_gb_s"] for r in rows], "o-", label="int8 kernel (VNNI)")
+        ax.axhline(report["plain_read_gb_s"], color="gray", linestyle="--", label="plain read")
+        ax.set_xlabel("activation rows (batch)")
+        ax.set_ylabel("weight bytes read, GB/s")
+        ax.set_title(f"{report['model_shape']} step's int8 linear layers, {report['threads']} threads")
+        ax.set_ylim(bottom=0)
+        ax.legend()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from shared.telemetry.plot import figure
+
 RESULTS_DIR = Path(__file__).parents[1] / "results" / "kernels"
 # Peak HBM bandwidth in bytes/s by device-name fragment, most specific first.
 HBM_BYTES_PER_S = [
@@ -211,34 +213,28 @@ def _decode_line(row: dict, peak: float | None) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Decode attention's share of HBM bandwidth and its speed against SDPA / Flex, per shape."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["decode_attention"]
     if not rows:
         return
     labels = [f"B{r['batch']}\n{r['context'] // 1024}k" for r in rows]
     x = range(len(rows))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    width = 0.4
-    ax1.bar([i - width / 2 for i in x], [100 * (r["hbm_fraction"] or 0) for r in rows], width, label="launched")
-    ax1.bar([i + width / 2 for i in x], [100 * (r.get("graph_hbm_fraction") or 0) for r in rows], width,
-            label="CUDA graph")
-    ax1.legend()
-    ax1.set_xticks(list(x), labels)
-    ax1.set_ylabel("% of peak HBM bandwidth")
-    ax1.set_title(f"paged decode attention (Triton), {result['device']}")
-    for offset, other in ((-width / 2, "sdpa"), (width / 2, "flex")):
-        ax2.bar([i + offset for i in x], [r.get(f"speedup_vs_{other}") or 0 for r in rows], width, label=f"vs {other}")
-    ax2.axhline(1.0, color="black", linewidth=0.8)
-    ax2.set_xticks(list(x), labels)
-    ax2.set_ylabel("speed ratio (>1: Triton faster)")
-    ax2.set_title("against dense K/V (no block table)")
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(12, 4)) as (fig, (ax1, ax2)):
+        width = 0.4
+        ax1.bar([i - width / 2 for i in x], [100 * (r["hbm_fraction"] or 0) for r in rows], width, label="launched")
+        ax1.bar([i + width / 2 for i in x], [100 * (r.get("graph_hbm_fraction") or 0) for r in rows], width,
+                label="CUDA graph")
+        ax1.legend()
+        ax1.set_xticks(list(x), labels)
+        ax1.set_ylabel("% of peak HBM bandwidth")
+        ax1.set_title(f"paged decode attention (Triton), {result['device']}")
+        for offset, other in ((-width / 2, "sdpa"), (width / 2, "flex")):
+            ax2.bar([i + offset for i in x], [r.get(f"speedup_vs_{other}") or 0 for r in rows], width,
+                    label=f"vs {other}")
+        ax2.axhline(1.0, color="black", linewidth=0.8)
+        ax2.set_xticks(list(x), labels)
+        ax2.set_ylabel("speed ratio (>1: Triton faster)")
+        ax2.set_title("against dense K/V (no block table)")
+        ax2.legend()
 
 
 def make_flex():

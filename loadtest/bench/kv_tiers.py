@@ -31,8 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.tools.stats import percentile
 from shared.model.precision import QUANTIZATION_METHODS
+from shared.telemetry.measure import percentile
+from shared.telemetry.plot import figure
 
 
 def parse_args(argv=None):
@@ -182,25 +183,17 @@ def main(argv=None) -> int:
 
 
 def _plot(path: Path, results: dict, restart: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, r in {**results, **{f"last turn: {k}": v for k, v in restart.items()}}.items():
-        xs = sorted(t * 1000 for t in r["ttft_s"])
-        axes[0 if not label.startswith("last") else 1].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))],
-                                                             label=label)
-    axes[0].set_title("multi-turn TTFT (turns 2+), ms")
-    axes[1].set_title("last turn after a restart, TTFT ms")
-    for ax in axes:
-        ax.set_ylabel("CDF")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, axes):
+        for label, r in {**results, **{f"last turn: {k}": v for k, v in restart.items()}}.items():
+            xs = sorted(t * 1000 for t in r["ttft_s"])
+            axes[0 if not label.startswith("last") else 1].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))],
+                                                                 label=label)
+        axes[0].set_title("multi-turn TTFT (turns 2+), ms")
+        axes[1].set_title("last turn after a restart, TTFT ms")
+        for ax in axes:
+            ax.set_ylabel("CDF")
+            ax.grid(alpha=0.3)
+            ax.legend()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from shared.kvcache.layout import KvCacheSpec
+from shared.telemetry.plot import figure
 
 OUT_DIR = Path(__file__).parents[1] / "results" / "kv_transfer"
 SHAPES = {
@@ -126,7 +127,6 @@ def _page_indices(block_ids: list[int], spec: KvCacheSpec) -> np.ndarray:
 
 class PageWriter:
     """The page-by-page baseline on the raw NIXL API (its own agent on the same pool memory)."""
-
     def __init__(self, api, name: str, pool: torch.Tensor, spec: KvCacheSpec, remote, params: dict) -> None:
         config = api.nixl_agent_config(enable_prog_thread=False, capture_telemetry=True, backends=[])
         self.agent = api.nixl_agent(name, config)
@@ -268,25 +268,19 @@ def _line(r: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shapes = sorted({r["shape"] for r in rows}, key=list(SHAPES).index)
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        sub = [r for r in rows if r["shape"] == shape]
-        x = np.arange(len(sub))
-        width = 0.8 / len(MODES)
-        for i, mode in enumerate(MODES):
-            ax.bar(x + i * width, [r[mode]["gb_per_s"] for r in sub], width, label=mode)
-        labels = [f"{r['tokens']} tok\n{r['bytes'] / 2**20:.0f} MiB" for r in sub]
-        ax.set_xticks(x + width * (len(MODES) - 1) / 2, labels)
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"{shape} KV, process A -> B over NIXL/UCX")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False, dpi=110) as (fig, axes):
+        for ax, shape in zip(axes[0], shapes):
+            sub = [r for r in rows if r["shape"] == shape]
+            x = np.arange(len(sub))
+            width = 0.8 / len(MODES)
+            for i, mode in enumerate(MODES):
+                ax.bar(x + i * width, [r[mode]["gb_per_s"] for r in sub], width, label=mode)
+            labels = [f"{r['tokens']} tok\n{r['bytes'] / 2**20:.0f} MiB" for r in sub]
+            ax.set_xticks(x + width * (len(MODES) - 1) / 2, labels)
+            ax.set_ylabel("GB/s")
+            ax.set_title(f"{shape} KV, process A -> B over NIXL/UCX")
+            ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,8 +30,10 @@ import tempfile
 from pathlib import Path
 
 from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import RequestResult, percentile
+from loadtest.tools.stats import RequestResult
 from loadtest.tools.workload import RequestSpec, WorkloadConfig, build_workload
+from shared.telemetry.measure import meets_slo, percentile
+from shared.telemetry.plot import figure
 
 TIERS = ("premium", "batch")
 KEYS = {"premium": "key-premium", "batch": "key-batch"}
@@ -61,7 +63,7 @@ def tier_report(results: list[RequestResult], tiers: dict[int, str], slo_s: dict
     for tier in TIERS:
         rs = [r for r in results if tiers[r.index] == tier]
         ok = [r for r in rs if r.error is None and r.finished_s is not None]
-        good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s[tier]]
+        good = [r for r in ok if meets_slo(r.ttft_s, None, slo_s[tier])]
         ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
         # how admission's prediction compared with what happened: actual / predicted TTFT
         errors = [r.ttft_s / r.predicted_ttft_s for r in ok if r.ttft_s is not None and r.predicted_ttft_s]
@@ -118,26 +120,18 @@ def measure_capacity(stack, args, cfg: WorkloadConfig) -> float:
 
 
 def plot(path: Path, loads: list[float], report: dict) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for side in ("control on", "control off"):
-        runs = [report[side][f"{m:g}x"] for m in loads]
-        axes[0].plot(loads, [r["goodput_rps"] for r in runs], marker="o", label=side)
-        for ax, tier in zip(axes[1:], TIERS):
-            ax.plot(loads, [100 * (r[tier]["slo_attainment"] or 0) for r in runs], marker="o", label=side)
-    for ax, title in zip(axes, ("goodput (req/s within SLO)", "premium SLO attainment (%)",
-                                "batch SLO attainment (%)")):
-        ax.set_title(title)
-        ax.set_xlabel("offered load (x measured capacity)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 3, figsize=(15, 4)) as (fig, axes):
+        for side in ("control on", "control off"):
+            runs = [report[side][f"{m:g}x"] for m in loads]
+            axes[0].plot(loads, [r["goodput_rps"] for r in runs], marker="o", label=side)
+            for ax, tier in zip(axes[1:], TIERS):
+                ax.plot(loads, [100 * (r[tier]["slo_attainment"] or 0) for r in runs], marker="o", label=side)
+        for ax, title in zip(axes, ("goodput (req/s within SLO)", "premium SLO attainment (%)",
+                                    "batch SLO attainment (%)")):
+            ax.set_title(title)
+            ax.set_xlabel("offered load (x measured capacity)")
+            ax.grid(alpha=0.3)
+            ax.legend()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from loadtest.tools.harness import status
 from loadtest.tools.report import bar_chart
-from loadtest.tools.stats import percentile
+from shared.telemetry.measure import percentile
 
 
 def parse_args(argv=None):

@@ -24,6 +24,7 @@ from shared.planner.exhaustive import exhaustive
 from shared.planner.flow import Evaluator
 from shared.planner.plan import make_plan
 from shared.planner.search import search
+from shared.telemetry.plot import figure
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 INTRA = {"h100": 450, "a100": 300, "l40": 25, "a6000": 25}
@@ -174,38 +175,30 @@ def bench_local_prefill(num_requests: int) -> list[dict]:
 
 
 def plot(results: dict, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = results["planning_time"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.loglog([r["num_gpus"] for r in rows], [r["planning_s"] for r in rows], "o-", label="Tandem planner")
-    ax.axhline(30, color="grey", ls="--", label="target at 256 GPUs (30 s)")
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("planning time (s)")
-    ax.legend()
-    ax.set_title("planning time (mixed H100/A100/L40/A6000, Llama-2-70B)")
-    fig.tight_layout()
-    fig.savefig(out / "planning_time.png", dpi=110)
-    plt.close(fig)
+    with figure(out / "planning_time.png", figsize=(6, 4), dpi=110) as (fig, ax):
+        ax.loglog([r["num_gpus"] for r in rows], [r["planning_s"] for r in rows], "o-", label="Tandem planner")
+        ax.axhline(30, color="grey", ls="--", label="target at 256 GPUs (30 s)")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("planning time (s)")
+        ax.legend()
+        ax.set_title("planning time (mixed H100/A100/L40/A6000, Llama-2-70B)")
 
     hx = results["hexgen2"]["rows"]
-    fig, axes = plt.subplots(1, len(results["hexgen2"]["summary"]), figsize=(11, 4), sharey=True)
-    for ax, model in zip(np.atleast_1d(axes), results["hexgen2"]["summary"]):
-        settings = list(HET_SETTINGS)
-        for k, wl in enumerate(WORKLOADS):
-            vals = [next((r["ratio"] for r in hx if r["model"] == model and r["setting"] == s and r["workload"] == wl),
-                         np.nan) for s in settings]
-            ax.bar(np.arange(len(settings)) + (k - 2) * 0.16, vals, 0.16, label=wl)
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xticks(range(len(settings)), settings)
-        ax.set_title(f"{model}: heterogeneous / best homogeneous")
-    np.atleast_1d(axes)[0].set_ylabel("throughput ratio at equal budget")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "hexgen2_ratios.png", dpi=110)
-    plt.close(fig)
+    with figure(out / "hexgen2_ratios.png", 1, len(results["hexgen2"]["summary"]), figsize=(11, 4), dpi=110,
+                sharey=True) as (fig, axes):
+        for ax, model in zip(np.atleast_1d(axes), results["hexgen2"]["summary"]):
+            settings = list(HET_SETTINGS)
+            for k, wl in enumerate(WORKLOADS):
+                vals = [next((r["ratio"] for r in hx
+                              if r["model"] == model and r["setting"] == s and r["workload"] == wl), np.nan)
+                        for s in settings]
+                ax.bar(np.arange(len(settings)) + (k - 2) * 0.16, vals, 0.16, label=wl)
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_xticks(range(len(settings)), settings)
+            ax.set_title(f"{model}: heterogeneous / best homogeneous")
+        np.atleast_1d(axes)[0].set_ylabel("throughput ratio at equal budget")
+        np.atleast_1d(axes)[0].legend(fontsize=8)
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from loadtest.tools.report import bar_chart
-from loadtest.tools.stats import percentile
 from shared.model.precision import QUANTIZATION_METHODS
+from shared.telemetry.measure import percentile
 
 
 def run_once(engine, slice_ms: float, args, rng: random.Random, tag: str) -> dict:

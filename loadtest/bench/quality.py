@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from shared.telemetry.plot import figure
+
 CORPUS = Path(__file__).parents[1] / "data" / "quality_corpus.txt"
 TARGET_TOP1 = 0.97
 
@@ -173,7 +175,6 @@ def load_engine(model: str, name: str, reference=None):
 
 class KvDtypeModel:
     """A model whose teacher-forced prefills keep their KV in ``kv_dtype`` (as its engine's pool does)."""
-
     def __init__(self, model, kv_dtype) -> None:
         self.model, self.kv_dtype = model, kv_dtype
 
@@ -197,32 +198,24 @@ def cpu_name() -> str:
 
 
 def plot(path: Path, report: dict) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
     names = [n for n in report["precisions"] if n != "float32"]
     rows = [report["precisions"][n] for n in names]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.6))
-    x = range(len(names))
-    ax1.bar([i - 0.2 for i in x], [100 * r["teacher_forced"]["top1_agreement"] for r in rows], 0.4,
-            label="teacher-forced top-1")
-    ax1.bar([i + 0.2 for i in x], [100 * r["greedy"]["equal"] for r in rows], 0.4, label="greedy text equal")
-    ax1.axhline(100 * TARGET_TOP1, color="k", ls="--", lw=1, label=f"target {TARGET_TOP1:.0%}")
-    ax1.set_ylabel("% agreement with float32")
-    ax1.set_ylim(0, 105)
-    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
-    ax2.bar(list(x), [r["teacher_forced"]["kl"] for r in rows], 0.5)
-    ax2.set_ylabel("mean KL(float32 || precision), nats")
-    for ax in (ax1, ax2):
-        ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"{report['model']}: each precision against float32 ({report['corpus_tokens']} tokens, "
-                 f"{len(PROMPTS)} prompts)\n{report['cpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 4.6)) as (fig, (ax1, ax2)):
+        x = range(len(names))
+        ax1.bar([i - 0.2 for i in x], [100 * r["teacher_forced"]["top1_agreement"] for r in rows], 0.4,
+                label="teacher-forced top-1")
+        ax1.bar([i + 0.2 for i in x], [100 * r["greedy"]["equal"] for r in rows], 0.4, label="greedy text equal")
+        ax1.axhline(100 * TARGET_TOP1, color="k", ls="--", lw=1, label=f"target {TARGET_TOP1:.0%}")
+        ax1.set_ylabel("% agreement with float32")
+        ax1.set_ylim(0, 105)
+        ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
+        ax2.bar(list(x), [r["teacher_forced"]["kl"] for r in rows], 0.5)
+        ax2.set_ylabel("mean KL(float32 || precision), nats")
+        for ax in (ax1, ax2):
+            ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
+        fig.suptitle(f"{report['model']}: each precision against float32 ({report['corpus_tokens']} tokens, "
+                     f"{len(PROMPTS)} prompts)\n{report['cpu']}", fontsize=9)
 
 
 def print_table(report: dict) -> None:

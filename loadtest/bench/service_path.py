@@ -19,9 +19,10 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtest.tools import sse
 from loadtest.tools.harness import log_to
-from loadtest.tools.stats import percentile
 from loadtest.tools.workload import WorkloadConfig, build_workload
+from shared.telemetry.measure import percentile
 
 ECHO_WORKER = Path(__file__).resolve().parents[2] / "docs" / "examples" / "echo_worker.py"
 
@@ -34,8 +35,8 @@ async def measure(base_url: str, model: str, prompts: list[str]) -> list[float]:
             started = time.perf_counter()
             async with session.post(base_url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200, await resp.text()
-                async for line in resp.content:
-                    if line.startswith(b"data: {") and b'"text":""' not in line:
+                async for event in sse.aevents(resp.content):
+                    if event != sse.DONE and any(c.get("text") for c in event.get("choices") or ()):
                         ttfts.append(time.perf_counter() - started)
                         break
                 await resp.read()

@@ -33,9 +33,10 @@ from pathlib import Path
 from loadtest.tools.cpu_steal import cpu_times, steal_share
 from loadtest.tools.harness import status
 from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import percentile
 from loadtest.tools.workload import RequestSpec
 from shared.stack.servers import free_port
+from shared.telemetry.measure import percentile
+from shared.telemetry.plot import figure
 
 
 @functools.lru_cache(maxsize=4)
@@ -126,22 +127,16 @@ def ratios(results: dict[str, dict[int, dict]]) -> dict[str, dict[int, float]]:
 
 
 def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, per_c in results.items():
-        cs = sorted(per_c)
-        a.plot(cs, [per_c[c]["output_tok_s"] for c in cs], marker="o", label=name)
-        b.plot(cs, [per_c[c]["itl_p50_ms"] for c in cs], marker="o", label=name)
-    for ax, title in ((a, "aggregate output tokens/s"), (b, "inter-token latency p50 (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams")
-        ax.set_title(title)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    with figure(path, 1, 2, figsize=(10, 4)) as (fig, (a, b)):
+        for name, per_c in results.items():
+            cs = sorted(per_c)
+            a.plot(cs, [per_c[c]["output_tok_s"] for c in cs], marker="o", label=name)
+            b.plot(cs, [per_c[c]["itl_p50_ms"] for c in cs], marker="o", label=name)
+        for ax, title in ((a, "aggregate output tokens/s"), (b, "inter-token latency p50 (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams")
+            ax.set_title(title)
+            ax.legend()
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from loadtest.bench.serving import _wave, prompt_of_tokens, tandem_up
 from loadtest.tools.harness import status
-from loadtest.tools.stats import percentile
+from shared.telemetry.measure import percentile
 
 METRICS = ("tandem_engine_step_seconds_sum", "tandem_engine_step_seconds_count",
            "tandem_worker_itl_seconds_sum", "tandem_worker_itl_seconds_count")

@@ -32,8 +32,11 @@ from pathlib import Path
 
 from loadtest.tools.harness import SplitSampler, status
 from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import RequestResult, percentile
+from loadtest.tools.stats import RequestResult
 from loadtest.tools.workload import RequestSpec, WorkloadConfig, build_workload
+from shared.telemetry import measure
+from shared.telemetry.measure import percentile
+from shared.telemetry.plot import figure
 
 PHASES = ("chat", "docs", "chat again")
 SETUPS = ("fixed 2D", "fixed 1P+1D", "autoscale")
@@ -57,9 +60,9 @@ def schedule(args) -> tuple[list[RequestSpec], dict[int, str]]:
 
 
 def meets_slo(r: RequestResult, ttft_slo_s: float, itl_slo_s: float) -> bool:
-    if r.error is not None or r.finished_s is None or r.ttft_s is None:
-        return False
-    return r.ttft_s <= ttft_slo_s and mean_itl_s(r) <= itl_slo_s
+    """Served and good by ``shared.telemetry.measure.meets_slo``, the mean ITL as its TPOT."""
+    return r.error is None and r.finished_s is not None and measure.meets_slo(r.ttft_s, mean_itl_s(r),
+                                                                             ttft_slo_s, itl_slo_s)
 
 
 def mean_itl_s(r: RequestResult) -> float:
@@ -114,37 +117,29 @@ def measure_decode_capacity(base_url: str, args) -> float:
 
 
 def plot(path: Path, report: dict, phase_s: float) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, (bars, split) = plt.subplots(1, 2, figsize=(14, 4.5))
-    width = 0.8 / len(SETUPS)
-    for i, setup in enumerate(SETUPS):
-        if setup not in report["setups"]:
-            continue
-        phases = report["setups"][setup]["phases"]
-        values = [100 * (phases[p]["slo_attainment"] or 0) for p in PHASES]
-        b = bars.bar([x + (i - 1) * width for x in range(len(PHASES))], values, width, label=setup)
-        bars.bar_label(b, fmt="%.0f", fontsize=7)
-        samples = report["setups"][setup]["split"]
-        if samples:
-            split.step([t for t, _, _ in samples], [p for _, p, _ in samples], where="post", label=setup)
-    bars.set_xticks(range(len(PHASES)), PHASES)
-    bars.set_ylim(0, 110)
-    bars.set_title("SLO attainment per phase (%)")
-    bars.legend(loc="lower right")
-    for k in range(1, len(PHASES)):
-        split.axvline(k * phase_s, color="gray", linestyle=":")
-    split.set_title("ready prefill workers (phase boundaries dotted)")
-    split.set_xlabel("seconds since the first arrival")
-    split.legend()
-    for ax in (bars, split):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(14, 4.5)) as (fig, (bars, split)):
+        width = 0.8 / len(SETUPS)
+        for i, setup in enumerate(SETUPS):
+            if setup not in report["setups"]:
+                continue
+            phases = report["setups"][setup]["phases"]
+            values = [100 * (phases[p]["slo_attainment"] or 0) for p in PHASES]
+            b = bars.bar([x + (i - 1) * width for x in range(len(PHASES))], values, width, label=setup)
+            bars.bar_label(b, fmt="%.0f", fontsize=7)
+            samples = report["setups"][setup]["split"]
+            if samples:
+                split.step([t for t, _, _ in samples], [p for _, p, _ in samples], where="post", label=setup)
+        bars.set_xticks(range(len(PHASES)), PHASES)
+        bars.set_ylim(0, 110)
+        bars.set_title("SLO attainment per phase (%)")
+        bars.legend(loc="lower right")
+        for k in range(1, len(PHASES)):
+            split.axvline(k * phase_s, color="gray", linestyle=":")
+        split.set_title("ready prefill workers (phase boundaries dotted)")
+        split.set_xlabel("seconds since the first arrival")
+        split.legend()
+        for ax in (bars, split):
+            ax.grid(alpha=0.3)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -28,8 +28,10 @@ from pathlib import Path
 
 from loadtest.tools.harness import ratio
 from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import RequestResult, percentile
+from loadtest.tools.stats import RequestResult
 from loadtest.tools.workload import RequestSpec
+from shared.telemetry.measure import percentile
+from shared.telemetry.plot import figure
 
 QOS = """default_tier: batch
 tiers:
@@ -98,23 +100,16 @@ def run_side(args, measure_rate: bool, state: Path, log) -> dict:
 
 
 def plot(sides: dict, path: Path) -> None:
-    import matplotlib  # noqa: PLC0415 — only when writing a report
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for x, (name, side) in enumerate(sides.items()):
-        for dx, (tier, color) in enumerate((("premium", "tab:red"), ("batch", "tab:blue"))):
-            ys = side[tier]["ttfts_s"]
-            ax.scatter([x + 0.2 * dx - 0.1] * len(ys), ys, s=12, color=color, alpha=0.6,
-                       label=tier if x == 0 else None)
-    ax.set_xticks(range(len(sides)), [f"warm-up rate {n}" for n in sides])
-    ax.set_ylabel("TTFT of admitted requests (s)")
-    ax.legend()
-    ax.set_title("A burst right after ready")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(7, 4), dpi=120) as (fig, ax):
+        for x, (name, side) in enumerate(sides.items()):
+            for dx, (tier, color) in enumerate((("premium", "tab:red"), ("batch", "tab:blue"))):
+                ys = side[tier]["ttfts_s"]
+                ax.scatter([x + 0.2 * dx - 0.1] * len(ys), ys, s=12, color=color, alpha=0.6,
+                           label=tier if x == 0 else None)
+        ax.set_xticks(range(len(sides)), [f"warm-up rate {n}" for n in sides])
+        ax.set_ylabel("TTFT of admitted requests (s)")
+        ax.legend()
+        ax.set_title("A burst right after ready")
 
 
 def main(argv: list[str] | None = None) -> int:

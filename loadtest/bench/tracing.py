@@ -110,7 +110,7 @@ def start_echo_stack(name: str, args, state: str, log_file):
 
 def service_path(args, sink: OtlpSink, traced_env: dict[str, str]) -> int:
     from loadtest.bench.service_path import measure  # noqa: PLC0415
-    from loadtest.tools.stats import percentile  # noqa: PLC0415
+    from shared.telemetry.measure import percentile  # noqa: PLC0415
     from loadtest.tools.workload import WorkloadConfig  # noqa: PLC0415
 
     prompts = [s.prompt for s in build_workload(WorkloadConfig(num_requests=args.num_requests + 10,

@@ -26,6 +26,7 @@ import numpy as np
 from loadtest.bench import overload as bench
 from loadtest.calibrate.sim import CALIBRATION_FILE, CLUSTER_FILE, relative_error, simulate
 from shared.engine.config import EngineConfig
+from shared.telemetry.measure import meets_slo_array
 
 CALIBRATION_DIR = Path("loadtest/results/calibration")
 ENGINE_DEFAULTS = EngineConfig()  # the live decode worker's step budget
@@ -57,7 +58,7 @@ def sim_report(result, slo_s: dict[str, float]) -> dict:
     out = {}
     for tier in bench.TIERS:
         mine = result.tier == tier
-        good = mine & ok & (np.nan_to_num(result.ttft_s, nan=np.inf) <= slo_s[tier])
+        good = mine & ok & meets_slo_array(result.ttft_s, None, slo_s[tier])
         n = int(mine.sum())
         out[tier] = {"num_sent": n, "num_ok": int((mine & ok).sum()), "num_good": int(good.sum()),
                      "num_rejected": int((mine & result.rejected).sum()),

@@ -37,8 +37,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
+import math
 import platform
 import statistics
 import tempfile
@@ -49,11 +51,16 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from shared.telemetry.measure import percentiles
+from shared.telemetry.plot import figure
+
 NOMINAL_TFLOPS = 1.0     # units for the CPU "GPU": the fitted efficiencies carry the real rates
 NOMINAL_GBPS = 100.0
 MODEL_FILE = "smollm2-135m-fp32.yaml"
 CALIBRATION_FILE = "smollm2-cpu.yaml"
 CLUSTER_FILE = "cluster-cpu.yaml"
+
+p50_p90 = functools.partial(percentiles, qs=(50, 90), empty=math.nan)  # what the comparison reports
 
 
 def parse_args(argv=None):
@@ -93,11 +100,6 @@ def compare(sim: dict[str, dict[str, float]], live: dict[str, dict[str, float]],
                 row["within_tolerance"] = abs(err) <= tolerance
             rows[f"{metric}_{q}"] = row
     return rows
-
-
-def percentiles(values, qs=(50, 90)) -> dict[str, float]:
-    xs = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
-    return {f"p{q}": float(np.percentile(xs, q)) for q in qs} if len(xs) else {f"p{q}": float("nan") for q in qs}
 
 
 def cpu_cluster_spec(hbm_gib: float) -> dict:
@@ -269,47 +271,41 @@ def run_live(model: str, specs, slo_ttft_s: float, slo_tpot_s: float, log_path: 
 # --- 4. report --------------------------------------------------------------------------------
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["comparison"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    keys = list(rows)
-    xs = np.arange(len(keys))
-    ax1.bar(xs - 0.2, [rows[k]["sim_s"] * 1e3 for k in keys], 0.4, label="simulator")
-    ax1.bar(xs + 0.2, [rows[k]["live_s"] * 1e3 for k in keys], 0.4, label="live stack")
-    for x, k in zip(xs, keys):
-        ax1.annotate(f"{rows[k]['rel_error']:+.0%}", (x, max(rows[k]["sim_s"], rows[k]["live_s"]) * 1e3),
-                     ha="center", va="bottom", fontsize=8)
-    ax1.set_xticks(xs, [k.replace("_", "\n") for k in keys], fontsize=8)
-    ax1.set_ylabel("ms")
-    ax1.set_title(f"simulator vs live (error: sim vs live; p50 pass: |err| <= {result['config']['tolerance']:.0%})",
-                  fontsize=9)
-    ax1.legend()
-    cal = result["calibration"]
-    fit = result["fit"]
-    ax2.plot([p["num_tokens"] for p in cal["prefill"]], [p["seconds"] * 1e3 for p in cal["prefill"]], "o",
-             label="prefill, measured (x: prompt tokens)")
-    ax2.plot([p["num_tokens"] for p in cal["prefill"]], [p["fit_s"] * 1e3 for p in cal["prefill"]], "-",
-             label="prefill, fitted cost model")
-    ax2b = ax2.twiny()
-    ax2b.plot([d["batch"] for d in cal["decode"]], [d["seconds"] * 1e3 for d in cal["decode"]], "s", color="tab:red",
-              label="decode step, measured (top x: batch)")
-    ax2b.plot([d["batch"] for d in cal["decode"]], [d["fit_s"] * 1e3 for d in cal["decode"]], "-", color="tab:red",
-              label="decode step, fitted")
-    ax2.set_xlabel("prompt tokens")
-    ax2b.set_xlabel("decode batch")
-    ax2.set_ylabel("ms per step")
-    h1, l1 = ax2.get_legend_handles_labels()
-    h2, l2 = ax2b.get_legend_handles_labels()
-    ax2.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
-    ax2.set_title(f"step times (compute eff {fit['compute']:.3f}, hbm eff {fit['hbm']:.3f}, "
-                  f"+{fit['prefill_overhead_s'] * 1e3:.0f} ms/prefill, +{fit['decode_seq_s'] * 1e3:.1f} ms/seq)",
-                  fontsize=8)
-    fig.suptitle(result["title"], fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 1, 2, figsize=(12, 4.2), dpi=110) as (fig, (ax1, ax2)):
+        keys = list(rows)
+        xs = np.arange(len(keys))
+        ax1.bar(xs - 0.2, [rows[k]["sim_s"] * 1e3 for k in keys], 0.4, label="simulator")
+        ax1.bar(xs + 0.2, [rows[k]["live_s"] * 1e3 for k in keys], 0.4, label="live stack")
+        for x, k in zip(xs, keys):
+            ax1.annotate(f"{rows[k]['rel_error']:+.0%}", (x, max(rows[k]["sim_s"], rows[k]["live_s"]) * 1e3),
+                         ha="center", va="bottom", fontsize=8)
+        ax1.set_xticks(xs, [k.replace("_", "\n") for k in keys], fontsize=8)
+        ax1.set_ylabel("ms")
+        ax1.set_title(f"simulator vs live (error: sim vs live; p50 pass: |err| <= {result['config']['tolerance']:.0%})",
+                      fontsize=9)
+        ax1.legend()
+        cal = result["calibration"]
+        fit = result["fit"]
+        ax2.plot([p["num_tokens"] for p in cal["prefill"]], [p["seconds"] * 1e3 for p in cal["prefill"]], "o",
+                 label="prefill, measured (x: prompt tokens)")
+        ax2.plot([p["num_tokens"] for p in cal["prefill"]], [p["fit_s"] * 1e3 for p in cal["prefill"]], "-",
+                 label="prefill, fitted cost model")
+        ax2b = ax2.twiny()
+        ax2b.plot([d["batch"] for d in cal["decode"]], [d["seconds"] * 1e3 for d in cal["decode"]], "s",
+                  color="tab:red", label="decode step, measured (top x: batch)")
+        ax2b.plot([d["batch"] for d in cal["decode"]], [d["fit_s"] * 1e3 for d in cal["decode"]], "-",
+                  color="tab:red", label="decode step, fitted")
+        ax2.set_xlabel("prompt tokens")
+        ax2b.set_xlabel("decode batch")
+        ax2.set_ylabel("ms per step")
+        h1, l1 = ax2.get_legend_handles_labels()
+        h2, l2 = ax2b.get_legend_handles_labels()
+        ax2.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+        ax2.set_title(f"step times (compute eff {fit['compute']:.3f}, hbm eff {fit['hbm']:.3f}, "
+                      f"+{fit['prefill_overhead_s'] * 1e3:.0f} ms/prefill, +{fit['decode_seq_s'] * 1e3:.1f} ms/seq)",
+                      fontsize=8)
+        fig.suptitle(result["title"], fontsize=10)
 
 
 def main(argv=None) -> int:
@@ -397,7 +393,7 @@ def main(argv=None) -> int:
                             + yaml.safe_dump(cpu_cluster_spec(hbm_gib), sort_keys=False))
     sim = simulate(cluster_path, model, eff, specs, input_lens)
     sim_ratio = simulate(cluster_path, model, eff_ratio, specs, input_lens)
-    sim_q = {"ttft": percentiles(sim["ttft_s"]), "itl": percentiles(sim["tpot_s"])}
+    sim_q = {"ttft": p50_p90(sim["ttft_s"]), "itl": p50_p90(sim["tpot_s"])}
     print(f"  sim TTFT p50 {sim_q['ttft']['p50'] * 1e3:.0f} ms, ITL(TPOT) p50 {sim_q['itl']['p50'] * 1e3:.1f} ms",
           flush=True)
 
@@ -418,8 +414,8 @@ def main(argv=None) -> int:
         "fit": fit,
         "fit_ratio_only": {"compute": eff_ratio.compute, "hbm": eff_ratio.hbm},
         "sim": {"ttft": sim_q["ttft"], "itl_is_tpot": sim_q["itl"],
-                "tpot": percentiles(sim["tpot_s"]), "kv_util_mean": sim["kv_util_mean"]},
-        "sim_ratio_only_fit": {"ttft": percentiles(sim_ratio["ttft_s"]), "tpot": percentiles(sim_ratio["tpot_s"])},
+                "tpot": p50_p90(sim["tpot_s"]), "kv_util_mean": sim["kv_util_mean"]},
+        "sim_ratio_only_fit": {"ttft": p50_p90(sim_ratio["ttft_s"]), "tpot": p50_p90(sim_ratio["tpot_s"])},
     }
     if args.skip_live:
         (out / "calibration_sim.json").write_text(json.dumps(result, indent=2))
@@ -431,9 +427,9 @@ def main(argv=None) -> int:
     if summary["num_errors"]:
         print(f"  {summary['num_errors']} errors: {summary['errors']}", flush=True)
     ok = [r for r in results if r.error is None and r.finished_s is not None]
-    live_q = {"ttft": percentiles([r.ttft_s for r in ok]),
-              "itl": percentiles([x for r in ok for x in r.itls_s()]),
-              "tpot": percentiles([r.tpot_s for r in ok])}
+    live_q = {"ttft": p50_p90([r.ttft_s for r in ok]),
+              "itl": p50_p90([x for r in ok for x in r.itls_s()]),
+              "tpot": p50_p90([r.tpot_s for r in ok])}
     comparison = compare({"ttft": sim_q["ttft"], "itl": sim_q["itl"]},
                          {"ttft": live_q["ttft"], "itl": live_q["itl"]}, args.tolerance)
     comparison["tpot_p50"] = {"sim_s": sim_q["itl"]["p50"], "live_s": live_q["tpot"]["p50"],

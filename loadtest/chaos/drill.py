@@ -34,6 +34,7 @@ from tqdm import tqdm
 from loadtest.chaos.faults import FAULTS, FaultOptions, inject, skip_reason
 from loadtest.chaos.report import (FaultReport, RequestOutcome, fault_report, format_table, format_totals, plot,
                                    report_from_json, skipped_report, totals)
+from loadtest.tools import sse
 from loadtest.tools.harness import status
 from shared.stack.stack import Stack, StackSpec
 from shared.stack.supervisor import Backoff
@@ -98,18 +99,16 @@ async def _request(session: aiohttp.ClientSession, url: str, body: dict, outcome
                 outcome.error = f"HTTP {resp.status}"
                 return
             text, done = [], False
-            async for raw in resp.content:
-                line = raw.strip()
-                if line == b"data: [DONE]":
+            async for event in sse.aevents(resp.content):
+                if event == sse.DONE:
                     done = True
-                elif line.startswith(b"data: {"):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        outcome.error = f"stream error {event['error'].get('code') or event['error'].get('type')}"
-                        return
-                    text += [c.get("text") or "" for c in event.get("choices", [])]
-                    if outcome.first_token_s is None and any(text):
-                        outcome.first_token_s = round(time.monotonic() - start, 3)
+                    continue
+                if "error" in event:
+                    outcome.error = f"stream error {event['error'].get('code') or event['error'].get('type')}"
+                    return
+                text += [c.get("text") or "" for c in event.get("choices", [])]
+                if outcome.first_token_s is None and any(text):
+                    outcome.first_token_s = round(time.monotonic() - start, 3)
             outcome.text = "".join(text)
             if not done:
                 outcome.error = "stream cut"

@@ -16,11 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.telemetry.plot import figure
+
 
 @dataclass
 class RequestOutcome:
     """One request of the load: times in seconds from the start of its phase."""
-
     index: int
     prompt_index: int
     sent_s: float
@@ -180,38 +181,31 @@ def plot(reports: list[FaultReport], path: Path) -> Path:
     """Per fault: failed / hung / differing requests and leaked blocks (bars), and the times from the
 fault to the next success, to the first token and to the end of the first success of a request
 sent after it."""
-    import matplotlib  # noqa: PLC0415 — only when writing a report
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     run = [r for r in reports if r.skipped is None]
     names = [r.fault for r in run]
     xs = range(len(run))
-    fig, (bad, recov) = plt.subplots(1, 2, figsize=(14, 4.5))
-    series = {"failed": [r.num_failed for r in run], "hung": [r.num_hung for r in run],
-              "differing": [r.num_differing for r in run], "leaked blocks": [r.num_leaked_blocks for r in run]}
-    width = 0.2
-    for i, (label, values) in enumerate(series.items()):
-        bars = bad.bar([x + (i - 1.5) * width for x in xs], values, width, label=label)
-        bad.bar_label(bars, fontsize=7)  # a 0 shows as "0", not as nothing
-    bad.set_ylim(0, max([1, *(v for values in series.values() for v in values)]) * 1.2)
-    bad.set_title("requests failed / hung / differing, blocks leaked (target: 0)")
-    w = 0.21
-    recov.bar([x - 1.5 * w for x in xs], [r.next_success_s or 0.0 for r in run], w, label="next success")
-    recov.bar([x - 0.5 * w for x in xs], [r.serving_s or 0.0 for r in run], w,
-              label="first token of a request sent after the fault")
-    recov.bar([x + 0.5 * w for x in xs], [r.recovery_s or 0.0 for r in run], w,
-              label="end of that request (first success sent after the fault)")
-    recov.bar([x + 1.5 * w for x in xs], [r.e2e_p50_s or 0.0 for r in run], w, color="tab:gray",
-              label="median request duration (for scale)")
-    recov.set_title("seconds from the fault (no bar: no such success in the phase)")
-    recov.legend()
-    for ax in (bad, recov):
-        ax.set_xticks(list(xs), names, rotation=30, ha="right")
-        ax.grid(alpha=0.3, axis="y")
-    bad.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(14, 4.5)) as (fig, (bad, recov)):
+        series = {"failed": [r.num_failed for r in run], "hung": [r.num_hung for r in run],
+                  "differing": [r.num_differing for r in run], "leaked blocks": [r.num_leaked_blocks for r in run]}
+        width = 0.2
+        for i, (label, values) in enumerate(series.items()):
+            bars = bad.bar([x + (i - 1.5) * width for x in xs], values, width, label=label)
+            bad.bar_label(bars, fontsize=7)  # a 0 shows as "0", not as nothing
+        bad.set_ylim(0, max([1, *(v for values in series.values() for v in values)]) * 1.2)
+        bad.set_title("requests failed / hung / differing, blocks leaked (target: 0)")
+        w = 0.21
+        recov.bar([x - 1.5 * w for x in xs], [r.next_success_s or 0.0 for r in run], w, label="next success")
+        recov.bar([x - 0.5 * w for x in xs], [r.serving_s or 0.0 for r in run], w,
+                  label="first token of a request sent after the fault")
+        recov.bar([x + 0.5 * w for x in xs], [r.recovery_s or 0.0 for r in run], w,
+                  label="end of that request (first success sent after the fault)")
+        recov.bar([x + 1.5 * w for x in xs], [r.e2e_p50_s or 0.0 for r in run], w, color="tab:gray",
+                  label="median request duration (for scale)")
+        recov.set_title("seconds from the fault (no bar: no such success in the phase)")
+        recov.legend()
+        for ax in (bad, recov):
+            ax.set_xticks(list(xs), names, rotation=30, ha="right")
+            ax.grid(alpha=0.3, axis="y")
+        bad.legend()
     return path

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from loadtest.chaos.drill import ChaosConfig, base_urls, drive, leaked_blocks, stack_spec
 from shared.stack.stack import Stack
+from shared.telemetry.plot import figure
 
 RESULTS = Path(__file__).parents[1] / "results" / "soak"
 
@@ -118,23 +119,18 @@ def report(outcomes: list, samples: dict[str, list[Sample]], leaked: dict[str, i
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (rss, fds) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for name, samples in sorted(result["samples"].items()):
-        t = [s["at_s"] / 60 for s in samples]
-        rss.plot(t, [s["rss_bytes"] / 2**20 for s in samples], label=name)
-        fds.plot(t, [s["num_fds"] for s in samples], label=name)
-    rss.set_ylabel("RSS (MiB)")
-    fds.set_ylabel("open descriptors")
-    fds.set_xlabel("minutes")
-    rss.legend(fontsize=7, ncol=3)
-    rss.set_title(f"soak: {result['num_succeeded']}/{result['num_requests']} ok, worst RSS growth "
-                  f"{(result['worst_rss_growth'] or 0) * 100:.1f}%, leaked blocks {sum(result['leaked_blocks'].values())}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 2, 1, figsize=(10, 7), sharex=True, dpi=110) as (fig, (rss, fds)):
+        for name, samples in sorted(result["samples"].items()):
+            t = [s["at_s"] / 60 for s in samples]
+            rss.plot(t, [s["rss_bytes"] / 2**20 for s in samples], label=name)
+            fds.plot(t, [s["num_fds"] for s in samples], label=name)
+        rss.set_ylabel("RSS (MiB)")
+        fds.set_ylabel("open descriptors")
+        fds.set_xlabel("minutes")
+        rss.legend(fontsize=7, ncol=3)
+        rss.set_title(f"soak: {result['num_succeeded']}/{result['num_requests']} ok, worst RSS growth "
+                      f"{(result['worst_rss_growth'] or 0) * 100:.1f}%, "
+                      f"leaked blocks {sum(result['leaked_blocks'].values())}")
 
 
 def print_report(result: dict) -> None:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from shared.model.precision import QUANTIZATION_METHODS
+from shared.telemetry.plot import figure
 
 # exact aten op names, and name prefixes of op families (the SDPA kernels, oneDNN and packed-weight
 # matmuls), per kind; anything else is "other ops"
@@ -116,27 +117,19 @@ def profile(engine, steps: int) -> dict:
 
 
 def plot(path: Path, report: dict) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
     sizes = list(report["batches"])
     kinds = list(dict.fromkeys(k for b in report["batches"].values() for k in b["ms"]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bottom = [0.0] * len(sizes)
-    for kind in kinds:
-        values = [report["batches"][b]["ms"].get(kind, 0.0) for b in sizes]
-        ax.bar(range(len(sizes)), values, 0.6, bottom=bottom, label=kind)
-        bottom = [a + b for a, b in zip(bottom, values)]
-    ax.set_xticks(range(len(sizes)), [f"batch {b}" for b in sizes])
-    ax.set_ylabel("ms per decode step")
-    ax.set_title(f"decode step split ({report['precision']}, {report['num_threads']} threads)")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4.5)) as (fig, ax):
+        bottom = [0.0] * len(sizes)
+        for kind in kinds:
+            values = [report["batches"][b]["ms"].get(kind, 0.0) for b in sizes]
+            ax.bar(range(len(sizes)), values, 0.6, bottom=bottom, label=kind)
+            bottom = [a + b for a, b in zip(bottom, values)]
+        ax.set_xticks(range(len(sizes)), [f"batch {b}" for b in sizes])
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"decode step split ({report['precision']}, {report['num_threads']} threads)")
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,41 +6,28 @@ import json
 from pathlib import Path
 
 from loadtest.tools.stats import RequestResult
-
-
-def _cdf(ax, values: list[float], label: str) -> None:
-    xs = sorted(values)
-    if xs:
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+from shared.telemetry.plot import cdf, figure
 
 
 def write_report(out_dir: Path, name: str, config: dict,
                  runs: dict[str, tuple[dict, list[RequestResult]]], extra: dict | None = None) -> tuple[Path, Path]:
-    import matplotlib  # noqa: PLC0415 — only when writing a report
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
     payload = {"config": config, **(extra or {}),
                "runs": {label: {"summary": s, "requests": [r.to_json() for r in rs]}
                         for label, (s, rs) in runs.items()}}
     json_path.write_text(json.dumps(payload, indent=2))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for label, (_, results) in runs.items():
-        ok = [r for r in results if r.error is None]
-        _cdf(axes[0], [r.ttft_s * 1000 for r in ok if r.ttft_s is not None], label)
-        _cdf(axes[1], [x * 1000 for r in ok for x in r.itls_s()], label)
-        _cdf(axes[2], [r.e2e_s for r in ok if r.e2e_s is not None], label)
-    for ax, title in zip(axes, ("TTFT (ms)", "inter-token latency (ms)", "end-to-end (s)")):
-        ax.set_title(title)
-        ax.set_ylabel("CDF")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    with figure(png_path, 1, 3, figsize=(15, 4)) as (fig, axes):
+        for label, (_, results) in runs.items():
+            ok = [r for r in results if r.error is None]
+            cdf(axes[0], [r.ttft_s * 1000 for r in ok if r.ttft_s is not None], label)
+            cdf(axes[1], [x * 1000 for r in ok for x in r.itls_s()], label)
+            cdf(axes[2], [r.e2e_s for r in ok if r.e2e_s is not None], label)
+        for ax, title in zip(axes, ("TTFT (ms)", "inter-token latency (ms)", "end-to-end (s)")):
+            ax.set_title(title)
+            ax.set_ylabel("CDF")
+            ax.grid(alpha=0.3)
+            ax.legend()
     return json_path, png_path
 
 
@@ -57,20 +44,12 @@ def format_summary(label: str, s: dict) -> str:
 
 def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, ylabel: str, title: str) -> None:
     """Grouped bars: one group per label in ``groups``, one bar per series in each."""
-    import matplotlib  # noqa: PLC0415 — only when writing a report
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series.items()):
-        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(groups))], values, width, label=label)
-    ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, figsize=(6, 4)) as (fig, ax):
+        width = 0.8 / len(series)
+        for i, (label, values) in enumerate(series.items()):
+            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(groups))], values, width, label=label)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import aiohttp
 from tqdm import tqdm
 
+from loadtest.tools import sse
 from loadtest.tools.stats import RequestResult
 from loadtest.tools.workload import RequestSpec
 
@@ -78,11 +79,9 @@ async def run_openai(base_url: str, model: str, specs: list[RequestSpec], *, api
             result.worker_id = resp.headers.get("X-Tandem-Worker") or None
             if "X-Tandem-Predicted-TTFT-Ms" in resp.headers:
                 result.predicted_ttft_s = float(resp.headers["X-Tandem-Predicted-TTFT-Ms"]) / 1000
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            async for event in sse.aevents(resp.content):
+                if event == sse.DONE:
                     continue
-                event = json.loads(line[6:])
                 if "error" in event:
                     result.error = event["error"].get("message", "stream error")
                     return False

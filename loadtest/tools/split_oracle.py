@@ -22,14 +22,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from loadtest.tools.replay import meets_slo
+from shared.telemetry.measure import meets_slo
 
 
 def good_by_window(summary: dict, window_s: float) -> Counter:
     """Requests that met their tier's SLOs, counted by the window of their arrival."""
     slo = {name: (t["slo_ttft_s"], t.get("slo_tpot_s")) for name, t in summary["tiers"].items()}
     return Counter(int(r["scheduled_s"] // window_s) for r in summary.get("per_request") or []
-                   if meets_slo(r["status"], r["ttft_s"], r["tpot_s"], *slo[r["tier"]]))
+                   if r["status"] == "ok" and meets_slo(r["ttft_s"], r["tpot_s"], *slo[r["tier"]]))
 
 
 def oracle(fixed: dict[str, dict], policies: dict[str, dict], window_s: float) -> dict:

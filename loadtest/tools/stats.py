@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from shared.telemetry.measure import distribution, meets_slo
+
 
 @dataclass
 class RequestResult:
@@ -45,28 +47,12 @@ class RequestResult:
         return {**asdict(self), "ttft_s": self.ttft_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile, ``q`` in [0, 100]."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _dist(values: list[float]) -> dict:
-    return {"mean": sum(values) / len(values) if values else None,
-            **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
-
-
 def summarize(results: list[RequestResult], *, slo_ttft_s: float, slo_tpot_s: float) -> dict:
     ok = [r for r in results if r.error is None and r.finished_s is not None]
     start = min((r.started_s for r in results), default=0.0)
     end = max((r.finished_s for r in ok), default=start)
     duration = max(end - start, 1e-9)
-    good = [r for r in ok if (r.ttft_s or 0) <= slo_ttft_s and (r.tpot_s or 0) <= slo_tpot_s]
+    good = [r for r in ok if meets_slo(r.ttft_s, r.tpot_s, slo_ttft_s, slo_tpot_s)]
     num_tokens = sum(r.num_output_tokens for r in ok)
     return {
         "num_requests": len(results), "num_ok": len(ok), "num_errors": len(results) - len(ok),
@@ -76,8 +62,8 @@ def summarize(results: list[RequestResult], *, slo_ttft_s: float, slo_tpot_s: fl
         "output_token_throughput": num_tokens / duration,
         "goodput": len(good) / duration, "num_good": len(good),
         "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
-        "ttft_s": _dist([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl_s": _dist([x for r in ok for x in r.itls_s()]),
-        "tpot_s": _dist([r.tpot_s for r in ok if r.tpot_s is not None]),
-        "e2e_s": _dist([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": distribution([x for r in ok for x in r.itls_s()]),
+        "tpot_s": distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_s": distribution([r.e2e_s for r in ok if r.e2e_s is not None]),
     }

@@ -21,7 +21,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from loadtest.tools.stats import percentile
+from shared.telemetry.measure import percentile
 
 
 def read(path: Path) -> list[dict]:

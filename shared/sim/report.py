@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
 from shared.planner.config import Slo
 from shared.sim.simulator import SimResult
-
-
-def _percentiles(x: np.ndarray) -> dict[str, float]:
-    if x.size == 0:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    p50, p90, p99 = np.percentile(x, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+from shared.telemetry.measure import meets_slo_array, percentiles
+from shared.telemetry.plot import figure
 
 
 def summarize(r: SimResult, slo: Slo) -> dict:
     n = len(r.arrival_s)
     served = ~r.rejected & ~np.isnan(r.finish_s)
-    good = served & (r.ttft_s <= slo.ttft_s) & (r.tpot_s <= slo.tpot_s)
+    good = served & meets_slo_array(r.ttft_s, r.tpot_s, slo.ttft_s, slo.tpot_s)
     start = float(r.arrival_s[0]) if n else 0.0
     end = float(np.nanmax(r.finish_s)) if served.any() else start
     duration = max(end - start, 1e-9)
@@ -34,8 +30,8 @@ def summarize(r: SimResult, slo: Slo) -> dict:
         "throughput_rps": float(served.sum()) / duration,
         "goodput_rps": float(good.sum()) / duration,
         "slo_attainment": float(good.sum()) / max(n, 1),
-        "ttft_s": _percentiles(r.ttft_s[served]),
-        "tpot_s": _percentiles(r.tpot_s[served & (r.output_len > 1)]),
+        "ttft_s": percentiles(r.ttft_s[served], empty=math.nan),
+        "tpot_s": percentiles(r.tpot_s[served & (r.output_len > 1)], empty=math.nan),
         "remote_prefill_fraction": float(r.remote_prefill[served].mean()) if served.any() else 0.0,
         "prefix_hit_tokens": int(r.cached_tokens[served].sum()),
         "mean_prefill_util": float(np.mean(r.prefill_util)) if r.prefill_util else 0.0,
@@ -70,23 +66,16 @@ def format_summary(s: dict) -> str:
 
 
 def plot_utilisation(r: SimResult, path: str | Path, title: str = "") -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    t = np.array(r.tick_s) - (r.tick_s[0] if r.tick_s else 0.0)
-    ax.plot(t, np.array(r.prefill_util) * 100, label="prefill pool: busy %")
-    ax.plot(t, np.array(r.decode_kv_util) * 100, label="decode pool: KV in use %")
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("utilisation (%)")
-    ax.set_ylim(0, 105)
-    if any(a != r.num_prefill[0] for a in r.num_prefill):
-        ax2 = ax.twinx()
-        ax2.step(t, r.num_prefill, color="grey", where="post", label="prefill workers")
-        ax2.set_ylabel("prefill workers")
-    ax.legend(loc="lower right")
-    ax.set_title(title or "pool utilisation over time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(8, 4), dpi=110) as (fig, ax):
+        t = np.array(r.tick_s) - (r.tick_s[0] if r.tick_s else 0.0)
+        ax.plot(t, np.array(r.prefill_util) * 100, label="prefill pool: busy %")
+        ax.plot(t, np.array(r.decode_kv_util) * 100, label="decode pool: KV in use %")
+        ax.set_xlabel("simulated time (s)")
+        ax.set_ylabel("utilisation (%)")
+        ax.set_ylim(0, 105)
+        if any(a != r.num_prefill[0] for a in r.num_prefill):
+            ax2 = ax.twinx()
+            ax2.step(t, r.num_prefill, color="grey", where="post", label="prefill workers")
+            ax2.set_ylabel("prefill workers")
+        ax.legend(loc="lower right")
+        ax.set_title(title or "pool utilisation over time")

@@ -8,7 +8,9 @@ made with :func:`synthetic_mooncake`.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,25 +77,44 @@ def gamma(workload: WorkloadSpec, n: int, cv: float = 3.0, seed: int = 0) -> Tra
     return Trace(arrivals, *sample_lengths(workload, n, rng))
 
 
-def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE, limit: int | None = None) -> Trace:
-    ts, inp, out, hashes = [], [], [], []
+@dataclass(frozen=True)
+class TraceRecord:
+    """One line of a Mooncake trace: its arrival (seconds, as written), prompt and output tokens,
+    and the ids of its prompt blocks (empty when the line has none)."""
+
+    at_s: float
+    input_len: int
+    output_len: int
+    hash_ids: tuple[int, ...]
+
+
+def read_mooncake(path: str | Path) -> Iterator[TraceRecord]:
+    """The trace's records in file order, read lazily; blank lines skipped. A line that is not a
+    record, or whose prompt is empty, raises ValueError naming the file and line."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            if limit is not None and len(ts) >= limit:
-                break
             try:
                 rec = json.loads(line)
-                ts.append(float(rec["timestamp"]) / 1000.0)
-                inp.append(int(rec["input_length"]))
-                out.append(int(rec["output_length"]))
-                hashes.append([int(h) for h in rec.get("hash_ids", [])])
+                record = TraceRecord(float(rec["timestamp"]) / 1000.0, int(rec["input_length"]),
+                                     int(rec["output_length"]), tuple(int(h) for h in rec.get("hash_ids") or ()))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({exc!r})") from exc
-    order = np.argsort(np.array(ts), kind="stable")
-    return Trace(np.array(ts)[order] - (min(ts) if ts else 0.0), np.array(inp, dtype=np.int64)[order],
-                 np.array(out, dtype=np.int64)[order], [hashes[i] for i in order], block_size)
+            if record.input_len < 1:
+                raise ValueError(f"{path}:{lineno}: input_length must be >= 1")
+            yield record
+
+
+def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE, limit: int | None = None) -> Trace:
+    """The first ``limit`` records of the file (all by default) as a trace, sorted by arrival
+    (stable) and counted from the earliest."""
+    recs = sorted(itertools.islice(read_mooncake(path), limit), key=lambda r: r.at_s)
+    t0 = recs[0].at_s if recs else 0.0
+    return Trace(np.array([r.at_s - t0 for r in recs], dtype=np.float64),
+                 np.array([r.input_len for r in recs], dtype=np.int64),
+                 np.array([r.output_len for r in recs], dtype=np.int64),
+                 [list(r.hash_ids) for r in recs], block_size)
 
 
 def write_mooncake(trace: Trace, path: str | Path) -> None:

@@ -8,10 +8,11 @@ must work with nothing else running. Pure: every call takes ``now`` (seconds, an
 
 from __future__ import annotations
 
-import math
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+
+from shared.telemetry.measure import percentiles
 
 MAX_SAMPLES_PER_SECOND = 2000  # ITL at high throughput: a uniform sample keeps percentiles honest
 
@@ -41,14 +42,6 @@ class SeriesPoint:
     requests_per_s: float
     tokens_per_s: float
     rejected: dict[str, int]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in [0, 100]) of unsorted ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 class RecentSeries:
@@ -107,8 +100,9 @@ def _point(start: int, seconds: list[_Second], span_s: int) -> SeriesPoint:
     for s in seconds:
         for tier, n in s.rejected.items():
             rejected[tier] += n
+    ttft_q, itl_q = percentiles(ttft), percentiles(itl)
     return SeriesPoint(
-        t=float(start), ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
-        ttft_p99=percentile(ttft, 99), itl_p50=percentile(itl, 50), itl_p90=percentile(itl, 90),
-        itl_p99=percentile(itl, 99), requests_per_s=sum(s.num_finished for s in seconds) / span_s,
+        t=float(start), ttft_p50=ttft_q["p50"], ttft_p90=ttft_q["p90"], ttft_p99=ttft_q["p99"],
+        itl_p50=itl_q["p50"], itl_p90=itl_q["p90"], itl_p99=itl_q["p99"],
+        requests_per_s=sum(s.num_finished for s in seconds) / span_s,
         tokens_per_s=sum(s.num_tokens for s in seconds) / span_s, rejected=dict(rejected))

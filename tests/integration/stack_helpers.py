@@ -10,6 +10,9 @@ import os
 import time
 import urllib.request
 
+from loadtest.tools import sse
+
+
 def tool_missing(reason: str):
     """A tool install.sh provides (chromium, node) is missing: the test skips on a developer's
     machine, and fails under ``.ci/run`` (``TANDEM_TESTS_REQUIRE_TOOLS=1``), where a green skip
@@ -108,8 +111,8 @@ def read_events(resp, num_events: int | None = None, timeout_s: float = 120.0) -
         if not line:
             assert num_events is None, f"stream ended after {len(events)} events, wanted {num_events}"
             return events
-        if line.startswith(b"data: {"):
-            events.append(json.loads(line[6:]))
+        if (event := sse.parse_line(line)) not in (None, sse.DONE):
+            events.append(event)
     return events
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.tools import sse
+
 pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,15 +122,10 @@ def _stream_chat(port: int, content: str, max_tokens: int, result: dict, ignore_
         if resp.status != 200:
             result["errors"].append(resp.read().decode(errors="replace")[:500])
             return
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
+        for event in sse.events(resp):
+            if event == sse.DONE:
                 result["done"] = True
                 break
-            event = json.loads(data)
             if "error" in event:
                 result["errors"].append(event["error"])
                 continue

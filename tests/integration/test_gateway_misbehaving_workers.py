@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
+from loadtest.tools import sse
 from services.admission.config import AdmissionSettings
 from services.admission.service import AdmissionService
 from services.gateway.config import GatewaySettings
@@ -194,12 +195,7 @@ def worker_errors(gateway: Gateway, worker_id: str, reason: str) -> float:
 
 async def sse_events(resp) -> list:
     """Every ``data:`` payload of the stream, parsed (``[DONE]`` kept as the string)."""
-    events = []
-    for line in (await resp.text()).splitlines():
-        if line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+    return list(sse.events((await resp.text()).splitlines()))
 
 
 @pytest.mark.parametrize("behaviour,reason", [("bad_finish", "malformed_chunk"), ("no_chunk", "early_end")])

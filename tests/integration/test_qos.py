@@ -22,6 +22,7 @@ import uuid
 
 import pytest
 
+from loadtest.tools import sse
 from shared.policy.admission import Inflow
 from shared.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
@@ -124,16 +125,15 @@ class Streamed(threading.Thread):
     def run(self) -> None:
         resp = post(*self.args, stream=True, stream_options={"include_usage": True})
         self.status = resp.status
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                choice = event["choices"]
-                if event.get("usage"):
-                    self.num_tokens = event["usage"]["completion_tokens"]
-                if choice and choice[0]["text"] and self.first_token_at is None:
-                    self.first_token_at = time.monotonic()
-                self.text += choice[0]["text"] if choice else ""
+        for event in sse.events(resp):
+            if event == sse.DONE:
+                continue
+            choice = event["choices"]
+            if event.get("usage"):
+                self.num_tokens = event["usage"]["completion_tokens"]
+            if choice and choice[0]["text"] and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.text += choice[0]["text"] if choice else ""
         self.done_at = time.monotonic()
 
 

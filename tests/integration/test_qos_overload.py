@@ -23,9 +23,9 @@ import uuid
 import pytest
 
 from loadtest.tools.runner import run_openai
-from loadtest.tools.stats import percentile
 from loadtest.tools.workload import WorkloadConfig, build_workload
 from shared.stack.stack import StackSpec
+from shared.telemetry.measure import percentile
 from stack_helpers import running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

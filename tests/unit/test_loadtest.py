@@ -1,8 +1,9 @@
 import argparse
 import random
 
-from loadtest.tools.stats import RequestResult, percentile, summarize
+from loadtest.tools.stats import RequestResult, summarize
 from loadtest.tools.workload import WorkloadConfig, arrival_times, build_workload
+from shared.telemetry.measure import percentile
 
 
 def test_gamma_arrivals_keep_the_mean_rate_and_burstiness_widens_gaps():

@@ -1,6 +1,9 @@
 """The metric objects of every service, read back through the Prometheus text parser (what a scraper
 sees), and the dashboard's recent history."""
 
+import math
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.metrics import GatewayMetrics
@@ -8,8 +11,9 @@ from shared.engine.engine import EngineStats
 from shared.protocol.workers import ScalingAction, ScalingDecisionRecord, WorkerInfo, WorkerLoad, WorkerStatus
 from shared.worker.metrics import WorkerMetrics
 from shared.telemetry.families import AdmissionMetrics, AutoscalerMetrics, KvIndexMetrics
+from shared.telemetry.measure import percentile
 from shared.telemetry.metrics import RecentMean, exposition, sample_total, service_registry
-from shared.telemetry.series import MAX_SAMPLES_PER_SECOND, RecentSeries, percentile
+from shared.telemetry.series import MAX_SAMPLES_PER_SECOND, RecentSeries
 from shared.transfer.base import TransferStats
 
 
@@ -181,7 +185,7 @@ def test_series_percentiles_rates_and_horizon():
     points = s.points(104.5, step_s=5)
     last = points[-1]
     assert last.t == 100 and points[-2].t == 95 and points[0].t == 45 and len(points) == 12
-    assert (last.ttft_p50, last.ttft_p90, last.ttft_p99) == (0.5, 0.9, 1.0)
+    assert (last.ttft_p50, last.ttft_p90, last.ttft_p99) == pytest.approx((0.55, 0.91, 0.991))
     assert last.itl_p50 is None
     assert last.tokens_per_s == 50 / 5 and last.requests_per_s == 2 / 5
     assert s.points(200.0, 5)[-1].ttft_p50 is None  # past the horizon: forgotten
@@ -193,14 +197,15 @@ def test_series_keeps_a_bounded_sample_per_second():
     for i in range(MAX_SAMPLES_PER_SECOND * 3):
         s.observe_itl(50.0, 0.01 if i % 2 else 0.03)
     point = s.points(50.0, 1)[-1]
-    assert point.itl_p50 in (0.01, 0.03) and point.itl_p99 == 0.03
+    assert 0.01 <= point.itl_p50 <= 0.03 and point.itl_p99 == pytest.approx(0.03)
     assert len(s._seconds[-1].itl) == MAX_SAMPLES_PER_SECOND
 
 
-def test_percentile_nearest_rank():
-    assert percentile([], 50) is None
+def test_percentile_interpolates_and_skips_missing_values():
+    assert percentile([], 50) is None and percentile([None, math.nan], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile([1.0, 2.0], 99) == 2.0
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([4.0, None, 1.0, 2.0, 3.0], 50) == 2.5
 
 
 def test_recent_mean_forgets_old_observations():

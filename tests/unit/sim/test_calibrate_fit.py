@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest.calibrate.sim import compare, cpu_cluster_spec, percentiles, relative_error
+from loadtest.calibrate.sim import compare, cpu_cluster_spec, p50_p90, relative_error
 from shared.planner.config import MODEL_PRESETS, ClusterSpec, GpuType
 from shared.planner.costmodel import (DecodeSample, Efficiency, GroupHardware, Parallel, PrefillSample,
                                       calibrate, decode_step_s, prefill_latency_s)
@@ -77,7 +77,7 @@ def test_compare_and_relative_error():
 
 
 def test_percentiles_skip_missing_values_and_cluster_spec_validates():
-    q = percentiles([1.0, None, 3.0, math.nan, 2.0])
+    q = p50_p90([1.0, None, 3.0, math.nan, 2.0])
     assert q["p50"] == 2.0
     spec = ClusterSpec.model_validate(cpu_cluster_spec(2.0))
     assert spec.num_gpus == 1 and spec.gpu_types["cpu"].hbm_gib == 2.0

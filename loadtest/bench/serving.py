@@ -6,6 +6,9 @@
                                      # two Tandem stacks with different flags, the last the baseline
     python -m loadtest.bench.serving --start-tandem --start-llama --model /tmp/llama-1b-q8_0.gguf
                                      # both serve the same GGUF file (tools.synth_model writes one)
+    python -m loadtest.bench.serving --start-tandem --start-llama --start-vllm
+                                     # vLLM's CPU backend too, on the GGUF's weights in bf16
+                                     # (loadtest/tools/vllm_server.py; its venv made on first use)
 
 Every request: a prompt of ``--prompt-tokens`` tokens (the model's own tokenizer), ``--output-tokens``
 greedy tokens with ``ignore_eos``, streamed. At concurrency c the targets take turns, one wave of c
@@ -201,6 +204,23 @@ def llama_server(threads: int, parallel: int, model: str):
         proc.wait(timeout=60)
 
 
+@contextlib.contextmanager
+def vllm_server(model: str, cpus: str | None, max_num_seqs: int, out: Path):
+    from loadtest.tools import vllm_server as vs
+
+    port = free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    proc = vs.start(port, model, cpus, max_num_seqs=max_num_seqs, log=out / "vllm.log")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", action="append", default=[], help="name=base_url; the last one is the peer")
@@ -210,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="start `tandem up FLAGS` here as target NAME (repeatable; after --start-tandem's, "
                         "before --target's and llama-server)")
     p.add_argument("--start-llama", action="store_true", help="start llama-server here as target 'llama-server'")
+    p.add_argument("--start-vllm", action="store_true",
+                   help="start vLLM's CPU backend here as target 'vllm', on the model's GGUF dequantized to a bf16 "
+                        "directory (loadtest.tools.vllm_server: its own venv, made on first use)")
+    p.add_argument("--vllm-cpus", default=None, help="cores for vLLM's threads, e.g. 0-1 (default: every core)")
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
     p.add_argument("--model", default="smollm2-135m",
                    help="an alias or a .gguf file; started targets serve it (tandem up --model, llama-server -m)")
@@ -233,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                    **targets}
         if args.start_llama:
             targets["llama-server"] = stack.enter_context(llama_server(args.threads, max(concurrency), args.model))
+        if args.start_vllm:
+            targets["vllm"] = stack.enter_context(vllm_server(args.model, args.vllm_cpus, max(concurrency), args.out))
         if not targets:
-            p.error("give --target name=url or --start-tandem / --start-tandem-as / --start-llama")
+            p.error("give --target name=url or --start-tandem / --start-tandem-as / --start-llama / --start-vllm")
         load_before = os.getloadavg()
         results = asyncio.run(measure(targets, args.model, concurrency, args.rounds, args.prompt_tokens,
                                       args.output_tokens))

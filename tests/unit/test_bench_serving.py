@@ -26,3 +26,25 @@ def test_ratios_are_against_the_last_target_and_skip_a_level_it_has_no_rate_for(
     results = {"tandem": {1: {"output_tok_s": 70.0}, 8: {"output_tok_s": 300.0}},
                "llama-server": {1: {"output_tok_s": 140.0}, 8: {"output_tok_s": None}}}
     assert ratios(results) == {"tandem": {1: 0.5}}
+
+
+def test_the_vllm_peer_serves_the_gguf_weights_as_a_bf16_directory_under_the_alias(smollm2_gguf, tmp_path, monkeypatch):
+    """What the vLLM peer is given: the default model's GGUF dequantized into a bf16 Hugging Face
+    directory that our own loader reads as the same model, served under the alias the requests name."""
+    import safetensors.torch
+    import torch
+
+    from loadtest.tools import vllm_server
+    from shared.model.loader import read_config
+
+    monkeypatch.setattr(vllm_server, "CACHE", tmp_path)
+    made = vllm_server.convert(str(smollm2_gguf))
+    assert made == tmp_path / "hf" / f"{smollm2_gguf.stem}-bf16" and vllm_server.convert(str(smollm2_gguf)) == made
+    gguf_shape, hf_shape = read_config(smollm2_gguf, "gguf"), read_config(made, "hf")
+    assert (hf_shape.num_layers, hf_shape.num_heads, hf_shape.num_kv_heads, hf_shape.hidden_size) == \
+        (gguf_shape.num_layers, gguf_shape.num_heads, gguf_shape.num_kv_heads, gguf_shape.hidden_size)
+    weights = safetensors.torch.load_file(made / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    command = vllm_server.server_command(tmp_path / "python", made, 8091, "smollm2-135m")
+    assert command[command.index("--served-model-name") + 1] == "smollm2-135m"
+    assert command[command.index("--model") + 1] == str(made)

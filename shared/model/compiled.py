@@ -67,9 +67,10 @@ def unsupported_reason(cfg) -> str | None:
     """Why the compiled decode step cannot run a model of ``cfg`` (None: it can). It runs the Llama
     layer, with Qwen3's per-head q/k norms; the families whose layers differ further (post-norms,
     OLMo 2's whole q/k norm, multipliers, soft-caps, non-default softmax scales, a second rope base,
-    an activation other than SiLU) decode eagerly. A step that called the eager layer's own methods
-    for all of them sent the ahead-of-time compile of a default-precision SmolLM2 step into minutes
-    of symbolic shape reasoning, so they are left out until it does not."""
+    an activation other than SiLU, SmolLM3's layers without rotary, experts) decode eagerly. A step
+    that called the eager layer's own methods for all of them sent the ahead-of-time compile of a
+    default-precision SmolLM2 step into minutes of symbolic shape reasoning, so they are left out
+    until it does not."""
     differs = [name for name, is_plain in (
         ("post-norms", not cfg.post_norms and cfg.pre_norms),
         ("a q/k norm over the whole projection", cfg.qk_norm in (None, "head")),
@@ -79,6 +80,8 @@ def unsupported_reason(cfg) -> str | None:
         ("logits scaling", cfg.logits_scaling == 1.0),
         ("local layers with their own rope base", not cfg.local_layers),
         (f"the {cfg.activation} activation", cfg.activation == "silu"),
+        ("layers without rotary", not cfg.nope_layers),
+        ("a mixture of experts", cfg.moe is None),
     ) if not is_plain]
     if not differs:
         return None

@@ -16,6 +16,31 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+@dataclass(frozen=True)
+class Moe:
+    """A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): a router picks ``top_k`` of
+    ``num_experts`` SwiGLU experts of width ``intermediate_size`` for each token, weighted by their
+    softmax probabilities (renormalised over the chosen k where ``renormalize``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    # the weights rounded to the model's dtype before they scale the experts' outputs (Qwen3-MoE), else
+    # kept in float32 (Mixtral): the same in float32, a bit or so apart below it
+    round_weights: bool
+    layers: tuple[int, ...]  # the layers with experts; the others keep the dense MLP (Qwen3-MoE's mlp_only_layers)
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """Where a family's config.json keeps its mixture of experts."""
+
+    width: str  # the key of each expert's intermediate width
+    renormalize: bool | None  # the top-k weights summed to 1 (Mixtral: always); None: config's norm_topk_prob
+    round_weights: bool  # Moe.round_weights
+
+
 # the checkpoint names of the norms that sit after a sublayer instead of before the next one
 _POST_NORM_NAMES = {"post_attention_layernorm.weight": "attn_out_norm",
                     "post_feedforward_layernorm.weight": "mlp_out_norm"}
@@ -44,6 +69,8 @@ class Family:
     local_rope: bool = False  # sliding-window layers rotate with their own base (Gemma 3)
     # attention past ``sliding_window`` tokens is not implemented: the context is cut to the window
     context_within_window: bool = False
+    nope_layers: bool = False  # layers without rotary, from no_rope_layers (SmolLM3)
+    moe: MoeNames | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE)
     hf_names: dict[str, str] = field(default_factory=dict)  # checkpoint names that mean another tensor here
 
 
@@ -59,6 +86,10 @@ FAMILIES = {
                      hf_names=_GEMMA_NAMES),
     "gemma3_text": Family(qk_norm="head", post_norms=True, norm_offset=1.0, embed_scale_sqrt=True,
                           local_rope=True, context_within_window=True, hf_names=_GEMMA_NAMES),
+    "smollm3": Family(nope_layers=True, context_within_window=True),
+    "mixtral": Family(context_within_window=True, moe=MoeNames("intermediate_size", True, round_weights=False)),
+    "qwen3_moe": Family(qk_norm="head", context_within_window=True,
+                        moe=MoeNames("moe_intermediate_size", None, round_weights=True)),
 }
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> the model's
 
@@ -91,6 +122,8 @@ class ModelConfig:
     # Gemma 3: the rope base of the sliding-window layers (``local_layers``); the others use rope_theta
     local_rope_theta: float | None = None
     local_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not rotate q and k
+    moe: Moe | None = None  # Mixtral, Qwen3-MoE
     rope_scaling: RopeScaling | None = None
     # explicit per-frequency divisors (GGUF stores Llama-3 scaling as a `rope_freqs` tensor)
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
@@ -105,7 +138,11 @@ class ModelConfig:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        total = self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        if self.moe is not None:  # every expert and the router, in place of the dense MLP
+            experts = self.moe.num_experts * (3 * self.moe.intermediate_size + 1) * self.hidden_size
+            total += len(self.moe.layers) * (experts - mlp)
+        return total
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -116,6 +153,8 @@ class ModelConfig:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")  # Gemma names it hidden_activation
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r} of {model_type} (supported: {', '.join(ACTIVATIONS)})")
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"unsupported mlp_bias of {model_type} (MLPs without biases only)")
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"unsupported use_bidirectional_attention of {model_type} (causal attention only)")
         max_positions = int(cfg.get("max_position_embeddings", 4096))
@@ -148,12 +187,39 @@ class ModelConfig:
             attn_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
             final_softcap=_optional_float(cfg.get("final_logit_softcapping")),
+            nope_layers=_hf_nope_layers(cfg) if family.nope_layers else (),
+            moe=_hf_moe(cfg, family.moe) if family.moe else None,
             **_hf_rope(cfg, family, model_type, head_dim),
         )
 
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _hf_nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: ``no_rope_layers`` holds 1 for a layer that rotates, 0 for one
+    that does not; without it, every ``no_rope_layer_interval``-th layer does not."""
+    num_layers = cfg["num_hidden_layers"]
+    uses_rope = cfg.get("no_rope_layers")
+    if uses_rope is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        uses_rope = [(i + 1) % interval != 0 for i in range(num_layers)]
+    return tuple(i for i in range(num_layers) if not uses_rope[i])
+
+
+def _hf_moe(cfg: dict[str, Any], names: MoeNames) -> Moe:
+    """The experts of a Mixtral or Qwen3-MoE config.json. Qwen3-MoE keeps the dense MLP in
+    ``mlp_only_layers`` and in the layers that ``decoder_sparse_step`` skips. Mixtral counts its experts
+    in num_local_experts, Qwen3-MoE in num_experts (transformers 5 writes num_local_experts for both)."""
+    num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                   if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+    renormalize = names.renormalize if names.renormalize is not None else bool(cfg.get("norm_topk_prob", False))
+    return Moe(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
+               intermediate_size=int(cfg[names.width]), renormalize=renormalize,
+               round_weights=names.round_weights, layers=layers)
 
 
 def _hf_rope(cfg: dict[str, Any], family: Family, model_type: str, head_dim: int) -> dict[str, Any]:

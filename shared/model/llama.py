@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite, Gemma 2,
-Gemma 3) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2/SmolLM3, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite,
+Gemma 2, Gemma 3, and with experts Mixtral and Qwen3-MoE) over a paged KV cache.
 
 Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention, the KV
 write, the residual add + RMSNorm and rotary go through an ``AttentionBackend`` (the kernel seam,
@@ -24,6 +24,7 @@ from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import (AttentionBackend, AttentionMetadata, TorchAttentionBackend, chunk_metadata,
                                     softcapped_attention)
 from shared.model.config import ModelConfig
+from shared.model.moe import MoeBlock
 from shared.model.parallel import Collectives, PipelineStage, SingleRank, TensorSplit, pipeline_chunks
 from shared.model.quant import BlockWeight, Int8Weight, ObservedWeight, linear, observe, quantize_blocks, quantize_int8
 
@@ -63,8 +64,9 @@ class LlamaLayer:
     What a family changes (shared/model/config.py's ``FAMILIES``) arrives as the config's fields
     and as which norms the weights hold: no norm before a sublayer (OLMo 2), a norm of a
     sublayer's all-reduced output (OLMo 2, Gemma), the MLP's activation, Granite's residual
-    multiplier, the softmax scale and Gemma 2's score soft-cap. The compiled decode step
-    (shared/model/compiled.py) covers the Llama layer and Qwen3's q/k norms; the other families
+    multiplier, the softmax scale and Gemma 2's score soft-cap; SmolLM3's layers without rotary
+    and experts in place of the MLP (shared/model/moe.py: Mixtral, Qwen3-MoE). The compiled decode
+    step (shared/model/compiled.py) covers the Llama layer and Qwen3's q/k norms; the other families
     decode eagerly (``compiled.unsupported_reason``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
@@ -77,8 +79,8 @@ class LlamaLayer:
         self.o_proj = weights["o_proj"]
         self.attn_out_norm = weights.get("attn_out_norm")  # [hidden]: of attention's output (OLMo 2, Gemma)
         self.mlp_norm = weights.get("mlp_norm")
-        self.gate_up = weights["gate_up"]  # [2 * intermediate, hidden]
-        self.down = weights["down"]
+        self.gate_up = weights.get("gate_up")  # [2 * intermediate, hidden]; None in a layer of experts
+        self.down = weights.get("down")
         self.mlp_out_norm = weights.get("mlp_out_norm")
         self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads  # this rank's
         self.q_size = self.num_heads * cfg.head_dim
@@ -89,6 +91,9 @@ class LlamaLayer:
         self.residual_multiplier = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None
         self.act = _ACTIVATIONS[cfg.activation]
         self.rope = (1 if index in cfg.local_layers else 0) if cfg.local_layers else None  # Gemma 3's cos/sin pair
+        self.has_rope = index not in cfg.nope_layers  # SmolLM3's NoPE layers attend without positions
+        self.moe = (MoeBlock(cfg.moe, weights["router"], weights["experts_gate_up"], weights["experts_down"],
+                             self.act) if "router" in weights else None)
 
     def forward(self, kv_views, hidden, residual, cos, sin, meta, backend):
         norm = backend.fused_add_rms_norm
@@ -126,10 +131,13 @@ class LlamaLayer:
             cos, sin = cos[self.rope], sin[self.rope]
         q = q.reshape(-1, self.num_heads, self.cfg.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.cfg.head_dim)
-        q, k = rotary(q, k, cos, sin)
+        if self.has_rope:
+            q, k = rotary(q, k, cos, sin)
         return q, k, v.reshape(-1, self.num_kv_heads, self.cfg.head_dim)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> this rank's partial sum [T, hidden]
+        if self.moe is not None:
+            return self.moe.forward(x)
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
         return linear(self.act(gate) * up, self.down)
 
@@ -384,6 +392,9 @@ class LlamaModel:
         (``kernels/blocks_cpu.py``); a weight whose rows are not whole blocks of 32 stays float."""
         if method == "none":
             return
+        if self.cfg.moe is not None:
+            raise ValueError(f"{method} quantization of a mixture-of-experts model ({self.cfg.architecture}) is not "
+                             f"built yet: its experts load in the model's dtype only (quantization none)")
         if method == "gguf":
             for layer in self.layers:
                 for name in LINEAR_NAMES:

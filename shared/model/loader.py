@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")  # from a GGUF file
 # from a Hugging Face directory
-SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text")
+SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text", "smollm3",
+                      "mixtral", "qwen3_moe")
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
     "attn_v.weight": "v", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
@@ -45,7 +46,11 @@ _HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",  # Qwen3, OLMo 2, Gemma 3
     "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",  # Phi-3: fused already
+    "block_sparse_moe.gate.weight": "router", "mlp.gate.weight": "router",  # Mixtral, Qwen3-MoE
 }
+# an expert's projections, after ``<block>.experts.<e>.`` (Mixtral's w1/w3/w2, Qwen3-MoE's)
+_HF_EXPERT_NAMES = {"w1.weight": "gate", "w3.weight": "up", "w2.weight": "down",
+                    "gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}
 _HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
 
@@ -181,6 +186,10 @@ def _canonical_hf_name(hf_name: str, family: Family) -> str | None:
         name = family.hf_names.get(rest) or _HF_LAYER_NAMES.get(rest)
         if name is not None:
             return f"layers.{idx}.{name}"
+        if ".experts." in rest:  # ``layers.3.experts.5.gate``
+            expert, part = rest.split(".experts.", 1)[1].split(".", 1)
+            if part in _HF_EXPERT_NAMES:
+                return f"layers.{idx}.experts.{expert}.{_HF_EXPERT_NAMES[part]}"
     return None
 
 
@@ -256,12 +265,14 @@ def build_model(
             for name in [n for n in tensors if n.startswith(p)]:
                 del tensors[name]  # another stage's
             continue
-        w = {
-            "qkv": fused(p, "qkv", ("q", "k", "v")),
-            "o_proj": take(p + "o_proj"),
-            "gate_up": fused(p, "gate_up", ("gate", "up")),
-            "down": take(p + "down"),
-        }
+        w = {"qkv": fused(p, "qkv", ("q", "k", "v")), "o_proj": take(p + "o_proj")}
+        if cfg.moe is not None and i in cfg.moe.layers:  # every expert's projection stacked: [E, ...]
+            experts = [f"{p}experts.{e}." for e in range(cfg.moe.num_experts)]
+            w["router"] = take(p + "router")
+            w["experts_gate_up"] = torch.stack([fused(e, "gate_up", ("gate", "up")) for e in experts])
+            w["experts_down"] = torch.stack([take(e + "down") for e in experts])
+        else:
+            w["gate_up"], w["down"] = fused(p, "gate_up", ("gate", "up")), take(p + "down")
         if cfg.pre_norms:
             w["attn_norm"], w["mlp_norm"] = norm(p + "attn_norm"), norm(p + "mlp_norm")
         if cfg.post_norms:

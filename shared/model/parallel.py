@@ -286,6 +286,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, quantization: str = "none")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor parallel size {tp} does not divide the model's MLP width "
                          f"{cfg.intermediate_size}")
+    if cfg.moe is not None and cfg.moe.intermediate_size % tp:
+        raise ValueError(f"tensor parallel size {tp} does not divide the model's expert width "
+                         f"{cfg.moe.intermediate_size}")
     if quantization == "gguf":
         # the row-parallel layers' input axis is cut between ranks: on block boundaries only
         for name, k in (("o_proj", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size)):
@@ -321,14 +324,12 @@ def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, to
         q, k, v = t.split([q_size, kv_size, kv_size])
         return torch.cat([q[q_rows], k[kv_rows], v[kv_rows]]).clone()
 
-    inter, i0 = cfg.intermediate_size, split.rank * split.intermediate_size
-    mlp = _rows(i0, split.intermediate_size)
-    out = {
-        "qkv": qkv(w["qkv"]),
-        "o_proj": w["o_proj"][:, q_rows].contiguous(),
-        "gate_up": torch.cat([w["gate_up"][:inter][mlp], w["gate_up"][inter:][mlp]]).clone(),
-        "down": w["down"][:, mlp].contiguous(),
-    }
+    out = {"qkv": qkv(w["qkv"]), "o_proj": w["o_proj"][:, q_rows].contiguous()}
+    if "router" in w:  # every expert cut as the dense MLP is; the router whole, so every rank routes alike
+        gate_up, down = _mlp_columns(w["experts_gate_up"], w["experts_down"], cfg.moe.intermediate_size, split)
+        out.update(router=w["router"], experts_gate_up=gate_up, experts_down=down)
+    else:
+        out["gate_up"], out["down"] = _mlp_columns(w["gate_up"], w["down"], cfg.intermediate_size, split)
     # [hidden]: the norms before a sublayer and those after it (which act on the all-reduced output)
     for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
         if name in w:
@@ -340,6 +341,17 @@ def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, to
     elif cfg.qk_norm == "whole":  # [H * D]: this rank's heads' part, as the rows of q and k
         out["q_norm"], out["k_norm"] = w["q_norm"][q_rows].clone(), w["k_norm"][kv_rows].clone()
     return out
+
+
+def _mlp_columns(gate_up: torch.Tensor, down: torch.Tensor, width: int,
+                 split: TensorSplit) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's intermediate channels of a gated MLP of ``width`` channels: gate_up [..., 2 * width,
+    hidden] (gate rows, then up rows) column-parallel, down [..., hidden, width] row-parallel; with a
+    leading expert axis, every expert's."""
+    per = width // split.tp
+    mine = _rows(split.rank * per, per)
+    gate, up = gate_up[..., :width, :], gate_up[..., width:, :]
+    return torch.cat([gate[..., mine, :], up[..., mine, :]], dim=-2).clone(), down[..., mine].contiguous()
 
 
 def _rows(start: int, count: int) -> slice:

@@ -64,6 +64,62 @@ def test_batched_greedy_matches_transformers(tiny_hf):
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
 
 
+# beside conftest's ``tiny_hf``, whose other users quantize every family (the experts load unquantized only)
+NEWER_FAMILIES = ["smollm3", "mixtral", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module", params=NEWER_FAMILIES)
+def newer_tiny_hf(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, save_tiny(request.param, path)
+
+
+def test_newer_families_prefill_logits_match(newer_tiny_hf):
+    test_prefill_logits_match(newer_tiny_hf)
+
+
+def test_newer_families_logits_at_every_position_match(newer_tiny_hf):
+    """SmolLM3's layer without rotary; Mixtral's renormalised top 2 of 4 experts; Qwen3-MoE's top 2
+    of 8, not renormalised, beside a dense layer (mlp_only_layers) and per-head q/k norms."""
+    test_logits_at_every_position_match(newer_tiny_hf)
+
+
+def test_newer_families_batched_greedy_matches_transformers(newer_tiny_hf):
+    test_batched_greedy_matches_transformers(newer_tiny_hf)
+
+
+@pytest.mark.parametrize("kind, differs", [("smollm3", "layers without rotary"), ("mixtral", "a mixture of experts"),
+                                           ("qwen3_moe", "a mixture of experts")])
+def test_newer_families_decode_eagerly_under_compile(tmp_path, kind, differs, caplog):
+    from test_compiled_decode import test_families_the_compiled_step_does_not_cover_decode_eagerly as check
+
+    check(tmp_path, kind, differs, caplog)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_experts_weigh_their_outputs_as_transformers_in_bfloat16(tmp_path, kind):
+    """Below float32 the families part: Mixtral scales the experts' outputs by float32 weights,
+    Qwen3-MoE rounds the weights to the model's dtype first (``Moe.round_weights``); the other way
+    round moves the tiny models' logits by 0.1 (Mixtral) and 0.8 (Qwen3-MoE). Both sum in float32."""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny(kind, tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    prompt = [(13 * i + 5) % 256 for i in range(GEMMA_WINDOW)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(model.prefill_logits(prompt), ref, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("method", ["int8", "gguf"])
+def test_experts_refuse_quantization_by_name(tmp_path, method):
+    save_tiny("mixtral", tmp_path)
+    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=f"{method} quantization of a mixture-of-experts model \\(mixtral\\)"):
+        model.quantize(method)
+
+
 PHI3 = dict(model_type="phi3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=4096)
 
@@ -101,12 +157,14 @@ def test_qwen3_split_over_two_ranks_gives_the_whole_models_logits(tmp_path):
     torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind, tp", [("olmo2", 2), ("olmo2", 4), ("gemma2", 2)])
+@pytest.mark.parametrize("kind, tp", [("olmo2", 2), ("olmo2", 4), ("gemma2", 2), ("smollm3", 2), ("mixtral", 2),
+                                      ("qwen3_moe", 2)])
 def test_new_families_split_over_ranks_give_the_whole_models_logits(tmp_path, kind, tp):
     """OLMo 2's q/k norms span every head: each rank holds its heads' part of the weights and the
     mean square is summed over the group (at 4 ranks each of the 2 KV heads sits on two ranks, and
     counts twice in both sum and width). Post-norms act on the all-reduced outputs, whole on every
-    rank; Gemma 2's scores are capped per head, its logits after the gather."""
+    rank; Gemma 2's scores are capped per head, its logits after the gather. Every expert is cut as
+    the dense MLP is (its channels column- then row-parallel), the router whole: every rank routes alike."""
     from test_tensor_parallel import run_ranks
 
     save_tiny(kind, tmp_path)
@@ -128,7 +186,7 @@ def test_a_model_type_not_built_is_refused_in_one_line_naming_those_that_are(tmp
         with pytest.raises(ValueError) as caught:
             load()
         assert str(caught.value) == ("unsupported model_type 'mamba' (supported: llama, mistral, qwen2, qwen3, phi3, "
-                                     "olmo2, granite, gemma2, gemma3_text)")
+                                     "olmo2, granite, gemma2, gemma3_text, smollm3, mixtral, qwen3_moe)")
 
 
 GEMMA2 = PHI3 | dict(model_type="gemma2", head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
@@ -156,6 +214,26 @@ def test_each_familys_differences_are_read_from_its_config():
     assert gemma3.local_layers == (0, 1, 2, 3, 4) and gemma3.local_rope_theta == 1e4 and gemma3.rope_theta == 1e6
     assert gemma3.rope_freq_factors == (8.0,) * 8 and gemma3.max_position_embeddings == 1024
     assert gemma3.attn_softcap is None and gemma3.qk_norm == "head"
+
+
+def test_smollm3_and_moe_configs_are_read_as_hub_checkpoints_write_them():
+    """SmolLM3-3B's config.json lists no_rope_layers; without it every 4th layer has no rotary.
+    Qwen3-MoE's hub configs count experts in num_experts, and decoder_sparse_step 2 leaves the
+    even layers dense."""
+    smollm3 = PHI3 | dict(model_type="smollm3", num_hidden_layers=8)
+    assert ModelConfig.from_hf(smollm3).nope_layers == (3, 7)
+    assert ModelConfig.from_hf(smollm3 | dict(no_rope_layers=[1, 1, 0, 1, 1, 1, 0, 0])).nope_layers == (2, 6, 7)
+    qwen3_moe = ModelConfig.from_hf(PHI3 | dict(
+        model_type="qwen3_moe", num_hidden_layers=6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        decoder_sparse_step=2, mlp_only_layers=[5], norm_topk_prob=True))
+    assert (qwen3_moe.moe.num_experts, qwen3_moe.moe.top_k, qwen3_moe.moe.intermediate_size) == (128, 8, 768)
+    assert qwen3_moe.moe.layers == (1, 3) and qwen3_moe.moe.renormalize and qwen3_moe.qk_norm == "head"
+    mixtral = ModelConfig.from_hf(PHI3 | dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                                              norm_topk_prob=False))
+    assert mixtral.moe.renormalize and mixtral.moe.layers == (0, 1) and mixtral.moe.intermediate_size == 128
+    assert qwen3_moe.moe.round_weights and not mixtral.moe.round_weights
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf(smollm3 | dict(mlp_bias=True))
 
 
 @pytest.mark.parametrize("fields, named", [

@@ -41,6 +41,15 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
             pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    elif kind == "smollm3":  # layer 0 without rotary, layer 1 with it
+        cfg = transformers.SmolLM3Config(**shape, no_rope_layers=[0, 1], pad_token_id=None, bos_token_id=1,
+                                         eos_token_id=2)
+    elif kind == "mixtral":  # 2 of 4 experts, always renormalised
+        cfg = transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)
+    elif kind == "qwen3_moe":  # 2 of 8 narrow experts, not renormalised; layer 1 keeps the dense MLP
+        cfg = transformers.Qwen3MoeConfig(**(shape | dict(num_hidden_layers=3)), head_dim=32, num_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                                          norm_topk_prob=False, tie_word_embeddings=False)
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -54,6 +63,8 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+                elif name.endswith("gate.weight"):  # a router (Qwen3-MoE's starts at zeros): routes apart
+                    param.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

@@ -1,0 +1,77 @@
+"""A mixture of experts in place of a decoder layer's MLP (Mixtral, Qwen3-MoE).
+
+The experts' weights are stacked, one tensor per projection ([E, ...], expert e at row e), so a
+rank of an expert-parallel group can hold a range of them and a fused grouped-GEMM kernel can
+take them as they are, with no change here. On a tensor-parallel rank every expert holds its
+slice of the intermediate channels, as the dense MLP does (shared/model/parallel.py), and the
+block's output is a partial sum that the layer's all-reduce completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.config import Moe
+
+
+class MoeBlock:
+    """Routing as Mixtral and Qwen3-MoE define it: softmax over the router's logits (in float32),
+    the top k probabilities, renormalised to sum 1 where ``Moe.renormalize`` (always in Mixtral,
+    ``norm_topk_prob`` in Qwen3-MoE); each chosen expert's SwiGLU output weighted by its
+    probability (in float32, or rounded to the model's dtype first where ``Moe.round_weights``:
+    Qwen3-MoE) and summed in float32, rounded to the model's dtype once, as transformers does."""
+
+    def __init__(self, moe: Moe, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 act: Callable[[torch.Tensor], torch.Tensor]):
+        self.top_k, self.renormalize, self.round_weights = moe.top_k, moe.renormalize, moe.round_weights
+        self.router = router  # [E, hidden]: whole on every rank, so every rank routes alike
+        self.gate_up = gate_up  # [E, 2 * I, hidden]: each expert's gate rows, then its up rows
+        self.down = down  # [E, hidden, I]
+        self.act = act
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts [T, k] (int64) and their weights [T, k] (float32, or x's dtype
+        where ``round_weights``)."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype) if self.round_weights else weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """The (token, expert) pairs grouped by expert (a stable sort), each expert run once over
+        its tokens, the weighted outputs added back at their tokens' rows. While a CUDA graph
+        captures the step (shared/model/cuda_graph.py), every expert over every token instead:
+        grouping needs the counts on the host, which a graph cannot wait for."""
+        experts, weights = self.route(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward_every_expert(x, experts, weights)
+        order = experts.flatten().argsort(stable=True)  # [T * k]: the pairs, expert by expert
+        tokens = order // self.top_k
+        pair_weights = weights.flatten()[order]
+        counts = torch.bincount(experts.flatten(), minlength=self.gate_up.shape[0]).tolist()
+        out = torch.zeros_like(x, dtype=torch.float32)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            gate, up = F.linear(x.index_select(0, rows), self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down[expert])  # [count, hidden]
+            out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).float())
+            start += count
+        return out.to(x.dtype)
+
+    def forward_every_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` with no host sync: each expert over all T tokens, weighted 0 where a token did
+        not choose it (E / k times the work: for a decode step's few rows, under a CUDA graph)."""
+        dense = torch.zeros(x.shape[0], self.gate_up.shape[0], dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, experts, weights)  # [T, E]
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for expert in range(self.gate_up.shape[0]):
+            gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
+            out += F.linear(self.act(gate) * up, self.down[expert]) * dense[:, expert, None]
+        return out.to(x.dtype)

@@ -40,6 +40,7 @@ from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapte
 from shared.openai_api.errors import ApiError
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.policy.qos import QosConfig
+from shared.protocol import GenerateRequest
 from shared.protocol.batch import BatchLineRequest, BatchLineResult
 from services.gateway.core import GatewayCore
 
@@ -218,14 +219,30 @@ class Outcome:
 
 async def execute(gateway: GatewayCore, line: BatchLineRequest, *, tier: str, priority: int) -> Outcome:
     """Run one line as the gateway runs the same request online (``Gateway._generate_traced``),
-    without the HTTP around it."""
+    without the HTTP around it. Unexpected failures once the request has left (NATS trouble) are
+    raised, for the line's next delivery."""
     request_id = ""
     try:
-        api = ADAPTERS[line.url].from_json(line.body.encode(), gateway.tokenizer)
-        if api.body.stream:
-            raise ApiError(400, "stream is not supported in a batch", param="stream", code="invalid_value")
-        gen_request = gateway.generate_request(api, tier, time.time()).model_copy(update={"priority": priority})
+        api, gen_request = await line_request(gateway, line, tier=tier, priority=priority)
         request_id = gen_request.request_id
         return Outcome(request_id, 200, await gateway.collect(api, gen_request))
     except ApiError as exc:
         return Outcome(request_id, exc.status, exc.body(), exc.retry_after_s)
+
+
+async def line_request(gateway: GatewayCore, line: BatchLineRequest, *, tier: str,
+                       priority: int) -> tuple[ApiAdapter, GenerateRequest]:
+    """The line as a request, parsed and tokenized off the event loop as online requests are
+    (``prepared_request``); an ``ApiError`` when it cannot be one. This is local work that fails
+    every delivery alike, so any other failure is a 500 ``ApiError`` too, the line's result at
+    once: raised, it would hold the batch in progress for ``max_deliver`` ack waits."""
+    try:
+        api = await asyncio.to_thread(ADAPTERS[line.url].from_json, line.body.encode(), gateway.tokenizer)
+        if api.body.stream:
+            raise ApiError(400, "stream is not supported in a batch", param="stream", code="invalid_value")
+        return api, (await gateway.prepared_request(api, tier)).model_copy(update={"priority": priority})
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — a bug met on this line's input
+        log.exception("batch %s line %d could not be made a request", line.batch_id, line.line)
+        raise ApiError(500, f"internal error: {type(exc).__name__}") from None

@@ -29,8 +29,12 @@ class GatewayCore(Protocol):
     metrics: GatewayMetrics
     origin: str  # this gateway process: the origin its requests carry
 
-    def generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
+    def generate_request(self, api: ApiAdapter, tier: str, now: float,
+                         prompt_ids: list[int] | None = None) -> GenerateRequest:
         """The request the workers are sent for ``api``: tokenized and hashed, or as text."""
+
+    async def prepared_request(self, api: ApiAdapter, tier: str) -> GenerateRequest:
+        """``generate_request`` now, its tokenization off the event loop."""
 
     async def answer(self, request: web.Request, api: ApiAdapter, served: ServedTier, arrived_at: float,
                      on_complete: OnComplete | None = None) -> web.StreamResponse:

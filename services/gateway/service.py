@@ -151,7 +151,7 @@ class Gateway:
                      on_complete: OnComplete | None = None) -> web.StreamResponse:
         """Run the parsed request in ``served.tier`` and answer it over HTTP (``respond``: JSON or
         SSE), echoing ``served.service_tier``; a flex one (``served.waits``) waits out 429s first."""
-        gen_request = self.generate_request(api, served.tier, time.time())
+        gen_request = await self.prepared_request(api, served.tier)
         bind_request_id(gen_request.request_id)
         self.metrics.observe_started()
         gens: list[Generation] = []
@@ -197,8 +197,20 @@ class Gateway:
 
         return await waiting_out_429s(attempt, max_wait_s, gen_request.request_id)
 
-    def generate_request(self, api: ApiAdapter, tier: str, now: float) -> GenerateRequest:
-        """Tokenized and hashed here, or, for a model that text workers serve, as text."""
+    async def prepared_request(self, api: ApiAdapter, tier: str) -> GenerateRequest:
+        """``generate_request`` with the prompt's chat template and tokenization run in a thread
+        (seconds for a long prompt, which every other request and /health would wait out on the
+        event loop); the registry is read here, on the loop, where it changes."""
+        prompt_ids = None
+        workers = self.ready_workers(resolve_model(api.body.model, self.served_models()))
+        if not (workers and all(w.takes_text for w in workers)):
+            prompt_ids = await asyncio.to_thread(api.prompt_ids)
+        return self.generate_request(api, tier, time.time(), prompt_ids)
+
+    def generate_request(self, api: ApiAdapter, tier: str, now: float,
+                         prompt_ids: list[int] | None = None) -> GenerateRequest:
+        """Tokenized and hashed here (``prompt_ids``: tokenized already), or, for a model that text
+        workers serve, as text."""
         priority = self.qos.tiers[tier].priority
         served = self.served_models()
         model = resolve_model(api.body.model, served)
@@ -207,7 +219,8 @@ class Gateway:
             request = build_text_request(api, model=model, tier=tier, priority=priority,
                                          default_max_tokens=self.settings.default_max_tokens, now=now)
         else:
-            request = build_generate_request(api, api.prompt_ids(), tier=tier, priority=priority, workers=workers,
+            ids = prompt_ids if prompt_ids is not None else api.prompt_ids()
+            request = build_generate_request(api, ids, tier=tier, priority=priority, workers=workers,
                                              served_models=served,
                                              default_max_tokens=self.settings.default_max_tokens, now=now)
         return request.model_copy(update={"origin": self.origin, "deadline_at": deadline_at(api, now)})

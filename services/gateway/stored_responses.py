@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -140,7 +139,7 @@ class StoredResponses:
     async def _start_background(self, api: ResponsesAdapter, own: list[dict], served: ServedTier,
                                 owner: str | None) -> web.Response:
         # the request is built first: a prompt too long for the model is a 400 now, not a failed record
-        gen_request = self._gateway.generate_request(api, served.tier, time.time())
+        gen_request = await self._gateway.prepared_request(api, served.tier)
         head = ResponseHead(gen_request.request_id, int(gen_request.created_at), gen_request.model,
                             served.service_tier)
         queued = api.shell(head, "queued")

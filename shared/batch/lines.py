@@ -1,14 +1,15 @@
 """A batch's input file, line by line: what OpenAI checks before a batch runs. A file that breaks a
-rule fails the batch with ``errors`` naming each offending line (1-based); the body itself is not
-checked here, but for its nesting (``MAX_JSON_DEPTH``): a body the endpoint refuses is a 400 in that
-line's result (the error file)."""
+rule fails the batch with ``errors`` naming each offending line (1-based), as does a line Python
+cannot parse (nested past ``MAX_JSON_DEPTH``, an integer past ``MAX_NUMBER_DIGITS``); the body
+itself is not checked here: a body the endpoint refuses is a 400 in that line's result (the error
+file)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from shared.openai_api.json_body import MAX_JSON_DEPTH, JsonTooDeep, load_json
+from shared.openai_api.json_body import MAX_JSON_DEPTH, JsonRefused, JsonTooDeep, load_json
 from shared.protocol.batch import BatchLineError
 
 MAX_LINES = 50_000
@@ -61,10 +62,14 @@ def _check_line(raw: str, number: int, endpoint: str) -> InputLine | BatchLineEr
         return BatchLineError(code=code, line=number, param=param, message=f"line {number}: {message}")
 
     try:
-        obj = load_json(raw, MAX_JSON_DEPTH + 1)  # the body sits one level in
+        # the body sits one level in; a string that is no Unicode text is left to the endpoint,
+        # which refuses it as a 400 in the line's result
+        obj = load_json(raw, MAX_JSON_DEPTH + 1, unicode_only=False)
     except JsonTooDeep:
         # refused here, not in the error file: a line Python cannot even parse has no custom_id to report
         return error("invalid_json_line", f"the body is nested deeper than {MAX_JSON_DEPTH} levels", "body")
+    except JsonRefused as exc:  # likewise (an integer of thousands of digits: once a batch held in validating)
+        return error("invalid_json_line", f"the line {exc}")
     except json.JSONDecodeError as exc:
         return error("invalid_json_line", f"not valid JSON ({exc.msg} at column {exc.colno})")
     if not isinstance(obj, dict):

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from shared.openai_api import responses
 from shared.openai_api.errors import ApiError, from_validation_error
 from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
-from shared.openai_api.json_body import JsonTooDeep, load_json
+from shared.openai_api.json_body import JsonRefused, load_json
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
 from shared.openai_api.tools import ToolCall, ToolUse, may_become_call, system_prompt
 from shared.protocol.generate import TokenLogprob
@@ -119,8 +119,8 @@ def parse_body(raw: bytes, body_type: type[B], rules: dict[str, FieldRule] | Non
     refused parameter included: ``rules``)."""
     try:
         data = load_json(raw)
-    except JsonTooDeep as exc:
-        raise ApiError(400, f"request body is {exc}", code="invalid_json") from None
+    except JsonRefused as exc:
+        raise ApiError(400, f"request body {exc}", param=exc.param, code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):

@@ -89,7 +89,8 @@ class StreamOptions(_Closed):
     include_obfuscation: StrictBool | None = None  # accepted; chunks are not padded
 
 
-Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=4)], None]
+MAX_STOP = 4  # stop strings, as OpenAI allows
+Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=MAX_STOP)], None]
 
 
 MAX_CHOICES = 16
@@ -98,6 +99,9 @@ MAX_TOKEN_ID_DIGITS = 9  # a token id in logit_bias: vocabularies are far below 
 
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week: past that a deadline orders nothing
+# the largest token count (max_tokens, top_k) taken: no context comes near it, and engines a text
+# worker fronts may hold it in 32 bits (a 4,000-digit max_tokens once went through to the worker)
+MAX_TOKEN_COUNT = 2**31 - 1
 
 
 class _Sampling(_Body):
@@ -106,7 +110,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=0)
+    top_k: StrictInt = Field(0, ge=0, le=MAX_TOKEN_COUNT)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -153,6 +157,14 @@ class _Sampling(_Body):
         """Generations to run (``best_of`` on completions may run more than it returns)."""
         return self.n
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _at_most_max_stop(cls, v: object) -> object:
+        # before the union: its own error for a long list is "stop.str: Input should be a valid string"
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(v)}")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _non_empty_stops(cls, v: Stop) -> Stop:
@@ -174,8 +186,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     # accepted and ignored (fields.py), but a value OpenAI would refuse is a 400 here too
@@ -245,7 +257,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Union[StrictStr, Annotated[list[StrictInt], Field(min_length=1)],
                   Annotated[list[StrictStr], Field(min_length=1, max_length=1)]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=1, le=MAX_TOKEN_COUNT)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES)

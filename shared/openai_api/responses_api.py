@@ -18,7 +18,7 @@ from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, Respon
                                         chat_prompt_ids)
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import RESPONSES_FIELDS
-from shared.openai_api.models import JsonSchemaFormat, _Body, _Closed, _Sampling, refuse_media
+from shared.openai_api.models import MAX_TOKEN_COUNT, JsonSchemaFormat, _Body, _Closed, _Sampling, refuse_media
 from shared.openai_api.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall,
                                      ToolCallFunction, ToolUse, render_call)
 from shared.protocol.generate import GrammarSpec
@@ -135,7 +135,7 @@ class StreamOptions(_Closed):
 class ResponsesRequest(_Sampling):
     input: Union[StrictStr, list[InputItem]] = Field(min_length=1)
     instructions: StrictStr | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)

@@ -113,7 +113,7 @@ def run(settings: JoinSettings) -> int:
             dead = stack.exited()
             if refused := refused_workers(stack):
                 raise CliError(f"{', '.join(refused)} exited: the control plane's NATS refused the credentials "
-                               f"of {settings.connect} (it restarted with a fresh password?): copy connect.env "
+                               f"of {settings.connect} (its state directory wiped?): copy connect.env "
                                f"from the control plane again and restart tandem join", EXIT_CREDENTIALS_REFUSED)
             if dead and not settings.restart:
                 print_line("join", f"exited: {', '.join(dead)}; stopping")

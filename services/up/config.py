@@ -113,7 +113,7 @@ class UpSettings(WorkerHostSettings, QosSettings):
     port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
     nats_url: str | None = Field(None, description="use this NATS server instead of an embedded one (its "
                                  "credentials in the URL: nats://user:password@host:port); unset: an embedded "
-                                 "one with a fresh password each run")
+                                 "one whose password and port are kept in the state directory across runs")
     redis_url: str | None = Field(None, description="use this Redis instead of an embedded one "
                                   "(redis://:password@host:port/db); unset: an embedded one with a fresh "
                                   "password each run")

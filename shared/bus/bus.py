@@ -129,7 +129,7 @@ def _lasting_error(exc: BaseException, shown: str) -> NatsUnavailable | None:
     if _is_auth_error(exc):
         return NatsCredentialsRefused(
             f"NATS at {shown} rejected the credentials: {exc}; on a joined host copy connect.env from the "
-            "control plane again (tandem up makes a fresh password each run)")
+            "control plane again (tandem up keeps its password across restarts unless its state directory is wiped)")
     if isinstance(exc, ssl.SSLError) and not isinstance(exc, _TRANSIENT_TLS):
         return NatsTlsFailed(f"TLS with NATS at {shown} failed: {exc}; is the CA file the control plane's "
                              "(its state directory's tls/ca.pem) and the URL's host one its certificate names?")

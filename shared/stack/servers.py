@@ -144,7 +144,20 @@ def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
     return ServerProcess(name, proc, list(argv), is_ready, on_line, lines=lines)
 
 
-def _private_file(path: Path, text: str) -> Path:
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def private_file(path: Path, text: str) -> Path:
+    """``text`` into ``path``, readable and writable by its owner alone."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -206,7 +219,7 @@ def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str
     login; ``tls://`` when TLS is on. The whole configuration is one file only its owner can read."""
     store_dir = Path(store_dir)
     port = port if port > 0 else free_port(host)
-    conf = _private_file(store_dir / "nats.conf", nats_config(
+    conf = private_file(store_dir / "nats.conf", nats_config(
         server_name=server_name, host=host, port=port, store_dir=store_dir, user=user, password=password,
         http_port=http_port, advertise=advertise, tls=tls, cluster=cluster))
     argv = [_binary("nats-server"), "-c", str(conf)]
@@ -221,16 +234,18 @@ def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str
 def start_nats_cluster(store_dir: str | os.PathLike, size: int, *, password: str, host: str = "127.0.0.1",
                        advertise: str | None = None, tls: "ServerTls | None" = None,
                        on_line: Callable[[str, str], None] | None = None, timeout_s: float = 60.0,
-                       cluster_name: str = "tandem", base_port: int = 0) -> list[ServerProcess]:
+                       cluster_name: str = "tandem", base_port: int = 0,
+                       client_ports: list[int] | None = None) -> list[ServerProcess]:
     """``size`` nats-servers on ``host`` routed into one JetStream cluster (members ``nats-1`` ...,
     each storing under ``store_dir/<name>``, route logins with a fresh password), returned once
     every member reports JetStream healthy (a metadata leader elected). Clients get every member's
-    URL: ``cluster_url(servers)``. ``base_port``: member i's client port is base_port + i (0: free ports)."""
+    URL: ``cluster_url(servers)``. ``base_port``: member i's client port is base_port + i (0: free
+    ports); ``client_ports``: each member's, given (a restart keeping the ports clients know)."""
     from shared.telemetry.redact import new_secret  # noqa: PLC0415
 
     store_dir = Path(store_dir)
     names = [f"nats-{i + 1}" for i in range(size)]
-    client_ports = [base_port + i if base_port else free_port(host) for i in range(size)]
+    client_ports = list(client_ports or [base_port + i if base_port else free_port(host) for i in range(size)])
     route_ports = [free_port(host) for _ in names]
     http_ports = [free_port("127.0.0.1") for _ in names]
     route_host = _dialable(host)
@@ -312,7 +327,7 @@ def start_redis_server(data_dir: str | os.PathLike, *, port: int = 0, password: 
     port = port or free_port()
     argv = [_binary("redis-server")]
     if password is not None:  # the config file comes first on redis-server's command line
-        argv.append(str(_private_file(Path(data_dir) / "auth.conf", f"requirepass {json.dumps(password)}\n")))
+        argv.append(str(private_file(Path(data_dir) / "auth.conf", f"requirepass {json.dumps(password)}\n")))
     argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(data_dir)]
     server = _start("redis-server", argv, lambda line: _REDIS_READY in line, on_line, timeout_s)

@@ -7,8 +7,10 @@ the registry and thus in ``tandem status``. It restarts the embedded nats-server
 too, whatever their exit code (nothing works without them), on the same port, data directory and
 password: services reconnect on their own. ``stop()`` ends the supervisor before it stops anyone.
 
-The embedded servers get fresh random passwords each run, and every child gets the server URLs
-(which carry them) through its environment, not its command line. Given URLs are used as they are.
+The embedded NATS keeps its password and client ports from run to run (``KeptLogin``, in its
+data directory), so that hosts joined with the last run's ``connect.env`` log in again after a
+restart; Redis gets a fresh password each run. Every child gets the server URLs (which carry them)
+through its environment, not its command line. Given URLs are used as they are.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.stack.children import Child, child_env, service_argv, split_secret_flags
-from shared.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
-                                    start_nats_server, start_redis_server)
+from shared.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, port_is_free, private_file,
+                                    start_nats_cluster, start_nats_server, start_redis_server)
 from shared.stack.supervisor import Backoff, RestartPolicy
 from shared.telemetry.redact import new_secret
 
@@ -34,6 +36,34 @@ _SUPERVISE_INTERVAL_S = 0.2
 # Every child serves its metrics on a free port of its own (each publishes the address in the
 # service directory), even when TANDEM_METRICS_PORT in our environment names one port for all.
 _OWN_METRICS_PORT = {"metrics_port": 0}
+
+
+@dataclass
+class KeptLogin:
+    """The embedded NATS's password and client ports, kept in its data directory (``login.json``,
+    its owner's alone) so that a restarted control plane takes back the login and the addresses that
+    joined hosts' ``connect.env`` names, and they reconnect on their own. Taken back only for the
+    same number of members, and the ports only while they are free."""
+
+    password: str
+    ports: list[int]
+
+    FILE = "login.json"
+
+    @classmethod
+    def load(cls, directory: Path, host: str, num_members: int) -> "KeptLogin | None":
+        try:
+            data = json.loads((directory / cls.FILE).read_text())
+            kept = cls(str(data["password"]), [int(p) for p in data["ports"]])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return kept if kept.password and len(kept.ports) == num_members else None
+
+    def free_ports(self, host: str) -> list[int] | None:
+        return self.ports if all(port_is_free(host, p) for p in self.ports) else None
+
+    def save(self, directory: Path) -> None:
+        private_file(directory / self.FILE, json.dumps({"password": self.password, "ports": self.ports}))
 
 
 @dataclass
@@ -191,18 +221,25 @@ class Stack:
 
             tls = server_tls(spec.state_dir / "tls", [advertise, *_local_names(spec.nats_host)])
             self.nats_ca = str(tls.ca_file)
-        password = new_secret()
+        kept = KeptLogin.load(spec.state_dir / "nats", spec.nats_host, spec.nats_cluster)
+        password = kept.password if kept else new_secret()
+        ports = None if spec.nats_port or kept is None else kept.free_ports(spec.nats_host)
+        if kept is not None and kept.ports and ports is None and not spec.nats_port:
+            self.log_line(f"NATS ports {kept.ports} of the last run are taken: new ones, so hosts joined before "
+                          "need this run's connect.env")
         if spec.nats_cluster > 1:
             servers = start_nats_cluster(spec.state_dir / "nats", spec.nats_cluster, password=password,
                                          host=spec.nats_host, advertise=advertise, tls=tls,
-                                         on_line=self._line, base_port=spec.nats_port)
+                                         on_line=self._line, base_port=spec.nats_port, client_ports=ports)
             self.nats_replicas = self.nats_replicas or min(3, spec.nats_cluster)
         else:
-            servers = [start_nats_server(spec.state_dir / "nats", port=spec.nats_port or -1, password=password,
+            port = spec.nats_port or (ports[0] if ports else -1)
+            servers = [start_nats_server(spec.state_dir / "nats", port=port, password=password,
                                          host=spec.nats_host, advertise=advertise, tls=tls,
                                          on_line=lambda l: self._line("nats", l))]
         for server in servers:
             self._add_server(server)
+        KeptLogin(password, [int(server.url.rsplit(":", 1)[1]) for server in servers]).save(spec.state_dir / "nats")
         self.nats_url = cluster_url(servers)
 
     def _bus_flags(self) -> dict[str, object]:

@@ -145,3 +145,38 @@ def _password(conf: Path, key: str) -> str:
     found = re.search(rf'\b{key}\b:?\s*("(?:[^"\\]|\\.)*")', conf.read_text())
     assert found, f"no {key} in {conf}"
     return json.loads(found.group(1))
+
+
+@pytest.mark.parametrize("members", [1, 3])
+async def test_a_restarted_control_planes_nats_takes_back_its_login_and_ports(tmp_path, members):
+    """Hosts joined with the last run's connect.env log in again after ``tandem up`` restarts:
+    the embedded NATS keeps its password and client ports (the file only its owner reads); a port
+    taken meanwhile gets a new one, with a line saying joined hosts need the new connect.env."""
+    from shared.stack.stack import Stack
+
+    spec = StackSpec(state_dir=tmp_path, nats_cluster=members, namespace=f"k{uuid.uuid4().hex[:6]}")
+    urls, lines = [], []
+    for _ in range(2):
+        stack = Stack(spec, on_line=lambda name, line: lines.append(line))
+        stack._start_nats()
+        try:
+            urls.append(stack.nats_url)
+            bus = await Bus.connect(stack.nats_url, "joined")  # the URL a joined host keeps in connect.env
+            await bus.close()
+        finally:
+            for server in stack.servers:
+                server.stop()
+    assert urls[0] == urls[1]
+    assert (tmp_path / "nats" / "login.json").stat().st_mode & 0o777 == 0o600
+    blocker = __import__("socket").socket()
+    blocker.bind(("127.0.0.1", int(urls[0].split(",")[0].rsplit(":", 1)[1])))
+    blocker.listen()
+    try:
+        stack = Stack(spec, on_line=lambda name, line: lines.append(line))
+        stack._start_nats()
+        for server in stack.servers:
+            server.stop()
+    finally:
+        blocker.close()
+    assert stack.nats_url != urls[0] and stack.nats_url.split("@")[0] == urls[0].split("@")[0]  # same login
+    assert any("need this run's connect.env" in line for line in lines)

@@ -165,7 +165,7 @@ class NixlTransfer:
         ranks this agent writes to are added, and the peer's name is its rank 0's."""
         assert self._spec is not None and self.shape is not None, "register_kv_pool first"
         if isinstance(metadata, AgentMetadata):
-            metadata = GroupMetadata(KvShape(1, 1, metadata.spec.num_layers, metadata.spec.num_kv_heads), (metadata,))
+            metadata = GroupMetadata.single(metadata)
         name = metadata.name
         if self._groups.get(name) == metadata:
             return name

@@ -138,6 +138,11 @@ class GroupMetadata:
     shape: KvShape
     ranks: tuple[AgentMetadata, ...]
 
+    @classmethod
+    def single(cls, metadata: AgentMetadata) -> "GroupMetadata":
+        """A single process's agent as a group of one, its shape from its pool's spec."""
+        return cls(KvShape(1, 1, metadata.spec.num_layers, metadata.spec.num_kv_heads), (metadata,))
+
     @property
     def name(self) -> str:
         """The group's name as a peer: its rank 0's agent (which takes the notifications)."""
@@ -156,8 +161,7 @@ def load_target(data: bytes) -> GroupMetadata:
     try:
         d = json.loads(data)
         if "group" not in d:
-            single = AgentMetadata.from_bytes(data)
-            return GroupMetadata(KvShape(1, 1, single.spec.num_layers, single.spec.num_kv_heads), (single,))
+            return GroupMetadata.single(AgentMetadata.from_bytes(data))
         shape = KvShape.from_dict(d["group"])
         ranks = tuple(AgentMetadata.from_bytes(base64.b64decode(r)) for r in d["ranks"])
     except (ValueError, KeyError, TypeError) as exc:

@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--ttft-prompt-len", type=int, default=512, help="the prompt whose TTFT is timed")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=2, help="runs per batch size; the fastest is kept")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: each rank on a GPU of its own (cuda:0, 1, ...), "
+                   "the collectives over NCCL (default: %(default)s)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None)
     p.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1,
@@ -88,7 +90,7 @@ def measure(args, tp: int, pp: int, threads: int) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     torch.set_num_threads(threads)
     engine = LLMEngine.from_config(EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=tp,
+        model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=tp,
         pipeline_parallel_size=pp, num_threads=threads, max_num_seqs=max(batches), kv_cache_memory=256 << 20,
         max_num_batched_tokens=max(512, args.prompt_len)))
     try:

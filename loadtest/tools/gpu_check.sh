@@ -11,6 +11,9 @@
 #   4. python -m loadtest.bench.speculative on the GPU (n-gram drafts verified in the CUDA graphs,
 #      against plain decoding, same run) at batch 1 and 4, on GPU_CHECK_SPEC_MODEL (default the 1B
 #      model of step 3, whose random weights make its acceptance meaningless: give it a real model).
+#   5. on a machine with two GPUs or more: python -m loadtest.bench.parallel on the model of step 3,
+#      TP=2 and PP=2 against one GPU (the ranks' collectives over NCCL, the same code gloo and the
+#      shared-memory collectives run on a CPU).
 #
 #   loadtest/tools/gpu_check.sh [OUT_DIR]      (default loadtest/results/gpu; run from the repo root)
 #
@@ -54,4 +57,10 @@ for batch in 1 4; do
   step "speculative_b$batch" 150 "$python" -m loadtest.bench.speculative --model "${GPU_CHECK_SPEC_MODEL:-$model}" \
     --device cuda --compile on --batch "$batch" --repeats 2 --out "$out/speculative_b$batch"
 done
-grep -E "^=== .*exit|passed|failed|batch +[0-9]+:|^(edit|chat):" "$log"
+if [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ]; then
+  step parallel 300 "$python" -m loadtest.bench.parallel --model "$model" --device cuda --dtype bfloat16 --tp 2 --pp 2 \
+    --baseline-threads 1 --batch-sizes 1,8,32 --out "$out/parallel"
+else
+  echo "=== parallel: skipped (one GPU: tensor and pipeline parallelism need two)" | tee -a "$log"
+fi
+grep -E "^=== .*exit|passed|failed|batch +[0-9]+:|^(edit|chat):|^(TP|PP)=" "$log"

@@ -117,7 +117,7 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
         compile_mode = "off"
     if model.device.type == "cuda":
         return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
-                           _cuda_graphs(model, config, kv_cache, backend, max_model_len)), None
+                           _cuda_graphs(model, config, kv_cache, backend, max_model_len, compile_mode)), None
     if compile_mode != "off" and model.device.type != "cpu":
         log.info("no compiled decode step on %s: decode steps run eagerly", model.device.type)
         compile_mode = "off"
@@ -142,8 +142,8 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
 
 
 def _cuda_graphs(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,
-                 max_model_len: int) -> GraphedDecode | None:
-    if config.compile == "off":
+                 max_model_len: int, compile_mode: str) -> GraphedDecode | None:
+    if compile_mode == "off":  # asked so, or a parallel worker (its steps talk to its ranks: eager)
         return None
     if backend.name != "triton":  # the torch backend plans attention on the host (a sync per step)
         log.info("CUDA graphs need the triton attention backend, not %s: decode steps run eagerly", backend.name)

@@ -27,7 +27,7 @@ from shared.model.parallel import Collectives, PipelineStage, check_tensor_paral
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")  # from a GGUF file
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # from a GGUF file
 # from a Hugging Face directory
 SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text", "smollm3",
                       "mixtral", "qwen3_moe")
@@ -36,6 +36,7 @@ _GGUF_LAYER_NAMES = {
     "attn_v.weight": "v", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
     "attn_output.weight": "o_proj", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate",
     "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",  # Qwen3
 }
 _GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _HF_LAYER_NAMES = {
@@ -90,6 +91,7 @@ def gguf_config(reader: GgufFile) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm=FAMILIES[arch].qk_norm,
         rope_scaling=rope,
         rope_freq_factors=freq_factors,
     )

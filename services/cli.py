@@ -19,6 +19,7 @@ from services.join import cli as join
 from services.kv_index import cli as kv_index
 from services.prefill import cli as prefill
 from services.up import cli as up
+from services.up import credentials
 from shared import __version__
 from shared.cli import control_cmds, model_cmds, plan_cmds, protocol_cmds, status, worker_check
 from shared.cli.errors import CliError
@@ -28,6 +29,7 @@ COMMANDS = [
     plan_cmds.register,  # plan, simulate
     up.register,
     join.register,
+    credentials.register,  # credentials rotate, finish
     gateway.register,
     status.register,
     admission.register,

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 from shared.cli.errors import CliError
+from shared.stack.rotate import Rotator
 from shared.stack.servers import advertised_host
 from shared.stack.stack import Stack, StackSpec, print_line
 from shared.stack.supervisor import Backoff
-from shared.telemetry.redact import redact_url
+from shared.telemetry.redact import new_secret, redact_url
 from services.up.config import UpSettings
 
 
@@ -94,7 +96,9 @@ def run(settings: UpSettings) -> int:
                              f"docs/services.md); waiting for {stack.base_url}/ready")
         waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop), daemon=True)
         waiter.start()
+        rotator = Rotator(stack, lambda: write_connect_file(stack), new_secret)  # tandem credentials
         while not stop.wait(0.5):
+            rotator.poll(time.time())
             dead = stack.exited()
             if dead and not settings.restart:  # else the stack's supervisor restarts them
                 print_line("up", f"exited: {', '.join(dead)}; stopping the stack")

@@ -9,6 +9,10 @@ read, not onto the command line (``ps`` shows every user the command line), and 
 ``restart()`` starts a server that died again with the same command line: the same port, data
 directory and password, so clients reconnect to the URL they have and JetStream finds its streams,
 consumers and KV buckets where it left them.
+
+``set_logins()`` changes which logins a running nats-server accepts (a credential rotation's
+overlap: the new one and the old one; then the new one alone) by rewriting its configuration file
+and making it reload it (SIGHUP), and returns once the server says it did.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +37,48 @@ if TYPE_CHECKING:
     from shared.stack.tls import ServerTls
 
 _NATS_READY = "Server is ready"
+_NATS_RELOADED = "Reloaded server configuration"
+_NATS_RELOAD_FAILED = "Failed to reload server configuration"
 _REDIS_READY = "Ready to accept connections"
+
+
+@dataclass(frozen=True)
+class Login:
+    """A user name and password that NATS accepts (the URL's ``user:password@``)."""
+    user: str
+    password: str
+
+
+class ServerOutput:
+    """A server's output after readiness: each line goes to ``on_line`` and to whoever awaits one
+    (``after``), so that a caller can wait for the server to report what it did."""
+
+    def __init__(self, on_line: Callable[[str], None] | None) -> None:
+        self.on_line = on_line
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[Callable[[str], bool], list[str], threading.Event]] = []
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            for matches, heard, event in self._waiters:
+                if not event.is_set() and matches(line):
+                    heard.append(line)
+                    event.set()
+        if self.on_line:
+            self.on_line(line)
+
+    def after(self, matches: Callable[[str], bool], action: Callable[[], None], timeout_s: float) -> str | None:
+        """Do ``action``, then wait for the first line ``matches`` accepts (listening from before
+        the action, so a quick answer is not missed): that line, or None after ``timeout_s``."""
+        waiter = (matches, [], threading.Event())
+        with self._lock:
+            self._waiters.append(waiter)
+        try:
+            action()
+            return waiter[1][0] if waiter[2].wait(timeout_s) else None
+        finally:
+            with self._lock:
+                self._waiters.remove(waiter)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,6 +133,9 @@ class ServerProcess:
     url: str = ""
     http_port: int | None = None  # nats-server's monitoring port, where it has one
     lines: list[str] = field(default_factory=list)  # output up to readiness, for error messages
+    # nats-server: its configuration file and the configuration for a list of logins (set_logins)
+    conf_file: Path | None = None
+    config_for: Callable[[Sequence[Login]], str] | None = None
 
     @property
     def pid(self) -> int:
@@ -100,6 +148,24 @@ class ServerProcess:
         """Start it again as it was first started (stopping it first if it still runs)."""
         self.stop()
         self.proc, self.lines = _popen_ready(self.name, self.argv, self.is_ready, self.on_line, timeout_s)
+
+    def set_logins(self, logins: Sequence[Login], timeout_s: float = 10.0) -> None:
+        """nats-server: accept exactly ``logins`` from now on, the first of them in ``url``. The
+        configuration file is rewritten (so a restart keeps them) and reloaded; the server itself
+        disconnects clients whose login it no longer accepts. RuntimeError with the server's line
+        when it refuses the new configuration or does not answer within ``timeout_s``."""
+        assert self.conf_file is not None and self.config_for is not None, f"{self.name}: not a nats-server"
+        assert logins and len({login.user for login in logins}) == len(logins), \
+            f"{self.name}: logins need distinct user names, got {[login.user for login in logins]}"
+        private_file(self.conf_file, self.config_for(logins))
+        output = self.on_line if isinstance(self.on_line, ServerOutput) else None
+        assert output is not None, f"{self.name}: started without a ServerOutput"
+        line = output.after(lambda text: _NATS_RELOADED in text or _NATS_RELOAD_FAILED in text,
+                            lambda: self.proc.send_signal(signal.SIGHUP), timeout_s)
+        if line is None or _NATS_RELOAD_FAILED in line:
+            raise RuntimeError(f"{self.name} (pid {self.pid}) did not take its new logins: "
+                               f"{line or f'no answer to SIGHUP within {timeout_s:g}s'}")
+        self.url = with_login(self.url, logins[0])
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -140,8 +206,9 @@ def _popen_ready(name: str, argv: list[str], is_ready: Callable[[str], bool],
 
 def _start(name: str, argv: list[str], is_ready: Callable[[str], bool],
            on_line: Callable[[str], None] | None, timeout_s: float) -> ServerProcess:
-    proc, lines = _popen_ready(name, argv, is_ready, on_line, timeout_s)
-    return ServerProcess(name, proc, list(argv), is_ready, on_line, lines=lines)
+    output = ServerOutput(on_line)
+    proc, lines = _popen_ready(name, argv, is_ready, output, timeout_s)
+    return ServerProcess(name, proc, list(argv), is_ready, output, lines=lines)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -182,16 +249,25 @@ def _conf_value(value: object) -> str:
 
 def nats_config(*, server_name: str, host: str, port: int, store_dir: Path, user: str,
                 password: str | None, http_port: int | None = None, advertise: str | None = None,
-                tls: "ServerTls | None" = None, cluster: NatsCluster | None = None) -> str:
-    """nats-server's configuration (its own format; strings as JSON strings, which it reads)."""
+                tls: "ServerTls | None" = None, cluster: NatsCluster | None = None,
+                also_accepted: Sequence[Login] = (), listed: bool = False) -> str:
+    """nats-server's configuration (its own format; strings as JSON strings, which it reads).
+    ``also_accepted``: logins taken besides ``user``/``password`` (a rotation's old one); nats-server
+    refuses two logins of one user name. ``listed``: the logins as a list even when there is one, as
+    a configuration that ``set_logins`` reloads needs: a reload from a list to the one-user form
+    leaves the list's users logging in (nats-server 2.15)."""
     lines = [f"server_name: {_conf_value(server_name)}", f"listen: {_conf_value(f'{host}:{port}')}",
              f"jetstream {{ store_dir: {_conf_value(str(store_dir))} }}"]
     if advertise:  # the address this member gives clients (in the cluster's connect_urls)
         lines.append(f"client_advertise: {_conf_value(f'{advertise}:{port}')}")
     if http_port:
         lines.append(f"http: {_conf_value(f'127.0.0.1:{http_port}')}")
-    if password is not None:
+    if password is not None and not also_accepted and not listed:
         lines.append(f"authorization {{ user: {_conf_value(user)}, password: {_conf_value(password)} }}")
+    elif password is not None:
+        users = [f"{{user: {_conf_value(login.user)}, password: {_conf_value(login.password)}}}"
+                 for login in (Login(user, password), *also_accepted)]
+        lines.append(f"authorization {{ users = [{', '.join(users)}] }}")
     if tls is not None:
         lines.append(f"tls {{ cert_file: {_conf_value(str(tls.cert_file))}, "
                      f"key_file: {_conf_value(str(tls.key_file))} }}")
@@ -211,36 +287,57 @@ def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str
                       password: str | None = None, on_line: Callable[[str], None] | None = None,
                       timeout_s: float = 20.0, host: str = "127.0.0.1", advertise: str | None = None,
                       tls: "ServerTls | None" = None, cluster: NatsCluster | None = None,
-                      server_name: str = "tandem", http_port: int | None = None) -> ServerProcess:
+                      server_name: str = "tandem", http_port: int | None = None,
+                      also_accepted: Sequence[Login] = ()) -> ServerProcess:
     """nats-server with JetStream storing under ``store_dir``, listening on ``host``; ``port=-1``:
     a free one. With a ``password`` every client must log in as ``user`` with it; with ``tls``
     every client connection is TLS with that certificate; with ``cluster`` it is one member of a
     cluster. ``url`` is what clients dial: ``advertise`` (default ``host``) with the port and the
-    login; ``tls://`` when TLS is on. The whole configuration is one file only its owner can read."""
+    login; ``tls://`` when TLS is on. The whole configuration is one file only its owner can read.
+    ``also_accepted``: further logins it takes (a rotation's overlap; see ``set_logins``)."""
     store_dir = Path(store_dir)
     port = port if port > 0 else free_port(host)
-    conf = private_file(store_dir / "nats.conf", nats_config(
-        server_name=server_name, host=host, port=port, store_dir=store_dir, user=user, password=password,
-        http_port=http_port, advertise=advertise, tls=tls, cluster=cluster))
+
+    def config_for(logins: Sequence[Login]) -> str:
+        first = logins[0] if logins else None
+        return nats_config(server_name=server_name, host=host, port=port, store_dir=store_dir,
+                           user=first.user if first else user, password=first.password if first else None,
+                           http_port=http_port, advertise=advertise, tls=tls, cluster=cluster,
+                           also_accepted=logins[1:], listed=True)
+
+    logins = [] if password is None else [Login(user, password), *also_accepted]
+    conf = private_file(store_dir / "nats.conf", config_for(logins))
     argv = [_binary("nats-server"), "-c", str(conf)]
     server = _start("nats-server", argv, lambda line: _NATS_READY in line, on_line, timeout_s)
-    login = "" if password is None else f"{quote(user, safe='')}:{quote(password, safe='')}@"
     scheme = "tls" if tls is not None else "nats"
-    server.url = f"{scheme}://{login}{_url_host(advertise or _dialable(host))}:{port}"
+    address = f"{scheme}://{_url_host(advertise or _dialable(host))}:{port}"
+    server.url = with_login(address, logins[0] if logins else None)
     server.http_port = http_port
+    server.conf_file, server.config_for = conf, config_for
     return server
+
+
+def with_login(url: str, login: Login | None) -> str:
+    """``url`` (one server's) carrying ``login`` in place of any it carries."""
+    scheme, rest = url.split("://", 1)
+    address = rest.rsplit("@", 1)[-1]
+    if login is None:
+        return f"{scheme}://{address}"
+    return f"{scheme}://{quote(login.user, safe='')}:{quote(login.password, safe='')}@{address}"
 
 
 def start_nats_cluster(store_dir: str | os.PathLike, size: int, *, password: str, host: str = "127.0.0.1",
                        advertise: str | None = None, tls: "ServerTls | None" = None,
                        on_line: Callable[[str, str], None] | None = None, timeout_s: float = 60.0,
                        cluster_name: str = "tandem", base_port: int = 0,
-                       client_ports: list[int] | None = None) -> list[ServerProcess]:
+                       client_ports: list[int] | None = None, user: str = "tandem",
+                       also_accepted: Sequence[Login] = ()) -> list[ServerProcess]:
     """``size`` nats-servers on ``host`` routed into one JetStream cluster (members ``nats-1`` ...,
     each storing under ``store_dir/<name>``, route logins with a fresh password), returned once
     every member reports JetStream healthy (a metadata leader elected). Clients get every member's
     URL: ``cluster_url(servers)``. ``base_port``: member i's client port is base_port + i (0: free
-    ports); ``client_ports``: each member's, given (a restart keeping the ports clients know)."""
+    ports); ``client_ports``: each member's, given (a restart keeping the ports clients know);
+    ``user`` and ``also_accepted``: as ``start_nats_server``'s."""
     from shared.telemetry.redact import new_secret  # noqa: PLC0415
 
     store_dir = Path(store_dir)
@@ -256,9 +353,10 @@ def start_nats_cluster(store_dir: str | os.PathLike, size: int, *, password: str
         for i, name in enumerate(names):
             cluster = NatsCluster(cluster_name, f"{host}:{route_ports[i]}", routes, route_password=route_password)
             line = (lambda n: (lambda text: on_line(n, text)))(name) if on_line else None
-            server = start_nats_server(store_dir / name, port=client_ports[i], password=password, host=host,
-                                       advertise=advertise, tls=tls, cluster=cluster, server_name=name,
-                                       http_port=http_ports[i], on_line=line, timeout_s=timeout_s)
+            server = start_nats_server(store_dir / name, port=client_ports[i], user=user, password=password,
+                                       host=host, advertise=advertise, tls=tls, cluster=cluster, server_name=name,
+                                       http_port=http_ports[i], on_line=line, timeout_s=timeout_s,
+                                       also_accepted=also_accepted)
             server.name = name
             servers.append(server)
         wait_nats_healthy(servers, timeout_s)

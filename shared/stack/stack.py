@@ -9,8 +9,9 @@ password: services reconnect on their own. ``stop()`` ends the supervisor before
 
 The embedded NATS keeps its password and client ports from run to run (``KeptLogin``, in its
 data directory), so that hosts joined with the last run's ``connect.env`` log in again after a
-restart; Redis gets a fresh password each run. Every child gets the server URLs (which carry them)
-through its environment, not its command line. Given URLs are used as they are.
+restart, and changes them only when asked (``shared.stack.rotate``: ``set_nats_login`` and
+``restart_child``); Redis gets a fresh password each run. Every child gets the server URLs (which
+carry them) through its environment, not its command line. Given URLs are used as they are.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.stack.children import Child, child_env, service_argv, split_secret_flags
-from shared.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, port_is_free, private_file,
-                                    start_nats_cluster, start_nats_server, start_redis_server)
+from shared.stack.rotate import KeptLogin
+from shared.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
+                                    start_nats_server, start_redis_server)
 from shared.stack.supervisor import Backoff, RestartPolicy
 from shared.telemetry.redact import new_secret
 
@@ -36,34 +38,6 @@ _SUPERVISE_INTERVAL_S = 0.2
 # Every child serves its metrics on a free port of its own (each publishes the address in the
 # service directory), even when TANDEM_METRICS_PORT in our environment names one port for all.
 _OWN_METRICS_PORT = {"metrics_port": 0}
-
-
-@dataclass
-class KeptLogin:
-    """The embedded NATS's password and client ports, kept in its data directory (``login.json``,
-    its owner's alone) so that a restarted control plane takes back the login and the addresses that
-    joined hosts' ``connect.env`` names, and they reconnect on their own. Taken back only for the
-    same number of members, and the ports only while they are free."""
-
-    password: str
-    ports: list[int]
-
-    FILE = "login.json"
-
-    @classmethod
-    def load(cls, directory: Path, host: str, num_members: int) -> "KeptLogin | None":
-        try:
-            data = json.loads((directory / cls.FILE).read_text())
-            kept = cls(str(data["password"]), [int(p) for p in data["ports"]])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return kept if kept.password and len(kept.ports) == num_members else None
-
-    def free_ports(self, host: str) -> list[int] | None:
-        return self.ports if all(port_is_free(host, p) for p in self.ports) else None
-
-    def save(self, directory: Path) -> None:
-        private_file(directory / self.FILE, json.dumps({"password": self.password, "ports": self.ports}))
 
 
 @dataclass
@@ -146,6 +120,7 @@ class Stack:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.nats_url = spec.nats_url or ""
+        self.nats_login: KeptLogin | None = None  # the embedded NATS's (None: given URLs)
         self.redis_url = spec.redis_url or ""
         self.nats_ca = spec.nats_ca
         self.nats_replicas = spec.nats_replicas
@@ -221,26 +196,72 @@ class Stack:
 
             tls = server_tls(spec.state_dir / "tls", [advertise, *_local_names(spec.nats_host)])
             self.nats_ca = str(tls.ca_file)
-        kept = KeptLogin.load(spec.state_dir / "nats", spec.nats_host, spec.nats_cluster)
-        password = kept.password if kept else new_secret()
-        ports = None if spec.nats_port or kept is None else kept.free_ports(spec.nats_host)
-        if kept is not None and kept.ports and ports is None and not spec.nats_port:
-            self.log_line(f"NATS ports {kept.ports} of the last run are taken: new ones, so hosts joined before "
+        kept = KeptLogin.load(spec.state_dir / "nats", spec.nats_cluster) or KeptLogin.new(new_secret(), [])
+        ports = None if spec.nats_port or not kept.ports else kept.free_ports(spec.nats_host)
+        if kept.ports and ports is None and not spec.nats_port:
+            self.log_line(f"NATS ports {list(kept.ports)} of the last run are taken: new ones, so hosts joined before "
                           "need this run's connect.env")
+        login = {"user": kept.current.user, "password": kept.current.password, "also_accepted": kept.logins[1:]}
         if spec.nats_cluster > 1:
-            servers = start_nats_cluster(spec.state_dir / "nats", spec.nats_cluster, password=password,
+            servers = start_nats_cluster(spec.state_dir / "nats", spec.nats_cluster, **login,
                                          host=spec.nats_host, advertise=advertise, tls=tls,
                                          on_line=self._line, base_port=spec.nats_port, client_ports=ports)
             self.nats_replicas = self.nats_replicas or min(3, spec.nats_cluster)
         else:
             port = spec.nats_port or (ports[0] if ports else -1)
-            servers = [start_nats_server(spec.state_dir / "nats", port=port, password=password,
+            servers = [start_nats_server(spec.state_dir / "nats", port=port, **login,
                                          host=spec.nats_host, advertise=advertise, tls=tls,
                                          on_line=lambda l: self._line("nats", l))]
         for server in servers:
             self._add_server(server)
-        KeptLogin(password, [int(server.url.rsplit(":", 1)[1]) for server in servers]).save(spec.state_dir / "nats")
+        self.nats_login = kept.with_ports([int(server.url.rsplit(":", 1)[1]) for server in servers])
+        self.nats_login.save(spec.state_dir / "nats")
         self.nats_url = cluster_url(servers)
+
+    def set_nats_login(self, kept: KeptLogin) -> None:
+        """The embedded NATS accepts ``kept``'s logins from now on (every member reloaded, the file
+        saved); its current one goes into the URL this stack hands out and into every child started
+        from now on. Running children keep the URL they were given until ``restart_child``."""
+        for server in self.servers:
+            if server.config_for is not None:
+                server.set_logins(kept.logins)
+        self.nats_login = kept
+        kept.save(self.spec.state_dir / "nats")
+        self.nats_url = cluster_url([s for s in self.servers if s.config_for is not None])
+        with self._children_lock:
+            for name, (service, flags) in self._spawned.items():
+                if "nats_url" in flags:
+                    self._spawned[name] = (service, {**flags, "nats_url": self.nats_url})
+
+    def rolling_order(self) -> list[str]:
+        """Running children in the order a rolling restart takes them: the services behind the
+        gateways, then the workers, the gateways last (each waits until the others are back)."""
+        names = [n for n, c in self.children.items() if c.is_running() and n not in self.retired]
+        rank = {"gateway": 2, "decode": 1, "prefill": 1}
+        return sorted(names, key=lambda n: rank.get(self._spawned[n][0], 0))
+
+    def restart_child(self, name: str, drain_timeout_s: float = 15.0) -> Child | None:
+        """Stop ``name`` (SIGTERM: a worker drains) and start it again with its flags as they are
+        now (e.g. a rotated NATS login); one retired or not running is left as it is. None, with
+        nothing done, once the stack is stopping. Call it
+        from a thread that outlives the child (the main one): a child dies with the thread that
+        started it (PR_SET_PDEATHSIG)."""
+        with self._children_lock:
+            if self._stopping.is_set():
+                return None
+            child = self.children[name]
+            if name in self.retired or not child.is_running():  # stopped meanwhile: its next start takes them
+                return child
+            self.retired.add(name)  # its exit is expected: exited() does not report it meanwhile
+            child.terminate()
+            if not child.wait(drain_timeout_s):
+                child.kill()
+                child.wait(5)
+            service, flags = self._spawned[name]
+            child = self._start_child(name, service, flags)
+            self.retired.discard(name)
+        self._line(self.label, f"{name} restarted with the stack's current settings (pid {child.pid})")
+        return child
 
     def _bus_flags(self) -> dict[str, object]:
         """How every child reaches NATS: the URL(s), the CA, the replicas, the namespace."""
@@ -384,6 +405,15 @@ class Stack:
             except ValueError:
                 return None
         except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def listed_pids(self) -> set[int] | None:
+        """The processes in the service directory, as the first gateway's /status lists them; None
+        while it does not answer."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/status", timeout=2) as resp:
+                return {int(service["pid"]) for service in json.load(resp).get("services", [])}
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def wait_ready(self, timeout_s: float = 180.0, num_decode: int | None = None,

@@ -96,7 +96,8 @@ def run_service(service: str, env: dict[str, str]) -> tuple[int, list[str]]:
 @pytest.mark.parametrize("service,server,why", [
     ("admission", "nats", "NATS at nats://tandem:***@127.0.0.1:{port} rejected the credentials: "
                           "nats: 'Authorization Violation'; on a joined host copy connect.env from the control "
-                          "plane again (tandem up makes a fresh password each run)"),
+                          "plane again (tandem up keeps its password across restarts unless its state directory is "
+                          "wiped)"),
     ("kv-index", "redis", "Redis at redis://127.0.0.1:{port}/0 requires a password and the URL carries none"),
 ])
 def test_a_service_refused_by_its_server_exits_with_one_line_naming_it(
@@ -180,3 +181,97 @@ async def test_a_restarted_control_planes_nats_takes_back_its_login_and_ports(tm
         blocker.close()
     assert stack.nats_url != urls[0] and stack.nats_url.split("@")[0] == urls[0].split("@")[0]  # same login
     assert any("need this run's connect.env" in line for line in lines)
+
+
+def _credentials(stack, rotator, *argv: str) -> int:
+    """``tandem credentials ...`` against ``stack``'s state dir, served by ``rotator`` as tandem up's
+    main loop serves it."""
+    import threading
+    import time
+
+    from services.cli import main
+
+    spec = stack.spec
+    codes = []
+    command = threading.Thread(target=lambda: codes.append(main(
+        ["credentials", *argv, "--state-dir", str(spec.state_dir.parent), "--namespace", spec.state_dir.name,
+         "--answer-timeout-s", "20"])))
+    command.start()
+    while command.is_alive():
+        rotator.poll(time.time())
+        time.sleep(0.05)
+    return codes[0]
+
+
+async def _logs_in(url: str) -> bool:
+    try:
+        bus = await Bus.connect(url, "rotation", timeout_s=10)
+    except ConnectionError as exc:
+        assert "rejected the credentials" in str(exc), exc
+        return False
+    await bus.close()
+    return True
+
+
+def _environ_nats_url(pid: int) -> str:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TANDEM_NATS_URL="))
+
+
+@pytest.mark.parametrize("members", [1, 3])
+async def test_a_rotated_nats_login_overlaps_then_only_the_new_one_logs_in(tmp_path, members):
+    """``tandem credentials rotate`` against a running stack: both logins work for the overlap,
+    connect.env and login.json carry the new one, the stack's own service is restarted with it (and
+    survives the old one's end); ``finish`` (or the overlap's end) leaves the new one alone; a
+    restart keeps it."""
+    import time
+
+    from services.up.service import write_connect_file
+    from shared.stack.rotate import KeptLogin, Rotator
+    from shared.stack.stack import Stack
+
+    namespace = f"k{uuid.uuid4().hex[:6]}"
+    spec = StackSpec(state_dir=tmp_path / namespace, nats_cluster=members, namespace=namespace)
+    lines = []
+    stack = Stack(spec, on_line=lambda name, line: lines.append(f"{name}| {line}"))
+    rotator = Rotator(stack, lambda: write_connect_file(stack), new_secret)
+    try:
+        stack._start_nats()
+        old_url = stack.nats_url
+        child = stack.spawn("admission", "admission", stack._bus_flags()) if members == 1 else None
+        assert _credentials(stack, rotator, "rotate", "--overlap-s", "600") == 0
+        new_url = stack.nats_url
+        assert new_url != old_url and await _logs_in(old_url) and await _logs_in(new_url)
+        assert f"TANDEM_NATS_URL={new_url}\n" in (spec.state_dir / "connect.env").read_text()
+        kept = KeptLogin.load(spec.state_dir / "nats", members)
+        assert [l.user for l in kept.logins] == ["tandem-2", "tandem"] and kept.old_until_s > time.time() + 500
+        assert _credentials(stack, rotator, "rotate") == 1  # one rotation at a time
+        while rotator.is_rolling:  # as tandem up's main loop: this host's services, one at a time
+            rotator.poll(time.time())
+            time.sleep(0.1)
+        if child is not None:
+            restarted = stack.children["admission"]
+            shown = "\n".join(line for line in lines if "nats|" not in line)
+            assert restarted.is_running() and restarted.pid != child.pid, shown
+            assert _environ_nats_url(restarted.pid) == new_url
+        assert _credentials(stack, rotator, "finish") == 0
+        assert await _logs_in(new_url) and not await _logs_in(old_url)
+        assert KeptLogin.load(spec.state_dir / "nats", members).logins == kept.logins[:1]
+        # again, the old login ending with the overlap: back to the first user name
+        assert _credentials(stack, rotator, "rotate", "--overlap-s", "5") == 0
+        third_url = stack.nats_url
+        while rotator.is_rolling:  # the old login goes once this host's services have the new one
+            rotator.poll(time.time() + 6)
+            time.sleep(0.1)
+        rotator.poll(time.time() + 6)
+        assert await _logs_in(third_url) and not await _logs_in(new_url) and "tandem:" in third_url
+        if child is not None:
+            assert stack.children["admission"].is_running(), "\n".join(lines[-30:])
+    finally:
+        stack.stop()
+    stack = Stack(spec, on_line=lambda name, line: lines.append(line))
+    stack._start_nats()
+    try:
+        assert stack.nats_url == third_url and await _logs_in(third_url)
+    finally:
+        stack.stop()

@@ -6,16 +6,18 @@ tick the core's clock."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from shared.bus import Bus, WorkerRegistry
 from shared.cluster.workers import is_ready_worker
 from shared.disagg import RemotePrefill, RemotePrefills
 from shared.disagg.prefill_queue import prefill_queue_levels
-from shared.engine import SamplingParams
+from shared.engine import EngineOutput, SamplingParams
+from shared.policy.disagg import DisaggConfig
 from shared.protocol import GenerateRequest, PrefillLeaseRequest, PrefillLeaseResult, Subjects
 from shared.transfer import KvTransfer
 
@@ -50,6 +52,36 @@ class RemotePrefiller:
         except Exception as exc:  # noqa: BLE001 — a full queue, NATS away: prefill here, now
             prefills.publish_failed(prefill, exc)
         return prefill
+
+    def may_go_remote(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt this long could be prefilled remotely now (``RemotePrefills.may_go_remote``)."""
+        return self.prefills.may_go_remote(num_prompt_tokens, time.time())
+
+    def outputs(self, prefill: RemotePrefill) -> AsyncIterator[EngineOutput]:
+        """The tokens of a request ``start`` reserved (``RemotePrefills.outputs``)."""
+        return self.prefills.outputs(prefill)
+
+    def cancel(self, request_id: str) -> None:
+        """The client went away: stop waiting for the request's KV (``RemotePrefills.cancel``)."""
+        self.prefills.cancel(request_id)
+
+    # -- the thresholds and counters the decode worker reports -------------------------------------
+    @property
+    def config(self) -> DisaggConfig:
+        return self.prefills.config
+
+    def configure(self, **changes) -> DisaggConfig:
+        """Replace the named ``DisaggConfig`` fields (a ``configure`` control request); the new config."""
+        self.prefills.config = dataclasses.replace(self.prefills.config, **changes)
+        return self.prefills.config
+
+    @property
+    def num_remote(self) -> int:
+        return self.prefills.num_remote
+
+    @property
+    def num_fallbacks(self) -> int:
+        return self.prefills.num_fallbacks
 
     async def grant_lease(self, request: PrefillLeaseRequest) -> PrefillLeaseResult:
         return self.prefills.grant_lease(request, time.time())

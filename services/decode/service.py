@@ -84,7 +84,7 @@ class DecodeWorker(EngineWorker):
         await self._registry.put(self.info())
         log.info("decode worker %s ready (model %s, %d KV blocks; remote prefill %s; prefix fetch from peers %s)",
                  self.worker_id, self._settings.model, self.engine.stats().num_blocks_total,
-                 f"on above {self.remote.prefills.config.max_local_prefill_tokens} uncached tokens"
+                 f"on above {self.remote.config.max_local_prefill_tokens} uncached tokens"
                  if self.remote else "off", "on" if self.fetcher else "off")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -96,8 +96,7 @@ class DecodeWorker(EngineWorker):
         self.num_requests_total += 1
         started = last = time.monotonic()
         index = 0
-        local_only = self.remote is None or not self.remote.prefills.may_go_remote(len(request.prompt_token_ids),
-                                                                                   time.time())
+        local_only = self.remote is None or not self.remote.may_go_remote(len(request.prompt_token_ids))
         params = engine_params(request.sampling)
         self.origins.add(request)
         self._running.add(request.request_id)
@@ -113,7 +112,7 @@ class DecodeWorker(EngineWorker):
                 outputs = self.engine.generate(request.request_id, request.prompt_token_ids, params,
                                                request.priority, deadline=request.deadline_at)
             else:
-                outputs = self.remote.prefills.outputs(handle)
+                outputs = self.remote.outputs(handle)
             async for out in outputs:
                 now = time.monotonic()
                 (self._ttft if index == 0 else self._itl).observe(now - last)
@@ -169,7 +168,7 @@ class DecodeWorker(EngineWorker):
             self._cancelled.add(request.request_id)
         self.engine.abort(request.request_id)
         if self.remote is not None:
-            self.remote.prefills.cancel(request.request_id)
+            self.remote.cancel(request.request_id)
 
     async def _abort_orphan(self, request_id: str, reason: str) -> None:
         await self.cancel(CancelRequest(request_id=request_id, reason=reason))
@@ -181,16 +180,13 @@ class DecodeWorker(EngineWorker):
             if changes and self.remote is None:
                 raise ServiceError("bad_request", f"worker {self.worker_id} has remote prefill off")
             if changes:
-                prefills = self.remote.prefills
-                prefills.config = dataclasses.replace(prefills.config, **changes)
-                log.info("disaggregation thresholds now %s", prefills.config)
-        thresholds = dataclasses.asdict(self.remote.prefills.config) if self.remote is not None else {}
+                log.info("disaggregation thresholds now %s", self.remote.configure(**changes))
+        thresholds = dataclasses.asdict(self.remote.config) if self.remote is not None else {}
         holds = None if request.request_id is None else request.request_id in self._running
         return ControlResult(worker_id=self.worker_id, state=self.state, num_in_flight=self._bus.num_in_flight,
                              holds_request=holds, **thresholds)
 
     def load(self) -> WorkerLoad:
-        prefills = self.remote.prefills if self.remote else None
         transfer = next((r.transfer for r in (self.remote, self.fetcher) if r is not None), None)
         return self._load(
             ttft_recent_s=self._ttft.mean(), itl_recent_s=self._itl.mean(), itl_recent_batch=self._itl_batch.mean(),
@@ -200,8 +196,8 @@ class DecodeWorker(EngineWorker):
             num_requests_total=self.num_requests_total, num_requests_aborted=self.num_requests_aborted,
             num_local_prefills=self.num_local_prefills,
             num_local_only_prompt_tokens_total=self.num_local_only_prompt_tokens,
-            num_remote_prefills=prefills.num_remote if prefills else 0,
-            num_prefill_fallbacks=prefills.num_fallbacks if prefills else 0,
+            num_remote_prefills=self.remote.num_remote if self.remote else 0,
+            num_prefill_fallbacks=self.remote.num_fallbacks if self.remote else 0,
             kv_bytes_received=transfer.stats.num_bytes_received if transfer else 0,
             kv_bytes_sent=transfer.stats.num_bytes_sent if transfer else 0,
             kv_fetch=KvFetchLoad(**dataclasses.asdict(self.fetcher.counters)) if self.fetcher else None)

@@ -121,8 +121,7 @@ class WorkerRoles:
         from shared.transfer.group import GroupTransfer
 
         try:
-            rank0, metadata = self._engine.submit(
-                lambda e: e.model.open_transfer(self._settings.worker_id)).result(timeout=120)
+            rank0, metadata = self._engine.open_group_transfer(self._settings.worker_id).result(timeout=120)
         except TransferUnavailable as exc:
             log.warning("remote prefill OFF: %s (this worker cannot flip to prefill either)", exc)
             self.transfer_error = str(exc)

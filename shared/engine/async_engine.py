@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
-import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -44,9 +44,10 @@ class _Add:
 
 @dataclass
 class _Call:
-    """Run ``fn(engine)`` in the engine thread between steps; its result resolves ``future``."""
+    """Run ``fn(*args)`` in the engine thread between steps; its result resolves ``future``."""
 
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[..., Any]
+    args: tuple
     future: concurrent.futures.Future
 
 
@@ -54,7 +55,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
         """``on_dead(exc)``: called on the engine thread when a step raises, before the callers are
         failed (a worker exits there, so that its requests move as a killed worker's do)."""
-        self.engine = engine
+        self._engine = engine
+        self._reservations = engine.reservations  # touched in the engine thread only (``_in_thread``)
         self._on_dead = on_dead
         self._cv = threading.Condition()
         self._inbox: list[_Add | _Call | str] = []  # adds, calls, and request ids to abort
@@ -80,49 +82,50 @@ class AsyncEngine:
         """``artifact_store``: see ``LLMEngine``."""
         return cls(LLMEngine.from_config(config, artifact_store), on_dead)
 
-    # -- properties the services use --------------------------------------------------------------
+    # -- what the engine is (fixed once built) ----------------------------------------------------
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._engine.tokenizer
 
     @property
     def model_id(self) -> str:
-        return self.engine.model_id
+        return self._engine.model_id
 
     @property
     def block_size(self) -> int:
-        return self.engine.block_size
+        return self._engine.block_size
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._engine.max_model_len
 
     @property
     def kv_namespace(self) -> bytes:
-        return self.engine.kv_namespace
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.engine.model.group.size
-
-    @property
-    def pipeline_parallel_size(self) -> int:
-        return self.engine.model.pipeline.num_stages
-
-    @property
-    def rank_pids(self) -> list[int]:
-        """The process ids of a tensor-parallel group's ranks 1.. (empty for one process)."""
-        return [p.pid for p in getattr(self.engine.model, "followers", ())]
+        return self._engine.kv_namespace
 
     @property
     def kv_spec(self) -> KvCacheSpec:
-        return self.engine.kv_spec
+        return self._engine.kv_spec
 
     @property
     def kv_cache(self) -> torch.Tensor:
         """The KV pool a transfer registers once (``register_kv_pool``) and moves blocks of by id."""
-        return self.engine.kv_cache
+        return self._engine.kv_cache
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._engine.tensor_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self._engine.pipeline_parallel_size
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The process ids of a tensor-parallel group's ranks 1.. (empty for one process)."""
+        return self._engine.rank_pids
+
+    # -- load and what it measured ----------------------------------------------------------------
     @property
     def num_running(self) -> int:
         """Requests in the batch at the last step (cheap: no snapshot copied, for per-token use)."""
@@ -135,7 +138,7 @@ class AsyncEngine:
         (How decode steps run is read now: it can change while the engine idles.)"""
         with self._cv:
             unseen = list(self._unseen.values())
-        stats = dataclasses.replace(self._stats, decode_step=self.engine.decode_step())
+        stats = dataclasses.replace(self._stats, decode_step=self._engine.decode_step())
         if not unseen:
             return stats
         waiting, tokens = dict(stats.num_waiting_by_priority), dict(stats.queued_prefill_tokens)
@@ -145,12 +148,16 @@ class AsyncEngine:
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(unseen),
                                    num_waiting_by_priority=waiting, queued_prefill_tokens=tokens)
 
+    async def forget_prefill_rate(self, keep_as_warmup: bool = False) -> None:
+        """See ``StepStats.forget_prefill_rate``; ``stats()`` shows it once this returns."""
+        await self._in_thread(self._forget_prefill_rate, keep_as_warmup)
+
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
-        self.engine.add_kv_event_sink(sink)
+        self._engine.add_kv_event_sink(sink)
 
     def add_step_observer(self, observe: StepObserver) -> None:
         """See ``StepStats.add_observer``: called in the engine thread."""
-        self.engine.step_stats.add_observer(observe)
+        self._engine.add_step_observer(observe)
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -160,100 +167,11 @@ class AsyncEngine:
         Invalid input raises before anything is queued; leaving the loop early aborts the request.
         ``keep_kv`` holds the finished request's blocks until ``release_kv`` (prefill side)."""
         self._check_alive()
-        self.engine.validate(prompt_token_ids, params)
+        self._engine.validate(prompt_token_ids, params)
         self._open_stream(request_id)
         self._post(_Add(request_id, list(prompt_token_ids), params, priority, keep_kv, deadline))
         async for out in self.stream(request_id):
             yield out
-
-    async def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
-                                     params: SamplingParams, priority: int = 0, *, keep_kv: bool = False,
-                                     decide: Callable[[int], bool] | None = None,
-                                     deadline: float | None = None) -> RemotePrefillSlot | None:
-        """Decode side of remote prefill: reserve the prompt's blocks (see KvReservations;
-        ``decide`` runs in the engine thread). On a slot, read the request's tokens with
-        ``stream(request_id)`` after ``finish_remote_prefill``."""
-        self._check_alive()
-        self.engine.validate(prompt_token_ids, params)
-        self._open_stream(request_id)
-        try:
-            slot = await self.call(lambda e: e.reservations.reserve_remote_prefill(
-                request_id, list(prompt_token_ids), params, priority, keep_kv=keep_kv, decide=decide,
-                deadline=deadline))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        if slot is None:
-            self._streams.pop(request_id, None)
-        return slot
-
-    def finish_remote_prefill(self, request_id: str, kv_written: bool) -> None:
-        """The transfer into a reserved request's blocks completed (``kv_written``) or was given up
-        on (prefill locally). Safe to call for an aborted or unknown request."""
-        self._post(_Call(lambda e: self._deliver(
-            [o] if (o := e.reservations.finish_remote_prefill(request_id, kv_written)) else []),
-            concurrent.futures.Future()))
-
-    async def request_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (see ``KvReservations.request_block_ids``)."""
-        return await self.call(lambda e: e.reservations.request_block_ids(request_id))
-
-    async def reserve_prefix_fetch(self, fetch_id: str, prompt_token_ids: list[int],
-                                   num_blocks: int) -> PrefixFetchSlot | None:
-        """Hold blocks for a peer to write the prompt's prefix into (see KvReservations); end it
-        with ``finish_prefix_fetch``."""
-        prompt = list(prompt_token_ids)
-        return await self.call(lambda e: e.reservations.reserve_prefix_fetch(fetch_id, prompt, num_blocks))
-
-    def finish_prefix_fetch(self, fetch_id: str, num_written: int) -> None:
-        """End a ``reserve_prefix_fetch`` (see KvReservations), in order with the calls before it."""
-        self._post(_Call(lambda e: e.reservations.finish_prefix_fetch(fetch_id, num_written),
-                         concurrent.futures.Future()))
-
-    async def read_prefix_from_disk(self, block_hashes: list[int]) -> bool:
-        """Start reading the prefix this worker keeps on disk; True while reads are under way
-        (see KvReservations)."""
-        hashes = list(block_hashes)
-        return await self.call(lambda e: e.reservations.read_prefix_from_disk(hashes))
-
-    async def lend_prefix(self, lend_id: str, block_hashes: list[int]) -> list[int]:
-        """Pin the leading run of ``block_hashes`` cached here for a peer to read; their block ids
-        (see KvReservations). ``return_prefix`` unpins them."""
-        hashes = list(block_hashes)
-        return await self.call(lambda e: e.reservations.lend_prefix(lend_id, hashes))
-
-    def return_prefix(self, lend_id: str) -> None:
-        """Unpin the blocks of a ``lend_prefix`` (see KvReservations), in order with the calls before it."""
-        self._post(_Call(lambda e: e.reservations.return_prefix(lend_id), concurrent.futures.Future()))
-
-    def discard_stream(self, request_id: str) -> None:
-        """Forget a request's output stream that nobody will read (it was aborted)."""
-        self._streams.pop(request_id, None)
-
-    def release_kv(self, request_id: str) -> None:
-        """Free the blocks a finished ``keep_kv`` request holds."""
-        self._post(_Call(lambda e: e.reservations.release_kv(request_id), concurrent.futures.Future()))
-
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine thread between two steps and return its result. For
-        tests and tools that look inside the engine; services use the typed methods above."""
-        return await asyncio.wrap_future(self.submit(fn))
-
-    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """``call`` from any thread: the future of ``fn(engine)``, run in the engine thread between
-        two steps (a parallel worker's KV writes, which every rank makes together)."""
-        self._check_alive()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(_Call(fn, future))
-        return future
-
-    async def forget_prefill_rate(self, keep_as_warmup: bool = False) -> None:
-        """See ``StepStats.forget_prefill_rate``; ``stats()`` shows it once this returns."""
-        def forget(engine: LLMEngine) -> None:
-            engine.step_stats.forget_prefill_rate(keep_as_warmup)
-            self._stats = engine.stats()
-
-        await self.call(forget)
 
     async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
         """The outputs of a request whose stream is open (``generate`` / ``reserve_remote_prefill``)."""
@@ -273,6 +191,102 @@ class AsyncEngine:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
+    def discard_stream(self, request_id: str) -> None:
+        """Forget a request's output stream that nobody will read (it was aborted)."""
+        self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (idempotent; unknown ids are ignored)."""
+        self._post(request_id)
+
+    # -- KV blocks other workers write or read (shared.engine.reservations) -----------------------
+    async def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
+                                     params: SamplingParams, priority: int = 0, *, keep_kv: bool = False,
+                                     decide: Callable[[int], bool] | None = None,
+                                     deadline: float | None = None) -> RemotePrefillSlot | None:
+        """Decode side of remote prefill: reserve the prompt's blocks (see KvReservations;
+        ``decide`` runs in the engine thread). On a slot, read the request's tokens with
+        ``stream(request_id)`` after ``finish_remote_prefill``."""
+        self._check_alive()
+        self._engine.validate(prompt_token_ids, params)
+        self._open_stream(request_id)
+        try:
+            slot = await self._in_thread(functools.partial(
+                self._reservations.reserve_remote_prefill, request_id, list(prompt_token_ids), params, priority,
+                keep_kv=keep_kv, decide=decide, deadline=deadline))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        if slot is None:
+            self._streams.pop(request_id, None)
+        return slot
+
+    def finish_remote_prefill(self, request_id: str, kv_written: bool) -> None:
+        """The transfer into a reserved request's blocks completed (``kv_written``) or was given up
+        on (prefill locally). Safe to call for an aborted or unknown request."""
+        self._post_in_thread(self._finish_remote_prefill, request_id, kv_written)
+
+    async def request_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (see ``KvReservations.request_block_ids``)."""
+        return await self._in_thread(self._reservations.request_block_ids, request_id)
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the blocks a finished ``keep_kv`` request holds."""
+        self._post_in_thread(self._reservations.release_kv, request_id)
+
+    async def reserve_prefix_fetch(self, fetch_id: str, prompt_token_ids: list[int],
+                                   num_blocks: int) -> PrefixFetchSlot | None:
+        """Hold blocks for a peer to write the prompt's prefix into (see KvReservations); end it
+        with ``finish_prefix_fetch``."""
+        return await self._in_thread(self._reservations.reserve_prefix_fetch, fetch_id, list(prompt_token_ids),
+                                     num_blocks)
+
+    def finish_prefix_fetch(self, fetch_id: str, num_written: int) -> None:
+        """End a ``reserve_prefix_fetch`` (see KvReservations), in order with the calls before it."""
+        self._post_in_thread(self._reservations.finish_prefix_fetch, fetch_id, num_written)
+
+    async def read_prefix_from_disk(self, block_hashes: list[int]) -> bool:
+        """Start reading the prefix this worker keeps on disk; True while reads are under way
+        (see KvReservations)."""
+        return await self._in_thread(self._reservations.read_prefix_from_disk, list(block_hashes))
+
+    async def lend_prefix(self, lend_id: str, block_hashes: list[int]) -> list[int]:
+        """Pin the leading run of ``block_hashes`` cached here for a peer to read; their block ids
+        (see KvReservations). ``return_prefix`` unpins them."""
+        return await self._in_thread(self._reservations.lend_prefix, lend_id, list(block_hashes))
+
+    def return_prefix(self, lend_id: str) -> None:
+        """Unpin the blocks of a ``lend_prefix`` (see KvReservations), in order with the calls before it."""
+        self._post_in_thread(self._reservations.return_prefix, lend_id)
+
+    def open_group_transfer(self, name: str) -> concurrent.futures.Future:
+        """A tensor-parallel group's NIXL agents, one per rank, made in the engine thread (where rank
+        0 talks to the others): the future of ``LLMEngine.open_group_transfer``, from any thread."""
+        return self._submit(self._engine.open_group_transfer, name)
+
+    # -- the engine thread, for what has no method above ------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread between two steps and return its result. For
+        tests and tools that look inside the engine; services use the typed methods above."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """``call`` from any thread: the future of ``fn(engine)``, run in the engine thread between
+        two steps (a parallel worker's KV writes, which every rank makes together)."""
+        return self._submit(fn, self._engine)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._engine.close()  # the disk tier keeps the cache for the next start
+        thread_id, num_threads = self._handed_over
+        if thread_id == threading.get_ident():
+            cpu_threads.restore(num_threads)
+
+    # -- posting to the engine thread -------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
@@ -282,27 +296,26 @@ class AsyncEngine:
             raise ValueError(f"duplicate request_id {request_id!r}")
         self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks (idempotent; unknown ids are ignored)."""
-        self._post(request_id)
+    async def _in_thread(self, fn: Callable[..., Any], *args) -> Any:
+        """``fn(*args)`` run in the engine thread between two steps: its result."""
+        return await asyncio.wrap_future(self._submit(fn, *args))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.engine.close()  # the disk tier keeps the cache for the next start
-        thread_id, num_threads = self._handed_over
-        if thread_id == threading.get_ident():
-            cpu_threads.restore(num_threads)
+    def _submit(self, fn: Callable[..., Any], *args) -> concurrent.futures.Future:
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(_Call(fn, args, future))
+        return future
+
+    def _post_in_thread(self, fn: Callable[..., Any], *args) -> None:
+        """``fn(*args)`` in the engine thread, in order with the calls before it; nobody waits for it."""
+        self._post(_Call(fn, args, concurrent.futures.Future()))
 
     def _post(self, item: _Add | _Call | str) -> None:
         with self._cv:
             if isinstance(item, _Add):
                 self._unseen[item.request_id] = (item.priority, len(item.prompt_token_ids))
                 # read between the layers of a step: a lower priority's prefill stops for it
-                self.engine.urgent_pending = min(self.engine.urgent_pending, item.priority)
+                self._engine.announce_request(item.priority)
             self._inbox.append(item)
             self._cv.notify()
 
@@ -315,15 +328,15 @@ class AsyncEngine:
         try:
             while True:
                 with self._cv:
-                    while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (self._inbox or self._stopping or self._engine.has_unfinished_requests()):
                         self._cv.wait()
                     if self._stopping:
                         return
                     inbox, self._inbox = self._inbox, []
-                    self.engine.urgent_pending = math.inf  # added below, before the next step
+                    self._engine.clear_announced()  # added below, before the next step
                 outputs = self._apply(inbox)
-                outputs.extend(self.engine.step())
-                self._stats = self.engine.stats()
+                outputs.extend(self._engine.step())
+                self._stats = self._engine.stats()
                 with self._cv:
                     for item in inbox:
                         if isinstance(item, _Add):
@@ -342,21 +355,30 @@ class AsyncEngine:
         outputs = []
         for item in inbox:
             if isinstance(item, str):
-                out = self.engine.abort_request(item)
+                out = self._engine.abort_request(item)
                 if out is not None:
                     outputs.append(out)
             elif isinstance(item, _Call):
                 try:
-                    item.future.set_result(item.fn(self.engine))
+                    item.future.set_result(item.fn(*item.args))
                 except Exception as exc:
                     item.future.set_exception(exc)
             else:
                 try:
-                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
+                    self._engine.add_request(item.request_id, item.prompt_token_ids, item.params,
                                             item.priority, keep_kv=item.keep_kv, deadline=item.deadline)
                 except Exception as exc:  # validated by the caller already; report rather than crash
                     self._deliver_one(item.request_id, exc)
         return outputs
+
+    def _finish_remote_prefill(self, request_id: str, kv_written: bool) -> None:
+        out = self._reservations.finish_remote_prefill(request_id, kv_written)
+        if out is not None:
+            self._deliver([out])
+
+    def _forget_prefill_rate(self, keep_as_warmup: bool) -> None:
+        self._engine.forget_prefill_rate(keep_as_warmup)
+        self._stats = self._engine.stats()
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineOutput]]] = {}

@@ -2,14 +2,14 @@
 
 Its parts are made by ``shared.engine.build`` from the config; the KV blocks other workers write
 or read (remote prefill, peer fetch, lends) are ``reservations``' (shared.engine.reservations);
-what the steps measured is ``step_stats``' (shared.engine.step_stats)."""
+what each step runs, and a step's prefill stopping between two layers, is ``slicer``'s
+(shared.engine.prefill_slicer); what the steps measured is ``step_stats``' (shared.engine.step_stats)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -17,8 +17,9 @@ from shared.engine.build import build_parts, load_model
 from shared.engine.config import EngineConfig
 from shared.engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from shared.engine.parallel import ParallelModel
+from shared.engine.prefill_slicer import PrefillSlicer
 from shared.engine.outputs import EngineOutput, TokenLogprobs, make_output  # noqa: F401
-from shared.engine.request import Request, RequestStatus, SamplingParams
+from shared.engine.request import Request, SamplingParams
 from shared.engine.reservations import KvReservations, PrefixFetchSlot, RemotePrefillSlot  # noqa: F401
 from shared.engine.sampler import SampledToken
 from shared.engine.scheduler import SchedulerOutput
@@ -49,14 +50,7 @@ class LLMEngine:
         self.reservations = KvReservations(self.scheduler, self._new_request)
         self.step_stats = StepStats(config.block_size)
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
-        # the most urgent priority of requests on their way in from another thread (AsyncEngine sets
-        # it as they are posted and resets it once they are added): a step's prefill of a lower
-        # priority stops between two layers for them (``prefill_yield``)
-        self.urgent_pending = math.inf
-        # the last stop of a step's part was for decode rows of a more urgent priority (``prefill_slice_ms``):
-        # a step of decode rows alone runs before the part goes on
-        self._decode_turn = False
-        self._clock = time.perf_counter
+        self.slicer = PrefillSlicer(self.runner, self.scheduler, config, self.step_stats, self.step_trace, model)
         self._log_capacity()
 
     @classmethod
@@ -76,6 +70,25 @@ class LLMEngine:
                  self.kv_spec.bytes_per_token // 1024,
                  self.max_model_len, per_req, tokens // self.max_model_len, self.config.max_num_seqs,
                  self.backend.name)
+
+    # -- the parallel group ---------------------------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.model.group.size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.model.pipeline.num_stages
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The process ids of a tensor-parallel group's ranks 1.. (empty for one process)."""
+        return [p.pid for p in getattr(self.model, "followers", ())]
+
+    def open_group_transfer(self, name: str):
+        """A parallel group's NIXL agents, one per rank (``ParallelModel.open_transfer``): rank 0's
+        agent and the group's metadata."""
+        return self.model.open_transfer(name)
 
     # -- requests -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -118,31 +131,29 @@ class LLMEngine:
         self._forget(request_id)
         return make_output(request, [])
 
+    def announce_request(self, priority: int) -> None:
+        """A request of ``priority`` is on its way in from another thread: a step's prefill of a
+        lower priority stops between two layers for it (``prefill_yield``)."""
+        self.slicer.announce(priority)
+
+    def clear_announced(self) -> None:
+        """The announced requests are added (before the next step)."""
+        self.slicer.clear_announced()
+
     def has_unfinished_requests(self) -> bool:
         """Requests that need steps (waiting or running; not those waiting for remote KV)."""
         return self.scheduler.has_unfinished
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """One step: a suspended step's part goes on first unless a more urgent prompt is to be
-        computed (``_resume``), or it stopped for decode rows, which then run alone first; else the
-        scheduler's next step, whose prefill of a lower priority may stop between two layers when a
-        more urgent request arrives or when more urgent decode rows have waited ``prefill_slice_ms``
-        for it (``prefill_yield``)."""
-        if self.runner.suspended is not None:
-            if self._decode_turn:
-                self._decode_turn = False
-                if (out := self.scheduler.schedule_decodes()).scheduled:
-                    return self._update(*self._run(out))
-            if (resumed := self._resume()) is not None:
-                return resumed
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            if self.runner.suspended is not None:  # nothing else can run: it goes on
-                return self._resume(force=True) or []
+        """One step: schedule → run → update. What runs is the slicer's to say (``PrefillSlicer``):
+        the scheduler's next step, whose prefill of a lower priority may stop between two layers
+        (``prefill_yield``), or a stopped step's part going on, or decode rows alone."""
+        plan = self.slicer.plan()
+        if plan is None:
             self._idle()
             return []
-        out, sampled = self._run(out)
+        out, sampled = self.slicer.run(plan)
         return self._update(out, sampled)
 
     def _update(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> list[EngineOutput]:
@@ -154,83 +165,6 @@ class LLMEngine:
     def _idle(self) -> None:
         if self.tiers is not None:  # requests may be waiting for their prefix from disk
             self.tiers.wait_loading(0.01)
-
-    def _interrupt(self, decode_priority: float) -> Callable[[int], bool] | None:
-        """What a step's part asks between two layers (its most urgent priority ``p``): stop when a
-        request more urgent than ``p`` is on its way in, or when decode rows more urgent than ``p``
-        (``decode_priority``) have waited ``prefill_slice_ms`` since the step began; None without
-        ``prefill_yield``."""
-        if not self.config.prefill_yield:
-            return None
-        self._decode_turn = False
-        slice_s = self.config.prefill_slice_ms / 1000 if decode_priority < math.inf else 0.0
-        deadline = self._clock() + slice_s
-
-        def interrupt(priority: int) -> bool:
-            if self.urgent_pending < priority:
-                return True
-            if slice_s > 0 and decode_priority < priority and self._clock() >= deadline:
-                self._decode_turn = True
-                return True
-            return False
-        return interrupt
-
-    def _run(self, out: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, list[SampledToken]]]:
-        """Run a step: what of it ran to the end (the entries of a part that stopped are left out,
-        marked ``suspended``) and their tokens."""
-        now = time.monotonic()
-        for s in out.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-        interrupt = None if self.runner.suspended is not None else self._interrupt(min(
-            (s.request.priority for s in out.scheduled if s.decode_rows), default=math.inf))
-        started = time.perf_counter()
-        sampled = self.runner.execute(out, interrupt)
-        elapsed = time.perf_counter() - started
-        part = self.runner.suspended if interrupt is not None else None
-        if part is not None:
-            for s in part.entries:
-                s.request.suspended = True
-            paused, out = part.entries, SchedulerOutput([s for s in out.scheduled if not s.request.suspended],
-                                                        out.preempted)
-            log.debug("step stopped after layer %d of %d for %s more urgent than priority %d",
-                      part.state.next_layer, len(self.model.layers),
-                      "decode rows" if self._decode_turn else "a request", part.priority)
-        if out.scheduled:  # the stopped part's time is recorded when it ends (``_resume``)
-            self.step_stats.record(out, elapsed - (part.elapsed_s if part is not None else 0.0))
-        if self.step_trace is not None:
-            self.step_trace.record(now, elapsed, out, paused if part is not None else ())
-        return out, sampled
-
-    def _resume(self, force: bool = False) -> list[EngineOutput] | None:
-        """Go on with the suspended part unless a more urgent prompt is to be computed first (with
-        ``force``: whatever waits). None: it did not run; [] (or no output yet): it stopped again."""
-        part = self.runner.suspended
-        if not all(s.request.status is RequestStatus.RUNNING and s.request.num_preemptions == n
-                   for s, n in zip(part.entries, part.num_preemptions)):
-            # one of its requests was aborted or preempted, so its blocks may be another's now: the
-            # part's work is dropped, and its other requests compute those tokens again
-            for s in part.entries:
-                s.request.suspended = False
-            self.runner.suspended = None
-            log.debug("a suspended step's part was dropped: one of its requests ended or was preempted")
-            return None
-        if not force and self.scheduler.has_prompt_work_above(part.priority):
-            return None
-        now, started = time.monotonic(), time.perf_counter()
-        sampled = self.runner.resume(self._interrupt(self.scheduler.decode_priority()))
-        elapsed = time.perf_counter() - started
-        out = SchedulerOutput(part.entries)
-        if sampled is None:
-            if self.step_trace is not None:
-                self.step_trace.record(now, elapsed, SchedulerOutput(), part.entries)
-            return []
-        for s in part.entries:
-            s.request.suspended = False
-        self.step_stats.record(out, part.elapsed_s)
-        if self.step_trace is not None:
-            self.step_trace.record(now, elapsed, out)
-        return self._update(out, sampled)
 
     def _outputs(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]], num_before: dict[str, int],
                  finished: set[str]) -> list[EngineOutput]:
@@ -263,6 +197,14 @@ class LLMEngine:
             return "compiled"
         compiling = self.background_compile is not None and not self.background_compile.done.is_set()
         return "compiling" if compiling else "eager"
+
+    def forget_prefill_rate(self, keep_as_warmup: bool = False) -> None:
+        """See ``StepStats.forget_prefill_rate``."""
+        self.step_stats.forget_prefill_rate(keep_as_warmup)
+
+    def add_step_observer(self, observe: StepObserver) -> None:
+        """See ``StepStats.add_observer``."""
+        self.step_stats.add_observer(observe)
 
     def add_kv_event_sink(self, sink: KvEventSink) -> None:
         """Events go to ``sink`` from now on; the first sink also hears what the disk tier already

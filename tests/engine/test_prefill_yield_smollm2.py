@@ -95,7 +95,7 @@ def test_a_batch_prompt_goes_in_slices_between_the_steps_of_a_decoding_premium_r
     engine.runner.use_compiled(types.SimpleNamespace(
         forward=lambda ids, pos, kv_cache, meta: engine.model.forward(ids, pos, kv_cache, meta, engine.backend)))
     ticks = itertools.count()
-    engine._clock = lambda: next(ticks) * 0.010
+    engine.slicer.clock = lambda: next(ticks) * 0.010
     engine.add_request("premium", premium_prompt, params, priority=0)
     tokens: dict[str, list[int]] = {}
     for out in engine.step():  # its prompt: it decodes from now on

@@ -212,12 +212,11 @@ async def test_the_last_prefill_worker_gone_ends_the_waits_nobody_leased(bus, na
 
 async def generate_published(worker: DecodeWorker, request_id: str, prompt: list[int]) -> None:
     """Reserve and publish one request, then let its wait end: it stays in the queue."""
-    prefills = worker.remote.prefills
     request = GenerateRequest(request_id=request_id, model=worker._settings.model, prompt_token_ids=prompt)
     prefill = await worker.remote.start(request, SamplingParams(max_tokens=1))
     assert prefill is not None and not prefill.future.done(), "the publish should have succeeded"
-    prefills.cancel(request_id)
-    async for _ in prefills.outputs(prefill):
+    worker.remote.cancel(request_id)
+    async for _ in worker.remote.outputs(prefill):
         pass
 
 

@@ -29,21 +29,15 @@ class OneTokenEngine:
         yield EngineOutput(request_id, [7], None, None, len(prompt_token_ids), self.cached, 1)
 
 
-class Prefills:
-    """The remote-prefill core's length test: prompts over ``limit`` tokens may go remote."""
+class LocalRemote:
+    """Remote prefill on, but every prompt ends up prefilled here (no prefill worker took it);
+    prompts over ``limit`` tokens may go remote."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
 
-    def may_go_remote(self, num_prompt_tokens: int, now: float) -> bool:
+    def may_go_remote(self, num_prompt_tokens: int) -> bool:
         return num_prompt_tokens > self.limit
-
-
-class LocalRemote:
-    """Remote prefill on, but every prompt ends up prefilled here (no prefill worker took it)."""
-
-    def __init__(self, limit: int) -> None:
-        self.prefills = Prefills(limit)
 
     async def start(self, request, params):
         return None

@@ -24,7 +24,7 @@ def test_slices_give_the_online_streams_tokens_while_the_batch_runs_and_the_work
     engine.runner.use_compiled(types.SimpleNamespace(
         forward=lambda ids, pos, kv_cache, meta: model.forward(ids, pos, kv_cache, meta, engine.backend)))
     ticks = itertools.count()
-    engine._clock = lambda: next(ticks) * 0.010
+    engine.slicer.clock = lambda: next(ticks) * 0.010
     args = argparse.Namespace(online=2, online_prompt_tokens=8, online_tokens=12, batch_prompts=3,
                               batch_prompt_tokens=40)
     runs = {s: run_once(engine, s, args, random.Random(0), f"s{s:g}") for s in (0.0, 15.0)}

@@ -1,5 +1,5 @@
 """A step's prefill of a lower priority stops between two layers when a more urgent request is on its
-way (``LLMEngine.urgent_pending``), the urgent prompt runs next, and the stopped part goes on where it
+way (``LLMEngine.announce_request``), the urgent prompt runs next, and the stopped part goes on where it
 stopped: the same tokens as a run that never stopped, and nothing lost when one of its requests is
 aborted or preempted meanwhile. On a tiny random-weight Llama of 4 layers, in float32 and eager (so
 every row of a step is in its eager part)."""
@@ -7,7 +7,6 @@ every row of a step is in its eager part)."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -69,22 +68,22 @@ def test_a_lower_priority_prefill_stops_for_an_urgent_request_and_goes_on_with_t
     layers = len(engine.model.layers)
     assert layers == 4
     engine.add_request("batch", BATCH, GREEDY, priority=2)
-    engine.urgent_pending = 0  # a priority-0 request is on its way in
+    engine.announce_request(0)  # a priority-0 request is on its way in
     assert engine.step() == []
     part = engine.runner.suspended
     assert part is not None and part.state.next_layer == 1 < layers
     batch = engine.scheduler.requests["batch"]
     assert batch.suspended and batch.num_computed_tokens == 0
 
-    engine.urgent_pending = math.inf  # it is added: the next step computes its prompt, not the stopped part
+    engine.clear_announced()  # it is added: the next step computes its prompt, not the stopped part
     engine.add_request("urgent", URGENT, GREEDY, priority=0)
     outputs = engine.step()
     assert [o.request_id for o in outputs] == ["urgent"]
     assert engine.runner.suspended is part and part.state.next_layer == 1
 
-    engine.urgent_pending = 0  # another one: the part goes on one layer at a time while it is announced
+    engine.announce_request(0)  # another one: the part goes on one layer at a time while it is announced
     assert engine.step() == [] and engine.runner.suspended is part and part.state.next_layer == 2
-    engine.urgent_pending = math.inf
+    engine.clear_announced()
     tokens, order = {"urgent": outputs[0].new_token_ids}, ["urgent"]
     run_to_end(engine, tokens, order)
     assert tokens == {"urgent": alone["urgent"], "batch": alone["batch"]}
@@ -96,9 +95,9 @@ def test_a_lower_priority_prefill_stops_for_an_urgent_request_and_goes_on_with_t
 def test_a_stopped_part_goes_on_when_nothing_more_urgent_is_left(tiny_engine_model, alone):
     engine = make(tiny_engine_model)
     engine.add_request("batch", BATCH, GREEDY, priority=2)
-    engine.urgent_pending = 0
+    engine.announce_request(0)
     engine.step()
-    engine.urgent_pending = math.inf  # the urgent request never came (its client left): the part ends now
+    engine.clear_announced()  # the urgent request never came (its client left): the part ends now
     outputs = engine.step()
     assert [o.request_id for o in outputs] == ["batch"] and engine.runner.suspended is None
     tokens: dict[str, list[int]] = {"batch": outputs[0].new_token_ids}
@@ -110,7 +109,7 @@ def test_no_stop_for_a_request_of_the_same_priority_or_with_prefill_yield_off(ti
     for priority, config in ((2, {}), (0, {"prefill_yield": False})):
         engine = make(tiny_engine_model, **config)
         engine.add_request("batch", BATCH, GREEDY, priority=2)
-        engine.urgent_pending = priority
+        engine.announce_request(priority)
         assert [o.request_id for o in engine.step()] == ["batch"]
         assert engine.runner.suspended is None
 
@@ -119,10 +118,10 @@ def test_an_aborted_request_drops_the_stopped_part_and_its_step_mate_computes_ag
     engine = make(tiny_engine_model)
     engine.add_request("batch", BATCH, GREEDY, priority=2)
     engine.add_request("batch-2", BATCH_2, GREEDY, priority=2)
-    engine.urgent_pending = 0
+    engine.announce_request(0)
     assert engine.step() == []
     assert {s.request.request_id for s in engine.runner.suspended.entries} == {"batch", "batch-2"}
-    engine.urgent_pending = math.inf
+    engine.clear_announced()
     assert engine.abort_request("batch") is not None
     tokens: dict[str, list[int]] = {}
     run_to_end(engine, tokens, [])
@@ -136,10 +135,10 @@ def test_a_preempted_request_drops_the_stopped_part_and_computes_again(tiny_engi
     blocks, which the urgent prompt may then use), so the stopped part cannot go on."""
     engine = make(tiny_engine_model, max_num_seqs=1)
     engine.add_request("batch", BATCH, GREEDY, priority=2)
-    engine.urgent_pending = 0
+    engine.announce_request(0)
     engine.step()
     batch = engine.scheduler.requests["batch"]
-    engine.urgent_pending = math.inf
+    engine.clear_announced()
     engine.add_request("urgent", URGENT, GREEDY, priority=0)
     tokens: dict[str, list[int]] = {}
     order: list[str] = []
@@ -170,13 +169,14 @@ def test_the_decode_rows_before_the_eager_part_get_their_tokens_in_the_step_that
         for out in engine.step() + engine.step():  # its prompt, then a decode row (the stand-in's)
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         engine.add_request("batch", BATCH, GREEDY, priority=2)
-        engine.urgent_pending = 0 if stop else math.inf
+        if stop:
+            engine.announce_request(0)
         step = engine.step()  # the urgent decode row first, then the batch prompt (stopped, or not)
         per_step = [[o.request_id for o in step]]
         for out in step:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         assert (engine.runner.suspended is not None) == stop
-        engine.urgent_pending = math.inf
+        engine.clear_announced()
         run_to_end(engine, tokens, [])
         assert_all_blocks_free(engine)
         return tokens, per_step
@@ -201,7 +201,7 @@ def test_a_lower_priority_prompt_goes_in_slices_while_a_more_urgent_request_deco
     engine = make(tiny_engine_model, **{"prefill_slice_ms": 15.0, **config})
     engine.runner.use_compiled(EagerStandIn(engine))
     ticks = itertools.count()
-    engine._clock = lambda: next(ticks) * 0.010
+    engine.slicer.clock = lambda: next(ticks) * 0.010
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     engine.add_request("urgent", URGENT, params, priority=urgent_priority)
     tokens: dict[str, list[int]] = {}

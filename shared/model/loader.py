@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # from a GGUF file
 # from a Hugging Face directory
-SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text", "smollm3",
+SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "phi3", "olmo2", "granite", "gemma2", "gemma3_text", "smollm3",
                       "mixtral", "qwen3_moe")
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",

@@ -43,6 +43,21 @@ def is_healthy(port: int | str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def wait_healthy(proc, port: int, timeout_s: float, what: str, poll_s: float = 0.2, log=None) -> None:
+    """Until ``/health`` of ``proc`` (a server we started, on 127.0.0.1:``port``) answers 200;
+    raises when it exits first (naming ``log``, its output, if given) or after ``timeout_s``
+    (killed)."""
+    deadline = time.monotonic() + timeout_s
+    while not is_healthy(port):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before becoming healthy"
+                               + (f" (its log: {log})" if log else ""))
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"{what} on port {port} not healthy after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
 def status(base_url: str, timeout_s: float = 10.0) -> dict:
     """A gateway's ``/status`` page: its workers (``info`` and last ``load``), services and queues."""
     with urllib.request.urlopen(base_url + "/status", timeout=timeout_s) as resp:

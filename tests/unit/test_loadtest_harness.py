@@ -2,6 +2,8 @@
 a live HTTP server."""
 
 import json
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -9,7 +11,7 @@ import pytest
 
 from loadtest.tools import harness
 from loadtest.tools.harness import (Repeat, Side, alternate, best, comparison, is_healthy, log_to, ratio, status,
-                                    take_turns, warm_up)
+                                    take_turns, wait_healthy, warm_up)
 from loadtest.tools.stats import RequestResult
 from loadtest.tools.workload import RequestSpec
 from shared.stack.servers import free_port
@@ -119,3 +121,14 @@ def test_probes_read_a_live_server(server):
     assert is_healthy(port) and is_healthy(f"http://127.0.0.1:{port}/")
     assert status(f"http://127.0.0.1:{port}") == page
     assert not is_healthy(free_port(), timeout_s=1.0)  # nothing listening
+
+
+def test_waiting_for_a_started_server_ends_when_it_exits_or_its_time_is_up():
+    port = free_port()  # nothing listens there
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match=r"peer exited with 3 before becoming healthy \(its log: p.log\)"):
+        wait_healthy(exited, port, 30, "peer", poll_s=0.05, log="p.log")
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(TimeoutError, match="peer on port .* not healthy after 0s"):
+        wait_healthy(hung, port, 0.2, "peer", poll_s=0.05)
+    assert hung.wait(10) != 0  # killed, not left running

@@ -131,6 +131,7 @@ class ServerProcess:
     is_ready: Callable[[str], bool]
     on_line: Callable[[str], None] | None
     url: str = ""
+    port: int | None = None  # the client port (nats-server, redis-server)
     http_port: int | None = None  # nats-server's monitoring port, where it has one
     lines: list[str] = field(default_factory=list)  # output up to readiness, for error messages
     # nats-server: its configuration file and the configuration for a list of logins (set_logins)
@@ -312,7 +313,7 @@ def start_nats_server(store_dir: str | os.PathLike, *, port: int = -1, user: str
     scheme = "tls" if tls is not None else "nats"
     address = f"{scheme}://{_url_host(advertise or _dialable(host))}:{port}"
     server.url = with_login(address, logins[0] if logins else None)
-    server.http_port = http_port
+    server.port, server.http_port = port, http_port
     server.conf_file, server.config_for = conf, config_for
     return server
 
@@ -430,5 +431,5 @@ def start_redis_server(data_dir: str | os.PathLike, *, port: int = 0, password: 
              "--dir", str(data_dir)]
     server = _start("redis-server", argv, lambda line: _REDIS_READY in line, on_line, timeout_s)
     login = "" if password is None else f":{quote(password, safe='')}@"
-    server.url = f"redis://{login}127.0.0.1:{port}/0"
+    server.url, server.port = f"redis://{login}127.0.0.1:{port}/0", port
     return server

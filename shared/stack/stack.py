@@ -214,7 +214,7 @@ class Stack:
                                          on_line=lambda l: self._line("nats", l))]
         for server in servers:
             self._add_server(server)
-        self.nats_login = kept.with_ports([int(server.url.rsplit(":", 1)[1]) for server in servers])
+        self.nats_login = kept.with_ports([server.port for server in servers])
         self.nats_login.save(spec.state_dir / "nats")
         self.nats_url = cluster_url(servers)
 

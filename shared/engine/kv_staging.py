@@ -21,6 +21,7 @@ collectives instead (``gather_heads``).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import weakref
@@ -82,10 +83,7 @@ class SharedStaging:
 
     def blocks(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The buffer's first bytes as a tensor of ``shape``."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        return self.buffer[:numel * dtype.itemsize].view(dtype).view(shape)
+        return self.buffer[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def registered_with(self, transfer) -> bool:
         """Whether ``transfer`` (this rank's ``NixlTransfer``) can write from the buffer:

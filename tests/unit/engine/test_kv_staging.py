@@ -5,8 +5,6 @@ it, each replicated head once. Ranks are threads of this process in a real proce
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from shared.engine.kv_staging import stage_staging
 from shared.engine.parallel import _stage_heads, free_port
 from shared.model.parallel import ProcessGroupCollectives
 from shared.transfer.relayout import KvShape, plan_pieces
+from thread_ranks import run_ranks
 
 LAYERS, BLOCKS, BS, D = 3, 12, 4, 8
 
@@ -28,26 +27,13 @@ def run_stage(tp: int, num_heads: int, shared_memory: bool, block_ids: list[int]
     """Each rank of a TP=``tp`` stage puts the heads together for a TP=1 target; their results."""
     src, dst = KvShape(tp, 1, LAYERS, num_heads), KvShape(1, 1, LAYERS, num_heads)
     pieces, whole = plan_pieces(src, dst), whole_blocks(num_heads)
-    port, results, errors = free_port(), [None] * tp, []
+    def stage(group) -> tuple | None:
+        heads = src.heads(group.rank)
+        shard = whole[:, :, :, :, heads.start:heads.stop].clone()  # this rank's pool: its heads
+        gathered = _stage_heads(group, shard, block_ids, src, group.rank, pieces, transfer=None)
+        return None if gathered is None else (gathered.blocks.clone(), gathered.first_layer, gathered.registered)
 
-    def run(rank: int) -> None:
-        try:
-            group = ProcessGroupCollectives(rank, tp, "127.0.0.1", port, torch.device("cpu"), timeout_s=30,
-                                            shared_memory=shared_memory)
-            heads = src.heads(rank)
-            shard = whole[:, :, :, :, heads.start:heads.stop].clone()  # this rank's pool: its heads
-            gathered = _stage_heads(group, shard, block_ids, src, rank, pieces, transfer=None)
-            results[rank] = None if gathered is None else (gathered.blocks.clone(), gathered.first_layer,
-                                                           gathered.registered)
-        except Exception as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    results = run_ranks(tp, stage, shared_memory=shared_memory, timeout_s=30)
     return results, pieces, whole
 
 
@@ -68,20 +54,13 @@ def test_a_stage_puts_every_head_of_the_blocks_together_for_its_writers(tp, num_
 
 
 def test_the_shared_staging_is_kept_and_made_anew_larger():
-    port, sizes = free_port(), [None, None]
-
-    def run(rank: int) -> None:
-        group = ProcessGroupCollectives(rank, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=30)
+    def staging_sizes(group) -> tuple:
         first = stage_staging(group, 1000)
         again = stage_staging(group, 5000)
         bigger = stage_staging(group, 40 << 20)
-        sizes[rank] = (first is again, first.num_bytes, bigger.num_bytes, bigger is not first)
+        return first is again, first.num_bytes, bigger.num_bytes, bigger is not first
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    sizes = run_ranks(2, staging_sizes, timeout_s=30)
     assert sizes == [(True, 16 << 20, 48 << 20, True)] * 2
     gloo_only = ProcessGroupCollectives(0, 1, "127.0.0.1", free_port(), torch.device("cpu"), shared_memory=False)
     assert stage_staging(gloo_only, 1000) is None  # no shared memory: the collectives' gather instead

@@ -6,18 +6,16 @@ its own gloo process group (tests/engine/test_tensor_parallel_smollm2.py runs ra
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from shared.engine.parallel import free_port
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
 from shared.engine.parallel import join_stage
-from shared.model.parallel import (ProcessGroupCollectives, TensorSplit, check_pipeline_parallel, check_tensor_parallel,
-                                   shard_layer, stage_layers)
+from shared.model.parallel import (TensorSplit, check_pipeline_parallel, check_tensor_parallel, shard_layer,
+                                   stage_layers)
 from shared.model.quant import quantize_blocks
+from thread_ranks import run_ranks
 from tiny_hf_models import save_tiny
 
 HEADS_32 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=32, num_key_value_heads=8,
@@ -29,26 +27,6 @@ def heads_32(tmp_path_factory):
     path = tmp_path_factory.mktemp("heads32")
     save_tiny("llama", path, **HEADS_32)
     return path
-
-
-def run_ranks(tp: int, work) -> list:
-    """``work(group)`` on each of ``tp`` ranks, threads of this process; their results in rank order."""
-    port, results, errors = free_port(), [None] * tp, []
-
-    def run(rank: int) -> None:
-        try:
-            group = ProcessGroupCollectives(rank, tp, "127.0.0.1", port, torch.device("cpu"), timeout_s=60)
-            results[rank] = work(group)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return results
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8, 16])

@@ -4,7 +4,9 @@
 
 Shapes (``--shape``): ``llama-1b`` is Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, rope theta 500000, tied embeddings), ``llama-8b`` Llama-3-8B (4096, 32 layers,
-32/8 heads, 14336, untied), ``smollm2-135m`` SmolLM2-135M, ``tiny`` a 2-layer model for tests, ``heads-32`` a 2-layer model
+32/8 heads, 14336, untied), ``smollm2-135m`` SmolLM2-135M, ``smollm2-tp`` its size with 8 heads and 4 KV heads
+(TP=2 and 4 divide it), ``smollm2-tp-narrow`` the same
+layers and heads with head size 8 (a step's fixed cost), ``tiny`` a 2-layer model for tests, ``heads-32`` a 2-layer model
 with 32 heads and 8 KV heads of size 8 (tensor-parallel tests).
 Every shape takes its vocabulary from a tokenizer GGUF (``--tokenizer-from``, default the
 SmolLM2-135M GGUF that ``tandem model fetch`` caches, 49152 tokens), so the embedding and LM head
@@ -65,6 +67,11 @@ SHAPES = {
     "llama-1b": Shape(2048, 16, 32, 8, 8192, 500000.0, tie_word_embeddings=True),
     "llama-8b": Shape(4096, 32, 32, 8, 14336, 500000.0, tie_word_embeddings=False),
     "smollm2-135m": Shape(576, 30, 9, 3, 1536, 100000.0, tie_word_embeddings=True),
+    # SmolLM2-135M's depth and size with heads that TP=2 and TP=4 divide (8 of size 64, 4 KV heads):
+    # the tensor-parallel calibration (loadtest.calibrate.parallel) on a CPU with two or four cores
+    "smollm2-tp": Shape(512, 30, 8, 4, 1536, 100000.0, tie_word_embeddings=True),
+    # the same depth, heads and operators with almost no arithmetic: what a step costs regardless of size
+    "smollm2-tp-narrow": Shape(64, 30, 8, 4, 128, 100000.0, tie_word_embeddings=True),
     "tiny": Shape(64, 2, 4, 2, 128, 10000.0, tie_word_embeddings=False, context_length=512),
     # many heads on a small model: tensor parallelism at 2, 4 and 8 ranks in seconds (head size 8)
     "heads-32": Shape(256, 2, 32, 8, 512, 10000.0, tie_word_embeddings=False, context_length=1024),

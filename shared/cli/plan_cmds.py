@@ -91,12 +91,16 @@ def _inputs(args):
     if args.calibration:
         try:
             cal = load_calibration(args.calibration)
+            base = replace(eff, step_overhead_s=cal.step_overhead_s,
+                           comm_latency_s=eff.comm_latency_s if cal.comm_latency_s is None else cal.comm_latency_s)
             eff = calibrate(load_model(cal.model), cal.gpu,
                             [PrefillSample(m.num_tokens, m.seconds) for m in cal.prefill],
-                            [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode])
+                            [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode], base)
         except ConfigError as exc:
             raise CliError(str(exc)) from exc
-        print(f"calibrated: compute efficiency {eff.compute:.3f}, HBM efficiency {eff.hbm:.3f}")
+        print(f"calibrated: compute efficiency {eff.compute:.3f}, HBM efficiency {eff.hbm:.3f}"
+              + (f", {eff.step_overhead_s * 1e3:.1f} ms per decode step on every rank" if eff.step_overhead_s else "")
+              + (f", {eff.comm_latency_s * 1e6:.0f} us per collective" if cal.comm_latency_s is not None else ""))
     for flag, field in ((args.compute_eff, "compute"), (args.hbm_eff, "hbm")):
         if flag is not None:
             if not 0 < flag <= 1:

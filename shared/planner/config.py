@@ -67,6 +67,7 @@ class ModelSpec(_Strict):
     num_params: float = Field(gt=0)
     bytes_per_param: float = Field(default=2.0, gt=0)
     kv_bytes_per_elem: float = Field(default=2.0, gt=0)
+    act_bytes_per_elem: float = Field(default=2.0, gt=0)  # activations between ranks and stages (float32: 4)
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -179,12 +180,17 @@ class DecodeMeasurement(_Strict):
 
 class CalibrationSpec(_Strict):
     """Measured step times of ``model`` on one ``gpu`` (e.g. the engine on this machine); the cost
-    model's compute and HBM efficiencies are fitted to them (costmodel.calibrate)."""
+    model's compute and HBM efficiencies are fitted to them (costmodel.calibrate). A calibration
+    of tensor-parallel groups (``loadtest.calibrate.parallel``) adds what one device cannot show:
+    the fixed cost of a decode step that every rank pays (``step_overhead_s``) and of one collective
+    between ranks (``comm_latency_s``; the link's bandwidth is the cluster file's)."""
 
     model: str
     gpu: GpuType
     prefill: list[PrefillMeasurement] = Field(default_factory=list)
     decode: list[DecodeMeasurement] = Field(default_factory=list)
+    step_overhead_s: float = Field(default=0.0, ge=0)
+    comm_latency_s: float | None = Field(default=None, ge=0)
 
 
 class ConfigError(ValueError):

@@ -27,6 +27,13 @@ on a small model or a CPU, where the fixed and per-sequence costs of a step are 
 reading the weights once), and ``decode_seq_s`` is added per running sequence to every decode
 step (sampling, per-sequence attention and bookkeeping). ``calibrate(..., fit_overheads=True)``
 fits them together with the efficiencies by least squares on relative error.
+
+A third, ``step_overhead_s``, is what tensor parallelism does not divide: every rank of a group
+runs every operator of a decode step (a TP=2 rank makes as many calls as one process, each on half
+the data), so on a CPU, where an eager step's operator dispatch is a large share of its time, a
+group's step is not half of one process's. It is measured apart (a model of the same depth and
+operators with almost no arithmetic: ``loadtest.calibrate.parallel``), added to every decode step
+undivided and taken out of the step times before ``calibrate`` fits the rest.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Efficiency:
     max_decode_batch: int = 512
     prefill_overhead_s: float = 0.0  # fixed seconds added to every prefill (calibrated; see above)
     decode_seq_s: float = 0.0        # seconds per running sequence added to every decode step
+    step_overhead_s: float = 0.0     # seconds every decode step costs on each rank, TP or not (see above)
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,7 @@ def prefill_latency_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: E
     """Time for one prompt of ``num_tokens`` uncached tokens to pass through the whole group."""
     flops = 2 * model.num_params * num_tokens + 2 * model.num_layers * model.hidden_size * num_tokens**2
     compute = flops / (par.tp * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
-    act_bytes = num_tokens * model.hidden_size * 2
+    act_bytes = num_tokens * model.hidden_size * model.act_bytes_per_elem
     comm = 2 * model.num_layers * _allreduce_s(act_bytes, par.tp, hw.tp_link_gbps, eff)
     return compute + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff) + eff.prefill_overhead_s
 
@@ -120,10 +128,10 @@ def decode_step_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Effic
     read_bytes = model.weight_bytes / par.tp + batch * context_len * model.kv_bytes_per_token() / kv_shards
     memory = read_bytes / (hw.gpu.hbm_gbps * GB * eff.hbm)
     compute = 2 * model.num_params * batch / (par.num_gpus * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
-    act_bytes = batch * model.hidden_size * 2
+    act_bytes = batch * model.hidden_size * model.act_bytes_per_elem
     comm = 2 * model.num_layers * _allreduce_s(act_bytes / par.pp, par.tp, hw.tp_link_gbps, eff)
     return ((max(memory, compute) + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff)) * _bubble(par.pp, eff)
-            + eff.decode_seq_s * batch)
+            + eff.decode_seq_s * batch + eff.step_overhead_s)
 
 
 def kv_transfer_s(model: ModelSpec, num_tokens: float, route_gbps: float, eff: Efficiency) -> float:
@@ -230,10 +238,13 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
     ``decode = ideal_weights_and_kv_read / hbm + decode_seq_s * batch`` by least squares on
     relative error (the decode intercept is the weight read, so it sets ``hbm``). Efficiencies
     are capped at 1 and the added terms at >= 0, refitting the rest when a cap binds.
+
+    ``base.step_overhead_s`` (measured apart) is taken out of every decode time before the fit, and
+    kept in the result, so that the fitted model adds it back.
     """
     hw = GroupHardware(gpu=gpu, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=gpu.price_per_hour)
     one = Parallel(1, 1)
-    ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0)
+    ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0, step_overhead_s=0.0)
     eff = base
     if prefill:
         flops_s = [prefill_latency_s(model, hw, one, ideal, s.num_tokens) for s in prefill]
@@ -252,7 +263,7 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
     if decode:
         mem_s = [decode_step_s(model, hw, one, replace(ideal, compute=math.inf), s.batch, s.context_len)
                  for s in decode]
-        secs = [s.seconds for s in decode]
+        secs = [max(s.seconds - base.step_overhead_s, 1e-9) for s in decode]
         if fit_overheads and len({s.batch for s in decode}) >= 2:
             inv_hbm, per_seq = _weighted_lstsq([[m, s.batch] for m, s in zip(mem_s, decode)], secs)
             if per_seq < 0:
@@ -263,7 +274,7 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
                                                    [t - m for t, m in zip(secs, mem_s)])[0])
             eff = replace(eff, hbm=1.0 / inv_hbm, decode_seq_s=per_seq)
         else:
-            ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / s.seconds
-                            for s in decode)
+            ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / t
+                            for s, t in zip(decode, secs))
             eff = replace(eff, hbm=min(1.0, ratios[len(ratios) // 2]))
     return eff

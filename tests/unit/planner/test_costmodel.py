@@ -175,3 +175,25 @@ def test_calibrate_from_hand_computed_step_times():
     fitted = calibrate(TOY, TOY_GPU, pre, dec)
     assert fitted.compute == pytest.approx(0.4, rel=1e-9)
     assert fitted.hbm == pytest.approx(0.6, rel=1e-9)
+
+
+def test_a_step_overhead_is_paid_whole_by_every_tensor_parallel_size():
+    # a decode step of TP=2 halves the weight read but not the fixed cost every rank's step makes
+    h = hw("a100")
+    plain, with_overhead = replace(EFF, comm_latency_s=0.0), replace(EFF, comm_latency_s=0.0, step_overhead_s=0.01)
+    for tp in (1, 2, 4):
+        par = Parallel(tp, 1)
+        assert (decode_step_s(LLAMA7, h, par, with_overhead, 4, 512) - decode_step_s(LLAMA7, h, par, plain, 4, 512)
+                == pytest.approx(0.01))
+
+
+def test_calibrate_takes_a_measured_step_overhead_out_before_fitting_and_keeps_it():
+    truth = replace(EFF, hbm=0.6, decode_seq_s=2e-4, step_overhead_s=3e-3)
+    h, one = hw("a100"), Parallel(1, 1)
+    dec = [DecodeSample(b, 512, decode_step_s(LLAMA7, h, one, truth, b, 512)) for b in (1, 8, 32)]
+    fitted = calibrate(LLAMA7, GPU_TYPES["a100"], [], dec, base=replace(EFF, step_overhead_s=3e-3), fit_overheads=True)
+    assert fitted.hbm == pytest.approx(0.6, rel=1e-6)
+    assert fitted.decode_seq_s == pytest.approx(2e-4, rel=1e-6)
+    assert fitted.step_overhead_s == 3e-3
+    for d in dec:
+        assert decode_step_s(LLAMA7, h, one, fitted, d.batch, d.context_len) == pytest.approx(d.seconds, rel=1e-6)

@@ -84,3 +84,12 @@ def test_simulate_with_a_tier_mix(capsys):
     assert "premium:" in out and "batch:" in out
     with pytest.raises(CliError, match="--tiers"):
         run("simulate", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--tiers", "gold=1")
+
+
+def test_a_parallel_calibration_adds_the_step_overhead_and_the_collective_latency(capsys, tmp_path):
+    # what loadtest.calibrate.parallel writes beside the step times: both reach the plan's cost model
+    cal = tmp_path / "cal.yaml"
+    cal.write_text((EXAMPLES / "calibration-example.yaml").read_text()
+                   + "step_overhead_s: 0.004\ncomm_latency_s: 0.00005\n")
+    assert run("plan", EXAMPLES / "small-8gpu.yaml", "--model", "llama-2-7b", "--calibration", cal) == 0
+    assert "4.0 ms per decode step on every rank, 50 us per collective" in capsys.readouterr().out

@@ -14,10 +14,18 @@ thread, since a one-sided write into a rank needs that rank's agent to make prog
 publishes the group's metadata; ``send_kv`` has every rank write its pieces of a transfer into
 the target's ranks, then rank 0 notifies the target once every rank says its writes landed.
 
-A step's forward is not interrupted between two layers on a group (``prefill_yield``: every rank
-would have to stop at the same layer): a group's step runs whole. A rank that dies breaks the
-group's next collective on every other rank, which raises: rank 0's engine fails its step and its
-worker exits (its requests migrate as for any worker that dies), followers exit.
+A step's forward may stop between two layers (``prefill_yield``) on a group of one stage: rank 0
+sends the step as ``LAYERS`` instead of ``FORWARD``, and after each layer but the last it asks its
+engine whether to stop and broadcasts the answer, which every follower waits for before its next
+layer, so all ranks stop after the same layer. Followers keep the stopped forward's state (one at a
+time, as rank 0's runner keeps one suspended part) through the steps that run meanwhile, and go on
+with it at ``RESUME``. A broadcast of one integer per layer costs a few microseconds in shared
+memory against the milliseconds of a prompt's layer. A group of several stages runs each step
+whole: its layers are on different ranks, and a stage past the first cannot stop on its own.
+
+A rank that dies breaks the group's next collective on every other rank, which raises: rank 0's
+engine fails its step and its worker exits (its requests migrate as for any worker that dies),
+followers exit.
 """
 
 from __future__ import annotations
@@ -43,15 +51,18 @@ log = logging.getLogger(__name__)
 
 HEADER = 8
 ALLOCATE, FORWARD, LOGITS, STOP, READ_BLOCKS, WRITE_BLOCKS, OPEN_TRANSFER, SEND_KV = 1, 2, 3, 4, 5, 6, 7, 8
+LAYERS, RESUME = 9, 10  # a forward a layer at a time, and going on with a stopped one (prefill_yield)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass
-class _WholeStep(LayerState):
-    """``start_layers`` on a group: the step's inputs, kept until ``run_layers`` has its metadata."""
+class _GroupStep(LayerState):
+    """``start_layers`` on a group: the step's inputs, kept until ``run_layers`` has its metadata;
+    then rank 0's own forward between two layers (``inner``), when the group may stop one."""
 
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    inner: LayerState | None = None
 
 
 class ParallelModel:
@@ -82,16 +93,34 @@ class ParallelModel:
         return self.model.forward(input_ids, positions, kv_cache, meta, backend)
 
     def start_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> LayerState:
-        return _WholeStep(None, None, None, None, 0, input_ids, positions)
+        return _GroupStep(None, None, None, None, 0, input_ids, positions)
 
-    def run_layers(self, state: LayerState, kv_cache, meta, backend, stop: Callable[[], bool] | None = None) -> bool:
-        """The whole forward at once (a group's step is not stopped between layers); always True."""
-        if state.hidden is None:
-            state.hidden = self.forward(state.input_ids, state.positions, kv_cache, meta, backend)
-            state.next_layer = len(self.model.layers)
-        return True
+    def run_layers(self, state: _GroupStep, kv_cache, meta, backend, stop: Callable[[], bool] | None = None) -> bool:
+        """The forward's remaining layers; with ``stop`` on a group of one stage, stopping where
+        ``stop()`` says so on every rank (see the module's docstring), else all at once."""
+        if state.inner is None and (stop is None or self.model.pipeline.num_stages > 1):
+            if state.hidden is None:
+                state.hidden = self.forward(state.input_ids, state.positions, kv_cache, meta, backend)
+                state.next_layer = len(self.model.layers)
+            return True
+        if state.inner is None:
+            self._send_forward(state.input_ids, state.positions, meta, LAYERS)
+            state.inner = self.model.start_layers(state.input_ids, state.positions)
+        else:
+            self._send(RESUME)
+        done = self.model.run_layers(state.inner, kv_cache, meta, backend, lambda: self._decide(stop))
+        state.next_layer = state.inner.next_layer
+        return done
 
-    def finish_layers(self, state: LayerState, backend) -> torch.Tensor:
+    def _decide(self, stop: Callable[[], bool] | None) -> bool:
+        """Rank 0's answer between two layers, told to every follower."""
+        halt = stop is not None and stop()
+        self.world.broadcast(torch.tensor([int(halt)], dtype=torch.long, device=self.model.device))
+        return halt
+
+    def finish_layers(self, state: _GroupStep, backend) -> torch.Tensor:
+        if state.inner is not None:
+            return self.model.finish_layers(state.inner, backend)
         return state.hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -173,10 +202,11 @@ class ParallelModel:
         header[:1 + len(args)] = torch.tensor((op, *args))
         self.world.broadcast(header)
 
-    def _send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def _send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      op: int = FORWARD) -> None:
         tables = meta.block_tables
         starts = meta.step_starts
-        self._send(FORWARD, input_ids.shape[0], tables.shape[0], tables.shape[1], meta.num_decodes,
+        self._send(op, input_ids.shape[0], tables.shape[0], tables.shape[1], meta.num_decodes,
                    meta.max_seq_len, meta.max_query_len, 0 if starts is None else 1)
         parts = [input_ids, positions, meta.slot_mapping, tables.reshape(-1), meta.seq_lens, meta.query_start_loc]
         if starts is not None:
@@ -188,13 +218,16 @@ def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | No
     """A follower's loop: run what rank 0 sends over ``world`` (``ParallelModel``) until it says stop."""
     dev = model.device
     backend = backend or get_attention_backend("auto", dev)
-    kv_cache = transfer = progress = None
+    kv_cache = transfer = progress = stopped = None
     try:
         while True:
             header = world.broadcast(torch.zeros(HEADER, dtype=torch.long, device=dev)).tolist()
             op, args = header[0], header[1:]
             if op == STOP:
                 return
+            if op in (LAYERS, RESUME):
+                stopped = _follow_layers(model, world, backend, kv_cache, args if op == LAYERS else None, stopped)
+                continue
             if op in (OPEN_TRANSFER, SEND_KV):
                 blob = world.broadcast(torch.empty(args[0], dtype=torch.uint8, device=dev)).cpu().numpy().tobytes()
                 if op == OPEN_TRANSFER:
@@ -238,6 +271,25 @@ def _follow_op(model: LlamaModel, world: Collectives, backend: AttentionBackend,
     else:
         raise RuntimeError(f"rank {world.rank}: unknown operation {op} from rank 0")
     return kv_cache
+
+
+def _follow_layers(model: LlamaModel, world: Collectives, backend: AttentionBackend, kv_cache,
+                   args: list[int] | None, stopped: tuple | None) -> tuple | None:
+    """A forward a layer at a time: a new one (``args``: ``LAYERS``'s) or the ``stopped`` one going
+    on, stopping after the layer where rank 0 says so. Returns the stopped forward (state, metadata)
+    after it: this one if it stopped, else the one stopped before (a step that ran whole meanwhile,
+    such as decode rows, leaves it as it was), None when none is."""
+    current = stopped
+    if args is not None:
+        ids, pos, meta = _receive_forward(world, args, model.device)
+        current = (model.start_layers(ids, pos), meta)
+    if current is None:
+        raise RuntimeError(f"rank {world.rank}: told to go on with a forward it does not have")
+    state, meta = current
+    flag = torch.zeros(1, dtype=torch.long, device=model.device)
+    if not model.run_layers(state, kv_cache, meta, backend, lambda: bool(world.broadcast(flag).item())):
+        return current
+    return stopped if args is not None else None
 
 
 def _shard_spec(model: LlamaModel, block_size: int, dtype: torch.dtype):

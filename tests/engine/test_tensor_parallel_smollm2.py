@@ -67,6 +67,37 @@ def test_smollm2_at_tp3_equals_transformers(smollm2_gguf, chat_prompts, referenc
     assert [p.returncode for p in engine.model.followers] == [0, 0]
 
 
+def test_a_prefill_at_tp3_stops_between_layers_for_an_urgent_request_and_goes_on(smollm2_gguf, chat_prompts,
+                                                                                 reference):
+    """prefill_yield on a group: every rank stops after the layer rank 0 stops after, the urgent
+    prompt runs whole meanwhile, and the stopped forward goes on on every rank: transformers' text.
+    Over a minute on 2 cores: three rank processes load the model (and, first in its module,
+    transformers' reference texts)."""
+    engine = group_engine(smollm2_gguf, 3, block_size=16)
+    try:
+        engine.add_request("batch", chat_prompts[0], GREEDY, priority=2)
+        engine.announce_request(0)  # a priority-0 request is on its way in
+        assert engine.step() == []
+        part = engine.runner.suspended
+        assert part is not None and part.state.next_layer == 1
+        engine.clear_announced()
+        engine.add_request("urgent", chat_prompts[1], GREEDY, priority=0)
+        outputs = engine.step()
+        assert [o.request_id for o in outputs] == ["urgent"] and engine.runner.suspended is part
+        engine.announce_request(0)  # it goes on a layer at a time while another one is announced
+        assert engine.step() == [] and part.state.next_layer == 2
+        engine.clear_announced()
+        tokens = {"urgent": list(outputs[0].new_token_ids)}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert tokens == {"batch": reference[0], "urgent": reference[1]}
+        assert engine.runner.suspended is None and engine.kv.pool.num_free_blocks == engine.num_blocks
+    finally:
+        engine.close()
+    assert [p.returncode for p in engine.model.followers] == [0, 0]
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 2), (1, 3), (3, 2)])
 def test_smollm2_in_pipeline_stages_equals_transformers(smollm2_gguf, chat_prompts, reference, tp, pp):
     """Stages of 15 or 10 layers, each with its layers' KV; TP=3 x PP=2 is six processes."""

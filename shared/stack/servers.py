@@ -279,8 +279,13 @@ def nats_config(*, server_name: str, host: str, port: int, store_dir: Path, user
         auth = "" if cluster.route_password is None else (
             f"  authorization {{ user: {_conf_value(cluster.route_user)}, "
             f"password: {_conf_value(cluster.route_password)} }}\n")
+        # with TLS for clients the routes are TLS too, each member verifying the other's certificate
+        # against the stack's CA both ways (its certificate serves as server and as client)
+        route_tls = "" if tls is None else (
+            f"  tls {{ cert_file: {_conf_value(str(tls.cert_file))}, key_file: {_conf_value(str(tls.key_file))}, "
+            f"ca_file: {_conf_value(str(tls.ca_file))}, verify: true, timeout: 5 }}\n")
         lines.append(f"cluster {{\n  name: {_conf_value(cluster.name)}\n  listen: {_conf_value(cluster.listen)}\n"
-                     f"{auth}  routes: [{', '.join(_conf_value(r) for r in routes)}]\n}}")
+                     f"{auth}{route_tls}  routes: [{', '.join(_conf_value(r) for r in routes)}]\n}}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""A private certificate authority for the NATS client connections of one stack.
+"""A private certificate authority for the NATS connections of one stack: clients' and, in a NATS
+cluster, the routes between its members.
 
 ``tandem up --nats-tls`` makes a CA once (kept in the state directory, so a restarted stack keeps
 the CA its joined hosts trust) and a server certificate signed by it for every name and address
@@ -94,7 +95,9 @@ def server_tls(directory: str | os.PathLike, hosts: list[str], name: str = "serv
             .not_valid_after(now + datetime.timedelta(days=_VALID_DAYS))
             .add_extension(x509.SubjectAlternativeName(_subject_alt_names(hosts)), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            # client authentication too: a NATS cluster member dials the others' routes with it
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     tls = ServerTls(directory / "ca.pem", directory / f"{name}.pem", directory / f"{name}-key.pem")
     _write(tls.key_file, _key_pem(key), 0o600)

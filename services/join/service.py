@@ -3,12 +3,15 @@
 The control plane (``tandem up`` on another host) wrote ``connect.env``: the NATS URL(s) with their
 credentials, the namespace, the registry TTL and, with TLS, its CA file. The workers started here
 register in that namespace's registry, so gateway, admission and kv-index see them as they see
-local ones; KV moves between hosts over NIXL. Ctrl-C drains and stops them.
+local ones; KV moves between hosts over NIXL. Ctrl-C drains and stops them. A new connect file
+copied over the old one (after a credentials rotation) is taken over while the join runs
+(``services.join.watch``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import threading
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from services.join.config import JoinSettings
 from services.join.identity import EXIT_HOST_NAME_TAKEN, describe_conflict, is_ready_here, live_conflicts, load_host_id
+from services.join.watch import ConnectWatch
 from shared.cli.errors import CliError
 from shared.stack.stack import Stack, StackSpec, print_line
 from shared.stack.supervisor import Backoff
@@ -109,7 +113,12 @@ def run(settings: JoinSettings) -> int:
                            f"plane at {redact_url(stack.nats_url)} (namespace {stack.spec.namespace})")
         threading.Thread(target=_wait_registered, args=(stack, settings, started_at, stop, failed),
                          daemon=True).start()
+        watch = ConnectWatch(stack, settings.connect, connect, read_connect_file, _login_check(spec),
+                             lambda worker_id, since: asyncio.run(wait_workers_ready(
+                                 stack, [worker_id], settings.ready_timeout_s, since)),
+                             drain_timeout_s=settings.drain_timeout_s)
         while not stop.wait(0.5):
+            watch.poll(time.monotonic())
             dead = stack.exited()
             if refused := refused_workers(stack):
                 raise CliError(f"{', '.join(refused)} exited: the control plane's NATS refused the credentials "
@@ -125,6 +134,26 @@ def run(settings: JoinSettings) -> int:
         print_line("join", "stopping (workers drain first)")
         stack.stop(timeout_s=max(15.0, settings.drain_timeout_s + 10))
         print_line("join", "stopped")
+
+
+def _login_check(spec: StackSpec):
+    """``check(url, ca)``: raises ``CliError`` (with its exit code) unless NATS at ``url`` takes its
+    login, verified with ``ca``, as this host's workers would connect."""
+    def check(url: str, ca: str | None) -> None:
+        asyncio.run(_try_login(dataclasses.replace(spec, nats_url=url, nats_ca=ca), timeout_s=15.0))
+    return check
+
+
+async def _try_login(spec: StackSpec, timeout_s: float) -> None:
+    from shared.bus.bus import Bus  # noqa: PLC0415 — nats only when the command runs
+    from shared.bus.errors import NatsUnavailable  # noqa: PLC0415
+
+    try:
+        bus = await Bus.connect(spec.nats_url, f"{spec.namespace}-join-{spec.host_name}", timeout_s=timeout_s,
+                                tls_ca=spec.nats_ca, replicas=spec.nats_replicas)
+    except NatsUnavailable as exc:
+        raise CliError(str(exc), exc.exit_code) from None
+    await bus.close()
 
 
 def refused_workers(stack: Stack) -> list[str]:

@@ -14,8 +14,8 @@ from shared.service.command import register_command
 HELP = "rotate the embedded NATS's login of a running tandem up, the old one accepted for an overlap window"
 ROTATE_HELP = ("make a new NATS login: the running tandem up's NATS accepts it and the old one for --overlap-s, "
                "rewrites connect.env with it and restarts its own services with it one at a time; copy the new "
-               "connect.env to every joined host and restart tandem join there within the window, after which "
-               "the old login is refused")
+               "connect.env over the old one on every joined host within the window (a running tandem join "
+               "takes it over), after which the old login is refused")
 FINISH_HELP = "end a rotation's overlap now: the old NATS login is refused from now on"
 EPILOG = ("exit codes: 0 done; 1 tandem up refused (a rotation already under way, a NATS it did not start, "
           "its services still restarting); 3 no tandem up answered for this --state-dir and --namespace")
@@ -35,7 +35,7 @@ class RotateSettings(CredentialsSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
     overlap_s: float = Field(3600.0, gt=0, description="how long the old login stays accepted: time enough to "
-                             "copy connect.env to every joined host and restart tandem join there")
+                             "copy connect.env over the old one on every joined host")
 
 
 def register(subparsers) -> None:

@@ -285,9 +285,9 @@ class Rotator:
                             f"until {_clock(rotated.old_until_s or now_s)}; {connect} has the new one")
         self._roll = RollingRestart(self.stack.rolling_order())
         return (f"NATS now accepts the new login ({rotated.current.user}) and the old one ({kept.current.user}) until "
-                f"{_clock(rotated.old_until_s or now_s)} ({overlap_s:g}s); {connect} has the new one: copy it to "
-                f"every joined host and restart tandem join there before then. This host's services restart "
-                f"with it one at a time now.")
+                f"{_clock(rotated.old_until_s or now_s)} ({overlap_s:g}s); {connect} has the new one: copy it over "
+                f"the old one on every joined host before then (a running tandem join takes it over). This host's "
+                f"services restart with it one at a time now.")
 
     def _drop_old(self, kept: KeptLogin) -> str:
         finished = kept.finished()

@@ -227,11 +227,16 @@ class Stack:
                 server.set_logins(kept.logins)
         self.nats_login = kept
         kept.save(self.spec.state_dir / "nats")
-        self.nats_url = cluster_url([s for s in self.servers if s.config_for is not None])
+        self.use_nats(cluster_url([s for s in self.servers if s.config_for is not None]), self.nats_ca)
+
+    def use_nats(self, url: str, ca: str | None) -> None:
+        """Children started from now on (``restart_child`` included) reach NATS at ``url`` (with its
+        login) and verify it with ``ca``; running ones keep what they were given."""
+        self.nats_url, self.nats_ca = url, ca
         with self._children_lock:
             for name, (service, flags) in self._spawned.items():
                 if "nats_url" in flags:
-                    self._spawned[name] = (service, {**flags, "nats_url": self.nats_url})
+                    self._spawned[name] = (service, {**flags, "nats_url": url, "nats_ca": ca})
 
     def rolling_order(self) -> list[str]:
         """Running children in the order a rolling restart takes them: the services behind the

@@ -1,10 +1,9 @@
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from shared.model.precision import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from shared.engine_settings import engine_settings
 from shared.service.settings import QosSettings
 
 
@@ -14,7 +13,23 @@ def default_state_dir() -> Path:
     return cache_dir() / "up"
 
 
-class WorkerHostSettings(BaseSettings):
+# the engine settings a host passes on to its workers, each with its type, validation and help from
+# their one definition (shared/engine_settings.py); unset (None), a worker keeps its own default
+_HostEngineFields = engine_settings(
+    "_HostEngineFields", only=("model", "device", "dtype", "quantization", "kv_cache_dtype", "num_threads",
+                               "kv_cache_memory", "kv_host_memory", "kv_disk_dir", "speculative_tokens", "compile"),
+    defaults={name: None for name in ("dtype", "quantization", "kv_cache_dtype", "num_threads", "kv_cache_memory",
+                                      "kv_host_memory", "kv_disk_dir", "speculative_tokens", "compile")},
+    notes={"model": "every worker's", "device": "every worker's", "dtype": "every worker's",
+           "quantization": "every worker's", "kv_cache_dtype": "every worker's (unset: the workers' own)",
+           "num_threads": "every worker's, per rank of a tensor-parallel one (unset: the host's cores shared out)",
+           "kv_cache_memory": "every worker's", "kv_host_memory": "each decode worker's",
+           "kv_disk_dir": "each decode worker keeps its blocks in DIR/<worker name>, found again when it restarts",
+           "speculative_tokens": "decode workers' (unset: the workers' own, 6)",
+           "compile": "every worker's (unset: the workers' own, background)"})
+
+
+class WorkerHostSettings(_HostEngineFields):
     """The settings of a host's workers and their supervision: ``tandem up`` and ``tandem join``."""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
@@ -27,27 +42,9 @@ class WorkerHostSettings(BaseSettings):
                                                  "this many uncached prompt tokens (default: decode's)")
     max_prefill_queue: int | None = Field(None, ge=0, description="decode workers prefill locally while the "
                                           "prefill queue is this long (default: decode's)")
-    model: str = Field("smollm2-135m", description="model alias, .gguf file or Hugging Face directory")
-    kv_cache_memory: str | None = Field(None, description="KV pool budget per decode worker, e.g. 512MiB")
-    kv_host_memory: str | None = Field(None, description="host-memory KV tier per decode worker, e.g. 2GiB "
-                                       "(default: off)")
-    kv_disk_dir: str | None = Field(None, description="disk KV tier: each decode worker keeps its blocks in "
-                                    "DIR/<worker name>, found again when it restarts (default: off)")
-    device: str = Field("auto", description="workers' device: cpu, cuda, cuda:N or auto")
     metrics_host: str | None = Field(None, description="where every process this command starts serves /metrics "
                                      "(each on a free port, listed in /status): 0.0.0.0 or this host's address "
                                      "lets a Prometheus on another host scrape them (default: 127.0.0.1)")
-    dtype: str | None = Field(None, description="workers' dtype: float32 (exact), bfloat16, float16; with "
-                              "no quantization either, the fastest for the device (logged by each worker)")
-    quantization: Literal[QUANTIZATION_METHODS] | None = Field(
-        None, description="workers' linear layers: none (model dtype), int8 (W8A8, CPU only) or "
-                                  "int8-precise (two int8 levels of activations, closer to float32) or gguf (weight-only blocks "
-                                  "as the GGUF file's, 8-bit block activations, for CPUs with AVX2 but no VNNI); default: see dtype")
-    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(
-        None, description="workers' KV pool dtype (CPU): float16 halves the pool's bytes under a float32 or gguf "
-                          "model (default: the workers' own, auto = float16 under gguf, else the model's dtype)")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker, per rank of a "
-                                     "tensor-parallel one (default: the host's cores shared out)")
     decode_tp: int = Field(1, ge=1, le=64, description="ranks of each decode worker's tensor-parallel group: one "
                            "worker, that many processes, each with its shard of the weights and KV (the model's "
                            "heads, KV heads and MLP width must split into it)")
@@ -57,11 +54,6 @@ class WorkerHostSettings(BaseSettings):
                             "its KV is re-laid out in transit to the decode workers' shape")
     prefill_pp: int = Field(1, ge=1, le=64, description="pipeline stages of each prefill worker, each of "
                             "--prefill-tp ranks")
-    speculative_tokens: int | None = Field(None, ge=0, description="decode workers' speculative decoding: up to "
-                                           "this many n-gram draft tokens per step, 0: off (default: the workers' own, 6)")
-    compile: Literal["off", "on", "background"] | None = Field(
-        None, description="workers' compiled decode step (CPU): background, on or off (default: the workers' "
-                          "own, background: compiled on a thread while they serve eagerly)")
     drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")

@@ -6,8 +6,15 @@ import argparse
 import os
 import sys
 
-from shared.cli.engine_args import add_engine_args, engine_config_from_args
-from shared.model.precision import QUANTIZATION_METHODS
+from shared.engine_settings import engine_settings
+from shared.service.command import add_settings_arguments, settings_from_args
+
+# the engine's settings at the engine's defaults (shared/engine_settings.py), TANDEM_* or a flag each;
+# ``--seed`` here is the request's (sampling), and the engine's own generator is seeded 0, so that a
+# run without --seed repeats
+EngineCommandSettings = engine_settings("EngineCommandSettings", exclude=("seed",))
+# ``tandem model fetch --compile``: the settings that pick the compiled step a worker would load
+FetchSettings = engine_settings("FetchSettings", only=("model", "dtype", "quantization", "block_size", "num_threads"))
 
 
 def register(subparsers) -> None:
@@ -18,15 +25,15 @@ def register(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the chat template")
     p.add_argument("--system", help="system message (with --chat)")
     _add_sampling_args(p)
-    add_engine_args(p)
-    p.set_defaults(func=run_complete)
+    _add_engine_args(p)
+    p.set_defaults(func=run_complete, settings_class=EngineCommandSettings)
 
     c = subparsers.add_parser("chat", help="interactive chat with the model in-process",
                               description="Chat in the terminal; /reset clears the history, /exit or Ctrl-D quits.")
     c.add_argument("--system", help="system message")
     _add_sampling_args(c)
-    add_engine_args(c)
-    c.set_defaults(func=run_chat)
+    _add_engine_args(c)
+    c.set_defaults(func=run_chat, settings_class=EngineCommandSettings)
 
     m = subparsers.add_parser("model", help="manage models", description="Manage the model cache.")
     msub = m.add_subparsers(dest="model_command", metavar="ACTION", required=True)
@@ -36,8 +43,8 @@ def register(subparsers) -> None:
                                     "worker with the same precision, block size and threads would, so that "
                                     "workers here load it in seconds; with --nats, take it from the cluster if "
                                     "it has it and publish it there if not. Prints a JSON summary last.")
-    f.add_argument("model", nargs="?", default=os.environ.get("TANDEM_MODEL", "smollm2-135m"),
-                   help="alias or path (env TANDEM_MODEL; default: %(default)s)")
+    f.add_argument("model", nargs="?", default=None,
+                   help=f"alias or path (env TANDEM_MODEL; default: {FetchSettings.model_fields['model'].default})")
     c = f.add_argument_group("compiled decode step (env: TANDEM_<FLAG>)")
     c.add_argument("--compile", action="store_true",
                    help="compile the decode step into TANDEM_COMPILE_CACHE_DIR (default: TANDEM_CACHE_DIR/compile): "
@@ -47,14 +54,20 @@ def register(subparsers) -> None:
                         "them there once built (credentials in the URL; env TANDEM_NATS_URL is not read here)")
     c.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "tandem"),
                    help="the cluster's subject namespace (default: %(default)s)")
-    c.add_argument("--dtype", default=os.environ.get("TANDEM_DTYPE"), help="as the workers' --dtype")
-    c.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION"),
-                   choices=QUANTIZATION_METHODS, help="as the workers' --quantization")
-    c.add_argument("--block-size", type=int, default=int(os.environ.get("TANDEM_BLOCK_SIZE", 16)),
-                   help="as the workers' --block-size (default: %(default)s)")
-    c.add_argument("--num-threads", type=int, default=os.environ.get("TANDEM_NUM_THREADS"),
-                   help="as the workers' --num-threads (default: torch's, one per core)")
+    add_settings_arguments(c, FetchSettings, exclude=("model",))  # as the workers' flags of the same names
     f.set_defaults(func=run_fetch)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (env: TANDEM_<FLAG>, e.g. TANDEM_MODEL)")
+    add_settings_arguments(g, EngineCommandSettings)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The engine config of ``tandem complete`` / ``chat``: flags, then TANDEM_* variables, then defaults."""
+    from shared.engine.config import engine_config  # noqa: PLC0415 — torch
+
+    return engine_config(settings_from_args(args.settings_class, args), seed=0)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -197,33 +210,33 @@ def run_fetch(args) -> int:
     from shared.telemetry.logs import configure_logging
 
     configure_logging("tandem")
+    settings = settings_from_args(FetchSettings, args)
     try:
-        source = resolve_model(args.model)
+        source = resolve_model(settings.model)
     except (ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None
     print(source.path)
     if args.compile:
         import asyncio
 
-        print(asyncio.run(_compile_artifacts(args)))
+        print(asyncio.run(_compile_artifacts(args, settings)))
     elif args.nats:
         raise CliError("--nats goes with --compile")
     return 0
 
 
-async def _compile_artifacts(args) -> str:
+async def _compile_artifacts(args, settings) -> str:
     """Load or compile the decode step as a worker with these settings would on this machine (and,
     with ``--nats``, take it from the cluster or offer it there). Returns a one-line JSON summary."""
     import asyncio
     import json
 
     from shared.cli.errors import CliError
-    from shared.engine import EngineConfig, LLMEngine
+    from shared.engine import LLMEngine
+    from shared.engine.config import engine_config
 
     try:
-        config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, quantization=args.quantization,
-                              block_size=args.block_size, kv_cache_memory=64 << 20, compile="on",
-                              num_threads=int(args.num_threads) if args.num_threads else None)
+        config = engine_config(settings, device="cpu", kv_cache_memory=64 << 20, compile="on")
     except ValueError as exc:
         raise CliError(str(exc)) from None
     bus = store = None

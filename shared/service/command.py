@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -53,19 +53,29 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
-    """One ``--flag`` per field; defaults stay None so that unset flags fall back to the env."""
+def add_settings_arguments(parser, cls: type[BaseSettings], exclude: Iterable[str] = ()) -> None:
+    """One ``--flag`` per field (but ``exclude``), plus the spellings a field's ``cli_flags`` adds
+    (``shared.engine_settings``); defaults stay None so that unset flags fall back to the env.
+    ``parser``: a parser or one of its argument groups."""
     for name, info in cls.model_fields.items():
+        if name in exclude:
+            continue
         env = f"TANDEM_{name.upper()}"
         given = "required" if info.is_required() else f"default {info.get_default(call_default_factory=True)!r}"
         help_text = f"{info.description or name} (env {env}, {given})"
         kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
         annotation = _without_none(info.annotation)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        aliases = list(extra.get("cli_flags", []))
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+            for alias in [a for a in aliases if a.startswith("--no-")]:  # a second way to turn it off
+                parser.add_argument(alias, dest=name, action="store_false", default=None,
+                                    help=f"as --no-{_flag(name)[2:]}")
+                aliases.remove(alias)
         elif get_origin(annotation) is Literal:
             kwargs["choices"] = list(get_args(annotation))
-        parser.add_argument(_flag(name), **kwargs)
+        parser.add_argument(_flag(name), *aliases, **kwargs)
 
 
 def _without_none(annotation: Any) -> Any:

@@ -122,7 +122,7 @@ def test_kv_tier_flags_reach_the_engine_and_each_decode_worker_gets_its_own_disk
     assert DecodeSettings().engine_config().kv_host_memory == 0 and DecodeSettings().engine_config().kv_disk_dir is None
     args = build_parser().parse_args(["up", "--kv-host-memory", "2GiB", "--kv-disk-dir", str(tmp_path)])
     spec = spec_from_settings(settings_from_args(args.settings_class, args))
-    assert spec.decode_flags["kv_host_memory"] == "2GiB" and spec.decode_flags["kv_disk_dir"] == str(tmp_path)
+    assert spec.decode_flags["kv_host_memory"] == 2 << 30 and spec.decode_flags["kv_disk_dir"] == str(tmp_path)
     assert "kv_disk_dir" not in spec.prefill_flags and "kv_disk_dir" not in spec_from_settings(UpSettings()).decode_flags
 
     started = {}
@@ -137,7 +137,7 @@ def test_kv_tier_flags_reach_the_engine_and_each_decode_worker_gets_its_own_disk
 def test_speculative_decoding_flags_reach_the_engine_from_every_command():
     from services.decode.config import DecodeSettings
     from services.up.service import spec_from_settings
-    from shared.cli.engine_args import engine_config_from_args
+    from shared.cli.model_cmds import engine_config_from_args
     from shared.worker.settings import SPECULATIVE_TOKENS
 
     config = DecodeSettings(speculative_tokens=5, speculative_max_batch=2).engine_config()
@@ -154,9 +154,9 @@ def test_speculative_decoding_flags_reach_the_engine_from_every_command():
 
 def test_up_compile_reaches_every_worker_and_the_engine(monkeypatch):
     from services.decode.config import DecodeSettings
-    from shared.cli.engine_args import engine_config_from_args
     from services.up.config import UpSettings
     from services.up.service import spec_from_settings
+    from shared.cli.model_cmds import engine_config_from_args
 
     monkeypatch.delenv("TANDEM_COMPILE", raising=False)  # tests/conftest.py pins it off
     spec = spec_from_settings(UpSettings(compile="on", prefill=1))

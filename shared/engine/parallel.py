@@ -553,10 +553,11 @@ def start_followers(config, size: int, host: str, port: int) -> list[subprocess.
     that loads its shard of ``config``'s model and follows rank 0 (which the caller is, joining at
     ``host:port``). On Linux a follower is killed when the process that started it dies."""
     blob = json.dumps(dataclasses.asdict(config))
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())  # rank 0's, however it was set
     procs = []
     for rank in range(1, size):
         cmd = [sys.executable, "-m", "shared.engine.tp_rank", "--rank", str(rank), "--size", str(size),
-               "--host", host, "--port", str(port), "--config", blob]
+               "--host", host, "--port", str(port), "--config", blob, "--log-level", level]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
     return procs
 

@@ -1,11 +1,10 @@
 """A follower rank of a tensor-parallel engine, as rank 0 starts it (``shared.engine.parallel``):
-``python -m shared.engine.tp_rank --rank R --size N --host H --port P --config JSON``."""
+``python -m shared.engine.tp_rank --rank R --size N --host H --port P --config JSON --log-level L``."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 
 import torch
 
@@ -29,9 +28,10 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", required=True, help="rank 0's address")
     parser.add_argument("--port", type=int, required=True, help="rank 0's rendezvous port")
     parser.add_argument("--config", required=True, help="the engine config, as JSON")
+    parser.add_argument("--log-level", default="INFO", help="rank 0's (default: %(default)s)")
     args = parser.parse_args(argv)
     rank = args.rank
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     config = EngineConfig(**json.loads(args.config))
     torch.set_num_threads(config.num_threads or 1)

@@ -161,3 +161,41 @@ def test_a_flex_request_waits_out_the_429s_of_a_shed_tier_and_then_runs(stack):
     assert flex.service_tier == "flex" and flex.choices[0].message.content is not None
     assert retries(stack, flex.id) >= 1, "the flex request was not rejected while low was shed"
     assert SHED_HOLD_S - 1 <= waited_s, waited_s
+
+
+# --- priority before queued flex ---------------------------------------------------------------------
+NUM_FLEX = 6
+
+
+def first_token_s(stack, service_tier: str, prompt: str, started: float, out: dict, name: str) -> None:
+    """When (seconds after ``started``) the first streamed token of a request came, into ``out[name]``."""
+    patient = client(stack, "premium").with_options(timeout=600)  # six long prompts on a busy host take minutes
+    stream = patient.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                        extra_body={"service_tier": service_tier})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text and name not in out:
+            out[name] = time.monotonic() - started
+    out.setdefault(name, float("nan"))
+
+
+def test_a_priority_request_is_served_before_the_flex_requests_queued_ahead_of_it(stack):
+    """Six flex prompts of ~600 fresh tokens each are admitted first (one worker prefills them a
+    512-token step at a time, several seconds in all); a priority request sent then gets its first
+    token before most of them, where arrival order would put it last. The order is asserted, not the
+    times; the times are printed. Over a minute on a busy two-core host."""
+    before, started, firsts = admitted(stack, "low"), time.monotonic(), {}
+    flex = [threading.Thread(target=first_token_s, daemon=True, args=(
+        stack, "flex", f"Request {uuid.uuid4().hex}: " + "word " * 600, started, firsts, f"flex-{i}"))
+        for i in range(NUM_FLEX)]
+    for thread in flex:
+        thread.start()
+    wait_for(lambda: admitted(stack, "low") >= before + NUM_FLEX, 60, "the flex requests to be admitted")
+    sent_s = time.monotonic() - started
+    first_token_s(stack, "priority", "Hi", started, firsts, "priority")
+    for thread in flex:
+        thread.join(300)
+    ahead = sorted(name for name, t in firsts.items() if name != "priority" and t < firsts["priority"])
+    print(f"priority sent at {sent_s:.2f}s, first token at {firsts['priority']:.2f}s; flex first tokens at "
+          + ", ".join(f"{firsts[f'flex-{i}']:.2f}s" for i in range(NUM_FLEX)) + f"; ahead of it: {ahead}")
+    assert len(firsts) == NUM_FLEX + 1 and not any(t != t for t in firsts.values()), firsts  # every one answered
+    assert len(ahead) <= NUM_FLEX // 2, firsts

@@ -14,6 +14,9 @@ float32, so the compiled step's artifact key says which of the two a graph calls
 (``kernel_in_graph``). Built on first use (``kernels/cpu_build.py``); with
 ``TANDEM_ATTENTION_KERNEL=off``, without a compiler or without AVX2, FMA and F16C, the graph keeps
 the written-out softmax (a log line says why).
+
+It takes no sliding window: each row attends over its whole past (``past_valid``), so a model with
+windowed layers must not reach the compiled step (``compiled.unsupported_reason``).
 """
 
 from __future__ import annotations

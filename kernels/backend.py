@@ -24,18 +24,20 @@ class TritonAttentionBackend:
         write_kv_triton(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None) -> torch.Tensor:
         num_decodes = meta.num_decodes
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         if num_decodes:
             paged_decode_attention_triton(
                 q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-                meta.seq_lens[:num_decodes], scale, max_seq_len=meta.max_seq_len, out=out[:num_decodes])
+                meta.seq_lens[:num_decodes], scale, max_seq_len=meta.max_seq_len, out=out[:num_decodes],
+                window=window)
         if q.shape[0] > num_decodes:
             query_start_loc = meta.query_start_loc[num_decodes:] - num_decodes
             paged_prefill_attention_triton(
                 q[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:], query_start_loc,
-                meta.seq_lens[num_decodes:], scale, max_query_len=meta.max_query_len, out=out[num_decodes:])
+                meta.seq_lens[num_decodes:], scale, max_query_len=meta.max_query_len, out=out[num_decodes:],
+                window=window)
         return out
 
     def fused_add_rms_norm(self, x, residual, weight, eps):

@@ -8,6 +8,11 @@ Every sequence attends over whole blocks with the positions past its length mask
 every length in the step is the same: a row's result then does not depend on its batch-mates.
 (Cut at its exact length without a mask, a sequence alone takes another path through SDPA than
 in a ragged batch, and its last bits differ; with int8 linear layers that can flip a greedy token.)
+
+With a sliding ``window``, the query at position ``p = seq_len - 1`` sees the keys in
+``(p - window, p]`` (the last ``window`` positions, its own included; transformers'
+``sliding_window_overlay``): the positions before are masked like padding, and a block wholly
+before them is not read (its table entry may name a block that holds something else by now).
 """
 
 from __future__ import annotations
@@ -24,18 +29,23 @@ from kernels.cast import cast
 class DecodePlan:
     block_ids: torch.Tensor  # [B * num_blocks] int64: the blocks to gather, padding entries -> block 0
     num_blocks: int  # per sequence, for the longest one
-    valid: torch.Tensor  # [B, num_blocks * block_size] bool: the positions before each sequence's length
-    invalid_rows: torch.Tensor  # flat positions past each sequence's length (maybe none)
+    valid: torch.Tensor  # [B, num_blocks * block_size] bool: the positions each sequence's query sees
+    invalid_rows: torch.Tensor  # flat positions no query sees, zeroed after the gather (maybe none)
 
 
-def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                window: int | None = None) -> DecodePlan:
+    """``window``: the sliding window of the layers that use the plan (None: the whole context)."""
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long()
+    ends = seq_lens[:, None].to(table.device)  # [B, 1]
+    starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)  # the first position seen
     block_starts = torch.arange(num_blocks, device=table.device) * block_size
-    table = torch.where(block_starts[None, :] < seq_lens[:, None].to(table.device), table, 0)
-    length = num_blocks * block_size
-    valid = torch.arange(length, device=table.device)[None, :] < seq_lens[:, None].to(table.device)
+    seen = (block_starts[None, :] < ends) & (block_starts[None, :] + block_size > starts)
+    table = torch.where(seen, table, 0)
+    positions = torch.arange(num_blocks * block_size, device=table.device)[None, :]
+    valid = (positions < ends) & (positions >= starts)
     return DecodePlan(table.reshape(-1), num_blocks, valid, (~valid).view(-1).nonzero().view(-1))
 
 
@@ -71,6 +81,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,  # [B, M] int32; entries past a sequence's blocks are ignored
     seq_lens: torch.Tensor,  # [B] int32: context length including the current token
     scale: float,
+    window: int | None = None,  # sliding window: the query sees its last ``window`` positions
 ) -> torch.Tensor:  # [B, Hq, D]
-    plan = decode_plan(block_tables, seq_lens, k_cache.shape[1])
+    plan = decode_plan(block_tables, seq_lens, k_cache.shape[1], window)
     return paged_decode_attention_planned(q, k_cache, v_cache, plan, scale)

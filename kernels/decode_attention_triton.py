@@ -10,7 +10,9 @@ splits. Splitting the context is what fills the GPU when the batch is small and 
 
 Page ids are read only from table entries that cover ``[0, seq_len)``: entries past a sequence's
 blocks are never read, whatever they hold. A padding row with ``seq_len == 0`` gets a zero output
-(the reference's is NaN). The cache views need a contiguous head_dim; other strides are arbitrary
+(the reference's is NaN). With a sliding window (``window``) a sequence's splits start no
+earlier than its first visible position, ``seq_len - window``: a split wholly before it is empty,
+and no table entry before it is read. The cache views need a contiguous head_dim; other strides are arbitrary
 (they are per-layer slices of the pool, see shared/kvcache/layout.py).
 """
 
@@ -32,7 +34,7 @@ _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in the reduce t
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    scale_log2,
+    scale_log2, window,
     stride_qb, stride_qh,
     stride_kn, stride_kt, stride_kh,
     stride_vn, stride_vt, stride_vh,
@@ -40,7 +42,7 @@ def _decode_split_kernel(
     split_len,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -51,6 +53,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
+    if WINDOWED:  # the query (position seq_len - 1) sees the keys from seq_len - window on
+        split_start = tl.maximum(split_start, seq_len - window)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -67,7 +71,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
 
-    # Every tile holds at least one valid token (the loop stops at split_end <= seq_len), so the
+    # Every tile holds at least one valid token (its first: the loop runs from split_start, which the
+    # query sees, and stops at split_end <= seq_len), so the
     # running max is finite after the first tile and exp2(m_i - m_new) never sees -inf - -inf.
     for start in range(split_start, split_end, BLOCK_N):
         tokens = start + offs_n
@@ -116,7 +121,7 @@ def _decode_reduce_kernel(
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)  # finite unless seq_len == 0 (split 0 holds token 0)
+    lse_max = tl.max(lse, axis=0)  # finite unless seq_len == 0 (some split holds the last token)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # seq_len 0: all weights 0, output 0
     weights = tl.exp2(lse - lse_max)  # 0 for empty splits and padding
     partial = tl.load(partial_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
@@ -158,6 +163,7 @@ def paged_decode_attention_triton(
     max_seq_len: int | None = None,  # >= every seq_len (longer ones are cut); default M * bs, no sync
     num_splits: int | None = None,  # default: plan_num_splits on this device
     out: torch.Tensor | None = None,  # [B, Hq, D] contiguous, q's dtype
+    window: int | None = None,  # sliding window: the query sees its last ``window`` positions
 ) -> torch.Tensor:  # [B, Hq, D]
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -188,7 +194,7 @@ def paged_decode_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, partial, lse,
-        scale * _LOG2E,
+        scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -196,7 +202,7 @@ def paged_decode_attention_triton(
         split_len,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, WRITE_PARTIAL=num_splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
-        BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d, BLOCK_N=_BLOCK_N, WINDOWED=window is not None,
         **dot_args(q.dtype),
         num_warps=4, num_stages=2,
     )

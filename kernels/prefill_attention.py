@@ -12,6 +12,11 @@ alone, and so is every row of it: how the scheduler splits a prompt into chunks,
 its batch-mates, cannot move a bit of the result. SDPA's result for a row otherwise depends on
 which rows share its call and on how many keys are padded after it, and with int8 linear layers a
 last-bit difference can flip an activation's rounding and change a greedy token.
+
+With a sliding ``window``, the query at position ``p`` sees the keys in ``(p - window, p]`` (its
+last ``window`` positions, its own included, as transformers' ``sliding_window_overlay``): one
+more term of the mask, and a tile's call reads the keys from the first its first query sees on,
+so it stays a function of the tile (and the window).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     tile: int = QUERY_TILE,  # another size gives other bits: the engine keeps to QUERY_TILE
+    window: int | None = None,  # sliding window: each query sees its last ``window`` positions
 ) -> torch.Tensor:  # [T, Hq, D]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
@@ -60,9 +66,14 @@ def paged_prefill_attention_ref(
             if hi - lo < tile:
                 rows = torch.cat([rows.new_zeros(lo - a, *rows.shape[1:]), rows,
                                   rows.new_zeros(b - hi, *rows.shape[1:])])
+            # the keys from the first one the tile's first query sees (a function of the tile and the window)
+            k_lo = 0 if window is None else max(a - window + 1, 0)
             q_pos = torch.arange(a, b, device=q.device)
-            mask = torch.arange(b, device=q.device)[None, :] <= q_pos[:, None]  # [tile, b]
-            o = F.scaled_dot_product_attention(rows.transpose(0, 1)[None], k[None, :, :b], v[None, :, :b],
+            keys = torch.arange(k_lo, b, device=q.device)[None, :]
+            mask = keys <= q_pos[:, None]  # [tile, b - k_lo]
+            if window is not None:
+                mask &= keys > q_pos[:, None] - window
+            o = F.scaled_dot_product_attention(rows.transpose(0, 1)[None], k[None, :, k_lo:b], v[None, :, k_lo:b],
                                                attn_mask=mask, scale=scale, enable_gqa=True)  # [1, Hq, tile, D]
             out[q_start + lo - first:q_start + hi - first] = o[0, :, lo - a:hi - a].transpose(0, 1)
     return out

@@ -5,7 +5,8 @@ Same contract as ``paged_prefill_attention_ref``: sequence ``i``'s queries are t
 context, whose K/V (the new tokens' included) is already in the cache. One program handles
 ``BLOCK_M`` queries of one sequence and one query head (flash-attention forward with online
 softmax); it reads K/V through the block table one ``BLOCK_N``-token tile at a time and stops at
-the last key its queries can see.
+the last key its queries can see. With a sliding window (``window``: query p sees the keys in
+``(p - window, p]``) it starts at the first tile the earliest of its queries sees.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ def tile_config(dtype: torch.dtype) -> dict:
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    scale_log2,
+    scale_log2, window,
     stride_qt, stride_qh,
     stride_kn, stride_kt, stride_kh,
     stride_vn, stride_vt, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     m_block = tl.program_id(0)
@@ -67,10 +68,14 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
 
-    # The last key any query of this tile sees. Key 0 is visible to every query, so each row has a
-    # finite max after the first tile (no -inf - -inf in the rescale).
+    # The first and last keys any query of this tile sees. Without a window key 0 is visible to every
+    # query, so each row has a finite max after the first tile; with one, a row may see nothing in the
+    # first tiles, and its max stays -inf until it does (m_safe keeps -inf - -inf out of the rescale).
     kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOWED:
+        kv_start = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_start, kv_end, BLOCK_N):
         tokens = start + offs_n
         t_mask = tokens < kv_end
         pages = tl.load(table_row + tokens // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
@@ -81,10 +86,13 @@ def _prefill_kernel(
         scores = attention_dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, EMULATE_BF16)
         scores *= scale_log2
         visible = t_mask[None, :] & (tokens[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        if WINDOWED:
+            visible = visible & (tokens[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (pages * stride_vn + slots * stride_vt + kv_head * stride_vh)[:, None]
                     + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
@@ -92,7 +100,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + attention_dot(p, v, DOT_PRECISION, EMULATE_BF16)
         m_i = m_new
 
-    out = round_to(acc / l_i[:, None], out_ptr.dtype.element_ty, EMULATE_BF16)
+    out = round_to(acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], out_ptr.dtype.element_ty, EMULATE_BF16)
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out, mask=m_mask[:, None] & d_mask[None, :])
 
@@ -108,6 +116,7 @@ def paged_prefill_attention_triton(
     *,
     max_query_len: int | None = None,  # upper bound on query lengths; default: read from the device
     out: torch.Tensor | None = None,  # [T, Hq, D], q's dtype, head_dim contiguous
+    window: int | None = None,  # sliding window: each query sees its last ``window`` positions
 ) -> torch.Tensor:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -128,14 +137,14 @@ def paged_prefill_attention_triton(
     grid = (triton.cdiv(max_query_len, tiles["BLOCK_M"]), num_seqs, num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * _LOG2E,
+        scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_D=triton.next_power_of_2(head_dim), **tiles,
+        BLOCK_D=triton.next_power_of_2(head_dim), WINDOWED=window is not None, **tiles,
         **dot_args(q.dtype),
         num_stages=2,
     )

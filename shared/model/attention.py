@@ -72,10 +72,11 @@ class AttentionBackend(Protocol):
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float,
+        scale: float, window: int | None = None,
     ) -> torch.Tensor:
         """Attention of q ([T, Hq, D]) over the cache, which already holds this step's K/V.
-        Returns [T, Hq, D]; causal within each sequence."""
+        Returns [T, Hq, D]; causal within each sequence. With a sliding ``window`` (the layer's:
+        ``ModelConfig.layer_window``), the query at position p sees the keys in (p - window, p]."""
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -99,17 +100,17 @@ class TorchAttentionBackend:
         plan = meta.derive("kv_write", lambda: kv_write_plan(meta.slot_mapping, k_cache.shape[1]))
         write_kv_planned(key, value, k_cache, v_cache, plan)
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
+    def attend(self, q, k_cache, v_cache, meta, scale, window=None):
         nd = meta.num_decodes
         parts = []
-        if nd:
-            plan = meta.derive("decode", lambda: decode_plan(
-                meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[1]))
+        if nd:  # one plan per window in the step's layers (Gemma's windowed and global layers: two)
+            plan = meta.derive("decode" if window is None else f"decode/window={window}", lambda: decode_plan(
+                meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[1], window))
             parts.append(paged_decode_attention_planned(q[:nd], k_cache, v_cache, plan, scale))
         if q.shape[0] > nd:
             qsl = meta.query_start_loc[nd:] - nd
             parts.append(paged_prefill_attention_ref(
-                q[nd:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:], scale))
+                q[nd:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:], scale, window=window))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
@@ -120,7 +121,7 @@ class TorchAttentionBackend:
 
 
 def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float, softcap: float) -> torch.Tensor:
+                         scale: float, softcap: float, window: int | None = None) -> torch.Tensor:
     """``AttentionBackend.attend`` with every score s made ``softcap * tanh(s / softcap)`` before the
     softmax (Gemma 2). No kernel caps scores, so this is torch over K/V gathered from the cache (any
     device, float32 sums): decode rows at once over their whole block-table rows (no host sync, so
@@ -129,7 +130,10 @@ def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     if nd:
         tables = meta.block_tables[:nd].long()  # [nd, M]
-        valid = torch.arange(tables.shape[1] * block_size, device=q.device)[None] < meta.seq_lens[:nd, None]
+        positions = torch.arange(tables.shape[1] * block_size, device=q.device)[None]
+        valid = positions < meta.seq_lens[:nd, None]
+        if window is not None:
+            valid &= positions >= meta.seq_lens[:nd, None] - window
         k = k_cache[tables].reshape(nd, -1, kv_heads, head_dim)  # [nd, M * bs, Hkv, D]
         v = torch.where(valid[:, :, None, None], v_cache[tables].reshape(nd, -1, kv_heads, head_dim), 0.0)
         parts.append(_capped(q[:nd, None], k, v, valid[:, None], scale, softcap)[:, 0])
@@ -140,7 +144,10 @@ def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k = k_cache[table].reshape(-1, kv_heads, head_dim)[None, :seq_len]  # [1, L, Hkv, D]
         v = v_cache[table].reshape(-1, kv_heads, head_dim)[None, :seq_len]
         q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, L]
+        keys = torch.arange(seq_len, device=q.device)[None, :]
+        causal = keys <= q_pos[:, None]  # [Lq, L]
+        if window is not None:
+            causal &= keys > q_pos[:, None] - window
         parts.append(_capped(q[None, q_start:q_end], k, v, causal[None], scale, softcap)[0])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -82,6 +82,9 @@ def unsupported_reason(cfg) -> str | None:
         (f"the {cfg.activation} activation", cfg.activation == "silu"),
         ("layers without rotary", not cfg.nope_layers),
         ("a mixture of experts", cfg.moe is None),
+        # one window for every layer is a mask of the past (``CompiledDecode.forward``); windowed layers
+        # beside global ones would need a mask per layer in the graph
+        ("windowed layers beside global ones", len(cfg.window_layers) in (0, cfg.num_layers)),
     ) if not is_plain]
     if not differs:
         return None
@@ -169,6 +172,8 @@ class CompiledDecode:
         table = torch.where(starts[None, :] < past[:, None], table, 0)  # blocks past a length: block 0, masked
         offsets = torch.arange(num_blocks * bs, device=table.device)[None, :]
         past_valid = offsets < past[:, None]
+        if self.model.cfg.window_layers:  # every layer windowed (unsupported_reason): the token at p sees (p - w, p]
+            past_valid &= offsets > past[:, None] - self.model.cfg.sliding_window
         if meta.step_starts is None:
             step_src = torch.full_like(past_valid, -1, dtype=torch.long)
         else:  # position l of row r, when this step computes it: row r - (its position - l)

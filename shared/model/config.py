@@ -67,8 +67,10 @@ class Family:
     norm_offset: float = 0.0  # every RMSNorm scales by (offset + weight): Gemma's 1 + weight
     embed_scale_sqrt: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     local_rope: bool = False  # sliding-window layers rotate with their own base (Gemma 3)
-    # attention past ``sliding_window`` tokens is not implemented: the context is cut to the window
-    context_within_window: bool = False
+    # which layers config.json's ``sliding_window`` windows (``_hf_window``): "all" (Mistral, Phi-3, Mixtral,
+    # Qwen3-MoE: every layer, whenever it is set), "types" (the layers ``layer_types`` names
+    # sliding_attention, or the family's own rule without it: Qwen2, Qwen3, SmolLM3, Gemma 2 and 3), None: no layer
+    window_layers: str | None = None
     nope_layers: bool = False  # layers without rotary, from no_rope_layers (SmolLM3)
     moe: MoeNames | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE)
     hf_names: dict[str, str] = field(default_factory=dict)  # checkpoint names that mean another tensor here
@@ -76,19 +78,19 @@ class Family:
 
 FAMILIES = {
     "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(attention_bias=True),
-    "qwen3": Family(qk_norm="head", context_within_window=True),
-    "phi3": Family(context_within_window=True),
+    "mistral": Family(window_layers="all"),
+    "qwen2": Family(attention_bias=True, window_layers="types"),
+    "qwen3": Family(qk_norm="head", window_layers="types"),
+    "phi3": Family(window_layers="all"),
     "olmo2": Family(qk_norm="whole", pre_norms=False, post_norms=True, hf_names=_POST_NORM_NAMES),
     "granite": Family(),  # embedding, residual, attention and logits multipliers: all in config.json
-    "gemma2": Family(post_norms=True, norm_offset=1.0, embed_scale_sqrt=True, context_within_window=True,
+    "gemma2": Family(post_norms=True, norm_offset=1.0, embed_scale_sqrt=True, window_layers="types",
                      hf_names=_GEMMA_NAMES),
     "gemma3_text": Family(qk_norm="head", post_norms=True, norm_offset=1.0, embed_scale_sqrt=True,
-                          local_rope=True, context_within_window=True, hf_names=_GEMMA_NAMES),
-    "smollm3": Family(nope_layers=True, context_within_window=True),
-    "mixtral": Family(context_within_window=True, moe=MoeNames("intermediate_size", True, round_weights=False)),
-    "qwen3_moe": Family(qk_norm="head", context_within_window=True,
+                          local_rope=True, window_layers="types", hf_names=_GEMMA_NAMES),
+    "smollm3": Family(nope_layers=True, window_layers="types"),
+    "mixtral": Family(window_layers="all", moe=MoeNames("intermediate_size", True, round_weights=False)),
+    "qwen3_moe": Family(qk_norm="head", window_layers="all",
                         moe=MoeNames("moe_intermediate_size", None, round_weights=True)),
 }
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> the model's
@@ -124,6 +126,10 @@ class ModelConfig:
     local_layers: tuple[int, ...] = ()
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not rotate q and k
     moe: Moe | None = None  # Mixtral, Qwen3-MoE
+    # the sliding window of the layers in ``window_layers`` (the others see the whole context): the query at
+    # position p sees the keys in (p - sliding_window, p], as transformers' sliding_window_overlay
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None
     # explicit per-frequency divisors (GGUF stores Llama-3 scaling as a `rope_freqs` tensor)
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
@@ -132,6 +138,13 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.window_layers and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError(f"window_layers {self.window_layers} need a positive sliding_window, "
+                             f"not {self.sliding_window}")
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer ``index``; None where it sees the whole context."""
+        return self.sliding_window if index in self.window_layers else None
 
     @property
     def num_params(self) -> int:
@@ -158,9 +171,6 @@ class ModelConfig:
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"unsupported use_bidirectional_attention of {model_type} (causal attention only)")
         max_positions = int(cfg.get("max_position_embeddings", 4096))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if family.context_within_window and window:
-            max_positions = min(max_positions, int(window))
         scalar = cfg.get("query_pre_attn_scalar")  # Gemma's softmax scale; Granite's attention_multiplier
         attention_scale = float(scalar) ** -0.5 if scalar else cfg.get("attention_multiplier")
         return cls(
@@ -189,6 +199,7 @@ class ModelConfig:
             final_softcap=_optional_float(cfg.get("final_logit_softcapping")),
             nope_layers=_hf_nope_layers(cfg) if family.nope_layers else (),
             moe=_hf_moe(cfg, family.moe) if family.moe else None,
+            **_hf_window(cfg, family),
             **_hf_rope(cfg, family, model_type, head_dim),
         )
 
@@ -206,6 +217,42 @@ def _hf_nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
         interval = int(cfg.get("no_rope_layer_interval", 4))
         uses_rope = [(i + 1) % interval != 0 for i in range(num_layers)]
     return tuple(i for i in range(num_layers) if not uses_rope[i])
+
+
+# the families whose transformers config has a use_sliding_window switch, off unless config.json turns it on
+_WINDOW_SWITCH_OFF = ("qwen2", "qwen3", "qwen3_moe", "smollm3")
+
+
+def _hf_window(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
+    """``sliding_window`` and ``window_layers`` as transformers 5 decides them for the family
+    (``Family.window_layers``): no window unless config.json sets ``sliding_window`` (and
+    ``use_sliding_window``, where the family has that switch). Without ``layer_types``, the family's
+    own rule: Qwen2 and Qwen3 window the layers from ``max_window_layers`` on, SmolLM3 its layers
+    without rotary, Gemma 2 every other layer from the first, Gemma 3 all but every
+    ``sliding_window_pattern``-th."""
+    switched_on = cfg.get("use_sliding_window", cfg.get("model_type") not in _WINDOW_SWITCH_OFF)
+    window = cfg.get("sliding_window") if switched_on else None
+    if family.window_layers is None or not window:
+        return dict(sliding_window=None, window_layers=())
+    num_layers = cfg["num_hidden_layers"]
+    if family.window_layers == "all":
+        return dict(sliding_window=int(window), window_layers=tuple(range(num_layers)))
+    types = cfg.get("layer_types") or _default_layer_types(cfg)
+    layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return dict(sliding_window=int(window) if layers else None, window_layers=layers)
+
+
+def _default_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """A config.json without ``layer_types``: the layer types its family's transformers config derives."""
+    model_type, num_layers = cfg.get("model_type"), cfg["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3"):
+        is_windowed = [i >= int(cfg.get("max_window_layers", 28)) for i in range(num_layers)]
+    elif model_type == "smollm3":
+        is_windowed = [i in _hf_nope_layers(cfg) for i in range(num_layers)]
+    else:  # Gemma 2: every other layer (no pattern field); Gemma 3: configs from before layer_types
+        pattern = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        is_windowed = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    return ["sliding_attention" if w else "full_attention" for w in is_windowed]
 
 
 def _hf_moe(cfg: dict[str, Any], names: MoeNames) -> Moe:
@@ -249,9 +296,7 @@ def _hf_rope(cfg: dict[str, Any], family: Family, model_type: str, head_dim: int
     local_theta, local_layers = None, ()
     if family.local_rope:  # Gemma 3: the sliding-window layers' own base, never scaled
         local_theta = float((local_params or {}).get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0))
-        pattern = int(cfg.get("sliding_window_pattern", 6))  # configs from before layer_types
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                           for i in range(cfg["num_hidden_layers"])]
+        types = cfg.get("layer_types") or _default_layer_types(cfg)
         local_layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     return dict(rope_theta=float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0)), rope_scaling=rope,
                 rope_freq_factors=freq_factors, local_rope_theta=local_theta, local_layers=local_layers)

@@ -64,10 +64,10 @@ class LlamaLayer:
     What a family changes (shared/model/config.py's ``FAMILIES``) arrives as the config's fields
     and as which norms the weights hold: no norm before a sublayer (OLMo 2), a norm of a
     sublayer's all-reduced output (OLMo 2, Gemma), the MLP's activation, Granite's residual
-    multiplier, the softmax scale and Gemma 2's score soft-cap; SmolLM3's layers without rotary
-    and experts in place of the MLP (shared/model/moe.py: Mixtral, Qwen3-MoE). The compiled decode
-    step (shared/model/compiled.py) covers the Llama layer and Qwen3's q/k norms; the other families
-    decode eagerly (``compiled.unsupported_reason``)."""
+    multiplier, the softmax scale and Gemma 2's score soft-cap, the layer's sliding window; SmolLM3's
+    layers without rotary and experts in place of the MLP (shared/model/moe.py: Mixtral, Qwen3-MoE).
+    The compiled decode step (shared/model/compiled.py) covers the Llama layer and Qwen3's q/k norms;
+    the other families decode eagerly (``compiled.unsupported_reason``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
                  group: Collectives, index: int = 0):
@@ -92,6 +92,7 @@ class LlamaLayer:
         self.act = _ACTIVATIONS[cfg.activation]
         self.rope = (1 if index in cfg.local_layers else 0) if cfg.local_layers else None  # Gemma 3's cos/sin pair
         self.has_rope = index not in cfg.nope_layers  # SmolLM3's NoPE layers attend without positions
+        self.window = cfg.layer_window(index)  # a sliding-window layer's: it sees its last `window` positions
         self.moe = (MoeBlock(cfg.moe, weights["router"], weights["experts_gate_up"], weights["experts_down"],
                              self.act) if "router" in weights else None)
 
@@ -102,9 +103,9 @@ class LlamaLayer:
         k_cache, v_cache = kv_views
         backend.write_kv(k, v, k_cache, v_cache, meta)
         if self.softcap is None:
-            attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
+            attn = backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)
         else:
-            attn = softcapped_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
+            attn = softcapped_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, self.window)
         hidden = self.norm_out(norm, self.group.all_reduce(linear(attn.reshape(-1, self.q_size), self.o_proj)),
                                self.attn_out_norm)
         x, residual = self.norm_in(norm, hidden, residual, self.mlp_norm)

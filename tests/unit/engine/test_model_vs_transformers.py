@@ -6,7 +6,9 @@ import torch
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
-from tiny_hf_models import GEMMA_WINDOW, save_tiny
+from tiny_hf_models import SLIDING_WINDOW, save_tiny
+
+LONG_PROMPT = 128  # tokens: a query tile and more, ten times the tiny models' sliding window
 
 
 def assert_greedy_under_hf(model, prompt, generated, tol=1e-4):
@@ -36,12 +38,12 @@ def test_prefill_logits_match(tiny_hf):
 
 def test_logits_at_every_position_match(tiny_hf):
     """The whole model in float32 (Qwen3's q/k norms, Phi-3's fused checkpoint tensors, OLMo 2's
-    post-norms, Granite's multipliers, Gemma's soft-caps and local rope included): every position's
-    logits within float32 rounding of transformers'. The prompt fills the tiny Gemmas' whole sliding
-    window, which transformers applies on their local layers: the cut context is exact."""
+    post-norms, Granite's multipliers, Gemma's soft-caps, local rope and sliding windows included):
+    every position's logits within float32 rounding of transformers'. The prompt runs far past the
+    tiny Gemmas' window, which their local layers attend over and their global layers do not."""
     _, path, hf = tiny_hf
     model = load_model(path, "hf", torch.device("cpu"), torch.float32)
-    prompt = [(13 * i + 5) % 256 for i in range(GEMMA_WINDOW)]
+    prompt = [(13 * i + 5) % 256 for i in range(LONG_PROMPT)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     got = model.prefill_logits(prompt)
@@ -106,7 +108,7 @@ def test_experts_weigh_their_outputs_as_transformers_in_bfloat16(tmp_path, kind)
     save_tiny(kind, tmp_path)
     model = load_model(tmp_path, "hf", torch.device("cpu"), torch.bfloat16)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    prompt = [(13 * i + 5) % 256 for i in range(GEMMA_WINDOW)]
+    prompt = [(13 * i + 5) % 256 for i in range(LONG_PROMPT)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(model.prefill_logits(prompt), ref, rtol=0, atol=1e-2)
@@ -134,14 +136,15 @@ def test_phi3_rope_it_does_not_compute_is_refused_by_name(rope, named):
         ModelConfig.from_hf(PHI3 | {"rope_scaling": rope})
 
 
-def test_context_is_cut_to_the_sliding_window():
-    """Phi-3-mini-4k's window (2047) under its 4096 positions: attention over a window is not
-    implemented, so the context stops where it would start to matter."""
-    assert ModelConfig.from_hf(PHI3 | {"sliding_window": 2047}).max_position_embeddings == 2047
-    assert ModelConfig.from_hf(PHI3).max_position_embeddings == 4096
+def test_a_sliding_window_keeps_the_whole_context():
+    """Phi-3-mini-4k's window (2047) under its 4096 positions: every layer attends over its window,
+    and the context is the model's whole. Qwen3 windows nothing unless use_sliding_window says so."""
+    phi3 = ModelConfig.from_hf(PHI3 | {"sliding_window": 2047})
+    assert (phi3.max_position_embeddings, phi3.sliding_window, phi3.window_layers) == (4096, 2047, (0, 1))
+    assert ModelConfig.from_hf(PHI3).window_layers == ()
     qwen3 = PHI3 | {"model_type": "qwen3", "sliding_window": 1024, "use_sliding_window": False}
     assert ModelConfig.from_hf(qwen3).max_position_embeddings == 4096
-    assert ModelConfig.from_hf(qwen3).qk_norm
+    assert ModelConfig.from_hf(qwen3).window_layers == () and ModelConfig.from_hf(qwen3).qk_norm
 
 
 def test_qwen3_split_over_two_ranks_gives_the_whole_models_logits(tmp_path):
@@ -196,7 +199,8 @@ GEMMA2 = PHI3 | dict(model_type="gemma2", head_dim=16, hidden_activation="gelu_p
 
 def test_each_familys_differences_are_read_from_its_config():
     gemma2 = ModelConfig.from_hf(GEMMA2)
-    assert gemma2.max_position_embeddings == 4096  # Gemma 2's window: its context
+    assert gemma2.max_position_embeddings == 8192 and gemma2.sliding_window == 4096
+    assert gemma2.window_layers == (0,)  # every other layer, from the first
     assert (gemma2.activation, gemma2.attention_scale, gemma2.attn_softcap, gemma2.final_softcap) == (
         "gelu_tanh", 24 ** -0.5, 50.0, 30.0)
     assert gemma2.embedding_multiplier == 8.0 and gemma2.post_norms and gemma2.pre_norms
@@ -212,7 +216,8 @@ def test_each_familys_differences_are_read_from_its_config():
                                                final_logit_softcapping=None,
                                                rope_scaling={"rope_type": "linear", "factor": 8.0}))
     assert gemma3.local_layers == (0, 1, 2, 3, 4) and gemma3.local_rope_theta == 1e4 and gemma3.rope_theta == 1e6
-    assert gemma3.rope_freq_factors == (8.0,) * 8 and gemma3.max_position_embeddings == 1024
+    assert gemma3.rope_freq_factors == (8.0,) * 8 and gemma3.max_position_embeddings == 8192
+    assert gemma3.sliding_window == 1024 and gemma3.window_layers == gemma3.local_layers
     assert gemma3.attn_softcap is None and gemma3.qk_norm == "head"
 
 
@@ -273,17 +278,3 @@ def test_softcapped_attention_under_a_cap_far_above_the_scores_is_the_backends_a
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     bent = softcapped_attention(q, k_cache, v_cache, meta, 0.25, 0.5)  # and a low cap does bend them
     assert (bent - want).abs().max() > 0.05
-
-
-def test_the_gemma_context_ends_where_the_window_would_start_to_matter(tmp_path):
-    """Cut to the window, the context is exact (every position above, the window full); one token
-    more and transformers' sliding layers drop the first token, which ours, attending to all, keep."""
-    hf = save_tiny("gemma2", tmp_path)
-    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
-    assert model.cfg.max_position_embeddings == GEMMA_WINDOW
-    prompt = [(13 * i + 5) % 256 for i in range(GEMMA_WINDOW + 1)]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    got = model.prefill_logits(prompt)
-    torch.testing.assert_close(got[:GEMMA_WINDOW], ref[:GEMMA_WINDOW], rtol=1e-4, atol=1e-4)
-    assert (got[GEMMA_WINDOW] - ref[GEMMA_WINDOW]).abs().max() > 1e-2

@@ -7,7 +7,8 @@ import torch
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             initializer_range=0.2)
-GEMMA_WINDOW = 128  # the tiny Gemmas' sliding window: also their context (shared/model/config.py)
+# the tiny models' sliding window: the tests' prompts (40 to 128 tokens) and generations run far past it
+SLIDING_WINDOW = 12
 
 
 def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
@@ -17,7 +18,22 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
     shape = TINY | overrides
 
     torch.manual_seed(0)
-    if kind == "qwen2":
+    if kind == "mistral":  # every layer windowed
+        cfg = transformers.MistralConfig(**shape, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+    elif kind == "qwen3_window":  # layers from max_window_layers (1) on windowed, layer 0 global
+        cfg = transformers.Qwen3Config(**shape, head_dim=32, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                                       max_window_layers=1, tie_word_embeddings=False)
+    elif kind == "mixtral_window":  # every layer windowed, experts in place of the MLP
+        cfg = transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=SLIDING_WINDOW)
+    elif kind == "phi3_window":  # every layer windowed, from the fused checkpoint tensors
+        cfg = transformers.Phi3Config(**shape, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False,
+                                      pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    elif kind == "smollm3_window":  # its layer without rotary (0) windowed, the other global
+        cfg = transformers.SmolLM3Config(**shape, no_rope_layers=[0, 1], use_sliding_window=True,
+                                         sliding_window=SLIDING_WINDOW, pad_token_id=None, bos_token_id=1,
+                                         eos_token_id=2)
+    elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**shape, tie_word_embeddings=True)
     elif kind == "qwen3":  # head_dim 32, not hidden / heads = 16: the explicit one must be used
         cfg = transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)
@@ -30,14 +46,14 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
     elif kind == "granite":  # multipliers far from 1 (the scale 0.5, not head_dim ** -0.5 = 0.25)
         cfg = transformers.GraniteConfig(**shape, tie_word_embeddings=True, embedding_multiplier=3.0,
                                          residual_multiplier=0.5, attention_multiplier=0.5, logits_scaling=4.0)
-    elif kind == "gemma2":  # caps low enough to bend random scores; a window the tests' prompts fill exactly
+    elif kind == "gemma2":  # caps low enough to bend random scores; layer 0 windowed, layer 1 global
         cfg = transformers.Gemma2Config(**shape, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                                        final_logit_softcapping=10.0, sliding_window=GEMMA_WINDOW,
+                                        final_logit_softcapping=10.0, sliding_window=SLIDING_WINDOW,
                                         pad_token_id=None, bos_token_id=1, eos_token_id=2)
-    elif kind == "gemma3_text":  # local layers (0, 2) rotate with base 100, the global one (1) with 1e4 x 8
+    elif kind == "gemma3_text":  # local (windowed) layers (0, 2) rotate with base 100, the global one (1) with 1e4 x 8
         cfg = transformers.Gemma3TextConfig(
             **(shape | dict(num_hidden_layers=3)), head_dim=16, query_pre_attn_scalar=24,
-            sliding_window=GEMMA_WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
             pad_token_id=None, bos_token_id=1, eos_token_id=2)

@@ -27,7 +27,7 @@ from shared.openai_api.errors import ApiError, from_validation_error
 from shared.protocol import Subjects
 from shared.protocol.batch import FileRecord
 from shared.service.lifecycle import every
-from services.gateway.batch_runner import BatchRunner, RunnerConfig
+from services.gateway.batch_runner import BatchRunner, History, RunnerConfig
 from services.gateway.core import GatewayCore
 
 
@@ -50,7 +50,8 @@ class CreateBatchBody(BaseModel):
 class Batches:
     """The Files and Batch APIs of one gateway, and its share of the batch work."""
 
-    def __init__(self, gateway: GatewayCore, files: FileStore, batches: BatchStore) -> None:
+    def __init__(self, gateway: GatewayCore, files: FileStore, batches: BatchStore,
+                 history: History | None = None) -> None:
         self._gateway, self._settings = gateway, gateway.settings
         self.files = files
         self.coordinator = BatchCoordinator(batches, files, CoordinatorConfig(
@@ -59,13 +60,15 @@ class Batches:
             max_in_flight=self._settings.batch_max_in_flight, ack_wait_s=self._settings.batch_ack_wait_s,
             max_deliver=self._settings.batch_max_deliver,
             in_flight_beside_online=self._settings.batch_in_flight_beside_online,
-            online_quiet_s=self._settings.batch_online_quiet_s))
+            online_quiet_s=self._settings.batch_online_quiet_s), history)
         self._steps: set[asyncio.Task] = set()
 
     @classmethod
-    async def open(cls, gateway: GatewayCore) -> "Batches":
+    async def open(cls, gateway: GatewayCore, history: History | None = None) -> "Batches":
+        """``history``: the stored responses ``/v1/responses`` lines continue (None: none kept)."""
         subjects = Subjects(gateway.settings.namespace)
-        return cls(gateway, await FileStore.open(gateway.bus, subjects), await BatchStore.open(gateway.bus, subjects))
+        return cls(gateway, await FileStore.open(gateway.bus, subjects), await BatchStore.open(gateway.bus, subjects),
+                   history)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload_file)

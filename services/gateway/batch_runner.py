@@ -22,6 +22,10 @@ first result per (batch, custom_id) (``BatchStore.store_result``): a redelivered
 has one is acknowledged without running. A line of a batch that is no longer running (cancelled,
 expired) is dropped, and lines running when their batch is cancelled are stopped (the worker is
 told to cancel) within ``_WATCH_INTERVAL_S``.
+
+A ``/v1/responses`` line with ``previous_response_id`` continues that stored response as online
+(``History``), as its batch's owner: another key's response fails the line with online's 404. A
+line's own response is not stored (no later line or request can continue it).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from shared.batch.store import BatchStore
@@ -54,6 +59,10 @@ _RETRY_STATUSES = (429, 503)               # admission's "not now": wait and ask
 _MAX_RETRY_WAIT_S = 5.0
 _WATCH_INTERVAL_S = 0.5
 _LIMIT_RECHECK_S = 0.25  # how often a runner at its limit looks whether online traffic went quiet
+
+# (previous_response_id, owner) → the items of that stored conversation, oldest first, as ``owner``
+# may see them (``StoredResponses.history``); raises online's ApiError (404 for another owner's)
+History = Callable[[str, str | None], Awaitable[list[dict]]]
 
 
 @dataclass(frozen=True)
@@ -84,8 +93,10 @@ def batch_tier(qos: QosConfig) -> tuple[str, int]:
 
 
 class BatchRunner:
-    def __init__(self, gateway: GatewayCore, store: BatchStore, config: RunnerConfig) -> None:
-        self._gateway, self._store, self._config = gateway, store, config
+    def __init__(self, gateway: GatewayCore, store: BatchStore, config: RunnerConfig,
+                 history: History | None = None) -> None:
+        """``history``: stored responses for ``previous_response_id`` (None: a line with one fails)."""
+        self._gateway, self._store, self._config, self._history = gateway, store, config, history
         self._tier, self._priority = batch_tier(gateway.qos)
         self._tasks: dict[asyncio.Task, str] = {}  # running line → its batch id
         self._held: collections.deque[QueueMessage[BatchLineRequest]] = collections.deque()  # fetched, not started
@@ -168,12 +179,15 @@ class BatchRunner:
 
     async def _settle(self, message: QueueMessage[BatchLineRequest]) -> None:
         line = message.payload
-        if not await self._is_running(line.batch_id) or await self._store.has_result(line.batch_id, line.custom_id):
+        batch = await self._store.get(line.batch_id)
+        if batch is None or batch.record.status not in _RUNNING \
+                or await self._store.has_result(line.batch_id, line.custom_id):
             await message.ack()
             return
         keepalive = asyncio.create_task(self._keep_alive(message))
         try:
-            result = await self._run(line, is_last_try=message.num_delivered >= self._config.max_deliver)
+            result = await self._run(line, batch.record.owner,
+                                     is_last_try=message.num_delivered >= self._config.max_deliver)
         finally:
             keepalive.cancel()
         if await self._store.store_result(result):
@@ -187,13 +201,14 @@ class BatchRunner:
             with contextlib.suppress(Exception):
                 await message.in_progress()
 
-    async def _run(self, line: BatchLineRequest, *, is_last_try: bool) -> BatchLineResult:
-        """The line's result: the online answer, after waiting out admission's rejections. An
-        unexpected failure leaves the line to its next delivery, or on the last one is its result
-        (a 500), so that the batch still completes."""
+    async def _run(self, line: BatchLineRequest, owner: str | None, *, is_last_try: bool) -> BatchLineResult:
+        """The line's result: the online answer to ``owner`` (the batch's), after waiting out
+        admission's rejections. An unexpected failure leaves the line to its next delivery, or on
+        the last one is its result (a 500), so that the batch still completes."""
         while True:
             try:
-                outcome = await execute(self._gateway, line, tier=self._tier, priority=self._priority)
+                outcome = await execute(self._gateway, line, tier=self._tier, priority=self._priority,
+                                        owner=owner, history=self._history)
             except Exception as exc:  # noqa: BLE001 — a bug or NATS trouble: the line must end somewhere
                 if not is_last_try:
                     raise
@@ -217,30 +232,54 @@ class Outcome:
     retry_after_s: float | None = None  # a rejection's Retry-After
 
 
-async def execute(gateway: GatewayCore, line: BatchLineRequest, *, tier: str, priority: int) -> Outcome:
-    """Run one line as the gateway runs the same request online (``Gateway._generate_traced``),
-    without the HTTP around it. Unexpected failures once the request has left (NATS trouble) are
-    raised, for the line's next delivery."""
+async def execute(gateway: GatewayCore, line: BatchLineRequest, *, tier: str, priority: int,
+                  owner: str | None = None, history: History | None = None) -> Outcome:
+    """Run one line as the gateway runs the same request online (``Gateway._generate_traced``)
+    for ``owner``, without the HTTP around it. Unexpected failures once the request has left (NATS
+    trouble, reading ``history`` included) are raised, for the line's next delivery."""
     request_id = ""
     try:
-        api, gen_request = await line_request(gateway, line, tier=tier, priority=priority)
+        api, gen_request = await line_request(gateway, line, tier=tier, priority=priority, owner=owner,
+                                              history=history)
         request_id = gen_request.request_id
         return Outcome(request_id, 200, await gateway.collect(api, gen_request))
     except ApiError as exc:
         return Outcome(request_id, exc.status, exc.body(), exc.retry_after_s)
 
 
-async def line_request(gateway: GatewayCore, line: BatchLineRequest, *, tier: str,
-                       priority: int) -> tuple[ApiAdapter, GenerateRequest]:
+async def line_request(gateway: GatewayCore, line: BatchLineRequest, *, tier: str, priority: int,
+                       owner: str | None = None, history: History | None = None) -> tuple[ApiAdapter, GenerateRequest]:
     """The line as a request, parsed and tokenized off the event loop as online requests are
-    (``prepared_request``); an ``ApiError`` when it cannot be one. This is local work that fails
-    every delivery alike, so any other failure is a 500 ``ApiError`` too, the line's result at
-    once: raised, it would hold the batch in progress for ``max_deliver`` ack waits."""
-    try:
+    (``prepared_request``), after the earlier turns of its ``previous_response_id`` that ``owner``
+    may see (``continued``); an ``ApiError`` when it cannot be one."""
+    with _line_input_errors(line):
         api = await asyncio.to_thread(ADAPTERS[line.url].from_json, line.body.encode(), gateway.tokenizer)
         if api.body.stream:
             raise ApiError(400, "stream is not supported in a batch", param="stream", code="invalid_value")
+    api = await continued(api, owner, history)  # NATS: its trouble is raised, for the next delivery
+    with _line_input_errors(line):
         return api, (await gateway.prepared_request(api, tier)).model_copy(update={"priority": priority})
+
+
+async def continued(api: ApiAdapter, owner: str | None, history: History | None) -> ApiAdapter:
+    """A ``/v1/responses`` body with ``previous_response_id`` after that conversation's items, as
+    ``StoredResponses.create`` does online, and refused as online for a response ``owner`` may not
+    see; any other body as it is."""
+    if not isinstance(api, ResponsesAdapter) or api.body.previous_response_id is None:
+        return api
+    if history is None:
+        raise ApiError(400, "previous_response_id needs stored responses, which this gateway does not keep",
+                       param="previous_response_id", code="unsupported_parameter")
+    return ResponsesAdapter(api.body.continued(await history(api.body.previous_response_id, owner)), api.tokenizer)
+
+
+@contextlib.contextmanager
+def _line_input_errors(line: BatchLineRequest) -> Iterator[None]:
+    """Local work on a line's input fails every delivery alike, so any failure in it but an
+    ``ApiError`` is a 500 ``ApiError`` too, the line's result at once: raised, it would hold the
+    batch in progress for ``max_deliver`` ack waits."""
+    try:
+        yield
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 — a bug met on this line's input

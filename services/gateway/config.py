@@ -8,7 +8,13 @@ class GatewaySettings(ServiceSettings, QosSettings):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: any free port)")
     model: str = Field("smollm2-135m", description="served model (its tokenizer is loaded here)")
     api_keys: str | None = Field(None, description="comma-separated key:tier pairs (tiers from --qos; a key "
-                                 "without one gets the default tier); unset: no auth")
+                                 "without one gets the default tier); unset: no auth. A flag shows in ps: prefer "
+                                 "the environment or --api-keys-file")
+    api_keys_file: str | None = Field(None, description="file of API keys, one KEY or KEY:TIER a line (# comments); "
+                                      "instead of --api-keys, read once at start")
+    operator_key_file: str | None = Field(None, description="file holding the operator key, which /status, /metrics "
+                                          "and /dashboard then require (Bearer, or Basic with it as password); "
+                                          "unset: those pages are open")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when the request gives none")
     admission_timeout_s: float = Field(2.0, gt=0, description="wait for admission's answer")
     admission_retry_s: float = Field(10.0, ge=0, description="ask admission again (another instance of its "
@@ -61,9 +67,11 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                           "finalize, expire, finish a cancel)")
 
     @model_validator(mode="after")
-    def _api_key_tiers_exist(self) -> "GatewaySettings":
-        from shared.openai_api.auth import ApiKeys  # noqa: PLC0415
+    def _keys_load(self) -> "GatewaySettings":
+        """API keys with tiers that exist, from one source; an operator key file that holds one."""
+        from shared.openai_api.auth import ApiKeys, OperatorKey  # noqa: PLC0415
         from shared.policy.qos import load_qos  # noqa: PLC0415
 
-        ApiKeys.parse(self.api_keys, load_qos(self.qos))
+        ApiKeys.load(self.api_keys, self.api_keys_file, load_qos(self.qos))
+        OperatorKey.load(self.operator_key_file)
         return self

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from shared.openai_api import responses
 from shared.openai_api.adapters import ApiAdapter, Choice, Delta, ResponseHead
+from shared.openai_api.auth import OperatorKey, path_is_operator
 from shared.openai_api.errors import ApiError
 from shared.telemetry.phases import server_timing
 from services.gateway.generation import Generation
@@ -165,6 +166,25 @@ async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Ge
     await resp.write_eof()
 
 
+# Basic for the operator pages: a browser opening the dashboard asks for the operator key (as the
+# password) on it; API clients send Bearer
+_CHALLENGES = {"invalid_api_key": 'Bearer realm="tandem"',
+               "invalid_operator_key": 'Basic realm="tandem operator", charset="UTF-8"'}
+
+
+def operator_middleware(operator_key: OperatorKey):
+    """The operator pages (``path_is_operator``: /status, /metrics, /dashboard and below) only for
+    requests with the operator key, when one is configured; every other path as before."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if path_is_operator(request.path):
+            operator_key.check(request.headers.get("Authorization"))
+        return await handler(request)
+
+    return middleware
+
+
 def errors_middleware(count: Callable[[int], None]):
     """Every error as an OpenAI error body; every ``/v1/`` response's status passed to ``count``."""
 
@@ -176,6 +196,8 @@ def errors_middleware(count: Callable[[int], None]):
             headers = {}
             if exc.retry_after_s is not None and exc.status in (429, 503):
                 headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+            if exc.status == 401:  # RFC 9110: a 401 names the scheme it wants
+                headers["WWW-Authenticate"] = _CHALLENGES.get(exc.code or "", _CHALLENGES["invalid_api_key"])
             resp = web.json_response(exc.body(), status=exc.status, headers=headers)
         except web.HTTPException as exc:  # 404 route, 405 method, 413 body too large
             error = unrouted_error(request) or ApiError(exc.status, exc.reason)

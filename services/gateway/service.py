@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,7 @@ from aiohttp import web
 from shared.bus import Bus, ServiceDirectory, ServiceError, WorkerRegistry
 from shared.cluster.workers import ready_workers
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter, parse_body
-from shared.openai_api.auth import ApiKeys
+from shared.openai_api.auth import ApiKeys, OperatorKey
 from shared.openai_api.errors import ApiError
 from shared.openai_api.retry import waiting_out_429s
 from shared.policy.qos import ServedTier, load_qos, serve_tier
@@ -51,7 +52,8 @@ from services.gateway.conversations import Conversations
 from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.unsupported import add_unsupported_routes
 from services.gateway.generation import Generation
-from services.gateway.server import OnComplete, collect_body, errors_middleware, http_site, respond
+from services.gateway.server import (OnComplete, collect_body, errors_middleware, http_site, operator_middleware,
+                                     respond)
 from services.gateway.stored_responses import StoredResponses
 from services.gateway.metrics import GatewayMetrics
 
@@ -75,7 +77,8 @@ class Gateway:
         self.tokenizer = tokenizer
         self.workers: list[WorkerInfo] = []
         self.qos = load_qos(settings.qos)
-        self.api_keys = ApiKeys.parse(settings.api_keys, self.qos)
+        self.api_keys = ApiKeys.load(settings.api_keys, settings.api_keys_file, self.qos)
+        self.operator_key = OperatorKey.load(settings.operator_key_file)
         self.rate_limiter = (RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
                              if settings.rate_limit_per_s else None)
         self.metrics = GatewayMetrics.create(settings.num_restarts, service_instance_id("gateway"))
@@ -327,12 +330,25 @@ def _log_request(gen: Generation) -> None:
              gen.ttft_s * 1000, phases)
 
 
+def _log_access(gateway: Gateway, settings: GatewaySettings) -> None:
+    """Who may use this gateway, said once at start: an open operator page or a key file others
+    can read is a choice an operator should see."""
+    keys = f"{len(gateway.api_keys.key_tiers)} API keys" if gateway.api_keys.key_tiers else "no API keys (no auth)"
+    pages = ("need the operator key" if gateway.operator_key.is_configured
+             else "open to anyone who reaches this port (no --operator-key-file)")
+    log.info("%s; /status, /metrics and /dashboard %s", keys, pages)
+    for path in (settings.api_keys_file, settings.operator_key_file):
+        if path and os.stat(path).st_mode & 0o044:
+            log.warning("%s is readable by other users than its owner (chmod 600 it)", path)
+
+
 def _model_card(model_id: str) -> dict:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "tandem"}
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware(gateway.metrics.observe_response)],
+    app = web.Application(middlewares=[errors_middleware(gateway.metrics.observe_response),
+                                       operator_middleware(gateway.operator_key)],
                           client_max_size=gateway.settings.max_request_bytes)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -363,7 +379,7 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
         conversations = await ConversationStore.open(bus, Subjects(settings.namespace))
         gateway = Gateway(settings, bus, registry, tokenizer, services, responses, conversations)
         app = build_app(gateway)
-        batches = await Batches.open(gateway)
+        batches = await Batches.open(gateway, gateway.stored.history)
         batches.add_routes(app)
         async with (http_site(app, settings.host, settings.port) as port,
                     gateway.stored.running(),
@@ -372,4 +388,5 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
                     batches.running()):
             log.info("gateway listening on http://%s:%d (model %s; dashboard /dashboard)", settings.host, port,
                      settings.model)
+            _log_access(gateway, settings)
             await serve_until_stopped("gateway", gateway, stop, settings.namespace)

@@ -84,7 +84,7 @@ class StoredResponses:
         own = input_items(body)
         owner = self._gateway.api_keys.owner(request.headers.get("Authorization"))
         if body.previous_response_id is not None:
-            api = ResponsesAdapter(body.continued(await self._history(body.previous_response_id, owner)),
+            api = ResponsesAdapter(body.continued(await self.history(body.previous_response_id, owner)),
                                    api.tokenizer)
         if body.conversation_id is not None:
             if self._conversations is None:
@@ -115,7 +115,10 @@ class StoredResponses:
                 and response["status"] in ("completed", "incomplete"):
             await self._conversations.add_turn(conversation_id, own + response["output"])
 
-    async def _history(self, previous_id: str, owner: str | None) -> list[dict]:
+    async def history(self, previous_id: str, owner: str | None) -> list[dict]:
+        """The items of the stored conversation ending in ``previous_id``, oldest first (online and
+        batch lines: ``batch_runner.History``): a 404 for one ``owner`` may not see, a 400 for one
+        still running."""
         try:
             last, items = await self._store.conversation(previous_id, owner)
         except ResponseNotFound as exc:

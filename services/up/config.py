@@ -126,7 +126,12 @@ class UpSettings(WorkerHostSettings, QosSettings):
     namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
     api_keys: str | None = Field(None, description="gateway API keys as key:tier pairs (tiers from --qos); "
-                                 "unset: no auth")
+                                 "unset: no auth. Seen by every user of this machine in tandem up's command "
+                                 "line: prefer --api-keys-file or TANDEM_API_KEYS")
+    api_keys_file: str | None = Field(None, description="file of gateway API keys, one KEY or KEY:TIER a line "
+                                      "(# comments); the gateways read it themselves")
+    operator_key_file: str | None = Field(None, description="file holding the operator key that /status, /metrics "
+                                          "and /dashboard then require (and tandem up itself sends); unset: open")
     rate_limit_per_s: float | None = Field(None, gt=0, description="gateway requests per second per API key "
                                            "(per client address without keys); unset: no limit")
     autoscale: bool = Field(False, description="let the autoscaler act: flip workers between decode and prefill, "

@@ -30,7 +30,8 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
         registry_ttl_s=s.registry_ttl_s, log_level=s.log_level, metrics_host=s.metrics_host, restart_children=s.restart,
         restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         decode_flags=decode_flags, prefill_flags=prefill_flags,
-        gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, rate_limit_per_s=s.rate_limit_per_s,
+        gateway_flags=_given(qos=s.qos, api_keys=s.api_keys, api_keys_file=s.api_keys_file,
+                             operator_key_file=s.operator_key_file, rate_limit_per_s=s.rate_limit_per_s,
                              rate_limit_burst=s.rate_limit_burst),
         admission_flags=_given(qos=s.qos), **_autoscaling(s))
 

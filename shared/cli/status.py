@@ -19,6 +19,8 @@ def register(subparsers) -> None:
     status.add_argument("--url", default=os.environ.get("TANDEM_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
                         help="gateway base URL (env TANDEM_GATEWAY_URL, which tandem up writes to connect.env; "
                              "default: %(default)s)")
+    status.add_argument("--operator-key-file", default=os.environ.get("TANDEM_OPERATOR_KEY_FILE"),
+                        help="the gateway's operator key file, when it has one (env TANDEM_OPERATOR_KEY_FILE)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.set_defaults(func=status_main)
 
@@ -28,12 +30,20 @@ def status_main(args: argparse.Namespace) -> int:
     import urllib.request
 
     from shared.cli.errors import CliError
+    from shared.openai_api.auth import operator_headers
+    from shared.planner.config import ConfigError
 
     url = args.url.rstrip("/") + "/status"
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        request = urllib.request.Request(url, headers=operator_headers(args.operator_key_file))
+        with urllib.request.urlopen(request, timeout=5) as resp:
             view = json.load(resp)
         page = StatusPage.model_validate(view)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    except urllib.error.HTTPError as exc:
+        hint = " (pass the operator key: --operator-key-file)" if exc.code == 401 else ""
+        raise CliError(f"cannot read {url}: {exc}{hint}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: bad JSON or not a status
         raise CliError(f"cannot read {url}: {exc}") from None
     if args.json:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.openai_api.auth import operator_headers
 from shared.stack.children import Child, child_env, service_argv, split_secret_flags
 from shared.stack.rotate import KeptLogin
 from shared.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
@@ -412,11 +413,18 @@ class Stack:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
+    @property
+    def _operator_key_file(self) -> str | None:
+        """The gateways' operator key file: given to them, or in the environment they inherit."""
+        return self.spec.gateway_flags.get("operator_key_file") or os.environ.get("TANDEM_OPERATOR_KEY_FILE")
+
     def listed_pids(self) -> set[int] | None:
         """The processes in the service directory, as the first gateway's /status lists them; None
         while it does not answer."""
         try:
-            with urllib.request.urlopen(self.base_url + "/status", timeout=2) as resp:
+            headers = operator_headers(self._operator_key_file)
+            request = urllib.request.Request(self.base_url + "/status", headers=headers)
+            with urllib.request.urlopen(request, timeout=2) as resp:
                 return {int(service["pid"]) for service in json.load(resp).get("services", [])}
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return None

@@ -3,8 +3,8 @@
 exactly once and greedy lines equal to the same requests sent online; fewer lines at once beside
 online requests; a decode worker killed mid-batch, then a gateway; cancel with partial results
 kept; bad lines in the error file; a malformed file failing with its line named; 413 on a
-too-large upload; a batch served by any gateway; a batch that outlives a restart of the whole stack
-on the same state dir."""
+too-large upload; a batch served by any gateway; ``/v1/responses`` lines continuing a stored response
+of their own key only; a batch that outlives a restart of the whole stack on the same state dir."""
 
 from __future__ import annotations
 
@@ -229,6 +229,41 @@ def test_gateway_killed_mid_batch_still_answers_every_line_once(client, stack):
     output = read_lines(client, done.output_file_id)
     assert sorted(o["custom_id"] for o in output) == sorted(l["custom_id"] for l in lines)
     assert all(o["response"]["status_code"] == 200 for o in output)
+
+
+def test_responses_lines_continue_previous_responses_of_their_own_key_only(stack):
+    """A gateway with two API keys beside the stack's: a line may continue a response its batch's
+    key stored online (it runs on any gateway, as its batch's owner), and another key's is that
+    line's 404, the one online gives."""
+    from shared.stack.servers import free_port  # noqa: PLC0415
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    stack.spawn("gateway-keys", "gateway", {"namespace": stack.spec.namespace, "nats_url": stack.nats_url,
+                                            "model": MODEL, "port": port, "api_keys": "k1,k2"})
+    wait_for(lambda: (s := stack.ready_status(url)) and s.get("num_ready_decode_workers"), 60, f"{url}/ready")
+    alice, bob = (openai.OpenAI(base_url=url + "/v1", api_key=k, max_retries=0, timeout=120) for k in ("k1", "k2"))
+    first = alice.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4, temperature=0)
+    with pytest.raises(openai.NotFoundError) as online:
+        bob.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id)
+
+    def line(custom_id: str, **extra) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+                "body": {"model": MODEL, "input": "What is my name?", "max_output_tokens": 4, "temperature": 0,
+                         **extra}}
+
+    lines = [line("plain"), line("continued", previous_response_id=first.id)]
+    done = finished(alice, submit(alice, lines, "/v1/responses").id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 2, 0), done
+    by_id = {o["custom_id"]: o["response"]["body"] for o in read_lines(alice, done.output_file_id)}
+    assert by_id["continued"]["previous_response_id"] == first.id
+    # the earlier turn's input and output came first
+    assert by_id["continued"]["usage"]["input_tokens"] > by_id["plain"]["usage"]["input_tokens"]
+    done = finished(bob, submit(bob, [line("not-mine", previous_response_id=first.id)], "/v1/responses").id)
+    assert (done.status, done.request_counts.failed) == ("completed", 1), done
+    [error] = read_lines(bob, done.error_file_id)
+    assert error["response"]["status_code"] == 404
+    assert error["response"]["body"]["error"] == online.value.body, error
 
 
 def test_a_batch_outlives_a_restart_of_the_whole_stack(tmp_path):

@@ -4,7 +4,8 @@ error format. No worker is needed: both are answered before the request goes any
 input (bodies nested past ``MAX_JSON_DEPTH``, ``logit_bias`` keys that are no token ids, lone
 surrogates, numbers too large to be counts or to be read at all, keys without ``Bearer``, texts past
 the ``/tokenize`` limits) is a 4xx, never a 500, and a batch of hostile lines completes with an error
-per line (no line held for redelivery, no batch held in ``validating``).
+per line (no line held for redelivery, no batch held in ``validating``). One test starts a stack of
+gateways without workers: API keys never on a gateway's command line, /status behind the operator key.
 
 Slow: the gateway loads the real tokenizer.
 """
@@ -295,3 +296,41 @@ async def test_a_long_chat_prompt_does_not_hold_health(client_for, tokenizer):
     held.released.set()
     resp = await generating  # tokenized; then no admission answers (there is none here)
     assert resp.status == 503
+
+
+def test_a_stack_keeps_keys_off_gateway_command_lines_and_its_pages_behind_the_operator_key(
+        nats_server, redis_server, tmp_path, capsys):
+    """``tandem up --api-keys`` and an operator key file on a real stack (no workers: none is
+    needed): ``ps`` shows no key, and our own readers of /status (the stack, ``tandem status``)
+    send the operator key."""
+    import argparse  # noqa: PLC0415
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    from shared.cli.status import status_main  # noqa: PLC0415
+    from shared.stack.stack import StackSpec  # noqa: PLC0415
+    from stack_helpers import running_stack  # noqa: PLC0415
+
+    operator_key = tmp_path / "operator.key"
+    operator_key.write_text("op-stack-key\n")
+    spec = StackSpec(state_dir=tmp_path / "stack", num_decode=0, num_gateways=2, model=DEFAULT_MODEL, port=0,
+                     namespace=f"k{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
+                     gateway_flags={"api_keys": "sk-secret-1,sk-secret-2", "operator_key_file": str(operator_key)})
+    with running_stack(spec, ready_timeout_s=120) as stack:
+        gateways = [c for name, c in stack.children.items() if name.startswith("gateway")]
+        assert len(gateways) == 2
+        for child in gateways:
+            cmdline = open(f"/proc/{child.pid}/cmdline", "rb").read().decode()
+            assert "sk-secret" not in cmdline and "op-stack-key" not in cmdline, cmdline
+        for url in stack.base_urls:
+            tokenize = urllib.request.Request(url + "/tokenize", data=b'{"prompt": "hi"}',
+                                              headers={"Authorization": "Bearer sk-secret-2"})
+            with urllib.request.urlopen(tokenize, timeout=10) as resp:  # the keys arrived by the environment
+                assert resp.status == 200
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(url + "/status", timeout=10)
+            assert refused.value.code == 401
+        assert stack.listed_pids()  # the stack's own reader sends the key
+        args = argparse.Namespace(url=stack.base_url, json=True, operator_key_file=str(operator_key))
+        assert status_main(args) == 0 and '"gateway"' in capsys.readouterr().out

@@ -361,3 +361,36 @@ def test_lines_a_fetch_brings_after_online_traffic_began_start_against_the_new_l
         return queue.asked[0], running, held
 
     assert asyncio.run(scenario()) == (6, 2, 4)
+
+
+async def test_a_responses_line_continues_its_previous_response_as_its_batch_owner():
+    """``previous_response_id`` in a batch line: the earlier turns come first, read as the batch's
+    owner; the history's refusal (another key's response: online's 404) is the line's result, and
+    a gateway that keeps no stored responses refuses the line rather than ignore the field."""
+    from services.gateway.batch_runner import execute  # noqa: PLC0415
+    from shared.openai_api.errors import ApiError  # noqa: PLC0415
+
+    earlier = [{"type": "message", "role": "user", "content": "My name is Ada."}]
+
+    async def history(previous_id: str, owner: str | None) -> list[dict]:
+        if (previous_id, owner) != ("resp_1", "key_alice"):
+            raise ApiError(404, f"Previous response with id {previous_id!r} not found.", param="previous_response_id",
+                           code="previous_response_not_found", error_type="invalid_request_error")
+        return earlier
+
+    class Gateway:
+        tokenizer = None
+
+        async def prepared_request(self, api, tier):
+            self.input = api.body.input
+            raise ApiError(400, "stop here: the request as it would run is known")
+
+    body = json.dumps({"model": "m", "input": "What is my name?", "previous_response_id": "resp_1"})
+    request = BatchLineRequest(batch_id="batch_1", line=1, custom_id="a", url="/v1/responses", body=body)
+    gateway = Gateway()
+    await execute(gateway, request, tier="default", priority=9, owner="key_alice", history=history)
+    assert [item.content for item in gateway.input] == ["My name is Ada.", "What is my name?"]
+    outcome = await execute(Gateway(), request, tier="default", priority=9, owner="key_bob", history=history)
+    assert (outcome.status, outcome.body["error"]["code"]) == (404, "previous_response_not_found")
+    outcome = await execute(Gateway(), request, tier="default", priority=9, owner="key_alice", history=None)
+    assert (outcome.status, outcome.body["error"]["param"]) == (400, "previous_response_id")

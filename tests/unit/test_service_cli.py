@@ -192,3 +192,14 @@ def test_up_gives_prefill_and_decode_workers_their_own_parallel_shapes():
     assert spec.decode_flags["pipeline_parallel_size"] == 2 and "tensor_parallel_size" not in spec.decode_flags
     plain = spec_from_settings(UpSettings(prefill=1))
     assert not {"tensor_parallel_size", "pipeline_parallel_size"} & {*plain.prefill_flags, *plain.decode_flags}
+
+
+def test_up_hands_its_key_files_to_the_gateways_and_keys_only_through_their_environment():
+    from services.up.config import UpSettings
+    from services.up.service import spec_from_settings
+    from shared.stack.children import split_secret_flags
+
+    spec = spec_from_settings(UpSettings(api_keys_file="/etc/tandem/keys", operator_key_file="/etc/tandem/op"))
+    assert spec.gateway_flags == {"api_keys_file": "/etc/tandem/keys", "operator_key_file": "/etc/tandem/op"}
+    flags, env = split_secret_flags(spec_from_settings(UpSettings(api_keys="sk-1:premium")).gateway_flags)
+    assert "api_keys" not in flags and env == {"TANDEM_API_KEYS": "sk-1:premium"}

@@ -310,21 +310,12 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     from loadtest.tools.workload import WorkloadConfig, build_workload
-    from shared.engine import EngineConfig, LLMEngine, warmup
-    from shared.planner.config import MODEL_PRESETS, load_calibration, load_model
-    from shared.planner.costmodel import (DecodeSample, GroupHardware, Parallel, PrefillSample, calibrate,
-                                          decode_step_s, prefill_latency_s)
-    from shared.planner.config import GpuType
     from shared.telemetry.logs import configure_logging
 
     configure_logging("calibrate")
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
     # The workload both sides serve: fixed prompt and output lengths, Poisson arrivals.
     wl = WorkloadConfig(num_requests=args.num_requests, rate=args.rate, burstiness=1.0,
                         prompt_words=args.prompt_words, output_tokens=args.output_tokens, spread=0.0,
@@ -332,7 +323,73 @@ def main(argv=None) -> int:
     specs = build_workload(wl)
 
     print("1. step times (in-process engine)", flush=True)
-    # the decode step compiled, as a decode worker runs it once its background compile is done
+    steps = measure_steps(args, specs)
+    cal_path = write_calibration(args, steps, started)
+    model, eff, eff_ratio = fit(cal_path, steps)
+
+    print("2. simulator", flush=True)
+    cluster_path, sim, sim_ratio = simulate_fits(args, model, (eff, eff_ratio), specs, steps.input_lens)
+    sim_q = {"ttft": p50_p90(sim["ttft_s"]), "itl": p50_p90(sim["tpot_s"])}
+    result = {
+        "title": (f"{args.model} on {platform.node() or 'this machine'} ({steps.device}, {steps.threads} threads): "
+                  f"{args.num_requests} req at {args.rate:g}/s, {np.mean(steps.input_lens):.0f} in / "
+                  f"{args.output_tokens} out"),
+        "started_utc": started, "host": platform.node(), "device": steps.device, "torch_threads": steps.threads,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "workload": dataclasses.asdict(wl) | {"input_tokens_mean": float(np.mean(steps.input_lens)),
+                                              "input_tokens_min": int(min(steps.input_lens)),
+                                              "input_tokens_max": int(max(steps.input_lens)),
+                                              "decode_context_len": steps.context_len},
+        "calibration": {"prefill": steps.prefill, "decode": steps.decode, "file": str(cal_path),
+                        "measured_on": "engine thread (as AsyncEngine in the decode worker)"},
+        "main_thread_step_times": {"prefill": steps.main_prefill, "decode": steps.main_decode,
+                                   "note": "same steps on the main thread; not used by the fit"},
+        "fit": {k: getattr(eff, k) for k in ("compute", "hbm", "prefill_overhead_s", "decode_seq_s")},
+        "fit_ratio_only": {"compute": eff_ratio.compute, "hbm": eff_ratio.hbm},
+        "sim": {"ttft": sim_q["ttft"], "itl_is_tpot": sim_q["itl"],
+                "tpot": p50_p90(sim["tpot_s"]), "kv_util_mean": sim["kv_util_mean"]},
+        "sim_ratio_only_fit": {"ttft": p50_p90(sim_ratio["ttft_s"]), "tpot": p50_p90(sim_ratio["tpot_s"])},
+    }
+    if args.skip_live:
+        (args.out / "calibration_sim.json").write_text(json.dumps(result, indent=2))
+        print("skipped the live stack (--skip-live)")
+        return 0
+
+    print(f"3. live stack: {args.num_requests} requests at {args.rate:g}/s", flush=True)
+    comparison = compare_live(args, specs, sim_q, result)
+    print(f"\n{'metric':<10} {'sim ms':>9} {'live ms':>9} {'error':>8}  within {args.tolerance:.0%}")
+    for k, row in comparison.items():
+        flag = {True: "yes", False: "NO"}.get(row.get("within_tolerance"), "")
+        print(f"{k:<10} {row['sim_s'] * 1e3:9.1f} {row['live_s'] * 1e3:9.1f} {row['rel_error']:+8.1%}  {flag}")
+    print("(sim ITL = per-request TPOT; tpot rows compare it with the live per-request TPOT)")
+    print(f"wrote {args.out / 'calibration_sim.json'}, {args.out / 'calibration_sim.png'}, {cal_path}, {cluster_path}")
+    return 0
+
+
+HBM_GIB = 2.0  # the CPU "GPU"'s memory: the engine's default 1 GiB CPU KV pool plus the float32 weights, with headroom
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Step 1's measurements: the fitted ones (engine thread), the main thread's for the record."""
+
+    prefill: list[dict]
+    decode: list[dict]
+    main_prefill: list[dict]
+    main_decode: list[dict]
+    input_lens: list[int]  # each request's prompt tokens
+    context_len: int       # the decode steps' context: the mean prompt plus half the output
+    threads: int
+    device: str
+
+
+def measure_steps(args, specs) -> StepTimes:
+    """The in-process engine's prefill and decode step times, its decode step compiled as a decode
+    worker runs it once its background compile is done."""
+    import torch
+
+    from shared.engine import EngineConfig, LLMEngine, warmup
+
     engine = LLMEngine.from_config(EngineConfig(model=args.model, compile="on"))
     warmup(engine)
     input_lens = [len(engine.tokenizer.encode(s.prompt)) for s in specs]
@@ -343,87 +400,82 @@ def main(argv=None) -> int:
     main_prefill, main_decode = measure_step_times(engine, lengths, batches, ctx, args.repeats)
     print("  on an engine thread, as the decode worker runs (these are fitted):", flush=True)
     prefill, decode = on_engine_thread(measure_step_times, engine, lengths, batches, ctx, args.repeats)
-    threads, device = torch.get_num_threads(), str(engine.device)
-    del engine
+    return StepTimes(prefill, decode, main_prefill, main_decode, input_lens, ctx, torch.get_num_threads(),
+                     str(engine.device))
 
-    # The model as the engine runs it here (float32 weights and KV), and the measurements.
+
+def write_calibration(args, steps: StepTimes, started: str) -> Path:
+    """The model file (float32 weights and KV, as the engine runs it here) and the calibration file
+    of ``steps``, in ``args.out``; returns the calibration file's path."""
+    from shared.planner.config import MODEL_PRESETS, GpuType
+
     base = MODEL_PRESETS[args.model]
     model_spec = base.model_copy(update={"name": f"{base.name}-fp32", "bytes_per_param": 4.0,
                                          "kv_bytes_per_elem": 4.0})
-    model_path, cal_path, cluster_path = out / MODEL_FILE, out / CALIBRATION_FILE, out / CLUSTER_FILE
+    model_path, cal_path = args.out / MODEL_FILE, args.out / CALIBRATION_FILE
     model_path.write_text("# SmolLM2-135M as the engine runs it on a CPU: float32 weights and KV cache\n"
                           + yaml.safe_dump(model_spec.model_dump(), sort_keys=False))
-    hbm_gib = 2.0   # the engine's default 1 GiB CPU KV pool plus the float32 weights, with headroom
-    gpu = GpuType(tflops_bf16=NOMINAL_TFLOPS, hbm_gib=hbm_gib, hbm_gbps=NOMINAL_GBPS, price_per_hour=0.0)
+    gpu = GpuType(tflops_bf16=NOMINAL_TFLOPS, hbm_gib=HBM_GIB, hbm_gbps=NOMINAL_GBPS, price_per_hour=0.0)
     cal_doc = {"model": str(model_path), "gpu": gpu.model_dump(),
-               "prefill": [{"num_tokens": p["num_tokens"], "seconds": round(p["seconds"], 6)} for p in prefill],
+               "prefill": [{"num_tokens": p["num_tokens"], "seconds": round(p["seconds"], 6)} for p in steps.prefill],
                "decode": [{"batch": d["batch"], "context_len": d["context_len"], "seconds": round(d["seconds"], 6)}
-                          for d in decode]}
+                          for d in steps.decode]}
     cal_path.write_text(
         f"# SmolLM2-135M step times measured by loadtest/calibrate/sim.py on {platform.node() or 'this machine'} "
-        f"({device}, {threads} torch threads), {started}.\n"
+        f"({steps.device}, {steps.threads} torch threads), {started}.\n"
         "# Median wall time, stepped on its own thread as the decode worker does: a whole-prompt prefill\n"
         "# (one engine.step(), or its chunks' steps beyond the step budget), or a pure decode step of\n"
         "# `batch` sequences (the decode step compiled).\n"
         f"# The CPU is described in nominal units ({NOMINAL_TFLOPS:g} TFLOP/s, {NOMINAL_GBPS:g} GB/s);\n"
         "# the fitted efficiencies carry the real rates. `model` is a path relative to the repository root.\n"
         + yaml.safe_dump(cal_doc, sort_keys=False))
-    cal = load_calibration(cal_path)            # read back through the planner's own loader
+    return cal_path
+
+
+def fit(cal_path: Path, steps: StepTimes):
+    """(model, fitted efficiencies, the plain median-ratio fit's), read back through the planner's own
+    loader; each step of ``steps`` gets what both fits predict for it (``fit_s``, ``ratio_fit_s``)."""
+    from shared.planner.config import load_calibration, load_model
+    from shared.planner.costmodel import (DecodeSample, GroupHardware, Parallel, PrefillSample, calibrate,
+                                          decode_step_s, prefill_latency_s)
+
+    cal = load_calibration(cal_path)
     model = load_model(cal.model)
     pre_samples = [PrefillSample(m.num_tokens, m.seconds) for m in cal.prefill]
     dec_samples = [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode]
     eff = calibrate(model, cal.gpu, pre_samples, dec_samples, fit_overheads=True)
-    eff_ratio = calibrate(model, cal.gpu, pre_samples, dec_samples)   # the plain (median ratio) fit
+    eff_ratio = calibrate(model, cal.gpu, pre_samples, dec_samples)
     hw = GroupHardware(gpu=cal.gpu, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=0.0)
     one = Parallel(1, 1)
-    for p in prefill:
+    for p in steps.prefill:
         p["fit_s"] = prefill_latency_s(model, hw, one, eff, p["num_tokens"])
         p["ratio_fit_s"] = prefill_latency_s(model, hw, one, eff_ratio, p["num_tokens"])
-    for d in decode:
+    for d in steps.decode:
         d["fit_s"] = decode_step_s(model, hw, one, eff, d["batch"], d["context_len"])
         d["ratio_fit_s"] = decode_step_s(model, hw, one, eff_ratio, d["batch"], d["context_len"])
-    fit = {k: getattr(eff, k) for k in ("compute", "hbm", "prefill_overhead_s", "decode_seq_s")}
     print(f"  fit: compute eff {eff.compute:.4f} (x {NOMINAL_TFLOPS:g} TFLOP/s), hbm eff {eff.hbm:.4f} "
           f"(x {NOMINAL_GBPS:g} GB/s), prefill overhead {eff.prefill_overhead_s * 1e3:.1f} ms, "
           f"decode {eff.decode_seq_s * 1e3:.2f} ms/sequence", flush=True)
+    return model, eff, eff_ratio
 
-    print("2. simulator", flush=True)
+
+def simulate_fits(args, model, fits, specs, input_lens: list[int]):
+    """This machine as a one-device cluster (written to ``args.out``), simulated with each of ``fits``:
+    (the cluster file, the first fit's result, the second's)."""
+    cluster_path = args.out / CLUSTER_FILE
     cluster_path.write_text("# This machine as a one-device cluster for `tandem plan/simulate`: the CPU is the one\n"
                             "# \"GPU\", in nominal units; use with --calibration smollm2-cpu.yaml\n"
-                            + yaml.safe_dump(cpu_cluster_spec(hbm_gib), sort_keys=False))
-    sim = simulate(cluster_path, model, eff, specs, input_lens)
-    sim_ratio = simulate(cluster_path, model, eff_ratio, specs, input_lens)
-    sim_q = {"ttft": p50_p90(sim["ttft_s"]), "itl": p50_p90(sim["tpot_s"])}
-    print(f"  sim TTFT p50 {sim_q['ttft']['p50'] * 1e3:.0f} ms, ITL(TPOT) p50 {sim_q['itl']['p50'] * 1e3:.1f} ms",
-          flush=True)
+                            + yaml.safe_dump(cpu_cluster_spec(HBM_GIB), sort_keys=False))
+    sim, sim_ratio = (simulate(cluster_path, model, eff, specs, input_lens) for eff in fits)
+    print(f"  sim TTFT p50 {p50_p90(sim['ttft_s'])['p50'] * 1e3:.0f} ms, ITL(TPOT) p50 "
+          f"{p50_p90(sim['tpot_s'])['p50'] * 1e3:.1f} ms", flush=True)
+    return cluster_path, sim, sim_ratio
 
-    result = {
-        "title": (f"{args.model} on {platform.node() or 'this machine'} ({device}, {threads} threads): "
-                  f"{args.num_requests} req at {args.rate:g}/s, {np.mean(input_lens):.0f} in / "
-                  f"{args.output_tokens} out"),
-        "started_utc": started, "host": platform.node(), "device": device, "torch_threads": threads,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "workload": dataclasses.asdict(wl) | {"input_tokens_mean": float(np.mean(input_lens)),
-                                              "input_tokens_min": int(min(input_lens)),
-                                              "input_tokens_max": int(max(input_lens)),
-                                              "decode_context_len": ctx},
-        "calibration": {"prefill": prefill, "decode": decode, "file": str(cal_path),
-                        "measured_on": "engine thread (as AsyncEngine in the decode worker)"},
-        "main_thread_step_times": {"prefill": main_prefill, "decode": main_decode,
-                                   "note": "same steps on the main thread; not used by the fit"},
-        "fit": fit,
-        "fit_ratio_only": {"compute": eff_ratio.compute, "hbm": eff_ratio.hbm},
-        "sim": {"ttft": sim_q["ttft"], "itl_is_tpot": sim_q["itl"],
-                "tpot": p50_p90(sim["tpot_s"]), "kv_util_mean": sim["kv_util_mean"]},
-        "sim_ratio_only_fit": {"ttft": p50_p90(sim_ratio["ttft_s"]), "tpot": p50_p90(sim_ratio["tpot_s"])},
-    }
-    if args.skip_live:
-        (out / "calibration_sim.json").write_text(json.dumps(result, indent=2))
-        print("skipped the live stack (--skip-live)")
-        return 0
 
-    print(f"3. live stack: {args.num_requests} requests at {args.rate:g}/s", flush=True)
-    results, summary = run_live(args.model, specs, 60.0, 10.0, out / "live_stack.log")
+def compare_live(args, specs, sim_q: dict, result: dict) -> dict:
+    """Run the live stack on ``specs``, add its figures and the comparison to ``result``, write
+    calibration_sim.json and its plot; returns the comparison."""
+    results, summary = run_live(args.model, specs, 60.0, 10.0, args.out / "live_stack.log")
     if summary["num_errors"]:
         print(f"  {summary['num_errors']} errors: {summary['errors']}", flush=True)
     ok = [r for r in results if r.error is None and r.finished_s is not None]
@@ -432,10 +484,9 @@ def main(argv=None) -> int:
               "tpot": p50_p90([r.tpot_s for r in ok])}
     comparison = compare({"ttft": sim_q["ttft"], "itl": sim_q["itl"]},
                          {"ttft": live_q["ttft"], "itl": live_q["itl"]}, args.tolerance)
-    comparison["tpot_p50"] = {"sim_s": sim_q["itl"]["p50"], "live_s": live_q["tpot"]["p50"],
-                              "rel_error": relative_error(sim_q["itl"]["p50"], live_q["tpot"]["p50"])}
-    comparison["tpot_p90"] = {"sim_s": sim_q["itl"]["p90"], "live_s": live_q["tpot"]["p90"],
-                              "rel_error": relative_error(sim_q["itl"]["p90"], live_q["tpot"]["p90"])}
+    for q in ("p50", "p90"):
+        comparison[f"tpot_{q}"] = {"sim_s": sim_q["itl"][q], "live_s": live_q["tpot"][q],
+                                   "rel_error": relative_error(sim_q["itl"][q], live_q["tpot"][q])}
     result |= {"live": {"ttft": live_q["ttft"], "itl": live_q["itl"], "tpot": live_q["tpot"],
                         "num_ok": summary["num_ok"], "num_errors": summary["num_errors"],
                         "errors": summary["errors"], "duration_s": summary["duration_s"],
@@ -445,16 +496,9 @@ def main(argv=None) -> int:
                "sim_ratio_only_vs_live": compare({"ttft": result["sim_ratio_only_fit"]["ttft"],
                                                   "itl": result["sim_ratio_only_fit"]["tpot"]},
                                                  {"ttft": live_q["ttft"], "itl": live_q["itl"]}, args.tolerance)}
-    (out / "calibration_sim.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "calibration_sim.png")
-
-    print(f"\n{'metric':<10} {'sim ms':>9} {'live ms':>9} {'error':>8}  within {args.tolerance:.0%}")
-    for k, row in comparison.items():
-        flag = {True: "yes", False: "NO"}.get(row.get("within_tolerance"), "")
-        print(f"{k:<10} {row['sim_s'] * 1e3:9.1f} {row['live_s'] * 1e3:9.1f} {row['rel_error']:+8.1%}  {flag}")
-    print("(sim ITL = per-request TPOT; tpot rows compare it with the live per-request TPOT)")
-    print(f"wrote {out / 'calibration_sim.json'}, {out / 'calibration_sim.png'}, {cal_path}, {cluster_path}")
-    return 0
+    (args.out / "calibration_sim.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "calibration_sim.png")
+    return comparison
 
 
 if __name__ == "__main__":

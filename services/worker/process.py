@@ -128,7 +128,7 @@ class WorkerRoles:
             return
         # a decode worker's own bound on its writes (a prefix it lends); a prefill worker's writes are
         # bounded by each request's write_timeout_s too, which the decode worker sets (2 s by default)
-        self.transfer = GroupTransfer(rank0, metadata, self._engine.submit,
+        self.transfer = GroupTransfer(rank0, metadata, self._engine.send_group_kv,
                                       write_timeout_s=getattr(self._settings, "kv_write_timeout_s", 5.0))
         log.info("KV transfer: %d agents, one per rank (%s)", metadata.shape.size, metadata.shape.describe())
 

@@ -264,6 +264,11 @@ class AsyncEngine:
         0 talks to the others): the future of ``LLMEngine.open_group_transfer``, from any thread."""
         return self._submit(self._engine.open_group_transfer, name)
 
+    def send_group_kv(self, target: bytes, local_ids: list[int], remote_ids: list[int], notify: bytes,
+                      timeout_s: float) -> concurrent.futures.Future:
+        """``LLMEngine.send_group_kv`` in the engine thread, between two steps: its future, from any thread."""
+        return self._submit(self._engine.send_group_kv, target, local_ids, remote_ids, notify, timeout_s)
+
     # -- the engine thread, for what has no method above ------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between two steps and return its result. For
@@ -272,7 +277,7 @@ class AsyncEngine:
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """``call`` from any thread: the future of ``fn(engine)``, run in the engine thread between
-        two steps (a parallel worker's KV writes, which every rank makes together)."""
+        two steps."""
         return self._submit(fn, self._engine)
 
     def shutdown(self, timeout: float = 10.0) -> None:

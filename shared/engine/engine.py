@@ -90,6 +90,12 @@ class LLMEngine:
         agent and the group's metadata."""
         return self.model.open_transfer(name)
 
+    def send_group_kv(self, target: bytes, local_ids: list[int], remote_ids: list[int], notify: bytes,
+                      timeout_s: float) -> tuple[int, int]:
+        """Every rank's part of one KV write into the worker whose ``GroupMetadata`` is ``target``
+        (``ParallelModel.send_kv``): (bytes, descriptors) of the whole group."""
+        return self.model.send_kv(target, local_ids, remote_ids, notify, timeout_s)
+
     # -- requests -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise an InvalidRequestError subclass naming the field; safe from any thread."""

@@ -22,13 +22,14 @@ log = logging.getLogger(__name__)
 
 
 class GroupTransfer:
-    """See ``KvTransfer``; ``submit(fn)`` runs ``fn(engine)`` in the engine thread (a future)."""
+    """See ``KvTransfer``; ``send(target, local_ids, remote_ids, notify, timeout_s)`` starts one write of
+    the whole group in the engine thread and returns its future (``AsyncEngine.send_group_kv``)."""
 
-    def __init__(self, rank0, metadata: GroupMetadata, submit: Callable[[Callable], concurrent.futures.Future],
+    def __init__(self, rank0, metadata: GroupMetadata, send: Callable[..., concurrent.futures.Future],
                  *, write_timeout_s: float = 5.0) -> None:
         """``write_timeout_s``: how long each rank waits for its writes before the group gives up
         (the engine's steps wait meanwhile: a target that died costs the group that long)."""
-        self._rank0, self._metadata, self._submit = rank0, metadata, submit
+        self._rank0, self._metadata, self._send = rank0, metadata, send
         self.write_timeout_s = write_timeout_s
         self.agent_name = metadata.name
         self.shape = metadata.shape
@@ -58,9 +59,8 @@ class GroupTransfer:
         target = self._peers.get(peer)
         if target is None:
             raise KVTransferFailed(f"unknown peer {peer!r} (known: {sorted(self._peers)}): add_peer first")
-        data, local, remote = target.to_bytes(), list(local_block_ids), list(remote_block_ids)
-        timeout_s = self.write_timeout_s
-        future = self._submit(lambda engine: engine.model.send_kv(data, local, remote, notify, timeout_s))
+        future = self._send(target.to_bytes(), list(local_block_ids), list(remote_block_ids), notify,
+                            self.write_timeout_s)
         return TransferHandle(peer, 0, 0, notify, backend_handle=future)
 
     def poll(self, handle: TransferHandle) -> bool:

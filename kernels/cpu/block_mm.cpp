@@ -543,17 +543,26 @@ void panel_group(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* pane
     for (int i = 0; i < R; ++i) {
       const int64_t m = m0 + i;
       const int8_t* x1 = xq.q.data() + m * K + b * kBlock;
+      // the block's k-steps in two chains of four (even and odd), added at the end: half the wait on
+      // vpdpbusd's latency per row, and the same exact integer sum
       __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+      __m512i t1 = _mm512_setzero_si512(), t2 = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int s = 0; s < kSteps; ++s) {
-        int32_t four;
+      for (int s = 0; s < kSteps; s += 2) {
+        int32_t four, next;
         std::memcpy(&four, x1 + 4 * s, 4);
+        std::memcpy(&next, x1 + 4 * s + 4, 4);
         s1 = _mm512_dpbusd_epi32(s1, w[s], _mm512_set1_epi32(four));
+        t1 = _mm512_dpbusd_epi32(t1, w[s + 1], _mm512_set1_epi32(next));
         if (kTwoLevels) {
           std::memcpy(&four, xq.q2.data() + m * K + b * kBlock + 4 * s, 4);
+          std::memcpy(&next, xq.q2.data() + m * K + b * kBlock + 4 * s + 4, 4);
           s2 = _mm512_dpbusd_epi32(s2, w[s], _mm512_set1_epi32(four));
+          t2 = _mm512_dpbusd_epi32(t2, w[s + 1], _mm512_set1_epi32(next));
         }
       }
+      s1 = _mm512_add_epi32(s1, t1);
+      if (kTwoLevels) s2 = _mm512_add_epi32(s2, t2);
       if (!kFourBit) {  // the levels were stored plus 128
         s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(128 * xq.qsum[m * nb + b]));
         if (kTwoLevels) s2 = _mm512_sub_epi32(s2, _mm512_set1_epi32(128 * xq.q2sum[m * nb + b]));
@@ -575,13 +584,20 @@ void panel_group(const Quantized& xq, int64_t m0, int64_t K, const uint8_t* pane
 template <bool kFourBit, bool kTwoLevels>
 void run_panel_groups(const Quantized& xq, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out) {
   const int64_t P = (N + kPanelRows - 1) / kPanelRows, nb = K / kBlock, rec = record_bytes(kFourBit);
-  constexpr int kGroup = 8;  // activation rows per pass over a panel (accumulators in registers)
+  // activation rows per pass over a panel (accumulators in registers): 16 unpack each block's nibbles
+  // once for twice the rows 8 did, 6-14% less time at 16-64 rows on the AMD EPYC Zen 4 (one thread,
+  // alternating with 8 in one process); then 8, then what is left
+  constexpr int kGroup = 16;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = panels + p * nb * rec;
       const int64_t n0 = p * kPanelRows, nn = std::min<int64_t>(kPanelRows, N - n0);
       int64_t m0 = 0;
       for (; m0 + kGroup <= M; m0 += kGroup) panel_group<kGroup, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N);
+      if (m0 + 8 <= M) {
+        panel_group<8, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N);
+        m0 += 8;
+      }
       switch (M - m0) {
         case 7: panel_group<7, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;
         case 6: panel_group<6, kFourBit, kTwoLevels>(xq, m0, K, panel, n0, nn, out, N); break;

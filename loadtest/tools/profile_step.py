@@ -30,11 +30,13 @@ from shared.telemetry.plot import figure
 # exact aten op names, and name prefixes of op families (the SDPA kernels, oneDNN and packed-weight
 # matmuls), per kind; anything else is "other ops"
 KINDS = {
-    "matmul": ({"mm", "addmm", "bmm", "matmul", "linear", "_int_mm", "baddbmm"},
+    "matmul": ({"mm", "addmm", "bmm", "matmul", "linear", "_int_mm", "baddbmm", "panel_mm", "block_mm", "int8_mm"},
                ("_weight_int8pack_mm", "_weight_int4pack_mm", "mkldnn_", "onednn", "qlinear")),
-    "attention": ({"scaled_dot_product_attention", "softmax", "_softmax", "flex_attention"},
+    "attention": ({"scaled_dot_product_attention", "softmax", "_softmax", "flex_attention", "decode_attention"},
                   ("_scaled_dot_product",)),
 }
+# our C++ ops (kernels/cpu/*.cpp) are recorded under their own namespaces, beside aten's
+OP_NAMESPACES = ("aten::", "aoti_torch_cpu_", "tandem_blocks::", "tandem_attn::", "tandem_cpu::")
 # with --compile the graph's C++ caller reaches aten through shims (aoti_torch_cpu_<op>_out), and its
 # own loops are recorded under their kernel names (graph_<n>_cpp_fused_...) when inductor's kernel
 # profile is on; everything else inside the graph is the caller itself
@@ -102,7 +104,7 @@ def profile(engine, steps: int) -> dict:
     # aten ops, and the compiled graph's shims and loops; profiler-internal and user ranges are left
     # out (their time is in the ops below them, or outside any op)
     events = [e for e in prof.key_averages()
-              if e.key.startswith(("aten::", "aoti_torch_cpu_")) or "_cpp_fused_" in e.key]
+              if e.key.startswith(OP_NAMESPACES) or "_cpp_fused_" in e.key]
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
     for event in events:
         by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0.0) + event.self_cpu_time_total / 1e3

@@ -158,6 +158,8 @@ def test_the_panels_give_the_bits_of_the_avx2_loops(kind, act_levels):
         assert w.bits == (4 if kind == "q4_1" else 8) and w.panels is not None
         x = torch.randn(33, k, generator=g) * 3
         x[1, :BLOCK] = 0  # an all-zero block
-        for rows in (1, 2, 3, 4, 5, 9, 33):  # the AVX2 kernel's narrow loops below three rows, wide from three
+        # the AVX2 kernel's narrow loops below three rows, wide from three; the panels' groups of 16,
+        # then 8, then the rest (25: 16 + 8 + 1)
+        for rows in (1, 2, 3, 4, 5, 9, 16, 25, 33):
             want = blocks_cpu.block_mm(x[:rows], w.qs, w.d, w.m, act_levels)
             assert torch.equal(blocks_cpu.block_mm(x[:rows], w.qs, w.d, w.m, act_levels, w.panels), want), (n, k, rows)

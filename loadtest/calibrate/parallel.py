@@ -20,7 +20,11 @@ the group it predicts:
 4. **Collectives**: all-reduces of ``[rows, hidden]`` float32 between ``--tp`` rank processes of
    one thread each, over the group's own collectives (shared memory on one host); a line through
    their times gives the fixed cost of one collective and the link's bandwidth.
-5. **Fit** (``costmodel.calibrate(..., fit_overheads=True)`` with 3 and 4 as its base), then
+   **Shared memory bandwidth**: ``--tp`` processes summing a large tensor at once read less than
+   ``--tp`` times what one reads alone; what they read together caps a group's ranks' reads (the
+   node's ``memory_gbps``, in the cost model's units).
+5. **Fit** (``costmodel.calibrate(..., fit_overheads=True)`` with 3 and 4 as its base, a prefill
+   reading the weights once: on a CPU a short prompt is bound by that read), then
    **predict** each prefill and decode step of a TP=``--tp`` group with the cost model the planner
    and the simulator step with (``prefill_latency_s``, ``decode_step_s``), and **measure** them on
    a real group (``tensor_parallel_size=--tp``, one thread per rank). The result says whether every
@@ -156,6 +160,43 @@ def collective_times(tp: int, hidden: int) -> dict[int, float]:
                 proc.kill()
 
 
+MEMORY_BYTES = 256 << 20
+MEMORY_ROUNDS = 8
+
+
+def _read_rate(ready, go, out) -> None:
+    """Bytes per second one thread of this process sums a tensor of ``MEMORY_BYTES`` at, once ``go``
+    is set (every reader started together)."""
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.ones(MEMORY_BYTES // 4)
+    x.sum()
+    ready.wait()
+    go.wait()
+    started = time.perf_counter()
+    for _ in range(MEMORY_ROUNDS):
+        x.sum()
+    out.put(MEMORY_BYTES * MEMORY_ROUNDS / (time.perf_counter() - started))
+
+
+def memory_share(tp: int) -> tuple[float, float]:
+    """(one process's read rate alone, ``tp`` processes' together) in bytes per second."""
+    ctx = multiprocessing.get_context("spawn")
+    rates = []
+    for n in (1, tp):
+        ready, go, out = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_read_rate, args=(ready, go, out), daemon=True) for _ in range(n)]
+        for proc in procs:
+            proc.start()
+        ready.wait()
+        go.set()
+        rates.append(sum(out.get(timeout=300) for _ in procs))
+        for proc in procs:
+            proc.join(30)
+    return rates[0], rates[1]
+
+
 def fit_link(times: dict[int, float], tp: int, hidden: int) -> tuple[float, float]:
     """(latency_s, gbps) of the cost model's all-reduce, ``latency + 2 (tp - 1) / tp * bytes / bandwidth``,
     by least squares over the measured sizes."""
@@ -184,11 +225,14 @@ def core_gpu():
     return GpuType(tflops_bf16=NOMINAL_TFLOPS, hbm_gib=2.0, hbm_gbps=NOMINAL_GBPS, price_per_hour=0.0)
 
 
-def predict(model, eff, tp: int, link_gbps: float, prefill: list[dict], decode: list[dict]) -> tuple[list, list]:
-    """The cost model's step time for each measured point, on a group of ``tp`` one-core devices."""
+def predict(model, eff, tp: int, link_gbps: float, node_gbps: float, prefill: list[dict],
+            decode: list[dict]) -> tuple[list, list]:
+    """The cost model's step time for each measured point, on a group of ``tp`` one-core devices
+    reading at most ``node_gbps`` (nominal units) together."""
     from shared.planner.costmodel import GroupHardware, Parallel, decode_step_s, prefill_latency_s
 
-    hw = GroupHardware(gpu=core_gpu(), tp_link_gbps=link_gbps, pp_link_gbps=link_gbps, price_per_hour=0.0)
+    hw = GroupHardware(gpu=core_gpu(), tp_link_gbps=link_gbps, pp_link_gbps=link_gbps, price_per_hour=0.0,
+                       node_hbm_gbps=node_gbps)
     par = Parallel(tp=tp, pp=1)
     return ([prefill_latency_s(model, hw, par, eff, p["num_tokens"]) for p in prefill],
             [decode_step_s(model, hw, par, eff, d["batch"], d["context_len"]) for d in decode])
@@ -233,19 +277,28 @@ def main(argv=None) -> int:
     latency, gbps = fit_link(coll, args.tp, model.hidden_size)
     print(f"    {latency * 1e6:.1f} us + bytes at {gbps:.2f} GB/s (rows: "
           + ", ".join(f"{r} {t * 1e6:.0f} us" for r, t in coll.items()) + ")", flush=True)
+    alone, together = memory_share(args.tp)
+    print(f"    memory: one process reads {alone / 1e9:.1f} GB/s, {args.tp} together {together / 1e9:.1f} GB/s "
+          f"({together / alone:.2f}x)", flush=True)
 
-    base = Efficiency(link=1.0, comm_latency_s=latency, step_overhead_s=overhead)
+    base = Efficiency(link=1.0, comm_latency_s=latency, step_overhead_s=overhead, prefill_reads_weights=True)
     eff = calibrate(model, core_gpu(), [PrefillSample(p["num_tokens"], p["seconds"]) for p in prefill_1],
                     [DecodeSample(d["batch"], d["context_len"], d["seconds"]) for d in decode_1], base,
                     fit_overheads=True)
-    print(f"    fitted: compute {eff.compute:.3f}, memory {eff.hbm:.3f}, prefill overhead "
+    # the cores' shared limit in the cost model's units: bytes a second it reads at, over the fitted
+    # efficiency (a step's reads go at eff.hbm x the nominal rate: the cap binds only when their sum
+    # passes what the cores read together)
+    node_gbps = together / 1e9 / eff.hbm
+    print(f"    fitted: compute {eff.compute:.3f}, memory {eff.hbm:.3f} (one rank's reads at "
+          f"{eff.hbm * NOMINAL_GBPS:.1f} GB/s, the ranks' together at most {together / 1e9:.1f}), prefill overhead "
           f"{eff.prefill_overhead_s * 1e3:.1f} ms, {eff.decode_seq_s * 1e3:.2f} ms per sequence", flush=True)
 
     print(f"4/4 a group of {args.tp} ranks, one thread each: predicted, then measured", flush=True)
     prefill_tp, decode_tp = step_times(model_dir, args.tp, args)
-    rows = compare("TP=1", prefill_1, decode_1, predict(model, eff, 1, gbps, prefill_1, decode_1), args.tolerance)
+    rows = compare("TP=1", prefill_1, decode_1, predict(model, eff, 1, gbps, node_gbps, prefill_1, decode_1),
+                   args.tolerance)
     rows += compare(f"TP={args.tp}", prefill_tp, decode_tp,
-                    predict(model, eff, args.tp, gbps, prefill_tp, decode_tp), args.tolerance)
+                    predict(model, eff, args.tp, gbps, node_gbps, prefill_tp, decode_tp), args.tolerance)
     group_rows = [r for r in rows if r["group"] != "TP=1"]
     errors = [abs(r["relative_error"]) for r in group_rows]
     within = all(r["within_tolerance"] for r in group_rows)
@@ -257,26 +310,32 @@ def main(argv=None) -> int:
               "config": vars(args) | {"out": str(args.out), "model_dir": str(model_dir)},
               "step_overhead_s": overhead, "probe_decode": probe,
               "collective": {"rows_s": coll, "latency_s": latency, "gbps": gbps},
+              "memory": {"alone_bytes_per_s": alone, "together_bytes_per_s": together, "node_gbps_model_units": node_gbps},
               "efficiency": dataclasses.asdict(eff), "rows": rows,
               "median_error": statistics.median(errors), "max_error": max(errors), "within_tolerance": within}
-    _write(args.out, result, model, prefill_1, decode_1, latency, gbps, overhead, cores)
+    _write(args.out, result, model, prefill_1, decode_1, latency, gbps, overhead, node_gbps * cores / args.tp)
     return 0
 
 
 def _write(out: Path, result: dict, model, prefill: list[dict], decode: list[dict], latency: float,
-           gbps: float, overhead: float, cores: int) -> None:
+           gbps: float, overhead: float, node_gbps: float) -> None:
+    """``node_gbps``: what every core of the host reads together (nominal units; measured for
+    ``--tp`` of them and scaled to them all, a guess past the measured count)."""
+    cores = result["cores"]
     strip = lambda points: [{k: v for k, v in p.items() if k != "runs_s"} for p in points]  # noqa: E731
     (out / MODEL_FILE).write_text("# the tensor-parallel calibration's model as the engine runs it: float32\n"
                                   + yaml.safe_dump(model.model_dump(), sort_keys=False))
     calibration = {"model": str(out / MODEL_FILE), "gpu": core_gpu().model_dump(), "prefill": strip(prefill),
-                   "decode": strip(decode), "step_overhead_s": overhead, "comm_latency_s": latency}
+                   "decode": strip(decode), "step_overhead_s": overhead, "comm_latency_s": latency,
+                   "prefill_reads_weights": True, "fit_overheads": True}
     (out / CALIBRATION_FILE).write_text(
         f"# {MODEL_SHAPE} on one core of {platform.node()}, measured by loadtest.calibrate.parallel, "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}.\n# One rank's step times (one thread), the fixed "
         f"cost of a step every rank pays, and one collective's between ranks.\n"
         + yaml.safe_dump(calibration, sort_keys=False))
     cluster = {"gpu_types": {"core": core_gpu().model_dump()}, "inter_node_gbps": gbps,
-               "nodes": [{"name": "local", "gpu_type": "core", "num_gpus": cores, "intra_gbps": gbps}]}
+               "nodes": [{"name": "local", "gpu_type": "core", "num_gpus": cores, "intra_gbps": gbps,
+                          "memory_gbps": node_gbps}]}
     (out / CLUSTER_FILE).write_text("# this host as a node of one-core devices; its link the fitted bandwidth of "
                                     "the ranks' collectives\n" + yaml.safe_dump(cluster, sort_keys=False))
     (out / "parallel_calibration.json").write_text(json.dumps(result, indent=2, default=str))

@@ -91,11 +91,12 @@ def _inputs(args):
     if args.calibration:
         try:
             cal = load_calibration(args.calibration)
-            base = replace(eff, step_overhead_s=cal.step_overhead_s,
+            base = replace(eff, step_overhead_s=cal.step_overhead_s, prefill_reads_weights=cal.prefill_reads_weights,
                            comm_latency_s=eff.comm_latency_s if cal.comm_latency_s is None else cal.comm_latency_s)
             eff = calibrate(load_model(cal.model), cal.gpu,
                             [PrefillSample(m.num_tokens, m.seconds) for m in cal.prefill],
-                            [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode], base)
+                            [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode], base,
+                            fit_overheads=cal.fit_overheads)
         except ConfigError as exc:
             raise CliError(str(exc)) from exc
         print(f"calibrated: compute efficiency {eff.compute:.3f}, HBM efficiency {eff.hbm:.3f}"

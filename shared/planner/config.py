@@ -31,6 +31,8 @@ class Node(_Strict):
     gpu_type: str
     num_gpus: int = Field(ge=1, le=64)
     intra_gbps: float = Field(gt=0, description="per-GPU intra-node bandwidth (NVLink or PCIe), GB/s")
+    memory_gbps: float | None = Field(None, gt=0, description="what the node's devices read from memory together "
+                                      "per second, where they share it (the cores of a CPU); unset: each its own")
 
 
 class ClusterSpec(_Strict):
@@ -191,6 +193,8 @@ class CalibrationSpec(_Strict):
     decode: list[DecodeMeasurement] = Field(default_factory=list)
     step_overhead_s: float = Field(default=0.0, ge=0)
     comm_latency_s: float | None = Field(default=None, ge=0)
+    prefill_reads_weights: bool = False  # costmodel.Efficiency's: a prefill also reads the weights once (CPU)
+    fit_overheads: bool = False  # costmodel.calibrate's: fit a fixed prefill cost and a per-sequence decode cost too
 
 
 class ConfigError(ValueError):

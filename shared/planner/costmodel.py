@@ -34,6 +34,12 @@ the data), so on a CPU, where an eager step's operator dispatch is a large share
 group's step is not half of one process's. It is measured apart (a model of the same depth and
 operators with almost no arithmetic: ``loadtest.calibrate.parallel``), added to every decode step
 undivided and taken out of the step times before ``calibrate`` fits the rest.
+
+Two more describe devices that are cores of one CPU (both off by default): with
+``prefill_reads_weights`` a prefill also reads its share of the weights once (a short prompt on a
+CPU is bound by that read, which tensor parallelism divides, not by a fixed cost), and a group's
+``node_hbm_gbps`` caps what its devices read together per second (cores share a socket's memory
+channels: two of them read less than twice what one reads).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class Efficiency:
     prefill_overhead_s: float = 0.0  # fixed seconds added to every prefill (calibrated; see above)
     decode_seq_s: float = 0.0        # seconds per running sequence added to every decode step
     step_overhead_s: float = 0.0     # seconds every decode step costs on each rank, TP or not (see above)
+    prefill_reads_weights: bool = False  # a prefill also reads the weights once (see above)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class GroupHardware:
     tp_link_gbps: float          # slowest link inside a tensor-parallel subgroup
     pp_link_gbps: float          # slowest link between pipeline stages
     price_per_hour: float        # whole group
+    node_hbm_gbps: float | None = None  # what the group's devices read together per second (CPU cores), if capped
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,15 @@ def _bubble(pp: int, eff: Efficiency) -> float:
     return 1.0 + eff.pp_bubble * (pp - 1) / pp
 
 
+def _read_s(total_bytes: float, hw: GroupHardware, par: Parallel, eff: Efficiency) -> float:
+    """Seconds to read ``total_bytes`` spread evenly over the group's tensor-parallel ranks (each
+    stage's share read by its ``tp`` ranks at once)."""
+    per_device = total_bytes / par.tp / (hw.gpu.hbm_gbps * GB * eff.hbm)
+    if hw.node_hbm_gbps is None:
+        return per_device
+    return max(per_device, total_bytes / (hw.node_hbm_gbps * GB * eff.hbm))
+
+
 def kv_capacity_tokens(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Efficiency) -> float:
     """Tokens of KV the group can hold after the weights; <= 0 means the weights do not fit."""
     per_gpu = hw.gpu.hbm_gib * GIB * eff.mem_fraction - model.weight_bytes / par.num_gpus
@@ -109,6 +126,8 @@ def prefill_latency_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: E
     """Time for one prompt of ``num_tokens`` uncached tokens to pass through the whole group."""
     flops = 2 * model.num_params * num_tokens + 2 * model.num_layers * model.hidden_size * num_tokens**2
     compute = flops / (par.tp * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
+    if eff.prefill_reads_weights:
+        compute += _read_s(model.weight_bytes, hw, par, eff)
     act_bytes = num_tokens * model.hidden_size * model.act_bytes_per_elem
     comm = 2 * model.num_layers * _allreduce_s(act_bytes, par.tp, hw.tp_link_gbps, eff)
     return compute + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff) + eff.prefill_overhead_s
@@ -127,6 +146,8 @@ def decode_step_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Effic
     # Per step each stage reads its weights once per micro-batch (pp micro-batches): W/tp in all.
     read_bytes = model.weight_bytes / par.tp + batch * context_len * model.kv_bytes_per_token() / kv_shards
     memory = read_bytes / (hw.gpu.hbm_gbps * GB * eff.hbm)
+    if hw.node_hbm_gbps is not None:  # every rank's reads through the memory they share
+        memory = max(memory, read_bytes * par.tp / (hw.node_hbm_gbps * GB * eff.hbm))
     compute = 2 * model.num_params * batch / (par.num_gpus * hw.gpu.tflops_bf16 * 1e12 * eff.compute)
     act_bytes = batch * model.hidden_size * model.act_bytes_per_elem
     comm = 2 * model.num_layers * _allreduce_s(act_bytes / par.pp, par.tp, hw.tp_link_gbps, eff)
@@ -240,26 +261,15 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
     are capped at 1 and the added terms at >= 0, refitting the rest when a cap binds.
 
     ``base.step_overhead_s`` (measured apart) is taken out of every decode time before the fit, and
-    kept in the result, so that the fitted model adds it back.
+    kept in the result, so that the fitted model adds it back. With ``base.prefill_reads_weights``
+    the decode steps are fitted first, and the weights' read at the bandwidth they give is taken out
+    of every prefill time before its fit.
     """
     hw = GroupHardware(gpu=gpu, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=gpu.price_per_hour)
     one = Parallel(1, 1)
-    ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0, step_overhead_s=0.0)
+    ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0, step_overhead_s=0.0,
+                    prefill_reads_weights=False)
     eff = base
-    if prefill:
-        flops_s = [prefill_latency_s(model, hw, one, ideal, s.num_tokens) for s in prefill]
-        secs = [s.seconds for s in prefill]
-        if fit_overheads and len({s.num_tokens for s in prefill}) >= 2:
-            overhead, slope = _weighted_lstsq([[1.0, f] for f in flops_s], secs)
-            if slope < 1.0:      # faster than the nominal peak: cap the efficiency, refit the overhead
-                slope = 1.0
-                overhead = _weighted_lstsq([[1.0] for _ in secs], [t - f for t, f in zip(secs, flops_s)])[0]
-            if overhead < 0:     # no fixed cost: the plain ratio fit through the origin
-                overhead, slope = 0.0, max(1.0, _weighted_lstsq([[f] for f in flops_s], secs)[0])
-            eff = replace(eff, compute=1.0 / slope, prefill_overhead_s=overhead)
-        else:
-            ratios = sorted(f / t for f, t in zip(flops_s, secs))
-            eff = replace(eff, compute=min(1.0, ratios[len(ratios) // 2]))
     if decode:
         mem_s = [decode_step_s(model, hw, one, replace(ideal, compute=math.inf), s.batch, s.context_len)
                  for s in decode]
@@ -277,4 +287,20 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
             ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / t
                             for s, t in zip(decode, secs))
             eff = replace(eff, hbm=min(1.0, ratios[len(ratios) // 2]))
+    if prefill:
+        flops_s = [prefill_latency_s(model, hw, one, ideal, s.num_tokens) for s in prefill]
+        # a prefill's read of the weights (base.prefill_reads_weights) at the bandwidth the decode fit found
+        read_s = _read_s(model.weight_bytes, hw, one, eff) if base.prefill_reads_weights else 0.0
+        secs = [max(s.seconds - read_s, 1e-9) for s in prefill]
+        if fit_overheads and len({s.num_tokens for s in prefill}) >= 2:
+            overhead, slope = _weighted_lstsq([[1.0, f] for f in flops_s], secs)
+            if slope < 1.0:      # faster than the nominal peak: cap the efficiency, refit the overhead
+                slope = 1.0
+                overhead = _weighted_lstsq([[1.0] for _ in secs], [t - f for t, f in zip(secs, flops_s)])[0]
+            if overhead < 0:     # no fixed cost: the plain ratio fit through the origin
+                overhead, slope = 0.0, max(1.0, _weighted_lstsq([[f] for f in flops_s], secs)[0])
+            eff = replace(eff, compute=1.0 / slope, prefill_overhead_s=overhead)
+        else:
+            ratios = sorted(f / t for f, t in zip(flops_s, secs))
+            eff = replace(eff, compute=min(1.0, ratios[len(ratios) // 2]))
     return eff

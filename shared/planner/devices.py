@@ -97,8 +97,10 @@ class Cluster:
         nodes = {self.devices[i].node for i in group}
         intra = min(self.spec.nodes[n].intra_gbps for n in nodes)
         pp_link = intra if len(nodes) == 1 else min(intra, self.spec.inter_node_gbps)
+        shared = [self.spec.nodes[n].memory_gbps for n in nodes]
+        node_memory = sum(shared) if all(g is not None for g in shared) else None
         return GroupHardware(gpu=slowest, tp_link_gbps=intra, pp_link_gbps=pp_link,
-                             price_per_hour=sum(t.price_per_hour for t in types))
+                             price_per_hour=sum(t.price_per_hour for t in types), node_hbm_gbps=node_memory)
 
     def route_gbps(self, a: Sequence[int], b: Sequence[int]) -> float:
         """Aggregate bandwidth for KV from group a to group b: slowest link times parallel lanes."""

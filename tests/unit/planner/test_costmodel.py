@@ -197,3 +197,32 @@ def test_calibrate_takes_a_measured_step_overhead_out_before_fitting_and_keeps_i
     assert fitted.step_overhead_s == 3e-3
     for d in dec:
         assert decode_step_s(LLAMA7, h, one, fitted, d.batch, d.context_len) == pytest.approx(d.seconds, rel=1e-6)
+
+
+def test_cores_sharing_memory_read_no_faster_together_than_the_node_allows():
+    # two ranks each reading half the weights: twice as fast as one alone, unless the node caps them
+    one, two = Parallel(1, 1), Parallel(2, 1)
+    eff = replace(EFF, comm_latency_s=0.0)
+    free, capped = hw("a100"), replace(hw("a100"), node_hbm_gbps=hw("a100").gpu.hbm_gbps)  # the node: one device's
+    assert decode_step_s(LLAMA7, free, two, eff, 1, 16) == pytest.approx(decode_step_s(LLAMA7, free, one, eff, 1, 16) / 2,
+                                                                          rel=0.01)
+    assert decode_step_s(LLAMA7, capped, two, eff, 1, 16) == pytest.approx(decode_step_s(LLAMA7, free, one, eff, 1, 16),
+                                                                            rel=0.01)
+
+
+def test_a_prefill_that_reads_the_weights_is_fitted_with_that_read_taken_out_first():
+    # CPU-like truth: every prefill reads the weights once at the bandwidth the decode steps show
+    truth = replace(EFF, compute=0.3, hbm=0.5, decode_seq_s=1e-4, prefill_overhead_s=2e-3, prefill_reads_weights=True)
+    h, one = hw("a100"), Parallel(1, 1)
+    pre = [PrefillSample(t, prefill_latency_s(LLAMA7, h, one, truth, t)) for t in (16, 64, 256)]
+    dec = [DecodeSample(b, 512, decode_step_s(LLAMA7, h, one, truth, b, 512)) for b in (1, 4, 16)]
+    fitted = calibrate(LLAMA7, GPU_TYPES["a100"], pre, dec, base=replace(EFF, prefill_reads_weights=True),
+                       fit_overheads=True)
+    assert (fitted.compute, fitted.hbm) == (pytest.approx(0.3, rel=1e-6), pytest.approx(0.5, rel=1e-6))
+    assert fitted.prefill_overhead_s == pytest.approx(2e-3, rel=1e-5)
+    # TP=2 halves the weights' read as it halves the arithmetic; the fixed cost stays
+    two = Parallel(2, 1)
+    weights_s = LLAMA7.weight_bytes / (h.gpu.hbm_gbps * 1e9 * 0.5)
+    assert (prefill_latency_s(LLAMA7, h, one, fitted, 16) - prefill_latency_s(LLAMA7, h, two, replace(
+        fitted, comm_latency_s=0.0), 16)) == pytest.approx(weights_s / 2 + (prefill_latency_s(
+            LLAMA7, h, one, replace(fitted, prefill_reads_weights=False), 16) - 2e-3) / 2, rel=0.01)

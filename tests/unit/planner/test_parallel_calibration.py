@@ -46,3 +46,10 @@ def test_one_short_calibration_writes_files_the_planner_reads(tmp_path, capsys):
     result = yaml.safe_load((tmp_path / "parallel_calibration.json").read_text())
     assert {r["group"] for r in result["rows"]} == {"TP=1", "TP=2"} and len(result["rows"]) == 8
     assert (tmp_path / "parallel_calibration.png").stat().st_size > 0
+    assert calibration.prefill_reads_weights and calibration.fit_overheads
+    assert load_cluster(tmp_path / cal.CLUSTER_FILE).nodes[0].memory_gbps > 0
+    from services.cli import main  # the planner plans on what the calibration wrote
+
+    assert main(["plan", str(tmp_path / cal.CLUSTER_FILE), "--model", calibration.model,
+                 "--calibration", str(tmp_path / cal.CALIBRATION_FILE), "--rate", "1"]) == 0
+    assert "ms per decode step on every rank" in capsys.readouterr().out

@@ -190,6 +190,20 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(stack):
     assert len(asked) >= 4
 
 
+def test_openai_agents_runs_an_agent_given_only_the_model_name(stack):
+    """No model settings and no model object: the agent's defaults as openai-agents sends them for a
+    model name (the client set as its default), answered as sent."""
+    import agents  # a declared test dependency: missing, the test fails rather than skips
+    from agents import Agent, Runner
+
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused",
+                                                        max_retries=0, timeout=600), use_for_tracing=False)
+    agent = Agent(name="helper", instructions="Answer with one word.", model=MODEL)
+    result = asyncio.run(Runner.run(agent, "What is the capital of France?"))
+    assert isinstance(result.final_output, str) and result.final_output.strip(), result.final_output
+
+
 def store_call(stack, call):
     """``call(store)`` on a ResponseStore of its own on the stack's NATS (as another gateway's)."""
     async def main():

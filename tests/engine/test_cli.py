@@ -55,7 +55,8 @@ def test_complete_reads_stdin_and_honours_seed(smollm2_gguf):
     (("--model", "no-such-model", "hi"), "no-such-model"),
     (("--temperature", "-1", "hi"), "temperature"),
     (("--top-p", "0", "hi"), "top_p"),
-    (("--max-model-len", "8", "a b c d e f g h i j k l m n o p"), "prompt has"),
+    (("--max-model-len", "16", "a b c d e f g h i j k l m n o p q r s t u v w x y z"), "prompt has"),
+    (("--max-model-len", "8", "hi"), "max_model_len"),
     (("--kv-cache-memory", "lots", "hi"), "cannot parse size"),
     (("--quantization", "int4", "hi"), "--quantization"),
 ])

@@ -113,8 +113,7 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
     compile_mode = config.compile
     sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
     if isinstance(model, ParallelModel) and compile_mode != "off":
-        log.info("no compiled decode step on a parallel worker yet: decode steps run eagerly")
-        compile_mode = "off"
+        return _group_runner(model, config, kv_cache, backend, sampler, artifact_store), None
     if model.device.type == "cuda":
         return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
                            _cuda_graphs(model, config, kv_cache, backend, max_model_len, compile_mode)), None
@@ -139,6 +138,29 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
                                    artifacts, artifact_store, getattr(model, "_loaded_with", None))
     background.start()
     return runner, background
+
+
+def _group_runner(model: ParallelModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,
+                  sampler: Sampler, artifact_store: ArtifactStore | None) -> ModelRunner:
+    """A parallel worker's runner: with ``compile="on"`` its decode step compiled on every rank before
+    traffic (rank 0 compiles or loads it, the others load what rank 0 keeps;
+    ``ParallelModel.share_compiled``), on a CPU group of one stage; decode steps run eagerly elsewhere
+    and with ``"background"``."""
+    shard = model.model
+    why = ("pipeline stages hand hidden states on between their layers" if shard.pipeline.num_stages > 1 else
+           f"not on {model.device.type}" if model.device.type != "cpu" else unsupported_reason(model.cfg))
+    if config.compile == "background":  # the hand-over would have to reach every rank between two steps
+        why = "compile on compiles it before traffic; background is not built for a group yet"
+    if why:
+        log.info("no compiled decode step on this parallel worker (%s): decode steps run eagerly", why)
+        return ModelRunner(model, kv_cache, backend, config.block_size, sampler)
+    threads = engine_thread_count(config.num_threads)
+    artifacts = CompileArtifacts(CompileArtifacts.default_root(),
+                                 engine_artifact_key(shard, config.block_size, threads, kv_cache.dtype))
+    compiled = CompiledDecode(shard, config.block_size, threads)
+    compiled.warm(kv_cache, artifacts, artifact_store, run_once=False)
+    return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
+                       model.share_compiled(compiled, artifacts, threads))
 
 
 def _cuda_graphs(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,

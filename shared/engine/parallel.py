@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 HEADER = 8
 ALLOCATE, FORWARD, LOGITS, STOP, READ_BLOCKS, WRITE_BLOCKS, OPEN_TRANSFER, SEND_KV = 1, 2, 3, 4, 5, 6, 7, 8
 LAYERS, RESUME = 9, 10  # a forward a layer at a time, and going on with a stopped one (prefill_yield)
+COMPILED_LOAD, COMPILED = 11, 12  # load rank 0's compiled decode step, and run a decode-only forward through it
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -176,6 +178,16 @@ class ParallelModel:
         self.transfer.notify(name, num_bytes, notify)
         return num_bytes, num_descriptors
 
+    def share_compiled(self, compiled, artifacts, threads: int) -> "GroupCompiled":
+        """Every follower loads the compiled decode step rank 0 keeps in ``artifacts`` (compiled or
+        loaded there by ``compiled.warm``), then every rank runs it once together (its collectives
+        are the group's); returns rank 0's step, which tells the followers to run theirs each time."""
+        order = {"root": str(artifacts.root), "key": artifacts.key, "threads": threads,
+                 "block_size": compiled.block_size}
+        self._send_bytes(COMPILED_LOAD, json.dumps(order).encode())
+        compiled.run_once(self._kv_cache)
+        return GroupCompiled(self, compiled)
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Tell the followers to exit and wait for them (killed past ``timeout_s``)."""
         if self.closed:
@@ -214,11 +226,40 @@ class ParallelModel:
         self.world.broadcast(torch.cat([p.to(torch.long) for p in parts]))
 
 
+class GroupCompiled:
+    """Rank 0's compiled decode step on a group: each forward is first sent to the followers
+    (``COMPILED``), which run the same step on their shards; every other attribute is the step's."""
+
+    def __init__(self, group: ParallelModel, compiled) -> None:
+        self.group, self.compiled = group, compiled
+
+    def __getattr__(self, name: str):
+        return getattr(self.compiled, name)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        self.group._send_forward(input_ids, positions, meta, COMPILED)
+        return self.compiled.forward(input_ids, positions, kv_cache, meta)
+
+
+def _load_compiled(model: LlamaModel, kv_cache: torch.Tensor, order: dict):
+    """A follower's compiled decode step: rank 0's (``ParallelModel.share_compiled``), run once with
+    the others."""
+    from shared.model.compile_artifacts import CompileArtifacts
+    from shared.model.compiled import CompiledDecode
+
+    compiled = CompiledDecode(model, order["block_size"], order["threads"])
+    compiled.warm(kv_cache, CompileArtifacts(Path(order["root"]), order["key"]), run_once=False)
+    compiled.run_once(kv_cache)
+    log.info("rank %d: compiled decode step %s", model.group.rank, compiled.source)
+    return compiled
+
+
 def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | None = None) -> None:
     """A follower's loop: run what rank 0 sends over ``world`` (``ParallelModel``) until it says stop."""
     dev = model.device
     backend = backend or get_attention_backend("auto", dev)
-    kv_cache = transfer = progress = stopped = None
+    kv_cache = transfer = progress = stopped = compiled = None
     try:
         while True:
             header = world.broadcast(torch.zeros(HEADER, dtype=torch.long, device=dev)).tolist()
@@ -228,9 +269,15 @@ def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | No
             if op in (LAYERS, RESUME):
                 stopped = _follow_layers(model, world, backend, kv_cache, args if op == LAYERS else None, stopped)
                 continue
-            if op in (OPEN_TRANSFER, SEND_KV):
+            if op == COMPILED:
+                ids, pos, meta = _receive_forward(world, args, dev)
+                compiled.forward(ids, pos, kv_cache, meta)
+                continue
+            if op in (OPEN_TRANSFER, SEND_KV, COMPILED_LOAD):
                 blob = world.broadcast(torch.empty(args[0], dtype=torch.uint8, device=dev)).cpu().numpy().tobytes()
-                if op == OPEN_TRANSFER:
+                if op == COMPILED_LOAD:
+                    compiled = _load_compiled(model, kv_cache, json.loads(blob))
+                elif op == OPEN_TRANSFER:
                     transfer, _, _ = _open_rank_transfer(model, world, kv_cache, blob.decode())
                     if transfer is not None and progress is None:
                         progress = _Progress(transfer)

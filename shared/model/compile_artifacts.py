@@ -126,7 +126,14 @@ def engine_artifact_key(model, block_size: int, threads: int, kv_dtype=None) -> 
     from kernels import attention_cpu, blocks_cpu, int8_cpu
 
     gguf = model.quantization == "gguf"
-    return artifact_key(structure=model_structure(model), block_size=block_size, threads=threads,
+    structure = model_structure(model)
+    # a tensor-parallel rank's collectives and its place in the group are not the graph's: every rank
+    # of a group has the same one (shared/model/compiled.py), so the group's size alone is in the key
+    for name in ("group", "pipeline", "split"):
+        structure.pop(name, None)
+    if model.group.size > 1:
+        structure["tensor_parallel_size"] = model.group.size
+    return artifact_key(structure=structure, block_size=block_size, threads=threads,
                         code=traced_code_digest(), torch_version=torch.__version__,
                         int8_kernel=model.quantization.startswith("int8") and int8_cpu.kernel_in_graph(),
                         block_kernel=blocks_cpu.kernel_in_graph() if gguf else None,

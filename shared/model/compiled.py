@@ -62,6 +62,22 @@ from shared.model.quant import linear
 
 log = logging.getLogger(__name__)
 
+# The tensor-parallel group of this process's compiled step: the graph calls ``tandem::all_reduce``
+# (an operator it cannot look into, so inductor calls it where it stands) with key 0, which each rank
+# process resolves to its own group. One key in every process, so that the ranks' graphs are the same
+# and a follower loads the one rank 0 compiled.
+_GROUPS: dict[int, object] = {}
+
+
+@torch.library.custom_op("tandem::all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
+    return _GROUPS[key].all_reduce(x.clone())
+
+
+@_all_reduce.register_fake
+def _(x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
 
 def unsupported_reason(cfg) -> str | None:
     """Why the compiled decode step cannot run a model of ``cfg`` (None: it can). It runs the Llama
@@ -93,11 +109,25 @@ def unsupported_reason(cfg) -> str | None:
 
 class CompiledDecode:
     def __init__(self, model, block_size: int, num_threads: int | None = None) -> None:
+        """``model``: a whole model, or a tensor-parallel rank's shard (one pipeline stage only): its
+        step's two all-reduces a layer and its vocabulary-parallel embedding run in the graph, through
+        the rank's own collectives (``_GROUPS``)."""
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode step runs on the CPU, not on {model.device.type}")
         if reason := unsupported_reason(model.cfg):
             raise ValueError(f"no compiled decode step for this model yet: {reason}")
+        if model.pipeline.num_stages > 1:
+            raise ValueError("no compiled decode step on pipeline stages: a step hands its hidden states on "
+                             "between the stages' layers")
+        if model.group.size > 1:
+            _GROUPS[0] = model.group
         self.model = model
+        # what the graph needs of the rank's place in its group, read here: the traced step does not
+        # look into the group's collectives (which cannot be serialized with the step)
+        self.tp, self.num_heads, self.num_kv_heads = model.group.size, model.split.num_heads, model.split.num_kv_heads
+        self.vocab_shard = model.split.vocab_shard
+        # a tensor, so that the graph reads it rather than holding rank 0's number (ranks load one graph)
+        self.vocab_start = torch.tensor(model.split.vocab_start, dtype=torch.long, device=model.device)
         self.block_size = block_size
         # the C++ loops' OpenMP team size is fixed when they are generated: the engine thread's, not
         # that of the thread that happens to compile them
@@ -112,9 +142,9 @@ class CompiledDecode:
                  past_blocks: torch.Tensor, past_valid: torch.Tensor, step_src: torch.Tensor):
         model, cfg = self.model, self.model.cfg
         num_seqs, past_len = past_valid.shape
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, cfg.head_dim  # this rank's
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        hidden = F.embedding(input_ids, model.embed)
+        hidden = self._embed(input_ids)
         cos, sin = model.rope_cos_sin(positions)
         in_place = attention_cpu.usable(kv_cache, head_dim)
         mask = past_valid[:, :, None, None]  # [B, L, 1, 1]: the past positions each row has
@@ -143,12 +173,25 @@ class CompiledDecode:
                 past_v = torch.where(from_step, v[src],
                                      kv_cache[past_blocks, i, 1].view(num_seqs, past_len, kv_heads, head_dim))
                 attn = _decode_attention(q, k, v, past_k, past_v, mask)
-            hidden = linear(cast(attn, q.dtype).reshape(num_seqs, q_size), layer.o_proj)
+            hidden = self._reduce(linear(cast(attn, q.dtype).reshape(num_seqs, q_size), layer.o_proj))
             x, residual = fused_add_rms_norm_ref(hidden, residual, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = linear(F.silu(gate) * up, layer.down)
+            hidden = self._reduce(linear(F.silu(gate) * up, layer.down))
         out = fused_add_rms_norm_ref(hidden, residual, model.norm, cfg.rms_norm_eps)[0]
         return out, torch.stack(new_k, dim=1), torch.stack(new_v, dim=1)  # [B, hidden], [B, layers, Hkv, D] x2
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product summed over the group (as ``LlamaLayer.forward``'s all-reduce)."""
+        return torch.ops.tandem.all_reduce(x, 0) if self.tp > 1 else x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``LlamaModel.embed_tokens``: on a rank, the rows of its share of the vocabulary, summed."""
+        if self.tp == 1:
+            return F.embedding(input_ids, self.model.embed)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_shard)
+        rows = F.embedding(torch.where(mine, local, 0), self.model.embed)
+        return self._reduce(torch.where(mine[:, None], rows, 0.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -198,10 +241,12 @@ class CompiledDecode:
         return hidden
 
     def warm(self, kv_cache: torch.Tensor, artifacts: CompileArtifacts | None = None,
-             store: ArtifactStore | None = None) -> None:
+             store: ArtifactStore | None = None, run_once: bool = True) -> None:
         """Make the step ready before traffic comes: load it from ``artifacts`` (this machine's, or
         fetched from ``store``) or compile it ahead of time (and keep it there, and offer it to
-        ``store``); then run it once over block 0, whose results are dropped (nothing is written)."""
+        ``store``); then run it once over block 0, whose results are dropped (nothing is written).
+        ``run_once=False`` leaves that run to ``run_once`` (a rank of a group runs it with the others:
+        it makes the group's collectives)."""
         started = time.perf_counter()
         self.artifacts = artifacts
         attention_cpu.load()  # before tracing or loading a graph that calls it
@@ -234,14 +279,20 @@ class CompiledDecode:
             # as for a loaded step (``_load``): its guards would refuse, say, the inference-mode
             # tensors of a warm-up request, and every call passes the traced ranks and dtypes anyway
             self._fn.disable_guard_check()
-        with torch.inference_mode():
-            self._fn(self, *example)  # brings the C++ libraries in (compiling any the cache lacks)
+        if run_once:
+            self.run_once(kv_cache)
         self.warm_s = time.perf_counter() - started
         log.info("decode step of %d layers %s in %.1f s%s", self.model.cfg.num_layers,
                  "loaded, compiled ahead of time," if self.source == "loaded" else "compiled", self.warm_s,
                  f" ({artifacts.dir})" if artifacts is not None else "")
         if artifacts is not None and store is not None:
             artifacts.offer(store)
+
+    def run_once(self, kv_cache: torch.Tensor) -> None:
+        """The step over block 0, its results dropped: brings the C++ libraries in (compiling any the
+        cache lacks)."""
+        with torch.inference_mode():
+            self._fn(self, *self._example(kv_cache))
 
     def _example(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Inputs to trace with: sizes unlike each other and unlike the model's (torch gives equal

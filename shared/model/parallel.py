@@ -81,6 +81,13 @@ class SingleRank:
         return tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class DetachedGroup:
+    """A group's place without its connections: what a serialized compiled step holds of it."""
+    rank: int
+    size: int
+
+
 class ProcessGroupCollectives:
     """The collectives over a torch.distributed process group of its own (not the process's default
     group, so one process can hold several, as a test does): gloo for CPU tensors, NCCL for CUDA.
@@ -115,6 +122,12 @@ class ProcessGroupCollectives:
         if rank == 0 and store is None:
             log.info("parallel group of %d: collectives over %s", size,
                      "shared memory" if self.shm else "nccl" if device.type == "cuda" else "gloo")
+
+    def __reduce__(self):
+        """The compiled decode step (shared/model/compiled.py) serializes what it traced through,
+        the model and its layers with their group among them; a group's connections cannot travel,
+        and the step reaches its group at run time, not through what it serialized."""
+        return (DetachedGroup, (self.rank, self.size))
 
     def subgroup(self, ranks: list[int]) -> "Collectives":
         """The group of ``ranks`` (this rank among them; every one of them asks for it, and no

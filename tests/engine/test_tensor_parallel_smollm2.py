@@ -98,6 +98,20 @@ def test_a_prefill_at_tp3_stops_between_layers_for_an_urgent_request_and_goes_on
     assert [p.returncode for p in engine.model.followers] == [0, 0]
 
 
+def test_smollm2_at_tp3_decodes_through_the_compiled_step_with_transformers_text(smollm2_gguf, chat_prompts,
+                                                                                 reference):
+    """compile on at TP=3: every rank runs the compiled decode step (rank 0 compiles it, the others
+    load it), its all-reduces in the graph; greedy text equal to transformers'. Minutes on 2 cores the
+    first time (the step compiles; the compile cache keeps it for later runs)."""
+    engine = group_engine(smollm2_gguf, 3, block_size=16, compile="on")
+    try:
+        assert engine.generate(chat_prompts, GREEDY) == reference
+        assert engine.runner.compiled.num_steps > 0
+    finally:
+        engine.close()
+    assert [p.returncode for p in engine.model.followers] == [0, 0]
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 2), (1, 3), (3, 2)])
 def test_smollm2_in_pipeline_stages_equals_transformers(smollm2_gguf, chat_prompts, reference, tp, pp):
     """Stages of 15 or 10 layers, each with its layers' KV; TP=3 x PP=2 is six processes."""
@@ -203,6 +217,27 @@ def test_32_heads_at_tp2_and_tp4_equal_tp1(heads_32):
             engine.close()
     assert texts[2] == texts[1]
     assert texts[4] == texts[1]
+
+
+def test_the_compiled_decode_step_runs_on_every_rank_of_a_group(heads_32, tmp_path, monkeypatch):
+    """compile on at TP=2: rank 0 compiles the step (its all-reduces and vocabulary-parallel embedding
+    in the graph) and keeps it, the follower loads that one, and both run it every decode step:
+    the eager group's greedy tokens, batch after batch, one prompt alone too."""
+    monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path / "compile"))
+    prompts = [list(range(5 + i, 60 + 37 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    texts = {}
+    for mode in ("off", "on"):
+        engine = group_engine(heads_32, 2, max_num_batched_tokens=64, compile=mode)
+        try:
+            texts[mode] = engine.generate(prompts, params) + engine.generate(prompts[:1], params)
+            if mode == "on":
+                assert engine.runner.compiled.num_steps >= 2 * params.max_tokens - 2
+                assert engine.runner.compiled.source == "compiled"
+        finally:
+            engine.close()
+    assert texts["on"] == texts["off"]
+    assert [p.returncode for p in engine.model.followers] == [0]
 
 
 def test_quantized_precisions_split_as_closely_as_one_process(smollm2_gguf, smol_tokenizer):

@@ -50,6 +50,8 @@ def parse_args(argv=None):
                    "the collectives over NCCL (default: %(default)s)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None)
+    p.add_argument("--compile", default="off", choices=["off", "on"],
+                   help="the decode step compiled on every configuration, groups included (default: %(default)s)")
     p.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1,
                    help="threads of the one-process baseline (default: the machine's cores, %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="write parallel.json and parallel.png here")
@@ -92,6 +94,7 @@ def measure(args, tp: int, pp: int, threads: int) -> dict:
     engine = LLMEngine.from_config(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=tp,
         pipeline_parallel_size=pp, num_threads=threads, max_num_seqs=max(batches), kv_cache_memory=256 << 20,
+        compile=args.compile,
         max_num_batched_tokens=max(512, args.prompt_len)))
     try:
         warmup(engine)

@@ -57,7 +57,7 @@ class Endpoint:
         self.is_group = isinstance(engine.model, ParallelModel)
         if self.is_group:
             rank0, metadata = engine.model.open_transfer(name)
-            self.transfer = GroupTransfer(rank0, metadata, self._run_now, write_timeout_s=60)
+            self.transfer = GroupTransfer(rank0, metadata, self._send_now, write_timeout_s=60)
         else:
             self.transfer = NixlTransfer(name, thread_safe=True)
             self.transfer.register_kv_pool(engine.kv_cache, engine.kv_spec)
@@ -66,10 +66,11 @@ class Endpoint:
         self._poller = threading.Thread(target=self._poll, daemon=True)
         self._poller.start()
 
-    def _run_now(self, fn) -> Future:
+    def _send_now(self, *write) -> Future:
+        """``AsyncEngine.send_group_kv`` without an engine thread: the group's write, at once."""
         future: Future = Future()
         try:
-            future.set_result(fn(self.engine))
+            future.set_result(self.engine.send_group_kv(*write))
         except Exception as exc:  # noqa: BLE001 - the future carries it
             future.set_exception(exc)
         return future

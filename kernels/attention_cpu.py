@@ -1,5 +1,6 @@
-"""Decode attention straight from the paged KV pool on an AVX2 CPU: ``kernels/cpu/decode_attention.cpp``,
-called by the compiled decode step (shared/model/compiled.py) once per layer.
+"""Decode attention straight from the paged KV pool on an AVX2 or AVX-512 CPU:
+``kernels/cpu/decode_attention.cpp``, called by the compiled decode step (shared/model/compiled.py) once
+per layer.
 
 Without it the graph gathers each sequence's past out of the pool and inductor writes the softmax
 out as generated C++ loops over the longest sequence's length, masked: at batch 32 with 128-token
@@ -13,7 +14,10 @@ sequence gets the same bits alone and in any batch. The sums differ from the wri
 float32, so the compiled step's artifact key says which of the two a graph calls
 (``kernel_in_graph``). Built on first use (``kernels/cpu_build.py``); with
 ``TANDEM_ATTENTION_KERNEL=off``, without a compiler or without AVX2, FMA and F16C, the graph keeps
-the written-out softmax (a log line says why).
+the written-out softmax (a log line says why). Where the CPU has AVX-512F (read from its flags, as
+the other kernels' builds do) the build adds it for the weighted sums over the values, which then
+run 16 lanes wide for all of a KV head's queries at once: lane for lane the same operations, so the
+same bits as the AVX2 build (``test_the_avx2_build_gives_the_bits_of_this_build``).
 
 It takes no sliding window: each row attends over its whole past (``past_valid``), so a model with
 windowed layers must not reach the compiled step (``compiled.unsupported_reason``).
@@ -26,12 +30,15 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import CpuKernel
+from kernels.cpu_build import CpuKernel, why_not
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "decode_attention.cpp"
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
+AVX512_FLAGS = ("avx512f",)  # the weighted sums in 16 lanes, all of a group's queries at once (the same bits)
+if why_not("TANDEM_ATTENTION_KERNEL", AVX512_FLAGS) is None:
+    _FLAGS += ["-mavx512f"]
 _NEEDS = ("avx2", "fma", "f16c")
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _op = None  # torch.ops.tandem_attn.decode_attention once loaded (a global: torch.compile traces the call)

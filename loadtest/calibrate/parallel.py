@@ -111,10 +111,18 @@ def step_times(model_dir: Path, tp: int, args) -> tuple[list[dict], list[dict]]:
         engine.close()
 
 
-def step_overhead_s(decode: list[dict]) -> float:
-    """The intercept, over the batch size, of the narrow model's decode step times."""
-    slope, intercept = np.polyfit([d["batch"] for d in decode], [d["seconds"] for d in decode], 1)
+def prefill_overhead_s(prefill: list[dict]) -> float:
+    """The intercept, over the prompt length, of the narrow model's prefill times: what a prefill
+    costs every rank whatever its arithmetic (its operators' dispatch)."""
+    slope, intercept = np.polyfit([p["num_tokens"] for p in prefill], [p["seconds"] for p in prefill], 1)
     return max(0.0, float(intercept))
+
+
+def step_overhead_s(decode: list[dict]) -> tuple[float, float]:
+    """(intercept, slope) over the batch size of the narrow model's decode step times: a step's fixed
+    cost and a sequence's, both with next to no arithmetic, which a group's ranks each pay whole."""
+    slope, intercept = np.polyfit([d["batch"] for d in decode], [d["seconds"] for d in decode], 1)
+    return max(0.0, float(intercept)), max(0.0, float(slope))
 
 
 # --- collectives ---------------------------------------------------------------------------------
@@ -269,9 +277,11 @@ def main(argv=None) -> int:
     print(f"1/4 one rank alone ({MODEL_SHAPE}, float32, one thread)", flush=True)
     prefill_1, decode_1 = step_times(model_dir, 1, args)
     print(f"2/4 the fixed cost of a step ({PROBE_SHAPE})", flush=True)
-    _, probe = step_times(synthetic_dir(PROBE_SHAPE), 1, args)
-    overhead = step_overhead_s(probe)
-    print(f"    {overhead * 1e3:.1f} ms per decode step on every rank", flush=True)
+    probe_prefill, probe = step_times(synthetic_dir(PROBE_SHAPE), 1, args)
+    overhead, seq_whole = step_overhead_s(probe)
+    prefill_fixed = prefill_overhead_s(probe_prefill)
+    print(f"    {overhead * 1e3:.1f} ms per decode step, {seq_whole * 1e3:.2f} ms per sequence and "
+          f"{prefill_fixed * 1e3:.1f} ms per prefill on every rank", flush=True)
     print(f"3/4 all-reduces between {args.tp} ranks", flush=True)
     coll = collective_times(args.tp, model.hidden_size)
     latency, gbps = fit_link(coll, args.tp, model.hidden_size)
@@ -284,14 +294,15 @@ def main(argv=None) -> int:
     base = Efficiency(link=1.0, comm_latency_s=latency, step_overhead_s=overhead, prefill_reads_weights=True)
     eff = calibrate(model, core_gpu(), [PrefillSample(p["num_tokens"], p["seconds"]) for p in prefill_1],
                     [DecodeSample(d["batch"], d["context_len"], d["seconds"]) for d in decode_1], base,
-                    fit_overheads=True)
+                    fit_overheads=True, seq_undivided_s=seq_whole, prefill_overhead_s=prefill_fixed)
     # the cores' shared limit in the cost model's units: bytes a second it reads at, over the fitted
     # efficiency (a step's reads go at eff.hbm x the nominal rate: the cap binds only when their sum
     # passes what the cores read together)
     node_gbps = together / 1e9 / eff.hbm
     print(f"    fitted: compute {eff.compute:.3f}, memory {eff.hbm:.3f} (one rank's reads at "
           f"{eff.hbm * NOMINAL_GBPS:.1f} GB/s, the ranks' together at most {together / 1e9:.1f}), prefill overhead "
-          f"{eff.prefill_overhead_s * 1e3:.1f} ms, {eff.decode_seq_s * 1e3:.2f} ms per sequence", flush=True)
+          f"{eff.prefill_overhead_s * 1e3:.1f} ms, {eff.decode_seq_s * 1e3:.2f} ms per sequence whole and "
+          f"{eff.decode_seq_tp_s * 1e3:.2f} ms shared by the ranks", flush=True)
 
     print(f"4/4 a group of {args.tp} ranks, one thread each: predicted, then measured", flush=True)
     prefill_tp, decode_tp = step_times(model_dir, args.tp, args)
@@ -308,17 +319,18 @@ def main(argv=None) -> int:
     result = {"host": platform.node(), "processor": platform.processor(), "cores": cores, "tp": args.tp,
               "model": model.model_dump(),
               "config": vars(args) | {"out": str(args.out), "model_dir": str(model_dir)},
-              "step_overhead_s": overhead, "probe_decode": probe,
+              "step_overhead_s": overhead, "seq_undivided_s": seq_whole, "probe_decode": probe,
               "collective": {"rows_s": coll, "latency_s": latency, "gbps": gbps},
               "memory": {"alone_bytes_per_s": alone, "together_bytes_per_s": together, "node_gbps_model_units": node_gbps},
               "efficiency": dataclasses.asdict(eff), "rows": rows,
               "median_error": statistics.median(errors), "max_error": max(errors), "within_tolerance": within}
-    _write(args.out, result, model, prefill_1, decode_1, latency, gbps, overhead, node_gbps * cores / args.tp)
+    _write(args.out, result, model, prefill_1, decode_1, latency, gbps, (overhead, seq_whole, prefill_fixed),
+           node_gbps * cores / args.tp)
     return 0
 
 
 def _write(out: Path, result: dict, model, prefill: list[dict], decode: list[dict], latency: float,
-           gbps: float, overhead: float, node_gbps: float) -> None:
+           gbps: float, probe: tuple[float, float, float], node_gbps: float) -> None:
     """``node_gbps``: what every core of the host reads together (nominal units; measured for
     ``--tp`` of them and scaled to them all, a guess past the measured count)."""
     cores = result["cores"]
@@ -326,7 +338,9 @@ def _write(out: Path, result: dict, model, prefill: list[dict], decode: list[dic
     (out / MODEL_FILE).write_text("# the tensor-parallel calibration's model as the engine runs it: float32\n"
                                   + yaml.safe_dump(model.model_dump(), sort_keys=False))
     calibration = {"model": str(out / MODEL_FILE), "gpu": core_gpu().model_dump(), "prefill": strip(prefill),
-                   "decode": strip(decode), "step_overhead_s": overhead, "comm_latency_s": latency,
+                   "decode": strip(decode), "step_overhead_s": probe[0], "decode_seq_undivided_s": probe[1],
+                   "prefill_overhead_s": probe[2],
+                   "comm_latency_s": latency,
                    "prefill_reads_weights": True, "fit_overheads": True}
     (out / CALIBRATION_FILE).write_text(
         f"# {MODEL_SHAPE} on one core of {platform.node()}, measured by loadtest.calibrate.parallel, "

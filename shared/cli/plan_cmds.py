@@ -96,7 +96,8 @@ def _inputs(args):
             eff = calibrate(load_model(cal.model), cal.gpu,
                             [PrefillSample(m.num_tokens, m.seconds) for m in cal.prefill],
                             [DecodeSample(m.batch, m.context_len, m.seconds) for m in cal.decode], base,
-                            fit_overheads=cal.fit_overheads)
+                            fit_overheads=cal.fit_overheads, seq_undivided_s=cal.decode_seq_undivided_s,
+                            prefill_overhead_s=cal.prefill_overhead_s)
         except ConfigError as exc:
             raise CliError(str(exc)) from exc
         print(f"calibrated: compute efficiency {eff.compute:.3f}, HBM efficiency {eff.hbm:.3f}"

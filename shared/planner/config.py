@@ -195,6 +195,9 @@ class CalibrationSpec(_Strict):
     comm_latency_s: float | None = Field(default=None, ge=0)
     prefill_reads_weights: bool = False  # costmodel.Efficiency's: a prefill also reads the weights once (CPU)
     fit_overheads: bool = False  # costmodel.calibrate's: fit a fixed prefill cost and a per-sequence decode cost too
+    # costmodel.calibrate's seq_undivided_s: of the per-sequence decode cost, what a group pays whole
+    decode_seq_undivided_s: float | None = Field(default=None, ge=0)
+    prefill_overhead_s: float | None = Field(default=None, ge=0)  # measured apart: calibrate keeps it
 
 
 class ConfigError(ValueError):

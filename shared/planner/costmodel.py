@@ -66,6 +66,9 @@ class Efficiency:
     prefill_overhead_s: float = 0.0  # fixed seconds added to every prefill (calibrated; see above)
     decode_seq_s: float = 0.0        # seconds per running sequence added to every decode step
     step_overhead_s: float = 0.0     # seconds every decode step costs on each rank, TP or not (see above)
+    # seconds per running sequence that tensor parallelism divides among the ranks (its attention over
+    # its heads, on a CPU), beside decode_seq_s, which every step pays whole (sampling, bookkeeping)
+    decode_seq_tp_s: float = 0.0
     prefill_reads_weights: bool = False  # a prefill also reads the weights once (see above)
 
 
@@ -152,7 +155,7 @@ def decode_step_s(model: ModelSpec, hw: GroupHardware, par: Parallel, eff: Effic
     act_bytes = batch * model.hidden_size * model.act_bytes_per_elem
     comm = 2 * model.num_layers * _allreduce_s(act_bytes / par.pp, par.tp, hw.tp_link_gbps, eff)
     return ((max(memory, compute) + comm + _hops_s(act_bytes, par.pp, hw.pp_link_gbps, eff)) * _bubble(par.pp, eff)
-            + eff.decode_seq_s * batch + eff.step_overhead_s)
+            + (eff.decode_seq_s + eff.decode_seq_tp_s / par.tp) * batch + eff.step_overhead_s)
 
 
 def kv_transfer_s(model: ModelSpec, num_tokens: float, route_gbps: float, eff: Efficiency) -> float:
@@ -248,7 +251,8 @@ def _weighted_lstsq(features: list[list[float]], seconds: list[float]) -> list[f
 
 def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
               decode: Sequence[DecodeSample], base: Efficiency = Efficiency(),
-              fit_overheads: bool = False) -> Efficiency:
+              fit_overheads: bool = False, seq_undivided_s: float | None = None,
+              prefill_overhead_s: float | None = None) -> Efficiency:
     """Fit ``compute`` and ``hbm`` so single-GPU predictions match measured step times (median ratio).
 
     The measurements come from running the real engine on one device (e.g. SmolLM2 on this
@@ -263,11 +267,15 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
     ``base.step_overhead_s`` (measured apart) is taken out of every decode time before the fit, and
     kept in the result, so that the fitted model adds it back. With ``base.prefill_reads_weights``
     the decode steps are fitted first, and the weights' read at the bandwidth they give is taken out
-    of every prefill time before its fit.
+    of every prefill time before its fit. ``seq_undivided_s`` (measured apart): of the fitted cost per
+    sequence, at most this much is ``decode_seq_s``, paid whole on a group; the rest is
+    ``decode_seq_tp_s``, which tensor parallelism divides. ``prefill_overhead_s`` (measured apart) is
+    kept as given, and the prefill fit finds the compute efficiency alone.
     """
     hw = GroupHardware(gpu=gpu, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=gpu.price_per_hour)
     one = Parallel(1, 1)
-    ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0, step_overhead_s=0.0,
+    ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0, decode_seq_tp_s=0.0,
+                    step_overhead_s=0.0,
                     prefill_reads_weights=False)
     eff = base
     if decode:
@@ -282,7 +290,10 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
                 inv_hbm = 1.0
                 per_seq = max(0.0, _weighted_lstsq([[s.batch] for s in decode],
                                                    [t - m for t, m in zip(secs, mem_s)])[0])
-            eff = replace(eff, hbm=1.0 / inv_hbm, decode_seq_s=per_seq)
+            eff = replace(eff, hbm=1.0 / inv_hbm, decode_seq_s=per_seq, decode_seq_tp_s=0.0)
+            if seq_undivided_s is not None:
+                whole = min(per_seq, seq_undivided_s)
+                eff = replace(eff, decode_seq_s=whole, decode_seq_tp_s=per_seq - whole)
         else:
             ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / t
                             for s, t in zip(decode, secs))
@@ -292,7 +303,10 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
         # a prefill's read of the weights (base.prefill_reads_weights) at the bandwidth the decode fit found
         read_s = _read_s(model.weight_bytes, hw, one, eff) if base.prefill_reads_weights else 0.0
         secs = [max(s.seconds - read_s, 1e-9) for s in prefill]
-        if fit_overheads and len({s.num_tokens for s in prefill}) >= 2:
+        if prefill_overhead_s is not None:
+            slope = _weighted_lstsq([[f] for f in flops_s], [max(t - prefill_overhead_s, 1e-9) for t in secs])[0]
+            eff = replace(eff, compute=1.0 / max(1.0, slope), prefill_overhead_s=prefill_overhead_s)
+        elif fit_overheads and len({s.num_tokens for s in prefill}) >= 2:
             overhead, slope = _weighted_lstsq([[1.0, f] for f in flops_s], secs)
             if slope < 1.0:      # faster than the nominal peak: cap the efficiency, refit the overhead
                 slope = 1.0

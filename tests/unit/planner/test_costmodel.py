@@ -226,3 +226,15 @@ def test_a_prefill_that_reads_the_weights_is_fitted_with_that_read_taken_out_fir
     assert (prefill_latency_s(LLAMA7, h, one, fitted, 16) - prefill_latency_s(LLAMA7, h, two, replace(
         fitted, comm_latency_s=0.0), 16)) == pytest.approx(weights_s / 2 + (prefill_latency_s(
             LLAMA7, h, one, replace(fitted, prefill_reads_weights=False), 16) - 2e-3) / 2, rel=0.01)
+
+
+def test_a_sequences_cost_splits_into_what_every_rank_pays_and_what_the_ranks_share():
+    truth = replace(EFF, hbm=0.6, decode_seq_s=1e-4, decode_seq_tp_s=3e-4, comm_latency_s=0.0)
+    h, one, two = hw("a100"), Parallel(1, 1), Parallel(2, 1)
+    dec = [DecodeSample(b, 512, decode_step_s(LLAMA7, h, one, truth, b, 512)) for b in (1, 8, 32)]
+    fitted = calibrate(LLAMA7, GPU_TYPES["a100"], [], dec, fit_overheads=True, seq_undivided_s=1e-4)
+    assert (fitted.decode_seq_s, fitted.decode_seq_tp_s) == (pytest.approx(1e-4), pytest.approx(3e-4))
+    none = replace(fitted, decode_seq_s=0.0, decode_seq_tp_s=0.0)
+    for par, per_seq in ((one, 4e-4), (two, 1e-4 + 3e-4 / 2)):  # TP=2 halves the shared part alone
+        assert (decode_step_s(LLAMA7, h, par, fitted, 8, 512) - decode_step_s(LLAMA7, h, par, none, 8, 512)
+                == pytest.approx(8 * per_seq, rel=1e-6))

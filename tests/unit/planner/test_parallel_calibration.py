@@ -17,10 +17,10 @@ def test_the_link_fit_recovers_latency_and_bandwidth():
     assert gbps == pytest.approx(5.0, rel=1e-6)
 
 
-def test_the_step_overhead_is_the_intercept_over_the_batch():
+def test_the_step_overhead_is_the_intercept_over_the_batch_and_the_slope_a_sequences_whole_cost():
     decode = [{"batch": b, "seconds": 0.02 + 0.001 * b} for b in (1, 2, 4, 8)]
-    assert cal.step_overhead_s(decode) == pytest.approx(0.02)
-    assert cal.step_overhead_s([{"batch": b, "seconds": 0.001 * b - 0.01} for b in (1, 2)]) == 0.0
+    assert cal.step_overhead_s(decode) == (pytest.approx(0.02), pytest.approx(0.001))
+    assert cal.step_overhead_s([{"batch": b, "seconds": 0.001 * b - 0.01} for b in (1, 2)])[0] == 0.0
 
 
 def test_the_model_spec_counts_the_synthetic_shape(tmp_path):
@@ -47,6 +47,7 @@ def test_one_short_calibration_writes_files_the_planner_reads(tmp_path, capsys):
     assert {r["group"] for r in result["rows"]} == {"TP=1", "TP=2"} and len(result["rows"]) == 8
     assert (tmp_path / "parallel_calibration.png").stat().st_size > 0
     assert calibration.prefill_reads_weights and calibration.fit_overheads
+    assert calibration.decode_seq_undivided_s is not None
     assert load_cluster(tmp_path / cal.CLUSTER_FILE).nodes[0].memory_gbps > 0
     from services.cli import main  # the planner plans on what the calibration wrote
 

@@ -298,6 +298,7 @@ async def test_a_long_chat_prompt_does_not_hold_health(client_for, tokenizer):
     assert resp.status == 503
 
 
+@pytest.mark.long  # a stack of service processes: the suite's second step
 def test_a_stack_keeps_keys_off_gateway_command_lines_and_its_pages_behind_the_operator_key(
         nats_server, redis_server, tmp_path, capsys):
     """``tandem up --api-keys`` and an operator key file on a real stack (no workers: none is

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from loadtest.bench.panel_ab import alternate
+from loadtest.bench.panel_ab import alternate, build_renamed
 
 NAMESPACE = "tandem_attn_baseline"
 BASELINE_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
@@ -36,15 +34,7 @@ LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
 
 def load_baseline(source: Path, namespace: str = NAMESPACE):
     """The ``decode_attention`` of ``source``, built with ``BASELINE_FLAGS`` under ``namespace``."""
-    import torch
-
-    from kernels.cpu_build import build
-
-    text = re.sub(r"TORCH_LIBRARY\(tandem_attn,", f"TORCH_LIBRARY({namespace},", source.read_text())
-    renamed = Path(tempfile.mkdtemp()) / f"decode_attention_{namespace}.cpp"
-    renamed.write_text(text)
-    torch.ops.load_library(str(build(renamed, BASELINE_FLAGS)))
-    return getattr(getattr(torch.ops, namespace), "decode_attention")
+    return build_renamed(source, "tandem_attn", namespace, BASELINE_FLAGS).decode_attention
 
 
 def step_inputs(batch: int, context: int, dtype, seed: int = 0) -> dict:

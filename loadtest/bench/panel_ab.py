@@ -27,18 +27,25 @@ from pathlib import Path
 NAMESPACE = "tandem_blocks_baseline"
 
 
-def load_baseline(source: Path):
-    """The baseline's ``panel_mm``, built from ``source`` under ``NAMESPACE``."""
+def build_renamed(source: Path, library: str, namespace: str, flags: list[str]):
+    """``source``'s ops, its ``TORCH_LIBRARY(library, ...)`` renamed ``namespace`` so that they load
+    beside the current build's, built with ``flags``: ``torch.ops.<namespace>``."""
     import torch
 
-    from kernels import blocks_cpu
     from kernels.cpu_build import build
 
-    text = re.sub(r"TORCH_LIBRARY\(tandem_blocks,", f"TORCH_LIBRARY({NAMESPACE},", source.read_text())
-    renamed = Path(tempfile.mkdtemp()) / "block_mm_baseline.cpp"
+    text = re.sub(rf"TORCH_LIBRARY\({library},", f"TORCH_LIBRARY({namespace},", source.read_text())
+    renamed = Path(tempfile.mkdtemp()) / f"{source.stem}_{namespace}.cpp"
     renamed.write_text(text)
-    torch.ops.load_library(str(build(renamed, blocks_cpu._FLAGS)))
-    return getattr(torch.ops, NAMESPACE).panel_mm
+    torch.ops.load_library(str(build(renamed, flags)))
+    return getattr(torch.ops, namespace)
+
+
+def load_baseline(source: Path):
+    """The baseline's ``panel_mm``, built from ``source`` under ``NAMESPACE``."""
+    from kernels import blocks_cpu
+
+    return build_renamed(source, "tandem_blocks", NAMESPACE, blocks_cpu._FLAGS).panel_mm
 
 
 def alternate(run_current, run_baseline, rounds: int, clock=time.perf_counter) -> dict:

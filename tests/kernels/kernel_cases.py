@@ -52,8 +52,10 @@ def query_start_loc(q_lens: list[int], device: torch.device) -> torch.Tensor:
 
 def attention_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, q_lens: list[int], seq_lens: list[int],
-                     scale: float) -> torch.Tensor:
-    """float64 causal attention of each sequence's last ``q_len`` positions: [T, Hq, D]."""
+                     scale: float, window: int | None = None) -> torch.Tensor:
+    """float64 causal attention of each sequence's last ``q_len`` positions: [T, Hq, D]. With
+    ``window``, a query at position p sees the keys in (p - window, p], and a position outside every
+    window may hold anything (NaN included)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -62,10 +64,14 @@ def attention_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ids = block_tables[i, :cdiv(seq_len, block_size)].long().cpu()
         k = k_cache.cpu()[ids].flatten(0, 1)[:seq_len].double().repeat_interleave(group, dim=1)
         v = v_cache.cpu()[ids].flatten(0, 1)[:seq_len].double().repeat_interleave(group, dim=1)
+        if window is not None:
+            k, v = torch.nan_to_num(k), torch.nan_to_num(v)
         qi = q[start:start + q_len].cpu().double()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores.masked_fill_(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        keys = torch.arange(seq_len)[None, :]
+        hidden = keys > q_pos if window is None else (keys > q_pos) | (keys <= q_pos - window)
+        scores.masked_fill_(hidden, float("-inf"))
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         start += q_len
     return out

@@ -4,32 +4,11 @@ and a float64 oracle, a query at position p seeing the keys in (p - window, p]."
 import pytest
 import torch
 
-from kernel_cases import REL_TOL, cdiv, make_paged_kv, max_rel_err, query_start_loc
+from kernel_cases import REL_TOL, attention_oracle, make_paged_kv, max_rel_err, query_start_loc
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.decode_attention_triton import paged_decode_attention_triton
 from kernels.prefill_attention import paged_prefill_attention_ref
 from kernels.prefill_attention_triton import paged_prefill_attention_triton
-
-
-def windowed_oracle(q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale, window) -> torch.Tensor:
-    """float64 attention of each sequence's last ``q_len`` positions over their windows: [T, Hq, D]."""
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    start = 0
-    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        ids = block_tables[i, :cdiv(seq_len, block_size)].long().cpu()
-        k = k_cache.cpu()[ids].flatten(0, 1)[:seq_len].double().repeat_interleave(group, dim=1)
-        v = v_cache.cpu()[ids].flatten(0, 1)[:seq_len].double().repeat_interleave(group, dim=1)
-        v = torch.nan_to_num(v)  # a position outside every window may hold anything
-        k = torch.nan_to_num(k)
-        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].cpu().double(), k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        keys = torch.arange(seq_len)[None, :]
-        scores.masked_fill_((keys > q_pos) | (keys <= q_pos - window), float("-inf"))
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        start += q_len
-    return out
 
 
 # (block_size, head_dim, group, num_kv_heads, q_lens, seq_lens, window, dtype): windows shorter than a
@@ -55,7 +34,7 @@ def test_windowed_prefill_matches_reference(device, block_size, head_dim, group,
 
     out = paged_prefill_attention_triton(q, k_cache, v_cache, table, qsl, lens, scale, window=window)
     ref = paged_prefill_attention_ref(q, k_cache, v_cache, table, qsl, lens, scale, window=window)
-    oracle = windowed_oracle(q, k_cache, v_cache, table, q_lens, seq_lens, scale, window)
+    oracle = attention_oracle(q, k_cache, v_cache, table, q_lens, seq_lens, scale, window)
 
     assert torch.isfinite(out).all()
     assert max_rel_err(out, oracle) < REL_TOL[dtype]
@@ -105,7 +84,7 @@ def test_windowed_decode_matches_reference(device, block_size, head_dim, group, 
     out = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale, num_splits=num_splits,
                                         window=window)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale, window=window)
-    oracle = windowed_oracle(q, k_cache, v_cache, table, [1] * len(seq_lens), seq_lens, scale, window)
+    oracle = attention_oracle(q, k_cache, v_cache, table, [1] * len(seq_lens), seq_lens, scale, window)
 
     assert torch.isfinite(out).all() and torch.isfinite(ref).all()
     assert max_rel_err(out, oracle) < REL_TOL[dtype]

@@ -9,6 +9,7 @@ import json
 import os
 import time
 import urllib.request
+from pathlib import Path
 
 from loadtest.tools import sse
 
@@ -144,3 +145,9 @@ def greedy_text(engine, prompt_ids: list[int], max_tokens: int, ignore_eos: bool
         return engine.tokenizer.decode(ids)
 
     return asyncio.run(run())
+
+
+def environ_nats_url(pid: int) -> str:
+    """The ``TANDEM_NATS_URL`` a running process was started with (its /proc environment)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TANDEM_NATS_URL="))

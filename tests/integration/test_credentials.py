@@ -22,7 +22,7 @@ from shared.stack.servers import start_nats_server, start_redis_server
 from shared.stack.stack import StackSpec
 from shared.store import check_connection, connect
 from shared.telemetry.redact import new_secret
-from stack_helpers import running_stack
+from stack_helpers import environ_nats_url, running_stack
 
 PASSWORD = new_secret()
 
@@ -213,10 +213,6 @@ async def _logs_in(url: str) -> bool:
     return True
 
 
-def _environ_nats_url(pid: int) -> str:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TANDEM_NATS_URL="))
-
 
 @pytest.mark.parametrize("members", [1, 3])
 async def test_a_rotated_nats_login_overlaps_then_only_the_new_one_logs_in(tmp_path, members):
@@ -253,7 +249,7 @@ async def test_a_rotated_nats_login_overlaps_then_only_the_new_one_logs_in(tmp_p
             restarted = stack.children["admission"]
             shown = "\n".join(line for line in lines if "nats|" not in line)
             assert restarted.is_running() and restarted.pid != child.pid, shown
-            assert _environ_nats_url(restarted.pid) == new_url
+            assert environ_nats_url(restarted.pid) == new_url
         assert _credentials(stack, rotator, "finish") == 0
         assert await _logs_in(new_url) and not await _logs_in(old_url)
         assert KeptLogin.load(spec.state_dir / "nats", members).logins == kept.logins[:1]

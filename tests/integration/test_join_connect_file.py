@@ -9,19 +9,15 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from shared.stack.children import child_env
 from shared.stack.servers import Login, start_nats_server, with_login
 from shared.telemetry.redact import new_secret
+from stack_helpers import environ_nats_url
 from test_join_failures import QUICK_WORKER, Lines, registry_entries, write_connect
 
-
-def _environ_nats_url(pid: int) -> str:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TANDEM_NATS_URL="))
 
 
 @pytest.mark.slow
@@ -46,7 +42,7 @@ def test_a_new_connect_file_is_taken_over_without_restarting_the_join(tmp_path, 
         assert out.wait_for("every worker of this host runs with the new NATS login", 240), out.lines[-30:]
         (after,) = asyncio.run(registry_entries(new_url, namespace))
         assert after.pid != before.pid and after.started_at > before.started_at
-        assert _environ_nats_url(after.pid) == new_url
+        assert environ_nats_url(after.pid) == new_url
         server.set_logins([new])  # the overlap ends: the old login is dropped
         time.sleep(8)  # longer than a refused worker takes to give up (5 s)
         assert proc.poll() is None, (proc.returncode, out.lines[-30:])

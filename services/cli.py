@@ -13,6 +13,8 @@ import sys
 
 from services.admission import cli as admission
 from services.autoscaler import cli as autoscaler
+from services.commands import control_cmds, model_cmds, plan_cmds, protocol_cmds, status, worker_check
+from services.commands.errors import CliError
 from services.decode import cli as decode
 from services.gateway import cli as gateway
 from services.join import cli as join
@@ -21,8 +23,6 @@ from services.prefill import cli as prefill
 from services.up import cli as up
 from services.up import credentials
 from shared import __version__
-from shared.cli import control_cmds, model_cmds, plan_cmds, protocol_cmds, status, worker_check
-from shared.cli.errors import CliError
 
 COMMANDS = [
     model_cmds.register,  # complete, chat, model fetch

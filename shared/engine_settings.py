@@ -5,10 +5,10 @@
 - ``shared.engine.config.EngineConfig`` subclasses it (same fields, validated on construction) and
   adds how the settings resolve on a device;
 - ``engine_settings()`` turns the fields into a pydantic-settings class (``TANDEM_<FIELD>``
-  variables): the workers' ``EngineWorkerSettings`` (``shared.worker.settings``) and the engine
+  variables): the workers' ``EngineWorkerSettings`` (``services.worker.settings``) and the engine
   commands' settings (``tandem complete`` / ``chat``) are made by it, with other defaults where a
   command wants them (workers compile in the background and speculate);
-- ``shared.service.command.add_settings_arguments`` gives each field of such a class its
+- ``services.framework.command.add_settings_arguments`` gives each field of such a class its
   ``--flag`` with the field's description as ``--help`` (``cli_flags`` below: extra spellings).
 
 So a field added here is at once an engine config field, a ``TANDEM_`` variable and a flag of every

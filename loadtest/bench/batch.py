@@ -63,7 +63,7 @@ from shared.telemetry.plot import figure
 
 
 def start_stack(state: Path, args, log):
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     stack = Stack(StackSpec(state_dir=state, model=args.model, port=0, namespace=f"bb{os.getpid()}",
                             decode_flags={"device": "cpu", "kv_cache_memory": args.kv_cache_memory,

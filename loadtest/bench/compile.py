@@ -179,7 +179,7 @@ def run_during_compile(args) -> int:
 
 
 def run_artifacts(args) -> int:
-    from shared.stack.servers import start_nats_server  # noqa: PLC0415
+    from services.stack.servers import start_nats_server  # noqa: PLC0415
 
     report: dict = {"runs": {}, "config": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="compile-artifacts-") as tmp:

@@ -45,7 +45,7 @@ def decode_counters(stack) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")

@@ -19,7 +19,7 @@ from pathlib import Path
 from services.gateway.metrics import GatewayMetrics
 from shared.engine.engine import EngineStats
 from shared.protocol.workers import WorkerLoad
-from shared.worker.metrics import WorkerMetrics
+from services.worker.metrics import WorkerMetrics
 from shared.telemetry.families import AdmissionMetrics
 from shared.telemetry.metrics import exposition, service_registry
 from shared.transfer.base import TransferStats

@@ -33,8 +33,8 @@ def compare(stack_s: dict, engine_s: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
     from shared.engine import AsyncEngine, EngineConfig, parse_size  # noqa: PLC0415 — torch
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")

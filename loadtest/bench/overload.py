@@ -89,7 +89,7 @@ def tier_report(results: list[RequestResult], tiers: dict[int, str], slo_s: dict
 
 
 def start_stack(state: Path, label: str, args, slo_ms: dict[str, float] | None, log):
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     qos = state / f"qos-{label}.yaml"
     qos.write_text(qos_yaml(slo_ms, {"premium": args.premium_itl_slo_ms} if slo_ms else None))

@@ -85,8 +85,8 @@ def fetch_times_ms(lines: list[str]) -> list[float]:
 
 
 def main(argv=None) -> int:
+    from services.stack.stack import Stack, StackSpec
     from shared.protocol import KvSource
-    from shared.stack.stack import Stack, StackSpec
 
     args = parse_args(argv)
     rng = random.Random(0)

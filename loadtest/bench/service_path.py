@@ -45,7 +45,7 @@ async def measure(base_url: str, model: str, prompts: list[str]) -> list[float]:
 
 def add_echo_worker(stack, model: str, on_line) -> None:
     """The echo worker as the decode worker of ``stack`` (started, with no engine workers)."""
-    from shared.stack.children import Child, child_env  # noqa: PLC0415
+    from services.stack.children import Child, child_env  # noqa: PLC0415
 
     stack.children["echo"] = Child("echo", [
         sys.executable, str(ECHO_WORKER), "--namespace", stack.spec.namespace, "--model", model,
@@ -55,7 +55,7 @@ def add_echo_worker(stack, model: str, on_line) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
     from shared.tokenizer import load_tokenizer  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

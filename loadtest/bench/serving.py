@@ -37,7 +37,7 @@ from loadtest.tools.cpu_steal import cpu_times, steal_share
 from loadtest.tools.harness import status
 from loadtest.tools.runner import run_openai
 from loadtest.tools.workload import RequestSpec
-from shared.stack.servers import free_port
+from services.stack.servers import free_port
 from shared.telemetry.measure import percentile
 from shared.telemetry.plot import figure
 

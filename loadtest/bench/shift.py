@@ -91,7 +91,7 @@ def phase_report(results: list[RequestResult], phase_of: dict[int, str], ttft_sl
 
 
 def start_stack(state: Path, label: str, args, num_decode: int, num_prefill: int, autoscale: dict | None, log):
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     engine = {"device": "cpu", "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
               "max_num_seqs": args.max_num_seqs}

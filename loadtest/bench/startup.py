@@ -75,7 +75,7 @@ def summarize(results: list[RequestResult], tier_of: dict[int, str], slo_s: floa
 
 
 def run_side(args, measure_rate: bool, state: Path, log) -> dict:
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     state.mkdir(parents=True, exist_ok=True)
     (state / "qos.yaml").write_text(QOS.format(slo=args.slo_ms))

@@ -85,7 +85,7 @@ def compare(on: dict, off: dict) -> dict:
 
 
 def start_stack(name: str, args, state: str, log_file):
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415 — torch
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415 — torch
 
     stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=1, model=args.model, port=0,
                             namespace=f"{name}{os.getpid()}",
@@ -98,7 +98,7 @@ def start_stack(name: str, args, state: str, log_file):
 def start_echo_stack(name: str, args, state: str, log_file):
     """A stack without engine: the echo worker as its decode worker."""
     from loadtest.bench.service_path import add_echo_worker  # noqa: PLC0415
-    from shared.stack.stack import Stack, StackSpec  # noqa: PLC0415
+    from services.stack.stack import Stack, StackSpec  # noqa: PLC0415
 
     stack = Stack(StackSpec(state_dir=Path(state) / name, num_decode=0, model=args.model, port=0,
                             namespace=f"{name}{os.getpid()}"),

@@ -22,7 +22,7 @@ In one run:
    datasheet figures) with one decode worker that prefills locally, like ``tandem up --decode 1``.
    The trace is the load generator's own schedule: the same Poisson arrival times, each prompt's
    token count (tokenized with the model's tokenizer) and output length.
-3. **Live.** ``tandem up --decode 1`` (``shared.stack.stack.Stack``, embedded nats and redis) on a
+3. **Live.** ``tandem up --decode 1`` (``services.stack.stack.Stack``, embedded nats and redis) on a
    free port, driven open-loop by ``loadtest.tools.runner.run_openai`` with that schedule, then stopped.
 4. **Compare.** TTFT and ITL p50/p90, simulator vs live, relative error, and whether each p50 is
    within ``--tolerance`` (25%). The simulator has no per-token times: its ITL is each request's
@@ -250,7 +250,7 @@ def simulate(cluster_path: Path, model, eff, specs, input_lens: list[int], slo_t
 def run_live(model: str, specs, slo_ttft_s: float, slo_tpot_s: float, log_path: Path):
     from loadtest.tools.runner import run_openai
     from loadtest.tools.stats import summarize
-    from shared.stack.stack import Stack, StackSpec
+    from services.stack.stack import Stack, StackSpec
 
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tandem-cal-") as state:

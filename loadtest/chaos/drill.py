@@ -36,8 +36,8 @@ from loadtest.chaos.report import (FaultReport, RequestOutcome, fault_report, fo
                                    report_from_json, skipped_report, totals)
 from loadtest.tools import sse
 from loadtest.tools.harness import status
-from shared.stack.stack import Stack, StackSpec
-from shared.stack.supervisor import Backoff
+from services.stack.stack import Stack, StackSpec
+from services.stack.supervisor import Backoff
 
 _TOPICS = ("a lighthouse keeper", "the history of bread", "a robot learning to paint", "volcanoes",
            "a chess tournament", "the moons of Jupiter", "a lost umbrella", "how bees communicate",

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from loadtest.tools.harness import status
-from shared.stack.servers import ServerProcess
-from shared.stack.stack import Stack
+from services.stack.servers import ServerProcess
+from services.stack.stack import Stack
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.chaos.drill import ChaosConfig, base_urls, drive, leaked_blocks, stack_spec
-from shared.stack.stack import Stack
+from services.stack.stack import Stack
 from shared.telemetry.plot import figure
 
 RESULTS = Path(__file__).parents[1] / "results" / "soak"

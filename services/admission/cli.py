@@ -3,7 +3,7 @@
 import asyncio
 
 from services.admission.config import AdmissionSettings
-from shared.service.command import register_service
+from services.framework.command import register_service
 
 HELP = "run the admission service (accept/reject; choose the decode worker)"
 

@@ -2,7 +2,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.service.settings import QosSettings, ServiceSettings
+from services.framework.settings import QosSettings, ServiceSettings
 
 
 class AdmissionSettings(ServiceSettings, QosSettings):

@@ -29,7 +29,7 @@ from shared.policy.kv_routing import (RoutingChoice, RoutingWeights, choose_work
 from shared.policy.qos import load_qos
 from shared.policy.kv_fetch import FetchConfig, HeldPrefix, choose_kv_source
 from shared.protocol import AdmissionDecision, GenerateRequest, KvMatchRequest, KvSource, Subjects, WorkerLoad
-from shared.service.lifecycle import every, run_bus_service, service_instance_id
+from services.framework.lifecycle import every, run_bus_service, service_instance_id
 from shared.telemetry.families import AdmissionMetrics
 from shared.telemetry.metrics import RecentMean
 from services.admission.config import AdmissionSettings

@@ -3,7 +3,7 @@
 import asyncio
 
 from services.autoscaler.config import AutoscalerSettings
-from shared.service.command import register_service
+from services.framework.command import register_service
 
 HELP = ("run the autoscaler (the cluster view; with --autoscale, flips workers between decode and prefill as the load "
         "shifts)")

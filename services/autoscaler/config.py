@@ -1,6 +1,6 @@
 from pydantic import Field, model_validator
 
-from shared.service.settings import ServiceSettings
+from services.framework.settings import ServiceSettings
 
 
 class AutoscalerSettings(ServiceSettings):

@@ -18,7 +18,7 @@ from shared.policy.autoscale_inputs import Flip
 from shared.policy.fleet import FleetAutoscaler
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, ControlRequest, PrefillQueueStatus,
                              ScaleRequest, ScalingAction, Subjects, WorkerLoad)
-from shared.service.lifecycle import every, run_bus_service, service_instance_id
+from services.framework.lifecycle import every, run_bus_service, service_instance_id
 from shared.telemetry.families import AutoscalerMetrics
 from services.autoscaler.config import AutoscalerSettings
 

@@ -3,7 +3,7 @@
 import asyncio
 
 from services.decode.config import DecodeSettings
-from shared.service.command import register_service
+from services.framework.command import register_service
 
 HELP = "run a decode worker (loads the model, warms up, registers, streams tokens)"
 

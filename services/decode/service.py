@@ -20,13 +20,13 @@ from shared.engine import AsyncEngine, EngineError, InvalidRequestError
 from shared.protocol import (CancelRequest, ControlRequest, ControlResult, GenerateRequest, TokenChunk,
                              WorkerInfo, WorkerLoad)
 from shared.protocol.workers import KvFetchLoad
-from shared.service.lifecycle import every
+from services.framework.lifecycle import every
 from shared.telemetry import tracing
 from shared.telemetry.metrics import RecentMean
 from shared.telemetry.phases import worker_phases
-from shared.worker.engine_worker import EngineWorker
-from shared.worker.metrics import WorkerMetrics
-from shared.worker.origins import OriginWatch
+from services.worker.engine_worker import EngineWorker
+from services.worker.metrics import WorkerMetrics
+from services.worker.origins import OriginWatch
 from services.decode.config import DecodeSettings
 from services.decode.fetch import PeerFetcher
 from services.decode.remote import RemotePrefiller, poll_kv_forever

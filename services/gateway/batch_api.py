@@ -26,7 +26,7 @@ from shared.openai_api.auth import owns
 from shared.openai_api.errors import ApiError, from_validation_error
 from shared.protocol import Subjects
 from shared.protocol.batch import FileRecord
-from shared.service.lifecycle import every
+from services.framework.lifecycle import every
 from services.gateway.batch_runner import BatchRunner, History, RunnerConfig
 from services.gateway.core import GatewayCore
 

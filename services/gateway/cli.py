@@ -2,8 +2,8 @@
 
 import asyncio
 
+from services.framework.command import register_service
 from services.gateway.config import GatewaySettings
-from shared.service.command import register_service
 
 HELP = "run the HTTP gateway (OpenAI chat/completions, SSE, /metrics, /status)"
 

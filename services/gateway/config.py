@@ -1,6 +1,6 @@
 from pydantic import Field, model_validator
 
-from shared.service.settings import QosSettings, ServiceSettings
+from services.framework.settings import QosSettings, ServiceSettings
 
 
 class GatewaySettings(ServiceSettings, QosSettings):

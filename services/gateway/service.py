@@ -39,7 +39,7 @@ from shared.responses.store import ResponseStore
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, GenerateRequest, OriginAlive, OriginPing,
                              ServiceInfo, Subjects, WorkerInfo, WorkerStatus)
 from shared.protocol.status import GatewayState, StatusPage
-from shared.service.lifecycle import (bus_connection, every, published_metrics, serve_until_stopped,
+from services.framework.lifecycle import (bus_connection, every, published_metrics, serve_until_stopped,
                                     service_instance_id)
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
@@ -84,7 +84,7 @@ class Gateway:
         self.metrics = GatewayMetrics.create(settings.num_restarts, service_instance_id("gateway"))
         self.services = services  # None: no metrics addresses in /status
         # named in every request this gateway sends: workers abort its requests once nobody
-        # answers here (shared.worker.origins)
+        # answers here (services.worker.origins)
         self.origin = f"gw-{uuid.uuid4().hex[:16]}"
         # None: responses (conversations) are not stored (a gateway embedded without NATS KV, in tests)
         self.conversations = Conversations(self, conversations) if conversations is not None else None

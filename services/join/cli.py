@@ -1,7 +1,7 @@
 """``tandem join``: this host's workers, registered with a control plane that runs elsewhere."""
 
+from services.framework.command import register_command
 from services.join.config import JoinSettings
-from shared.service.command import register_command
 
 HELP = ("start decode/prefill workers on this host for a control plane elsewhere (tandem up on another "
         "host), with the credentials from its connect.env")

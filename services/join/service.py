@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.commands.errors import CliError
 from services.join.config import JoinSettings
 from services.join.identity import EXIT_HOST_NAME_TAKEN, describe_conflict, is_ready_here, live_conflicts, load_host_id
 from services.join.watch import ConnectWatch
-from shared.cli.errors import CliError
-from shared.stack.stack import Stack, StackSpec, print_line
-from shared.stack.supervisor import Backoff
+from services.stack.stack import Stack, StackSpec, print_line
+from services.stack.supervisor import Backoff
 from shared.telemetry.redact import redact_url
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.cli.errors import CliError
-from shared.stack.stack import Stack, print_line
+from services.commands.errors import CliError
+from services.stack.stack import Stack, print_line
 
 CHECK_INTERVAL_S = 2.0
 APPLIED_KEYS = ("TANDEM_NATS_URL", "TANDEM_NATS_CA")

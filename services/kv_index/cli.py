@@ -2,8 +2,8 @@
 
 import asyncio
 
+from services.framework.command import register_service
 from services.kv_index.config import KvIndexSettings
-from shared.service.command import register_service
 
 HELP = "run the KV index service (KV events → Redis prefix index; answers match queries)"
 

@@ -19,7 +19,7 @@ import time
 
 from shared.bus import Bus, Replay, WorkerRegistry
 from shared.protocol import KvEventBatch, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
-from shared.service.lifecycle import every, run_bus_service, service_instance_id
+from services.framework.lifecycle import every, run_bus_service, service_instance_id
 from shared.telemetry.families import KvIndexMetrics
 from shared.store import KvIndexStore, RedisKeys, check_connection, connect, is_unavailable
 from services.kv_index.config import KvIndexSettings

@@ -2,8 +2,8 @@
 
 import asyncio
 
+from services.framework.command import register_service
 from services.prefill.config import PrefillSettings
-from shared.service.command import register_service
 
 HELP = ("run a prefill worker (pulls the JetStream prefill queue, computes prompt KV, writes it into decode workers' "
         "blocks over NIXL, then acks)")

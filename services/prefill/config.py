@@ -1,6 +1,6 @@
 from pydantic import Field
 
-from shared.worker.settings import EngineWorkerSettings, default_worker_id
+from services.worker.settings import EngineWorkerSettings, default_worker_id
 
 
 class PrefillSettings(EngineWorkerSettings):

@@ -27,8 +27,8 @@ from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineError, SamplingParams
 from shared.protocol import (ControlRequest, ControlResult, PrefillLeaseRequest, PrefillNotification,
                              RemotePrefillRequest, WorkerInfo, WorkerLoad)
-from shared.worker.engine_worker import EngineWorker
-from shared.worker.metrics import WorkerMetrics
+from services.worker.engine_worker import EngineWorker
+from services.worker.metrics import WorkerMetrics
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import RecentMean

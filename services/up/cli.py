@@ -1,7 +1,7 @@
 """``tandem up``: nats-server, redis-server and every service as local processes."""
 
+from services.framework.command import register_command
 from services.up.config import UpSettings
-from shared.service.command import register_command
 
 HELP = "start the whole stack locally (embedded NATS + Redis, every service its own process)"
 

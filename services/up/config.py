@@ -3,8 +3,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.framework.settings import QosSettings
 from shared.engine_settings import engine_settings
-from shared.service.settings import QosSettings
 
 
 def default_state_dir() -> Path:

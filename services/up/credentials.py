@@ -1,5 +1,5 @@
 """``tandem credentials rotate|finish``: ask the running ``tandem up`` to rotate its embedded NATS's
-login, with an overlap window in which the old and the new one both log in (shared/stack/rotate.py)."""
+login, with an overlap window in which the old and the new one both log in (services/stack/rotate.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.framework.command import register_command
 from services.up.config import default_state_dir
-from shared.service.command import register_command
 
 HELP = "rotate the embedded NATS's login of a running tandem up, the old one accepted for an overlap window"
 ROTATE_HELP = ("make a new NATS login: the running tandem up's NATS accepts it and the old one for --overlap-s, "
@@ -47,20 +47,20 @@ def register(subparsers) -> None:
 
 
 def rotate(settings: RotateSettings) -> int:
-    from shared.stack.rotate import CredentialsRequest  # noqa: PLC0415
+    from services.stack.rotate import CredentialsRequest  # noqa: PLC0415
 
     return _ask(settings, CredentialsRequest("rotate", settings.overlap_s))
 
 
 def finish(settings: CredentialsSettings) -> int:
-    from shared.stack.rotate import CredentialsRequest  # noqa: PLC0415
+    from services.stack.rotate import CredentialsRequest  # noqa: PLC0415
 
     return _ask(settings, CredentialsRequest("finish"))
 
 
 def _ask(settings: CredentialsSettings, request) -> int:
-    from shared.cli.errors import CliError  # noqa: PLC0415
-    from shared.stack.rotate import send_request, wait_answer  # noqa: PLC0415
+    from services.commands.errors import CliError  # noqa: PLC0415
+    from services.stack.rotate import send_request, wait_answer  # noqa: PLC0415
 
     directory = settings.state_dir / settings.namespace / "nats"
     if not directory.is_dir():

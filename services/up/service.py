@@ -7,11 +7,11 @@ import threading
 import time
 from pathlib import Path
 
-from shared.cli.errors import CliError
-from shared.stack.rotate import Rotator
-from shared.stack.servers import advertised_host
-from shared.stack.stack import Stack, StackSpec, print_line
-from shared.stack.supervisor import Backoff
+from services.commands.errors import CliError
+from services.stack.rotate import Rotator
+from services.stack.servers import advertised_host
+from services.stack.stack import Stack, StackSpec, print_line
+from services.stack.supervisor import Backoff
 from shared.telemetry.redact import new_secret, redact_url
 from services.up.config import UpSettings
 

@@ -1,5 +1,5 @@
 """A worker process (``tandem decode`` or ``tandem prefill``): load the model once, then serve the
-role it was started as, or the other one after a flip (``shared.worker.roles``).
+role it was started as, or the other one after a flip (``services.worker.roles``).
 
 The settings of the role a process was not started as are its engine settings (model, device, KV
 budget, worker id, timeouts...) with that role's own fields at their defaults (or ``TANDEM_``
@@ -19,13 +19,13 @@ from shared.disagg import RemotePrefills
 from shared.engine import AsyncEngine
 from shared.protocol import Subjects
 from shared.protocol.workers import Role
-from shared.service.lifecycle import published_metrics
+from services.framework.lifecycle import published_metrics
 from shared.transfer import TransferUnavailable
-from shared.worker.compile_share import NatsArtifactStore
-from shared.worker.engine_worker import publish_kv_events_forever, start_kv_events
-from shared.worker.metrics import WorkerMetrics
-from shared.worker.roles import RoleRunner, RoleWorker
-from shared.worker.settings import EngineWorkerSettings
+from services.worker.compile_share import NatsArtifactStore
+from services.worker.engine_worker import publish_kv_events_forever, start_kv_events
+from services.worker.metrics import WorkerMetrics
+from services.worker.roles import RoleRunner, RoleWorker
+from services.worker.settings import EngineWorkerSettings
 from services.decode.config import DecodeSettings
 from services.decode.fetch import PeerFetcher
 from services.decode.remote import RemotePrefiller

@@ -20,7 +20,7 @@ Both live in ``<TANDEM_COMPILE_CACHE_DIR>/<key>`` (default ``TANDEM_CACHE_DIR/co
   with ``-march=native``: code built on a CPU with AMX must not run on one without).
 
 A process that has no artifacts for its key asks its ``ArtifactStore`` (a worker's: the NATS
-Object Store bucket ``<ns>-compile``, shared/worker/compile_share.py) before compiling, and offers
+Object Store bucket ``<ns>-compile``, services/worker/compile_share.py) before compiling, and offers
 what it built afterwards; the first worker of a cluster to compile a key is the only one that
 does. ``tandem model fetch --compile`` builds a key's artifacts ahead of time.
 """

@@ -1,5 +1,5 @@
 """The Prometheus families of admission, kv-index and the autoscaler (the gateway's are in
-``services.gateway.metrics``, a worker's in ``shared.worker.metrics``). Each class owns one
+``services.gateway.metrics``, a worker's in ``services.worker.metrics``). Each class owns one
 registry; its ``create`` adds what every service exports (``service_registry``)."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from shared.grammar.spec import GrammarSpec
 from shared.model.loader import load_model
 from shared.model.parallel import ProcessGroupCollectives
 from shared.model.shm_collectives import is_alive
-from shared.stack.waiting import wait_until
+from services.stack.waiting import wait_until
 from shared.model.quant import EVAL_PASSAGE, calibration_token_ids, compare_models
 
 from test_engine_smollm2 import GREEDY, hf_greedy_ignoring_eos, reference  # noqa: F401 — fixture

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from shared.stack.servers import start_nats_server, start_redis_server
+from services.stack.servers import start_nats_server, start_redis_server
 
 
 @pytest.fixture(scope="session")

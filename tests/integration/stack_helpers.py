@@ -35,7 +35,7 @@ def running_stack(spec, ready_timeout_s: float = 180.0):
     """Start a Stack, wait until it is ready, yield it (its output lines in ``.lines``), stop it.
     ``TANDEM_TEST_STACK_LOG=1`` prints the lines afterwards. Workers run in ``EXACT_PRECISION``
     unless the spec names a dtype or quantization."""
-    from shared.stack.stack import Stack
+    from services.stack.stack import Stack
 
     spec = dataclasses.replace(spec, decode_flags=_exact(spec.decode_flags), prefill_flags=_exact(spec.prefill_flags))
 

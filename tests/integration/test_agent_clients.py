@@ -25,7 +25,7 @@ from shared.bus import Bus
 from shared.protocol import Subjects
 from shared.protocol.responses import StoredResponse
 from shared.responses.store import ResponseStore
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

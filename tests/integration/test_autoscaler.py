@@ -14,7 +14,7 @@ import uuid
 import openai
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 from test_role_flip import ENGINE, LONG_DOC, MODEL, engine, greedy, streamed  # noqa: F401 — fixture
 

@@ -18,7 +18,7 @@ import uuid
 import openai
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import running_stack, spawn_ready_decode, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
@@ -235,7 +235,7 @@ def test_responses_lines_continue_previous_responses_of_their_own_key_only(stack
     """A gateway with two API keys beside the stack's: a line may continue a response its batch's
     key stored online (it runs on any gateway, as its batch's owner), and another key's is that
     line's 404, the one online gives."""
-    from shared.stack.servers import free_port  # noqa: PLC0415
+    from services.stack.servers import free_port  # noqa: PLC0415
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -7,7 +7,7 @@ import pytest
 from shared.bus import Bus, BusTimeout, NoResponders, RemoteError, ServiceError, WorkerRegistry
 from shared.protocol import (AdmissionDecision, BlockStoredEvent, GenerateRequest, KvEventBatch,
                              Subjects, TokenChunk, WorkerInfo)
-from shared.stack.waiting import wait_until
+from services.stack.waiting import wait_until
 
 REQ = GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1, 2, 3])
 
@@ -269,7 +269,7 @@ async def test_a_registry_that_cannot_be_read_keeps_its_workers_until_it_can(bus
 
 async def test_connecting_to_an_unreachable_server_fails_by_its_deadline():
     """nats-py alone would retry forever: the caller gets a ConnectionError naming the URL."""
-    from shared.stack.servers import free_port
+    from services.stack.servers import free_port
 
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ConnectionError, match=f"cannot reach NATS at {url} within 1s"):

@@ -14,8 +14,8 @@ import pytest
 from shared.bus import Bus, Disconnected, WorkerRegistry
 from shared.protocol import (AdmissionDecision, BlockStoredEvent, GenerateRequest, KvEventBatch,
                              RemotePrefillRequest, Subjects, TokenChunk, WorkerInfo)
-from shared.stack.servers import start_nats_server
-from shared.stack.waiting import wait_until
+from services.stack.servers import start_nats_server
+from services.stack.waiting import wait_until
 
 REQ = GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1, 2, 3])
 # The target is 5 s; the reconnect itself takes about a second. Without the bus's own resume,

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from loadtest.chaos.drill import ChaosConfig, run_drill, stack_spec
-from shared.stack.servers import start_nats_server, start_redis_server
+from services.stack.servers import start_nats_server, start_redis_server
 from shared.telemetry.redact import new_secret
 from stack_helpers import running_stack
 

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from loadtest.tools import client_compat
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import running_stack
 from test_agent_clients import offline  # noqa: F401 — fixture
 

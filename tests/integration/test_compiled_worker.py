@@ -12,7 +12,7 @@ import uuid
 import openai
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import (child_lines, cluster_status, greedy_text, reference_engine, running_stack,
                            spawn_ready_decode, wait_for)
 

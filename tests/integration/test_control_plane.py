@@ -16,7 +16,7 @@ from services.kv_index.service import KvIndexService
 from shared.bus import WorkerRegistry
 from shared.protocol import (BlockStoredEvent, ClusterStatusRequest, GenerateRequest, KvEventBatch,
                              KvMatchRequest, Subjects, WorkerInfo, WorkerLoad)
-from shared.stack.waiting import wait_until
+from services.stack.waiting import wait_until
 from shared.store import KvIndexStore, RedisKeys, connect
 
 

@@ -15,7 +15,7 @@ import uuid
 import openai
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

@@ -15,14 +15,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+from stack_helpers import environ_nats_url, running_stack
 
+from services.stack.children import child_env
+from services.stack.servers import start_nats_server, start_redis_server
+from services.stack.stack import StackSpec
 from shared.bus import Bus
-from shared.stack.children import child_env
-from shared.stack.servers import start_nats_server, start_redis_server
-from shared.stack.stack import StackSpec
 from shared.store import check_connection, connect
 from shared.telemetry.redact import new_secret
-from stack_helpers import environ_nats_url, running_stack
 
 PASSWORD = new_secret()
 
@@ -153,7 +153,7 @@ async def test_a_restarted_control_planes_nats_takes_back_its_login_and_ports(tm
     """Hosts joined with the last run's connect.env log in again after ``tandem up`` restarts:
     the embedded NATS keeps its password and client ports (the file only its owner reads); a port
     taken meanwhile gets a new one, with a line saying joined hosts need the new connect.env."""
-    from shared.stack.stack import Stack
+    from services.stack.stack import Stack
 
     spec = StackSpec(state_dir=tmp_path, nats_cluster=members, namespace=f"k{uuid.uuid4().hex[:6]}")
     urls, lines = [], []
@@ -222,9 +222,9 @@ async def test_a_rotated_nats_login_overlaps_then_only_the_new_one_logs_in(tmp_p
     restart keeps it."""
     import time
 
+    from services.stack.rotate import KeptLogin, Rotator
+    from services.stack.stack import Stack
     from services.up.service import write_connect_file
-    from shared.stack.rotate import KeptLogin, Rotator
-    from shared.stack.stack import Stack
 
     namespace = f"k{uuid.uuid4().hex[:6]}"
     spec = StackSpec(state_dir=tmp_path / namespace, nats_cluster=members, namespace=namespace)

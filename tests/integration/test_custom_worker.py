@@ -20,9 +20,9 @@ from services.gateway.service import Gateway, build_app, load_tokenizer
 from shared.bus import Bus, WorkerRegistry
 from shared.model.registry import DEFAULT_MODEL
 from shared.protocol import Subjects
-from shared.stack.servers import start_nats_server
-from shared.stack.tls import server_tls
-from shared.stack.waiting import wait_until
+from services.stack.servers import start_nats_server
+from services.stack.tls import server_tls
+from services.stack.waiting import wait_until
 from shared.telemetry.redact import new_secret
 from stack_helpers import tool_missing
 
@@ -149,7 +149,7 @@ def node_worker(locked_env, namespace):
 
 async def test_node_worker_serves_through_the_gateway_passes_worker_check_and_drains(node_worker, locked_bus,
                                                                                      locked_env, namespace):
-    from shared.cli.worker_check import check_worker
+    from services.commands.worker_check import check_worker
 
     gateway, tokenizer, registry = await admission_and_gateway(locked_bus, locked_env, namespace,
                                                                "the node worker in the registry")

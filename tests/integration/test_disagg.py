@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from shared.protocol import RemotePrefillRequest, Subjects
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import greedy_text, reference_engine, running_stack
 
 if platform.system() != "Linux":

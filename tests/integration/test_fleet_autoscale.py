@@ -12,7 +12,7 @@ import uuid
 import openai
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import child_lines, cluster_status, running_stack, wait_for
 from test_autoscaler import Load, check, short
 from test_role_flip import ENGINE, MODEL, engine  # noqa: F401 — fixture

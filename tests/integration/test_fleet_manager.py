@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.stack.fleet import FleetManager
 from shared.bus import RemoteError
 from shared.protocol import ControlRequest, ControlResult, ScaleRequest, Subjects
-from shared.stack.fleet import FleetManager
 
 
 class StandInStack:

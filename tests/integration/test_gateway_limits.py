@@ -309,8 +309,8 @@ def test_a_stack_keeps_keys_off_gateway_command_lines_and_its_pages_behind_the_o
     import urllib.request  # noqa: PLC0415
     import uuid  # noqa: PLC0415
 
-    from shared.cli.status import status_main  # noqa: PLC0415
-    from shared.stack.stack import StackSpec  # noqa: PLC0415
+    from services.commands.status import status_main  # noqa: PLC0415
+    from services.stack.stack import StackSpec  # noqa: PLC0415
     from stack_helpers import running_stack  # noqa: PLC0415
 
     operator_key = tmp_path / "operator.key"

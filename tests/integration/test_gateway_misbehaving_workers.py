@@ -27,9 +27,9 @@ from services.admission.config import AdmissionSettings
 from services.admission.service import AdmissionService
 from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway, build_app
+from services.stack.waiting import wait_until
 from shared.bus import WorkerRegistry
 from shared.protocol import Subjects, WorkerInfo
-from shared.stack.waiting import wait_until
 from shared.telemetry.metrics import sample_total
 
 MODEL = "m"

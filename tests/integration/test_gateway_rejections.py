@@ -17,11 +17,11 @@ from services.admission.config import AdmissionSettings
 from services.admission.service import AdmissionService
 from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway, build_app, load_tokenizer
+from services.stack.children import Child, child_env, service_argv
+from services.stack.waiting import wait_until
 from shared.bus import WorkerRegistry
 from shared.model.registry import DEFAULT_MODEL
 from shared.protocol import Subjects
-from shared.stack.children import Child, child_env, service_argv
-from shared.stack.waiting import wait_until
 from shared.telemetry.metrics import sample_total
 
 pytestmark = pytest.mark.slow

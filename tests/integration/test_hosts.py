@@ -33,8 +33,8 @@ from delay_proxy import READY as PROXY_READY
 from delay_proxy import proxy_argv
 from netlab import UCX_NETWORK_ONLY, Lab, available
 
-from shared.stack.servers import NatsCluster, _binary, nats_config
-from shared.stack.tls import server_tls
+from services.stack.servers import NatsCluster, _binary, nats_config
+from services.stack.tls import server_tls
 from shared.telemetry.redact import new_secret
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.long]

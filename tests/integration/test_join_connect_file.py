@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from shared.stack.children import child_env
-from shared.stack.servers import Login, start_nats_server, with_login
+from services.stack.children import child_env
+from services.stack.servers import Login, start_nats_server, with_login
 from shared.telemetry.redact import new_secret
 from stack_helpers import environ_nats_url
 from test_join_failures import QUICK_WORKER, Lines, registry_entries, write_connect

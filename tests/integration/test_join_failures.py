@@ -19,14 +19,14 @@ import pytest
 from services.join.cli import EXIT_CODES
 from services.join.identity import EXIT_HOST_NAME_TAKEN, load_host_id
 from services.join.service import EXIT_NOT_READY
+from services.stack.children import child_env
+from services.stack.servers import free_port, start_nats_server
+from services.stack.tls import server_tls
 from shared.bus.bus import Bus
 from shared.bus.errors import NatsCredentialsRefused, NatsTlsFailed, NatsUnreachable
 from shared.bus.registry import WorkerRegistry
 from shared.protocol.subjects import Subjects
 from shared.protocol.workers import WorkerInfo
-from shared.stack.children import child_env
-from shared.stack.servers import free_port, start_nats_server
-from shared.stack.tls import server_tls
 from shared.telemetry.redact import new_secret
 
 PASSWORD = new_secret()

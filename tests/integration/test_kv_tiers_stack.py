@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from shared.store import RedisKeys, connect
 from stack_helpers import cluster_status, running_stack, spawn_ready_decode, wait_for
 

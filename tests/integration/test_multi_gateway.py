@@ -17,8 +17,8 @@ import pytest
 
 from loadtest.tools.harness import is_healthy
 from services.cli import main
-from shared.stack.stack import StackSpec
-from shared.stack.supervisor import Backoff
+from services.stack.stack import StackSpec
+from services.stack.supervisor import Backoff
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

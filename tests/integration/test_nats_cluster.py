@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from shared.protocol import Subjects
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import greedy_text, reference_engine, running_stack, wait_for
 
 if platform.system() != "Linux":

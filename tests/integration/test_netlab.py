@@ -13,7 +13,7 @@ from delay_proxy import READY as PROXY_READY
 from delay_proxy import proxy_argv
 from netlab import Lab, available, list_namespaces, namespace_pids
 
-from shared.stack.servers import _binary
+from services.stack.servers import _binary
 
 pytestmark = [pytest.mark.netns, pytest.mark.long]
 

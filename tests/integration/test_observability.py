@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from browser import chromium_page, find_chromium
 from stack_helpers import cluster_status, running_stack, tool_missing, wait_for

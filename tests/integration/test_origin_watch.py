@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+from services.stack.waiting import wait_until
+from services.worker.origins import OriginWatch
 from shared.bus import Bus, BusTimeout, NoResponders
 from shared.protocol import GenerateRequest, OriginAlive, OriginPing, Subjects
-from shared.stack.waiting import wait_until
-from shared.worker.origins import OriginWatch
 
 
 def request(request_id: str, origin: str | None) -> GenerateRequest:

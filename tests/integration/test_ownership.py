@@ -34,7 +34,7 @@ from shared.protocol import Subjects
 from shared.protocol.batch import FileRecord
 from shared.protocol.responses import StoredResponse
 from shared.responses.store import ResponseStore
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

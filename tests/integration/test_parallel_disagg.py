@@ -20,7 +20,7 @@ from urllib.request import urlopen
 import pytest
 
 from shared.protocol import KvSource
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import greedy_text, reference_engine, running_stack
 
 if platform.system() != "Linux":

@@ -18,7 +18,7 @@ import pytest
 from shared.bus import Bus
 from shared.kvcache.hashing import hash_blocks
 from shared.protocol import GenerateRequest, KvFetchRequest, KvSource, SamplingParams, Subjects
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, greedy_text, reference_engine, running_stack, wait_for
 
 if platform.system() != "Linux":

@@ -20,7 +20,7 @@ from urllib.request import urlopen
 import openai
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import greedy_text, reference_engine, running_stack, wait_for
 
 if platform.system() != "Linux":

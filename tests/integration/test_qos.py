@@ -24,7 +24,7 @@ import pytest
 
 from loadtest.tools import sse
 from shared.policy.admission import Inflow
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from stack_helpers import running_stack
 

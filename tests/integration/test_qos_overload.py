@@ -24,7 +24,7 @@ import pytest
 
 from loadtest.tools.runner import run_openai
 from loadtest.tools.workload import WorkloadConfig, build_workload
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from shared.telemetry.measure import percentile
 from stack_helpers import running_stack, wait_for
 

@@ -17,15 +17,15 @@ import torch
 from services.decode.config import DecodeSettings
 from services.decode.remote import RemotePrefiller
 from services.decode.service import DecodeWorker
+from services.framework.lifecycle import every
+from services.stack.servers import start_nats_server
+from services.stack.waiting import wait_until
 from shared.bus import Bus, WorkerRegistry
 from shared.disagg import RemotePrefills
 from shared.disagg.prefill_queue import PrefillQueues
 from shared.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from shared.protocol import GenerateRequest, Subjects, WorkerInfo
 from shared.protocol import SamplingParams as WireSamplingParams
-from shared.service.lifecycle import every
-from shared.stack.servers import start_nats_server
-from shared.stack.waiting import wait_until
 
 PROMPT = [(7 * i + 3) % 256 for i in range(100)]  # 6 full 16-token blocks: long enough to go remote
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from shared.protocol import ControlRequest, Subjects
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

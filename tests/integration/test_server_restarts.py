@@ -18,8 +18,8 @@ from http.client import HTTPConnection
 
 import pytest
 
-from shared.stack.stack import StackSpec
-from shared.stack.supervisor import Backoff
+from services.stack.stack import StackSpec
+from services.stack.supervisor import Backoff
 from shared.store import KvIndexStore, RedisKeys, connect
 from stack_helpers import cluster_status, read_events, running_stack, wait_for
 
@@ -165,6 +165,6 @@ async def _index(stack, worker_id: str) -> set[int]:
 
 
 async def _wait(check, what: str):
-    from shared.stack.waiting import wait_until
+    from services.stack.waiting import wait_until
 
     return await wait_until(check, timeout_s=BACK_WITHIN_S, interval_s=0.2, what=what)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.framework.lifecycle import published_metrics
+from services.framework.settings import ServiceSettings
+from services.stack.waiting import wait_until
 from shared.bus import ServiceDirectory
 from shared.protocol import ServiceInfo, Subjects
-from shared.service.lifecycle import published_metrics
-from shared.service.settings import ServiceSettings
-from shared.stack.waiting import wait_until
 from shared.telemetry.metrics import sample_total, service_registry
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

@@ -19,8 +19,8 @@ import pytest
 
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol import Subjects
-from shared.stack.stack import StackSpec
-from shared.stack.waiting import wait_until
+from services.stack.stack import StackSpec
+from services.stack.waiting import wait_until
 from shared.store import KvIndexStore, RedisKeys, connect
 from shared.telemetry.metrics import sample_total
 from stack_helpers import (decode_states, greedy_text, read_events, reference_engine, running_stack,

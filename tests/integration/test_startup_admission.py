@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from stack_helpers import running_stack, wait_for
 

@@ -16,10 +16,10 @@ from http.client import HTTPConnection
 
 import pytest
 
-from shared.cli.status import format_status
+from services.commands.status import format_status
 from shared.protocol.status import StatusPage
-from shared.stack.stack import StackSpec
-from shared.stack.supervisor import Backoff
+from services.stack.stack import StackSpec
+from services.stack.supervisor import Backoff
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

@@ -17,7 +17,7 @@ from services.up.config import UpSettings
 from services.up.service import spec_from_settings
 from shared.model.shm_collectives import is_alive
 from shared.planner.plan import Plan
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, spawn_ready_decode, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

@@ -19,7 +19,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway, build_app
 from shared.bus import WorkerRegistry
 from shared.protocol import Subjects, WorkerInfo
-from shared.stack.waiting import wait_until
+from services.stack.waiting import wait_until
 from test_gateway_misbehaving_workers import sse_events, tokenizer
 
 TEXT_MODEL = "remote-llm"

@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from shared.stack.stack import StackSpec
+from services.stack.stack import StackSpec
 from shared.telemetry.phases import TOTAL, parse_server_timing
 from otlp_receiver import OtlpReceiver, ReceivedSpan
 from stack_helpers import running_stack, wait_for

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.stack.servers import free_port
+from services.stack.servers import free_port
 from stack_helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

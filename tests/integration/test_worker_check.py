@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from services.commands.worker_check import check_worker
 from shared.bus import WorkerRegistry
-from shared.cli.worker_check import check_worker
 from shared.protocol import Subjects, WorkerInfo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "echo_worker.py"

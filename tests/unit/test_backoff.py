@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from shared.stack.supervisor import Backoff as RestartBackoff
+from services.stack.supervisor import Backoff as RestartBackoff
 from shared.bus.backoff import Backoff
 
 

@@ -17,7 +17,7 @@ import yaml
 
 from shared.bus.bus import server_urls
 from services.cli import build_parser
-from shared.service.settings import settings_env_names
+from services.framework.settings import settings_env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
@@ -160,7 +160,7 @@ def exported_families() -> set[str]:
     from services.gateway.metrics import GatewayMetrics
     from shared.engine.engine import EngineStats
     from shared.protocol.workers import WorkerLoad
-    from shared.worker.metrics import WorkerMetrics
+    from services.worker.metrics import WorkerMetrics
     from shared.telemetry.families import AdmissionMetrics, AutoscalerMetrics, KvIndexMetrics
     from shared.telemetry.metrics import exposition, service_registry
     from shared.transfer.base import TransferStats

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from shared.stack.rotate import (CredentialsAnswer, CredentialsRequest, GatewayView, KeptLogin, RollingRestart,
+from services.stack.rotate import (CredentialsAnswer, CredentialsRequest, GatewayView, KeptLogin, RollingRestart,
                                  send_request, take_request, wait_answer, withdraw_request, write_answer)
-from shared.stack.servers import Login, nats_config, with_login
+from services.stack.servers import Login, nats_config, with_login
 
 
 def test_a_rotation_alternates_user_names_and_keeps_the_old_login_for_the_overlap():

@@ -15,12 +15,12 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from services.join.service import read_connect_file
 from services.up.service import write_connect_file
 from services.cli import build_parser
-from shared.cli.worker_check import namespace_note, text_chunk_tokens
+from services.commands.worker_check import namespace_note, text_chunk_tokens
 from shared.kvcache.hashing import make_namespace
 from shared.openai_api.adapters import ChatAdapter, CompletionAdapter
 from shared.openai_api.generate_request import build_generate_request, build_text_request
 from shared.protocol import GenerateRequest, TokenChunk, WorkerInfo
-from shared.stack.stack import Stack, StackSpec
+from services.stack.stack import Stack, StackSpec
 from shared.tokenizer import Tokenizer
 
 WORDS = ["<unk>", "</s>", "<|im_end|>", "user", "assistant", ":", "hello", "world"]

@@ -12,9 +12,9 @@ from typing import Annotated, Literal, get_args, get_origin
 import pytest
 
 from services.cli import build_parser
+from services.framework.command import settings_from_args
+from services.worker.settings import WORKER_DEFAULTS
 from shared.engine_settings import ENGINE_FIELDS, EngineOptions
-from shared.service.command import settings_from_args
-from shared.worker.settings import WORKER_DEFAULTS
 
 ARGS = {"complete": ["hi"], "join": ["--connect", "connect.env"]}  # what a command needs to parse
 REQUIRED = {"join": {"connect": "connect.env"}}  # its settings class's required fields among those
@@ -140,7 +140,7 @@ def test_the_engine_config_is_the_definition():
 
 
 def test_sizes_parse_from_text_and_old_flag_spellings_still_work():
-    from shared.cli.model_cmds import engine_config_from_args
+    from services.commands.model_cmds import engine_config_from_args
 
     config = engine_config_from_args(build_parser().parse_args(
         ["complete", "--tp", "2", "--pp", "2", "--no-prefix-caching", "--kv-cache-memory", "512MiB", "hi"]))
@@ -150,7 +150,7 @@ def test_sizes_parse_from_text_and_old_flag_spellings_still_work():
 
 
 def test_model_fetch_reads_the_workers_variables(monkeypatch):
-    from shared.cli.model_cmds import FetchSettings
+    from services.commands.model_cmds import FetchSettings
 
     monkeypatch.setenv("TANDEM_MODEL", "m.gguf")
     monkeypatch.setenv("TANDEM_BLOCK_SIZE", "32")

@@ -14,16 +14,16 @@ import os
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from services.commands.errors import CliError
+from services.framework.command import settings_from_args
 from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway, build_app
+from services.stack.children import service_argv, split_secret_flags
 from shared.bus import ServiceError
-from shared.cli.errors import CliError
 from shared.openai_api.auth import ApiKeys, OperatorKey, bearer_key, operator_headers, path_is_operator
 from shared.openai_api.errors import ApiError
 from shared.planner.config import ConfigError
 from shared.policy.qos import QosConfig, QosTier
-from shared.service.command import settings_from_args
-from shared.stack.children import service_argv, split_secret_flags
 
 OPERATOR_KEY = "op-7f3a9c"
 QOS = QosConfig(default_tier="silver", tiers={"gold": QosTier(priority=0), "silver": QosTier(priority=1)})

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from shared.cli.status import format_status
+from services.commands.status import format_status
 from shared.protocol.status import StatusPage
 from shared.cluster.view import ClusterView
 from shared.cluster.workers import ready_workers
@@ -28,7 +28,7 @@ from shared.openai_api.fields import CHAT_FIELDS
 from shared.openai_api.json_body import MAX_JSON_DEPTH
 from shared.openai_api.models import ChatCompletionRequest
 from shared.protocol import TokenLogprob, WorkerInfo, WorkerLoad
-from shared.service.lifecycle import every
+from services.framework.lifecycle import every
 from shared.tokenizer import Tokenizer
 
 WORDS = ["<unk>", "user", "assistant", ":", "hello", "world", "a", "b", "c", "d"]

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from services.commands.errors import CliError
 from services.join.service import read_connect_file
 from services.join.watch import ConnectWatch
-from shared.cli.errors import CliError
 
 OLD = "nats://tandem:old@10.0.0.1:4222"
 NEW = "nats://tandem-2:new@10.0.0.1:4222"

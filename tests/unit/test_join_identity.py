@@ -11,19 +11,19 @@ import time
 
 import pytest
 
-import shared.stack.stack as stack_module
+import services.stack.stack as stack_module
 from services.cli import build_parser
 from services.join.cli import EXIT_CODES
 from services.join.identity import (EXIT_HOST_NAME_TAKEN, HOST_ID_FILE, describe_conflict, is_ready_here,
                                     live_conflicts, load_host_id)
 from services.join.service import EXIT_CREDENTIALS_REFUSED, refused_workers, spec_from_settings, worker_ids_of
 from shared.bus.errors import NatsCredentialsRefused
-from shared.cli.errors import CliError
+from services.commands.errors import CliError
 from shared.protocol.workers import WorkerInfo
-from shared.service.command import settings_from_args
-from shared.stack.children import Child
-from shared.stack.stack import Stack, StackSpec
-from shared.stack.supervisor import Backoff, RestartPolicy
+from services.framework.command import settings_from_args
+from services.stack.children import Child
+from services.stack.stack import Stack, StackSpec
+from services.stack.supervisor import Backoff, RestartPolicy
 
 NOW = 1_700_000_000.0
 

@@ -27,8 +27,8 @@ from dotenv import dotenv_values
 
 from shared.bus.bus import server_urls
 from services.cli import build_parser
-from shared.service.command import settings_from_args
-from shared.service.settings import settings_env_names
+from services.framework.command import settings_from_args
+from services.framework.settings import settings_env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "compose" / "k8s"
@@ -243,7 +243,7 @@ def worker_metrics_text(state: str | None) -> bytes:
     """A worker's real /metrics body: before its first load report (warming up), or in ``state``."""
     from shared.engine.engine import EngineStats
     from shared.protocol.workers import WorkerLoad
-    from shared.worker.metrics import WorkerMetrics
+    from services.worker.metrics import WorkerMetrics
     from shared.telemetry.metrics import exposition, service_registry
 
     metrics = WorkerMetrics(service_registry("decode", "w", 0))

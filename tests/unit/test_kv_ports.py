@@ -1,12 +1,12 @@
 """The ports KV traffic listens on can be planned for a firewall: a worker's NIXL agent (UCX over
 TCP) takes its listening ports from ``UCX_TCP_PORT_RANGE`` and its interfaces from
 ``UCX_NET_DEVICES``, which every process ``tandem up`` and ``tandem join`` start inherits
-(``shared.stack.children.child_env``), as docs/running.md tells operators."""
+(``services.stack.children.child_env``), as docs/running.md tells operators."""
 
 import subprocess
 import sys
 
-from shared.stack.children import child_env
+from services.stack.children import child_env
 
 PROBE = r"""
 import os

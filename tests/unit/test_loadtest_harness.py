@@ -14,7 +14,7 @@ from loadtest.tools.harness import (Repeat, Side, alternate, best, comparison, i
                                     take_turns, wait_healthy, warm_up)
 from loadtest.tools.stats import RequestResult
 from loadtest.tools.workload import RequestSpec
-from shared.stack.servers import free_port
+from services.stack.servers import free_port
 
 
 def test_take_turns_runs_each_side_once_a_round_in_order():

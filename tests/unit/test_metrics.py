@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.gateway.metrics import GatewayMetrics
 from shared.engine.engine import EngineStats
 from shared.protocol.workers import ScalingAction, ScalingDecisionRecord, WorkerInfo, WorkerLoad, WorkerStatus
-from shared.worker.metrics import WorkerMetrics
+from services.worker.metrics import WorkerMetrics
 from shared.telemetry.families import AdmissionMetrics, AutoscalerMetrics, KvIndexMetrics
 from shared.telemetry.measure import percentile
 from shared.telemetry.metrics import RecentMean, exposition, sample_total, service_registry

@@ -12,12 +12,12 @@ import pytest
 from services.join.service import read_connect_file, spec_from_settings
 from services.up.service import spec_from_settings as up_spec
 from shared.bus.bus import detect_replicas, server_urls
-from shared.cli.errors import CliError
+from services.commands.errors import CliError
 from services.cli import build_parser
-from shared.stack.servers import NatsCluster, nats_config
-from shared.service.command import settings_from_args
-from shared.stack.stack import Stack, StackSpec
-from shared.stack.tls import server_tls
+from services.stack.servers import NatsCluster, nats_config
+from services.framework.command import settings_from_args
+from services.stack.stack import Stack, StackSpec
+from services.stack.tls import server_tls
 from shared.telemetry.redact import redact_url
 
 

@@ -5,8 +5,8 @@ import re
 import socket
 import ssl
 
-from shared.stack.servers import start_nats_cluster
-from shared.stack.tls import server_tls
+from services.stack.servers import start_nats_cluster
+from services.stack.tls import server_tls
 
 
 def _route_port(server) -> int:

@@ -2,7 +2,7 @@
 
 import logging
 
-from shared.stack.children import service_argv, split_secret_flags
+from services.stack.children import service_argv, split_secret_flags
 from shared.telemetry.logs import configure_logging
 from shared.telemetry.redact import RedactSecrets, new_secret, redact_text, redact_url
 

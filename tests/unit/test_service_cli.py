@@ -7,7 +7,7 @@ from typing import Literal, get_args, get_origin
 import pytest
 
 from services.cli import build_parser, main
-from shared.service.command import settings_from_args
+from services.framework.command import settings_from_args
 
 SERVICES = ["gateway", "admission", "decode", "prefill", "kv-index", "autoscaler", "up"]
 
@@ -111,9 +111,9 @@ def test_up_autoscale_bounds_reach_the_autoscaler_and_bad_ones_are_one_line(caps
 
 def test_kv_tier_flags_reach_the_engine_and_each_decode_worker_gets_its_own_disk_dir(tmp_path, monkeypatch):
     from services.decode.config import DecodeSettings
+    from services.stack.stack import Stack
     from services.up.config import UpSettings
     from services.up.service import spec_from_settings
-    from shared.stack.stack import Stack
 
     config = DecodeSettings(kv_host_memory="64MiB", kv_disk_dir=str(tmp_path), kv_disk_size="1GiB",
                             kv_disk_min_uses=3).engine_config()
@@ -135,10 +135,10 @@ def test_kv_tier_flags_reach_the_engine_and_each_decode_worker_gets_its_own_disk
 
 
 def test_speculative_decoding_flags_reach_the_engine_from_every_command():
+    from services.commands.model_cmds import engine_config_from_args
     from services.decode.config import DecodeSettings
     from services.up.service import spec_from_settings
-    from shared.cli.model_cmds import engine_config_from_args
-    from shared.worker.settings import SPECULATIVE_TOKENS
+    from services.worker.settings import SPECULATIVE_TOKENS
 
     config = DecodeSettings(speculative_tokens=5, speculative_max_batch=2).engine_config()
     assert (config.speculative_tokens, config.speculative_max_batch) == (5, 2)
@@ -153,10 +153,10 @@ def test_speculative_decoding_flags_reach_the_engine_from_every_command():
 
 
 def test_up_compile_reaches_every_worker_and_the_engine(monkeypatch):
+    from services.commands.model_cmds import engine_config_from_args
     from services.decode.config import DecodeSettings
     from services.up.config import UpSettings
     from services.up.service import spec_from_settings
-    from shared.cli.model_cmds import engine_config_from_args
 
     monkeypatch.delenv("TANDEM_COMPILE", raising=False)  # tests/conftest.py pins it off
     spec = spec_from_settings(UpSettings(compile="on", prefill=1))
@@ -195,9 +195,9 @@ def test_up_gives_prefill_and_decode_workers_their_own_parallel_shapes():
 
 
 def test_up_hands_its_key_files_to_the_gateways_and_keys_only_through_their_environment():
+    from services.stack.children import split_secret_flags
     from services.up.config import UpSettings
     from services.up.service import spec_from_settings
-    from shared.stack.children import split_secret_flags
 
     spec = spec_from_settings(UpSettings(api_keys_file="/etc/tandem/keys", operator_key_file="/etc/tandem/op"))
     assert spec.gateway_flags == {"api_keys_file": "/etc/tandem/keys", "operator_key_file": "/etc/tandem/op"}

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from shared.stack.supervisor import Backoff, RestartPolicy, describe_exit
+from services.stack.supervisor import Backoff, RestartPolicy, describe_exit
 
 BACKOFF = Backoff(initial_s=0.5, factor=2.0, max_s=4.0, stable_after_s=60.0)
 

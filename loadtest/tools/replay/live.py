@@ -63,7 +63,7 @@ def autoscaler_flags(args) -> dict[str, object]:
 
 
 def start_stack(args, tiers: list[TierSpec], state_dir: Path, log):
-    from shared.stack.stack import Stack, StackSpec
+    from services.stack.stack import Stack, StackSpec
 
     gateway_flags: dict[str, object] = {}
     admission_flags: dict[str, object] = {"overlap_weight": 0.0 if args.routing == "load" else 1.0,

@@ -11,9 +11,9 @@ import types
 
 import pytest
 
+from services.worker.engine_worker import warm_up
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.async_engine import AsyncEngine
-from shared.worker.engine_worker import warm_up
 
 
 @pytest.mark.parametrize("measure_rate", [True, False])

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import plan_cmds
-from shared.cli.errors import CliError
+from services.commands import plan_cmds
+from services.commands.errors import CliError
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "clusters"
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 if TYPE_CHECKING:
-    from shared.stack.tls import ServerTls
+    from services.stack.tls import ServerTls
 
 _NATS_READY = "Server is ready"
 _NATS_RELOADED = "Reloaded server configuration"

@@ -45,7 +45,7 @@ class Failed(Exception):
 
 
 def register(subparsers) -> None:
-    from shared.cli.control_cmds import add_worker_args
+    from services.commands.control_cmds import add_worker_args
 
     parser = subparsers.add_parser("worker-check", help=HELP, description=HELP)
     add_worker_args(parser)
@@ -78,8 +78,8 @@ async def check_worker(nats_url: str, namespace: str, worker_id: str, *, prompt:
                        prompt_text: str = DEFAULT_PROMPT_TEXT, timeout_s: float = 60.0,
                        drain: bool = False) -> list[Check]:
     """``prompt``: token ids, for a token worker; ``prompt_text``: for a text worker (``takes_text``)."""
+    from services.commands.errors import CliError
     from shared.bus import Bus
-    from shared.cli.errors import CliError
 
     try:
         bus = await Bus.connect(nats_url, "tandem-worker-check", timeout_s=5)

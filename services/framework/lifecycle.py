@@ -16,9 +16,9 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
+from services.framework.settings import ServiceSettings
 from shared.bus import Bus, ServiceDirectory, WorkerRegistry
 from shared.protocol import ServiceInfo, Subjects
-from shared.service.settings import ServiceSettings
 from shared.telemetry.logs import configure_logging
 from shared.telemetry.metrics import metrics_site
 from shared.telemetry.tracing import configure_tracing, service_name

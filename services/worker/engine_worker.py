@@ -2,7 +2,7 @@
 takes traffic, report its load, hand the engine's KV events to kv-index over JetStream.
 
 The KV event stream and the load sequence belong to the process, not to a role: they outlive a
-role flip (``shared.worker.roles``), so kv-index sees no gap and the cluster view no older ``seq``."""
+role flip (``services.worker.roles``), so kv-index sees no gap and the cluster view no older ``seq``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from shared.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, S
 from shared.protocol import (AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent, Endpoint,
                              KvEventBatch, Subjects, WorkerInfo, WorkerLoad)
 from shared.protocol.workers import KvTierLoad, Role
-from shared.worker.settings import EngineWorkerSettings
+from services.worker.settings import EngineWorkerSettings
 from shared.telemetry import tracing
 
 log = logging.getLogger(__name__)

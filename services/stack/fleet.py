@@ -17,9 +17,9 @@ import logging
 import threading
 from typing import Protocol
 
+from services.stack.children import Child
 from shared.bus import Bus, ServiceError
 from shared.protocol import ControlRequest, ScaleRequest, ScaleResult, Subjects
-from shared.stack.children import Child
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class _Namespaced(Protocol):
 
 
 class WorkerProcesses(Protocol):
-    """What the fleet manager asks of the owner of the worker processes (``shared.stack.stack.Stack``;
+    """What the fleet manager asks of the owner of the worker processes (``services.stack.stack.Stack``;
     a Protocol, so that the stack imports this module and not the other way round)."""
 
     spec: _Namespaced

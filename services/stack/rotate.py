@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from shared.stack.servers import Login, port_is_free, private_file
+from services.stack.servers import Login, port_is_free, private_file
 
 if TYPE_CHECKING:
-    from shared.stack.stack import Stack
+    from services.stack.stack import Stack
 
 USER_NAMES = ("tandem", "tandem-2")  # a rotation moves to the other one
 REQUEST_FILE = "credentials-request.json"

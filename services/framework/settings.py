@@ -1,7 +1,7 @@
 """Settings shared by every service.
 
 Each service has one settings class (pydantic-settings, ``TANDEM_`` env prefix). Every field is
-also a ``--flag`` (``shared.service.command``); precedence: flag, then environment, then default.
+also a ``--flag`` (``services.framework.command``); precedence: flag, then environment, then default.
 The compose test checks its files against exactly these flags and variables.
 """
 

@@ -2,14 +2,14 @@
 and every service as its own process. Used by ``tandem up`` and the integration tests.
 
 With ``restart_children`` a supervisor thread starts again any child that crashes (see
-``shared.stack.supervisor``), passing it ``--num-restarts`` so that workers report the count in
+``services.stack.supervisor``), passing it ``--num-restarts`` so that workers report the count in
 the registry and thus in ``tandem status``. It restarts the embedded nats-server and redis-server
 too, whatever their exit code (nothing works without them), on the same port, data directory and
 password: services reconnect on their own. ``stop()`` ends the supervisor before it stops anyone.
 
 The embedded NATS keeps its password and client ports from run to run (``KeptLogin``, in its
 data directory), so that hosts joined with the last run's ``connect.env`` log in again after a
-restart, and changes them only when asked (``shared.stack.rotate``: ``set_nats_login`` and
+restart, and changes them only when asked (``services.stack.rotate``: ``set_nats_login`` and
 ``restart_child``); Redis gets a fresh password each run. Every child gets the server URLs (which
 carry them) through its environment, not its command line. Given URLs are used as they are.
 """
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.openai_api.auth import operator_headers
-from shared.stack.children import Child, child_env, service_argv, split_secret_flags
-from shared.stack.rotate import KeptLogin
-from shared.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
+from services.stack.children import Child, child_env, service_argv, split_secret_flags
+from services.stack.rotate import KeptLogin
+from services.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
                                     start_nats_server, start_redis_server)
-from shared.stack.supervisor import Backoff, RestartPolicy
+from services.stack.supervisor import Backoff, RestartPolicy
 from shared.telemetry.redact import new_secret
 
 _SUPERVISE_INTERVAL_S = 0.2
@@ -84,7 +84,7 @@ class StackSpec:
     # refusing the login: the control plane's password changed); the stack's owner sees it in exited()
     final_exit_codes: frozenset[int] = frozenset()
     autoscaler_flags: dict[str, object] = field(default_factory=dict)
-    # set: serve the autoscaler's start/stop requests (shared.stack.fleet); a stopped worker
+    # set: serve the autoscaler's start/stop requests (services.stack.fleet); a stopped worker
     # drains this long before what it still holds is cut off
     fleet_drain_timeout_s: float | None = None
 
@@ -161,7 +161,7 @@ class Stack:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
         if spec.fleet_drain_timeout_s is not None:
-            from shared.stack.fleet import FleetManager
+            from services.stack.fleet import FleetManager
 
             self._fleet = FleetManager(self, drain_timeout_s=spec.fleet_drain_timeout_s)
             self._fleet.start()
@@ -193,7 +193,7 @@ class Stack:
         advertise = spec.advertise_host or advertised_host(spec.nats_host)
         tls = None
         if spec.nats_tls:
-            from shared.stack.tls import server_tls  # noqa: PLC0415 — cryptography only when asked
+            from services.stack.tls import server_tls  # noqa: PLC0415 — cryptography only when asked
 
             tls = server_tls(spec.state_dir / "tls", [advertise, *_local_names(spec.nats_host)])
             self.nats_ca = str(tls.ca_file)
@@ -311,7 +311,7 @@ class Stack:
             "log_level": spec.log_level, "worker_id": worker_id, "host_id": spec.host_id, "model": spec.model,
             **self._metrics_flags(), **threads, **flags})
 
-    # -- the fleet, as the autoscaler changes it (shared.stack.fleet) -----------------------------
+    # -- the fleet, as the autoscaler changes it (services.stack.fleet) -----------------------------
     def add_worker(self, role: str) -> tuple[str, str, Child]:
         """A new worker of ``role`` under a name not used before: (name, worker id, child)."""
         with self._children_lock:

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from shared.cli.errors import CliError
+from services.commands.errors import CliError
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -26,7 +26,7 @@ ServiceRun = Callable[[Any, asyncio.Event], Awaitable[None]]
 
 def register_service(subparsers, name: str, help_text: str, settings_class, run: ServiceRun) -> None:
     """Add ``tandem <name>``, a service process: ``run(settings, stop_event)`` under
-    ``shared.service.lifecycle.run_service`` (logging, signals, one asyncio loop)."""
+    ``services.framework.lifecycle.run_service`` (logging, signals, one asyncio loop)."""
     register_command(subparsers, name, help_text, settings_class, partial(_run_service, name, run))
 
 
@@ -44,7 +44,7 @@ def _run_command(main: Callable[[Any], int | None], args: argparse.Namespace) ->
 
 
 def _run_service(name: str, run: ServiceRun, settings) -> int:
-    from shared.service.lifecycle import run_service  # noqa: PLC0415 — nats, prometheus
+    from services.framework.lifecycle import run_service  # noqa: PLC0415 — nats, prometheus
 
     return run_service(name, settings.log_level, lambda stop: run(settings, stop), log_format=settings.log_format)
 

@@ -1,5 +1,5 @@
 """``/v1/files`` and ``/v1/batches`` (OpenAI's Files and Batch APIs), answered by any gateway from
-what NATS holds (``shared.batch``), and the batch work every gateway does beside its HTTP site: the
+what NATS holds (``shared.openai_api.batch``), and the batch work every gateway does beside its HTTP site: the
 sweep that moves batches along (``BatchCoordinator``) and the line runner (``batch_runner``).
 
 Each file and batch names its owner, the API key's owner id (``ApiKeys.owner``; a batch's result
@@ -19,17 +19,17 @@ from collections.abc import AsyncIterator
 from aiohttp import BodyPartReader, web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shared.batch.coordinator import BatchCoordinator, CoordinatorConfig
-from shared.batch.objects import batch_object, file_object, new_file_id, page
-from shared.batch.store import BatchStore, FileStore
-from shared.openai_api.auth import owns
-from shared.openai_api.errors import ApiError, from_validation_error
-from shared.protocol import Subjects
-from shared.protocol.batch import FileRecord
 from services.framework.lifecycle import every
 from services.gateway.batch_runner import BatchRunner, History, RunnerConfig
 from services.gateway.core import GatewayCore
-
+from shared.openai_api.auth import owns
+from shared.openai_api.batch.coordinator import BatchCoordinator, CoordinatorConfig
+from shared.openai_api.batch.objects import batch_object, file_object, new_file_id
+from shared.openai_api.batch.store import BatchStore, FileStore
+from shared.openai_api.errors import ApiError, from_validation_error
+from shared.openai_api.responses import page
+from shared.protocol import Subjects
+from shared.protocol.batch import FileRecord
 
 log = logging.getLogger(__name__)
 

@@ -39,16 +39,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-from shared.batch.store import BatchStore
+from services.gateway.core import GatewayCore
 from shared.bus import QueueMessage
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter
+from shared.openai_api.batch.store import BatchStore
 from shared.openai_api.errors import ApiError
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.policy.qos import QosConfig
 from shared.protocol import GenerateRequest
 from shared.protocol.batch import BatchLineRequest, BatchLineResult
-from services.gateway.core import GatewayCore
-
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """``/v1/conversations`` (OpenAI's Conversations API), answered by any gateway from the store in
-NATS (``shared.responses.conversation_store``), and what ``/v1/responses`` does with a
+NATS (``shared.openai_api.stored.conversation_store``), and what ``/v1/responses`` does with a
 ``conversation``: its items go before the request's input, and the request's input items and the
 response's output items are added to it once the response is made.
 
@@ -18,10 +18,10 @@ from shared.openai_api.auth import owns
 from shared.openai_api.conversations import AddItemsBody, CreateConversationBody, UpdateConversationBody
 from shared.openai_api.errors import ApiError
 from shared.protocol.conversations import StoredConversation
-from shared.responses.conversation_store import ConversationStore
-from shared.responses.conversations import (check_new_items, conversation_object, deleted_object,
+from shared.openai_api.stored.conversation_store import ConversationStore
+from shared.openai_api.stored.conversations import (check_new_items, conversation_object, deleted_object,
                                             new_conversation)
-from shared.responses.items import as_item, items_page
+from shared.openai_api.stored.items import as_item, items_page
 from services.gateway.batch_api import list_limit
 from services.gateway.core import GatewayCore
 

@@ -34,8 +34,8 @@ from shared.openai_api.generate_request import (DEADLINE_HEADER, build_generate_
                                                 prompt_block_hashes, resolve_model)
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from shared.responses.conversation_store import ConversationStore
-from shared.responses.store import ResponseStore
+from shared.openai_api.stored.conversation_store import ConversationStore
+from shared.openai_api.stored.store import ResponseStore
 from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, GenerateRequest, OriginAlive, OriginPing,
                              ServiceInfo, Subjects, WorkerInfo, WorkerStatus)
 from shared.protocol.status import GatewayState, StatusPage

@@ -1,7 +1,7 @@
 """``/v1/responses`` with OpenAI's stored responses: ``store`` (the default), ``previous_response_id``,
 ``conversation`` (``services.gateway.conversations``) and ``background`` on create; ``GET`` and
 ``DELETE /v1/responses/{id}``, ``/input_items`` and ``/cancel``, answered by any gateway from the
-store in NATS (``shared.responses``).
+store in NATS (``shared.openai_api.stored``).
 
 A background response runs in the gateway that took it, as a task beside its HTTP site, and its
 record names that gateway (``origin``) until it ends. A gateway that reads a record still queued or
@@ -27,22 +27,21 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from shared.batch.store import Versioned
+from services.gateway.batch_api import list_limit
+from services.gateway.conversations import Conversations
+from services.gateway.core import GatewayCore
 from shared.bus.errors import NoResponders
+from shared.bus.kv import Versioned
 from shared.openai_api.adapters import ResponseHead
 from shared.openai_api.auth import owns
 from shared.openai_api.errors import ApiError
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.retry import retry_wait_s, waiting_out_429s  # noqa: F401 — retry_wait_s: tests import it here
+from shared.openai_api.stored.items import input_items, items_page, stored, with_status
+from shared.openai_api.stored.store import ResponseNotFound, ResponseStore
 from shared.policy.qos import ServedTier
 from shared.protocol import GenerateRequest, OriginPing
 from shared.protocol.responses import StoredResponse
-from shared.responses.items import input_items, items_page, stored, with_status
-from shared.responses.store import ResponseNotFound, ResponseStore
-from services.gateway.batch_api import list_limit
-from services.gateway.conversations import Conversations
-from services.gateway.core import GatewayCore
-
 
 log = logging.getLogger(__name__)
 

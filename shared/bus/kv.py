@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import nats.errors
 import nats.js.errors
-from nats.js.kv import KV_DEL, KV_PURGE
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Versioned(Generic[R]):
+    """A KV record as read, with the revision a compare-and-set names."""
+
+    record: R
+    revision: int
 
 
 class KvBucket:

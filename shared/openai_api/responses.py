@@ -95,3 +95,13 @@ def envelope(request_id: str, created: int, model: str, object_name: str, choice
     return {"id": request_id, "object": object_name, "created": created, "model": model,
             **tier_field(service_tier),
             "choices": choices, "usage": usage_body}
+
+
+def page(objects: list[dict], *, limit: int, after: str | None) -> dict:
+    """A list endpoint's page: ``objects`` in the listing's order, starting after the id ``after``."""
+    if after is not None:
+        ids = [o["id"] for o in objects]
+        objects = objects[ids.index(after) + 1:] if after in ids else []
+    shown = objects[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(objects) > limit}

@@ -3,7 +3,6 @@ through the chat template) to token ids, and token ids back to text."""
 
 from __future__ import annotations
 
-
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from shared.openai_api.errors import ApiError

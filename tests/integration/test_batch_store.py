@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from shared.batch.coordinator import BatchCoordinator, CoordinatorConfig
-from shared.batch.store import BatchStore, FileStore
+from shared.openai_api.batch.coordinator import BatchCoordinator, CoordinatorConfig
+from shared.openai_api.batch.store import BatchStore, FileStore
 from shared.openai_api.errors import ApiError
 from shared.protocol import Subjects
 from shared.protocol.batch import BatchLineResult, FileRecord

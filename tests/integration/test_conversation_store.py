@@ -18,10 +18,10 @@ from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway, build_app
 from shared.bus import Bus, WorkerRegistry
 from shared.openai_api.errors import ApiError
+from shared.openai_api.stored.conversation_store import ConversationStore
+from shared.openai_api.stored.conversations import MAX_ITEMS, check_new_items, new_conversation
+from shared.openai_api.stored.store import ResponseStore
 from shared.protocol import StoredConversation, StoredConversationItem, Subjects
-from shared.responses.conversation_store import ConversationStore
-from shared.responses.conversations import MAX_ITEMS, check_new_items, new_conversation
-from shared.responses.store import ResponseStore
 
 KEY_A, KEY_B = "sk-conv-a", "sk-conv-b"
 

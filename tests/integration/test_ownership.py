@@ -27,15 +27,15 @@ import uuid
 
 import openai
 import pytest
+from stack_helpers import cluster_status, running_stack, wait_for
 
-from shared.batch.store import FileStore
+from services.stack.stack import StackSpec
 from shared.bus import Bus
+from shared.openai_api.batch.store import FileStore
+from shared.openai_api.stored.store import ResponseStore
 from shared.protocol import Subjects
 from shared.protocol.batch import FileRecord
 from shared.protocol.responses import StoredResponse
-from shared.responses.store import ResponseStore
-from services.stack.stack import StackSpec
-from stack_helpers import cluster_status, running_stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 

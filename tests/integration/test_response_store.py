@@ -11,9 +11,9 @@ import json
 import pytest
 
 from shared.bus import Bus
+from shared.openai_api.stored.store import ResponseNotFound, ResponseStore
 from shared.protocol import Subjects
 from shared.protocol.responses import StoredResponse
-from shared.responses.store import ResponseNotFound, ResponseStore
 
 TTL_S = 3600.0
 

@@ -9,11 +9,12 @@ import json
 import openai.types
 import pytest
 
-from shared.batch.lines import parse_input
+from shared.openai_api.batch.lines import parse_input
 from shared.openai_api.json_body import MAX_JSON_DEPTH
-from shared.batch.objects import batch_object, file_object, page, result_file_ids
-from shared.batch.output import assemble, line_id
-from shared.batch.state import InvalidTransition, can_cancel, next_step, transition
+from shared.openai_api.batch.objects import batch_object, file_object, result_file_ids
+from shared.openai_api.responses import page
+from shared.openai_api.batch.output import assemble, line_id
+from shared.openai_api.batch.state import InvalidTransition, can_cancel, next_step, transition
 from shared.protocol import Subjects
 from shared.protocol.batch import (BatchLineError, BatchLineRequest, BatchLineResult, BatchRecord, FileRecord,
                                    RequestCounts)

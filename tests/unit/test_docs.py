@@ -14,7 +14,7 @@ README = ROOT / "README.md"
 MAX_README_LINES = 150
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-CODE_MAP_ENTRY = re.compile(r"^((?:shared|services)/\w+)/\s")
+CODE_MAP_ENTRY = re.compile(r"^((?:shared|services)(?:/\w+)+)/\s")
 
 
 def packages() -> set[str]:

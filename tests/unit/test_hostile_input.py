@@ -11,8 +11,8 @@ import json
 import pytest
 
 from services.gateway.batch_runner import execute
-from shared.batch.lines import parse_input
 from shared.openai_api.adapters import ChatAdapter, CompletionAdapter
+from shared.openai_api.batch.lines import parse_input
 from shared.openai_api.errors import ApiError
 from shared.openai_api.json_body import MAX_NUMBER_DIGITS, JsonRefused, load_json
 from shared.openai_api.models import MAX_STOP, MAX_TOKEN_COUNT

@@ -191,7 +191,7 @@ def test_a_forced_call_cut_off_keeps_the_calls_written_whole_and_is_incomplete(t
 
 
 def test_a_continued_request_puts_the_stored_items_first_and_lists_its_own(tok):
-    from shared.responses.items import input_items, items_page
+    from shared.openai_api.stored.items import input_items, items_page
 
     api = adapter(tok, previous_response_id="resp_1", store=True, metadata={"k": "v"})
     own = input_items(api.body)

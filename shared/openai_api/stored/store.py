@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from shared.batch.store import Versioned
 from shared.bus import Bus, KvBucket
+from shared.bus.kv import Versioned
 from shared.openai_api.auth import owns
 from shared.protocol.responses import StoredResponse
 from shared.protocol.subjects import Subjects

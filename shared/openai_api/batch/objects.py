@@ -35,13 +35,3 @@ def batch_object(record: BatchRecord) -> dict:
     if record.errors:
         errors = {"object": "list", "data": [e.model_dump(mode="json") for e in record.errors]}
     return {"object": "batch", **body, "errors": errors, "model": None, "usage": None}
-
-
-def page(objects: list[dict], *, limit: int, after: str | None) -> dict:
-    """A list endpoint's page: ``objects`` in the listing's order, starting after the id ``after``."""
-    if after is not None:
-        ids = [o["id"] for o in objects]
-        objects = objects[ids.index(after) + 1:] if after in ids else []
-    shown = objects[:limit]
-    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
-            "last_id": shown[-1]["id"] if shown else None, "has_more": len(objects) > limit}

@@ -6,7 +6,7 @@
         └───────────────────┘
 
 ``next_step`` is pure: it takes the record, how many lines have results and ``now_s``, and names
-what to do; the coordinator (``shared.batch.coordinator``) does it. A step is claimed first
+what to do; the coordinator (``shared.openai_api.batch.coordinator``) does it. A step is claimed first
 (``claimed_at``) so two gateways do not run it at once; a claim older than ``claim_stale_s`` is
 taken over (its gateway died mid-step: every step is idempotent).
 """

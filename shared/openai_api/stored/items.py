@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from shared.batch.objects import page
 from shared.openai_api.errors import ApiError
-from shared.openai_api.responses_api import (FunctionCallItem, FunctionCallOutputItem, InputMessage,
-                                             ResponsesRequest)
+from shared.openai_api.responses import page
+from shared.openai_api.responses_api import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from shared.protocol.responses import StoredResponse
 
 

@@ -1,5 +1,5 @@
 """Conversations of OpenAI's Conversations API as OpenAI returns them, and the checks on items
-added to one. Pure: no bus (``shared.responses.conversation_store`` keeps them)."""
+added to one. Pure: no bus (``shared.openai_api.stored.conversation_store`` keeps them)."""
 
 from __future__ import annotations
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-from shared.batch.store import Versioned
 from shared.bus import Bus, KvBucket
+from shared.bus.kv import Versioned
+from shared.openai_api.stored.conversations import check_new_items
 from shared.protocol.conversations import StoredConversation, StoredConversationItem
 from shared.protocol.subjects import Subjects
-from shared.responses.conversations import check_new_items
 
 _CAS_TRIES = 20          # concurrent writers of one conversation: each try loses only to a write that landed
 _READ_CONCURRENCY = 64

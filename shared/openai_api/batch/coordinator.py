@@ -1,5 +1,5 @@
 """The batch lifecycle against the stores: create, view (with live counts), cancel, and the
-sweep that takes each batch's next step (``shared.batch.state.next_step``). Every gateway sweeps;
+sweep that takes each batch's next step (``shared.openai_api.batch.state.next_step``). Every gateway sweeps;
 a step is claimed by compare-and-set first, so it runs in one gateway at a time, and each step is
 idempotent (lines enqueued twice are run once; the result files have fixed ids), so a gateway that
 dies mid-step leaves it to the next claim."""
@@ -11,12 +11,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.batch import state
-from shared.batch.lines import parse_input
-from shared.batch.objects import new_batch_id, result_file_ids
-from shared.batch.output import BatchFiles, assemble
-from shared.batch.store import BatchStore, FileStore, Versioned
+from shared.bus.kv import Versioned
 from shared.openai_api.auth import owns
+from shared.openai_api.batch import state
+from shared.openai_api.batch.lines import parse_input
+from shared.openai_api.batch.objects import new_batch_id, result_file_ids
+from shared.openai_api.batch.output import BatchFiles, assemble
+from shared.openai_api.batch.store import BatchStore, FileStore
 from shared.openai_api.errors import ApiError
 from shared.protocol.batch import BatchEndpoint, BatchLineError, BatchRecord, FileRecord, RequestCounts
 

@@ -13,20 +13,16 @@ for it."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Generic, TypeVar
 
-from shared.batch.lines import InputLine
 from shared.bus import Bus, KvBucket, ObjectBucket, WorkQueue
+from shared.bus.kv import Versioned
+from shared.openai_api.batch.lines import InputLine
 from shared.protocol.batch import BatchLineRequest, BatchLineResult, BatchRecord, FileRecord
 from shared.protocol.subjects import Subjects
 
 _LINES_MAX_AGE_S = 8 * 24 * 3600.0   # longer than any completion window
 _LINES_MAX_MSGS = 5_000_000
 _PUBLISH_CONCURRENCY = 64
-
-R = TypeVar("R")
-
 
 class FileStore:
     def __init__(self, objects: ObjectBucket) -> None:
@@ -54,14 +50,6 @@ class FileStore:
 
     async def delete(self, file_id: str) -> bool:
         return await self._objects.delete(file_id)
-
-
-@dataclass(frozen=True)
-class Versioned(Generic[R]):
-    """A KV record as read, with the revision a compare-and-set names."""
-
-    record: R
-    revision: int
 
 
 class BatchStore:

@@ -1,1 +1,0 @@
-"""Stored responses of ``/v1/responses``: their store in NATS and the items of a conversation."""

@@ -15,7 +15,8 @@ from shared.engine.compile_thread import BackgroundCompile
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
 from shared.engine.cpu_threads import engine_thread_count
 from shared.engine.model_runner import ModelRunner
-from shared.engine.parallel import GroupBlocks, ParallelModel, free_port, join_stage, start_followers
+from shared.engine.parallel import (CompiledStepUnavailable, GroupBlocks, ParallelModel, free_port, join_stage,
+                                   start_followers)
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.speculative import SpeculativeConfig, Speculator
@@ -113,7 +114,7 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
     compile_mode = config.compile
     sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
     if isinstance(model, ParallelModel) and compile_mode != "off":
-        return _group_runner(model, config, kv_cache, backend, sampler, artifact_store), None
+        return _group_runner(model, config, kv_cache, backend, sampler, artifact_store)
     if model.device.type == "cuda":
         return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
                            _cuda_graphs(model, config, kv_cache, backend, max_model_len, compile_mode)), None
@@ -141,26 +142,43 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
 
 
 def _group_runner(model: ParallelModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,
-                  sampler: Sampler, artifact_store: ArtifactStore | None) -> ModelRunner:
-    """A parallel worker's runner: with ``compile="on"`` its decode step compiled on every rank before
-    traffic (rank 0 compiles or loads it, the others load what rank 0 keeps;
-    ``ParallelModel.share_compiled``), on a CPU group of one stage; decode steps run eagerly elsewhere
-    and with ``"background"``."""
+                  sampler: Sampler,
+                  artifact_store: ArtifactStore | None) -> tuple[ModelRunner, BackgroundCompile | None]:
+    """A parallel worker's runner, on a CPU group of one stage: with ``compile="on"`` its decode step
+    compiled on every rank before traffic (rank 0 compiles or loads it, the others load what rank 0
+    keeps; ``ParallelModel.share_compiled``); with ``"background"`` rank 0 compiles or loads it on its
+    compile thread while eager steps serve, and the engine thread's next step after that hands it to every
+    rank (``ModelRunner.use_compiled``), or leaves every rank eager where a follower cannot load it
+    (before traffic, that fails the build, as a failed compile does on one process). Decode steps
+    run eagerly elsewhere."""
     shard = model.model
     why = ("pipeline stages hand hidden states on between their layers" if shard.pipeline.num_stages > 1 else
            f"not on {model.device.type}" if model.device.type != "cpu" else unsupported_reason(model.cfg))
-    if config.compile == "background":  # the hand-over would have to reach every rank between two steps
-        why = "compile on compiles it before traffic; background is not built for a group yet"
     if why:
         log.info("no compiled decode step on this parallel worker (%s): decode steps run eagerly", why)
-        return ModelRunner(model, kv_cache, backend, config.block_size, sampler)
+        return ModelRunner(model, kv_cache, backend, config.block_size, sampler), None
     threads = engine_thread_count(config.num_threads)
     artifacts = CompileArtifacts(CompileArtifacts.default_root(),
                                  engine_artifact_key(shard, config.block_size, threads, kv_cache.dtype))
-    compiled = CompiledDecode(shard, config.block_size, threads)
-    compiled.warm(kv_cache, artifacts, artifact_store, run_once=False)
-    return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
-                       model.share_compiled(compiled, artifacts, threads))
+    if config.compile == "on":
+        compiled = CompiledDecode(shard, config.block_size, threads)
+        compiled.warm(kv_cache, artifacts, artifact_store, run_once=False)
+        return ModelRunner(model, kv_cache, backend, config.block_size, sampler,
+                           model.share_compiled(compiled, artifacts, threads)), None
+
+    def share(compiled: CompiledDecode):
+        try:
+            return model.share_compiled(compiled, artifacts, threads)
+        except CompiledStepUnavailable as exc:  # every rank dropped it together
+            log.warning("%s: decode steps stay eager on every rank", exc)
+            return None
+
+    runner = ModelRunner(model, kv_cache, backend, config.block_size, sampler, share=share)
+    # on rank 0's compile thread, not in a child process (no config: see shared/engine/compile_thread.py)
+    background = BackgroundCompile(shard, config.block_size, kv_cache, threads, runner.use_compiled, artifacts,
+                                   artifact_store, run_once=False)
+    background.start()
+    return runner, background
 
 
 def _cuda_graphs(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, backend: AttentionBackend,

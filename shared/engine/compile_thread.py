@@ -20,6 +20,15 @@ config (so that another process can load the same one), the compile itself runs 
 (shared/engine/compile_process.py, ``TANDEM_COMPILE_PROCESS``): in this process the compiling
 thread's Python (dynamo, inductor) took the GIL from the engine thread, and at nice 19 it was often
 descheduled while holding it. This thread then only loads what the child left in the compile cache.
+
+On a tensor-parallel group (shared/engine/parallel.py) rank 0 compiles or loads its shard's step
+on this thread, without running it: its first run makes the group's collectives. The runner keeps
+it until the engine thread's next step, which first has every follower load the same step and all
+ranks run it once together (``ModelRunner.use_compiled``, ``ParallelModel.share_compiled``); a
+compile that fails sends nothing to the followers, and every rank stays eager. A group's compile
+stays on this thread (no ``config`` for a child): a child would be a group of its own, whose rank 0
+keys its step by a model structure that holds the collectives' running counters (each layer's
+``group``), so its key would not be the worker's.
 """
 
 from __future__ import annotations
@@ -42,10 +51,14 @@ log = logging.getLogger(__name__)
 class BackgroundCompile:
     def __init__(self, model, block_size: int, kv_cache: torch.Tensor, num_threads: int,
                  on_ready: Callable[[CompiledDecode], None], artifacts: CompileArtifacts | None = None,
-                 store: ArtifactStore | None = None, config=None) -> None:
-        self.done = threading.Event()  # set when the graph is handed over, or the compile failed
+                 store: ArtifactStore | None = None, config=None, run_once: bool = True) -> None:
+        """``model``: the engine's, or a parallel group's rank 0 shard; there ``run_once=False``:
+        the step's first run makes the group's collectives, which the engine thread runs on every
+        rank together at the hand-over (``ModelRunner.use_compiled``), not this thread."""
+        self.done = threading.Event()  # set when the graph is handed to the runner, or the compile failed
         self.error: BaseException | None = None
         self._args = (model, block_size, kv_cache, num_threads)
+        self._run_once = run_once
         self._artifacts, self._store = artifacts, store
         self._config = config  # the engine's EngineConfig: a child process can build the same step from it
         self._on_ready = on_ready
@@ -93,7 +106,7 @@ class BackgroundCompile:
         cpu_threads.adopt(num_threads)  # pinned to this thread: the creator drops to one thread later
         try:
             compiled = CompiledDecode(model, block_size, num_threads)
-            compiled.warm(kv_cache, self._artifacts, self._store)
+            compiled.warm(kv_cache, self._artifacts, self._store, run_once=self._run_once)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the eager step, which is correct
             self.error = exc
             log.warning("compiling the decode step failed, decode steps stay eager: %s: %s",

@@ -198,8 +198,10 @@ class LLMEngine:
 
     def decode_step(self) -> str:
         """How decode-only steps run now: eager, compiling (eager while the background compile runs)
-        or compiled."""
-        if self.runner.compiled is not None:
+        or compiled. A group's step is compiled once rank 0 has it: the group's next step hands it to
+        every rank before any decode row runs (``ModelRunner.use_compiled``), and an idle worker
+        would not come to that step unless its load says it can take requests there."""
+        if self.runner.compiled is not None or self.runner.pending is not None:
             return "compiled"
         compiling = self.background_compile is not None and not self.background_compile.done.is_set()
         return "compiling" if compiling else "eager"

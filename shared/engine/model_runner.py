@@ -45,7 +45,11 @@ class StepOrder(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, backend: AttentionBackend,
-                 block_size: int, sampler: Sampler, compiled: CompiledDecode | GraphedDecode | None = None) -> None:
+                 block_size: int, sampler: Sampler, compiled: CompiledDecode | GraphedDecode | None = None,
+                 share: Callable[[CompiledDecode], object | None] | None = None) -> None:
+        """``share``: a parallel group's, which has every rank take a compiled step handed over by the
+        background compile (``use_compiled``) and returns rank 0's, or None where the group stays
+        eager (``ParallelModel.share_compiled``)."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -54,10 +58,25 @@ class ModelRunner:
         self.device = model.device
         self.compiled = compiled  # runs the decode rows when set: the CPU's compiled step, or CUDA graphs
         self.suspended: SuspendedPart | None = None  # a step's eager part waiting to go on (``execute``)
+        self._share = share
+        self.pending: CompiledDecode | None = None  # a group's compiled step, handed over at the next step
 
     def use_compiled(self, compiled: CompiledDecode) -> None:
-        """From the background compile: the engine thread's next decode-only step runs the graph."""
-        self.compiled = compiled
+        """From the background compile: the engine thread's next decode-only step runs the graph. On a
+        group, the engine thread's next step first hands it to every rank (``_hand_over``): the
+        followers wait for rank 0's operations between steps only, and the background thread must
+        not make collectives beside the engine thread's."""
+        if self._share is None:
+            self.compiled = compiled
+        else:
+            self.pending = compiled
+
+    def _hand_over(self) -> None:
+        """A group's pending compiled step to every rank, at the start of a step (every rank is
+        between two operations): the step's first decode rows run it, unless a rank could not take
+        it (``share`` said None: the group stays eager)."""
+        compiled, self.pending = self.pending, None
+        self.compiled = self._share(compiled)
 
     def prepare(self, out: SchedulerOutput, num_decode_entries: int,
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -168,6 +187,8 @@ class ModelRunner:
         a layer at a time and stops between two layers once ``interrupt(p)`` says a request more
         urgent than its most urgent entry (priority ``p``) is on its way: its compiled decode rows
         are sampled as usual, and the eager part waits in ``suspended`` for ``resume``."""
+        if self.pending is not None:
+            self._hand_over()
         order = self.split(out)
         out, n = order.out, order.num_compiled_rows
         ids, pos, meta, rows = self.prepare(out, order.num_decode_entries)

@@ -57,6 +57,10 @@ COMPILED_LOAD, COMPILED = 11, 12  # load rank 0's compiled decode step, and run 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+class CompiledStepUnavailable(RuntimeError):
+    """A follower could not load rank 0's compiled decode step (``ParallelModel.share_compiled``)."""
+
+
 @dataclasses.dataclass
 class _GroupStep(LayerState):
     """``start_layers`` on a group: the step's inputs, kept until ``run_layers`` has its metadata;
@@ -181,12 +185,20 @@ class ParallelModel:
     def share_compiled(self, compiled, artifacts, threads: int) -> "GroupCompiled":
         """Every follower loads the compiled decode step rank 0 keeps in ``artifacts`` (compiled or
         loaded there by ``compiled.warm``), then every rank runs it once together (its collectives
-        are the group's); returns rank 0's step, which tells the followers to run theirs each time."""
+        are the group's); returns rank 0's step, which tells the followers to run theirs each time.
+        Runs in the engine thread, between steps: before traffic (``compile="on"``) or where the
+        background compile hands its step over. Raises ``CompiledStepUnavailable`` when a follower
+        could not load it: every rank then drops it (they decide together, before any runs it), and
+        the group's steps run as before."""
         order = {"root": str(artifacts.root), "key": artifacts.key, "threads": threads,
                  "block_size": compiled.block_size}
         self._send_bytes(COMPILED_LOAD, json.dumps(order).encode())
+        num_failed, num_loaded = _count_loaded(self.world, failed=False, loaded=False)
+        if num_failed:
+            raise CompiledStepUnavailable(f"{num_failed} of the {self.world.size - 1} followers could not load "
+                                          f"the compiled decode step {artifacts.key}")
         compiled.run_once(self._kv_cache)
-        return GroupCompiled(self, compiled)
+        return GroupCompiled(self, compiled, num_loaded)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Tell the followers to exit and wait for them (killed past ``timeout_s``)."""
@@ -228,10 +240,12 @@ class ParallelModel:
 
 class GroupCompiled:
     """Rank 0's compiled decode step on a group: each forward is first sent to the followers
-    (``COMPILED``), which run the same step on their shards; every other attribute is the step's."""
+    (``COMPILED``), which run the same step on their shards; every other attribute is the step's.
+    ``num_followers_loaded``: the followers that loaded rank 0's step from its artifacts (the others
+    compiled the same step again, where loading it failed)."""
 
-    def __init__(self, group: ParallelModel, compiled) -> None:
-        self.group, self.compiled = group, compiled
+    def __init__(self, group: ParallelModel, compiled, num_followers_loaded: int = 0) -> None:
+        self.group, self.compiled, self.num_followers_loaded = group, compiled, num_followers_loaded
 
     def __getattr__(self, name: str):
         return getattr(self.compiled, name)
@@ -242,17 +256,37 @@ class GroupCompiled:
         return self.compiled.forward(input_ids, positions, kv_cache, meta)
 
 
-def _load_compiled(model: LlamaModel, kv_cache: torch.Tensor, order: dict):
+def _load_compiled(model: LlamaModel, world: Collectives, kv_cache: torch.Tensor, order: dict):
     """A follower's compiled decode step: rank 0's (``ParallelModel.share_compiled``), run once with
-    the others."""
+    the others once every rank has it; None (the follower's steps stay eager, as every rank's) when
+    any follower could not load it."""
     from shared.model.compile_artifacts import CompileArtifacts
     from shared.model.compiled import CompiledDecode
 
-    compiled = CompiledDecode(model, order["block_size"], order["threads"])
-    compiled.warm(kv_cache, CompileArtifacts(Path(order["root"]), order["key"]), run_once=False)
+    compiled = None
+    try:
+        compiled = CompiledDecode(model, order["block_size"], order["threads"])
+        compiled.warm(kv_cache, CompileArtifacts(Path(order["root"]), order["key"]), run_once=False)
+    except Exception as exc:  # noqa: BLE001 - counted over the group below: every rank must get there
+        log.warning("rank %d: cannot load the compiled decode step %s: %s: %s", world.rank, order["key"],
+                    type(exc).__name__, exc)
+        compiled = None
+    num_failed, _ = _count_loaded(world, compiled is None, compiled is not None and compiled.source == "loaded")
+    if num_failed:
+        log.warning("rank %d: %d followers have no compiled decode step: decode steps stay eager", world.rank,
+                    num_failed)
+        return None
     compiled.run_once(kv_cache)
     log.info("rank %d: compiled decode step %s", model.group.rank, compiled.source)
     return compiled
+
+
+def _count_loaded(world: Collectives, failed: bool, loaded: bool) -> tuple[int, int]:
+    """Over the group (rank 0 counts as neither): how many followers could not get the compiled step,
+    and how many loaded it from rank 0's artifacts."""
+    dev = getattr(world, "device", torch.device("cpu"))
+    counts = world.all_reduce(torch.tensor([int(failed), int(loaded)], dtype=torch.long, device=dev)).tolist()
+    return counts[0], counts[1]
 
 
 def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | None = None) -> None:
@@ -276,7 +310,7 @@ def follow(model: LlamaModel, world: Collectives, backend: AttentionBackend | No
             if op in (OPEN_TRANSFER, SEND_KV, COMPILED_LOAD):
                 blob = world.broadcast(torch.empty(args[0], dtype=torch.uint8, device=dev)).cpu().numpy().tobytes()
                 if op == COMPILED_LOAD:
-                    compiled = _load_compiled(model, kv_cache, json.loads(blob))
+                    compiled = _load_compiled(model, world, kv_cache, json.loads(blob))
                 elif op == OPEN_TRANSFER:
                     transfer, _, _ = _open_rank_transfer(model, world, kv_cache, blob.decode())
                     if transfer is not None and progress is None:

@@ -131,6 +131,7 @@ def engine_artifact_key(model, block_size: int, threads: int, kv_dtype=None) -> 
     # of a group has the same one (shared/model/compiled.py), so the group's size alone is in the key
     for name in ("group", "pipeline", "split"):
         structure.pop(name, None)
+    _drop_groups(structure)  # each layer holds the group too, with counters that change as it runs
     if model.group.size > 1:
         structure["tensor_parallel_size"] = model.group.size
     return artifact_key(structure=structure, block_size=block_size, threads=threads,
@@ -139,6 +140,17 @@ def engine_artifact_key(model, block_size: int, threads: int, kv_dtype=None) -> 
                         block_kernel=blocks_cpu.kernel_in_graph() if gguf else None,
                         attention_kernel=attention_cpu.kernel_in_graph(),
                         **({"kv_dtype": str(kv_dtype)} if kv_dtype is not None and kv_dtype != model.dtype else {}))
+
+
+def _drop_groups(structure) -> None:
+    """Remove every ``group`` entry (a rank's collectives) from a model's structure, at any depth."""
+    if isinstance(structure, dict):
+        structure.pop("group", None)
+        for value in structure.values():
+            _drop_groups(value)
+    elif isinstance(structure, list):
+        for value in structure:
+            _drop_groups(value)
 
 
 class ArtifactStore(Protocol):

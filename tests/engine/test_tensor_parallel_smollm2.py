@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct in float32 (9 heads, 3 KV heads, MLP 1536) at TP=3, one KV head per rank:
 greedy text equal to transformers' with chunked prefill, speculation, a warm prefix cache,
 structured output and preemption on the group; a random-weight Llama of 32 heads and 8 KV heads at
-TP=2 and TP=4 equal to its own TP=1 text; SmolLM2 in pipeline stages (PP=2, PP=3, TP=3 x PP=2)
-equal to transformers; the host and disk KV tiers keeping whole blocks gathered from every rank;
+TP=2 and TP=4 equal to its own TP=1 text, and at TP=2 through the compiled decode step, compiled
+before traffic or in the background and handed to every rank between two steps; SmolLM2 in
+pipeline stages (PP=2, PP=3, TP=3 x PP=2) equal to transformers; the host and disk KV tiers keeping whole blocks gathered from every rank;
 shapes that do not split refused before a rank starts; the quantized precisions on a group as close to float32
 as one process is; a follower that dies breaks the group at its next step, and followers exit with
 rank 0."""
@@ -234,10 +235,88 @@ def test_the_compiled_decode_step_runs_on_every_rank_of_a_group(heads_32, tmp_pa
             if mode == "on":
                 assert engine.runner.compiled.num_steps >= 2 * params.max_tokens - 2
                 assert engine.runner.compiled.source == "compiled"
+                assert engine.runner.compiled.num_followers_loaded == 1  # the follower loaded rank 0's
         finally:
             engine.close()
     assert texts["on"] == texts["off"]
     assert [p.returncode for p in engine.model.followers] == [0]
+
+
+@pytest.mark.long
+def test_a_group_compiles_in_the_background_and_hands_the_step_to_every_rank(heads_32, tmp_path, monkeypatch):
+    """compile background at TP=2 (a worker's default): eager steps serve while rank 0 compiles the
+    step on its compile thread (a group's, where one process would use a child process); the first
+    step after it is ready has the follower load it from rank 0's artifacts and both run it once,
+    and decode steps run it on both ranks from then on. The eager group's greedy tokens before,
+    during and after the hand-over, for requests decoding across it too. Over a minute on 2 cores:
+    a cold compile."""
+    monkeypatch.setenv("TANDEM_COMPILE_CACHE_DIR", str(tmp_path / "compile"))
+    monkeypatch.delenv("TANDEM_COMPILE_PROCESS", raising=False)  # the default: a child, for one process
+    prompts = [list(range(5 + i, 60 + 37 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = group_engine(heads_32, 2, max_num_batched_tokens=64)
+    try:
+        want = eager.generate(prompts, params)
+    finally:
+        eager.close()
+    engine = group_engine(heads_32, 2, max_num_batched_tokens=64, compile="background")
+    try:
+        assert engine.decode_step() in ("compiling", "compiled")  # compiling, but for a very fast machine
+        assert engine.generate(prompts, params) == want
+        tokens = {}
+
+        def run(num_steps: int | None = None) -> None:
+            while engine.has_unfinished_requests() and num_steps != 0:
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                num_steps = None if num_steps is None else num_steps - 1
+
+        for i in (0, 1):
+            engine.add_request(f"across-{i}", prompts[i], params)
+        run(3)  # their prefill and two decode steps: still decoding when the step is handed over
+        assert engine.background_compile.wait(timeout=900) and engine.background_compile.error is None
+        assert engine.decode_step() == "compiled"  # rank 0 has it; the group's next step, if not yet, hands it over
+        for i in (2, 3):
+            engine.add_request(f"after-{i}", prompts[i], params)
+        run()
+        assert tokens == {"across-0": want[0], "across-1": want[1], "after-2": want[2], "after-3": want[3]}
+        assert engine.decode_step() == "compiled"
+        compiled = engine.runner.compiled
+        assert compiled.num_followers_loaded == 1  # the follower loaded rank 0's step, compiling none
+        assert compiled.source == "compiled"  # by rank 0's thread: loaded, had a child compiled it
+        steps = compiled.num_steps
+        assert steps >= params.max_tokens - 1  # the later requests' decode rows, at least
+        assert engine.generate(prompts, params) == want
+        assert compiled.num_steps - steps >= params.max_tokens - 1
+        engine.kv.check_integrity()
+    finally:
+        engine.close()
+    assert [p.returncode for p in engine.model.followers] == [0]
+
+
+def test_a_group_whose_background_compile_fails_decodes_eagerly_on_every_rank(heads_32, monkeypatch, caplog):
+    """Rank 0's compile fails: it is logged, nothing reaches the follower, and both ranks go on with
+    eager steps and the eager group's tokens."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr("shared.engine.compile_thread.CompiledDecode.warm", fail)  # rank 0's process only
+    prompts = [list(range(5 + i, 60 + 37 * i)) for i in range(2)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    texts = {}
+    for mode in ("off", "background"):
+        engine = group_engine(heads_32, 2, compile=mode)
+        try:
+            if mode == "background":
+                assert engine.background_compile.wait(timeout=60)
+                assert isinstance(engine.background_compile.error, RuntimeError)
+            texts[mode] = engine.generate(prompts, params)
+            assert engine.decode_step() == "eager" and engine.runner.compiled is None
+        finally:
+            engine.close()
+        assert [p.returncode for p in engine.model.followers] == [0]
+    assert texts["background"] == texts["off"]
+    assert "compiling the decode step failed, decode steps stay eager: RuntimeError" in caplog.text
 
 
 def test_quantized_precisions_split_as_closely_as_one_process(smollm2_gguf, smol_tokenizer):

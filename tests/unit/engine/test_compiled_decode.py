@@ -104,7 +104,7 @@ def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engi
 
 
 def test_a_failed_background_compile_leaves_the_eager_step(tiny_engine_model, monkeypatch, caplog):
-    def broken(self, kv_cache, *artifacts):
+    def broken(self, kv_cache, *artifacts, **options):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(CompiledDecode, "warm", broken)

@@ -1,7 +1,8 @@
 """Tensor parallelism at the model level: a random-weight Llama of 32 heads and 8 KV heads (head size
 8, so it runs in seconds) split over 2, 4, 8 and 16 ranks gives the logits of the whole model, every
 rank the same; shapes that do not split are refused with the numbers; gguf blocks split on block
-boundaries quantize as the whole weight does. The ranks here are threads of this process, each with
+boundaries quantize as the whole weight does; a compiled step reaches a follower only where every
+follower could load it. The ranks here are threads of this process, each with
 its own gloo process group (tests/engine/test_tensor_parallel_smollm2.py runs rank processes)."""
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.kvcache.layout import KvCacheSpec
+from shared.model.compiled import CompiledDecode
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
-from shared.engine.parallel import join_stage
+from shared.engine.parallel import CompiledStepUnavailable, ParallelModel, follow, join_stage
 from shared.model.parallel import (TensorSplit, check_pipeline_parallel, check_tensor_parallel, shard_layer,
                                    stage_layers)
 from shared.model.quant import quantize_blocks
@@ -140,3 +143,59 @@ def test_gguf_blocks_of_a_shard_are_the_whole_weights_blocks(four_bit):
         rows = torch.cat([torch.arange(k0, k0 + 128), 256 + torch.arange(k0, k0 + 128)])
         assert torch.equal(gate_up.qs, whole["gate_up"].qs[rows])
         assert torch.equal(gate_up.d, whole["gate_up"].d[rows])
+
+
+@pytest.mark.parametrize("loads", [True, False])
+def test_a_compiled_step_runs_on_the_group_only_where_every_follower_loaded_it(heads_32, tmp_path, monkeypatch,
+                                                                             loads):
+    """``share_compiled`` (the step's compile and load stood in for): where the follower loads rank 0's
+    step, both ranks run it once and rank 0 counts the follower's load; where it cannot, rank 0 hears
+    so before either runs it, raises, and the group goes on (a later operation, then stop)."""
+    runs = []
+
+    def warm(self, kv_cache, artifacts=None, store=None, run_once=True):
+        if not loads:
+            raise OSError(f"no step {artifacts.key} in {artifacts.root}")
+        self.source = "loaded"
+
+    monkeypatch.setattr(CompiledDecode, "warm", warm)
+    monkeypatch.setattr(CompiledDecode, "run_once", lambda self, kv_cache: runs.append(self.model.group.rank))
+
+    def rank(world):
+        model = load_model(heads_32, "hf", torch.device("cpu"), torch.float32, world)
+        if world.rank > 0:
+            return follow(model, world)
+        group = ParallelModel(model, world)
+        group.attach_kv(KvCacheSpec(len(model.layers), model.num_kv_heads, model.cfg.head_dim, 16,
+                                    torch.float32).allocate(4, model.device), 16)
+        compiled = CompiledDecode(model, 16, 1)
+        artifacts = type("Artifacts", (), {"root": tmp_path, "key": "step"})()
+        try:
+            return group.share_compiled(compiled, artifacts, 1).num_followers_loaded
+        except CompiledStepUnavailable as exc:
+            return str(exc)
+        finally:
+            group.compute_logits(torch.zeros(1, model.cfg.hidden_size))  # the follower still follows
+            group.close()
+
+    result = run_ranks(2, rank)[0]
+    if loads:
+        assert result == 1 and sorted(runs) == [0, 1]
+    else:
+        assert result == "1 of the 1 followers could not load the compiled decode step step" and runs == []
+
+
+def test_a_ranks_compile_key_is_the_same_after_its_group_has_run(heads_32):
+    """The key of a rank's compiled step names the group's size only: not the collectives each layer
+    holds, whose counters change as the group runs (else no restart and no compile process finds it)."""
+    from shared.model.compile_artifacts import engine_artifact_key
+
+    def keys(group):
+        model = load_model(heads_32, "hf", torch.device("cpu"), torch.float32, group)
+        before = engine_artifact_key(model, 16, 1)
+        model.prefill_logits([5, 6, 7])
+        assert group.num_calls > 0
+        return before, engine_artifact_key(model, 16, 1)
+
+    (before, after), (other_before, _) = run_ranks(2, keys)
+    assert before == after == other_before

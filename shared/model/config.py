@@ -48,6 +48,33 @@ _GEMMA_NAMES = {**_POST_NORM_NAMES, "pre_feedforward_layernorm.weight": "mlp_nor
 
 
 @dataclass(frozen=True)
+class GgufRules:
+    """How llama.cpp's converter writes a family to GGUF, and what llama.cpp assumes of it where the
+    file is silent (the numbers the converter does write are read by ``gguf_config`` wherever they
+    appear: Granite's scales, Gemma's soft-caps, a sliding window, expert counts)."""
+
+    arch: str  # general.architecture
+    # q/k rows permuted for ggml's interleaved rotary (the converter's LlamaModel and its subclasses)
+    permuted_qk: bool = False
+    names: dict[str, str] = field(default_factory=dict)  # tensor names that mean another tensor here
+    # which layers ``attention.sliding_window`` windows when no ``sliding_window_pattern`` lists them, as
+    # llama.cpp's period: all but every window_period-th (Gemma 2: 2, Gemma 3: 6), 0: every layer (Phi-3, as
+    # transformers runs it: llama.cpp turns Phi-3's window off), None: no layer (as llama.cpp runs Llama, Qwen)
+    window_period: int | None = None
+    nope_period: int | None = None  # every nope_period-th layer does not rotate (SmolLM3: 4)
+    # the layer counts of the sizes whose softmax scale is (hidden / heads) ** -0.5, not head_dim ** -0.5
+    # (the 27Bs of Gemma 2: 46, and Gemma 3: 62); the converter writes no scale for Gemma
+    scale_by_hidden_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 10000.0  # the local layers' rope base (Family.local_rope): not in the file
+    activation: str = "silu"  # the gated MLP's (Gemma: gelu_tanh)
+    renormalize_experts: bool = True  # without ``expert_weights_norm`` in the file (llama.cpp: always)
+
+
+# Phi-3's ffn_up holds gate and up fused, [2 x intermediate, hidden]
+_PHI3_GGUF_NAMES = {"ffn_up.weight": "gate_up"}
+
+
+@dataclass(frozen=True)
 class Family:
     """What a model family changes from the Llama decoder layer (``FAMILIES``, by HF model_type).
 
@@ -64,7 +91,9 @@ class Family:
     pre_norms: bool = True  # RMSNorm before attention and before the MLP (all but OLMo 2)
     # RMSNorm of attention's and the MLP's outputs, before the residual add (OLMo 2, Gemma 2 and 3)
     post_norms: bool = False
-    norm_offset: float = 0.0  # every RMSNorm scales by (offset + weight): Gemma's 1 + weight
+    # every RMSNorm scales by (offset + weight): Gemma's 1 + weight (its GGUF stores 1 + weight, which
+    # the loader takes the offset off again)
+    norm_offset: float = 0.0
     embed_scale_sqrt: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     local_rope: bool = False  # sliding-window layers rotate with their own base (Gemma 3)
     # which layers config.json's ``sliding_window`` windows (``_hf_window``): "all" (Mistral, Phi-3, Mixtral,
@@ -74,24 +103,33 @@ class Family:
     nope_layers: bool = False  # layers without rotary, from no_rope_layers (SmolLM3)
     moe: MoeNames | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE)
     hf_names: dict[str, str] = field(default_factory=dict)  # checkpoint names that mean another tensor here
+    gguf: GgufRules | None = None  # None: no GGUF of the family is read
 
 
 FAMILIES = {
-    "llama": Family(),
-    "mistral": Family(window_layers="all"),
-    "qwen2": Family(attention_bias=True, window_layers="types"),
-    "qwen3": Family(qk_norm="head", window_layers="types"),
-    "phi3": Family(window_layers="all"),
-    "olmo2": Family(qk_norm="whole", pre_norms=False, post_norms=True, hf_names=_POST_NORM_NAMES),
-    "granite": Family(),  # embedding, residual, attention and logits multipliers: all in config.json
+    "llama": Family(gguf=GgufRules("llama", permuted_qk=True)),
+    "mistral": Family(window_layers="all", gguf=GgufRules("mistral", permuted_qk=True)),
+    "qwen2": Family(attention_bias=True, window_layers="types", gguf=GgufRules("qwen2")),
+    "qwen3": Family(qk_norm="head", window_layers="types", gguf=GgufRules("qwen3")),
+    "phi3": Family(window_layers="all", gguf=GgufRules("phi3", names=_PHI3_GGUF_NAMES, window_period=0)),
+    "olmo2": Family(qk_norm="whole", pre_norms=False, post_norms=True, hf_names=_POST_NORM_NAMES,
+                    gguf=GgufRules("olmo2")),
+    # embedding, residual, attention and logits multipliers: all in config.json (and the GGUF's *_scale keys)
+    "granite": Family(gguf=GgufRules("granite", permuted_qk=True)),
     "gemma2": Family(post_norms=True, norm_offset=1.0, embed_scale_sqrt=True, window_layers="types",
-                     hf_names=_GEMMA_NAMES),
+                     hf_names=_GEMMA_NAMES,
+                     gguf=GgufRules("gemma2", window_period=2, scale_by_hidden_layers=(46,), activation="gelu_tanh")),
     "gemma3_text": Family(qk_norm="head", post_norms=True, norm_offset=1.0, embed_scale_sqrt=True,
-                          local_rope=True, window_layers="types", hf_names=_GEMMA_NAMES),
-    "smollm3": Family(nope_layers=True, window_layers="types"),
-    "mixtral": Family(window_layers="all", moe=MoeNames("intermediate_size", True, round_weights=False)),
+                          local_rope=True, window_layers="types", hf_names=_GEMMA_NAMES,
+                          gguf=GgufRules("gemma3", window_period=6, scale_by_hidden_layers=(62,),
+                                         activation="gelu_tanh")),
+    "smollm3": Family(nope_layers=True, window_layers="types", gguf=GgufRules("smollm3", permuted_qk=True,
+                                                                            nope_period=4)),
+    # the converter writes Mixtral as a Llama with expert tensors
+    "mixtral": Family(window_layers="all", moe=MoeNames("intermediate_size", True, round_weights=False),
+                      gguf=GgufRules("llama", permuted_qk=True)),
     "qwen3_moe": Family(qk_norm="head", window_layers="all",
-                        moe=MoeNames("moe_intermediate_size", None, round_weights=True)),
+                        moe=MoeNames("moe_intermediate_size", None, round_weights=True), gguf=GgufRules("qwen3moe")),
 }
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> the model's
 

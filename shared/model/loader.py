@@ -20,23 +20,29 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.model.config import FAMILIES, Family, ModelConfig
+from shared.model.config import FAMILIES, Family, GgufRules, ModelConfig, Moe
 from shared.model.gguf_file import GgufFile, GgufTensor, read_gguf
 from shared.model.llama import LlamaModel
 from shared.model.parallel import Collectives, PipelineStage, check_tensor_parallel, shard_layer, shard_top
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # from a GGUF file
-# from a Hugging Face directory
-SUPPORTED_HF_ARCHS = (*SUPPORTED_ARCHS, "phi3", "olmo2", "granite", "gemma2", "gemma3_text", "smollm3",
-                      "mixtral", "qwen3_moe")
+# from a Hugging Face directory (its model_type), and from a GGUF file (its general.architecture, as
+# llama.cpp's converter names it: ``GgufRules.arch``; Mixtral is a "llama" with expert tensors)
+SUPPORTED_HF_ARCHS = tuple(FAMILIES)
+SUPPORTED_ARCHS = tuple(dict.fromkeys(f.gguf.arch for f in FAMILIES.values() if f.gguf is not None))
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
     "attn_v.weight": "v", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
     "attn_output.weight": "o_proj", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate",
     "ffn_up.weight": "up", "ffn_down.weight": "down",
-    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",  # Qwen3
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",  # Qwen3, OLMo 2, Gemma 3
+    "attn_qkv.weight": "qkv",  # Phi-3: fused
+    "post_attention_norm.weight": "attn_out_norm", "post_ffw_norm.weight": "mlp_out_norm",  # OLMo 2, Gemma
+    "ffn_gate_inp.weight": "router",  # Mixtral, Qwen3-MoE
+    # every expert's projection in one tensor [E, out, in]: read as one tensor per expert
+    "ffn_gate_exps.weight": "experts.gate", "ffn_up_exps.weight": "experts.up",
+    "ffn_down_exps.weight": "experts.down",
 }
 _GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _HF_LAYER_NAMES = {
@@ -55,46 +61,128 @@ _HF_EXPERT_NAMES = {"w1.weight": "gate", "w3.weight": "up", "w2.weight": "down",
 _HF_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
 
-def gguf_config(reader: GgufFile) -> ModelConfig:
+def gguf_family(reader: GgufFile) -> str:
+    """The key of ``FAMILIES`` a GGUF file is of: its architecture's family, the one with experts where
+    the file has expert tensors (Mixtral, written as a Llama)."""
     arch = reader.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    kinds = [k for k, f in FAMILIES.items() if f.gguf is not None and f.gguf.arch == arch]
+    if not kinds:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    has_experts = any(t.name.endswith(".ffn_gate_inp.weight") for t in reader.tensors)
+    return next((k for k in kinds if (FAMILIES[k].moe is not None) == has_experts), kinds[0])
+
+
+def gguf_config(reader: GgufFile) -> ModelConfig:
+    """The model's config from a GGUF file's metadata, with what llama.cpp assumes of the family where
+    the file is silent (``GgufRules``)."""
+    model_type = gguf_family(reader)
+    family = FAMILIES[model_type]
+    rules = family.gguf
 
     def get(key, default=None):
-        return reader.get(f"{arch}.{key}", default)
+        return reader.get(f"{rules.arch}.{key}", default)
 
+    tensors = {t.name: t for t in reader.tensors}
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(reader.get("tokenizer.ggml.tokens", ()))
+    num_layers = int(get("block_count"))
+    vocab = get("vocab_size") or len(reader.get("tokenizer.ggml.tokens", ())) or tensors["token_embd.weight"].shape[0]
     head_dim = int(get("attention.key_length") or hidden // num_heads)
-    names = {t.name for t in reader.tensors}
-    rope = None
-    if get("rope.scaling.type") == "llama3" or get("rope.scaling.factor"):
-        factor = float(get("rope.scaling.factor", 1.0))
-        if factor != 1.0 and "rope_freqs.weight" not in names:
-            raise ValueError(f"GGUF rope scaling {get('rope.scaling.type')!r} without rope_freqs is unsupported")
-    freq_factors = None
-    if "rope_freqs.weight" in names:
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        freq_factors = tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(f"unsupported GGUF rope.dimension_count {rope_dims} of {model_type} (rotary over the "
+                         f"whole head of {head_dim} only)")
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"unsupported GGUF long-context rope factors of {model_type} (Phi-3's longrope)")
+    window, window_layers = _gguf_window(get, rules, num_layers)
+    scale = get("attention.scale")
+    if scale is None and rules.scale_by_hidden_layers:
+        scale = float(hidden // num_heads if num_layers in rules.scale_by_hidden_layers else head_dim) ** -0.5
     return ModelConfig(
-        architecture=arch,
+        architecture=model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm=FAMILIES[arch].qk_norm,
-        rope_scaling=rope,
-        rope_freq_factors=freq_factors,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm=family.qk_norm,
+        pre_norms=family.pre_norms,
+        post_norms=family.post_norms,
+        activation=rules.activation,
+        embedding_multiplier=float(hidden) ** 0.5 if family.embed_scale_sqrt else float(get("embedding_scale", 1.0)),
+        residual_multiplier=float(get("residual_scale", 1.0)),
+        attention_scale=None if scale is None else float(scale),
+        attn_softcap=_optional_float(get("attn_logit_softcapping")),
+        logits_scaling=float(get("logit_scale", 1.0)),  # Granite's: the logits divided by it
+        final_softcap=_optional_float(get("final_logit_softcapping")),
+        local_rope_theta=float(get("rope.freq_base_swa", rules.local_rope_theta)) if family.local_rope else None,
+        local_layers=window_layers if family.local_rope else (),  # llama.cpp: the windowed layers
+        nope_layers=tuple(i for i in range(num_layers) if rules.nope_period and (i + 1) % rules.nope_period == 0),
+        moe=_gguf_moe(get, family, tensors, num_layers) if family.moe is not None else None,
+        sliding_window=window,
+        window_layers=window_layers,
+        rope_scaling=None,
+        rope_freq_factors=_gguf_rope_freq_factors(get, tensors, model_type, head_dim),
     )
+
+
+def _optional_float(value) -> float | None:
+    """A soft-cap: None where the file has none (or 0)."""
+    return float(value) if value else None
+
+
+def _gguf_rope_freq_factors(get, tensors: dict[str, GgufTensor], model_type: str,
+                            head_dim: int) -> tuple[float, ...] | None:
+    """Llama 3's scaling as the file's ``rope_freqs`` divisors; a ``linear`` scaling (Gemma 3's global
+    layers) as its factor for every frequency."""
+    kind, factor = get("rope.scaling.type"), float(get("rope.scaling.factor") or 1.0)
+    if "rope_freqs.weight" in tensors:
+        return tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1))
+    if kind == "linear" and factor != 1.0:
+        return (factor,) * (head_dim // 2)
+    if factor != 1.0:
+        raise ValueError(f"unsupported GGUF rope scaling {kind!r} (factor {factor}) of {model_type} (supported: "
+                         f"linear, and Llama 3's as a rope_freqs tensor)")
+    return None
+
+
+def _gguf_window(get, rules: GgufRules, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """``attention.sliding_window`` and the layers it windows: those ``attention.sliding_window_pattern``
+    marks (a flag per layer, or a period), else the family's period (``GgufRules.window_period``); a
+    family without one is read without a window (as llama.cpp runs Llama and Qwen)."""
+    window = int(get("attention.sliding_window") or 0)
+    pattern = get("attention.sliding_window_pattern", rules.window_period)
+    if window <= 0 or pattern is None:
+        return None, ()
+    if isinstance(pattern, list):
+        layers = tuple(i for i, windowed in enumerate(pattern) if windowed)
+    else:  # llama.cpp's period: all but every period-th layer; 0: every layer
+        period = int(pattern)
+        layers = tuple(i for i in range(num_layers) if period == 0 or (i + 1) % period != 0)
+    return (window, layers) if layers else (None, ())
+
+
+def _gguf_moe(get, family: Family, tensors: dict[str, GgufTensor], num_layers: int) -> Moe:
+    """The experts of a GGUF file: in the layers that have a router (``ffn_gate_inp``); renormalised as
+    ``expert_weights_norm`` says, else as llama.cpp does for the family."""
+    gating = get("expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"unsupported GGUF expert_gating_func {gating} (softmax only)")
+    if get("expert_shared_count"):
+        raise ValueError(f"unsupported GGUF expert_shared_count {get('expert_shared_count')} (no shared experts)")
+    norm = get("expert_weights_norm")
+    return Moe(num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
+               intermediate_size=int(get("expert_feed_forward_length") or get("feed_forward_length")),
+               renormalize=bool(norm) if norm is not None else family.gguf.renormalize_experts,
+               round_weights=family.moe.round_weights,
+               layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors))
 
 
 def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -139,43 +227,57 @@ def _dequantize(tensor: GgufTensor) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
-def _canonical_gguf_name(gguf_name: str) -> str | None:
-    """``blk.3.attn_q.weight`` → ``layers.3.q``; None for a tensor the model does not use."""
+def _canonical_gguf_name(gguf_name: str, rules: GgufRules) -> str | None:
+    """``blk.3.attn_q.weight`` → ``layers.3.q`` (``blk.3.ffn_up_exps.weight`` → ``layers.3.experts.up``,
+    every expert's); None for a tensor the model does not use."""
     if gguf_name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        name = rules.names.get(rest) or _GGUF_LAYER_NAMES.get(rest)
+        if name is not None:
+            return f"layers.{idx}.{name}"
     return None
 
 
 def load_gguf(path: Path, device: torch.device = torch.device("cpu"),
               dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Dequantize every tensor of a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants via gguf),
-    each converted to ``dtype`` on ``device`` before the next is read."""
+    each converted to ``dtype`` on ``device`` before the next is read, into the directory's names and
+    values: q/k rows unpermuted where the converter permuted them, Gemma's norms back to w from the
+    1 + w stored, the experts' stacked projections one tensor per expert."""
     reader = read_gguf(path)
     cfg = gguf_config(reader)
+    family = FAMILIES[cfg.architecture]
     tensors: dict[str, torch.Tensor] = {}
-    permute = cfg.architecture in ("llama", "mistral")
     for t in tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor", leave=False):
         if t.name == "rope_freqs.weight":
             continue
-        name = _canonical_gguf_name(t.name)
+        name = _canonical_gguf_name(t.name, family.gguf)
         if name is None:
             log.warning("ignoring unknown GGUF tensor %s", t.name)
             continue
-        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(name.rsplit(".", 1)[-1].removesuffix("_bias"))
-        tensors[name] = _read_gguf_tensor(t, heads if permute else None, device, dtype)
+        part = name.rsplit(".", 1)[-1]
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(part.removesuffix("_bias"))
+        offset = family.norm_offset if part.endswith("norm") else 0.0
+        w = _read_gguf_tensor(t, heads if family.gguf.permuted_qk else None, device, dtype, offset)
+        if ".experts." in name:  # [E, out, in]
+            prefix, proj = name.split(".experts.")
+            tensors.update({f"{prefix}.experts.{e}.{proj}": we for e, we in enumerate(w.unbind(0))})
+        else:
+            tensors[name] = w
     return cfg, tensors
 
 
-def _read_gguf_tensor(tensor: GgufTensor, qk_heads: int | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor dequantized (float32), its Q/K rows unpermuted when ``qk_heads`` is given, and
-    converted; the float32 copy is gone when this returns."""
+def _read_gguf_tensor(tensor: GgufTensor, qk_heads: int | None, device: torch.device, dtype: torch.dtype,
+                      offset: float = 0.0) -> torch.Tensor:
+    """One tensor dequantized (float32), its Q/K rows unpermuted when ``qk_heads`` is given, ``offset``
+    taken off (a Gemma norm), and converted; the float32 copy is gone when this returns."""
     w = _dequantize(tensor)
     if qk_heads is not None:
         w = _unpermute_qk(w, qk_heads)
+    if offset:
+        w -= offset
     return w.to(device=device, dtype=dtype)
 
 

@@ -66,6 +66,26 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
         cfg = transformers.Qwen3MoeConfig(**(shape | dict(num_hidden_layers=3)), head_dim=32, num_experts=8,
                                           num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
                                           norm_topk_prob=False, tie_word_embeddings=False)
+    # as a GGUF can state them (llama.cpp's assumptions where the file is silent): Gemma's softmax scale the
+    # head size's; Gemma 3's windowed layers all but every 6th, rotating with base 1e4; SmolLM3's layers
+    # without rotary every 4th; Qwen3-MoE's experts renormalised in every layer
+    elif kind == "gemma2_gguf":
+        cfg = transformers.Gemma2Config(**shape, head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+                                        final_logit_softcapping=10.0, sliding_window=SLIDING_WINDOW,
+                                        pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    elif kind == "gemma3_gguf":  # layers 0-4 local, 5 global (1e6, linear x 8)
+        cfg = transformers.Gemma3TextConfig(
+            **(shape | dict(num_hidden_layers=6)), head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=SLIDING_WINDOW, final_logit_softcapping=10.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    elif kind == "smollm3_gguf":  # layer 3 without rotary
+        cfg = transformers.SmolLM3Config(**(shape | dict(num_hidden_layers=4)), pad_token_id=None, bos_token_id=1,
+                                         eos_token_id=2)
+    elif kind == "qwen3_moe_gguf":
+        cfg = transformers.Qwen3MoeConfig(**shape, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -79,7 +79,7 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
         model.attach_kv(kv_cache, config.block_size)
     tiers = _tiers(config, kv_spec, kv_cache, namespace, events, model, max_model_len)
     kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-                        events=events, tiers=tiers)
+                        events=events, tiers=tiers, window=cfg.uniform_window)
     spec_config = SpeculativeConfig(config.speculative_tokens, config.speculative_max_batch)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
                           kv, namespace, Speculator(spec_config) if spec_config.enabled else None)

@@ -405,6 +405,8 @@ class Scheduler:
             if request.status.is_finished:
                 self._remove(request, request.status)
                 finished.append(request)
+            elif not request.keep_kv:  # a kept request's blocks are read whole (a transfer sends them)
+                self.kv.free_out_of_window(request.request_id, request.num_computed_tokens)
         return finished
 
     def _remove(self, request: Request, status: RequestStatus) -> None:

@@ -4,6 +4,11 @@ Pure Python. A request is known by its id; callers pass its token ids and block 
 ``allocate_slots`` returns None when the pool cannot serve the request now, never raises for that.
 With ``tiers`` (shared/kvcache/tiers.py, passed in by the engine) evicted blocks are copied to host/disk
 and a prefix found there is copied back into fresh pool blocks while the prompt is matched.
+
+With ``window`` (a model whose every layer sees only the last ``window`` positions: Mistral, Phi-3),
+``free_out_of_window`` gives back the leading blocks no later position of a request can see. They
+keep their place in the request's block table (a step's attention masks them, whatever they hold
+by then) and their cached content, until the pool evicts it as it evicts any free block.
 """
 
 from __future__ import annotations
@@ -20,13 +25,18 @@ if TYPE_CHECKING:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 events: KvEventEmitter | None = None, tiers: KvTiers | None = None) -> None:
+                 events: KvEventEmitter | None = None, tiers: KvTiers | None = None,
+                 window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must be positive, not {window}")
         self.block_size = block_size
+        self.window = window
         self.tiers = tiers  # the pool's evicted blocks go down to them, and come back up from them
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching, events=events,
                               on_evict=tiers.offload if tiers is not None else None)
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already cached
+        self._num_dropped: dict[str, int] = {}  # leading blocks given back as out of the window
 
     @property
     def num_free_blocks(self) -> int:
@@ -167,6 +177,24 @@ class KVCacheManager:
             return []
         return self.allocate_slots(owner, len(hits) * self.block_size, hits) or []
 
+    def free_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the request's leading blocks that the position ``num_computed_tokens`` (the next
+        to compute) and every later one cannot see: those wholly before ``num_computed_tokens -
+        window + 1``. The caller calls it once their KV is cached (``cache_computed``) and only for
+        a request whose blocks nothing else will read whole (not a prefill a transfer sends).
+        Returns how many blocks were given back now."""
+        blocks = self._blocks.get(request_id)
+        if self.window is None or not blocks:
+            return 0
+        first_seen = max(0, num_computed_tokens - self.window + 1)
+        num_out = min(first_seen // self.block_size, len(blocks))
+        start = self._num_dropped.get(request_id, 0)
+        if num_out <= start:
+            return 0
+        self.pool.free(list(reversed(blocks[start:num_out])))  # the head of a prefix is kept longest
+        self._num_dropped[request_id] = num_out
+        return num_out - start
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
@@ -174,14 +202,15 @@ class KVCacheManager:
         """Release all of the request's blocks, tail first (the tail is evicted before the head)."""
         blocks = self._blocks.pop(request_id, None)
         self._num_cached.pop(request_id, None)
+        num_dropped = self._num_dropped.pop(request_id, 0)  # given back already
         if blocks:
-            self.pool.free(list(reversed(blocks)))
+            self.pool.free(list(reversed(blocks[num_dropped:])))
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self._blocks.values():
-            for b in blocks:
+        for request_id, blocks in self._blocks.items():
+            for b in blocks[self._num_dropped.get(request_id, 0):]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             if refs.get(b.block_id, 0) != b.ref_count:

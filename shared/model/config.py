@@ -180,6 +180,11 @@ class ModelConfig:
             raise ValueError(f"window_layers {self.window_layers} need a positive sliding_window, "
                              f"not {self.sliding_window}")
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The sliding window when every layer has it (blocks out of it can be freed), else None."""
+        return self.sliding_window if set(self.window_layers) == set(range(self.num_layers)) else None
+
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``; None where it sees the whole context."""
         return self.sliding_window if index in self.window_layers else None

@@ -93,3 +93,39 @@ def test_double_free_is_caught():
     pool.free(blocks)
     with pytest.raises(RuntimeError, match="ref_count 0"):
         pool.free(blocks)
+
+
+def test_a_window_gives_back_the_blocks_no_later_position_sees():
+    """Window 10, blocks of 4: the position 21 sees 12..21, so blocks 0-2 (positions 0..11) go back,
+    tail first, with their cached content; the table keeps its places, and the end frees the rest."""
+    ns = make_namespace("m")
+    kv = KVCacheManager(16, 4, window=10)
+    tokens = list(range(24))
+    hashes = hash_blocks(tokens, 4, ns)
+    assert kv.allocate_slots("r", 24) is not None
+    table = kv.block_ids("r")
+    kv.cache_computed("r", tokens, hashes, 21)
+    assert kv.free_out_of_window("r", 21) == 3
+    assert kv.block_ids("r") == table
+    assert kv.pool.num_free_blocks == 16 - 6 + 3
+    assert kv.pool.eviction_order()[-3:] == [table[2], table[1], table[0]]
+    assert [kv.pool.lookup(h).block_id for h in hashes[:3]] == table[:3]  # still a prefix to reuse
+    assert kv.free_out_of_window("r", 21) == 0 and kv.free_out_of_window("r", 22) == 0
+    assert kv.free_out_of_window("r", 23) == 0  # 23 sees 14..23: block 3 (12..15) is still seen
+    assert kv.free_out_of_window("r", 25) == 1  # 25 sees 16..25
+    kv.check_integrity()
+    kv.free("r")
+    kv.check_integrity()
+    assert kv.pool.num_free_blocks == 16
+
+
+def test_without_a_window_or_before_it_nothing_is_given_back():
+    kv = KVCacheManager(8, 4)
+    kv.allocate_slots("r", 20)
+    assert kv.free_out_of_window("r", 19) == 0
+    windowed = KVCacheManager(8, 4, window=16)
+    windowed.allocate_slots("r", 20)
+    assert windowed.free_out_of_window("r", 18) == 0  # 18 sees 3..18: block 0 (0..3) is still seen
+    assert windowed.free_out_of_window("r", 19) == 1  # 19 sees 4..19
+    with pytest.raises(ValueError, match="positive"):
+        KVCacheManager(8, 4, window=0)

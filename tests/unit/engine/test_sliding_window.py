@@ -139,6 +139,29 @@ def test_a_prefix_hit_past_the_window_matches_transformers(windowed_hf):
     assert_greedy_under_hf(hf, second, generated)
 
 
+def test_blocks_out_of_every_layers_window_go_back_to_the_pool(windowed_hf):
+    """A prompt of 41 and 60 tokens out, blocks of 8, 24 tokens a step: where every layer is windowed
+    (12) the request never holds more than the blocks its window and a step span, and its text is
+    still transformers'; where a layer sees the whole context, it holds all 13 blocks by its end."""
+    kind, path, hf = windowed_hf
+    model = load_model(path, "hf", torch.device("cpu"), torch.float32)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=24))
+    prompt = prompt_of(41, 6)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    generated, most_held = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            generated += out.new_token_ids
+        most_held = max(most_held, engine.num_blocks - engine.kv.pool.num_free_blocks)
+        engine.kv.check_integrity()
+    assert_greedy_under_hf(hf, prompt, generated)
+    windowed_throughout = len(WINDOWED[kind]) == model.cfg.num_layers
+    assert (model.cfg.uniform_window == SLIDING_WINDOW) == windowed_throughout
+    # a step of 24 tokens from position p sees p - 11 .. p + 23: 35 positions, at most 6 blocks of 8
+    assert most_held <= 6 if windowed_throughout else most_held == engine.kv.blocks_for(41 + 60)
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
+
+
 # config.json as transformers 4 and hub checkpoints write them: no layer_types, the family's rule decides
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4)
 

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from services.framework.settings import ServiceSettings
 from shared.bus import Bus, ServiceDirectory, WorkerRegistry
+from shared.openai_api.auth import read_operator_key
 from shared.protocol import ServiceInfo, Subjects
 from shared.telemetry.logs import configure_logging
 from shared.telemetry.metrics import metrics_site
@@ -119,7 +120,8 @@ async def published_metrics(service: str, instance_id: str, settings: ServiceSet
                             registry: CollectorRegistry) -> AsyncIterator[str]:
     """Serve ``registry`` on the metrics port and keep its address in the service directory for
     the block (removed at the end); yields the URL."""
-    async with metrics_site(registry, settings.metrics_host, settings.metrics_port) as url:
+    key = read_operator_key(settings.metrics_key_file, "metrics_key_file") if settings.metrics_key_file else None
+    async with metrics_site(registry, settings.metrics_host, settings.metrics_port, key) as url:
         log.info("metrics on %s", url)
         directory = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
                                                 ttl_s=settings.registry_ttl_s)

@@ -35,6 +35,19 @@ class ServiceSettings(BaseSettings):
                               "interface, as in a container)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0: any free port); "
                               "the address is published in the service directory and `tandem status`")
+    metrics_key_file: str | None = Field(None, description="file holding the key /metrics then requires as "
+                                         "`Authorization: Bearer KEY` (default: /metrics answers whoever reaches "
+                                         "metrics_host)")
+
+    @field_validator("metrics_key_file")
+    @classmethod
+    def _metrics_key_loads(cls, path: str | None) -> str | None:
+        """A file that holds no key is a one-line error at startup, not a /metrics nobody can read."""
+        from shared.openai_api.auth import read_operator_key  # noqa: PLC0415
+
+        if path:
+            read_operator_key(path, "metrics_key_file")
+        return path
 
 
 class QosSettings(BaseSettings):

@@ -75,7 +75,7 @@ def spec_from_settings(s: JoinSettings, connect: dict[str, str], host_id: str | 
         nats_url=connect["TANDEM_NATS_URL"], nats_ca=connect.get("TANDEM_NATS_CA"),
         nats_replicas=int(replicas) if replicas else None,
         registry_ttl_s=float(connect.get("TANDEM_REGISTRY_TTL_S", 6.0)), log_level=s.log_level,
-        metrics_host=s.metrics_host,
+        metrics_host=s.metrics_host, metrics_key_file=s.metrics_key_file,
         restart_children=s.restart, restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         final_exit_codes=frozenset({EXIT_CREDENTIALS_REFUSED}), decode_flags=decode_flags,
         prefill_flags=prefill_flags)

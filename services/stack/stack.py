@@ -71,6 +71,7 @@ class StackSpec:
     # where every child's /metrics listens (None: the services' default, loopback); 0.0.0.0 (or this
     # host's address) lets the control plane's Prometheus scrape another host's workers
     metrics_host: str | None = None
+    metrics_key_file: str | None = None  # the key every child's /metrics then requires
     decode_flags: dict[str, object] = field(default_factory=dict)
     prefill_flags: dict[str, object] = field(default_factory=dict)
     # a worker's own flags over its role's, by name ("decode-1"): a plan's parallel shapes and devices
@@ -276,8 +277,9 @@ class Stack:
 
     def _metrics_flags(self) -> dict[str, object]:
         """Where every child serves /metrics: a port of its own, on the spec's ``metrics_host``."""
-        host = self.spec.metrics_host
-        return {**_OWN_METRICS_PORT, **({"metrics_host": host} if host else {})}
+        host, key_file = self.spec.metrics_host, self.spec.metrics_key_file
+        return {**_OWN_METRICS_PORT, **({"metrics_host": host} if host else {}),
+                **({"metrics_key_file": str(Path(key_file).resolve())} if key_file else {})}
 
     def _add_server(self, server: ServerProcess) -> None:
         self.servers.append(server)

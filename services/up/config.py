@@ -45,6 +45,9 @@ class WorkerHostSettings(_HostEngineFields):
     metrics_host: str | None = Field(None, description="where every process this command starts serves /metrics "
                                      "(each on a free port, listed in /status): 0.0.0.0 or this host's address "
                                      "lets a Prometheus on another host scrape them (default: 127.0.0.1)")
+    metrics_key_file: str | None = Field(None, description="file holding the key every process this command "
+                                         "starts then requires on its /metrics (`Authorization: Bearer KEY`; "
+                                         "tandem up: default its --operator-key-file, so one key opens them all)")
     decode_tp: int = Field(1, ge=1, le=64, description="ranks of each decode worker's tensor-parallel group: one "
                            "worker, that many processes, each with its shard of the weights and KV (the model's "
                            "heads, KV heads and MLP width must split into it)")

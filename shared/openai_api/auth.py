@@ -128,14 +128,15 @@ def operator_headers(path: str | Path | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {read_operator_key(path)}"} if path else {}
 
 
-def read_operator_key(path: str | Path) -> str:
+def read_operator_key(path: str | Path, setting: str = "operator_key_file") -> str:
+    """The key in the file at ``path``: its first line that is not empty or a ``#`` comment."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"operator_key_file: cannot read {path}: {exc}") from None
+        raise ConfigError(f"{setting}: cannot read {path}: {exc}") from None
     key = next((s for s in (line.strip() for line in lines) if s and not s.startswith("#")), "")
     if not key or any(c.isspace() for c in key):
-        raise ConfigError(f"operator_key_file: {path} holds no key (one line, no spaces)")
+        raise ConfigError(f"{setting}: {path} holds no key (one line, no spaces)")
     return key
 
 

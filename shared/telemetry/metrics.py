@@ -59,12 +59,22 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
 
 
 @asynccontextmanager
-async def metrics_site(registry: CollectorRegistry, host: str, port: int) -> AsyncIterator[str]:
+async def metrics_site(registry: CollectorRegistry, host: str, port: int,
+                       key: str | None = None) -> AsyncIterator[str]:
     """Serve ``registry`` on ``http://host:port/metrics`` (port 0: any free one) for the block;
-    yields the bound URL."""
+    yields the bound URL. With ``key``, a scrape must send ``Authorization: Bearer <key>`` (as
+    Prometheus does with ``authorization: {credentials_file: ...}``); any other gets a 401."""
+    import hmac  # noqa: PLC0415
+
     from aiohttp import web  # noqa: PLC0415 — only services that serve import the web stack
 
+    expected = f"Bearer {key}".encode() if key else None
+
     async def handler(request: web.Request) -> web.Response:
+        if expected is not None and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected):
+            return web.Response(status=401, text="this /metrics needs the operator key as a Bearer token\n",
+                                headers={"WWW-Authenticate": 'Bearer realm="tandem metrics"'})
         body, content_type = exposition(registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 

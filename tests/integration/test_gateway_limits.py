@@ -317,7 +317,8 @@ def test_a_stack_keeps_keys_off_gateway_command_lines_and_its_pages_behind_the_o
     operator_key.write_text("op-stack-key\n")
     spec = StackSpec(state_dir=tmp_path / "stack", num_decode=0, num_gateways=2, model=DEFAULT_MODEL, port=0,
                      namespace=f"k{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-                     gateway_flags={"api_keys": "sk-secret-1,sk-secret-2", "operator_key_file": str(operator_key)})
+                     gateway_flags={"api_keys": "sk-secret-1,sk-secret-2", "operator_key_file": str(operator_key)},
+                     metrics_key_file=str(operator_key))
     with running_stack(spec, ready_timeout_s=120) as stack:
         gateways = [c for name, c in stack.children.items() if name.startswith("gateway")]
         assert len(gateways) == 2
@@ -334,4 +335,13 @@ def test_a_stack_keeps_keys_off_gateway_command_lines_and_its_pages_behind_the_o
             assert refused.value.code == 401
         assert stack.listed_pids()  # the stack's own reader sends the key
         args = argparse.Namespace(url=stack.base_url, json=True, operator_key_file=str(operator_key))
-        assert status_main(args) == 0 and '"gateway"' in capsys.readouterr().out
+        assert status_main(args) == 0
+        services = json.loads(capsys.readouterr().out)["services"]
+        assert {s["service"] for s in services} >= {"gateway", "admission", "kv-index"}
+        for service in services:  # every process's own /metrics listener wants the key too
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(service["metrics_url"], timeout=10)
+            assert refused.value.code == 401, service
+            scrape = urllib.request.Request(service["metrics_url"], headers={"Authorization": "Bearer op-stack-key"})
+            with urllib.request.urlopen(scrape, timeout=10) as resp:
+                assert resp.status == 200 and b"# TYPE" in resp.read()

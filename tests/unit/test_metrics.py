@@ -237,3 +237,40 @@ async def test_dashboard_data_is_the_status_plus_the_history():
     assert data["step_s"] == HISTORY_STEP_S and data["rejected_total"] == {"bulk": 1}
     assert data["series"][-1]["ttft_p50"] == 0.25 and data["series"][-2]["ttft_p50"] is None
     assert len(data["series"]) == source.metrics.series.horizon_s // HISTORY_STEP_S
+
+
+async def test_a_metrics_listener_with_a_key_answers_only_that_bearer_token():
+    import aiohttp
+
+    from shared.telemetry.metrics import metrics_site
+
+    registry = service_registry("kv-index", "kv-index-1", 0)
+    async with metrics_site(registry, "127.0.0.1", 0, key="s3cret") as url, aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}):
+            async with http.get(url, headers=headers) as resp:
+                assert resp.status == 401 and "Bearer" in resp.headers["WWW-Authenticate"]
+                assert "tandem_" not in await resp.text()
+        async with http.get(url, headers={"Authorization": "Bearer s3cret"}) as resp:
+            assert resp.status == 200
+            assert list(text_string_to_metric_families(await resp.text()))
+
+
+def test_every_process_a_stack_starts_gets_its_metrics_key_file(tmp_path, monkeypatch):
+    """``tandem up`` hands its operator key file to every child as metrics_key_file (absolute, as a
+    child may run elsewhere); a settings file that holds no key is refused at startup, by name."""
+    from pydantic import ValidationError
+
+    from services.framework.settings import ServiceSettings
+    from services.stack.stack import Stack, StackSpec
+
+    key = tmp_path / "operator.key"
+    key.write_text("# the operator's\nk3y\n")
+    monkeypatch.chdir(tmp_path)
+    flags = Stack(StackSpec(state_dir=tmp_path / "state", metrics_key_file="operator.key"))._metrics_flags()
+    assert flags["metrics_key_file"] == str(key)
+    assert "metrics_key_file" not in Stack(StackSpec(state_dir=tmp_path / "state"))._metrics_flags()
+    assert ServiceSettings(metrics_key_file=str(key)).metrics_key_file == str(key)
+    (tmp_path / "empty.key").write_text("\n")
+    with pytest.raises(ValidationError, match="metrics_key_file: .*holds no key"):
+        ServiceSettings(metrics_key_file=str(tmp_path / "empty.key"))

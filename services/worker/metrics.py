@@ -121,6 +121,14 @@ def _engine_families(stats: EngineStats) -> Iterable[Metric]:
                       stats.num_draft_tokens)
         yield counter("tandem_worker_spec_accepted_tokens", "speculative decoding: draft tokens accepted",
                       stats.num_accepted_tokens)
+    if stats.expert_tokens:
+        experts = CounterMetricFamily("tandem_worker_expert_tokens", "a mixture of experts: (token, expert) pairs "
+                                      "each expert took, summed over this process's layers", labels=["expert"])
+        for expert, tokens in enumerate(stats.expert_tokens):
+            experts.add_metric([str(expert)], tokens)
+        yield experts
+        yield gauge("tandem_worker_expert_imbalance", "a mixture of experts: the worst layer's busiest expert's "
+                    "tokens over that layer's mean (1: even)", stats.expert_imbalance or 1.0)
     if tiers := stats.kv_tiers:
         blocks = GaugeMetricFamily("tandem_worker_kv_tier_blocks", "KV blocks held in a tier under the pool",
                                    labels=["tier"])

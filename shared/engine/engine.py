@@ -29,6 +29,7 @@ from shared.grammar import GrammarError, compile_grammar
 from shared.kvcache.events import KvEventSink
 from shared.model.compile_artifacts import ArtifactStore
 from shared.model.llama import LlamaModel
+from shared.model.moe import expert_load
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.step_stats.snapshot(self.scheduler, self.config.max_num_seqs,
-                                        self.tiers.stats() if self.tiers is not None else {}, self.decode_step())
+                                        self.tiers.stats() if self.tiers is not None else {}, self.decode_step(),
+                                        expert_load(self.model.layers))
 
     def decode_step(self) -> str:
         """How decode-only steps run now: eager, compiling (eager while the background compile runs)

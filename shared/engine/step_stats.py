@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.model.moe import ExpertLoad
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class EngineStats:
     num_draft_tokens: int = 0  # speculative decoding: draft tokens computed
     num_accepted_tokens: int = 0  # of those, accepted
     decode_step: str = "eager"  # eager, compiling (background compile under way) or compiled
+    expert_tokens: tuple[int, ...] = ()  # a mixture of experts: (token, expert) pairs per expert so far
+    expert_imbalance: float | None = None  # the worst layer's busiest expert / its mean (1.0: even)
 
 
 StepObserver = Callable[[int, int, float], None]  # sequences, tokens, seconds of one step
@@ -146,7 +149,7 @@ class StepStats:
         self.num_generated_tokens += num_tokens
 
     def snapshot(self, scheduler: Scheduler, max_num_seqs: int, kv_tiers: dict[str, float],
-                 decode_step: str) -> EngineStats:
+                 decode_step: str, experts: ExpertLoad | None = None) -> EngineStats:
         pool = scheduler.kv.pool
         backlog = scheduler.backlog()
         spec = scheduler.speculator
@@ -162,4 +165,5 @@ class StepStats:
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s, prefill_cost_s=self.prefill_cost.coefficients(),
             warmup_prefill_tokens_per_s=self.warmup_prefill_tokens_per_s, kv_tiers=kv_tiers,
             num_draft_tokens=spec.stats.num_drafted if spec else 0,
-            num_accepted_tokens=spec.stats.num_accepted if spec else 0, decode_step=decode_step)
+            num_accepted_tokens=spec.stats.num_accepted if spec else 0, decode_step=decode_step,
+            expert_tokens=experts.tokens if experts else (), expert_imbalance=experts.imbalance if experts else None)

@@ -10,6 +10,7 @@ block's output is a partial sum that the layer's all-reduce completes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ class MoeBlock:
         self.gate_up = gate_up  # [E, 2 * I, hidden]: each expert's gate rows, then its up rows
         self.down = down  # [E, hidden, I]
         self.act = act
+        # (token, expert) pairs routed to each expert so far, on the host: the expert load a worker
+        # reports (``expert_load``); a CUDA graph's replays are not counted
+        self.expert_tokens = torch.zeros(router.shape[0], dtype=torch.int64)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts [T, k] (int64) and their weights [T, k] (float32, or x's dtype
@@ -52,7 +56,9 @@ class MoeBlock:
         order = experts.flatten().argsort(stable=True)  # [T * k]: the pairs, expert by expert
         tokens = order // self.top_k
         pair_weights = weights.flatten()[order]
-        counts = torch.bincount(experts.flatten(), minlength=self.gate_up.shape[0]).tolist()
+        counted = torch.bincount(experts.flatten(), minlength=self.gate_up.shape[0]).cpu()
+        self.expert_tokens += counted
+        counts = counted.tolist()
         out = torch.zeros_like(x, dtype=torch.float32)
         start = 0
         for expert, count in enumerate(counts):
@@ -75,3 +81,24 @@ class MoeBlock:
             gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
             out += F.linear(self.act(gate) * up, self.down[expert]) * dense[:, expert, None]
         return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """How the routed tokens spread over the experts of the layers one process holds."""
+
+    tokens: tuple[int, ...]  # (token, expert) pairs each expert took, summed over the layers
+    imbalance: float  # the worst layer's busiest expert against that layer's mean (1.0: even)
+
+
+def expert_load(layers) -> ExpertLoad | None:
+    """The expert load of ``layers`` (a model's), None without experts or before any token."""
+    counts = [layer.moe.expert_tokens for layer in layers if getattr(layer, "moe", None) is not None]
+    if not counts:
+        return None
+    per_layer = torch.stack(counts).double()  # [layers, E]
+    means = per_layer.mean(dim=1)
+    if not bool((means > 0).any()):
+        return None
+    imbalance = (per_layer.max(dim=1).values[means > 0] / means[means > 0]).max().item()
+    return ExpertLoad(tuple(int(t) for t in per_layer.sum(dim=0).tolist()), imbalance)

@@ -37,3 +37,55 @@ def test_every_expert_over_every_token_is_the_grouped_path():
     experts, weights = moe.route(x)
     assert len(experts.unique()) == 4  # every expert has tokens, and none has them all
     torch.testing.assert_close(moe.forward_every_expert(x, experts, weights), moe.forward(x), rtol=1e-5, atol=1e-5)
+
+
+def test_each_expert_counts_the_tokens_routed_to_it():
+    moe = block(True)
+    x = torch.randn(13, 8, generator=torch.Generator().manual_seed(1))
+    experts, _ = moe.route(x)
+    moe.forward(x)
+    moe.forward(x[:5])
+    want = torch.bincount(experts.flatten(), minlength=4) + torch.bincount(experts[:5].flatten(), minlength=4)
+    assert moe.expert_tokens.tolist() == want.tolist() and int(moe.expert_tokens.sum()) == 2 * (13 + 5)
+
+
+def test_the_expert_load_sums_layers_and_names_the_worst_ones_imbalance():
+    from types import SimpleNamespace
+
+    from shared.model.moe import expert_load
+
+    even, skewed = block(True), block(True)
+    even.expert_tokens = torch.tensor([5, 5, 5, 5])
+    skewed.expert_tokens = torch.tensor([14, 2, 2, 2])  # mean 5, busiest 14
+    layers = [SimpleNamespace(moe=even), SimpleNamespace(moe=None), SimpleNamespace(moe=skewed)]
+    load = expert_load(layers)
+    assert load.tokens == (19, 7, 7, 7) and load.imbalance == pytest.approx(14 / 5)
+    assert expert_load([SimpleNamespace(moe=None)]) is None
+    assert expert_load([SimpleNamespace(moe=block(True))]) is None  # nothing routed yet
+
+
+def test_a_worker_reports_its_experts_load(tmp_path):
+    """A Mixtral engine's stats and the worker's Prometheus families carry the load after a request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.worker.metrics import WorkerMetrics
+    from shared.engine import EngineConfig, LLMEngine, SamplingParams
+    from shared.model.loader import load_model
+    from shared.telemetry.metrics import exposition
+    from tiny_hf_models import save_tiny
+
+    save_tiny("mixtral", tmp_path)
+    engine = LLMEngine(load_model(tmp_path, "hf", torch.device("cpu"), torch.float32),
+                       EngineConfig(kv_cache_memory=4 << 20, block_size=8))
+    engine.generate([[(7 * i + 3) % 256 for i in range(20)]], SamplingParams(max_tokens=4, temperature=0.0))
+    stats = engine.stats()
+    num_moe_layers = sum(layer.moe is not None for layer in engine.model.layers)
+    # every token of the prompt and of three decode steps, top 2 of 4 experts, in each layer
+    assert sum(stats.expert_tokens) == num_moe_layers * 2 * (20 + 3) and len(stats.expert_tokens) == 4
+    assert stats.expert_imbalance >= 1.0
+    metrics = WorkerMetrics()
+    metrics.bind(lambda: stats, lambda: None, lambda: 0)
+    text = exposition(metrics.registry)[0].decode()
+    samples = {s.labels.get("expert"): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "tandem_worker_expert_tokens_total"}
+    assert samples == {str(e): t for e, t in enumerate(stats.expert_tokens)}

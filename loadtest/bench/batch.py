@@ -171,6 +171,32 @@ def tagged(specs, tag: str):
     return [dataclasses.replace(s, prompt=f"{tag} {s.prompt}") for s in specs]
 
 
+async def online_while_polling(base_url: str, args, specs, progress: Progress) -> list[RequestResult]:
+    """The online schedule, with the batch's progress polled every second while it runs."""
+    stop = asyncio.Event()
+
+    async def poll_meanwhile():
+        while not stop.is_set():
+            await asyncio.to_thread(progress.poll)
+            await asyncio.sleep(1.0)
+
+    poller = asyncio.create_task(poll_meanwhile())
+    try:
+        return await run_openai(base_url, args.model, specs, progress=not args.no_progress)
+    finally:
+        stop.set()
+        await poller
+
+
+def cancel(client, progress: Progress):
+    """Cancel the round's batch and wait until it stops: the batch as it ended and the seconds that took."""
+    cancel_t = time.perf_counter()
+    if progress.batch.status in ("validating", "in_progress"):  # a small batch may have ended already
+        client.batches.cancel(progress.batch_id)
+    final = progress.until(lambda b: b.status in ("cancelled", "completed", "failed"), 0.5, 120)
+    return final, time.perf_counter() - cancel_t
+
+
 def run_round(client, args, base_url: str, specs, online, index: int) -> Round:
     span = specs[-1].at_s
     alone_specs, beside_specs = tagged(specs, f"Alone {index}:"), tagged(specs, f"Beside {index}:")
@@ -191,31 +217,13 @@ def run_round(client, args, base_url: str, specs, online, index: int) -> Round:
     progress.until(lambda b: (b.request_counts and b.request_counts.completed >= 2 * args.batch_in_flight)
                    or b.status not in ("validating", "in_progress"), 0.5, 600)
     start_done, window_start = progress.poll(), progress.points[-1][0]
-    stop = asyncio.Event()
-
-    async def poll_meanwhile():
-        while not stop.is_set():
-            await asyncio.to_thread(progress.poll)
-            await asyncio.sleep(1.0)
-
-    async def online_with_polling():
-        poller = asyncio.create_task(poll_meanwhile())
-        try:
-            return await run_openai(base_url, args.model, beside_specs, progress=not args.no_progress)
-        finally:
-            stop.set()
-            await poller
-
-    results_beside = timed("beside", lambda: asyncio.run(online_with_polling()))
+    results_beside = timed("beside", lambda: asyncio.run(online_while_polling(base_url, args, beside_specs,
+                                                                              progress)))
     # the window is the online arrival span: the batch's lines completed in it, from the polls
     in_window = [(t, c) for t, c, _ in progress.points if window_start <= t <= window_start + span]
     (ta, ca), (tb, cb) = in_window[0], in_window[-1]
     end_done, window_end = progress.poll(), progress.points[-1][0]
-    cancel_t = time.perf_counter()
-    if progress.batch.status in ("validating", "in_progress"):  # a small batch may have ended already
-        client.batches.cancel(progress.batch_id)
-    final = progress.until(lambda b: b.status in ("cancelled", "completed", "failed"), 0.5, 120)
-    cancel_s = time.perf_counter() - cancel_t
+    final, cancel_s = cancel(client, progress)
     if results_alone is None:
         results_alone = timed("alone", lambda: online(alone_specs))
     a, b = online_summary(results_alone, span), online_summary(results_beside, span)
@@ -301,7 +309,7 @@ def plot(path: Path, alone: Progress | None, rounds: list[Round], online: dict[s
             ax.legend()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--lines", type=int, default=2000, help="lines of each batch")
@@ -334,78 +342,116 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.online_rate is not None and args.online_rate <= 0:
         p.error(f"--online-rate must be positive, not {args.online_rate:g}")
-    if args.step_trace:
-        args.step_trace.unlink(missing_ok=True)
+    return args
+
+
+@dataclasses.dataclass
+class Measured:
+    """What one run measured: the capacity bursts, the batch alone (unless skipped) and every round."""
+
+    report: dict = dataclasses.field(default_factory=dict)
+    rates: list[float] = dataclasses.field(default_factory=list)  # each capacity burst's completed requests/s
+    burst_steal: list[float | None] = dataclasses.field(default_factory=list)  # CPU steal share in each burst
+    alone: Progress | None = None
+    rounds: list[Round] = dataclasses.field(default_factory=list)
+
+    @property
+    def capacity(self) -> float:
+        return statistics.median(self.rates)
+
+
+def burst(online, args, cfg: WorkloadConfig, k: int, m: Measured) -> float:
+    """One saturating burst of ``--capacity-requests`` online requests: its completed requests/s."""
+    specs = build_workload(dataclasses.replace(cfg, num_requests=args.capacity_requests, rate=1000.0,
+                                               seed=args.seed + 7 + k))
+    cpu0 = cpu_times()
+    rate = rate_of(online(specs))
+    m.burst_steal.append(steal_share(cpu0, cpu_times()))
+    return rate
+
+
+def measure(client, base_url: str, args, cfg: WorkloadConfig, m: Measured) -> None:
+    """Steps 1 to 4 on a ready stack, into ``m``."""
+    def online(specs):
+        return asyncio.run(run_openai(base_url, args.model, specs, progress=not args.no_progress))
+
+    m.rates.extend(burst(online, args, cfg, k, m) for k in range(args.capacity_bursts))
+    print(f"capacity: {m.capacity:.2f} req/s (bursts: {', '.join(f'{r:.2f}' for r in m.rates)})")
+    if not args.skip_batch_alone:
+        m.alone = batch_alone(client, args, m.capacity, m.report)
+
+    # one online rate for every round (from the first bursts), so that the rounds' results pool
+    rate = args.online_rate if args.online_rate is not None else args.online_load * m.capacity
+    m.report["online_rate_rps"] = rate
+    print(f"online load: {rate:.2f} req/s" + ("" if args.online_rate is not None
+                                              else f" ({args.online_load:g} x capacity)"))
+    for r in range(args.rounds):
+        if r > 0:  # capacity sampled across the run, as the machine's speed drifts with it
+            m.rates.append(burst(online, args, cfg, args.capacity_bursts + r - 1, m))
+        specs = build_workload(dataclasses.replace(
+            cfg, num_requests=max(8, round(rate * args.online_duration_s)), rate=rate, seed=args.seed + 1 + r))
+        m.rounds.append(run_round(client, args, base_url, specs, online, r))
+    m.report.update(pooled(m.rounds, m.capacity, m.report["batch_alone"]["rate_rps"] if m.alone else None))
+    print_summary(m.report, m.rounds)
+
+
+def run(args) -> Measured:
+    """Start the stack, wait for its compiled steps, measure, stop it."""
     import openai  # noqa: PLC0415
 
     cfg = WorkloadConfig(prompt_words=args.prompt_words, output_tokens=args.output_tokens, spread=0.3, seed=args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {}
-    rounds: list[Round] = []
+    m = Measured()
     with tempfile.TemporaryDirectory() as tmp, open(args.out / "batch_stack.log", "w") as log:
         stack = start_stack(Path(tmp), args, log)
         try:
             stack.wait_ready(timeout_s=300)
             # every phase on the step the worker settles on: a background compile (eager steps meanwhile,
             # and a compiler on the same cores) would otherwise end in the middle of one phase
-            report["decode_steps"] = wait_for_compiled_steps(stack.base_url, time.monotonic() + args.compile_timeout_s)
+            m.report["decode_steps"] = wait_for_compiled_steps(stack.base_url,
+                                                               time.monotonic() + args.compile_timeout_s)
             client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=2, timeout=120)
-
-            def online(specs):
-                return asyncio.run(run_openai(stack.base_url, args.model, specs, progress=not args.no_progress))
-
-            burst_steal: list[float | None] = []
-
-            def burst(k: int) -> float:
-                specs = build_workload(dataclasses.replace(cfg, num_requests=args.capacity_requests, rate=1000.0,
-                                                           seed=args.seed + 7 + k))
-                cpu0 = cpu_times()
-                rate = rate_of(online(specs))
-                burst_steal.append(steal_share(cpu0, cpu_times()))
-                return rate
-
-            rates = [burst(k) for k in range(args.capacity_bursts)]
-            print(f"capacity: {statistics.median(rates):.2f} req/s (bursts: {', '.join(f'{r:.2f}' for r in rates)})")
-
-            alone = None
-            if not args.skip_batch_alone:
-                alone = batch_alone(client, args, statistics.median(rates), report)
-
-            # one online rate for every round (from the first bursts), so that the rounds' results pool
-            rate = args.online_rate if args.online_rate is not None else args.online_load * statistics.median(rates)
-            report["online_rate_rps"] = rate
-            print(f"online load: {rate:.2f} req/s" + ("" if args.online_rate is not None
-                                                      else f" ({args.online_load:g} x capacity)"))
-            for r in range(args.rounds):
-                if r > 0:  # capacity sampled across the run, as the machine's speed drifts with it
-                    rates.append(burst(args.capacity_bursts + r - 1))
-                specs = build_workload(dataclasses.replace(
-                    cfg, num_requests=max(8, round(rate * args.online_duration_s)), rate=rate, seed=args.seed + 1 + r))
-                rounds.append(run_round(client, args, stack.base_url, specs, online, r))
-            capacity = statistics.median(rates)
-            report.update(pooled(rounds, capacity, report["batch_alone"]["rate_rps"] if alone else None))
-            print_summary(report, rounds)
+            measure(client, stack.base_url, args, cfg, m)
         finally:
             stack.stop()
-    if args.step_trace:
-        steps = step_trace.read(args.step_trace)
-        report["steps"] = {name: step_trace.summarize(steps, [rd.summary["windows_monotonic"][name] for rd in rounds])
-                           for name in ("alone", "beside")}
-        for name, summary in report["steps"].items():
-            print(f"engine steps, online {name}: {step_trace.format_summary(summary)}")
+    return m
+
+
+def summarize_steps(step_trace_path: Path, m: Measured) -> None:
+    """The worker's step trace summed up per phase, into the report."""
+    steps = step_trace.read(step_trace_path)
+    m.report["steps"] = {name: step_trace.summarize(steps, [rd.summary["windows_monotonic"][name] for rd in m.rounds])
+                         for name in ("alone", "beside")}
+    for name, summary in m.report["steps"].items():
+        print(f"engine steps, online {name}: {step_trace.format_summary(summary)}")
+
+
+def write_results(args, m: Measured) -> None:
+    rounds = m.rounds
     config = {**vars(args), "out": str(args.out), "step_trace": str(args.step_trace) if args.step_trace else None}
-    payload = {"config": config, "capacity_rps": capacity, "capacity_bursts_rps": rates,
-               "capacity_bursts_cpu_steal_share": burst_steal,
-               "cpu_count": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0], **report,
+    payload = {"config": config, "capacity_rps": m.capacity, "capacity_bursts_rps": m.rates,
+               "capacity_bursts_cpu_steal_share": m.burst_steal,
+               "cpu_count": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0], **m.report,
                "rounds": [rd.summary for rd in rounds],
-               "progress": {"alone": alone.points if alone else None, "beside": [rd.progress.points for rd in rounds]},
+               "progress": {"alone": m.alone.points if m.alone else None,
+                            "beside": [rd.progress.points for rd in rounds]},
                "online_requests": {"alone": [x.to_json() for rd in rounds for x in rd.alone],
                                    "beside": [x.to_json() for rd in rounds for x in rd.beside]}}
     (args.out / "batch.json").write_text(json.dumps(payload, indent=2))
-    plot(args.out / "batch.png", alone, rounds,
+    plot(args.out / "batch.png", m.alone, rounds,
          {"online alone": [x for rd in rounds for x in rd.alone],
           "online beside batch": [x for rd in rounds for x in rd.beside]})
     print("wrote", args.out / "batch.json", args.out / "batch.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.step_trace:
+        args.step_trace.unlink(missing_ok=True)
+    m = run(args)
+    if args.step_trace:
+        summarize_steps(args.step_trace, m)
+    write_results(args, m)
     return 0
 
 

@@ -136,25 +136,20 @@ def plot(result: dict, path: Path) -> None:
         fig.suptitle(f"{result['model']} on {result['device']} ({result['host']}, {result['threads']} threads)")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
-    from shared.engine import EngineConfig, LLMEngine, warmup
-    from shared.model.loader import load_model
-    from shared.model.quant import EVAL_PASSAGE, compare_models
-    from shared.model.registry import resolve_model
-    from shared.telemetry.logs import configure_logging
-
-    configure_logging("bench")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    source = resolve_model(args.model)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+def _variants(args) -> list[str]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}: choose from {', '.join(VARIANTS)}")
+    return variants
+
+
+def load_sides(args, source, variants: list[str], batches: list[int]) -> tuple[dict, dict]:
+    """The tandem engine in each variant (warmed up) and the transformers baselines, by name."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.engine import EngineConfig, LLMEngine, warmup
+
     engines = {}
     for v in variants:
         engines[f"tandem {v}"] = LLMEngine.from_config(
@@ -165,8 +160,24 @@ def main(argv=None) -> int:
     if args.transformers_bf16:
         baselines["transformers bf16"] = AutoModelForCausalLM.from_pretrained(
             source.path.parent, gguf_file=source.path.name, dtype=torch.bfloat16).eval()
-    first = engines[f"tandem {variants[0]}"]
-    vocab = first.model.cfg.vocab_size
+    return engines, baselines
+
+
+def throughput_row(b: int, runs: dict[str, list[float]]) -> dict:
+    """One concurrency's best runs, and their ratios against transformers fp32 and the same precision."""
+    best = {name: max(r) for name, r in runs.items()}
+    base = best["transformers fp32"]
+    ratio = {name: v / base for name, v in best.items()}
+    # the same precision on both sides: fp32 vs fp32, bf16 vs bf16 (int8 has no transformers twin)
+    same = {f"tandem {d}": best[f"tandem {d}"] / best[f"transformers {d}"] for d in ("fp32", "bf16")
+            if f"tandem {d}" in best and f"transformers {d}" in best}
+    print(f"concurrency {b:3d}: " + "   ".join(f"{n} {best[n]:7.1f} tok/s ({ratio[n]:.2f}x)" for n in best),
+          flush=True)
+    print("    same precision as transformers: " + ", ".join(f"{n} {r:.2f}x" for n, r in same.items()), flush=True)
+    return {"concurrency": b, "tok_s": best, "ratio": ratio, "ratio_same_dtype": same, "runs": runs}
+
+
+def bench_throughput(engines: dict, baselines: dict, batches: list[int], args, vocab: int) -> list[dict]:
     for hf in baselines.values():
         bench_transformers(hf, 1, argparse.Namespace(prompt_len=16, output_len=4), vocab)  # warm-up
     rows = []
@@ -175,16 +186,15 @@ def main(argv=None) -> int:
         runs = take_turns({**{name: lambda _, e=engine: bench_tandem(e, b, args) for name, engine in engines.items()},
                            **{name: lambda _, hf=hf: bench_transformers(hf, b, args, vocab)
                               for name, hf in baselines.items()}}, args.repeats)
-        best = {name: max(r) for name, r in runs.items()}
-        base = best["transformers fp32"]
-        ratio = {name: v / base for name, v in best.items()}
-        # the same precision on both sides: fp32 vs fp32, bf16 vs bf16 (int8 has no transformers twin)
-        same = {f"tandem {d}": best[f"tandem {d}"] / best[f"transformers {d}"] for d in ("fp32", "bf16")
-                if f"tandem {d}" in best and f"transformers {d}" in best}
-        rows.append({"concurrency": b, "tok_s": best, "ratio": ratio, "ratio_same_dtype": same, "runs": runs})
-        print(f"concurrency {b:3d}: " + "   ".join(f"{n} {best[n]:7.1f} tok/s ({ratio[n]:.2f}x)" for n in best),
-              flush=True)
-        print("    same precision as transformers: " + ", ".join(f"{n} {r:.2f}x" for n, r in same.items()), flush=True)
+        rows.append(throughput_row(b, runs))
+    return rows
+
+
+def measure_quality(engines: dict, variants: list[str], source, tokenizer) -> dict:
+    """Each quantized variant against float32 on a fixed passage: top-1 agreement, KL, perplexities."""
+    from shared.model.loader import load_model
+    from shared.model.quant import EVAL_PASSAGE, compare_models
+
     fp32_ref = engines["tandem fp32"].model if "tandem fp32" in engines else None
     qualities = {}
     for v in variants:
@@ -193,24 +203,44 @@ def main(argv=None) -> int:
         if fp32_ref is None:
             fp32_ref = load_model(source.path, source.format, torch.device("cpu"), torch.float32)
         q = qualities[f"tandem {v}"] = compare_models(fp32_ref, engines[f"tandem {v}"].model,
-                                                    first.tokenizer.encode(EVAL_PASSAGE))
+                                                    tokenizer.encode(EVAL_PASSAGE))
         print(f"tandem {v} vs float32 on a {q['tokens']}-token passage: top-1 agreement {q['top1_agreement']:.1%}, "
               f"KL {q['kl']:.4f}, perplexity {q['perplexity_reference']:.2f} -> {q['perplexity']:.2f}", flush=True)
-    ttft = bench_ttft(first, args)
-    print(f"TTFT {ttft['prompt_len']} tokens (tandem {variants[0]}): cold {ttft['cold_p50_s'] * 1000:.0f} ms, "
-          f"{args.ttft_cached_fraction:.0%} cached {ttft['warm_p50_s'] * 1000:.0f} ms "
-          f"({ttft['warm_over_cold']:.1%} of cold)", flush=True)
-    result = {
-        "model": source.name, "device": str(first.device), "host": platform.node() or "local",
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "throughput": rows, "quality_vs_fp32": qualities, "ttft": ttft,
-    }
-    out = Path(args.out)
+    return qualities
+
+
+def write_result(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "engine.png")
     print(f"wrote {out / 'engine.json'} and {out / 'engine.png'}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from shared.model.registry import resolve_model
+    from shared.telemetry.logs import configure_logging
+
+    configure_logging("bench")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = resolve_model(args.model)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    variants = _variants(args)
+    engines, baselines = load_sides(args, source, variants, batches)
+    first = engines[f"tandem {variants[0]}"]
+    rows = bench_throughput(engines, baselines, batches, args, first.model.cfg.vocab_size)
+    qualities = measure_quality(engines, variants, source, first.tokenizer)
+    ttft = bench_ttft(first, args)
+    print(f"TTFT {ttft['prompt_len']} tokens (tandem {variants[0]}): cold {ttft['cold_p50_s'] * 1000:.0f} ms, "
+          f"{args.ttft_cached_fraction:.0%} cached {ttft['warm_p50_s'] * 1000:.0f} ms "
+          f"({ttft['warm_over_cold']:.1%} of cold)", flush=True)
+    write_result({
+        "model": source.name, "device": str(first.device), "host": platform.node() or "local",
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "throughput": rows, "quality_vs_fp32": qualities, "ttft": ttft,
+    }, Path(args.out))
     return 0
 
 

@@ -246,7 +246,7 @@ def make_flex():
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--contexts", default="1024,8192,32768")
@@ -255,7 +255,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--out", type=Path,
                         help="JSON path (default: loadtest/results/bench_kernels_<device>.json)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _add_decode_ratios(row: dict, peak: float | None) -> None:
+    """Shares of peak HBM bandwidth and speed ratios against SDPA / Flex, where they were measured."""
+    row["hbm_fraction"] = row["triton_gbps"] * 1e9 / peak if peak else None
+    row["graph_hbm_fraction"] = row["triton_graph_gbps"] * 1e9 / peak if peak else None
+    sdpa_graph_ms = row.get("sdpa_graph_ms")
+    row["graph_speedup_vs_sdpa"] = sdpa_graph_ms / row["triton_graph_ms"] if sdpa_graph_ms else None
+    for other in ("sdpa", "flex"):
+        other_ms = row.get(f"{other}_ms")
+        row[f"speedup_vs_{other}"] = other_ms / row["triton_ms"] if other_ms else None
+
+
+def run_decode(args, dtype: torch.dtype, flex, peak: float | None, result: dict, save) -> None:
+    print("decode attention: per call as launched from Python, then replayed from a CUDA graph (GPU time alone)")
+    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'triton ms':>10} {'GB/s':>8} {'%HBM':>6} "
+          f"{'x SDPA':>7} {'x Flex':>7} {'graph ms':>9} {'%HBM':>6} {'x SDPA':>7} {'max err':>8}", flush=True)
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            row = bench_decode_shape(batch, context, args.block_size, dtype, flex)
+            _add_decode_ratios(row, peak)
+            result["decode_attention"].append(row)
+            print(_decode_line(row, peak), flush=True)
+            save()
+
+
+def run_prefill(args, dtype: torch.dtype, result: dict, save) -> None:
+    print(f"{'batch':>6} {'prompt':>8} {'triton ms':>10} {'TFLOP/s':>8} {'x SDPA':>7} {'max err':>8}")
+    for batch, prompt_len in ((1, 4096), (4, 2048), (16, 512)):
+        row = bench_prefill_shape(batch, prompt_len, args.block_size, dtype)
+        result["prefill_attention"].append(row)
+        speedup, err = row.get("speedup_vs_sdpa"), row.get("max_abs_err_vs_sdpa")
+        print(f"{batch:>6} {prompt_len:>8} {row['triton_ms']:>10.4f} {row['triton_tflops']:>8.1f} "
+              f"{'-' if speedup is None else format(speedup, '.2f'):>7} {'-' if err is None else format(err, '.1e'):>8}",
+              flush=True)
+        save()
+
+
+def run_kv_movement(args, dtype: torch.dtype, peak: float | None, result: dict) -> None:
+    result["kv_movement"] = bench_kv_movement(args.block_size, dtype)
+    for row in result["kv_movement"]:
+        frac = f" = {row['gbps'] * 1e9 / peak:.0%} of HBM" if peak else ""
+        print(f"{row['kernel']:>20} {row['ms']:>9.4f} ms {row['gbps']:>8.0f} GB/s{frac}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device here, so nothing was measured. The kernels' correctness "
               "is tested on the CPU (pytest tests/kernels, under TRITON_INTERPRET=1); run this "
@@ -274,39 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         "decode_attention": [], "prefill_attention": [], "kv_movement": [],
     }
 
-    def save():
+    def save():  # after every shape: a run cut short keeps what it measured
         out.write_text(json.dumps(result, indent=2))
 
     print(f"device: {device_name}  peak HBM: {peak / 1e9 if peak else 'unknown'} GB/s")
-    print("decode attention: per call as launched from Python, then replayed from a CUDA graph (GPU time alone)")
-    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'triton ms':>10} {'GB/s':>8} {'%HBM':>6} "
-          f"{'x SDPA':>7} {'x Flex':>7} {'graph ms':>9} {'%HBM':>6} {'x SDPA':>7} {'max err':>8}", flush=True)
-    for batch in map(int, args.batches.split(",")):
-        for context in map(int, args.contexts.split(",")):
-            row = bench_decode_shape(batch, context, args.block_size, dtype, flex)
-            row["hbm_fraction"] = row["triton_gbps"] * 1e9 / peak if peak else None
-            row["graph_hbm_fraction"] = row["triton_graph_gbps"] * 1e9 / peak if peak else None
-            sdpa_graph_ms = row.get("sdpa_graph_ms")
-            row["graph_speedup_vs_sdpa"] = sdpa_graph_ms / row["triton_graph_ms"] if sdpa_graph_ms else None
-            for other in ("sdpa", "flex"):
-                other_ms = row.get(f"{other}_ms")
-                row[f"speedup_vs_{other}"] = other_ms / row["triton_ms"] if other_ms else None
-            result["decode_attention"].append(row)
-            print(_decode_line(row, peak), flush=True)
-            save()
-    print(f"{'batch':>6} {'prompt':>8} {'triton ms':>10} {'TFLOP/s':>8} {'x SDPA':>7} {'max err':>8}")
-    for batch, prompt_len in ((1, 4096), (4, 2048), (16, 512)):
-        row = bench_prefill_shape(batch, prompt_len, args.block_size, dtype)
-        result["prefill_attention"].append(row)
-        speedup, err = row.get("speedup_vs_sdpa"), row.get("max_abs_err_vs_sdpa")
-        print(f"{batch:>6} {prompt_len:>8} {row['triton_ms']:>10.4f} {row['triton_tflops']:>8.1f} "
-              f"{'-' if speedup is None else format(speedup, '.2f'):>7} {'-' if err is None else format(err, '.1e'):>8}",
-              flush=True)
-        save()
-    result["kv_movement"] = bench_kv_movement(args.block_size, dtype)
-    for row in result["kv_movement"]:
-        frac = f" = {row['gbps'] * 1e9 / peak:.0%} of HBM" if peak else ""
-        print(f"{row['kernel']:>20} {row['ms']:>9.4f} ms {row['gbps']:>8.0f} GB/s{frac}")
+    run_decode(args, dtype, flex, peak, result, save)
+    run_prefill(args, dtype, result, save)
+    run_kv_movement(args, dtype, peak, result)
     save()
     plot(result, out.with_suffix(".png"))
     print(f"saved {out} and {out.with_suffix('.png')}")

@@ -112,24 +112,23 @@ def run_config(label: str, engine, convs, args) -> dict:
             "outputs": outputs, "histories": history}
 
 
-def main(argv=None) -> int:
-    import torch
-    from tqdm import tqdm
-
+def load_base(args):
+    """Loads the model once (precision chosen and logged as a worker does); the engines of the run share it."""
     from shared.engine import EngineConfig, LLMEngine
 
-    args = parse_args(argv)
-    # loads the model once (precision chosen and logged as a worker does); the engines below share it
     base = LLMEngine.from_config(EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
                                               quantization=args.quantization, num_threads=args.num_threads,
                                               kv_cache_memory=64 << 20))
-    precision = f"{base.config.dtype}+{base.config.quantization}"
-    print(f"precision {precision}")
-    convs = conversation_tokens(args, base.model.cfg.vocab_size)
-    working_blocks = sum(args.turns * (args.user_tokens + args.output_tokens) for _ in convs) // 16
-    host_bytes = int(args.host_pool_multiple * args.pool_blocks) * base.kv_spec.bytes_per_block
+    print(f"precision {base.config.dtype}+{base.config.quantization}")
+    return base
+
+
+def run_configs(base, args, convs, disk_dir: Path, host_bytes: int) -> dict[str, dict]:
+    """The conversations with tiers off, a host tier, and host + disk tiers, by label."""
+    import torch
+    from tqdm import tqdm
+
     results: dict[str, dict] = {}
-    disk_dir = Path(tempfile.mkdtemp(prefix="tandem-kv-bench-"))
     configs = [("off", {}), ("host", {}), ("host+disk", {"kv_disk_dir": str(disk_dir), "kv_disk_min_uses": 1})]
     for label, tier_kw in tqdm(configs, desc="configurations", unit="config"):
         host = {} if label == "off" else {"kv_host_memory": host_bytes}
@@ -146,9 +145,15 @@ def main(argv=None) -> int:
         same = results[label]["outputs"] == results["off"]["outputs"]
         results[label]["same_outputs_as_off"] = same
         print(f"{label}: outputs {'identical to' if same else 'DIFFER from'} off")
+    return results
 
-    # restart: a fresh engine on host+disk's directory replays each conversation's last turn
-    last_prompts = [h[:len(h) - args.output_tokens] for h in results["host+disk"]["histories"]]
+
+def run_restart(base, args, histories: list[list[int]], disk_dir: Path) -> dict[str, dict]:
+    """Restart: a fresh engine on host+disk's directory replays each conversation's last turn, against a
+    cold engine with no tiers."""
+    import torch
+
+    last_prompts = [h[:len(h) - args.output_tokens] for h in histories]
     restart = {}
     for label, tier_kw in (("cold", {}), ("restart on disk", {"kv_disk_dir": str(disk_dir), "kv_disk_min_uses": 1})):
         engine = make_engine(base, args, **tier_kw)
@@ -160,10 +165,30 @@ def main(argv=None) -> int:
                           "prompt_tokens_cached": sum(c for _, _, c in runs)}
         print(f"{label:>16}: last-turn TTFT p50 {restart[label]['ttft_p50_s'] * 1000:.1f} ms, "
               f"{restart[label]['prompt_tokens_cached']} prompt tokens cached")
+    return restart
 
+
+def speedups(results: dict, restart: dict) -> dict[str, float]:
+    """TTFT p50 against tiers off, and of the restart on disk against a cold engine."""
     ratios = {label: results["off"]["ttft_p50_s"] / results[label]["ttft_p50_s"] for label in ("host", "host+disk")}
     ratios["restart"] = restart["cold"]["ttft_p50_s"] / restart["restart on disk"]["ttft_p50_s"]
     print("TTFT p50 speed-up vs off: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return ratios
+
+
+def main(argv=None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    base = load_base(args)
+    precision = f"{base.config.dtype}+{base.config.quantization}"
+    convs = conversation_tokens(args, base.model.cfg.vocab_size)
+    working_blocks = sum(args.turns * (args.user_tokens + args.output_tokens) for _ in convs) // 16
+    host_bytes = int(args.host_pool_multiple * args.pool_blocks) * base.kv_spec.bytes_per_block
+    disk_dir = Path(tempfile.mkdtemp(prefix="tandem-kv-bench-"))
+    results = run_configs(base, args, convs, disk_dir, host_bytes)
+    restart = run_restart(base, args, results["host+disk"]["histories"], disk_dir)
+    ratios = speedups(results, restart)
     print(f"working set {working_blocks} blocks = {working_blocks / args.pool_blocks:.1f}x the pool of "
           f"{args.pool_blocks} blocks; host tier {int(args.host_pool_multiple * args.pool_blocks)} blocks")
 

@@ -26,6 +26,7 @@ loadtest/results/kv_transfer/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -180,15 +181,26 @@ def _interleaved_ms(runs: dict, reps: int) -> dict[str, list[float]]:
     return times
 
 
-def bench_shape(shape: str, error_mode: str, tokens_list: list[int], reps: int, target: Target) -> list[dict]:
+@dataclasses.dataclass
+class Link:
+    """Process A's side of one shape's connection to B: its KV pool, the collated path and the page path."""
+
+    spec: KvCacheSpec
+    pool: torch.Tensor  # [pool_blocks, ...] as the spec lays a block out
+    pool_blocks: int
+    transfer: object  # NixlTransfer
+    peer: object
+    pages: PageWriter
+
+
+def _connect(shape: str, error_mode: str, pool_blocks: int, target: Target) -> Link:
+    """A pool of ``pool_blocks`` in A and in B, both transfer paths connected and warmed up."""
     from nixl_cu12 import _api as api
 
     from shared.transfer import AgentMetadata
     from shared.transfer.nixl import NixlTransfer
 
     spec = SHAPES[shape]
-    max_blocks = -(-max(tokens_list) // spec.block_size)
-    pool_blocks = max_blocks + RUN_BLOCKS
     pool = spec.allocate(pool_blocks, "cpu")
     pool.normal_()
     suffix = f"{shape}-{error_mode}-{os.getpid()}"
@@ -208,53 +220,67 @@ def bench_shape(shape: str, error_mode: str, tokens_list: list[int], reps: int, 
         pass
     pages_warm.release()
     assert target.conn.poll(60.0) and target.conn.recv()[0] == 2, "B did not get the warm-up notifications"
+    return Link(spec, pool, pool_blocks, transfer, peer, pages)
 
+
+def _bench_tokens(link: Link, num_tokens: int, reps: int, target: Target) -> dict:
+    """One prompt length in every mode: times, descriptor counts, and B's bytes and notifications checked."""
+    num_blocks = -(-num_tokens // link.spec.block_size)
+    local_ids = list(range(num_blocks))
+    nbytes = num_blocks * link.spec.bytes_per_block
+    dest = {"collated": list(range(RUN_BLOCKS, RUN_BLOCKS + num_blocks)),
+            "collated_runs8": _scattered_runs(num_blocks, link.pool_blocks, seed=num_tokens),
+            "pages": _scattered_runs(num_blocks, link.pool_blocks, seed=num_tokens + 1)}
+    descriptors: dict[str, int] = {}
+
+    def collated(mode: str):
+        def run():
+            handle = link.transfer.write_blocks(link.peer, local_ids, dest[mode], mode.encode())
+            while not link.transfer.poll(handle):
+                pass
+            descriptors[mode] = handle.backend_descriptors
+        return run
+
+    def paged():
+        descriptors["pages"] = link.pages.write(local_ids, dest["pages"])
+
+    src, dst = link.pool[:num_blocks], torch.empty_like(link.pool[:num_blocks])
+    runs = {"pages": paged, "collated_runs8": collated("collated_runs8"), "collated": collated("collated"),
+            "memcpy": lambda: dst.copy_(src)}
+    received_before = target.call("collect", 0, 0.0)[0]
+    result = {"tokens": num_tokens, "blocks": num_blocks, "bytes": nbytes}
+    for mode, times in _interleaved_ms(runs, reps).items():
+        ms = statistics.median(times)
+        result[mode] = {"ms": ms, "gb_per_s": nbytes / ms / 1e6, "times_ms": times,
+                        "descriptors": descriptors.get(mode, 0)}
+    for mode in ("pages", "collated_runs8", "collated"):  # the modes' destinations overlap: write, then check
+        runs[mode]()
+        got, expected = target.call("checksum", dest[mode]), checksum(link.pool, local_ids)
+        assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), f"{mode}: B holds other bytes"
+    num_writes = 3 * (reps + 2)
+    received, bytes_received = target.call("collect", received_before + num_writes, 60.0)
+    result["notifications_received"] = received - received_before
+    return result
+
+
+def _add_ratios(result: dict) -> None:
+    result["speedup_collated_vs_pages"] = result["pages"]["ms"] / result["collated"]["ms"]
+    result["speedup_runs8_vs_pages"] = result["pages"]["ms"] / result["collated_runs8"]["ms"]
+    result["collated_fraction_of_memcpy"] = result["collated"]["gb_per_s"] / result["memcpy"]["gb_per_s"]
+    result["runs8_fraction_of_memcpy"] = result["collated_runs8"]["gb_per_s"] / result["memcpy"]["gb_per_s"]
+
+
+def bench_shape(shape: str, error_mode: str, tokens_list: list[int], reps: int, target: Target) -> list[dict]:
+    pool_blocks = -(-max(tokens_list) // SHAPES[shape].block_size) + RUN_BLOCKS
+    link = _connect(shape, error_mode, pool_blocks, target)
     rows = []
     for num_tokens in tokens_list:
-        num_blocks = -(-num_tokens // spec.block_size)
-        local_ids = list(range(num_blocks))
-        nbytes = num_blocks * spec.bytes_per_block
-        dest = {"collated": list(range(RUN_BLOCKS, RUN_BLOCKS + num_blocks)),
-                "collated_runs8": _scattered_runs(num_blocks, pool_blocks, seed=num_tokens),
-                "pages": _scattered_runs(num_blocks, pool_blocks, seed=num_tokens + 1)}
-        descriptors: dict[str, int] = {}
-
-        def collated(mode: str):
-            def run():
-                handle = transfer.write_blocks(peer, local_ids, dest[mode], mode.encode())
-                while not transfer.poll(handle):
-                    pass
-                descriptors[mode] = handle.backend_descriptors
-            return run
-
-        def paged():
-            descriptors["pages"] = pages.write(local_ids, dest["pages"])
-
-        src, dst = pool[:num_blocks], torch.empty_like(pool[:num_blocks])
-        runs = {"pages": paged, "collated_runs8": collated("collated_runs8"), "collated": collated("collated"),
-                "memcpy": lambda: dst.copy_(src)}
-        received_before = target.call("collect", 0, 0.0)[0]
-        result = {"shape": shape, "ucx_error_handling_mode": error_mode, "tokens": num_tokens,
-                  "blocks": num_blocks, "bytes": nbytes}
-        for mode, times in _interleaved_ms(runs, reps).items():
-            ms = statistics.median(times)
-            result[mode] = {"ms": ms, "gb_per_s": nbytes / ms / 1e6, "times_ms": times,
-                            "descriptors": descriptors.get(mode, 0)}
-        for mode in ("pages", "collated_runs8", "collated"):  # the modes' destinations overlap: write, then check
-            runs[mode]()
-            got, expected = target.call("checksum", dest[mode]), checksum(pool, local_ids)
-            assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), f"{mode}: B holds other bytes"
-        num_writes = 3 * (reps + 2)
-        received, bytes_received = target.call("collect", received_before + num_writes, 60.0)
-        result["notifications_received"] = received - received_before
-        result["speedup_collated_vs_pages"] = result["pages"]["ms"] / result["collated"]["ms"]
-        result["speedup_runs8_vs_pages"] = result["pages"]["ms"] / result["collated_runs8"]["ms"]
-        result["collated_fraction_of_memcpy"] = result["collated"]["gb_per_s"] / result["memcpy"]["gb_per_s"]
-        result["runs8_fraction_of_memcpy"] = result["collated_runs8"]["gb_per_s"] / result["memcpy"]["gb_per_s"]
+        result = {"shape": shape, "ucx_error_handling_mode": error_mode,
+                  **_bench_tokens(link, num_tokens, reps, target)}
+        _add_ratios(result)
         print(_line(result), flush=True)
         rows.append(result)
-        del src, dst
-    transfer.close()
+    link.transfer.close()
     return rows
 
 

@@ -134,7 +134,7 @@ def plot(path: Path, loads: list[float], report: dict) -> None:
             ax.legend()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--loads", default="0.5,1,2,3", help="offered loads, multiples of the measured capacity")
@@ -154,7 +154,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/overload"))
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _run_line(m: float, side: str, r: dict) -> str:
+    return f"{m:g}x {side:<12} goodput {r['goodput_rps']:.2f} req/s | " + " | ".join(
+        f"{t}: {r[t]['num_ok']}/{r[t]['num_sent']} ok, {r[t]['num_429']} x429, "
+        f"{r[t]['num_5xx']} x5xx, SLO {100 * (r[t]['slo_attainment'] or 0):.0f}%"
+        + (f", TTFT/predicted p50 {r[t]['ttft_over_predicted_p50']:.2f}"
+           if r[t]["ttft_over_predicted_p50"] is not None else "") for t in TIERS)
+
+
+def run_load(stacks: dict, args, cfg: WorkloadConfig, m: float, capacity: float, slo_s: dict[str, float],
+             report: dict) -> None:
+    """One offered load, ``m`` x capacity: the same schedule and tiers on each stack, one after the other."""
+    rate = m * capacity
+    specs = build_workload(dataclasses.replace(cfg, num_requests=max(8, round(rate * args.duration_s)),
+                                               rate=rate, seed=args.seed + int(m * 100)))
+    tiers = assign_tiers(specs, args.premium_share, args.seed)
+    for side, stack in stacks.items():  # same schedule, one stack after the other
+        results = asyncio.run(run_openai(stack.base_url, args.model, specs, progress=not args.no_progress,
+                                         key_of=lambda s: KEYS[tiers[s.index]]))
+        report[side][f"{m:g}x"] = tier_report(results, tiers, slo_s)
+        print(_run_line(m, side, report[side][f"{m:g}x"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     slo_ms = {"premium": args.premium_slo_ms, "batch": args.batch_slo_ms}
     slo_s = {t: v / 1000 for t, v in slo_ms.items()}
@@ -170,21 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity = measure_capacity(stacks["control off"], args, cfg)
             print(f"measured capacity: {capacity:.2f} req/s")
             for m in loads:
-                rate = m * capacity
-                specs = build_workload(dataclasses.replace(cfg, num_requests=max(8, round(rate * args.duration_s)),
-                                                           rate=rate, seed=args.seed + int(m * 100)))
-                tiers = assign_tiers(specs, args.premium_share, args.seed)
-                for side, stack in stacks.items():  # same schedule, one stack after the other
-                    results = asyncio.run(run_openai(stack.base_url, args.model, specs,
-                                                     progress=not args.no_progress,
-                                                     key_of=lambda s: KEYS[tiers[s.index]]))
-                    report[side][f"{m:g}x"] = tier_report(results, tiers, slo_s)
-                    r = report[side][f"{m:g}x"]
-                    print(f"{m:g}x {side:<12} goodput {r['goodput_rps']:.2f} req/s | " + " | ".join(
-                        f"{t}: {r[t]['num_ok']}/{r[t]['num_sent']} ok, {r[t]['num_429']} x429, "
-                        f"{r[t]['num_5xx']} x5xx, SLO {100 * (r[t]['slo_attainment'] or 0):.0f}%"
-                        + (f", TTFT/predicted p50 {r[t]['ttft_over_predicted_p50']:.2f}"
-                           if r[t]["ttft_over_predicted_p50"] is not None else "") for t in TIERS))
+                run_load(stacks, args, cfg, m, capacity, slo_s, report)
         finally:
             for stack in stacks.values():
                 stack.stop()

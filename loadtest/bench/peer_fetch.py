@@ -84,59 +84,54 @@ def fetch_times_ms(lines: list[str]) -> list[float]:
     return [float(m.group(1)) for line in lines if (m := re.search(r"fetched \d+ KV blocks from \S+ in ([\d.]+) ms", line))]
 
 
-def main(argv=None) -> int:
-    from services.stack.stack import Stack, StackSpec
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def run_trial(client: Client, args, holder: str, taker: str, rng: random.Random, trial: int) -> dict:
+    """One trial: a fresh prefix fetched from the holder, another recomputed, both TTFTs."""
     from shared.protocol import KvSource
 
-    args = parse_args(argv)
-    rng = random.Random(0)
+    row = {"trial": trial}
+    for path in ("fetch", "recompute"):
+        prefix, question = random_tokens(rng, args.prefix_tokens), random_tokens(rng, args.question_tokens)
+        asyncio.run(client.generate(holder, prefix + random_tokens(rng, args.question_tokens)))
+        source = KvSource(worker_id=holder, num_blocks=args.prefix_tokens // 16) if path == "fetch" else None
+        ttft, ids, cached = asyncio.run(client.generate(taker, prefix + question, source))
+        row[path] = {"ttft_s": ttft, "cached_tokens": cached}
+        if path == "fetch":
+            _, reference, _ = asyncio.run(client.generate(holder, prefix + question))
+            row[path]["same_text_as_holder"] = ids == reference
+    print(f"trial {trial}: fetch {row['fetch']['ttft_s'] * 1e3:.0f} ms ({row['fetch']['cached_tokens']} "
+          f"cached, same text {row['fetch']['same_text_as_holder']}), recompute "
+          f"{row['recompute']['ttft_s'] * 1e3:.0f} ms", flush=True)
+    return row
 
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(100, 40000) for _ in range(n)]
 
-    flags = {"device": "cpu", "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.prefix_tokens + 512,
-             "num_warmup_requests": 1, **({"dtype": args.dtype} if args.dtype else {})}
-    lines: list[str] = []
+def run_trials(stack, args, rng: random.Random) -> tuple[list[dict], dict, str, str]:
+    """Every trial on a ready stack: the kept rows, the workers' loads after, the holder's and taker's ids."""
+    holder, taker = stack.worker_id("decode-1"), stack.worker_id("decode-2")
+    info = next(w["info"] for w in status(stack.base_url)["workers"] if w["info"]["worker_id"] == taker)
+    client = Client(stack, args.model, info["kv_namespace_hex"], args.output_tokens)
+    asyncio.run(client.generate(taker, random_tokens(rng, 64)))  # a first prefill measures B's prefill rate
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as state:
-        stack = Stack(StackSpec(state_dir=Path(state), model=args.model, port=0, num_decode=2,
-                                namespace=f"fetch{os.getpid()}", decode_flags=flags),
-                      on_line=lambda name, line: lines.append(f"{name}| {line}"))
-        try:
-            stack.start()
-            stack.wait_ready(timeout_s=300)
-            holder, taker = stack.worker_id("decode-1"), stack.worker_id("decode-2")
-            info = next(w["info"] for w in status(stack.base_url)["workers"] if w["info"]["worker_id"] == taker)
-            client = Client(stack, args.model, info["kv_namespace_hex"], args.output_tokens)
-            num_blocks = args.prefix_tokens // 16
-            asyncio.run(client.generate(taker, tokens(64)))  # a first prefill measures B's prefill rate
-            for trial in range(args.trials + 1):  # the first trial warms both paths up and is dropped
-                row = {"trial": trial}
-                for path in ("fetch", "recompute"):
-                    prefix, question = tokens(args.prefix_tokens), tokens(args.question_tokens)
-                    asyncio.run(client.generate(holder, prefix + tokens(args.question_tokens)))
-                    source = KvSource(worker_id=holder, num_blocks=num_blocks) if path == "fetch" else None
-                    ttft, ids, cached = asyncio.run(client.generate(taker, prefix + question, source))
-                    row[path] = {"ttft_s": ttft, "cached_tokens": cached}
-                    if path == "fetch":
-                        _, reference, _ = asyncio.run(client.generate(holder, prefix + question))
-                        row[path]["same_text_as_holder"] = ids == reference
-                print(f"trial {trial}: fetch {row['fetch']['ttft_s'] * 1e3:.0f} ms ({row['fetch']['cached_tokens']} "
-                      f"cached, same text {row['fetch']['same_text_as_holder']}), recompute "
-                      f"{row['recompute']['ttft_s'] * 1e3:.0f} ms", flush=True)
-                if trial:
-                    rows.append(row)
-            loads = {w["info"]["worker_id"]: w["load"] for w in status(stack.base_url)["workers"]}
-        finally:
-            stack.stop()
+    for trial in range(args.trials + 1):  # the first trial warms both paths up and is dropped
+        row = run_trial(client, args, holder, taker, rng, trial)
+        if trial:
+            rows.append(row)
+    loads = {w["info"]["worker_id"]: w["load"] for w in status(stack.base_url)["workers"]}
+    return rows, loads, holder, taker
 
-    def stats(path: str) -> dict:
-        values = [r[path]["ttft_s"] for r in rows]
-        return {"p50_ms": statistics.median(values) * 1e3, "p90_ms": percentile(values, 90) * 1e3,
-                "all_ms": [v * 1e3 for v in values]}
 
+def ttft_stats(rows: list[dict], path: str) -> dict:
+    values = [r[path]["ttft_s"] for r in rows]
+    return {"p50_ms": statistics.median(values) * 1e3, "p90_ms": percentile(values, 90) * 1e3,
+            "all_ms": [v * 1e3 for v in values]}
+
+
+def summarize(args, rows: list[dict], loads: dict, holder: str, taker: str, lines: list[str]) -> dict:
     result = {"config": {k: str(v) for k, v in vars(args).items()}, "cpu_count": os.cpu_count(),
-              "fetch": stats("fetch"), "recompute": stats("recompute"),
+              "fetch": ttft_stats(rows, "fetch"), "recompute": ttft_stats(rows, "recompute"),
               "fetch_times_ms": fetch_times_ms(lines)[1:],
               "same_text": all(r["fetch"]["same_text_as_holder"] for r in rows),
               "taker_kv_fetch": loads[taker].get("kv_fetch"), "holder_kv_fetch": loads[holder].get("kv_fetch"),
@@ -145,6 +140,28 @@ def main(argv=None) -> int:
     print(f"TTFT p50: fetch {result['fetch']['p50_ms']:.0f} ms, recompute {result['recompute']['p50_ms']:.0f} ms: "
           f"{result['ttft_p50_speedup']:.2f}x; fetch itself p50 "
           f"{statistics.median(result['fetch_times_ms'] or [float('nan')]):.1f} ms; same text {result['same_text']}")
+    return result
+
+
+def main(argv=None) -> int:
+    from services.stack.stack import Stack, StackSpec
+
+    args = parse_args(argv)
+    rng = random.Random(0)
+    flags = {"device": "cpu", "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.prefix_tokens + 512,
+             "num_warmup_requests": 1, **({"dtype": args.dtype} if args.dtype else {})}
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory() as state:
+        stack = Stack(StackSpec(state_dir=Path(state), model=args.model, port=0, num_decode=2,
+                                namespace=f"fetch{os.getpid()}", decode_flags=flags),
+                      on_line=lambda name, line: lines.append(f"{name}| {line}"))
+        try:
+            stack.start()
+            stack.wait_ready(timeout_s=300)
+            rows, loads, holder, taker = run_trials(stack, args, rng)
+        finally:
+            stack.stop()
+    result = summarize(args, rows, loads, holder, taker, lines)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peer_fetch.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "peer_fetch.png", args.prefix_tokens)

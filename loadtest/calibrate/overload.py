@@ -76,7 +76,7 @@ def compare(sim: dict, live: dict) -> dict:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--loads", default="3", help="offered loads, multiples of the measured capacity")
@@ -97,14 +97,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-dir", type=Path, default=CALIBRATION_DIR,
                    help="where calibrate_sim wrote the step-time calibration and cluster files (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run_load(stack, args, cfg, m: float, capacity: float, fitted, tokenizer, slo_ms: dict[str, float]) -> dict:
+    """One offered load, ``m`` x capacity: the same schedule simulated and sent to the stack, compared."""
+    model, eff = fitted
+    slo_s = {t: v / 1000 for t, v in slo_ms.items()}
+    specs = bench.build_workload(dataclasses.replace(
+        cfg, num_requests=max(8, round(m * capacity * args.duration_s)), rate=m * capacity,
+        seed=args.seed + int(m * 100)))
+    tiers = bench.assign_tiers(specs, args.premium_share, args.seed)
+    input_lens = [len(tokenizer.encode(s.prompt)) for s in specs]
+    sim = sim_report(simulate(args.calibration_dir / CLUSTER_FILE, model, eff, specs, input_lens,
+                              admission=admission(slo_ms), tiers=[tiers[s.index] for s in specs],
+                              max_num_seqs=args.max_num_seqs,
+                              local_prefill_batch_tokens=ENGINE_DEFAULTS.max_num_batched_tokens,
+                              max_waiting_per_worker=args.max_waiting), slo_s)
+    results = asyncio.run(bench.run_openai(stack.base_url, args.model, specs, progress=not args.no_progress,
+                                           key_of=lambda s: bench.KEYS[tiers[s.index]]))
+    live = bench.tier_report(results, tiers, slo_s)
+    rows = compare(sim, live)
+    print(f"{m:g}x: " + "; ".join(f"{k} sim {r['sim']:.2f} live {r['live']:.2f}"
+                                  + (f" ({r['rel_error']:+.0%})" if r["rel_error"] is not None else "")
+                                  for k, r in rows.items()))
+    return {"sim": sim, "live": live, "comparison": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from shared.tokenizer import load_tokenizer
 
     slo_ms = {"premium": args.premium_slo_ms, "batch": args.batch_slo_ms}
-    slo_s = {t: v / 1000 for t, v in slo_ms.items()}
     cfg = bench.WorkloadConfig(prompt_words=args.prompt_words, output_tokens=args.output_tokens, spread=0.3,
                                seed=args.seed)
-    model, eff = fitted_model(args.calibration_dir)
+    fitted = fitted_model(args.calibration_dir)
     tokenizer = load_tokenizer(args.model)
     report: dict = {"config": {**vars(args), "out": str(args.out), "calibration_dir": str(args.calibration_dir)},
                     "slo_ms": slo_ms, "loads": {}}
@@ -116,25 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity = bench.measure_capacity(stack, args, cfg)
             print(f"measured capacity: {capacity:.2f} req/s")
             for m in (float(x) for x in args.loads.split(",")):
-                specs = bench.build_workload(dataclasses.replace(
-                    cfg, num_requests=max(8, round(m * capacity * args.duration_s)), rate=m * capacity,
-                    seed=args.seed + int(m * 100)))
-                tiers = bench.assign_tiers(specs, args.premium_share, args.seed)
-                input_lens = [len(tokenizer.encode(s.prompt)) for s in specs]
-                sim = sim_report(simulate(args.calibration_dir / CLUSTER_FILE, model, eff, specs, input_lens,
-                                          admission=admission(slo_ms), tiers=[tiers[s.index] for s in specs],
-                                          max_num_seqs=args.max_num_seqs,
-                                          local_prefill_batch_tokens=ENGINE_DEFAULTS.max_num_batched_tokens,
-                                          max_waiting_per_worker=args.max_waiting), slo_s)
-                results = asyncio.run(bench.run_openai(stack.base_url, args.model, specs,
-                                                       progress=not args.no_progress,
-                                                       key_of=lambda s: bench.KEYS[tiers[s.index]]))
-                live = bench.tier_report(results, tiers, slo_s)
-                rows = compare(sim, live)
-                report["loads"][f"{m:g}x"] = {"sim": sim, "live": live, "comparison": rows}
-                print(f"{m:g}x: " + "; ".join(f"{k} sim {r['sim']:.2f} live {r['live']:.2f}"
-                                              + (f" ({r['rel_error']:+.0%})" if r["rel_error"] is not None else "")
-                                              for k, r in rows.items()))
+                report["loads"][f"{m:g}x"] = run_load(stack, args, cfg, m, capacity, fitted, tokenizer, slo_ms)
         finally:
             stack.stop()
     report["capacity_rps"] = capacity

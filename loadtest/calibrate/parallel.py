@@ -261,9 +261,71 @@ def compare(name: str, prefill: list[dict], decode: list[dict], predicted: tuple
     return rows
 
 
+def measure_fixed_costs(args) -> tuple[list[dict], float, float, float]:
+    """Step 2: the probe's decode points, and the fixed cost of a decode step, of a sequence and of a prefill."""
+    print(f"2/4 the fixed cost of a step ({PROBE_SHAPE})", flush=True)
+    probe_prefill, probe = step_times(synthetic_dir(PROBE_SHAPE), 1, args)
+    overhead, seq_whole = step_overhead_s(probe)
+    prefill_fixed = prefill_overhead_s(probe_prefill)
+    print(f"    {overhead * 1e3:.1f} ms per decode step, {seq_whole * 1e3:.2f} ms per sequence and "
+          f"{prefill_fixed * 1e3:.1f} ms per prefill on every rank", flush=True)
+    return probe, overhead, seq_whole, prefill_fixed
+
+
+def measure_links(tp: int, hidden: int) -> tuple[dict[int, float], float, float, float, float]:
+    """Step 3: all-reduce times by rows and their fit (latency, GB/s); memory read alone and together."""
+    print(f"3/4 all-reduces between {tp} ranks", flush=True)
+    coll = collective_times(tp, hidden)
+    latency, gbps = fit_link(coll, tp, hidden)
+    print(f"    {latency * 1e6:.1f} us + bytes at {gbps:.2f} GB/s (rows: "
+          + ", ".join(f"{r} {t * 1e6:.0f} us" for r, t in coll.items()) + ")", flush=True)
+    alone, together = memory_share(tp)
+    print(f"    memory: one process reads {alone / 1e9:.1f} GB/s, {tp} together {together / 1e9:.1f} GB/s "
+          f"({together / alone:.2f}x)", flush=True)
+    return coll, latency, gbps, alone, together
+
+
+def fit_efficiency(model, prefill: list[dict], decode: list[dict], latency: float,
+                   fixed: tuple[float, float, float], together: float):
+    """The cost model's efficiency fitted to one rank's steps, and the cores' shared read limit in its units."""
+    from shared.planner.costmodel import DecodeSample, Efficiency, PrefillSample, calibrate
+
+    overhead, seq_whole, prefill_fixed = fixed
+    base = Efficiency(link=1.0, comm_latency_s=latency, step_overhead_s=overhead, prefill_reads_weights=True)
+    eff = calibrate(model, core_gpu(), [PrefillSample(p["num_tokens"], p["seconds"]) for p in prefill],
+                    [DecodeSample(d["batch"], d["context_len"], d["seconds"]) for d in decode], base,
+                    fit_overheads=True, seq_undivided_s=seq_whole, prefill_overhead_s=prefill_fixed)
+    # the cores' shared limit in the cost model's units: bytes a second it reads at, over the fitted
+    # efficiency (a step's reads go at eff.hbm x the nominal rate: the cap binds only when their sum
+    # passes what the cores read together)
+    node_gbps = together / 1e9 / eff.hbm
+    print(f"    fitted: compute {eff.compute:.3f}, memory {eff.hbm:.3f} (one rank's reads at "
+          f"{eff.hbm * NOMINAL_GBPS:.1f} GB/s, the ranks' together at most {together / 1e9:.1f}), prefill overhead "
+          f"{eff.prefill_overhead_s * 1e3:.1f} ms, {eff.decode_seq_s * 1e3:.2f} ms per sequence whole and "
+          f"{eff.decode_seq_tp_s * 1e3:.2f} ms shared by the ranks", flush=True)
+    return eff, node_gbps
+
+
+def check_group(args, model_dir: Path, model, eff, gbps: float, node_gbps: float, prefill_1: list[dict],
+                decode_1: list[dict]) -> tuple[list[dict], list[float], bool]:
+    """Step 4: one rank's and the group's steps, predicted then measured: every row, the group's errors,
+    and whether every one of them is within the tolerance."""
+    print(f"4/4 a group of {args.tp} ranks, one thread each: predicted, then measured", flush=True)
+    prefill_tp, decode_tp = step_times(model_dir, args.tp, args)
+    rows = compare("TP=1", prefill_1, decode_1, predict(model, eff, 1, gbps, node_gbps, prefill_1, decode_1),
+                   args.tolerance)
+    rows += compare(f"TP={args.tp}", prefill_tp, decode_tp,
+                    predict(model, eff, args.tp, gbps, node_gbps, prefill_tp, decode_tp), args.tolerance)
+    group_rows = [r for r in rows if r["group"] != "TP=1"]
+    errors = [abs(r["relative_error"]) for r in group_rows]
+    within = all(r["within_tolerance"] for r in group_rows)
+    print(f"TP={args.tp}: median error {statistics.median(errors):.0%}, largest {max(errors):.0%}: "
+          f"{'every step within' if within else 'NOT every step within'} {args.tolerance:.0%}", flush=True)
+    return rows, errors, within
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from shared.planner.costmodel import DecodeSample, Efficiency, PrefillSample, calibrate
     from shared.telemetry.logs import configure_logging
 
     cores = len(os.sched_getaffinity(0))
@@ -276,45 +338,11 @@ def main(argv=None) -> int:
 
     print(f"1/4 one rank alone ({MODEL_SHAPE}, float32, one thread)", flush=True)
     prefill_1, decode_1 = step_times(model_dir, 1, args)
-    print(f"2/4 the fixed cost of a step ({PROBE_SHAPE})", flush=True)
-    probe_prefill, probe = step_times(synthetic_dir(PROBE_SHAPE), 1, args)
-    overhead, seq_whole = step_overhead_s(probe)
-    prefill_fixed = prefill_overhead_s(probe_prefill)
-    print(f"    {overhead * 1e3:.1f} ms per decode step, {seq_whole * 1e3:.2f} ms per sequence and "
-          f"{prefill_fixed * 1e3:.1f} ms per prefill on every rank", flush=True)
-    print(f"3/4 all-reduces between {args.tp} ranks", flush=True)
-    coll = collective_times(args.tp, model.hidden_size)
-    latency, gbps = fit_link(coll, args.tp, model.hidden_size)
-    print(f"    {latency * 1e6:.1f} us + bytes at {gbps:.2f} GB/s (rows: "
-          + ", ".join(f"{r} {t * 1e6:.0f} us" for r, t in coll.items()) + ")", flush=True)
-    alone, together = memory_share(args.tp)
-    print(f"    memory: one process reads {alone / 1e9:.1f} GB/s, {args.tp} together {together / 1e9:.1f} GB/s "
-          f"({together / alone:.2f}x)", flush=True)
-
-    base = Efficiency(link=1.0, comm_latency_s=latency, step_overhead_s=overhead, prefill_reads_weights=True)
-    eff = calibrate(model, core_gpu(), [PrefillSample(p["num_tokens"], p["seconds"]) for p in prefill_1],
-                    [DecodeSample(d["batch"], d["context_len"], d["seconds"]) for d in decode_1], base,
-                    fit_overheads=True, seq_undivided_s=seq_whole, prefill_overhead_s=prefill_fixed)
-    # the cores' shared limit in the cost model's units: bytes a second it reads at, over the fitted
-    # efficiency (a step's reads go at eff.hbm x the nominal rate: the cap binds only when their sum
-    # passes what the cores read together)
-    node_gbps = together / 1e9 / eff.hbm
-    print(f"    fitted: compute {eff.compute:.3f}, memory {eff.hbm:.3f} (one rank's reads at "
-          f"{eff.hbm * NOMINAL_GBPS:.1f} GB/s, the ranks' together at most {together / 1e9:.1f}), prefill overhead "
-          f"{eff.prefill_overhead_s * 1e3:.1f} ms, {eff.decode_seq_s * 1e3:.2f} ms per sequence whole and "
-          f"{eff.decode_seq_tp_s * 1e3:.2f} ms shared by the ranks", flush=True)
-
-    print(f"4/4 a group of {args.tp} ranks, one thread each: predicted, then measured", flush=True)
-    prefill_tp, decode_tp = step_times(model_dir, args.tp, args)
-    rows = compare("TP=1", prefill_1, decode_1, predict(model, eff, 1, gbps, node_gbps, prefill_1, decode_1),
-                   args.tolerance)
-    rows += compare(f"TP={args.tp}", prefill_tp, decode_tp,
-                    predict(model, eff, args.tp, gbps, node_gbps, prefill_tp, decode_tp), args.tolerance)
-    group_rows = [r for r in rows if r["group"] != "TP=1"]
-    errors = [abs(r["relative_error"]) for r in group_rows]
-    within = all(r["within_tolerance"] for r in group_rows)
-    print(f"TP={args.tp}: median error {statistics.median(errors):.0%}, largest {max(errors):.0%}: "
-          f"{'every step within' if within else 'NOT every step within'} {args.tolerance:.0%}", flush=True)
+    probe, overhead, seq_whole, prefill_fixed = measure_fixed_costs(args)
+    coll, latency, gbps, alone, together = measure_links(args.tp, model.hidden_size)
+    eff, node_gbps = fit_efficiency(model, prefill_1, decode_1, latency, (overhead, seq_whole, prefill_fixed),
+                                    together)
+    rows, errors, within = check_group(args, model_dir, model, eff, gbps, node_gbps, prefill_1, decode_1)
 
     result = {"host": platform.node(), "processor": platform.processor(), "cores": cores, "tp": args.tp,
               "model": model.model_dump(),

@@ -108,6 +108,13 @@ class AdmissionService:
             besides = f" besides {', '.join(request.exclude_workers)}" if request.exclude_workers else ""
             return self._reject(request, "unavailable", f"no ready decode worker serves {request.model!r}{besides}",
                                 self._settings.retry_after_s)
+        return self._route_and_admit(request, held, overlaps, workers)
+
+    def _route_and_admit(self, request: GenerateRequest, held: list[HeldPrefix], overlaps: dict[str, float],
+                         workers: list[WorkerEntry]) -> AdmissionDecision:
+        """The routing's choice, or where the request would miss its SLO there the next cheapest workers,
+        through the tier rules. Synchronous: nothing may await from reading ``workers`` to the chosen
+        one's entry."""
         block_size = workers[0].info.block_size
         num_blocks = -(-len(request.prompt_token_ids) // block_size)  # ceil
         now = time.time()
@@ -145,11 +152,21 @@ class AdmissionService:
         log.debug("%s → %s (cost %.1f, overlap %d/%d blocks; predicted TTFT %s; overlaps %s; loads %s)",
                   request.request_id, choice.worker_id, choice.cost, choice.num_overlap_blocks, num_blocks,
                   "?" if ttft is None else f"{ttft:.3f}s", overlaps, views)
+        self._note_admitted(request, choice, observed, num_blocks, now)
+        return self._admitted(request, held, choice, entry, ttft)
+
+    def _note_admitted(self, request: GenerateRequest, choice: RoutingChoice, observed: AdmissionInput,
+                       num_blocks: int, now: float) -> None:
+        """What later decisions see of this one: the chosen worker's new backlog, inflow and answer lengths."""
         priority = self.qos.tiers[observed.tier].priority
         self._last_chosen = choice.worker_id
         self.view.note_admitted(choice.worker_id, num_blocks - choice.num_overlap_blocks, time.time(), priority)
         self.inflow.note(choice.worker_id, now, priority, observed.prompt_tokens - observed.cached_tokens)
         self._max_tokens.setdefault(choice.worker_id, RecentMean(30.0)).observe(request.sampling.max_tokens, now)
+
+    def _admitted(self, request: GenerateRequest, held: list[HeldPrefix], choice: RoutingChoice, entry: WorkerEntry,
+                  ttft: float | None) -> AdmissionDecision:
+        """The admission to ``entry``, with the worker it may fetch the prompt's prefix from."""
         info = entry.info
         lenders = {w.info.worker_id for w in self.view.ready_workers("decode", request.model)}
         source = choose_kv_source(held, info.worker_id, lenders, self._fetch)

@@ -273,48 +273,61 @@ def calibrate(model: ModelSpec, gpu: GpuType, prefill: Sequence[PrefillSample],
     kept as given, and the prefill fit finds the compute efficiency alone.
     """
     hw = GroupHardware(gpu=gpu, tp_link_gbps=1.0, pp_link_gbps=1.0, price_per_hour=gpu.price_per_hour)
-    one = Parallel(1, 1)
     ideal = replace(base, compute=1.0, hbm=1.0, prefill_overhead_s=0.0, decode_seq_s=0.0, decode_seq_tp_s=0.0,
                     step_overhead_s=0.0,
                     prefill_reads_weights=False)
     eff = base
     if decode:
-        mem_s = [decode_step_s(model, hw, one, replace(ideal, compute=math.inf), s.batch, s.context_len)
-                 for s in decode]
-        secs = [max(s.seconds - base.step_overhead_s, 1e-9) for s in decode]
-        if fit_overheads and len({s.batch for s in decode}) >= 2:
-            inv_hbm, per_seq = _weighted_lstsq([[m, s.batch] for m, s in zip(mem_s, decode)], secs)
-            if per_seq < 0:
-                per_seq, inv_hbm = 0.0, _weighted_lstsq([[m] for m in mem_s], secs)[0]
-            if inv_hbm < 1.0:
-                inv_hbm = 1.0
-                per_seq = max(0.0, _weighted_lstsq([[s.batch] for s in decode],
-                                                   [t - m for t, m in zip(secs, mem_s)])[0])
-            eff = replace(eff, hbm=1.0 / inv_hbm, decode_seq_s=per_seq, decode_seq_tp_s=0.0)
-            if seq_undivided_s is not None:
-                whole = min(per_seq, seq_undivided_s)
-                eff = replace(eff, decode_seq_s=whole, decode_seq_tp_s=per_seq - whole)
-        else:
-            ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / t
-                            for s, t in zip(decode, secs))
-            eff = replace(eff, hbm=min(1.0, ratios[len(ratios) // 2]))
+        eff = _fit_decode(model, hw, ideal, eff, decode, fit_overheads, seq_undivided_s)
     if prefill:
-        flops_s = [prefill_latency_s(model, hw, one, ideal, s.num_tokens) for s in prefill]
-        # a prefill's read of the weights (base.prefill_reads_weights) at the bandwidth the decode fit found
-        read_s = _read_s(model.weight_bytes, hw, one, eff) if base.prefill_reads_weights else 0.0
-        secs = [max(s.seconds - read_s, 1e-9) for s in prefill]
-        if prefill_overhead_s is not None:
-            slope = _weighted_lstsq([[f] for f in flops_s], [max(t - prefill_overhead_s, 1e-9) for t in secs])[0]
-            eff = replace(eff, compute=1.0 / max(1.0, slope), prefill_overhead_s=prefill_overhead_s)
-        elif fit_overheads and len({s.num_tokens for s in prefill}) >= 2:
-            overhead, slope = _weighted_lstsq([[1.0, f] for f in flops_s], secs)
-            if slope < 1.0:      # faster than the nominal peak: cap the efficiency, refit the overhead
-                slope = 1.0
-                overhead = _weighted_lstsq([[1.0] for _ in secs], [t - f for t, f in zip(secs, flops_s)])[0]
-            if overhead < 0:     # no fixed cost: the plain ratio fit through the origin
-                overhead, slope = 0.0, max(1.0, _weighted_lstsq([[f] for f in flops_s], secs)[0])
-            eff = replace(eff, compute=1.0 / slope, prefill_overhead_s=overhead)
-        else:
-            ratios = sorted(f / t for f, t in zip(flops_s, secs))
-            eff = replace(eff, compute=min(1.0, ratios[len(ratios) // 2]))
+        eff = _fit_prefill(model, hw, ideal, eff, prefill, fit_overheads, prefill_overhead_s)
     return eff
+
+
+def _fit_decode(model: ModelSpec, hw: GroupHardware, ideal: Efficiency, eff: Efficiency,
+                decode: Sequence[DecodeSample], fit_overheads: bool, seq_undivided_s: float | None) -> Efficiency:
+    """``eff`` with ``hbm`` (and, fitting overheads, the per-sequence cost) fitted to the decode steps."""
+    one = Parallel(1, 1)
+    mem_s = [decode_step_s(model, hw, one, replace(ideal, compute=math.inf), s.batch, s.context_len)
+             for s in decode]
+    secs = [max(s.seconds - eff.step_overhead_s, 1e-9) for s in decode]
+    if not (fit_overheads and len({s.batch for s in decode}) >= 2):
+        ratios = sorted(decode_step_s(model, hw, one, ideal, s.batch, s.context_len) / t
+                        for s, t in zip(decode, secs))
+        return replace(eff, hbm=min(1.0, ratios[len(ratios) // 2]))
+    inv_hbm, per_seq = _weighted_lstsq([[m, s.batch] for m, s in zip(mem_s, decode)], secs)
+    if per_seq < 0:
+        per_seq, inv_hbm = 0.0, _weighted_lstsq([[m] for m in mem_s], secs)[0]
+    if inv_hbm < 1.0:
+        inv_hbm = 1.0
+        per_seq = max(0.0, _weighted_lstsq([[s.batch] for s in decode],
+                                           [t - m for t, m in zip(secs, mem_s)])[0])
+    eff = replace(eff, hbm=1.0 / inv_hbm, decode_seq_s=per_seq, decode_seq_tp_s=0.0)
+    if seq_undivided_s is not None:
+        whole = min(per_seq, seq_undivided_s)
+        eff = replace(eff, decode_seq_s=whole, decode_seq_tp_s=per_seq - whole)
+    return eff
+
+
+def _fit_prefill(model: ModelSpec, hw: GroupHardware, ideal: Efficiency, eff: Efficiency,
+                 prefill: Sequence[PrefillSample], fit_overheads: bool,
+                 prefill_overhead_s: float | None) -> Efficiency:
+    """``eff`` with ``compute`` (and, fitting overheads, the fixed prefill cost) fitted to the prefills."""
+    one = Parallel(1, 1)
+    flops_s = [prefill_latency_s(model, hw, one, ideal, s.num_tokens) for s in prefill]
+    # a prefill's read of the weights (prefill_reads_weights) at the bandwidth the decode fit found
+    read_s = _read_s(model.weight_bytes, hw, one, eff) if eff.prefill_reads_weights else 0.0
+    secs = [max(s.seconds - read_s, 1e-9) for s in prefill]
+    if prefill_overhead_s is not None:
+        slope = _weighted_lstsq([[f] for f in flops_s], [max(t - prefill_overhead_s, 1e-9) for t in secs])[0]
+        return replace(eff, compute=1.0 / max(1.0, slope), prefill_overhead_s=prefill_overhead_s)
+    if fit_overheads and len({s.num_tokens for s in prefill}) >= 2:
+        overhead, slope = _weighted_lstsq([[1.0, f] for f in flops_s], secs)
+        if slope < 1.0:      # faster than the nominal peak: cap the efficiency, refit the overhead
+            slope = 1.0
+            overhead = _weighted_lstsq([[1.0] for _ in secs], [t - f for t, f in zip(secs, flops_s)])[0]
+        if overhead < 0:     # no fixed cost: the plain ratio fit through the origin
+            overhead, slope = 0.0, max(1.0, _weighted_lstsq([[f] for f in flops_s], secs)[0])
+        return replace(eff, compute=1.0 / slope, prefill_overhead_s=overhead)
+    ratios = sorted(f / t for f, t in zip(flops_s, secs))
+    return replace(eff, compute=min(1.0, ratios[len(ratios) // 2]))

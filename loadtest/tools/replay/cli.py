@@ -25,10 +25,20 @@ CALIBRATION_DIR = Path("loadtest/results/calibration")
 
 def parse_args(argv=None):
     from loadtest.tools import replay  # the package's docstring is the help's description
-    from shared.policy.autoscale import AutoscaleConfig
 
     p = argparse.ArgumentParser(prog="python -m loadtest.tools.replay", description=replay.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_slice_args(p)
+    _add_live_args(p.add_argument_group("live"))
+    sim = p.add_argument_group("simulated / stack shape")
+    _add_policy_args(sim)
+    _add_autoscale_args(sim)
+    _add_shape_args(sim)
+    return p.parse_args(argv)
+
+
+def _add_slice_args(p) -> None:
+    """Which requests of the trace, scaled how, in which tiers; where the summary goes."""
     p.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
     p.add_argument("--max-requests", type=int, default=None, help="replay this many requests (default: all)")
     p.add_argument("--skip", type=int, default=0, help="start this many requests into the trace")
@@ -57,7 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None, help="JSON summary (a PNG is written next to it)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-per-request", action="store_true", help="leave the per-request list out of --out")
-    live = p.add_argument_group("live")
+
+
+def _add_live_args(live) -> None:
+    """Sending the slice to a running stack (or one started here)."""
     live.add_argument("--url", default="http://127.0.0.1:8000", help="the stack's gateway")
     live.add_argument("--model-name", dest="model_live", default="smollm2-135m",
                       help="the model the stack serves (the request's model field)")
@@ -68,7 +81,10 @@ def parse_args(argv=None):
                       help="with --simulate: compare with a live run of the same slice recorded earlier (its --out)")
     live.add_argument("--compare-sim", action="store_true",
                       help="also simulate the slice on this machine's model (as --simulate cpu) and compare")
-    sim = p.add_argument_group("simulated / stack shape")
+
+
+def _add_policy_args(sim) -> None:
+    """Simulated or live: routing, admission, the prefix cache and the prefill split."""
     sim.add_argument("--simulate", choices=["gpu", "cpu"], default=None,
                      help="simulate instead of sending: gpu (a planned GPU cluster) or cpu (this machine)")
     sim.add_argument("--routing", choices=["kv", "load", "round-robin"], default="kv",
@@ -85,6 +101,12 @@ def parse_args(argv=None):
                      help="gpu: a fixed split: this many of the plan's groups prefill, the rest decode "
                           "(default: as planned); cpu / --start-stack: prefill workers beside --decode "
                           "(default 0; decode workers prefill prompts of up to 512 uncached tokens themselves)")
+
+
+def _add_autoscale_args(sim) -> None:
+    """The autoscaler flipping workers between prefill and decode, and its settings."""
+    from shared.policy.autoscale import AutoscaleConfig
+
     sim.add_argument("--autoscale", action="store_true",
                      help="the autoscaler flips workers between prefill and decode as the load shifts (gpu: the "
                           "plan's groups; cpu / --start-stack: any worker, as long as one decodes)")
@@ -96,6 +118,10 @@ def parse_args(argv=None):
                      help="flip only once every tick of this long asked for it (0: at the first)")
     sim.add_argument("--autoscale-decode-capacity", type=float, default=None,
                      help="--start-stack: one decode worker's output tokens/s for the autoscaler (default: its own)")
+
+
+def _add_shape_args(sim) -> None:
+    """The simulated cluster (gpu) or this machine's workers (cpu, --start-stack)."""
     sim.add_argument("--cluster", default=str(DEFAULT_GPU_CLUSTER), help="gpu: cluster YAML")
     sim.add_argument("--model", default="llama-2-70b", help="gpu: model preset or YAML")
     sim.add_argument("--plan", default=None, help="gpu: plan JSON (default: plan the cluster for the slice)")
@@ -113,8 +139,6 @@ def parse_args(argv=None):
                      help="cpu: each worker's share of the machine (default 1/(--decode + --prefill-workers))")
     sim.add_argument("--max-num-seqs", type=int, default=64, help="cpu: the engine's sequence slots")
     sim.add_argument("--max-num-batched-tokens", type=int, default=512, help="cpu: the engine's step budget")
-    args = p.parse_args(argv)
-    return args
 
 
 def main(argv=None) -> int:

@@ -51,70 +51,78 @@ def _good(o: Outcome, t: TierSpec) -> bool:
     return o.status == "ok" and meets_slo(o.ttft_s, o.tpot_s, t.ttft_slo_s, t.tpot_slo_s)
 
 
-def summarize(outcomes: list[Outcome], requests: list[ReplayRequest], tiers: list[TierSpec],
-              itl_is_tpot: bool = False) -> dict:
-    """``itl_is_tpot``: the outcomes have no inter-token times (simulated): ITL percentiles are
-    those of the requests' TPOT."""
+def _itls(outcomes: list[Outcome], itl_is_tpot: bool) -> list[float]:
+    if itl_is_tpot:
+        return [o.tpot_s for o in outcomes if o.tpot_s is not None and o.output_tokens > 1]
+    return [x for o in outcomes for x in o.itls_s]
 
-    def itls(os_: list[Outcome]) -> list[float]:
-        if itl_is_tpot:
-            return [o.tpot_s for o in os_ if o.tpot_s is not None and o.output_tokens > 1]
-        return [x for o in os_ for x in o.itls_s]
 
-    by_tier = {t.name: t for t in tiers}
-    ok = [o for o in outcomes if o.status == "ok"]
-    start = min((o.scheduled_s for o in outcomes), default=0.0)
-    end = max((o.finished_s for o in ok if o.finished_s is not None), default=start)
-    duration = max(end - start, 1e-9)
-    good = [o for o in ok if _good(o, by_tier[o.tier])]
+def _hits(ok: list[Outcome], requests: list[ReplayRequest]) -> dict:
+    """The achieved prompt-token hit ratio against the ideal, and whether the prompts had the planned lengths."""
     with_usage = [o for o in ok if o.prompt_tokens]
     prompt = sum(o.prompt_tokens for o in with_usage)
     cached = sum(o.cached_tokens or 0 for o in with_usage)
     expected = {r.index: r.input_tokens for r in requests}
     ideal = ideal_ratios(requests)
     hit_ratio = cached / prompt if prompt else None
+    return {
+        "hit_ratio": hit_ratio, **ideal,
+        "hit_ratio_vs_ideal": hit_ratio / ideal["ideal_token_hit_ratio"]
+        if hit_ratio is not None and ideal["ideal_token_hit_ratio"] else None,
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "prompt_tokens_mismatched": sum(1 for o in with_usage if o.prompt_tokens != expected.get(o.index)),
+    }
+
+
+def _tier_summary(t: TierSpec, outcomes: list[Outcome], duration: float, itl_is_tpot: bool) -> dict:
+    mine = [o for o in outcomes if o.tier == t.name]
+    mine_ok = [o for o in mine if o.status == "ok"]
+    mine_good = [o for o in mine_ok if _good(o, t)]
+    predicted = [o.ttft_s / o.predicted_ttft_s for o in mine_ok if o.ttft_s is not None and o.predicted_ttft_s]
+    return {
+        "requests": len(mine), "completed": len(mine_ok),
+        "rejected": sum(1 for o in mine if o.status == "rejected"),
+        "failed": sum(1 for o in mine if o.status == "failed"),
+        "slo_ttft_s": t.ttft_slo_s, "slo_tpot_s": t.tpot_slo_s,
+        "attainment": len(mine_good) / len(mine) if mine else None,
+        "attainment_admitted": len(mine_good) / len(mine_ok) if mine_ok else None,
+        "goodput_rps": len(mine_good) / duration,
+        "ttft_s": distribution([o.ttft_s for o in mine_ok if o.ttft_s is not None]),
+        "itl_s": distribution(_itls(mine_ok, itl_is_tpot)),
+        "ttft_over_predicted_p50": percentile(predicted, 50),
+    }
+
+
+def summarize(outcomes: list[Outcome], requests: list[ReplayRequest], tiers: list[TierSpec],
+              itl_is_tpot: bool = False) -> dict:
+    """``itl_is_tpot``: the outcomes have no inter-token times (simulated): ITL percentiles are
+    those of the requests' TPOT."""
+    by_tier = {t.name: t for t in tiers}
+    ok = [o for o in outcomes if o.status == "ok"]
+    start = min((o.scheduled_s for o in outcomes), default=0.0)
+    end = max((o.finished_s for o in ok if o.finished_s is not None), default=start)
+    duration = max(end - start, 1e-9)
+    good = [o for o in ok if _good(o, by_tier[o.tier])]
     retry_after = [o.retry_after_s for o in outcomes if o.retry_after_s is not None]
-    summary = {
+    return {
         "requests": len(outcomes), "completed": len(ok),
         "rejected": sum(1 for o in outcomes if o.status == "rejected"),
         "failed": sum(1 for o in outcomes if o.status == "failed"),
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
         "retried": sum(o.num_retries for o in outcomes),
         "retry_after_s": {"mean": sum(retry_after) / len(retry_after), "max": max(retry_after)} if retry_after else None,
-        "hit_ratio": hit_ratio, **ideal,
-        "hit_ratio_vs_ideal": hit_ratio / ideal["ideal_token_hit_ratio"]
-        if hit_ratio is not None and ideal["ideal_token_hit_ratio"] else None,
-        "prompt_tokens": prompt, "cached_tokens": cached,
-        "prompt_tokens_mismatched": sum(1 for o in with_usage if o.prompt_tokens != expected.get(o.index)),
+        **_hits(ok, requests),
         "duration_s": duration,
         "throughput_rps": len(ok) / duration,
         "output_tokens_per_s": sum(o.output_tokens for o in ok) / duration,
         "goodput_rps": len(good) / duration,
         "attainment": len(good) / len(outcomes) if outcomes else None,
         "ttft_s": distribution([o.ttft_s for o in ok if o.ttft_s is not None]),
-        "itl_s": distribution(itls(ok)), "itl_is_tpot": itl_is_tpot,
+        "itl_s": distribution(_itls(ok, itl_is_tpot)), "itl_is_tpot": itl_is_tpot,
         "tpot_s": distribution([o.tpot_s for o in ok if o.tpot_s is not None]),
         "e2e_s": distribution([o.e2e_s for o in ok if o.e2e_s is not None]),
-        "tiers": {},
+        "tiers": {t.name: _tier_summary(t, outcomes, duration, itl_is_tpot) for t in tiers},
     }
-    for t in tiers:
-        mine = [o for o in outcomes if o.tier == t.name]
-        mine_ok = [o for o in mine if o.status == "ok"]
-        mine_good = [o for o in mine_ok if _good(o, t)]
-        predicted = [o.ttft_s / o.predicted_ttft_s for o in mine_ok if o.ttft_s is not None and o.predicted_ttft_s]
-        summary["tiers"][t.name] = {
-            "requests": len(mine), "completed": len(mine_ok),
-            "rejected": sum(1 for o in mine if o.status == "rejected"),
-            "failed": sum(1 for o in mine if o.status == "failed"),
-            "slo_ttft_s": t.ttft_slo_s, "slo_tpot_s": t.tpot_slo_s,
-            "attainment": len(mine_good) / len(mine) if mine else None,
-            "attainment_admitted": len(mine_good) / len(mine_ok) if mine_ok else None,
-            "goodput_rps": len(mine_good) / duration,
-            "ttft_s": distribution([o.ttft_s for o in mine_ok if o.ttft_s is not None]),
-            "itl_s": distribution(itls(mine_ok)),
-            "ttft_over_predicted_p50": percentile(predicted, 50),
-        }
-    return summary
 
 
 def format_summary(label: str, s: dict) -> str:

@@ -23,6 +23,7 @@ from services.prefill import cli as prefill
 from services.up import cli as up
 from services.up import credentials
 from shared import __version__
+from shared.process_settings import InvalidSetting
 
 COMMANDS = [
     model_cmds.register,  # complete, chat, model fetch
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+    except InvalidSetting as exc:  # a TANDEM_* variable every command reads (shared/process_settings.py)
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
         return 130
 
 

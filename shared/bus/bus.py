@@ -36,6 +36,7 @@ from shared.bus.kv import KvBucket
 from shared.bus.link import Link
 from shared.bus.objects import ObjectBucket
 from shared.bus.replay import Replay
+from shared.process_settings import process_settings
 from shared.protocol.base import WireModel, validation_message
 from shared.protocol.errors import ErrorReply
 from shared.protocol.subjects import Endpoint
@@ -84,11 +85,6 @@ def tls_context(ca_file: str | None) -> ssl.SSLContext | None:
     if not ca_file:
         return None
     return ssl.create_default_context(cafile=ca_file)
-
-
-def _replicas_from_env() -> int | None:
-    value = os.environ.get("TANDEM_NATS_REPLICAS")
-    return int(value) if value else None
 
 
 def detect_replicas(server_info: dict) -> int:
@@ -164,6 +160,79 @@ async def _first_connection(connecting: Awaitable[Client], given_up: asyncio.Eve
     raise asyncio.TimeoutError
 
 
+class _ConnectionEvents:
+    """nats-py's callbacks for one connection, and what they saw of the first connection's tries."""
+
+    def __init__(self, name: str, shown: str) -> None:
+        self.name = name
+        self.shown = shown  # the URL, its password redacted
+        self.link = Link(name)
+        # once connected, errors are logged (nats-py retries them); logins refused for _AUTH_GRACE_S end the process
+        self.connected = False
+        self.given_up = asyncio.Event()  # set on an error retrying cannot mend
+        self.lasting: NatsUnavailable | None = None  # that error, once seen
+        self.last_error: Exception | None = None
+        self.refused_since: float | None = None  # when reconnects began to be refused (none since the last success)
+
+    async def on_error(self, exc: Exception) -> None:
+        if not self.connected:  # reported once, by the error connect raises
+            if not self.given_up.is_set():  # the server hanging up after a refusal says nothing new
+                self.last_error = exc
+                if error := _lasting_error(exc, self.shown):
+                    self.lasting = error
+                    self.given_up.set()
+            return
+        if _is_auth_error(exc):
+            if self.refused_since is None:
+                self.refused_since = time.monotonic()
+            if time.monotonic() - self.refused_since >= _AUTH_GRACE_S:
+                _exit_now(_lasting_error(exc, self.shown))
+        log.warning("nats %s: %s", self.name, exc)
+
+    async def on_disconnect(self) -> None:
+        if self.link.is_closed:  # our own close()
+            return
+        log.warning("nats %s: disconnected from %s", self.name, self.shown)
+        self.link.disconnected()
+
+    async def on_reconnect(self) -> None:
+        self.refused_since = None
+        log.info("nats %s: reconnected", self.name)
+        self.link.reconnected()
+
+
+def _connect_options(servers: list[str], events: _ConnectionEvents, tls: ssl.SSLContext | None) -> dict:
+    """nats.connect's arguments: reconnect forever, every 0.5 s, to any server of the pool."""
+    # a server that vanished without closing the connection (its host gone, a cut link) is given
+    # up after 3 unanswered pings, 5 s apart, for another member
+    return dict(servers=servers, name=events.name, connect_timeout=2, allow_reconnect=True,
+                max_reconnect_attempts=-1, reconnect_time_wait=0.5, tls=tls,
+                ping_interval=_PING_INTERVAL_S, max_outstanding_pings=3,
+                error_cb=events.on_error, disconnected_cb=events.on_disconnect,
+                reconnected_cb=events.on_reconnect, **_credentials(servers))
+
+
+async def _connect_with_retries(options: dict, events: _ConnectionEvents, timeout_s: float) -> Client:
+    """The first connection, tried with exponential backoff until ``timeout_s``: see ``Bus.connect``."""
+    delays, deadline = _CONNECT_BACKOFF.delays(), time.monotonic() + timeout_s
+    while True:
+        try:
+            # nats-py itself retries an unreachable server forever (reconnects are unlimited):
+            # the deadline bounds the first connection
+            nc = await _first_connection(nats.connect(**options), events.given_up,
+                                         timeout_s=max(deadline - time.monotonic(), 0.1))
+            events.connected = True
+            return nc
+        except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            if error := (events.lasting or _lasting_error(exc, events.shown)):
+                raise error from None
+            delay = next(delays)
+            if time.monotonic() + delay > deadline:
+                why = exc if str(exc) else (events.last_error or "timed out")
+                raise NatsUnreachable(f"cannot reach NATS at {events.shown} within {timeout_s:g}s: {why}") from None
+            await asyncio.sleep(delay)
+
+
 class Bus:
     """A NATS connection plus the handler tasks it runs. Create with ``await Bus.connect(...)``."""
 
@@ -200,66 +269,13 @@ class Bus:
         server's certificate must be signed by it for the host name in the URL. ``replicas``
         (default: ``TANDEM_NATS_REPLICAS``, else detected from the server): copies JetStream keeps
         of each stream and bucket this bus creates."""
-        shown = redact_url(url)
         servers = server_urls(url)
-        credentials = _credentials(servers)
-        tls = tls_context(tls_ca or os.environ.get("TANDEM_NATS_CA"))
-        replicas = replicas or _replicas_from_env()
-        delays, deadline = _CONNECT_BACKOFF.delays(), time.monotonic() + timeout_s
-        last_error: list[Exception] = []
-        lasting: list[NatsUnavailable] = []  # an error retrying cannot mend, once seen
-        given_up, connected = asyncio.Event(), False
-        refused_since: list[float] = []  # when reconnects began to be refused (none since the last success)
-        link = Link(name)
-
-        async def on_error(exc: Exception) -> None:
-            if not connected:  # reported once, by the error connect raises
-                if not given_up.is_set():  # the server hanging up after a refusal says nothing new
-                    last_error[:] = [exc]
-                    if error := _lasting_error(exc, shown):
-                        lasting.append(error)
-                        given_up.set()
-                return
-            if _is_auth_error(exc):
-                refused_since[:] = refused_since or [time.monotonic()]
-                if time.monotonic() - refused_since[0] >= _AUTH_GRACE_S:
-                    _exit_now(_lasting_error(exc, shown))
-            log.warning("nats %s: %s", name, exc)
-
-        async def on_disconnect() -> None:
-            if link.is_closed:  # our own close()
-                return
-            log.warning("nats %s: disconnected from %s", name, shown)
-            link.disconnected()
-
-        async def on_reconnect() -> None:
-            refused_since.clear()
-            log.info("nats %s: reconnected", name)
-            link.reconnected()
-
-        while True:
-            try:
-                # nats-py itself retries an unreachable server forever (reconnects are unlimited):
-                # the deadline bounds the first connection
-                nc = await _first_connection(nats.connect(
-                    servers=servers, name=name, connect_timeout=2, allow_reconnect=True,
-                    max_reconnect_attempts=-1, reconnect_time_wait=0.5, tls=tls,
-                    # a server that vanished without closing the connection (its host gone, a cut
-                    # link) is given up after 3 unanswered pings, 5 s apart, for another member
-                    ping_interval=_PING_INTERVAL_S, max_outstanding_pings=3,
-                    error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                    **credentials),
-                    given_up, timeout_s=max(deadline - time.monotonic(), 0.1))
-                connected = True  # from here on errors are logged (nats-py retries them) but a refused login
-                return cls(nc, name, link, replicas=replicas or detect_replicas(nc._server_info))
-            except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
-                if error := (lasting[0] if lasting else _lasting_error(exc, shown)):
-                    raise error from None
-                delay = next(delays)
-                if time.monotonic() + delay > deadline:
-                    why = exc if str(exc) else (last_error[0] if last_error else "timed out")
-                    raise NatsUnreachable(f"cannot reach NATS at {shown} within {timeout_s:g}s: {why}") from None
-                await asyncio.sleep(delay)
+        settings = process_settings()
+        events = _ConnectionEvents(name, redact_url(url))
+        options = _connect_options(servers, events, tls_context(tls_ca or settings.nats_ca))
+        nc = await _connect_with_retries(options, events, timeout_s)
+        replicas = replicas or settings.nats_replicas or detect_replicas(nc._server_info)
+        return cls(nc, name, events.link, replicas=replicas)
 
     # --- caller side ------------------------------------------------------------------------------
     async def request(self, endpoint: Endpoint[Req, Rep], payload: Req, *, timeout_s: float) -> Rep:

@@ -34,6 +34,7 @@ import subprocess
 import sys
 
 from shared.engine.config import EngineConfig
+from shared.process_settings import process_settings
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def _jsonable(value) -> bool:
 def use_child_process() -> bool:
     """``TANDEM_COMPILE_PROCESS``: 1 (default) compiles a worker's background step in a child
     process, 0 on the worker's own compile thread."""
-    return os.environ.get("TANDEM_COMPILE_PROCESS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return process_settings().compile_process
 
 
 def child_fits(pool_bytes: int) -> bool:

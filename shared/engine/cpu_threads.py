@@ -32,6 +32,8 @@ import threading
 
 import torch
 
+from shared.process_settings import process_settings
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -74,12 +76,7 @@ def restore(num_threads: int) -> None:
 def background_nice() -> int:
     """The nice value of background work (the decode-step compile): ``TANDEM_COMPILE_NICE``, default
     19, the lowest CPU priority; 0 runs it beside serving as an equal."""
-    raw = os.environ.get("TANDEM_COMPILE_NICE", "19")
-    try:
-        return min(max(int(raw), 0), 19)
-    except ValueError:
-        log.warning("TANDEM_COMPILE_NICE=%r is not an integer: using 19", raw)
-        return 19
+    return process_settings().compile_nice
 
 
 def lower_calling_thread(nice: int) -> bool:

@@ -173,9 +173,10 @@ class CompileArtifacts:
     @classmethod
     def default_root(cls) -> Path:
         from kernels.cache_dir import cache_dir
+        from shared.process_settings import process_settings
 
-        configured = os.environ.get("TANDEM_COMPILE_CACHE_DIR")
-        return Path(configured).expanduser() if configured else cache_dir() / "compile"
+        configured = process_settings().compile_cache_dir
+        return configured.expanduser() if configured else cache_dir() / "compile"
 
     @property
     def dir(self) -> Path:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import os
 import sys
 import time
 
+from shared.process_settings import process_settings
 from shared.telemetry.redact import RedactSecrets
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("tandem_request_id", default=None)
@@ -55,8 +55,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(service: str = "tandem", level: str | None = None, log_format: str | None = None) -> None:
-    level = (level or os.environ.get("TANDEM_LOG_LEVEL", "INFO")).upper()
-    log_format = (log_format or os.environ.get("TANDEM_LOG_FORMAT", "text")).lower()
+    """Log to stderr at ``level`` in ``log_format`` (defaults: ``TANDEM_LOG_LEVEL``, ``TANDEM_LOG_FORMAT``).
+    Every command starts here, so the library's other ``TANDEM_*`` variables are checked here too:
+    a bad value raises ``InvalidSetting`` naming it before the command does anything."""
+    settings = process_settings()
+    level = (level or settings.log_level).upper()
+    log_format = (log_format or settings.log_format).lower()
     if log_format not in ("text", "json"):
         raise ValueError(f"log format {log_format!r}: use text or json")
     handler = logging.StreamHandler(sys.stderr)

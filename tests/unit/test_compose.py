@@ -27,7 +27,7 @@ SERVICES = COMPOSE["services"]
 TANDEM = {name: svc for name, svc in SERVICES.items()
           if svc.get("image", "").startswith("tandem") and "entrypoint" not in svc}
 NATS = {name: svc for name, svc in SERVICES.items() if name.startswith("nats-")}
-# Read by code every command shares (the model cache), not by a settings class.
+# Read by every command (the model cache: kernels/cache_dir.py's settings), not by the service's own settings class.
 SHARED_ENV = {"TANDEM_CACHE_DIR"}
 ENV_EXAMPLE = dict(line.split("=", 1) for line in (ROOT / "compose" / ".env.example").read_text().splitlines()
                    if line and not line.startswith("#"))

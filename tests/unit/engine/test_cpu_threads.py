@@ -16,6 +16,7 @@ import torch
 from shared.engine import EngineConfig, LLMEngine, cpu_threads
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.cpu_threads import _openmp_library
+from shared.process_settings import InvalidSetting
 
 
 @pytest.fixture
@@ -90,4 +91,5 @@ def test_background_work_runs_at_the_lowest_priority_and_only_that_thread(monkey
     monkeypatch.setenv("TANDEM_COMPILE_NICE", "0")
     assert cpu_threads.background_nice() == 0 and not cpu_threads.lower_calling_thread(0)
     monkeypatch.setenv("TANDEM_COMPILE_NICE", "high")
-    assert cpu_threads.background_nice() == 19
+    with pytest.raises(InvalidSetting, match="TANDEM_COMPILE_NICE='high'"):
+        cpu_threads.background_nice()

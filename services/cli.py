@@ -13,7 +13,7 @@ import sys
 
 from services.admission import cli as admission
 from services.autoscaler import cli as autoscaler
-from services.commands import control_cmds, model_cmds, plan_cmds, protocol_cmds, status, worker_check
+from services.commands import control_cmds, model_cmds, plan_cmds, protocol_cmds, rank_cmd, status, worker_check
 from services.commands.errors import CliError
 from services.decode import cli as decode
 from services.gateway import cli as gateway
@@ -41,6 +41,7 @@ COMMANDS = [
     control_cmds.register,
     protocol_cmds.register,
     worker_check.register,
+    rank_cmd.register,  # a rank of a parallel worker on another host
 ]
 
 
@@ -66,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
     except InvalidSetting as exc:  # a TANDEM_* variable every command reads (shared/process_settings.py)
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
         return 130
 
 

@@ -125,6 +125,16 @@ class EngineOptions:
         1, ge=1, json_schema_extra=cli_flags("--pp"),
         description="pipeline stages of tensor_parallel_size ranks each, every stage a contiguous share of the "
         "layers and their KV; stages run one after another in a step")
+    group_local_ranks: int | None = Field(
+        None, ge=1, description="ranks of a parallel group this process starts on its host, itself included "
+        "(default: all); the others join from other hosts (`tandem rank --join group_host:group_port`), over "
+        "gloo/NCCL on the network")
+    group_host: str = Field(
+        "127.0.0.1", description="the address rank 0 listens on for its group (rendezvous and collectives); "
+        "one other hosts reach when group_local_ranks leaves ranks to them")
+    group_port: int = Field(
+        0, ge=0, le=65535, description="rank 0's rendezvous port (0: a free one, which a group with ranks on "
+        "other hosts cannot use: they need to know it)")
     quantization: Annotated[Literal[QUANTIZATION_METHODS] | None, BeforeValidator(_quantization)] = Field(
         None, description="int8: int8 weights and per-token int8 activations in the linear layers (CPU only), "
         "about 2x the decode throughput, slightly different outputs; int8-precise: activations and the LM "

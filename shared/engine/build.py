@@ -16,7 +16,7 @@ from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, to
 from shared.engine.cpu_threads import engine_thread_count
 from shared.engine.model_runner import ModelRunner
 from shared.engine.parallel import (CompiledStepUnavailable, GroupBlocks, ParallelModel, free_port, join_stage,
-                                   start_followers)
+                                   open_group_store, start_followers)
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.speculative import SpeculativeConfig, Speculator
@@ -88,6 +88,33 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
                                          max_model_len)
     return EngineParts(max_model_len, namespace, kv_spec, num_blocks, events, kv_cache, tiers, kv, scheduler,
                        backend, runner, background_compile)
+
+
+def _start_group(config: EngineConfig, size: int, device: torch.device) -> tuple[ProcessGroupCollectives, list]:
+    """Rank 0 of a parallel group: start the ranks this host runs, wait for the others to join from
+    their hosts (``tandem rank``: they read the engine config from rank 0's store), make the group."""
+    local = config.group_local_ranks or size
+    if local > size:
+        raise ValueError(f"group_local_ranks {local} is more than the group's {size} ranks")
+    if local < size and not config.group_port:
+        raise ValueError(f"ranks {local}-{size - 1} join from other hosts: give them a group_port to join at")
+    host, port = config.group_host, config.group_port or free_port(config.group_host)
+    store = open_group_store(config, size, host, port)
+    followers = start_followers(config, local, host, port, size)
+    if local < size:
+        log.info("waiting for ranks %d-%d of the group to join from other hosts at %s:%d (tandem rank --join)",
+                 local, size - 1, host, port)
+    try:
+        # shared-memory collectives only where every rank is on this host
+        world = ProcessGroupCollectives(0, size, host, port, device, shared_memory=local == size, store=store)
+    except Exception:
+        for proc in followers:
+            proc.kill()
+        raise
+    log.info("parallel worker of %d ranks (TP=%d x PP=%d) on %s; ranks 1-%d are processes %s%s", size,
+             config.tensor_parallel_size, config.pipeline_parallel_size, device, local - 1,
+             [p.pid for p in followers], f", ranks {local}-{size - 1} on other hosts" if local < size else "")
+    return world, followers
 
 
 def _tiers(config: EngineConfig, kv_spec: KvCacheSpec, kv_cache: torch.Tensor, namespace: bytes,
@@ -239,24 +266,15 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_model_files(source.path, source.format)
     quantization = check_quantization(precision.quantization, device)
-    followers = []
+    followers, leads_group = [], False
     size = config.tensor_parallel_size * config.pipeline_parallel_size
     shape = read_config(source.path, source.format) if size > 1 else None
     if world is None and size > 1:
         # refused here, before any rank process starts, where the shape does not split
         check_tensor_parallel(shape, config.tensor_parallel_size, quantization)
         check_pipeline_parallel(shape, config.pipeline_parallel_size)
-        port = free_port()
-        followers = start_followers(config, size, "127.0.0.1", port)
-        try:
-            world = ProcessGroupCollectives(0, size, "127.0.0.1", port, device)
-        except Exception:
-            for proc in followers:
-                proc.kill()
-            raise
-        log.info("parallel worker of %d ranks (TP=%d x PP=%d) on %s; ranks 1-%d are processes %s", size,
-                 config.tensor_parallel_size, config.pipeline_parallel_size, device, size - 1,
-                 [p.pid for p in followers])
+        world, followers = _start_group(config, size, device)
+        leads_group = True  # rank 0: the others follow it, started here or joining from other hosts
     group = pipeline = None
     if world is not None:
         device = world.device
@@ -271,6 +289,6 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
              time.perf_counter() - t0)
     config = dataclasses.replace(config, dtype=precision.dtype, quantization=quantization)
     model._loaded_with = config  # another process can load the same model from it (a compile process)
-    if followers:
+    if leads_group:
         model = ParallelModel(model, world, followers)
     return LoadedModel(model, config, tokenizer, source.name, frozenset(tokenizer.stop_token_ids))

@@ -31,6 +31,7 @@ followers exit.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import json
 import math
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from shared.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from shared.model.llama import LayerState, LlamaModel
@@ -629,14 +631,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_followers(config, size: int, host: str, port: int) -> list[subprocess.Popen]:
-    """Ranks 1 .. size-1 of a group, each a process of its own (``python -m shared.engine.tp_rank``)
-    that loads its shard of ``config``'s model and follows rank 0 (which the caller is, joining at
-    ``host:port``). On Linux a follower is killed when the process that started it dies."""
+CONFIG_KEY = "engine-config"  # in rank 0's store: the config a rank from another host loads
+REMOTE_JOIN_TIMEOUT_S = 900.0  # how long rank 0 waits for the ranks other hosts start by hand
+
+
+def open_group_store(config, size: int, host: str, port: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on ``host:port``, holding the engine config (``CONFIG_KEY``) for the
+    ranks that join from other hosts (``tandem rank``), which have nothing but its address."""
+    remote = (config.group_local_ranks or size) < size
+    timeout = datetime.timedelta(seconds=REMOTE_JOIN_TIMEOUT_S if remote else 120.0)
+    store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
+    store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(config)))
+    return store
+
+
+def start_followers(config, num_local: int, host: str, port: int, size: int | None = None) -> list[subprocess.Popen]:
+    """Ranks 1 .. num_local-1 of a group of ``size`` (default ``num_local``), each a process of its
+    own (``python -m shared.engine.tp_rank``) that loads its shard of ``config``'s model and follows
+    rank 0 (which the caller is, joining at ``host:port``). On Linux a follower is killed when the
+    process that started it dies."""
+    size = size or num_local
     blob = json.dumps(dataclasses.asdict(config))
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())  # rank 0's, however it was set
     procs = []
-    for rank in range(1, size):
+    for rank in range(1, num_local):
         cmd = [sys.executable, "-m", "shared.engine.tp_rank", "--rank", str(rank), "--size", str(size),
                "--host", host, "--port", str(port), "--config", blob, "--log-level", level]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))

@@ -96,14 +96,17 @@ class ProcessGroupCollectives:
 
     def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
                  timeout_s: float = 120.0, shared_memory: bool = True, idle_timeout_s: float = 7 * 86400.0,
-                 *, store: dist.Store | None = None, prefix: str = "tp") -> None:
+                 *, store: dist.Store | None = None, prefix: str = "tp", bind_host: str | None = None) -> None:
         """Join the group whose rank 0 listens on ``host:port`` (rank 0 opens that TCP store), every
         rank within ``timeout_s``. ``shared_memory=False`` keeps gloo even on one host (to compare
         them). Gloo's collectives wait up to ``idle_timeout_s``: a follower waits in a broadcast for
         rank 0's next step for as long as the worker has no request (a dead rank breaks the wait
-        at once, its connections closed). ``store`` and ``prefix``: a subgroup's (``subgroup``)."""
+        at once, its connections closed). ``store`` and ``prefix``: a subgroup's (``subgroup``), or rank
+        0's own store. ``bind_host``: this rank's address for gloo's connections where it is not on
+        rank 0's host (default ``host``)."""
         self.rank, self.size, self.device = rank, size, device
         self.host, self.timeout_s, self.shared_memory, self.idle_timeout_s = host, timeout_s, shared_memory, idle_timeout_s
+        self.bind_host = bind_host or host
         self.num_calls, self.seconds = 0, 0.0  # collectives made on this rank, and the time they took
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store if store is not None else dist.TCPStore(host, port, size, is_master=rank == 0,
@@ -114,7 +117,7 @@ class ProcessGroupCollectives:
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host)]
             self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, size, options)
         self.shm = None
         if shared_memory and device.type == "cpu":
@@ -138,7 +141,7 @@ class ProcessGroupCollectives:
             return SingleRank()
         return ProcessGroupCollectives(ranks.index(self.rank), len(ranks), self.host, 0, self.device, self.timeout_s,
                                        self.shared_memory, self.idle_timeout_s, store=self.store,
-                                       prefix="g" + "-".join(map(str, ranks)))
+                                       prefix="g" + "-".join(map(str, ranks)), bind_host=self.bind_host)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()

@@ -1,6 +1,7 @@
 from pydantic import Field, model_validator
 
 from services.framework.settings import QosSettings, ServiceSettings
+from shared.openai_api.reasoning import ReasoningParser
 
 
 class GatewaySettings(ServiceSettings, QosSettings):
@@ -16,6 +17,10 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                           "and /dashboard then require (Bearer, or Basic with it as password); "
                                           "unset: those pages are open")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when the request gives none")
+    reasoning_parser: ReasoningParser = Field("auto", description="return a thinking model's <think>…</think> "
+                                              "apart from the answer (chat: reasoning_content; responses: a "
+                                              "reasoning item): auto, when the model's chat template mentions "
+                                              "</think>; think, always; none, never (it stays in the content)")
     admission_timeout_s: float = Field(2.0, gt=0, description="wait for admission's answer")
     admission_retry_s: float = Field(10.0, ge=0, description="ask admission again (another instance of its "
                                      "queue group, or its restart) for this long after an unanswered ask")

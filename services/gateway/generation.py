@@ -1,5 +1,6 @@
 """One request's life in the gateway: admission, the worker's token stream, incremental
-detokenization and stop strings. Errors come out as ``ApiError`` with the HTTP status to send.
+detokenization, reasoning apart from the content (``shared.openai_api.reasoning``) and stop strings
+on the content. Errors come out as ``ApiError`` with the HTTP status to send.
 
 If the worker is lost mid-stream (it leaves the registry, stops answering, or refuses), the
 request is admitted again with the tokens generated so far appended to the prompt and the
@@ -29,6 +30,7 @@ from typing import Protocol
 from shared.bus import Bus, BusTimeout, Disconnected, MalformedReply, NoResponders, RemoteError, ServiceError
 from shared.openai_api.adapters import Delta
 from shared.openai_api.errors import ApiError
+from shared.openai_api.reasoning import ReasoningSplitter, Start
 from shared.openai_api.stop import StopStringMatcher
 from shared.policy.attempts import MAX_ADMISSIONS, Attempts, Failure, Next, next_attempt
 from shared.protocol import (AdmissionDecision, CancelRequest, ControlRequest, GenerateRequest, Subjects,
@@ -72,7 +74,8 @@ class WorkerDirectory(Protocol):
 class Generation:
     def __init__(self, bus: Bus, subjects: Subjects, settings: GatewaySettings, tokenizer: Tokenizer,
                  metrics: GatewayMetrics, request: GenerateRequest, stops: list[str], *,
-                 workers: WorkerDirectory, arrived_at: float | None = None) -> None:
+                 workers: WorkerDirectory, arrived_at: float | None = None,
+                 reasoning: Start | None = None) -> None:
         self._bus, self._subjects, self._settings = bus, subjects, settings
         self._metrics = metrics
         self._workers = workers
@@ -80,7 +83,8 @@ class Generation:
         self.request = request          # what the client asked for
         self._current = request         # what the current worker runs (differs after a migration)
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
-        self._stop = StopStringMatcher(stops)
+        self._reasoning = ReasoningSplitter(reasoning)  # None: all of the output is content
+        self._stop = StopStringMatcher(stops)  # on the content only
         self._stream: AsyncIterator[TokenChunk] | None = None
         self._first: TokenChunk | None = None
         self._generated: list[int] = []
@@ -428,15 +432,19 @@ class Generation:
             piece = chunk.text
         else:
             piece = self._detok.push(chunk.token_ids)
-        text = self._stop.push(piece)
+        reasoning, content = self._reasoning.push(piece)
+        text = self._stop.push(content)
         finish = chunk.finish_reason
         if finish is not None and not self._stop.is_stopped:
-            text += self._stop.push(self._detok.flush())
+            last_reasoning, last_content = self._reasoning.push(self._detok.flush())
+            held_reasoning, held_content = self._reasoning.flush()
+            reasoning += last_reasoning + held_reasoning
+            text += self._stop.push(last_content + held_content)
             text += self._stop.flush()
         if self._stop.is_stopped:
             finish = "stop"
         self.is_finished = finish is not None
-        return Delta(text, list(chunk.logprobs or []), finish)
+        return Delta(text, list(chunk.logprobs or []), finish, reasoning)
 
     async def close(self) -> None:
         """End the request: if it is still running (client gone, error, its task cancelled), cancel it

@@ -60,12 +60,13 @@ def _usage(gens: list[Generation]) -> dict:
 
 
 async def _choice(gen: Generation) -> Choice:
-    texts, entries, finish = [], [], "length"
+    texts, reasoning, entries, finish = [], [], [], "length"
     async for delta in gen.deltas():
         texts.append(delta.text)
+        reasoning.append(delta.reasoning)
         entries.extend(delta.logprobs)
         finish = delta.finish_reason or finish
-    return Choice("".join(texts), finish, entries)
+    return Choice("".join(texts), finish, entries, "".join(reasoning))
 
 
 def best_choices(choices: list[Choice], n: int) -> list[Choice]:
@@ -150,7 +151,7 @@ async def _write_events(resp: web.StreamResponse, api: ApiAdapter, gens: list[Ge
     offsets = [len(api.echo_text())] * len(gens)
     try:
         async for index, delta in _merged_deltas(gens):
-            if not delta.text and not delta.finish_reason and not delta.logprobs:
+            if not delta.text and not delta.reasoning and not delta.finish_reason and not delta.logprobs:
                 continue
             for chunk in api.stream_chunks(head, index, delta, offsets[index]):
                 await resp.write(api.sse_event(chunk))

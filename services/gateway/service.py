@@ -26,6 +26,7 @@ from shared.cluster.workers import ready_workers
 from shared.openai_api.adapters import ApiAdapter, ChatAdapter, CompletionAdapter, parse_body
 from shared.openai_api.auth import ApiKeys, OperatorKey
 from shared.openai_api.errors import ApiError
+from shared.openai_api.reasoning import Start
 from shared.openai_api.retry import waiting_out_429s
 from shared.policy.qos import ServedTier, load_qos, serve_tier
 from shared.policy.rate_limit import RateLimiter
@@ -186,8 +187,10 @@ class Gateway:
         """One generation per choice, each admitted and at its first token. A try that fails
         closes its generations (cancelling those started); 429s for load are tried again for up
         to ``max_wait_s`` (``waiting_out_429s``; 0: one try)."""
+        reasoning = api.decide_reasoning(self.settings.reasoning_parser, gen_request)
+
         async def attempt() -> list[Generation]:
-            gens = [self._generation(r, api.body.stop_strings(), arrived_at)
+            gens = [self._generation(r, api.body.stop_strings(), arrived_at, reasoning)
                     for r in choice_requests(gen_request, api.body.num_choices())]
             try:
                 # the first choice's prefill fills the prefix cache; the others then share its blocks
@@ -228,9 +231,10 @@ class Gateway:
                                              default_max_tokens=self.settings.default_max_tokens, now=now)
         return request.model_copy(update={"origin": self.origin, "deadline_at": deadline_at(api, now)})
 
-    def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float) -> Generation:
+    def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float,
+                    reasoning: Start | None) -> Generation:
         return Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
-                          gen_request, stops, workers=self, arrived_at=arrived_at)
+                          gen_request, stops, workers=self, arrived_at=arrived_at, reasoning=reasoning)
 
     def _check_rate(self, request: web.Request) -> None:
         """A 429 when this client (its API key, else its address) is over its rate."""

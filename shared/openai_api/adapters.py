@@ -18,8 +18,9 @@ from shared.openai_api.errors import ApiError, from_validation_error
 from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
 from shared.openai_api.json_body import JsonRefused, load_json
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
+from shared.openai_api.reasoning import ReasoningParser, Start, reasoning_start
 from shared.openai_api.tools import ToolCall, ToolUse, may_become_call, system_prompt
-from shared.protocol.generate import TokenLogprob
+from shared.protocol.generate import GenerateRequest, TokenLogprob
 from shared.tokenizer import Tokenizer
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
@@ -33,6 +34,7 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    reasoning: str = ""  # newly completed reasoning (``shared.openai_api.reasoning``), before ``text``
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Choice:
     text: str
     finish_reason: str
     entries: list[TokenLogprob]
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,20 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tool_use: ToolUs
     return tokenizer.encode(text)
 
 
+def chat_reasoning_start(parser: ReasoningParser, api: ApiAdapter, request: GenerateRequest) -> Start | None:
+    """How the output of a chat-templated request starts (``shared.openai_api.reasoning``): from
+    the end of its rendered prompt, or, for a text worker's model (its template is the worker's),
+    as if the output opens the reasoning. An output a grammar constrains from its first token (a
+    structured output, a forced call) has no room for reasoning: all of it is content."""
+    asked = api.body.grammar()
+    if asked is not None and not (asked[1] == "tools" and api.body.tool_mode() == "auto"):
+        return None
+    if request.is_text:
+        return reasoning_start(parser, uses_template=True, template=None, prompt_end=None)
+    end = api.tokenizer.decode(request.prompt_token_ids[-8:], skip_special_tokens=False)
+    return reasoning_start(parser, uses_template=True, template=api.tokenizer.chat_template, prompt_end=end)
+
+
 def chat_finish_reason(finish_reason: str) -> str:
     """A choice that ended as calls: ``tool_calls``, unless the token limit cut them off."""
     return "tool_calls" if finish_reason == "stop" else finish_reason
@@ -150,6 +167,13 @@ class ApiAdapter(ABC, Generic[Body]):
     def __init__(self, body: Body, tokenizer: Tokenizer) -> None:
         self.body = body
         self.tokenizer = tokenizer
+        self.reasoning: Start | None = None  # how the output is split (``decide_reasoning``); None: not
+
+    def decide_reasoning(self, parser: ReasoningParser, request: GenerateRequest) -> Start | None:
+        """Whether (and how) ``request``'s output is split into reasoning and content, kept for
+        the response's shape. Only chat-templated prompts are (not ``/v1/completions``)."""
+        self.reasoning = None
+        return None
 
     def sse_event(self, chunk: dict) -> bytes:
         """One streamed chunk (or an error body) as a server-sent event."""
@@ -223,23 +247,31 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
     def text_prompt(self) -> tuple[str | None, list[dict] | None]:
         return None, [{"role": m.role, "content": m.text()} for m in self.body.messages]
 
+    def decide_reasoning(self, parser: ReasoningParser, request: GenerateRequest) -> Start | None:
+        self.reasoning = chat_reasoning_start(parser, self, request)
+        return self.reasoning
+
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
         tool_use = self.body.tool_use()
         if tool_use.mode == "none":
             return [self.chunk(head, index, delta, offset)]
+        # the reasoning streams as it comes; only the content may become calls
+        thought = [self._reasoning_chunk(head, index, delta.reasoning)] if delta.reasoning else []
         stream = self._streams.setdefault(index, ToolCallStream(tool_use))
-        held = stream.push(delta)
+        held = stream.push(Delta(delta.text, delta.logprobs, delta.finish_reason))
         if held is None:
-            return []
+            return thought
         if isinstance(held, Delta):
-            return [self.chunk(head, index, held, offset)]
+            is_empty = not (held.text or held.logprobs or held.finish_reason)  # reasoning only, sent above
+            return thought + ([] if is_empty else [self.chunk(head, index, held, offset)])
         calls = [{"index": i, **c.model_dump()} for i, c in enumerate(held.calls)]
         logprobs = self._logprobs(held.logprobs) if held.logprobs else None
-        return [responses.chat_chunk(head.request_id, head.created, head.model, index, {"tool_calls": calls},
-                                     logprobs=logprobs, service_tier=head.service_tier),
-                responses.chat_chunk(head.request_id, head.created, head.model, index, {},
-                                     finish_reason=chat_finish_reason(held.finish_reason),
-                                     service_tier=head.service_tier)]
+        return thought + [responses.chat_chunk(head.request_id, head.created, head.model, index,
+                                               {"tool_calls": calls}, logprobs=logprobs,
+                                               service_tier=head.service_tier),
+                          responses.chat_chunk(head.request_id, head.created, head.model, index, {},
+                                               finish_reason=chat_finish_reason(held.finish_reason),
+                                               service_tier=head.service_tier)]
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         return [responses.chat_chunk(head.request_id, head.created, head.model, index,
@@ -247,19 +279,29 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
 
     def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
-        content = {"content": delta.text} if delta.text else {}
+        content = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
+        if delta.text:
+            content["content"] = delta.text
         return responses.chat_chunk(head.request_id, head.created, head.model, index, content,
                                     finish_reason=delta.finish_reason, logprobs=logprobs,
                                     service_tier=head.service_tier)
 
+    def _reasoning_chunk(self, head: ResponseHead, index: int, reasoning: str) -> dict:
+        return responses.chat_chunk(head.request_id, head.created, head.model, index,
+                                    {"reasoning_content": reasoning}, service_tier=head.service_tier)
+
     def choice(self, index: int, choice: Choice) -> dict:
         calls = self.body.tool_use().calls(choice.text, choice.finish_reason)
+        thought = {"reasoning_content": choice.reasoning} if choice.reasoning else {}
         if calls:
-            return {"index": index, "message": {"role": "assistant", "content": None,
+            return {"index": index, "message": {"role": "assistant", "content": None, **thought,
                                                 "tool_calls": [c.model_dump() for c in calls]},
                     "logprobs": self._logprobs(choice.entries),
                     "finish_reason": chat_finish_reason(choice.finish_reason)}
-        return responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
+        body = responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
+        if thought:  # an output cut off while reasoning has no content (null, as vLLM)
+            body["message"] = {**body["message"], "content": choice.text or None, **thought}
+        return body
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
         return responses.envelope(head.request_id, head.created, head.model, "chat.completion", choices, usage,

@@ -84,7 +84,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "prediction": FieldRule(R, "no predicted outputs"),
     "web_search_options": FieldRule(R, "no web search"),
     # agent frameworks send these to any model: accepted where they change nothing
-    "reasoning_effort": FieldRule(X, "not a reasoning model: no reasoning to set the effort of"),
+    "reasoning_effort": FieldRule(X, "no effort control: a thinking model reasons as it does (its reasoning "
+                                     "comes back in `reasoning_content`)"),
     "verbosity": FieldRule(X, "no verbosity control: the length of the text does not change"),
     "moderation": FieldRule(R, "no moderation"),
     "store": FieldRule(R, "chat completions are not stored", accepts=_one_of(False)),
@@ -138,8 +139,9 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "include": FieldRule(R, "nothing extra to include", accepts=lambda v: not v),
     "top_logprobs": FieldRule(R, "no logprobs on this endpoint yet", accepts=_one_of(0)),
     "stream_options": FieldRule(X, "`include_obfuscation`: events are not padded"),
-    "reasoning": FieldRule(I, "not a reasoning model: `effort` is accepted and echoed in `response.reasoning.effort` "
-                              "(nothing changes); `summary` refused, there is no reasoning to summarize"),
+    "reasoning": FieldRule(I, "`effort` is accepted and echoed in `response.reasoning.effort` (no effort control: "
+                              "nothing changes); `summary` refused, no summaries are made (a thinking model's "
+                              "reasoning comes back whole, in a `reasoning` item)"),
     **{name: FieldRule(R, why) for name, why in (
         ("background_options", "no background options"),
         ("prompt", "no stored prompts"), ("context_management", "no context management"),

@@ -3,7 +3,9 @@ string or items: messages, ``function_call`` and ``function_call_output``; ``ins
 ``text.format``, ``tools``, ``tool_choice``), the ``response`` object and its streamed events
 (``response.created`` … ``response.output_text.delta`` or ``response.function_call_arguments.delta``
 … ``response.completed``). The output is one message, or the function calls the model made (as
-chat completions make them: ``shared.openai_api.tools``)."""
+chat completions make them: ``shared.openai_api.tools``), after a ``reasoning`` item when a
+thinking model reasoned first (``shared.openai_api.reasoning``; streamed as
+``response.reasoning_text.delta`` events)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapt
 
 from shared.openai_api import responses
 from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
-                                        chat_prompt_ids)
+                                        chat_prompt_ids, chat_reasoning_start)
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import RESPONSES_FIELDS
 from shared.openai_api.models import MAX_TOKEN_COUNT, JsonSchemaFormat, _Body, _Closed, _Sampling, refuse_media
+from shared.openai_api.reasoning import ReasoningParser, Start
 from shared.openai_api.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall,
                                      ToolCallFunction, ToolUse, render_call)
-from shared.protocol.generate import GrammarSpec
+from shared.protocol.generate import GenerateRequest, GrammarSpec
 
 
 class InputText(_Body):
@@ -69,6 +72,13 @@ def _item_type(item: Any) -> str:
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
 
 
+def _without_reasoning(items: list) -> list:
+    """Input items without the ``reasoning`` items of earlier turns (the SDK sends output items
+    back as it got them, and a stored conversation holds them): thinking models' chat templates
+    leave earlier turns' reasoning out of the prompt, and so does this."""
+    return [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
+
+
 InputItem = Annotated[Union[Annotated[InputMessage, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
@@ -90,8 +100,9 @@ Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class ReasoningOptions(_Closed):
-    """Not a reasoning model: the effort is echoed in the response and changes nothing; a summary
-    is refused, since there is no reasoning to summarize."""
+    """No effort control: the effort is echoed in the response and changes nothing; a summary is
+    refused, since none is made (a thinking model's reasoning comes back whole, as a ``reasoning``
+    item)."""
 
     effort: Effort | None = None
     context: Literal["auto", "current_turn", "all_turns"] | None = None
@@ -153,6 +164,8 @@ class ResponsesRequest(_Sampling):
     def _text_only(cls, data: object) -> object:
         if isinstance(data, dict):
             refuse_media(data.get("input"), "input")
+            if isinstance(data.get("input"), list):
+                data = {**data, "input": _without_reasoning(data["input"])}
         return data
 
     @property
@@ -200,14 +213,14 @@ class ResponsesRequest(_Sampling):
                            param="stream", code="unsupported_parameter")
         for name in ("summary", "generate_summary"):
             if self.reasoning is not None and getattr(self.reasoning, name) is not None:
-                raise ApiError(400, f"reasoning.{name} is not supported: not a reasoning model, nothing to summarize",
+                raise ApiError(400, f"reasoning.{name} is not supported: no reasoning summaries are made",
                                param=f"reasoning.{name}", code="unsupported_parameter")
 
     def continued(self, history: list[dict]) -> "ResponsesRequest":
         """This request after the items of an earlier conversation (``previous_response_id``, or
         a ``conversation``'s items); its own ``input`` comes last."""
         own = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
-        return self.model_copy(update={"input": _INPUT_ITEMS.validate_python(history) + own})
+        return self.model_copy(update={"input": _INPUT_ITEMS.validate_python(_without_reasoning(history)) + own})
 
     def messages(self) -> list[dict]:
         """The conversation as chat messages: consecutive calls are one assistant turn, each
@@ -261,6 +274,10 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         self._calls: ToolCallStream | None = ToolCallStream(self._tool_use) if self._tool_use.mode != "none" else None
         self._message_open = False
         self._call_items: list[dict] = []  # the calls, once the model has made them
+        self._reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self._thought: list[str] = []  # the reasoning streamed so far
+        self._reasoning_open = False
+        self._reasoning_item: dict | None = None  # the reasoning item, once it ended
         self.completed: dict | None = None  # the whole response once made (to store it)
 
     def prompt_ids(self) -> list[int]:
@@ -269,24 +286,62 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
     def text_prompt(self) -> tuple[str | None, list[dict] | None]:
         return None, self.body.messages()
 
+    def decide_reasoning(self, parser: ReasoningParser, request: GenerateRequest) -> Start | None:
+        self.reasoning = chat_reasoning_start(parser, self, request)
+        return self.reasoning
+
     def _event(self, kind: str, **fields) -> dict:
         self._seq += 1
         return {"type": kind, "sequence_number": self._seq - 1, **fields}
 
+    def _first_index(self) -> int:
+        """The output index of the message or the first call: after the reasoning item, if any."""
+        return 1 if self._thought else 0
+
     def _where(self) -> dict:
-        return {"item_id": self._item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self._item_id, "output_index": self._first_index(), "content_index": 0}
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         shell = self._response(head, "in_progress", [], None, None)
         events = [self._event("response.created", response=shell),
                   self._event("response.in_progress", response=shell)]
-        # with tools the output may be calls, not a message: it opens with the first text
-        return events + (self._open_message() if self._calls is None else [])
+        # with tools the output may be calls, not a message, and with reasoning a reasoning item
+        # comes first: the message opens with the first text
+        return events + (self._open_message() if self._calls is None and self.reasoning is None else [])
 
     def _open_message(self) -> list[dict]:
         self._message_open = True
-        return [self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
+        return [self._event("response.output_item.added", output_index=self._first_index(),
+                            item=self._message("", "in_progress")),
                 self._event("response.content_part.added", **self._where(), part=_part(""))]
+
+    def _reasoning_events(self, text: str) -> list[dict]:
+        """The reasoning item opened (at its first text), and ``text`` added to it."""
+        where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+        events = []
+        if not self._reasoning_open:
+            self._reasoning_open = True
+            events = [self._event("response.output_item.added", output_index=0,
+                                  item={**self._reasoning("", "in_progress"), "content": []}),
+                      self._event("response.content_part.added", **where, part=_reasoning_part(""))]
+        self._thought.append(text)
+        return events + [self._event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _close_reasoning(self, status: str = "completed") -> list[dict]:
+        """The reasoning item's end, once the answer starts (or the output ended inside it)."""
+        if not self._reasoning_open:
+            return []
+        self._reasoning_open = False
+        text = "".join(self._thought)
+        where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+        self._reasoning_item = self._reasoning(text, status)
+        return [self._event("response.reasoning_text.done", **where, text=text),
+                self._event("response.content_part.done", **where, part=_reasoning_part(text)),
+                self._event("response.output_item.done", output_index=0, item=self._reasoning_item)]
+
+    def _reasoning(self, text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": self._reasoning_id, "summary": [],
+                "content": [_reasoning_part(text)], "encrypted_content": None, "status": status}
 
     def chunk(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> dict:
         self._text.append(delta.text)
@@ -294,13 +349,17 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
 
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
         self._finish = delta.finish_reason or self._finish
-        held = delta if self._calls is None else self._calls.push(delta)
+        events = self._reasoning_events(delta.reasoning) if delta.reasoning else []
+        content = Delta(delta.text, delta.logprobs, delta.finish_reason)
+        held = content if self._calls is None else self._calls.push(content)
         if held is None:
-            return []
+            return events
         if isinstance(held, Calls):
-            return self._call_events(held)
-        events = [] if self._message_open or not held.text else self._open_message()
-        return events + ([self.chunk(head, index, held, offset)] if held.text else [])
+            return events + self._close_reasoning() + self._call_events(held)
+        if not held.text:
+            return events
+        events += self._close_reasoning() + ([] if self._message_open else self._open_message())
+        return events + [self.chunk(head, index, held, offset)]
 
     def _call_events(self, ended: Calls) -> list[dict]:
         """Each call as its item opens, its arguments stream (in one delta: they were held until
@@ -308,7 +367,7 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         status = _status(ended.finish_reason)
         self._call_items = [_call_item(c, status) for c in ended.calls]
         events = []
-        for i, item in enumerate(self._call_items):
+        for i, item in enumerate(self._call_items, start=self._first_index()):
             where = {"item_id": item["id"], "output_index": i}
             events += [self._event("response.output_item.added", output_index=i,
                                    item={**item, "arguments": "", "status": "in_progress"}),
@@ -320,28 +379,37 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
 
     def closing_chunks(self, head: ResponseHead, usage: dict) -> list[dict]:
         status = _status(self._finish)
+        events = self._close_reasoning(status)  # still open: the output ended inside the reasoning
+        before = [self._reasoning_item] if self._reasoning_item is not None else []
         if self._call_items:
-            done = self.completed = self._response(head, status, self._call_items, self._finish, _usage(usage))
-            return [self._event(f"response.{done['status']}", response=done)]
+            done = self.completed = self._response(head, status, before + self._call_items, self._finish,
+                                                   _usage(usage))
+            return events + [self._event(f"response.{done['status']}", response=done)]
         text = "".join(self._text)
-        events = [] if self._message_open else self._open_message()
+        if before and not self._message_open:  # ended inside the reasoning: no answer, no message
+            done = self.completed = self._response(head, status, before, self._finish, _usage(usage))
+            return events + [self._event(f"response.{done['status']}", response=done)]
+        events += [] if self._message_open else self._open_message()
         message = self._message(text, status)
-        done = self.completed = self._response(head, status, [message], self._finish, _usage(usage))
+        done = self.completed = self._response(head, status, before + [message], self._finish, _usage(usage))
         return events + [self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
                          self._event("response.content_part.done", **self._where(), part=_part(text)),
-                         self._event("response.output_item.done", output_index=0, item=message),
+                         self._event("response.output_item.done", output_index=self._first_index(), item=message),
                          self._event(f"response.{done['status']}", response=done)]
 
     def choice(self, index: int, choice: Choice) -> dict:
-        return {"text": choice.text, "finish_reason": choice.finish_reason,
+        return {"text": choice.text, "finish_reason": choice.finish_reason, "reasoning": choice.reasoning,
                 "calls": self._tool_use.calls(choice.text, choice.finish_reason)}
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
-        finish, status = choices[0]["finish_reason"], _status(choices[0]["finish_reason"])
-        if choices[0]["calls"]:
-            output = [_call_item(c, status) for c in choices[0]["calls"]]
+        first = choices[0]
+        finish, status = first["finish_reason"], _status(first["finish_reason"])
+        if first["calls"]:
+            output = [_call_item(c, status) for c in first["calls"]]
         else:
-            output = [self._message(choices[0]["text"], status)]
+            output = [self._message(first["text"], status)] if first["text"] or not first["reasoning"] else []
+        if first["reasoning"]:  # ended by the answer, else cut off inside it (no message then)
+            output.insert(0, self._reasoning(first["reasoning"], "completed" if output else status))
         self.completed = self._response(head, status, output, finish, _usage(usage))
         return self.completed
 
@@ -372,7 +440,7 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
                                     if body.text and body.text.format else {"type": "text"}),
                          # as asked (OpenAI's default: medium); no verbosity control here
                          "verbosity": (body.text.verbosity if body.text else None) or "medium"},
-                # as asked; not a reasoning model, so the effort changed nothing
+                # as asked; there is no effort control, so it changed nothing
                 "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
                 "usage": usage, "previous_response_id": body.previous_response_id,
                 "conversation": {"id": body.conversation_id} if body.conversation is not None else None,
@@ -388,6 +456,10 @@ def _call_item(call: ToolCall, status: str) -> dict:
 
 def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _status(finish: str | None) -> str:

@@ -1,5 +1,5 @@
 """Decode attention straight from the paged KV pool on an AVX2 or AVX-512 CPU:
-``kernels/cpu/decode_attention.cpp``, called by the compiled decode step (shared/model/compiled.py) once
+``kernels/cpu/decode_attention.cpp``, called by the compiled decode step (shared/engine/compiled/step.py) once
 per layer.
 
 Without it the graph gathers each sequence's past out of the pool and inductor writes the softmax
@@ -10,7 +10,7 @@ once for the query heads that share it.
 
 Each (sequence, KV head) runs the same instructions in the same order whatever the batch, so a
 sequence gets the same bits alone and in any batch. The sums differ from the written-out softmax's
-(``shared/model/compiled.py`` ``_decode_attention``, the reference here) in the last bits of
+(``shared/engine/compiled/step.py`` ``_decode_attention``, the reference here) in the last bits of
 float32, so the compiled step's artifact key says which of the two a graph calls
 (``kernel_in_graph``). Built on first use (``kernels/cpu_build.py``); with
 ``TANDEM_ATTENTION_KERNEL=off``, without a compiler or without AVX2, FMA and F16C, the graph keeps

@@ -27,7 +27,6 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, create_
 from pydantic.dataclasses import dataclass
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.model.compile_mode import COMPILE_MODES, compile_mode
 from shared.model.precision import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
@@ -79,6 +78,22 @@ def _compile(value: Any) -> Any:
 
 # a byte count, given as one or as a size such as 512MiB (env variables and flags are strings)
 Bytes = Annotated[int, BeforeValidator(_size)]
+
+
+
+COMPILE_MODES = ("off", "on", "background")  # the ``compile`` setting's values
+_BOOLEAN_SPELLINGS = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+
+
+def compile_mode(value: str | bool) -> str:
+    """The canonical ``compile`` setting: off, on or background (True and False, and the strings an
+    environment variable would hold for them, mean on and off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    mode = _BOOLEAN_SPELLINGS.get(value.lower(), value.lower())
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {value!r} (choose {', '.join(COMPILE_MODES)})")
+    return mode
 
 
 def cli_flags(*flags: str) -> dict:
@@ -159,7 +174,7 @@ class EngineOptions:
         "tokens per step from the request's own tokens, verified in the same forward (0: off). Greedy text is "
         "unchanged on the CPU; on CUDA it can move as it does with the batch size (another graph bucket)")
     speculative_max_batch: int = Field(4, ge=1, description="speculate only while this many requests or fewer run")
-    # shared/model/compiled.py (CPU), shared/model/cuda_graph.py (CUDA); True and False mean on and off
+    # shared/engine/compiled/step.py (CPU), shared/engine/compiled/cuda_graph.py (CUDA); True and False mean on and off
     compile: Annotated[Literal[COMPILE_MODES], BeforeValidator(_compile)] = Field(
         "off", description="CPU: decode-only steps as one torch.compile graph (inductor): on = compiled before "
         "the first request, background = compiled on a thread while eager steps serve, off = eager only; "

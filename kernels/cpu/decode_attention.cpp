@@ -1,7 +1,7 @@
 // Decode attention on an AVX2 (or AVX-512) CPU, read straight from the paged KV pool: one query row per sequence
 // (H heads, Hkv KV heads, G = H / Hkv queries per KV head) over that sequence's cached past and its
 // own new key/value, in float32. The compiled decode step calls it once per layer in place of the
-// gather and the written-out softmax inductor would generate (shared/model/compiled.py).
+// gather and the written-out softmax inductor would generate (shared/engine/compiled/step.py).
 //
 // Work item: one (sequence, KV head), in sequence-major order where every thread gets several
 // sequences, else head-major. Its keys are read once for all G queries of the group: the scores of

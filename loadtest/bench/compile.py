@@ -3,7 +3,7 @@
     python -m loadtest.bench.compile [--batch-sizes 1,8,32] [--steps 30] [--rounds 3]
 
 For each batch size, two engines on the same model and precision (default: the device's, float32 +
-int8 layers here), one eager and one with ``--compile`` (shared/model/compiled.py), each with ``B``
+int8 layers here), one eager and one with ``--compile`` (shared/engine/compiled/step.py), each with ``B``
 greedy requests of 128-token prompts stepped until all of them decode. Then the engines take turns,
 ``--steps`` timed decode steps each per round, so that a change in the machine's load hits both.
 Reports each engine's median ms per step, the speed-up (eager time / compiled time), whether the
@@ -30,7 +30,7 @@ compile took. Writes ``during_compile.json`` under --out.
     python -m loadtest.bench.compile --artifacts [--model smollm2-135m]
 
 What a worker on a fresh machine pays to reach the compiled step, with and without the cluster's
-artifacts (shared/model/compile_artifacts.py). A nats-server of its own, then three runs of
+artifacts (shared/engine/compiled/artifacts.py). A nats-server of its own, then three runs of
 ``tandem model fetch --compile --nats`` (load the model, load or compile the step as a worker
 would), each a fresh process: ``cold`` with an empty compile cache and nothing in the cluster (it
 compiles and publishes); ``cluster`` with another empty cache, fetching the first run's artifacts
@@ -55,7 +55,7 @@ import uuid
 from pathlib import Path
 
 from loadtest.tools.harness import take_turns
-from shared.engine.compile_process import use_child_process
+from shared.engine.compiled.child import use_child_process
 from loadtest.tools.profile_step import add_decoding_args, any_prefilling, decoding_engine
 from shared.telemetry.measure import percentile
 from shared.telemetry.plot import figure
@@ -197,7 +197,7 @@ def run_artifacts(args) -> int:
                 print(f"{name}: {r['wall_s']} s from process start to the compiled step ({r['step']} in "
                       f"{r['seconds']} s; fetched {r['fetched']}, published {r['published']})", flush=True)
             if args.keep:  # this machine compiled them: later engines here load them
-                from shared.model.compile_artifacts import CompileArtifacts  # noqa: PLC0415
+                from shared.engine.compiled.artifacts import CompileArtifacts  # noqa: PLC0415
 
                 cold = report["runs"]["cold"]["key"]
                 target = CompileArtifacts.default_root() / cold

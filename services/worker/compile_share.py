@@ -1,4 +1,4 @@
-"""The cluster's compiled decode steps for a worker's engine (``shared.model.compile_artifacts``):
+"""The cluster's compiled decode steps for a worker's engine (``shared.engine.compiled.artifacts``):
 an ``ArtifactStore`` over the NATS Object Store bucket ``<ns>-compile``. The engine calls it from
 its own threads (the build, the background compile); each call runs on the worker's event loop."""
 

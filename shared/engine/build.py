@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.compile_thread import BackgroundCompile
+from shared.engine.compiled.background import BackgroundCompile
 from shared.engine.config import EngineConfig, kv_cache_bytes, num_kv_blocks, torch_dtype
 from shared.engine.cpu_threads import engine_thread_count
 from shared.engine.model_runner import ModelRunner
@@ -27,9 +27,9 @@ from shared.kvcache.layout import KvCacheSpec
 from shared.kvcache.manager import KVCacheManager
 from shared.kvcache.tiers import KvTiers, TierConfig
 from shared.model.attention import AttentionBackend, get_attention_backend
-from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts, engine_artifact_key
-from shared.model.compiled import CompiledDecode, unsupported_reason
-from shared.model.cuda_graph import GraphedDecode
+from shared.engine.compiled.artifacts import ArtifactStore, CompileArtifacts, engine_artifact_key
+from shared.engine.compiled.step import CompiledDecode, unsupported_reason
+from shared.engine.compiled.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
 from shared.model.parallel import (Collectives, ProcessGroupCollectives, check_pipeline_parallel,
                                    check_tensor_parallel)
@@ -135,9 +135,9 @@ def _runner(model: LlamaModel, config: EngineConfig, kv_cache: torch.Tensor, bac
             tokenizer, eos_token_ids: frozenset[int],
             artifact_store: ArtifactStore | None,
             max_model_len: int) -> tuple[ModelRunner, BackgroundCompile | None]:
-    """The model runner, with its decode step compiled (or loaded: shared/model/compile_artifacts.py)
+    """The model runner, with its decode step compiled (or loaded: shared/engine/compiled/artifacts.py)
     now (``compile="on"``) or on a background thread that hands it over when ready (``"background"``).
-    On CUDA either captures the decode step as CUDA graphs now (seconds; shared/model/cuda_graph.py)."""
+    On CUDA either captures the decode step as CUDA graphs now (seconds; shared/engine/compiled/cuda_graph.py)."""
     compile_mode = config.compile
     sampler = Sampler(model.device, config.seed, _grammars(tokenizer, model.cfg.vocab_size, eos_token_ids))
     if isinstance(model, ParallelModel) and compile_mode != "off":
@@ -201,7 +201,7 @@ def _group_runner(model: ParallelModel, config: EngineConfig, kv_cache: torch.Te
             return None
 
     runner = ModelRunner(model, kv_cache, backend, config.block_size, sampler, share=share)
-    # on rank 0's compile thread, not in a child process (no config: see shared/engine/compile_thread.py)
+    # on rank 0's compile thread, not in a child process (no config: see shared/engine/compiled/background.py)
     background = BackgroundCompile(shard, config.block_size, kv_cache, threads, runner.use_compiled, artifacts,
                                    artifact_store, run_once=False)
     background.start()

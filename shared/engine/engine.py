@@ -27,7 +27,7 @@ from shared.engine.step_stats import EngineStats, PrefillRate, StepObserver, Ste
 from shared.engine.step_trace import StepTrace
 from shared.grammar import GrammarError, compile_grammar
 from shared.kvcache.events import KvEventSink
-from shared.model.compile_artifacts import ArtifactStore
+from shared.engine.compiled.artifacts import ArtifactStore
 from shared.model.llama import LlamaModel
 from shared.model.moe import expert_load
 

@@ -12,8 +12,8 @@ import torch
 from shared.engine.sampler import SampledToken, Sampler
 from shared.engine.scheduler import ScheduledRequest, SchedulerOutput
 from shared.model.attention import AttentionBackend, AttentionMetadata
-from shared.model.compiled import CompiledDecode
-from shared.model.cuda_graph import GraphedDecode
+from shared.engine.compiled.step import CompiledDecode
+from shared.engine.compiled.cuda_graph import GraphedDecode
 from shared.model.llama import LayerState, LlamaModel
 
 Interrupt = Callable[[int], bool]  # whether a request more urgent than this priority is on its way in

@@ -262,8 +262,8 @@ def _load_compiled(model: LlamaModel, world: Collectives, kv_cache: torch.Tensor
     """A follower's compiled decode step: rank 0's (``ParallelModel.share_compiled``), run once with
     the others once every rank has it; None (the follower's steps stay eager, as every rank's) when
     any follower could not load it."""
-    from shared.model.compile_artifacts import CompileArtifacts
-    from shared.model.compiled import CompiledDecode
+    from shared.engine.compiled.artifacts import CompileArtifacts
+    from shared.engine.compiled.step import CompiledDecode
 
     compiled = None
     try:

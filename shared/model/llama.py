@@ -66,7 +66,7 @@ class LlamaLayer:
     sublayer's all-reduced output (OLMo 2, Gemma), the MLP's activation, Granite's residual
     multiplier, the softmax scale and Gemma 2's score soft-cap, the layer's sliding window; SmolLM3's
     layers without rotary and experts in place of the MLP (shared/model/moe.py: Mixtral, Qwen3-MoE).
-    The compiled decode step (shared/model/compiled.py) covers the Llama layer and Qwen3's q/k norms;
+    The compiled decode step (shared/engine/compiled/step.py) covers the Llama layer and Qwen3's q/k norms;
     the other families decode eagerly (``compiled.unsupported_reason``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,

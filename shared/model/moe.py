@@ -48,7 +48,7 @@ class MoeBlock:
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         """The (token, expert) pairs grouped by expert (a stable sort), each expert run once over
         its tokens, the weighted outputs added back at their tokens' rows. While a CUDA graph
-        captures the step (shared/model/cuda_graph.py), every expert over every token instead:
+        captures the step (shared/engine/compiled/cuda_graph.py), every expert over every token instead:
         grouping needs the counts on the host, which a graph cannot wait for."""
         experts, weights = self.route(x)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():

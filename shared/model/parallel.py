@@ -127,7 +127,7 @@ class ProcessGroupCollectives:
                      "shared memory" if self.shm else "nccl" if device.type == "cuda" else "gloo")
 
     def __reduce__(self):
-        """The compiled decode step (shared/model/compiled.py) serializes what it traced through,
+        """The compiled decode step (shared/engine/compiled/step.py) serializes what it traced through,
         the model and its layers with their group among them; a group's connections cannot travel,
         and the step reaches its group at run time, not through what it serialized."""
         return (DetachedGroup, (self.rank, self.size))

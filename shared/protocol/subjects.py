@@ -235,7 +235,7 @@ class Subjects:
     @property
     def compile_bucket(self) -> str:
         """Object Store: artifact key → the compiled decode step (serialized, with its inductor cache),
-        packed by the first worker that compiled it (``shared.model.compile_artifacts``)."""
+        packed by the first worker that compiled it (``shared.engine.compiled.artifacts``)."""
         return f"{self.namespace}-compile"
 
     @property

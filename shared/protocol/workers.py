@@ -103,7 +103,7 @@ class WorkerLoad(WireModel):
     # ones); empty from older workers
     output_tokens_recent_by_priority: dict[int, float] = Field(default_factory=dict)
     # how the worker's decode-only steps run: eager, compiling (eager while a background compile of
-    # the decode step runs) or compiled (shared/model/compiled.py)
+    # the decode step runs) or compiled (shared/engine/compiled/step.py)
     decode_step: Literal["eager", "compiling", "compiled"] = "eager"
     num_requests_total: int = Field(0, ge=0)
     num_requests_aborted: int = Field(0, ge=0)

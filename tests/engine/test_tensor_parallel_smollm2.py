@@ -300,7 +300,7 @@ def test_a_group_whose_background_compile_fails_decodes_eagerly_on_every_rank(he
     def fail(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr("shared.engine.compile_thread.CompiledDecode.warm", fail)  # rank 0's process only
+    monkeypatch.setattr("shared.engine.compiled.background.CompiledDecode.warm", fail)  # rank 0's process only
     prompts = [list(range(5 + i, 60 + 37 * i)) for i in range(2)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     texts = {}

@@ -1,4 +1,4 @@
-"""The compiled decode step is built once per cluster (shared/model/compile_artifacts.py):
+"""The compiled decode step is built once per cluster (shared/engine/compiled/artifacts.py):
 ``tandem model fetch --compile --nats`` on one "machine" (a compile cache directory of its own)
 compiles the step and publishes it to a real nats-server; on a second machine with an empty cache
 the same command takes it from the cluster and loads it; a third run there finds it locally. The
@@ -86,7 +86,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(tiny_gguf, tmp_path, 
     prompts = [[(7 * i + 13 * j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(3)]
     config = EngineConfig(model=str(tiny_gguf), device="cpu", kv_cache_memory=16 << 20)
     expected = LLMEngine.from_config(config).generate(prompts, greedy)
-    with caplog.at_level("INFO", logger="shared.engine.compile_thread"):
+    with caplog.at_level("INFO", logger="shared.engine.compiled.background"):
         engine = LLMEngine.from_config(dataclasses.replace(config, compile="background"))
         assert engine.background_compile.wait(timeout=900) and engine.background_compile.error is None
     assert "compiled in a child process" in caplog.text

@@ -3,7 +3,7 @@ off for the other tests): it is ready and answers before the graph is, ``/status
 decode step ``compiled``, and the greedy text is the in-process eager engine's (float32, real
 SmolLM2, real nats-server and redis-server). It publishes what it compiled to the cluster, and a
 second worker on "another machine" (an empty compile cache) compiles nothing: it loads the step
-from the cluster's artifacts (shared/model/compile_artifacts.py) and answers with the same text."""
+from the cluster's artifacts (shared/engine/compiled/artifacts.py) and answers with the same text."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GraphedDecode (shared/model/cuda_graph.py): decode steps replayed from CUDA graphs over static,
+"""GraphedDecode (shared/engine/compiled/cuda_graph.py): decode steps replayed from CUDA graphs over static,
 padded buffers, against the eager forward of the same step. On a GPU (TRITON_INTERPRET=0) the
 graphs are real; under the interpreter a replay runs the captured function again over the same
 static buffers, which checks the padding, the buffers and the KV writes of the padding rows."""
@@ -9,7 +9,7 @@ import torch
 from kernel_cases import REL_TOL, max_rel_err, tiny_model
 from shared.kvcache.layout import KvCacheSpec
 from shared.model.attention import AttentionMetadata, get_attention_backend
-from shared.model.cuda_graph import GraphedDecode, batch_buckets
+from shared.engine.compiled.cuda_graph import GraphedDecode, batch_buckets
 
 BLOCK = 8
 PROMPTS = [13, 21, 5, 30]  # tokens already in the cache of each sequence

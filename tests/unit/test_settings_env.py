@@ -131,7 +131,7 @@ def test_the_nats_defaults_follow_their_variables(monkeypatch):
 
 
 def test_the_cache_directories_follow_their_variables(tmp_path, monkeypatch):
-    from shared.model.compile_artifacts import CompileArtifacts
+    from shared.engine.compiled.artifacts import CompileArtifacts
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"
@@ -152,7 +152,7 @@ def test_the_compile_nice_value_follows_its_variable(monkeypatch, value, nice):
 @pytest.mark.parametrize(("value", "wanted"), [(v, False) for v in ("0", "false", "no", "off", " Off ", "FALSE")]
                          + [(v, True) for v in ("1", "true", "yes", "on", "On")])
 def test_the_compile_process_follows_its_variable(monkeypatch, value, wanted):
-    from shared.engine.compile_process import use_child_process
+    from shared.engine.compiled.child import use_child_process
 
     monkeypatch.setenv("TANDEM_COMPILE_PROCESS", value)
     assert use_child_process() is wanted

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import attention_cpu
-from shared.model.compiled import _decode_attention
+from shared.engine.compiled.step import _decode_attention
 from kernels.cpu_features import cpu_flags
 
 HAS_AVX2 = all(f in cpu_flags() for f in ("avx2", "fma", "f16c"))

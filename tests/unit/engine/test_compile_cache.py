@@ -1,4 +1,4 @@
-"""The compiled decode step's artifacts (shared/model/compile_artifacts.py): what the key depends
+"""The compiled decode step's artifacts (shared/engine/compiled/artifacts.py): what the key depends
 on, packing and unpacking a key's directory, and the fetch/offer rules against a store."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import tarfile
 import pytest
 import torch
 
-from shared.model.compile_artifacts import CompileArtifacts, artifact_key, isa_flags, model_structure
+from shared.engine.compiled.artifacts import CompileArtifacts, artifact_key, isa_flags, model_structure
 
 AVX512 = frozenset({"fpu", "sse2", "avx2", "avx512f", "avx512_vnni", "hypervisor", "constant_tsc"})
 BASE = dict(structure={"layers": 2}, block_size=16, threads=2, code="abc", torch_version="2.13.0+cpu", flags=AVX512)

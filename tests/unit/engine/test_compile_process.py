@@ -1,4 +1,4 @@
-"""The background compile's child process (shared/engine/compile_process.py): what it is given,
+"""The background compile's child process (shared/engine/compiled/child.py): what it is given,
 when it is used, and that it never outlives the thread that started it. The compile itself, in a
 child, is tests/integration/test_compile_artifacts.py."""
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from shared.engine import EngineConfig
-from shared.engine.compile_process import _die_with_parent, child_config, child_fits, use_child_process
+from shared.engine.compiled.child import _die_with_parent, child_config, child_fits, use_child_process
 
 
 def test_the_child_builds_the_workers_step_with_a_small_pool_and_no_tiers():
@@ -47,7 +47,7 @@ def test_the_child_dies_with_the_thread_that_started_it(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import subprocess, sys, time\n"
-        "from shared.engine.compile_process import _die_with_parent\n"
+        "from shared.engine.compiled.child import _die_with_parent\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], preexec_fn=_die_with_parent)\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(600)\n")

@@ -1,4 +1,4 @@
-"""The compiled decode step (shared/model/compiled.py) on a tiny model: the same greedy tokens as
+"""The compiled decode step (shared/engine/compiled/step.py) on a tiny model: the same greedy tokens as
 the eager step for ragged batches, with NaN in every unused cache slot; only decode-only steps
 go through the graph; no recompilation after warm-up."""
 
@@ -11,7 +11,7 @@ import torch
 
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.model.attention import AttentionMetadata
-from shared.model.compiled import CompiledDecode
+from shared.engine.compiled.step import CompiledDecode
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -87,7 +87,7 @@ def test_background_compile_serves_eagerly_then_switches(tiny_engine_model, engi
 
     eager, _ = engines
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with caplog.at_level("INFO", logger="shared.engine.compile_thread"):
+    with caplog.at_level("INFO", logger="shared.engine.compiled.background"):
         engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4,
                                                            compile="background"))
         assert engine.generate(prompts(2), greedy) == eager.generate(prompts(2), greedy)
@@ -108,7 +108,7 @@ def test_a_failed_background_compile_leaves_the_eager_step(tiny_engine_model, mo
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(CompiledDecode, "warm", broken)
-    with caplog.at_level("WARNING", logger="shared.engine.compile_thread"):
+    with caplog.at_level("WARNING", logger="shared.engine.compiled.background"):
         engine = LLMEngine(tiny_engine_model, EngineConfig(kv_cache_memory=4 << 20, block_size=4,
                                                            compile="background"))
         assert engine.background_compile.wait(timeout=60)
@@ -128,10 +128,10 @@ def test_compile_modes():
 
 @pytest.mark.parametrize("lengths", [[5, 0, 12], [16]])
 def test_written_out_attention_matches_sdpa_over_past_and_own_token(lengths):
-    """The graph's attention (shared/model/compiled.py ``_decode_attention``), run eagerly: the
+    """The graph's attention (shared/engine/compiled/step.py ``_decode_attention``), run eagerly: the
     softmax over a sequence's cached past (NaN in every slot past its length) and its own token
     equals SDPA over the concatenated valid positions, with 3 query heads per KV head."""
-    from shared.model.compiled import _decode_attention
+    from shared.engine.compiled.step import _decode_attention
 
     torch.manual_seed(0)
     num_seqs, past_len, heads, kv_heads, dim = len(lengths), 16, 6, 2, 8
@@ -220,7 +220,7 @@ def test_families_the_compiled_step_does_not_cover_decode_eagerly(tmp_path, kind
     compiled step refuses the model rather than run the Llama layer on it."""
     import logging
 
-    from shared.model.compiled import CompiledDecode
+    from shared.engine.compiled.step import CompiledDecode
     from shared.model.loader import load_model
     from tiny_hf_models import save_tiny
 
@@ -317,7 +317,7 @@ def test_a_request_keeps_the_path_it_started_decoding_on(tmp_path):
     """When the compiled step is handed over (the background compile), a request already decoding
     eagerly finishes eagerly, bit for bit as on an engine that never compiles (int8 layers); one
     that starts decoding afterwards runs compiled."""
-    from shared.model.compile_artifacts import CompileArtifacts, engine_artifact_key
+    from shared.engine.compiled.artifacts import CompileArtifacts, engine_artifact_key
     from shared.model.loader import load_model
     from tiny_hf_models import save_tiny
 

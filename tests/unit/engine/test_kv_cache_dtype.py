@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
-from shared.model.compile_artifacts import engine_artifact_key
+from shared.engine.compiled.artifacts import engine_artifact_key
 from shared.kvcache.layout import layer_views
 
 

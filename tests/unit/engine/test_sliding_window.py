@@ -211,7 +211,7 @@ def test_a_window_without_a_positive_size_is_refused():
 def test_the_compiled_decode_step_refuses_windowed_layers_beside_global_ones(tmp_path):
     """One window for every layer is a mask of the past the compiled step takes (below); a model
     whose windowed layers sit beside global ones decodes eagerly under compile on."""
-    from shared.model.compiled import CompiledDecode
+    from shared.engine.compiled.step import CompiledDecode
 
     save_tiny("qwen3_window", tmp_path)
     model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shared.kvcache.layout import KvCacheSpec
-from shared.model.compiled import CompiledDecode
+from shared.engine.compiled.step import CompiledDecode
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
 from shared.engine.parallel import CompiledStepUnavailable, ParallelModel, follow, join_stage
@@ -188,7 +188,7 @@ def test_a_compiled_step_runs_on_the_group_only_where_every_follower_loaded_it(h
 def test_a_ranks_compile_key_is_the_same_after_its_group_has_run(heads_32):
     """The key of a rank's compiled step names the group's size only: not the collectives each layer
     holds, whose counters change as the group runs (else no restart and no compile process finds it)."""
-    from shared.model.compile_artifacts import engine_artifact_key
+    from shared.engine.compiled.artifacts import engine_artifact_key
 
     def keys(group):
         model = load_model(heads_32, "hf", torch.device("cpu"), torch.float32, group)

@@ -11,7 +11,7 @@ every hundred took over 2 s and the mean step was 3.9x the eager step alone, aga
 
 A child process has a GIL of its own. It loads the same model with the same settings (an engine
 built from the same ``EngineConfig``, ``compile="on"``), compiles the step into this machine's
-compile cache (shared/model/compile_artifacts.py) and exits; the worker then loads the step from
+compile cache (shared/engine/compiled/artifacts.py) and exits; the worker then loads the step from
 the cache in seconds. The child runs at the background nice value (``TANDEM_COMPILE_NICE``) with
 its compiler processes, so the compile takes only the CPU time serving leaves. The child proves its
 work by the artifact key it prints: where it differs from the worker's (another model object than
@@ -19,7 +19,7 @@ the one its config names), the worker compiles in its own process as before; so 
 machine's free memory cannot hold the child's copy of the model (``child_fits``). The child dies
 with the thread that started it (``PR_SET_PDEATHSIG``): no compile outlives its worker.
 
-    python -m shared.engine.compile_process '<EngineConfig fields as JSON>'
+    python -m shared.engine.compiled.child '<EngineConfig fields as JSON>'
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _die_with_parent() -> None:
 
 def compile_in_child(config: EngineConfig, num_threads: int, nice: int, timeout_s: float | None = None) -> str | None:
     """Run the child and wait for it; the artifact key it compiled (or loaded), or None if it failed."""
-    cmd = [sys.executable, "-m", "shared.engine.compile_process", json.dumps(child_config(config, num_threads))]
+    cmd = [sys.executable, "-m", "shared.engine.compiled.child", json.dumps(child_config(config, num_threads))]
 
     def lower() -> None:
         _die_with_parent()

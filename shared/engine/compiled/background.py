@@ -1,7 +1,7 @@
 """Compile the decode step on a thread of its own while eager steps serve (``--compile background``).
 
 A cold compile of the whole decode step takes minutes on a small CPU (seconds to load where this
-machine or its cluster compiled it before: shared/model/compile_artifacts.py). A worker that waited
+machine or its cluster compiled it before: shared/engine/compiled/artifacts.py). A worker that waited
 for it would keep its users waiting for nothing: the eager step is correct, only slower. So the
 worker registers and serves eagerly, this thread loads or compiles the step and runs it once over
 block 0 of the pool (reading, never writing), and then hands it to the runner; requests that start decoding from then on run
@@ -17,7 +17,7 @@ rather than half of it. A compile that fails is logged and the worker stays eage
 
 Where neither this machine nor the cluster has the step, and the engine's model was loaded from its
 config (so that another process can load the same one), the compile itself runs in a child process
-(shared/engine/compile_process.py, ``TANDEM_COMPILE_PROCESS``): in this process the compiling
+(shared/engine/compiled/child.py, ``TANDEM_COMPILE_PROCESS``): in this process the compiling
 thread's Python (dynamo, inductor) took the GIL from the engine thread, and at nice 19 it was often
 descheduled while holding it. This thread then only loads what the child left in the compile cache.
 
@@ -41,9 +41,9 @@ from collections.abc import Callable
 import torch
 
 from shared.engine import cpu_threads
-from shared.engine.compile_process import child_fits, compile_in_child, use_child_process
-from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts
-from shared.model.compiled import CompiledDecode
+from shared.engine.compiled.child import child_fits, compile_in_child, use_child_process
+from shared.engine.compiled.artifacts import ArtifactStore, CompileArtifacts
+from shared.engine.compiled.step import CompiledDecode
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class BackgroundCompile:
 
     def _compile_in_child(self, nice: int, num_threads: int) -> None:
         """Where nothing is there to load (this machine's cache, the cluster's store), compile the
-        step in a child process first (shared/engine/compile_process.py): it shares no GIL with
+        step in a child process first (shared/engine/compiled/child.py): it shares no GIL with
         serving; this thread then loads what it built. Any failure leaves the compile to this thread."""
         artifacts, store = self._artifacts, self._store
         if self._config is None or artifacts is None or not use_child_process():

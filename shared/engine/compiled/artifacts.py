@@ -3,7 +3,7 @@
 A cold compile of the decode step takes minutes on a small CPU (about 10 on 2 cores for SmolLM2 in
 int8). Even with inductor's disk cache full, ``torch.compile`` traces the Python step again in every
 process (dynamo, then AOT autograd: about a minute for 30 layers). So the step is compiled ahead of
-time instead (``torch.compile(...).aot_compile``, shared/model/compiled.py), and what comes out is
+time instead (``torch.compile(...).aot_compile``, shared/engine/compiled/step.py), and what comes out is
 kept: the compiled function, serialized (``decode.bin``: the traced graph's wrapper, its inputs'
 sources, the generated code), and the inductor cache it was built in (``inductor/``: the C++
 libraries, so the next process compiles no C++). A later process loads both and calls the step
@@ -109,10 +109,12 @@ def traced_code_digest() -> str:
     """A digest of the source of every module the compiled step traces through, in a fixed order:
     a change in any of them makes a new step."""
     import kernels
+    import shared.model
 
-    here, kernel_dir = Path(__file__).parent, Path(kernels.__file__).parent
+    here, model_dir, kernel_dir = (Path(__file__).parent, Path(shared.model.__file__).parent,
+                                   Path(kernels.__file__).parent)
     digest = hashlib.sha256()
-    for path in [here / "compiled.py", here / "llama.py", here / "quant.py",
+    for path in [here / "step.py", model_dir / "llama.py", model_dir / "quant.py",
                  *(kernel_dir / f"{name}.py" for name in ("cast", "rms_norm", "rotary", "int8_cpu", "blocks_cpu",
                                                                  "attention_cpu"))]:
         digest.update(path.read_bytes())
@@ -128,7 +130,7 @@ def engine_artifact_key(model, block_size: int, threads: int, kv_dtype=None) -> 
     gguf = model.quantization == "gguf"
     structure = model_structure(model)
     # a tensor-parallel rank's collectives and its place in the group are not the graph's: every rank
-    # of a group has the same one (shared/model/compiled.py), so the group's size alone is in the key
+    # of a group has the same one (shared/engine/compiled/step.py), so the group's size alone is in the key
     for name in ("group", "pipeline", "split"):
         structure.pop(name, None)
     _drop_groups(structure)  # each layer holds the group too, with counters that change as it runs

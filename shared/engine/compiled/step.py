@@ -34,10 +34,10 @@ symbolic sizes: one graph serves every batch and every context length. A lone se
 companion row (its results dropped), so that no second graph specialized for batch 1 exists: a
 sequence's rows get the same bits alone as among any batch-mates. The function is called without
 guards (every call passes inputs of the traced ranks and dtypes), and it is serialized with the
-inductor cache it was built in (shared/model/compile_artifacts.py): a later process on a machine
+inductor cache it was built in (shared/engine/compiled/artifacts.py): a later process on a machine
 like this one loads it in seconds instead of compiling for minutes, and a worker takes it from its
 cluster when this machine has none. ``warm()`` loads or compiles it; a worker does that on a thread
-of its own while eager steps serve (``shared/engine/compile_thread.py``), or before it takes
+of its own while eager steps serve (``shared/engine/compiled/background.py``), or before it takes
 traffic. Prefill and chunked steps stay eager; a speculative entry's tokens run in the graph as
 decode rows, each over the past it would have as a plain decode row (the K/V of the step's own
 earlier tokens taken from those rows), so its verified drafts get the bits plain decoding gives.
@@ -56,7 +56,7 @@ from kernels import attention_cpu
 from kernels.cast import cast
 from kernels.rms_norm import fused_add_rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
-from shared.model.compile_artifacts import ArtifactStore, CompileArtifacts
+from shared.engine.compiled.artifacts import ArtifactStore, CompileArtifacts
 from shared.model.attention import AttentionMetadata
 from shared.model.quant import linear
 

@@ -14,7 +14,7 @@ import sys
 from services.admission import cli as admission
 from services.autoscaler import cli as autoscaler
 from services.commands import control_cmds, model_cmds, plan_cmds, protocol_cmds, rank_cmd, status, worker_check
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from services.decode import cli as decode
 from services.gateway import cli as gateway
 from services.join import cli as join

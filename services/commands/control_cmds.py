@@ -39,7 +39,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.bus import Bus, ServiceError
     from shared.protocol import ControlRequest, Subjects
     from shared.telemetry.redact import redact_url

@@ -92,7 +92,7 @@ def _sampling_params(args):
 
 def _checked_sampling_params(args):
     """Validate sampling flags before the (slow) model load."""
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.engine import InvalidRequestError
 
     params = _sampling_params(args)
@@ -104,7 +104,7 @@ def _checked_sampling_params(args):
 
 
 def _load_engine(args):
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.engine import LLMEngine
     from shared.telemetry.logs import configure_logging
 
@@ -117,7 +117,7 @@ def _load_engine(args):
 
 def _stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> list[int]:
     """Generate and print text as it completes; returns the generated ids."""
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.engine import InvalidRequestError
     from shared.tokenizer import IncrementalDetokenizer
 
@@ -142,7 +142,7 @@ def _stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> list[int]:
 
 
 def run_complete(args) -> int:
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = _checked_sampling_params(args)
@@ -176,7 +176,7 @@ def run_chat(args) -> int:
 
 
 def _chat_loop(engine, params, base: list[dict]) -> int:
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
 
     history = list(base)
     while True:
@@ -205,7 +205,7 @@ def _chat_loop(engine, params, base: list[dict]) -> int:
 
 
 def run_fetch(args) -> int:
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.model.registry import resolve_model
     from shared.telemetry.logs import configure_logging
 
@@ -231,7 +231,7 @@ async def _compile_artifacts(args, settings) -> str:
     import asyncio
     import json
 
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.engine import LLMEngine
     from shared.engine.config import engine_config
 

@@ -71,7 +71,7 @@ def register(subparsers) -> None:
 def _inputs(args):
     from dataclasses import replace
 
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.planner.config import (ConfigError, Slo, load_calibration, load_cluster, load_model,
                                        load_workload)
     from shared.planner.costmodel import DecodeSample, Efficiency, PrefillSample, calibrate
@@ -123,7 +123,7 @@ def _plan_cmd(args) -> int:
 
 
 def _load_trace(args, workload):
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.sim import traces
 
     if args.trace == "poisson":
@@ -139,7 +139,7 @@ def _load_trace(args, workload):
 
 
 def _tier_mix(text: str) -> tuple[tuple[str, float], ...]:
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.sim.simulator import workload_admission
 
     known = workload_admission(1.0).qos.tiers
@@ -163,7 +163,7 @@ def _simulate_cmd(args) -> int:
 
     from pydantic import ValidationError
 
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.planner.devices import Cluster
     from shared.planner.flow import Evaluator
     from shared.planner.plan import Plan, make_plan

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.engine.tp_rank import join_group
 
     host, sep, port = args.join.rpartition(":")

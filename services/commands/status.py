@@ -29,7 +29,7 @@ def status_main(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.openai_api.auth import operator_headers
     from shared.planner.config import ConfigError
 

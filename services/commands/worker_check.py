@@ -78,7 +78,7 @@ async def check_worker(nats_url: str, namespace: str, worker_id: str, *, prompt:
                        prompt_text: str = DEFAULT_PROMPT_TEXT, timeout_s: float = 60.0,
                        drain: bool = False) -> list[Check]:
     """``prompt``: token ids, for a token worker; ``prompt_text``: for a text worker (``takes_text``)."""
-    from services.commands.errors import CliError
+    from services.framework.errors import CliError
     from shared.bus import Bus
 
     try:

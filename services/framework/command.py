@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 
 S = TypeVar("S", bound=BaseSettings)
 

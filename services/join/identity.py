@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 
 if TYPE_CHECKING:
     from shared.protocol.workers import WorkerInfo

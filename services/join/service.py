@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from services.join.config import JoinSettings
 from services.join.identity import EXIT_HOST_NAME_TAKEN, describe_conflict, is_ready_here, live_conflicts, load_host_id
 from services.join.watch import ConnectWatch

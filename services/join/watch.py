@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from services.stack.stack import Stack, print_line
 
 CHECK_INTERVAL_S = 2.0

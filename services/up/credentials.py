@@ -59,7 +59,7 @@ def finish(settings: CredentialsSettings) -> int:
 
 
 def _ask(settings: CredentialsSettings, request) -> int:
-    from services.commands.errors import CliError  # noqa: PLC0415
+    from services.framework.errors import CliError  # noqa: PLC0415
     from services.stack.rotate import send_request, wait_answer  # noqa: PLC0415
 
     directory = settings.state_dir / settings.namespace / "nats"

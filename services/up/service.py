@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from services.stack.rotate import Rotator
 from services.stack.servers import advertised_host
 from services.stack.stack import Stack, StackSpec, print_line

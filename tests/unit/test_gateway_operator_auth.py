@@ -14,7 +14,7 @@ import os
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from services.framework.command import settings_from_args
 from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway, build_app

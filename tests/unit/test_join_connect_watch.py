@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from services.join.service import read_connect_file
 from services.join.watch import ConnectWatch
 

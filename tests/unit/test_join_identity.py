@@ -18,7 +18,7 @@ from services.join.identity import (EXIT_HOST_NAME_TAKEN, HOST_ID_FILE, describe
                                     live_conflicts, load_host_id)
 from services.join.service import EXIT_CREDENTIALS_REFUSED, refused_workers, spec_from_settings, worker_ids_of
 from shared.bus.errors import NatsCredentialsRefused
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from shared.protocol.workers import WorkerInfo
 from services.framework.command import settings_from_args
 from services.stack.children import Child

@@ -12,7 +12,7 @@ import pytest
 from services.join.service import read_connect_file, spec_from_settings
 from services.up.service import spec_from_settings as up_spec
 from shared.bus.bus import detect_replicas, server_urls
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 from services.cli import build_parser
 from services.stack.servers import NatsCluster, nats_config
 from services.framework.command import settings_from_args

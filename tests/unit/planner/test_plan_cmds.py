@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.commands import plan_cmds
-from services.commands.errors import CliError
+from services.framework.errors import CliError
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "clusters"
 

@@ -26,8 +26,9 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                      "queue group, or its restart) for this long after an unanswered ask")
     gateway_urls: str | None = Field(None, description="comma-separated URLs of every gateway of the stack, "
                                      "for /status (tandem up passes them)")
-    redis_url: str | None = Field(None, description="the stack's Redis, shown with its password masked in "
-                                  "/status and tandem status (tandem up passes it); not used otherwise")
+    redis_url: str | None = Field(None, description="the stack's Redis (tandem up passes it): where every gateway "
+                                  "of the stack keeps the rate limit's buckets (rate_limit_per_s), and shown with "
+                                  "its password masked in /status and tandem status")
     request_timeout_s: float = Field(600.0, gt=0, description="wait for a request's first token")
     token_idle_timeout_s: float = Field(60.0, gt=0, description="max gap between two tokens")
     lost_request_check_s: float = Field(5.0, ge=0, description="while a request waits for its first token, "
@@ -41,9 +42,14 @@ class GatewaySettings(ServiceSettings, QosSettings):
                                     "(the prompt, or the rendered messages; 413 above)")
     max_detokenize_tokens: int = Field(1 << 18, ge=1, description="most token ids /detokenize takes (413 above)")
     rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key (per "
-                                           "client address without keys), 429 above; unset: no limit")
+                                           "client address without keys) to every /v1/ endpoint, /tokenize and "
+                                           "/detokenize, 429 above; one limit for all the stack's gateways "
+                                           "through redis_url (without it, per gateway); unset: no limit")
     rate_limit_burst: int = Field(10, ge=1, description="requests a key may send at once before "
                                   "rate_limit_per_s applies")
+    rate_limit_redis_timeout_s: float = Field(0.25, gt=0, description="wait this long for Redis's answer to "
+                                              "a rate-limit check; past it (or Redis down) this gateway limits "
+                                              "on its own, asking Redis again 5 s later")
     max_file_bytes: int = Field(100 << 20, ge=1, description="largest file accepted by /v1/files (413 above); "
                                 "the gateway holds an upload in memory while it stores it")
     batch_max_in_flight: int = Field(8, ge=0, description="batch lines this gateway runs at once (0: it runs "

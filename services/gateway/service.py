@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 import uuid
@@ -29,7 +28,6 @@ from shared.openai_api.errors import ApiError
 from shared.openai_api.reasoning import Start
 from shared.openai_api.retry import waiting_out_429s
 from shared.policy.qos import ServedTier, load_qos, serve_tier
-from shared.policy.rate_limit import RateLimiter
 from shared.openai_api.generate_request import (DEADLINE_HEADER, build_generate_request, build_text_request,
                                                 choice_requests, deadline_at, with_header_deadline,
                                                 prompt_block_hashes, resolve_model)
@@ -42,6 +40,7 @@ from shared.protocol import (ClusterStatusRequest, ClusterStatusResult, Generate
 from shared.protocol.status import GatewayState, StatusPage
 from services.framework.lifecycle import (bus_connection, every, published_metrics, serve_until_stopped,
                                     service_instance_id)
+from shared.store.rate_limit import open_rate_limiter
 from shared.telemetry import tracing
 from shared.telemetry.logs import bind_request_id
 from shared.telemetry.metrics import exposition
@@ -57,6 +56,7 @@ from services.gateway.server import (OnComplete, collect_body, errors_middleware
                                      respond)
 from services.gateway.stored_responses import StoredResponses
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.rate_limit import closing_limiter, rate_limit_middleware
 
 __all__ = ["Gateway", "build_app", "load_tokenizer", "run"]  # load_tokenizer: tests import it here
 
@@ -80,7 +80,11 @@ class Gateway:
         self.qos = load_qos(settings.qos)
         self.api_keys = ApiKeys.load(settings.api_keys, settings.api_keys_file, self.qos)
         self.operator_key = OperatorKey.load(settings.operator_key_file)
-        self.rate_limiter = (RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+        # every API call takes a token (build_app's middleware); in Redis, one bucket per key for
+        # every gateway of the stack
+        self.rate_limiter = (open_rate_limiter(settings.rate_limit_per_s, settings.rate_limit_burst,
+                                               settings.redis_url, settings.namespace,
+                                               timeout_s=settings.rate_limit_redis_timeout_s)
                              if settings.rate_limit_per_s else None)
         self.metrics = GatewayMetrics.create(settings.num_restarts, service_instance_id("gateway"))
         self.services = services  # None: no metrics addresses in /status
@@ -146,7 +150,6 @@ class Gateway:
     async def _generate_traced(self, request: web.Request, adapter: type[ApiAdapter],
                                arrived_at: float, answer: Answer) -> web.StreamResponse:
         key_tier = self.api_keys.tier(request.headers.get("Authorization"))
-        self._check_rate(request)
         api = adapter.from_json(await request.read(), self.tokenizer)
         with_header_deadline(api, request.headers.get(DEADLINE_HEADER))
         return await answer(request, api, serve_tier(self.qos, api.body.service_tier, key_tier), arrived_at)
@@ -236,17 +239,6 @@ class Gateway:
         return Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
                           gen_request, stops, workers=self, arrived_at=arrived_at, reasoning=reasoning)
 
-    def _check_rate(self, request: web.Request) -> None:
-        """A 429 when this client (its API key, else its address) is over its rate."""
-        if self.rate_limiter is None:
-            return
-        client = self.api_keys.client_id(request.headers.get("Authorization"), request.remote)
-        wait_s = self.rate_limiter.acquire(client, time.monotonic())
-        if wait_s is not None:
-            raise ApiError(429, f"rate limit exceeded ({self.settings.rate_limit_per_s:g} requests/s, burst "
-                           f"{self.settings.rate_limit_burst}); retry in {wait_s:.1f}s",
-                           code="rate_limit_exceeded", retry_after_s=math.ceil(wait_s))
-
     # --- models, probes, metrics, status ---------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [_model_card(m) for m in self.served_models()]})
@@ -261,7 +253,6 @@ class Gateway:
     # gateway's CPU), and run in a thread: a large text would hold the event loop, /health included
     async def tokenize(self, request: web.Request) -> web.Response:
         self.api_keys.tier(request.headers.get("Authorization"))
-        self._check_rate(request)
         body = parse_body(await request.read(), TokenizeRequest)
         resolve_model(body.model, self.served_models())
         max_model_len = min((w.max_model_len for w in self.ready_workers(body.model)), default=None)
@@ -270,7 +261,6 @@ class Gateway:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         self.api_keys.tier(request.headers.get("Authorization"))
-        self._check_rate(request)
         body = parse_body(await request.read(), DetokenizeRequest)
         resolve_model(body.model, self.served_models())
         return web.json_response(await asyncio.to_thread(detokenize, body, self.tokenizer,
@@ -351,9 +341,10 @@ def _model_card(model_id: str) -> dict:
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware(gateway.metrics.observe_response),
-                                       operator_middleware(gateway.operator_key)],
-                          client_max_size=gateway.settings.max_request_bytes)
+    middlewares = [errors_middleware(gateway.metrics.observe_response), operator_middleware(gateway.operator_key)]
+    if gateway.rate_limiter is not None:
+        middlewares.append(rate_limit_middleware(gateway.rate_limiter, gateway.api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=gateway.settings.max_request_bytes)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_post("/v1/responses", gateway.responses)
@@ -385,7 +376,8 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
         app = build_app(gateway)
         batches = await Batches.open(gateway, gateway.stored.history)
         batches.add_routes(app)
-        async with (http_site(app, settings.host, settings.port) as port,
+        async with (closing_limiter(gateway.rate_limiter),  # exited last: after the site stopped serving
+                    http_site(app, settings.host, settings.port) as port,
                     gateway.stored.running(),
                     published_metrics("gateway", service_instance_id("gateway"), settings, bus,
                                       gateway.metrics.registry),

@@ -4,6 +4,9 @@ off). Pure: the caller passes ``now_s`` (a monotonic clock), so tests drive it w
 A bucket holds up to ``burst`` tokens and refills at ``rate_per_s``; a request takes one token or is
 refused with the time until one is there (the ``Retry-After``). A full bucket is the same as no
 bucket, which is what lets ``RateLimiter`` forget idle clients and stay bounded.
+
+These buckets are one gateway process's; ``shared.store.rate_limit`` keeps the same buckets in Redis
+for every gateway of a stack and falls back to these when Redis does not answer.
 """
 
 from __future__ import annotations
@@ -11,6 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _PRUNE_EVERY = 1024  # new clients between two sweeps of the buckets that refilled
+
+# the gateway's paths outside /v1/ that API clients call, and so spend their tokens
+_CLIENT_PATHS = ("/tokenize", "/detokenize")
+
+
+def is_limited_path(path: str) -> bool:
+    """Whether a request to ``path`` counts against its client's limit: every API call (``/v1/``
+    and below: generations, files, uploads, batches, stored responses, conversations, models, and
+    the lists of them; ``/tokenize``, ``/detokenize``), not probes (``/health``, ``/ready``) or the
+    operator pages (``/status``, ``/metrics``, ``/dashboard``)."""
+    return path.startswith("/v1/") or path in _CLIENT_PATHS
 
 
 @dataclass

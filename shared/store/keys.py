@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from shared.protocol.subjects import DEFAULT_NAMESPACE
 
 
@@ -33,6 +35,13 @@ class RedisKeys:
         """Set once the index is built from the event stream; its absence tells a Redis that lost
         its data (restarted without persistence) from one that holds the index."""
         return f"{self._root}:kv:built"
+
+    def rate_bucket(self, client_id: str) -> str:
+        """Hash: the token bucket of one API key (or client address) shared by every gateway
+        (fields ``tokens`` and ``at_us``; expires once full again). The id is hashed: an API key
+        never reaches Redis."""
+        digest = hashlib.sha256(client_id.encode()).hexdigest()[:32]
+        return f"{self._root}:rate:{digest}"
 
     def all_prefix(self) -> str:
         return f"{self._root}:"

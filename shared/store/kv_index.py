@@ -38,10 +38,12 @@ def _overlaps(counts: dict[str, int], lower: dict[str, dict[str, int]]) -> dict[
             for w, n in counts.items()}
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for ``url`` (``redis://[:password@]host:port/db``); it connects on first use."""
-    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
-                                health_check_interval=30)
+def connect(url: str, timeout_s: float | None = None) -> redis.Redis:
+    """A client for ``url`` (``redis://[:password@]host:port/db``); it connects on first use.
+    ``timeout_s``: how long a connect or a reply may take before redis-py raises a TimeoutError
+    (None: 5 s to connect, replies waited for)."""
+    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s or 5,
+                                socket_timeout=timeout_s, health_check_interval=30)
 
 
 async def check_connection(client: redis.Redis, url: str) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.policy.rate_limit import RateLimiter, TokenBucket
+from shared.policy.rate_limit import RateLimiter, TokenBucket, is_limited_path
 
 
 def test_a_burst_then_one_request_per_refill_and_retry_after_until_the_next_token():
@@ -37,3 +37,16 @@ def test_idle_clients_are_forgotten_once_their_buckets_refill():
     limiter.prune(now_s=1.0)  # idle refilled to 2, busy has 1
     assert len(limiter) == 1
     assert limiter.acquire("busy", now_s=1.0) is None and limiter.acquire("busy", now_s=1.0) is not None
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/files", "/v1/files/file-1/content", "/v1/batches",
+                                  "/v1/responses/resp-1/input_items", "/v1/models", "/v1/embeddings", "/tokenize",
+                                  "/detokenize"])
+def test_every_api_call_counts_against_the_limit(path):
+    assert is_limited_path(path)
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/status", "/dashboard", "/dashboard/data",
+                                  "/tokenize/x", "/v1"])
+def test_probes_and_operator_pages_do_not(path):
+    assert not is_limited_path(path)

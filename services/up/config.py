@@ -135,8 +135,9 @@ class UpSettings(WorkerHostSettings, QosSettings):
                                       "(# comments); the gateways read it themselves")
     operator_key_file: str | None = Field(None, description="file holding the operator key that /status, /metrics "
                                           "and /dashboard then require (and tandem up itself sends); unset: open")
-    rate_limit_per_s: float | None = Field(None, gt=0, description="gateway requests per second per API key "
-                                           "(per client address without keys); unset: no limit")
+    rate_limit_per_s: float | None = Field(None, gt=0, description="requests per second per API key (per client "
+                                           "address without keys), one limit across every gateway (kept in "
+                                           "Redis); unset: no limit")
     autoscale: bool = Field(False, description="let the autoscaler act: flip workers between decode and prefill, "
                             "and start and stop worker processes between --min-workers and --max-workers")
     min_workers: int | None = Field(None, ge=1, description="with --autoscale: never fewer workers than this "

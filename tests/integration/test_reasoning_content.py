@@ -12,23 +12,15 @@ shapes against its types."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import time
 
 import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from services.admission.config import AdmissionSettings
-from services.admission.service import AdmissionService
-from services.gateway.config import GatewaySettings
-from services.gateway.service import Gateway, build_app
-from shared.bus import WorkerRegistry
-from shared.protocol import Subjects, WorkerInfo
-from services.stack.waiting import wait_until
-from test_gateway_misbehaving_workers import sse_events, tokenizer
+from test_gateway_misbehaving_workers import sse_events
+from test_text_worker import TextWorker, serving
 
 MODEL = "thinking-llm"
 TTL_S = 5.0
@@ -42,25 +34,10 @@ def num_pieces(text: str) -> int:
     return math.ceil(len(text) / PIECE)
 
 
-class ScriptedWorker:
+class ScriptedWorker(TextWorker):
     """A text worker whose output is the last message's (or the prompt's) text."""
 
-    def __init__(self, nc, subjects: Subjects) -> None:
-        self.nc, self.subjects = nc, subjects
-        self.tasks: set[asyncio.Task] = set()
-
-    async def start(self, registry: WorkerRegistry) -> None:
-        generate = self.subjects.decode_generate("think-1").subject
-
-        async def on_generate(msg) -> None:
-            task = asyncio.create_task(self.serve(msg))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-        await self.nc.subscribe(generate, cb=on_generate)
-        await registry.put(WorkerInfo(worker_id="think-1", role="decode", model=MODEL, block_size=16,
-                                      max_model_len=4096, max_num_seqs=8, generate_subject=generate,
-                                      takes_text=True, started_at=time.time()))
+    WORKER_ID, MODEL = "think-1", MODEL
 
     async def serve(self, msg) -> None:
         req = json.loads(msg.data)
@@ -83,27 +60,8 @@ def parser() -> str:
 
 @pytest.fixture
 async def setup(bus, nats_url, namespace, parser):
-    subjects = Subjects(namespace)
-    common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=TTL_S, refresh_interval_s=0.1)
-    registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=TTL_S, watch=True)
-    await ScriptedWorker(bus.nc, subjects).start(registry)
-    admission = AdmissionService(AdmissionSettings(**common), bus, registry)
-    await admission.start()
-    gateway = Gateway(GatewaySettings(model="toy", reasoning_parser=parser, **common), bus, registry, tokenizer())
-    tasks = [asyncio.create_task(s.run_forever()) for s in (admission, gateway)]
-
-    async def listed() -> bool:
-        await gateway.refresh()
-        return bool(gateway.ready_workers(MODEL))
-
-    await wait_until(listed, timeout_s=10, what="the worker in the registry")
-    client = TestClient(TestServer(build_app(gateway)))
-    await client.start_server()
-    yield client
-    await client.close()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    async with serving(bus, nats_url, namespace, ScriptedWorker, reasoning_parser=parser) as (client, _):
+        yield client
 
 
 def chat(text: str, **extra) -> dict:

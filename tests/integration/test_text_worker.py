@@ -7,6 +7,7 @@ Real nats-server, real admission, the gateway's HTTP app; the worker is plain na
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -27,7 +28,10 @@ TTL_S = 5.0
 
 
 class TextWorker:
-    """Answers with the words of the last message (or the prompt) in upper case, a word a chunk."""
+    """Answers with the words of the last message (or the prompt) in upper case, a word a chunk.
+    A subclass answers otherwise by its own ``serve``, under its own ``WORKER_ID`` and ``MODEL``."""
+
+    WORKER_ID, MODEL = "text-1", TEXT_MODEL
 
     def __init__(self, nc, subjects: Subjects) -> None:
         self.nc, self.subjects = nc, subjects
@@ -35,7 +39,7 @@ class TextWorker:
         self.tasks: set[asyncio.Task] = set()
 
     async def start(self, registry: WorkerRegistry) -> None:
-        generate = self.subjects.decode_generate("text-1").subject
+        generate = self.subjects.decode_generate(self.WORKER_ID).subject
 
         async def on_generate(msg) -> None:
             task = asyncio.create_task(self.serve(msg))
@@ -43,7 +47,7 @@ class TextWorker:
             task.add_done_callback(self.tasks.discard)
 
         await self.nc.subscribe(generate, cb=on_generate)
-        await registry.put(WorkerInfo(worker_id="text-1", role="decode", model=TEXT_MODEL, block_size=16,
+        await registry.put(WorkerInfo(worker_id=self.WORKER_ID, role="decode", model=self.MODEL, block_size=16,
                                       max_model_len=4096, max_num_seqs=8, generate_subject=generate,
                                       takes_text=True, started_at=time.time()))
 
@@ -61,30 +65,39 @@ class TextWorker:
         await self.nc.publish(msg.reply, b"", headers={"Tandem-Stream": "end"})
 
 
-@pytest.fixture
-async def setup(bus, nats_url, namespace):
+@contextlib.asynccontextmanager
+async def serving(bus, nats_url: str, namespace: str, worker_class: type[TextWorker] = TextWorker, **gateway_settings):
+    """A ``worker_class`` worker registered, a real admission and the gateway's HTTP app in front of
+    it (its own tokenizer a toy one for another model); yields (client, worker)."""
     subjects = Subjects(namespace)
     common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=TTL_S, refresh_interval_s=0.1)
     registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=TTL_S, watch=True)
-    worker = TextWorker(bus.nc, subjects)
+    worker = worker_class(bus.nc, subjects)
     await worker.start(registry)
     admission = AdmissionService(AdmissionSettings(**common), bus, registry)
     await admission.start()
-    gateway = Gateway(GatewaySettings(model="toy", **common), bus, registry, tokenizer())
+    gateway = Gateway(GatewaySettings(model="toy", **gateway_settings, **common), bus, registry, tokenizer())
     tasks = [asyncio.create_task(s.run_forever()) for s in (admission, gateway)]
-
-    async def listed() -> bool:
-        await gateway.refresh()
-        return bool(gateway.ready_workers(TEXT_MODEL))
-
-    await wait_until(listed, timeout_s=10, what="the text worker in the registry")
     client = TestClient(TestServer(build_app(gateway)))
-    await client.start_server()
-    yield client, worker
-    await client.close()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    try:
+        async def listed() -> bool:
+            await gateway.refresh()
+            return bool(gateway.ready_workers(worker.MODEL))
+
+        await wait_until(listed, timeout_s=10, what="the text worker in the registry")
+        await client.start_server()
+        yield client, worker
+    finally:
+        await client.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.fixture
+async def setup(bus, nats_url, namespace):
+    async with serving(bus, nats_url, namespace) as served:
+        yield served
 
 
 async def test_the_text_model_is_listed_and_answers_chat_from_the_messages_as_text(setup):

@@ -211,6 +211,7 @@ class Gateway:
         (seconds for a long prompt, which every other request and /health would wait out on the
         event loop); the registry is read here, on the loop, where it changes."""
         prompt_ids = None
+        api.decide_tool_format(self.settings.tool_call_parser)
         workers = self.ready_workers(resolve_model(api.body.model, self.served_models()))
         if not (workers and all(w.takes_text for w in workers)):
             prompt_ids = await asyncio.to_thread(api.prompt_ids)
@@ -220,6 +221,7 @@ class Gateway:
                          prompt_ids: list[int] | None = None) -> GenerateRequest:
         """Tokenized and hashed here (``prompt_ids``: tokenized already), or, for a model that text
         workers serve, as text."""
+        api.decide_tool_format(self.settings.tool_call_parser)  # again for a caller that skipped prepared_request
         priority = self.qos.tiers[tier].priority
         served = self.served_models()
         model = resolve_model(api.body.model, served)

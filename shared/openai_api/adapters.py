@@ -19,7 +19,8 @@ from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, 
 from shared.openai_api.json_body import JsonRefused, load_json
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
 from shared.openai_api.reasoning import ReasoningParser, Start, reasoning_start
-from shared.openai_api.tools import ToolCall, ToolUse, may_become_call, system_prompt
+from shared.openai_api.tool_formats import ToolCallParser, ToolFormat, tool_format
+from shared.openai_api.tools import ToolCall, ToolUse, system_prompt
 from shared.protocol.generate import GenerateRequest, TokenLogprob
 from shared.tokenizer import Tokenizer
 
@@ -85,7 +86,7 @@ class ToolCallStream:
         text = "".join(d.text for d in self.held)
         logprobs = [e for d in self.held for e in d.logprobs]
         if delta.finish_reason is None:
-            if self.forced or may_become_call(text):
+            if self.forced or self.tool_use.format.may_become_call(text):
                 return None
             self.is_text = True
         else:
@@ -96,17 +97,21 @@ class ToolCallStream:
         return Delta(text, logprobs, delta.finish_reason)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tool_use: ToolUse, param: str) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tool_use: ToolUse, param: str,
+                    template_kwargs: dict | None = None) -> list[int]:
     """A conversation's prompt: the tools in the chat template when it renders them, else in a
-    system message first; a 400 on ``param`` when the template refuses the conversation."""
+    system message first (asking for the calls in ``tool_use.format``); ``template_kwargs``:
+    extra template variables (``chat_template_kwargs``); a 400 on ``param`` when the template
+    refuses the conversation."""
     tools = None
     if tool_use.mode != "none":
         if tokenizer.chat_template_has_tools:
             tools = [t.model_dump(exclude_none=True) for t in tool_use.tools]
         else:
-            messages = [{"role": "system", "content": system_prompt(tool_use.tools)}, *messages]
+            messages = [{"role": "system", "content": system_prompt(tool_use.tools, tool_use.format)}, *messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                             extra_variables=template_kwargs)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from None
     return tokenizer.encode(text)
@@ -175,6 +180,14 @@ class ApiAdapter(ABC, Generic[Body]):
         self.reasoning = None
         return None
 
+    def decide_tool_format(self, parser: ToolCallParser) -> None:
+        """How the model writes tool calls (``--tool-call-parser``; ``auto``: from the chat
+        template), decided before the prompt is rendered and the output read, which then use it.
+        ``/v1/completions`` has no tools."""
+
+    def _chosen_tool_format(self, parser: ToolCallParser) -> ToolFormat:
+        return tool_format(parser, self.tokenizer.chat_template if self.tokenizer is not None else None)
+
     def sse_event(self, chunk: dict) -> bytes:
         """One streamed chunk (or an error body) as a server-sent event."""
         return responses.sse_event(chunk, named=self.named_events)
@@ -241,15 +254,26 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
         self._streams: dict[int, ToolCallStream] = {}
 
     def prompt_ids(self) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in self.body.messages]
-        return chat_prompt_ids(self.tokenizer, messages, self.body.tool_use(), "messages")
+        return chat_prompt_ids(self.tokenizer, self._messages(), self.body.tool_use(), "messages",
+                               self.body.chat_template_kwargs)
 
     def text_prompt(self) -> tuple[str | None, list[dict] | None]:
-        return None, [{"role": m.role, "content": m.text()} for m in self.body.messages]
+        if self.body.chat_template_kwargs:  # the text worker renders its own template: not silently dropped
+            raise ApiError(400, "chat_template_kwargs is not supported for this model: a text worker serves it "
+                           "(it renders the chat template itself)", param="chat_template_kwargs",
+                           code="unsupported_parameter")
+        return None, self._messages()
+
+    def _messages(self) -> list[dict]:
+        fmt = self.body.tool_use().format
+        return [{"role": m.role, "content": m.text(fmt)} for m in self.body.messages]
 
     def decide_reasoning(self, parser: ReasoningParser, request: GenerateRequest) -> Start | None:
         self.reasoning = chat_reasoning_start(parser, self, request)
         return self.reasoning
+
+    def decide_tool_format(self, parser: ToolCallParser) -> None:
+        self.body = self.body.with_tool_format(self._chosen_tool_format(parser))
 
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
         tool_use = self.body.tool_use()

@@ -77,6 +77,9 @@ CHAT_FIELDS: dict[str, FieldRule] = {
                                 "(see Tool calls below)"),
     "parallel_tool_calls": FieldRule(I, "false: at most one call; true: distinct calls, at most 8 under a "
                                         "forced choice"),
+    "chat_template_kwargs": FieldRule(E, "as vLLM: an object of extra chat template variables (e.g. "
+                                         "`{\"enable_thinking\": false}` for Qwen3); not `messages`, `tools`, "
+                                         "`add_generation_prompt` or the special tokens"),
     "functions": FieldRule(R, "deprecated; use `tools`", accepts=lambda v: not v),
     "function_call": FieldRule(R, "deprecated; use `tool_choice`", accepts=_one_of("none")),
     "modalities": FieldRule(R, "text only", accepts=lambda v: v is None or v == ["text"]),

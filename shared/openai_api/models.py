@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, StrictBool, StrictInt, StrictStr,
+                      field_validator, model_validator)
 
 from shared.openai_api.errors import ApiError
-from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolUse, render_call
+from shared.openai_api.tool_formats import HERMES, ToolFormat
+from shared.openai_api.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolUse, render_calls
 from shared.policy.qos import ServiceTierName
 from shared.protocol.generate import GrammarSpec
 
@@ -62,9 +64,10 @@ class ChatMessage(_Body):
     tool_call_id: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
-    def text(self) -> str:
-        """The content as the model sees it; earlier tool calls as the model would write them."""
-        calls = "".join(render_call(c) for c in self.tool_calls or [])
+    def text(self, fmt: ToolFormat = HERMES) -> str:
+        """The content as the model sees it; earlier tool calls as the model would write them
+        (in ``fmt``)."""
+        calls = render_calls(self.tool_calls or [], fmt)
         if self.content is None:
             return calls
         if isinstance(self.content, str):
@@ -96,6 +99,21 @@ Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=MAX_STOP)], 
 MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI documents
 MAX_TOKEN_ID_DIGITS = 9  # a token id in logit_bias: vocabularies are far below 10**9
+
+
+# the chat template's own variables: chat_template_kwargs may not set them
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                      "unk_token", "pad_token")
+MAX_TEMPLATE_KWARGS = 64
+
+
+def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> None:
+    """A 400 naming ``param`` when ``chat_template_kwargs`` would set one of the template's own
+    variables."""
+    taken = sorted(set(kwargs or {}) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise ApiError(400, f"{param} may not set the chat template's own variables: {', '.join(taken)}",
+                       param=f"{param}.{taken[0]}", code="invalid_value")
 
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week: past that a deadline orders nothing
@@ -193,6 +211,9 @@ class ChatCompletionRequest(_Sampling):
     # accepted and ignored (fields.py), but a value OpenAI would refuse is a 400 here too
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+    # extension, as vLLM: extra variables of the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, JsonValue] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: HERMES)  # the gateway's (``with_tool_format``)
 
     @model_validator(mode="before")
     @classmethod
@@ -210,6 +231,7 @@ class ChatCompletionRequest(_Sampling):
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
             raise ApiError(400, "response_format.json_schema is required for type json_schema",
                            param="response_format.json_schema")
+        check_template_kwargs(self.chat_template_kwargs)
         self._check_tools()
 
     def _check_tools(self) -> None:
@@ -224,7 +246,13 @@ class ChatCompletionRequest(_Sampling):
                            param="tool_choice")
 
     def tool_use(self) -> ToolUse:
-        return ToolUse(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False)
+        return ToolUse(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False, self._tool_format)
+
+    def with_tool_format(self, fmt: ToolFormat) -> "ChatCompletionRequest":
+        """This request with the model's tool-call format (``shared.openai_api.tool_formats``)."""
+        copy = self.model_copy()
+        copy._tool_format = fmt
+        return copy
 
     def tool_mode(self) -> Literal["none", "auto", "forced"]:
         """none: answer in text; auto: the model may call; forced: it must (a grammar sees to it)."""

@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
+from pydantic import Discriminator, Field, PrivateAttr, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
 
 from shared.openai_api import responses
 from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
@@ -22,8 +22,9 @@ from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import RESPONSES_FIELDS
 from shared.openai_api.models import MAX_TOKEN_COUNT, JsonSchemaFormat, _Body, _Closed, _Sampling, refuse_media
 from shared.openai_api.reasoning import ReasoningParser, Start
+from shared.openai_api.tool_formats import HERMES, ToolCallParser, ToolFormat
 from shared.openai_api.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall,
-                                     ToolCallFunction, ToolUse, render_call)
+                                     ToolCallFunction, ToolUse, render_calls)
 from shared.protocol.generate import GenerateRequest, GrammarSpec
 
 
@@ -158,6 +159,7 @@ class ResponsesRequest(_Sampling):
     previous_response_id: StrictStr | None = Field(None, min_length=1)
     conversation: Union[Annotated[StrictStr, Field(min_length=1)], ConversationParam] | None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
+    _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: HERMES)  # the gateway's (``with_tool_format``)
 
     @model_validator(mode="before")
     @classmethod
@@ -186,7 +188,14 @@ class ResponsesRequest(_Sampling):
         choice = self.tool_choice
         if isinstance(choice, FunctionToolChoice):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-        return ToolUse([t.as_tool() for t in self.tools or []], choice, self.parallel_tool_calls is not False)
+        return ToolUse([t.as_tool() for t in self.tools or []], choice, self.parallel_tool_calls is not False,
+                       self._tool_format)
+
+    def with_tool_format(self, fmt: ToolFormat) -> "ResponsesRequest":
+        """This request with the model's tool-call format (``shared.openai_api.tool_formats``)."""
+        copy = self.model_copy()
+        copy._tool_format = fmt
+        return copy
 
     def tool_mode(self) -> Literal["none", "auto", "forced"]:
         return self.tool_use().mode
@@ -231,14 +240,15 @@ class ResponsesRequest(_Sampling):
         for item in self.input:
             if isinstance(item, FunctionCallItem):
                 if messages and messages[-1].get("calls"):
-                    messages[-1]["content"] += render_call(item.call())
+                    messages[-1]["calls"].append(item.call())
                 else:
-                    messages.append({"role": "assistant", "content": render_call(item.call()), "calls": True})
+                    messages.append({"role": "assistant", "content": "", "calls": [item.call()]})
             elif isinstance(item, FunctionCallOutputItem):
                 messages.append({"role": "tool", "content": item.text()})
             else:
                 messages.append({"role": item.role, "content": item.text()})
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+        return [{"role": m["role"], "content": m["content"] + render_calls(m.get("calls", []), self._tool_format)}
+                for m in messages]
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
         tools = self.tool_use().grammar()
@@ -289,6 +299,11 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
     def decide_reasoning(self, parser: ReasoningParser, request: GenerateRequest) -> Start | None:
         self.reasoning = chat_reasoning_start(parser, self, request)
         return self.reasoning
+
+    def decide_tool_format(self, parser: ToolCallParser) -> None:
+        self.body = self.body.with_tool_format(self._chosen_tool_format(parser))
+        self._tool_use = self.body.tool_use()
+        self._calls = ToolCallStream(self._tool_use) if self._tool_use.mode != "none" else None
 
     def _event(self, kind: str, **fields) -> dict:
         self._seq += 1

@@ -3,10 +3,10 @@ through the chat template) to token ids, and token ids back to text."""
 
 from __future__ import annotations
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import Field, JsonValue, StrictBool, StrictInt, StrictStr
 
 from shared.openai_api.errors import ApiError
-from shared.openai_api.models import ChatMessage, _Body
+from shared.openai_api.models import MAX_TEMPLATE_KWARGS, ChatMessage, _Body, check_template_kwargs
 from shared.tokenizer import Tokenizer
 
 
@@ -16,6 +16,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
+    # as on /v1/chat/completions: extra variables of the chat template (messages only)
+    chat_template_kwargs: dict[str, JsonValue] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
 
 
 class DetokenizeRequest(_Body):
@@ -31,10 +33,14 @@ def tokenize(body: TokenizeRequest, tokenizer: Tokenizer, max_model_len: int | N
     is a 413."""
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+    if body.chat_template_kwargs is not None and body.messages is None:
+        raise ApiError(400, "chat_template_kwargs applies to messages only", param="chat_template_kwargs")
     if body.messages is not None:
+        check_template_kwargs(body.chat_template_kwargs)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                 extra_variables=body.chat_template_kwargs)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         _check_size(len(text), max_chars, "characters", "messages")

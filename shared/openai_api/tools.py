@@ -1,13 +1,14 @@
 """Tool calls: the tools in the prompt, the grammar that forces a call, and calls read back from
 the model's text.
 
-The model writes a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the
-Hermes/Qwen convention, which chat templates with tool support render too). A template that does
+The model writes a call in its family's format (``shared.openai_api.tool_formats``: ``hermes``, the
+default, is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``mistral`` and
+``llama3_json`` too), which chat templates with tool support render as well. A template that does
 not know tools gets them in a system message that asks for that form. ``tool_choice: required``
 or a named function is enforced by a grammar: the output is then a JSON list of calls (one call
 for a named function, or without ``parallel_tool_calls``), whose items are the functions'
 ``{"name", "arguments"}`` schemas. Under ``auto``, a ``strict`` function brings a grammar too: text
-without ``<tool_call>``, or calls of the declared functions only. In both grammars an argument
+without the format's call marker, or calls of the declared functions only. In both grammars an argument
 schema's objects are closed unless they say otherwise (``closed_schema``).
 
 Every call read back has JSON ``arguments`` and differs from the others: output cut off by the
@@ -18,17 +19,14 @@ repeat of an earlier call's name and arguments is dropped (``ToolUse.calls``).
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from shared.openai_api.tool_formats import HERMES, RawCall, ToolFormat
 from shared.protocol.generate import GrammarSpec
-
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
 
 
 class _Body(BaseModel):
@@ -76,19 +74,21 @@ class ToolCall(_Body):
     function: ToolCallFunction
 
 
-def system_prompt(tools: list[Tool]) -> str:
+def system_prompt(tools: list[Tool], fmt: ToolFormat = HERMES) -> str:
     specs = "\n".join(json.dumps(t.function.model_dump(exclude_none=True)) for t in tools)
-    return ("You may call functions. Their signatures:\n" + specs + "\nTo call one, reply with "
-            f'{CALL_OPEN}{{"name": <function name>, "arguments": <arguments object>}}{CALL_CLOSE}.')
+    return "You may call functions. Their signatures:\n" + specs + f"\nTo call one, reply with {fmt.instruction()}."
 
 
-def render_call(call: ToolCall) -> str:
-    """An earlier call of the conversation, as the model would have written it."""
+def _raw_call(call: ToolCall) -> RawCall:
     try:
-        arguments = json.loads(call.function.arguments)
+        return call.function.name, json.loads(call.function.arguments)
     except ValueError:
-        arguments = call.function.arguments
-    return CALL_OPEN + json.dumps({"name": call.function.name, "arguments": arguments}) + CALL_CLOSE
+        return call.function.name, call.function.arguments
+
+
+def render_calls(calls: list[ToolCall], fmt: ToolFormat = HERMES) -> str:
+    """An assistant turn's earlier calls, as the model would have written them."""
+    return fmt.render([_raw_call(c) for c in calls]) if calls else ""
 
 
 def closed_schema(schema):
@@ -160,70 +160,54 @@ def _forced_tools(tools: list[Tool], choice: ToolChoice | None, parallel: bool) 
     return [], parallel
 
 
-def auto_grammar(tools: list[Tool], parallel: bool) -> GrammarSpec:
-    """``tool_choice: auto`` with a ``strict`` function: the output is text that holds no
-    ``<tool_call>``, or calls (one without ``parallel_tool_calls``) of the declared functions whose
-    arguments match their schemas, and nothing else."""
+def auto_grammar(tools: list[Tool], parallel: bool, fmt: ToolFormat = HERMES) -> GrammarSpec:
+    """``tool_choice: auto`` with a ``strict`` function: the output is text that holds no call
+    marker of ``fmt``, or calls (one without ``parallel_tool_calls``) of the declared functions
+    whose arguments match their schemas, and nothing else."""
     schema = {**_one_of_calls(tools), "x-guidance": _COMPACT}
-    lark = "\n".join([
-        "%llguidance {}",
-        "start: TEXT | calls",
-        "calls: call" + ("+" if parallel else ""),
-        f"call: CALL_OPEN %json {json.dumps(schema)} CALL_CLOSE",
-        # whitespace inside the tags' lexemes: the lexer must not end one before "<tool_call>" is seen
-        r"CALL_OPEN: /[ \t\n]*<tool_call>[ \t\n]*/",
-        r"CALL_CLOSE: /[ \t\n]*<\/tool_call>[ \t\n]*/",
-        r"TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/",
-    ])
-    return GrammarSpec(kind="lark", value=lark)
+    return GrammarSpec(kind="lark", value=fmt.auto_lark(schema, parallel))
 
 
 def _new_call(name: str, arguments: str) -> ToolCall:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=arguments))
 
 
-def parse_calls(text: str, forced: bool) -> list[ToolCall] | None:
-    """The calls in ``text``: a JSON list (a forced call) or ``<tool_call>`` blocks; None when
-    there are none or one does not parse (then the text is the answer)."""
-    if forced:
-        try:
-            raw = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(raw, list):
-            return None
-    else:
-        blocks = _CALL_RE.findall(text)
-        try:
-            raw = [json.loads(b) for b in blocks]
-        except ValueError:
-            return None
-    if not raw or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in raw):
+def _new_calls(raw: list[RawCall]) -> list[ToolCall]:
+    return [_new_call(name, json.dumps(arguments)) for name, arguments in raw]
+
+
+def parse_calls(text: str, forced: bool, fmt: ToolFormat = HERMES) -> list[ToolCall] | None:
+    """The calls in ``text``: a JSON list (a forced call) or calls in ``fmt``; None when there
+    are none or one does not parse (then the text is the answer)."""
+    if not forced:
+        raw = fmt.parse(text)
+        return _new_calls(raw) if raw else None
+    try:
+        items = json.loads(text)
+    except ValueError:
         return None
-    return [_new_call(c["name"], json.dumps(c.get("arguments", {}))) for c in raw]
+    if not isinstance(items, list) or not items:
+        return None
+    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in items):
+        return None
+    return [_new_call(c["name"], json.dumps(c.get("arguments", {}))) for c in items]
 
 
-def whole_calls(text: str, forced: bool) -> list[ToolCall]:
+def whole_calls(text: str, forced: bool, fmt: ToolFormat = HERMES) -> list[ToolCall]:
     """The calls written whole in output cut off before its end (the token limit), in order; the
     one being written when it was cut off is left out, as its arguments are not JSON yet."""
+    if not forced:
+        return _new_calls(fmt.whole_calls(text))
     decoder, calls = json.JSONDecoder(), []
     rest = text.lstrip()
-    if forced:
-        rest = rest[1:] if rest.startswith("[") else ""
-    else:
-        rest = rest[len(CALL_OPEN):] if rest.startswith(CALL_OPEN) else ""
+    rest = rest[1:] if rest.startswith("[") else ""
     while rest.strip():
         try:
             item, end = decoder.raw_decode(rest.lstrip())
         except ValueError:
             break
         rest = rest.lstrip()[end:].lstrip()
-        if not forced:  # a block counts once its closing tag is written
-            if not rest.startswith(CALL_CLOSE):
-                break
-            rest = rest[len(CALL_CLOSE):].lstrip()
-            rest = rest[len(CALL_OPEN):] if rest.startswith(CALL_OPEN) else ""
-        elif rest.startswith(","):
+        if rest.startswith(","):
             rest = rest[1:]
         if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
             break
@@ -245,13 +229,6 @@ def distinct_calls(calls: list[ToolCall]) -> list[ToolCall]:
     return out
 
 
-def may_become_call(text: str) -> bool:
-    """Whether streamed text so far could still be the start of a ``<tool_call>`` block (then it is
-    held back rather than streamed as content)."""
-    stripped = text.lstrip()
-    return CALL_OPEN.startswith(stripped) or stripped.startswith(CALL_OPEN)
-
-
 @dataclass(frozen=True)
 class ToolUse:
     """What one request lets the model do with its tools (the same for chat completions and
@@ -260,6 +237,7 @@ class ToolUse:
     tools: list[Tool]
     choice: ToolChoice | None
     parallel: bool  # parallel_tool_calls is not false
+    format: ToolFormat = field(default=HERMES)  # how the model writes calls (--tool-call-parser)
 
     @property
     def mode(self) -> Literal["none", "auto", "forced"]:
@@ -279,7 +257,7 @@ class ToolUse:
         if self.mode == "forced":
             return forced_grammar(self.tools, self.choice, self.parallel)
         if self.mode == "auto" and any(t.function.strict for t in self.tools):
-            return auto_grammar(self.tools, self.parallel)
+            return auto_grammar(self.tools, self.parallel, self.format)
         return None
 
     def calls(self, text: str, finish_reason: str | None) -> list[ToolCall] | None:
@@ -290,9 +268,9 @@ class ToolUse:
         if self.mode == "none":
             return None
         forced = self.mode == "forced"
-        calls = parse_calls(text, forced) if finish_reason == "stop" else None
-        if calls is None and (forced or (finish_reason != "stop" and text.lstrip().startswith(CALL_OPEN))):
-            calls = whole_calls(text, forced)
+        calls = parse_calls(text, forced, self.format) if finish_reason == "stop" else None
+        if calls is None and (forced or (finish_reason != "stop" and self.format.starts_call(text))):
+            calls = whole_calls(text, forced, self.format)
         if calls and any(c.function.name not in self.names() for c in calls):
             return None  # a function never declared: not a call (auto without a grammar)
         calls = distinct_calls(calls or [])

@@ -62,12 +62,17 @@ class ChatTemplate:
         self._variables = {k: v for k, v in special_tokens.items() if v is not None}
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, extra_variables: Mapping[str, object] | None = None) -> str:
+        """``extra_variables``: more template variables (a request's ``chat_template_kwargs``);
+        one that names a variable of the template's own is a ``ValueError``."""
         conversation = validate_messages(messages)
+        own = {"messages": conversation, "tools": tools, "documents": None,
+               "add_generation_prompt": add_generation_prompt, **self._variables}
+        taken = sorted(set(extra_variables or {}) & set(own))
+        if taken:
+            raise ValueError(f"chat template variables may not be set again: {', '.join(taken)}")
         try:
-            return self._template.render(messages=conversation, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self._variables)
+            return self._template.render(**(extra_variables or {}), **own)
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template rejected the conversation: {exc}") from exc
 

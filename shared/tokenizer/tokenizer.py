@@ -123,13 +123,16 @@ class Tokenizer:
         return self._chat_template.source if self._chat_template else None
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None,
+                            extra_variables: Mapping[str, object] | None = None) -> str:
         """The prompt text for an OpenAI-style conversation, equal to transformers'
-        ``apply_chat_template(messages, add_generation_prompt=..., tools=..., tokenize=False)``.
-        Raises ``ValueError`` naming the bad field, or when the model has no chat template."""
+        ``apply_chat_template(messages, add_generation_prompt=..., tools=..., tokenize=False,
+        **extra_variables)``. Raises ``ValueError`` naming the bad field, or when the model has no
+        chat template."""
         if self._chat_template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt")
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          extra_variables=extra_variables)
 
     @property
     def chat_template_has_tools(self) -> bool:

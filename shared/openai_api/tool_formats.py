@@ -1,0 +1,303 @@
+"""How one model family writes a tool call in its text, as vLLM's ``--tool-call-parser``: each
+format reads calls back from the output, writes earlier calls back into the prompt (multi-turn),
+tells a template without tool support how to call, and gives the grammar of "text or calls"
+(``tool_choice: auto`` with a ``strict`` function).
+
+- ``hermes`` (Qwen2/2.5/3, SmolLM3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  one block per call.
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or the newer
+  ``[TOOL_CALLS]name[ARGS]{...}`` (repeated for parallel calls).
+- ``llama3_json`` (Llama 3.x): the output is a bare ``{"name": ..., "parameters": {...}}``, or several
+  separated by ``;``, optionally after ``<|python_tag|>``.
+
+A format hands back raw calls, ``(name, arguments)`` with the arguments a JSON value;
+``shared.openai_api.tools`` makes them ``ToolCall``s, checks them against the declared functions
+and drops repeats. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from typing import ClassVar, Literal
+
+ToolCallParser = Literal["auto", "hermes", "mistral", "llama3_json"]
+
+RawCall = tuple[str, object]  # (function name, arguments as a JSON value)
+
+_DECODER = json.JSONDecoder()
+
+
+def _raw(item: object, arguments_key: str = "arguments") -> RawCall | None:
+    """``{"name": str, <arguments_key>: ...}`` as a raw call; None when it is not one."""
+    if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+        return None
+    return item["name"], item.get(arguments_key, item.get("arguments", {}))
+
+
+def _json_prefix(text: str) -> tuple[object, str] | None:
+    """The JSON value ``text`` starts with (after whitespace) and the text after it; None when it
+    does not start with a whole one."""
+    text = text.lstrip()
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except ValueError:
+        return None
+    return value, text[end:]
+
+
+def _is_prefix_either_way(text: str, marker: str) -> bool:
+    stripped = text.lstrip()
+    return marker.startswith(stripped) or stripped.startswith(marker)
+
+
+class ToolFormat(ABC):
+    """One family's way of writing calls. ``parse`` reads a whole output (None: it is text);
+    ``whole_calls`` reads an output cut off by the token limit, keeping the calls written whole."""
+
+    name: ClassVar[str]
+    marker: ClassVar[str]  # the text a call starts with
+
+    @abstractmethod
+    def parse(self, text: str) -> list[RawCall] | None:
+        """The calls in a finished output; None when it makes none or one does not parse."""
+
+    @abstractmethod
+    def whole_calls(self, text: str) -> list[RawCall]:
+        """The calls written whole at the start of an output cut off before its end, in order."""
+
+    @abstractmethod
+    def render(self, calls: list[RawCall]) -> str:
+        """Earlier calls of one assistant turn, as the model would have written them."""
+
+    @abstractmethod
+    def instruction(self) -> str:
+        """How to call, for the system prompt of a template that does not render tools."""
+
+    @abstractmethod
+    def calls_rule(self, parallel: bool) -> list[str]:
+        """Lark rules ``calls`` (and its terminals) for ``auto_lark``: one call, or several with
+        ``parallel``, each call's JSON an ``item`` (defined by ``auto_lark``)."""
+
+    def starts_call(self, text: str) -> bool:
+        """Whether the output opens with a call (read as calls even when cut off)."""
+        return text.lstrip().startswith(self.marker)
+
+    def may_become_call(self, text: str) -> bool:
+        """Whether streamed text so far could still be the start of a call (held back, not
+        streamed as content)."""
+        return _is_prefix_either_way(text, self.marker)
+
+    def auto_lark(self, call_schema: dict, parallel: bool) -> str:
+        """Text that holds no call marker, or calls whose items match ``call_schema``."""
+        return "\n".join([
+            "%llguidance {}",
+            "start: TEXT | calls",
+            *self.calls_rule(parallel),
+            f"item: %json {json.dumps(call_schema)}",
+            "TEXT: " + self.text_lexeme(),
+        ])
+
+    def text_lexeme(self) -> str:
+        """The lark lexeme of output that is text: here, text without the marker."""
+        return "/(.|\\n)*/ & ~/(.|\\n)*" + re.escape(self.marker).replace("/", "\\/") + "(.|\\n)*/"
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    marker = "<tool_call>"
+    close = "</tool_call>"
+    _block = re.compile(re.escape(marker) + r"\s*(.*?)\s*" + re.escape(close), re.S)
+
+    def parse(self, text: str) -> list[RawCall] | None:
+        try:
+            raw = [json.loads(b) for b in self._block.findall(text)]
+        except ValueError:
+            return None
+        calls = [_raw(c) for c in raw]
+        return calls if calls and all(calls) else None
+
+    def whole_calls(self, text: str) -> list[RawCall]:
+        calls, rest = [], text.lstrip()
+        while rest.startswith(self.marker):
+            found = _json_prefix(rest[len(self.marker):])
+            if found is None:
+                break
+            call, rest = _raw(found[0]), found[1].lstrip()
+            if call is None or not rest.startswith(self.close):  # a block counts once closed
+                break
+            calls.append(call)
+            rest = rest[len(self.close):].lstrip()
+        return calls
+
+    def render(self, calls: list[RawCall]) -> str:
+        return "".join(self.marker + json.dumps({"name": n, "arguments": a}) + self.close for n, a in calls)
+
+    def instruction(self) -> str:
+        return f'{self.marker}{{"name": <function name>, "arguments": <arguments object>}}{self.close}'
+
+    def calls_rule(self, parallel: bool) -> list[str]:
+        # whitespace inside the tags' lexemes: the lexer must not end one before "<tool_call>" is seen
+        return ["calls: call" + ("+" if parallel else ""),
+                "call: CALL_OPEN item CALL_CLOSE",
+                r"CALL_OPEN: /[ \t\n]*<tool_call>[ \t\n]*/",
+                r"CALL_CLOSE: /[ \t\n]*<\/tool_call>[ \t\n]*/"]
+
+
+class MistralFormat(ToolFormat):
+    """``[TOOL_CALLS]`` is a special token, which a decoder that skips special tokens drops: a bare
+    list of calls at the start of the output, ``[{"name": ...``, reads as calls too."""
+
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    args = "[ARGS]"
+    bare = "[{"
+
+    def parse(self, text: str) -> list[RawCall] | None:
+        at = text.find(self.marker)
+        if at < 0:
+            return self._list(text) if text.lstrip().startswith(self.bare) else None
+        body = text[at:].replace(self.marker, "").strip()
+        calls = self._list(body) if body.startswith("[") else self._named(body, whole_only=False)
+        return calls or None
+
+    def whole_calls(self, text: str) -> list[RawCall]:
+        if not self.starts_call(text):
+            return []
+        body = text.lstrip().removeprefix(self.marker).lstrip()
+        if body.startswith("["):
+            return self._items(body[1:])
+        return self._named(body.replace(self.marker, ""), whole_only=True) or []
+
+    def starts_call(self, text: str) -> bool:
+        return text.lstrip().startswith((self.marker, self.bare))
+
+    def may_become_call(self, text: str) -> bool:
+        stripped = text.lstrip()
+        return _is_prefix_either_way(text, self.marker) or self.bare.startswith(stripped) \
+            or stripped.startswith(self.bare)
+
+    def _list(self, body: str) -> list[RawCall] | None:
+        found = _json_prefix(body)
+        if found is None or not isinstance(found[0], list) or found[1].strip():
+            return None
+        calls = [_raw(c) for c in found[0]]
+        return calls if all(calls) else None
+
+    def _items(self, rest: str) -> list[RawCall]:
+        """The whole items of a list cut off after its ``[``."""
+        calls = []
+        while (found := _json_prefix(rest)) is not None and (call := _raw(found[0])) is not None:
+            calls.append(call)
+            rest = found[1].lstrip()
+            if not rest.startswith(","):
+                break
+            rest = rest[1:]
+        return calls
+
+    def _named(self, body: str, whole_only: bool) -> list[RawCall] | None:
+        """``name[ARGS]{...}`` repeated; None when a finished one does not parse."""
+        calls = []
+        while body:
+            name, sep, rest = body.partition(self.args)
+            found = _json_prefix(rest) if sep else None
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name.strip()) or found is None:
+                return calls if whole_only else None
+            calls.append((name.strip(), found[0]))
+            body = found[1].strip()
+        return calls
+
+    def render(self, calls: list[RawCall]) -> str:
+        return self.marker + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+    def instruction(self) -> str:
+        return f'{self.marker}[{{"name": <function name>, "arguments": <arguments object>}}]'
+
+    def calls_rule(self, parallel: bool) -> list[str]:
+        return ['calls: CALL_OPEN "[" item ' + ('("," item)* ' if parallel else "") + '"]"',
+                r"CALL_OPEN: /[ \t\n]*\[TOOL_CALLS\][ \t\n]*/"]
+
+
+class Llama3JsonFormat(ToolFormat):
+    name = "llama3_json"
+    marker = "<|python_tag|>"
+
+    def parse(self, text: str) -> list[RawCall] | None:
+        at = text.find(self.marker)
+        body = text[at + len(self.marker):] if at >= 0 else text
+        if not body.lstrip().startswith("{"):  # prose, even with JSON inside it, is text
+            return None
+        calls, rest = [], body
+        while rest.strip():
+            found = _json_prefix(rest)
+            call = _raw(found[0], "parameters") if found is not None else None
+            if call is None:
+                return None
+            calls.append(call)
+            rest = found[1].lstrip()
+            if rest and not rest.startswith(";"):
+                return None
+            rest = rest[1:]
+        return calls or None
+
+    def whole_calls(self, text: str) -> list[RawCall]:
+        if not self.starts_call(text):
+            return []
+        calls, rest = [], self._body(text)
+        while (found := _json_prefix(rest)) is not None and (call := _raw(found[0], "parameters")) is not None:
+            calls.append(call)
+            rest = found[1].lstrip()
+            if not rest.startswith(";"):
+                break
+            rest = rest[1:]
+        return calls
+
+    def _body(self, text: str) -> str:
+        text = text.lstrip()
+        return text[len(self.marker):] if text.startswith(self.marker) else text
+
+    def starts_call(self, text: str) -> bool:
+        return self._body(text).lstrip().startswith("{")
+
+    def may_become_call(self, text: str) -> bool:
+        return _is_prefix_either_way(text, self.marker) or text.lstrip().startswith("{")
+
+    def render(self, calls: list[RawCall]) -> str:
+        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+
+    def instruction(self) -> str:
+        return ('only {"name": <function name>, "parameters": <arguments object>}, several calls '
+                'separated by ";"')
+
+    def calls_rule(self, parallel: bool) -> list[str]:
+        return ['calls: CALL_OPEN? item' + (' (";" item)*' if parallel else ""),
+                r"CALL_OPEN: /[ \t\n]*<\|python_tag\|>[ \t\n]*/"]
+
+    def text_lexeme(self) -> str:
+        # a bare JSON object is a call here: text may not start with "{" (nor the tag)
+        return "/(.|\\n)*/ & ~/[ \\t\\n]*(\\{|<\\|python_tag\\|>)(.|\\n)*/"
+
+
+HERMES = HermesFormat()
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, MistralFormat(), Llama3JsonFormat())}
+
+_LLAMA3_HEADER = "<|start_header_id|>"
+
+
+def detect_format(template: str | None) -> ToolFormat:
+    """The format a chat template's model writes calls in (``auto``): hermes unless the template
+    shows another family's markers."""
+    template = template or ""
+    if HermesFormat.marker in template:
+        return HERMES
+    if MistralFormat.marker in template:
+        return FORMATS["mistral"]
+    if Llama3JsonFormat.marker in template or (_LLAMA3_HEADER in template and "tools" in template):
+        return FORMATS["llama3_json"]
+    return HERMES
+
+
+def tool_format(parser: ToolCallParser, template: str | None) -> ToolFormat:
+    """The format ``--tool-call-parser`` names, or, for ``auto``, the one ``template`` shows."""
+    return detect_format(template) if parser == "auto" else FORMATS[parser]

@@ -1,7 +1,8 @@
 """`tandem`: the one registry of its sub-commands, each with its own ``--help``.
 
-Every entry of ``COMMANDS`` is a ``register(subparsers)`` function, imported here, that adds its
-parser and sets ``func`` (taking the parsed args, returning an exit code). Registration stays
+Every entry of ``COMMANDS`` is a ``register(subparsers)`` function, imported here (but
+``register_workers``, which hands ``tandem decode`` and ``tandem prefill`` both worker roles), that
+adds its parser and sets ``func`` (taking the parsed args, returning an exit code). Registration stays
 cheap: heavy imports (torch, nats) happen inside the function a command runs. ``shared/`` never
 imports ``services/``; the registry that names the services lives here, on their side.
 """
@@ -16,14 +17,25 @@ from services.autoscaler import cli as autoscaler
 from services.commands import control_cmds, model_cmds, plan_cmds, protocol_cmds, rank_cmd, status, worker_check
 from services.framework.errors import CliError
 from services.decode import cli as decode
+from services.decode.role import DECODE
 from services.gateway import cli as gateway
 from services.join import cli as join
 from services.kv_index import cli as kv_index
 from services.prefill import cli as prefill
+from services.prefill.role import PREFILL
 from services.up import cli as up
 from services.up import credentials
 from shared import __version__
 from shared.process_settings import InvalidSetting
+
+
+def register_workers(subparsers) -> None:
+    """``tandem decode`` and ``tandem prefill``: one worker process serves either role and flips
+    between them, so each command gets both builders (``services.worker`` imports neither role)."""
+    builders = {"decode": DECODE, "prefill": PREFILL}
+    decode.register(subparsers, builders)
+    prefill.register(subparsers, builders)
+
 
 COMMANDS = [
     model_cmds.register,  # complete, chat, model fetch
@@ -34,8 +46,7 @@ COMMANDS = [
     gateway.register,
     status.register,
     admission.register,
-    decode.register,
-    prefill.register,
+    register_workers,  # decode, prefill
     kv_index.register,
     autoscaler.register,
     control_cmds.register,

@@ -52,11 +52,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.bench.serving import wait_for_compiled_steps
 from loadtest.tools import step_trace
 from loadtest.tools.cpu_steal import cpu_times, steal_share
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import RequestResult
+from loadtest.tools.tandem_server import wait_for_compiled_steps
 from loadtest.tools.workload import WorkloadConfig, build_workload
 from shared.telemetry.measure import percentile
 from shared.telemetry.plot import figure

@@ -30,8 +30,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtest.bench.serving import _wave, prompt_of_tokens, tandem_up
+from loadtest.bench.serving import _wave, prompt_of_tokens
 from loadtest.tools.harness import status
+from loadtest.tools.tandem_server import tandem_up
 from shared.telemetry.measure import percentile
 
 METRICS = ("tandem_engine_step_seconds_sum", "tandem_engine_step_seconds_count",

@@ -1,5 +1,7 @@
 """A worker process (``tandem decode`` or ``tandem prefill``): load the model once, then serve the
-role it was started as, or the other one after a flip (``services.worker.roles``).
+role it was started as, or the other one after a flip (``services.worker.roles``). The roles come
+in as ``RoleBuilder``s (``services.worker.role_builder``) from the command that starts the process:
+this module imports neither role package.
 
 The settings of the role a process was not started as are its engine settings (model, device, KV
 budget, worker id, timeouts...) with that role's own fields at their defaults (or ``TANDEM_``
@@ -13,9 +15,9 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Mapping
 
 from shared.bus import Bus, ServiceError, WorkerRegistry
-from shared.disagg import RemotePrefills
 from shared.engine import AsyncEngine
 from shared.protocol import Subjects
 from shared.protocol.workers import Role
@@ -24,27 +26,19 @@ from shared.transfer import TransferUnavailable
 from services.worker.compile_share import NatsArtifactStore
 from services.worker.engine_worker import publish_kv_events_forever, start_kv_events
 from services.worker.metrics import WorkerMetrics
+from services.worker.role_builder import RoleBuilder, RoleParts
 from services.worker.roles import RoleRunner, RoleWorker
 from services.worker.settings import EngineWorkerSettings
-from services.decode.config import DecodeSettings
-from services.decode.fetch import PeerFetcher
-from services.decode.remote import RemotePrefiller
-from services.decode.service import DecodeWorker
-from services.prefill.config import PrefillSettings
-from services.prefill.service import PrefillWorker
 
 log = logging.getLogger(__name__)
 
-SETTINGS: dict[Role, type[EngineWorkerSettings]] = {"decode": DecodeSettings, "prefill": PrefillSettings}
+
+def role_of(settings: EngineWorkerSettings, builders: Mapping[Role, RoleBuilder]) -> Role:
+    return next(role for role, builder in builders.items() if isinstance(settings, builder.settings_class))
 
 
-def role_of(settings: EngineWorkerSettings) -> Role:
-    return next(role for role, cls in SETTINGS.items() if isinstance(settings, cls))
-
-
-def settings_for(settings: EngineWorkerSettings, role: Role) -> EngineWorkerSettings:
-    """``settings`` if they are ``role``'s, else ``role``'s settings sharing their engine fields."""
-    cls = SETTINGS[role]
+def settings_for(settings: EngineWorkerSettings, cls: type[EngineWorkerSettings]) -> EngineWorkerSettings:
+    """``settings`` if they are a ``cls``, else ``cls`` settings sharing their engine fields."""
     if isinstance(settings, cls):
         return settings
     common = settings.model_dump(include={*EngineWorkerSettings.model_fields, "worker_id"})
@@ -56,8 +50,10 @@ class WorkerRoles:
     needs it (a prefill role always, a decode role if remote prefill or prefix fetch is on)."""
 
     def __init__(self, settings: EngineWorkerSettings, engine: AsyncEngine, bus: Bus,
-                 registry: WorkerRegistry, metrics: WorkerMetrics | None = None) -> None:
+                 registry: WorkerRegistry, metrics: WorkerMetrics | None = None,
+                 builders: Mapping[Role, RoleBuilder] | None = None) -> None:
         self._settings = settings
+        self._builders = builders or {}  # none: the process can open its transfer but build no role
         self._metrics = metrics
         self._engine = engine
         self._bus = bus
@@ -163,8 +159,10 @@ def _exit_on_engine_death(exc: BaseException) -> None:
     os._exit(EXIT_ENGINE_DEAD)
 
 
-async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> None:
-    role = role_of(settings)
+async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event,
+                     builders: Mapping[Role, RoleBuilder]) -> None:
+    """Serve the role ``settings`` are of, one of ``builders`` (every role the process may flip to)."""
+    role = role_of(settings, builders)
     bus = await Bus.connect(settings.nats_url, settings.worker_id, tls_ca=settings.nats_ca,
                             replicas=settings.nats_replicas)
     subjects = Subjects(settings.namespace)
@@ -182,7 +180,7 @@ async def run_worker(settings: EngineWorkerSettings, stop: asyncio.Event) -> Non
         registry = await WorkerRegistry.open(bus, subjects.workers_bucket, ttl_s=settings.registry_ttl_s, watch=True)
         metrics = WorkerMetrics.create(role, settings.worker_id, settings.num_restarts)
         engine.add_step_observer(metrics.observe_step)
-        roles = WorkerRoles(settings, engine, bus, registry, metrics)
+        roles = WorkerRoles(settings, engine, bus, registry, metrics, builders)
         if role == "prefill" and roles.open_transfer() is None:  # a prefill worker is useless without it
             raise TransferUnavailable(f"a prefill worker needs a KV transfer: {roles.transfer_error}")
         events: asyncio.Queue = asyncio.Queue()

@@ -15,7 +15,7 @@ from loadtest.tools.client_compat import CLIENTS, README, Target, __doc__ as DOC
 @contextlib.contextmanager
 def started_tandem(model: str, timeout_s: float):
     """``tandem up`` here, its decode step left eager (nothing to wait for: these are no timings)."""
-    from loadtest.bench.serving import tandem_up
+    from loadtest.tools.tandem_server import tandem_up
 
     with tandem_up(["--model", model, "--compile", "off"], timeout_s, name="client-compat") as url:
         yield url

@@ -9,12 +9,14 @@ path and the oracle) and a Triton kernel (``<op>_triton``, same signature, in ``
 | KV block gather / scatter | kv_gather.py | kv_gather_triton.py |
 | fused residual add + RMSNorm | rms_norm.py | rms_norm_triton.py |
 | rotary embedding | rotary.py | rotary_triton.py |
+| MoE grouped linear (experts' GEMMs) | moe_grouped.py | moe_grouped_triton.py |
 
 Reference modules import only torch (triton is absent on some platforms) and ``cast.py``, the
 dtype conversion they share that skips no-op casts; a Triton module may
 import its reference, never the other way round. The model runs the references through
 ``TorchAttentionBackend`` (shared/model/attention.py) and the Triton kernels through
-``backend.py``'s ``TritonAttentionBackend``, which that module selects on CUDA. ``dispatch.py``
+``backend.py``'s ``TritonAttentionBackend``, which that module selects on CUDA; the experts of
+``MoeBlock`` (shared/model/moe.py) pick the grouped linear themselves. ``dispatch.py``
 serves callers outside the model (the KV transfer's gather). Tests: tests/kernels (interpreter on
 CPU); ``python -m kernels.compile_check`` compiles everything for sm_90 without a GPU;
 loadtest/bench/kernels.py benchmarks on a GPU.

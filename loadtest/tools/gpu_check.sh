@@ -64,3 +64,28 @@ else
   echo "=== parallel: skipped (one GPU: tensor and pipeline parallelism need two)" | tee -a "$log"
 fi
 grep -E "^=== .*exit|passed|failed|batch +[0-9]+:|^(edit|chat):|^(TP|PP)=" "$log"
+# 6. the MoE grouped GEMM (kernels/moe_grouped_triton.py, MoeBlock's kernel "auto") against MoeBlock's torch
+#    loop over the experts (kernel "torch"), one Mixtral-8x7B-shaped layer in bf16 with random weights,
+#    routing included, at decode and prefill token counts: timings only, lines "moe_grouped T=..." in the log.
+step moe_grouped 120 "$python" - <<'PY'
+import torch
+import torch.nn.functional as F
+from torch.utils.benchmark import Timer
+
+from shared.model.config import Moe
+from shared.model.moe import MoeBlock
+
+E, k, hidden, width = 8, 2, 4096, 14336
+gen = torch.Generator(device="cuda").manual_seed(0)
+weights = [torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+           for shape in ((E, hidden), (E, 2 * width, hidden), (E, hidden, width))]
+moe = Moe(num_experts=E, top_k=k, intermediate_size=width, renormalize=True, round_weights=False, layers=(0,))
+blocks = {kernel: MoeBlock(moe, *weights, F.silu, kernel=kernel) for kernel in ("triton", "torch")}
+for T in (1, 8, 32, 256, 2048):
+    x = torch.randn(T, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    torch.testing.assert_close(blocks["triton"].forward(x), blocks["torch"].forward(x), rtol=2e-2, atol=2e-2)
+    us = {kernel: Timer("block.forward(x); torch.cuda.synchronize()", globals={"block": block, "x": x, "torch": torch})
+          .blocked_autorange(min_run_time=1.0).median * 1e6 for kernel, block in blocks.items()}
+    print(f"moe_grouped T={T}: triton {us['triton']:.0f} us, torch loop {us['torch']:.0f} us", flush=True)
+PY
+grep -E "^=== moe_grouped|^moe_grouped T=" "$log"

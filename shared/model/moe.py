@@ -11,11 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from shared.model.config import Moe
+
+MoeKernel = Literal["auto", "torch", "triton"]
+# (x [R, K], weight [E, N, K], counts [E], rows [P] | None, scale [P] | None) -> [P, N]: the
+# contract of kernels/moe_grouped.py's grouped_linear_ref
+GroupedLinear = Callable[..., torch.Tensor]
 
 
 class MoeBlock:
@@ -26,12 +33,13 @@ class MoeBlock:
     Qwen3-MoE) and summed in float32, rounded to the model's dtype once, as transformers does."""
 
     def __init__(self, moe: Moe, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 act: Callable[[torch.Tensor], torch.Tensor]):
+                 act: Callable[[torch.Tensor], torch.Tensor], kernel: MoeKernel = "auto"):
         self.top_k, self.renormalize, self.round_weights = moe.top_k, moe.renormalize, moe.round_weights
         self.router = router  # [E, hidden]: whole on every rank, so every rank routes alike
         self.gate_up = gate_up  # [E, 2 * I, hidden]: each expert's gate rows, then its up rows
         self.down = down  # [E, hidden, I]
         self.act = act
+        self.kernel = kernel  # how ``forward`` runs the experts: see ``grouped_linear``
         # (token, expert) pairs routed to each expert so far, on the host: the expert load a worker
         # reports (``expert_load``); a CUDA graph's replays are not counted
         self.expert_tokens = torch.zeros(router.shape[0], dtype=torch.int64)
@@ -47,12 +55,33 @@ class MoeBlock:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         """The (token, expert) pairs grouped by expert (a stable sort), each expert run once over
-        its tokens, the weighted outputs added back at their tokens' rows. While a CUDA graph
-        captures the step (shared/engine/compiled/cuda_graph.py), every expert over every token instead:
-        grouping needs the counts on the host, which a graph cannot wait for."""
+        its tokens, the weighted outputs added back at their tokens' rows: by the grouped-GEMM
+        kernel where ``grouped_linear`` gives one, else by a loop over the experts. The loop needs
+        the counts on the host, which a CUDA graph's capture (shared/engine/compiled/cuda_graph.py)
+        cannot wait for: without the kernel a capture runs every expert over every token instead."""
         experts, weights = self.route(x)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        grouped_linear = self.grouped_linear(x)
+        if grouped_linear is not None:
+            return self.forward_grouped(x, experts, weights, grouped_linear, count=not capturing)
+        if capturing:
             return self.forward_every_expert(x, experts, weights)
+        return self.forward_each_expert(x, experts, weights)
+
+    def grouped_linear(self, x: torch.Tensor) -> GroupedLinear | None:
+        """The grouped-GEMM kernel ``forward`` runs, None for the torch loop over the experts. The
+        one place the choice is made: ``kernel`` "auto" takes Triton's (kernels/moe_grouped_triton.py)
+        for CUDA tensors where triton is installed, "torch" never, "triton" always (on the CPU too,
+        where tests run it under ``TRITON_INTERPRET=1``)."""
+        if self.kernel == "torch" or (self.kernel == "auto" and not x.is_cuda):
+            return None
+        kernel = _triton_grouped_linear()
+        if kernel is None and self.kernel == "triton":
+            raise RuntimeError("MoeBlock kernel 'triton' is not available: triton is not installed")
+        return kernel
+
+    def forward_each_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` in torch: one F.linear per expert and projection over the expert's tokens."""
         order = experts.flatten().argsort(stable=True)  # [T * k]: the pairs, expert by expert
         tokens = order // self.top_k
         pair_weights = weights.flatten()[order]
@@ -71,6 +100,22 @@ class MoeBlock:
             start += count
         return out.to(x.dtype)
 
+    def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                        grouped_linear: GroupedLinear, count: bool) -> torch.Tensor:
+        """``forward`` with one grouped-GEMM launch per projection and no host sync (so a CUDA graph
+        can capture it), but where ``count`` adds the counts to ``expert_tokens`` (eager steps)."""
+        flat = experts.flatten()  # [T * k]
+        order = flat.argsort(stable=True)  # the pairs, expert by expert
+        tokens = order // self.top_k
+        # bincount would sync on CUDA (it sizes its output from the largest value)
+        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
+        if count:
+            self.expert_tokens += counts.cpu()
+        gate, up = grouped_linear(x, self.gate_up, counts, rows=tokens).chunk(2, dim=-1)  # [T * k, I] each
+        y = grouped_linear(self.act(gate) * up, self.down, counts, scale=weights.flatten()[order])  # [T * k, hidden]
+        return torch.zeros_like(x, dtype=torch.float32).index_add_(0, tokens, y.float()).to(x.dtype)
+
     def forward_every_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``forward`` with no host sync: each expert over all T tokens, weighted 0 where a token did
         not choose it (E / k times the work: for a decode step's few rows, under a CUDA graph)."""
@@ -81,6 +126,17 @@ class MoeBlock:
             gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
             out += F.linear(self.act(gate) * up, self.down[expert]) * dense[:, expert, None]
         return out.to(x.dtype)
+
+
+@cache
+def _triton_grouped_linear() -> GroupedLinear | None:
+    """kernels/moe_grouped_triton.py's kernel, None where triton is not installed (imported on first
+    use: nothing imports triton before a test has chosen between interpreter and compiler)."""
+    try:
+        from kernels.moe_grouped_triton import grouped_linear_triton
+    except ImportError:
+        return None
+    return grouped_linear_triton
 
 
 @dataclass(frozen=True)

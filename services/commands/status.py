@@ -85,10 +85,11 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
     if steps := [f"{w.info.worker_id} {w.load.decode_step}" for w in page.workers if w.load is not None]:
         lines.append("decode step (eager, compiling: eager until the compiled step is ready, compiled): "
                      + ", ".join(steps))
-    if groups := [w.info for w in page.workers if w.info.rank_pids]:
+    if groups := [w.info for w in page.workers if w.info.tensor_parallel_size * w.info.pipeline_parallel_size > 1]:
         lines.append("parallel workers: " + ", ".join(
             f"{i.worker_id} tp={i.tensor_parallel_size} pp={i.pipeline_parallel_size} "
-            f"(rank pids {', '.join(map(str, [i.pid, *i.rank_pids]))})" for i in groups))
+            f"(rank pids {', '.join(map(str, [i.pid, *i.rank_pids]))} on {i.host}"
+            f"{f'; ranks of other hosts joined at {i.group_address}' if i.group_address else ''})" for i in groups))
     lines.extend(line for w in page.workers if (line := _tier_line(w)))
     lines.extend(line for w in page.workers if (line := _fetch_line(w)))
     if page.services:

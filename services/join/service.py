@@ -78,7 +78,7 @@ def spec_from_settings(s: JoinSettings, connect: dict[str, str], host_id: str | 
         metrics_host=s.metrics_host, metrics_key_file=s.metrics_key_file,
         restart_children=s.restart, restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         final_exit_codes=frozenset({EXIT_CREDENTIALS_REFUSED}), decode_flags=decode_flags,
-        prefill_flags=prefill_flags)
+        prefill_flags=prefill_flags, worker_flags=s.group_worker_flags(), rank_flags=s.rank_flags())
 
 
 def join_state_dir(s: JoinSettings, namespace: str) -> Path:
@@ -93,8 +93,8 @@ EXIT_CREDENTIALS_REFUSED = 5
 
 def run(settings: JoinSettings) -> int:
     connect = read_connect_file(settings.connect)
-    if settings.decode + settings.prefill == 0:
-        raise CliError("nothing to join: give --decode and/or --prefill")
+    if settings.decode + settings.prefill == 0 and not settings.group_join:
+        raise CliError("nothing to join: give --decode and/or --prefill (or --group-join)")
     host_id = load_host_id(join_state_dir(settings, connect.get("TANDEM_NAMESPACE", "tandem")))
     spec = spec_from_settings(settings, connect, host_id)
     stack = Stack(spec)
@@ -111,6 +111,9 @@ def run(settings: JoinSettings) -> int:
         print_line("join", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
                            f"{settings.model} as host {settings.host_name!r} (host id {host_id}) for the control "
                            f"plane at {redact_url(stack.nats_url)} (namespace {stack.spec.namespace})")
+        if ranks := spec.rank_flags:
+            print_line("join", f"starting {', '.join(ranks)} of the parallel worker whose rank 0 is at "
+                               f"{settings.group_join} (they follow its model and settings)")
         threading.Thread(target=_wait_registered, args=(stack, settings, started_at, stop, failed),
                          daemon=True).start()
         watch = ConnectWatch(stack, settings.connect, connect, read_connect_file, _login_check(spec),
@@ -221,7 +224,8 @@ def _wait_registered(stack: Stack, settings: JoinSettings, started_at: float, st
     except TimeoutError as exc:
         failed.append(CliError(f"not ready: {exc}", EXIT_NOT_READY))
     else:
-        print_line("join", f"ready: {', '.join(ids)} registered with the control plane; Ctrl-C stops")
+        ready = f"{', '.join(ids)} registered with the control plane" if ids else "rank processes started (each joins its group when the group's rank 0 waits for it)"
+        print_line("join", f"ready: {ready}; Ctrl-C stops")
         return
     stop.set()
 

@@ -76,6 +76,9 @@ class StackSpec:
     prefill_flags: dict[str, object] = field(default_factory=dict)
     # a worker's own flags over its role's, by name ("decode-1"): a plan's parallel shapes and devices
     worker_flags: dict[str, dict[str, object]] = field(default_factory=dict)
+    # ranks of parallel workers whose rank 0 runs on another host (``tandem rank``), by name ("rank-1"):
+    # restarted whenever they exit, as their group ends whenever its rank 0 restarts
+    rank_flags: dict[str, dict[str, object]] = field(default_factory=dict)
     gateway_flags: dict[str, object] = field(default_factory=dict)
     admission_flags: dict[str, object] = field(default_factory=dict)
     # off by default: tests that take a worker away on purpose want it to stay gone
@@ -152,6 +155,8 @@ class Stack:
             self.spawn_decode(f"decode-{i + 1}", spec.worker_flags.get(f"decode-{i + 1}"))
         for i in range(spec.num_prefill):
             self.spawn_prefill(f"prefill-{i + 1}", spec.worker_flags.get(f"prefill-{i + 1}"))
+        for name, flags in spec.rank_flags.items():
+            self.spawn(name, "rank", flags)
         if spec.control_plane:
             urls = ",".join(self.base_urls) if spec.num_gateways > 1 else None
             for i, port in enumerate(self.ports):
@@ -374,7 +379,7 @@ class Stack:
         for name, child in list(self.children.items()):
             if not child.is_running() and not self._restarts.has_exited(name):
                 returncode = child.proc.returncode
-                decision = self._restarts.exited(name, returncode, now_s,
+                decision = self._restarts.exited(name, returncode, now_s, is_crash=name in self.spec.rank_flags,
                                                  is_final=returncode in self.spec.final_exit_codes)
                 self._line(self.label, decision.describe())
         for name in self._restarts.due(now_s):

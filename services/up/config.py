@@ -3,6 +3,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.framework.errors import CliError
 from services.framework.settings import QosSettings
 from shared.engine_settings import engine_settings
 
@@ -17,16 +18,24 @@ def default_state_dir() -> Path:
 # their one definition (shared/engine_settings.py); unset (None), a worker keeps its own default
 _HostEngineFields = engine_settings(
     "_HostEngineFields", only=("model", "device", "dtype", "quantization", "kv_cache_dtype", "num_threads",
-                               "kv_cache_memory", "kv_host_memory", "kv_disk_dir", "speculative_tokens", "compile"),
+                               "kv_cache_memory", "kv_host_memory", "kv_disk_dir", "speculative_tokens", "compile",
+                               "group_local_ranks", "group_host", "group_port"),
     defaults={name: None for name in ("dtype", "quantization", "kv_cache_dtype", "num_threads", "kv_cache_memory",
-                                      "kv_host_memory", "kv_disk_dir", "speculative_tokens", "compile")},
+                                      "kv_host_memory", "kv_disk_dir", "speculative_tokens", "compile",
+                                      "group_host", "group_port")},
     notes={"model": "every worker's", "device": "every worker's", "dtype": "every worker's",
            "quantization": "every worker's", "kv_cache_dtype": "every worker's (unset: the workers' own)",
            "num_threads": "every worker's, per rank of a tensor-parallel one (unset: the host's cores shared out)",
            "kv_cache_memory": "every worker's", "kv_host_memory": "each decode worker's",
            "kv_disk_dir": "each decode worker keeps its blocks in DIR/<worker name>, found again when it restarts",
            "speculative_tokens": "decode workers' (unset: the workers' own, 6)",
-           "compile": "every worker's (unset: the workers' own, background)"})
+           "compile": "every worker's (unset: the workers' own, background)",
+           "group_local_ranks": "each parallel worker's, the others run by `tandem join --group-join` on their "
+                                "hosts; needs --group-host and --group-port",
+           "group_host": "this host's, for every parallel worker's group (gloo over TCP, not encrypted: keep it "
+                         "on a private network)",
+           "group_port": "the first port: parallel workers decode-1.. then prefill-1.. take one each, in order, "
+                         "so decode-1's is this one"})
 
 
 class WorkerHostSettings(_HostEngineFields):
@@ -65,6 +74,19 @@ class WorkerHostSettings(_HostEngineFields):
                           "capped at restart_max_backoff_s); --no-restart stops the stack instead")
     restart_max_backoff_s: float = Field(30.0, gt=0, description="longest wait before restarting a child "
                                          "that keeps crashing")
+
+    def group_worker_flags(self) -> dict[str, dict[str, object]]:
+        """Each parallel worker's own group flags, by name ("decode-1"): its rendezvous address,
+        one port each, and how many of its ranks start here (none without --group-local-ranks)."""
+        if self.group_local_ranks is None:
+            return {}
+        if self.group_host is None or not self.group_port:
+            raise CliError("--group-local-ranks leaves ranks to other hosts: give --group-host (an address they "
+                           "reach) and --group-port too")
+        parallel = [*(f"decode-{i + 1}" for i in range(self.decode) if self.decode_tp * self.decode_pp > 1),
+                    *(f"prefill-{i + 1}" for i in range(self.prefill) if self.prefill_tp * self.prefill_pp > 1)]
+        return {name: {"group_local_ranks": self.group_local_ranks, "group_host": self.group_host,
+                       "group_port": self.group_port + i} for i, name in enumerate(parallel)}
 
     def worker_flags(self) -> tuple[dict[str, object], dict[str, object]]:
         """The decode workers' and the prefill workers' flags these settings give (unset ones left

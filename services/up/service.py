@@ -18,7 +18,7 @@ from services.up.config import UpSettings
 
 def spec_from_settings(s: UpSettings) -> StackSpec:
     decode_flags, prefill_flags = s.worker_flags()
-    num_decode, num_prefill, worker_flags = s.decode, s.prefill, {}
+    num_decode, num_prefill, worker_flags = s.decode, s.prefill, s.group_worker_flags()
     if s.plan is not None:
         num_decode, num_prefill, worker_flags = _planned(s.plan, s.device, s.model, s.quantization)
     return StackSpec(

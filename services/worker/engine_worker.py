@@ -163,7 +163,7 @@ class EngineWorker:
             warmup_prefill_tokens_per_s=stats.warmup_prefill_tokens_per_s,
             tensor_parallel_size=self.engine.tensor_parallel_size,
             pipeline_parallel_size=self.engine.pipeline_parallel_size, rank_pids=self.engine.rank_pids,
-            **subjects)
+            group_address=self.engine.group_address, **subjects)
 
     def _load(self, **fields) -> WorkerLoad:
         stats = self.engine.stats()

@@ -68,34 +68,22 @@ class WorkerRoles:
             raise ServiceError("rejected", f"cannot serve prefill without a KV transfer: {self.transfer_error}")
 
     async def make(self, role: Role, bus: Bus, load_seq: itertools.count) -> RoleWorker:
-        settings = settings_for(self._settings, role)
-        wants_transfer = role == "prefill" or settings.remote_prefill or settings.kv_peer_fetch
-        transfer = self.open_transfer() if wants_transfer else None
+        builder = self._builders[role]
+        settings = settings_for(self._settings, builder.settings_class)
+        transfer = self.open_transfer() if builder.wants_transfer(settings) else None
         if role == "prefill" and transfer is None:
             raise TransferUnavailable(self.transfer_error or "no KV transfer")
         if transfer is not None:
             await self._publish_metadata()
-        if role == "prefill":
-            return PrefillWorker(settings, bus, self._registry, self._engine, transfer, self.store, load_seq=load_seq,
-                                 metrics=self._metrics)
-        remote = fetcher = None
-        if transfer is not None and settings.kv_peer_fetch:
-            fetcher = PeerFetcher(engine=self._engine, transfer=transfer, store=self.store, bus=bus,
-                                  subjects=self._subjects, worker_id=settings.worker_id, model=settings.model,
-                                  write_timeout_s=settings.kv_write_timeout_s, window_s=settings.kv_fetch_window_s)
-        if transfer is not None and settings.remote_prefill:
-            prefills = RemotePrefills(
-                worker_id=settings.worker_id, model=settings.model, engine=self._engine,
-                config=settings.disagg_config(), timeout_s=settings.remote_prefill_timeout_s,
-                write_timeout_s=settings.kv_write_timeout_s, lease_s=settings.prefill_lease_s)
-            remote = RemotePrefiller(prefills, bus=bus, registry=self._registry, transfer=transfer,
-                                     subjects=self._subjects)
-        return DecodeWorker(settings, bus, self._registry, self._engine, remote, load_seq=load_seq,
-                            metrics=self._metrics, fetcher=fetcher)
+        return builder.build(settings, RoleParts(bus=bus, registry=self._registry, engine=self._engine,
+                                                 subjects=self._subjects, load_seq=load_seq, metrics=self._metrics,
+                                                 transfer=transfer, store=self.store))
 
     def open_transfer(self):
         """The process's NIXL agent over its KV pool; None (the reason kept) where NIXL cannot run."""
-        is_group = self._engine is not None and bool(self._engine.rank_pids)
+        # a group: its ranks' processes on this host or another (rank_pids lists this host's only)
+        is_group = self._engine is not None and self._engine.tensor_parallel_size * \
+            self._engine.pipeline_parallel_size > 1
         if self.transfer is None and self.transfer_error is None and is_group:
             self._open_group_transfer()
         if self.transfer is None and self.transfer_error is None:

@@ -125,6 +125,10 @@ class AsyncEngine:
         """The process ids of a tensor-parallel group's ranks 1.. (empty for one process)."""
         return self._engine.rank_pids
 
+    @property
+    def group_address(self) -> str | None:
+        return self._engine.group_address
+
     # -- load and what it measured ----------------------------------------------------------------
     @property
     def num_running(self) -> int:

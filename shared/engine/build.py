@@ -111,9 +111,10 @@ def _start_group(config: EngineConfig, size: int, device: torch.device) -> tuple
         for proc in followers:
             proc.kill()
         raise
-    log.info("parallel worker of %d ranks (TP=%d x PP=%d) on %s; ranks 1-%d are processes %s%s", size,
-             config.tensor_parallel_size, config.pipeline_parallel_size, device, local - 1,
-             [p.pid for p in followers], f", ranks {local}-{size - 1} on other hosts" if local < size else "")
+    here = f"ranks 1-{local - 1} are processes {[p.pid for p in followers]}" if local > 1 else "no other rank here"
+    log.info("parallel worker of %d ranks (TP=%d x PP=%d) on %s; %s%s", size, config.tensor_parallel_size,
+             config.pipeline_parallel_size, device, here, f", ranks {local}-{size - 1} on other hosts at {host}:{port}"
+             if local < size else "")
     return world, followers
 
 

@@ -86,6 +86,15 @@ class LLMEngine:
         """The process ids of a tensor-parallel group's ranks 1.. (empty for one process)."""
         return [p.pid for p in getattr(self.model, "followers", ())]
 
+    @property
+    def group_address(self) -> str | None:
+        """``host:port`` where the ranks of other hosts join rank 0 (None: every rank on this host)."""
+        config = self.config
+        size = config.tensor_parallel_size * config.pipeline_parallel_size
+        if (config.group_local_ranks or size) >= size:
+            return None
+        return f"{config.group_host}:{config.group_port}"
+
     def open_group_transfer(self, name: str):
         """A parallel group's NIXL agents, one per rank (``ParallelModel.open_transfer``): rank 0's
         agent and the group's metadata."""

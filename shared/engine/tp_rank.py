@@ -40,11 +40,12 @@ def follower_main(argv: list[str] | None = None) -> int:
         args.rank, args.size, args.host, args.port, device, shared_memory=local == args.size))
 
 
-def join_group(host: str, port: int, rank: int, size: int, bind_host: str | None = None,
+def join_group(host: str, port: int, rank: int, size: int | None = None, bind_host: str | None = None,
                device: str | None = None, log_level: str = "INFO") -> int:
     """A rank started on another host than rank 0's (``tandem rank``): read the engine config from
     rank 0's store at ``host:port``, load this rank's shard (the model's path must hold the same
-    files here), follow rank 0 until the group ends. Gloo's connections bind ``bind_host`` (default:
+    files here), follow rank 0 until the group ends. ``size``: the group's ranks (default: the
+    config's tp x pp; given, it must be that). Gloo's connections bind ``bind_host`` (default:
     this host's address on the route to ``host``). Returns 1 when the group ended with a rank gone."""
     import datetime
 
@@ -55,8 +56,13 @@ def join_group(host: str, port: int, rank: int, size: int, bind_host: str | None
 
     _log_as(rank, log_level)
     timeout = datetime.timedelta(seconds=REMOTE_JOIN_TIMEOUT_S)
-    store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
     config = EngineConfig(**json.loads(store.get(CONFIG_KEY)))
+    group_size = config.tensor_parallel_size * config.pipeline_parallel_size
+    if size is not None and size != group_size:
+        raise ValueError(f"the group at {host}:{port} has {group_size} ranks (tp {config.tensor_parallel_size} x "
+                         f"pp {config.pipeline_parallel_size}), not --size {size}")
+    size = group_size
     if device is not None:
         config = dataclasses.replace(config, device=device)
     local = config.group_local_ranks or size

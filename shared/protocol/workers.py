@@ -49,6 +49,9 @@ class WorkerInfo(WireModel):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     rank_pids: list[int] = Field(default_factory=list)
+    # ``host:port`` where ranks on other hosts joined rank 0 (``pid``'s host): a group spanning hosts,
+    # whose ``rank_pids`` are this host's ranks only (None: every rank on rank 0's host)
+    group_address: str | None = None
 
 
 class KvTierLoad(WireModel):

@@ -3,17 +3,28 @@ rank 0 on host ``a`` (`tandem complete --tp 2 --group-local-ranks 1`) waits at i
 rank 1 on host ``b`` joins it with `tandem rank --join`, reads the engine config from rank 0's
 store and loads its shard; their collectives cross the lab network (gloo over TCP, no shared memory).
 Greedy text equal to one process's, both ranks exit 0; rank 1 SIGKILLed mid-generation ends rank 0
-with an error and leaves no process on either host."""
+with an error and leaves no process on either host.
+
+And the same group as a worker of a cluster: a control plane on ``cp`` (`tandem up`, one worker of
+its own), host ``a`` joined with the group's rank 0 (`tandem join --decode-tp 2 --group-local-ranks
+1`), host ``b`` with its rank 1 (`tandem join --group-join`). The group registers once, with its
+address; rank 1 SIGKILLed mid-stream: the stream finishes on cp's worker, the broken group leaves the
+registry, and both joins bring it back by themselves (rank 0 restarted, rank 1 rejoining)."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
-from netlab import Lab, available
+from netlab import UCX_NETWORK_ONLY, Lab, available
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.long]
 
@@ -72,3 +83,160 @@ def test_a_rank_killed_on_the_other_host_ends_the_group(heads_32):
         rank1.send_signal(signal.SIGKILL)
         assert rank0.wait(120) != 0, rank0.lines[-20:]
         assert not a.pids() and not b.pids()
+
+
+GATEWAY_PORT = 8000
+TTL_S = 3.0
+LONG = 400  # tokens of a stream that is still running when a rank dies
+HOST_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--compile", "off", "--num-threads", "1"]
+# the test process, off the lab network, reaches cp's gateway through a Unix socket forwarded inside cp
+from test_hosts import UNIX_BRIDGE, UnixHTTPConnection  # noqa: E402
+
+
+def _stream(socket_path: str, model: str, prompt: str, max_tokens: int) -> tuple[http.client.HTTPResponse, str]:
+    conn = UnixHTTPConnection(socket_path, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    return resp, resp.getheader("X-Tandem-Worker")
+
+
+def _events(resp, count: int | None = None) -> list[dict]:
+    events = []
+    while count is None or len(events) < count:
+        line = resp.readline().decode()
+        if not line:
+            break
+        if line.startswith("data: ") and line.strip() != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def _stream_on(socket_path: str, model: str, worker_id: str, max_tokens: int, held: list):
+    """A stream admitted to ``worker_id``, and its prompt. Each one admitted elsewhere stays open in
+    ``held`` beside a long one sent after it, so that the other worker gets busier until admission
+    picks ``worker_id`` (each prompt is new: a repeated one would follow its cached prefix)."""
+    seen = []
+    for attempt in range(12):
+        prompt = f"{PROMPT} ({attempt} {uuid.uuid4().hex[:6]})"
+        resp, worker = _stream(socket_path, model, prompt, max_tokens)
+        if worker == worker_id:
+            return resp, prompt
+        seen.append(worker)
+        held.append((resp, max_tokens))
+        held.append((_stream(socket_path, model, f"{PROMPT} [{uuid.uuid4().hex[:6]}]", LONG)[0], LONG))
+    raise AssertionError(f"no stream admitted to {worker_id} in 12 tries: {seen}; {_status(socket_path)}")
+
+
+def _finished_whole(events: list[dict], max_tokens: int) -> bool:
+    """No error, one finish (length) and ``max_tokens`` tokens: the stream lost nothing."""
+    finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    return (not [e for e in events if "error" in e] and finish == ["length"]
+            and events[-1].get("usage", {}).get("completion_tokens") == max_tokens)
+
+
+def _text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+
+
+def _status(socket_path: str) -> dict:
+    conn = UnixHTTPConnection(socket_path, timeout=30)
+    try:
+        conn.request("GET", "/status")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def _entry(socket_path: str, worker_id: str) -> dict | None:
+    return next((w["info"] for w in _status(socket_path)["workers"] if w["info"]["worker_id"] == worker_id), None)
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
+        time.sleep(0.3)
+    return value
+
+
+def _rank_pids(host) -> list[int]:
+    """The `tandem rank` processes in ``host``."""
+    def is_rank(pid: int) -> bool:
+        try:
+            return b"\0rank\0--join" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone since it was listed
+            return False
+
+    return [pid for pid in host.pids() if is_rank(pid)]
+
+
+@pytest.fixture(scope="module")
+def one_process(heads_32):
+    """``one_process(prompt, n)``: the model's greedy chat text in one process of this test."""
+    from stack_helpers import greedy_text, reference_engine
+
+    with reference_engine(str(heads_32), 1024, 64 << 20) as engine:
+        tok = engine.tokenizer
+
+        def text(prompt: str, max_tokens: int) -> str:
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
+            return greedy_text(engine, ids, max_tokens, ignore_eos=True)
+
+        yield text
+
+
+def test_a_group_of_two_joined_hosts_serves_and_comes_back_after_a_rank_dies(heads_32, one_process, tmp_path):
+    """About three minutes on 2 cores: a control plane, a worker, and the group's two ranks."""
+    namespace = f"g{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, **UCX_NETWORK_ONLY, "TQDM_DISABLE": "1"}
+    with Lab() as lab:
+        cp, a, b = lab.add_host("cp"), lab.add_host("a"), lab.add_host("b")
+        cp.popen_ready([*TANDEM, "up", "--model", heads_32, "--decode", "1", "--nats-host", cp.address,
+                        "--host", cp.address, "--port", GATEWAY_PORT, "--state-dir", tmp_path / "cp",
+                        "--namespace", namespace, "--registry-ttl-s", TTL_S, "--max-local-prefill-tokens", "0",
+                        *HOST_ENGINE], r"\| ready: http", timeout_s=300, env=env)
+        connect = tmp_path / "cp" / namespace / "connect.env"
+        join = [*TANDEM, "join", "--connect", connect, "--model", heads_32, *HOST_ENGINE]
+        leader, _ = a.popen_ready([*join, "--host-name", "a", "--state-dir", tmp_path / "a", "--decode-tp", "2",
+                                   "--group-local-ranks", "1", "--group-host", a.address, "--group-port", PORT,
+                                   "--restart-max-backoff-s", "2"],
+                                  "waiting for ranks 1-1 of the group", timeout_s=300, env=env)
+        ranks, _ = b.popen_ready([*join, "--host-name", "b", "--state-dir", tmp_path / "b",
+                                  "--group-join", f"{a.address}:{PORT}", "--restart-max-backoff-s", "2"],
+                                 "joins the group at", timeout_s=120, env=env)
+        _wait(lambda: any("| ready:" in line for line in leader.lines), 300, "host a's group registered")
+        socket_path = str(tmp_path / "gateway.sock")
+        cp.popen_ready([sys.executable, "-c", UNIX_BRIDGE, socket_path, cp.address, str(GATEWAY_PORT)], "bridging")
+
+        group_id = f"{namespace}-a-decode-1"
+        info = _wait(lambda: _entry(socket_path, group_id), 30, "the group in the gateway's /status")
+        assert info["tensor_parallel_size"] == 2 and info["rank_pids"] == []  # rank 1 is not on a's host
+        assert info["group_address"] == f"{a.address}:{PORT}"
+        model, held = str(heads_32), []
+        resp, prompt = _stream_on(socket_path, model, group_id, 24, held)
+        assert _text(_events(resp)) == one_process(prompt, 24)
+
+        resp, _ = _stream_on(socket_path, model, group_id, LONG, held)
+        events = _events(resp, 4)
+        (rank1,) = _rank_pids(b)
+        os.kill(rank1, signal.SIGKILL)  # the group breaks at its next step
+        events += _events(resp)
+        assert _finished_whole(events, LONG), events[-3:]  # finished on cp's worker
+        _wait(lambda: (_entry(socket_path, group_id) or {}).get("pid") != info["pid"], 4 * TTL_S + 10,
+              "the broken group gone from the registry")
+        # both joins bring it back: a restarts rank 0, b's restarted rank 1 joins it
+        back = _wait(lambda: (e := _entry(socket_path, group_id)) and e["pid"] != info["pid"]
+                     and e["state"] == "ready" and e, 300, "the group back in the registry")
+        assert back["num_restarts"] >= 1 and _rank_pids(b) and _rank_pids(b) != [rank1]
+        resp, prompt = _stream_on(socket_path, model, group_id, 24, held)
+        assert _text(_events(resp)) == one_process(prompt, 24)
+        for other, max_tokens in held:  # every stream sent, wherever it ran: none lost
+            assert _finished_whole(_events(other), max_tokens)
+        for proc in (ranks, leader):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(90) == 0, proc.lines[-20:]
+        _wait(lambda: not a.pids() and not b.pids(), 30, "no process left on a or b")

@@ -132,3 +132,33 @@ def test_up_refuses_cluster_and_tls_flags_for_a_nats_it_does_not_run():
 def test_a_joined_hosts_stack_speaks_as_join(tmp_path):
     assert Stack(StackSpec(tmp_path, control_plane=False)).label == "join"
     assert Stack(StackSpec(tmp_path)).label == "up"
+
+
+def _join_spec(tmp_path, *flags: str):
+    connect = tmp_path / "connect.env"
+    connect.write_text("TANDEM_NATS_URL=nats://tandem:pw@10.0.0.1:4222\n")
+    args = build_parser().parse_args(["join", "--connect", str(connect), "--state-dir", str(tmp_path), *flags])
+    return spec_from_settings(settings_from_args(args.settings_class, args), read_connect_file(connect))
+
+
+def test_a_parallel_worker_spans_two_joined_hosts(tmp_path):
+    """Host A leads two TP=2 decode workers, each with one rank of its own and a port of its own;
+    host B runs their rank 1s (``tandem rank`` children, restarted whenever their group ends)."""
+    a = _join_spec(tmp_path, "--decode", "2", "--prefill", "1", "--decode-tp", "2", "--group-local-ranks", "1",
+                   "--group-host", "10.0.0.2", "--group-port", "29650")
+    assert a.worker_flags == {f"decode-{i + 1}": {"group_local_ranks": 1, "group_host": "10.0.0.2",
+                                                  "group_port": 29650 + i} for i in range(2)}  # prefill: TP=1
+    assert a.rank_flags == {}
+    b = _join_spec(tmp_path, "--group-join", "10.0.0.2:29650")
+    assert (b.num_decode, b.num_prefill) == (0, 0)  # ranks only: no worker of its own
+    assert b.rank_flags == {"rank-1": {"join": "10.0.0.2:29650", "rank": 1, "log_level": "INFO"}}
+    from services.stack.children import service_argv
+
+    assert service_argv("rank", b.rank_flags["rank-1"])[-7:] == ["rank", "--join", "10.0.0.2:29650", "--rank", "1",
+                                                                  "--log-level", "INFO"]
+    assert build_parser().parse_args(["rank", "--join", "10.0.0.2:29650", "--rank", "1"]).size is None
+    three = _join_spec(tmp_path, "--group-join", "10.0.0.2:29650", "--group-rank", "2", "--group-ranks", "2",
+                       "--decode", "1")
+    assert (three.num_decode, sorted(three.rank_flags)) == (1, ["rank-2", "rank-3"])
+    with pytest.raises(CliError, match="give --group-host"):
+        _join_spec(tmp_path, "--decode-tp", "2", "--group-local-ranks", "1")

@@ -63,6 +63,8 @@ def add_settings_arguments(parser, cls: type[BaseSettings], exclude: Iterable[st
         env = f"TANDEM_{name.upper()}"
         given = "required" if info.is_required() else f"default {info.get_default(call_default_factory=True)!r}"
         help_text = f"{info.description or name} (env {env}, {given})"
+        if _env_only(info):
+            help_text = f"{info.description or name} (env {env} only: refused as a flag, which ps shows)"
         kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
         annotation = _without_none(info.annotation)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
@@ -86,10 +88,22 @@ def _without_none(annotation: Any) -> Any:
     return annotation
 
 
+ENV_ONLY = {"env_only": True}  # a field's json_schema_extra: a secret refused on the command line, which ps shows
+
+
+def _env_only(info) -> bool:
+    return isinstance(info.json_schema_extra, dict) and bool(info.json_schema_extra.get("env_only"))
+
+
 def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
     """Build the settings from flags given on the command line plus the environment."""
     given = {name: getattr(args, name) for name in cls.model_fields
              if getattr(args, name, None) is not None}
+    if secret := [name for name in given if _env_only(cls.model_fields[name])]:
+        name = secret[0]
+        raise CliError(f"{_flag(name)} on the command line is seen by every user of this machine (ps): put its "
+                       f"value in TANDEM_{name.upper()}" + (f" or in a file named by {_flag(name)}-file" if
+                                                            f"{name}_file" in cls.model_fields else ""))
     try:
         return cls(**given)
     except ValidationError as exc:

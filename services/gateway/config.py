@@ -1,5 +1,6 @@
 from pydantic import Field, model_validator
 
+from services.framework.command import ENV_ONLY
 from services.framework.settings import QosSettings, ServiceSettings
 from shared.openai_api.reasoning import ReasoningParser
 from shared.openai_api.tool_formats import ToolCallParser
@@ -9,9 +10,9 @@ class GatewaySettings(ServiceSettings, QosSettings):
     host: str = Field("127.0.0.1", description="HTTP listen address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: any free port)")
     model: str = Field("smollm2-135m", description="served model (its tokenizer is loaded here)")
-    api_keys: str | None = Field(None, description="comma-separated key:tier pairs (tiers from --qos; a key "
-                                 "without one gets the default tier); unset: no auth. A flag shows in ps: prefer "
-                                 "the environment or --api-keys-file")
+    api_keys: str | None = Field(None, json_schema_extra=ENV_ONLY, description="comma-separated key:tier pairs "
+                                 "(tiers from --qos; a key without one gets the default tier); unset (and no "
+                                 "--api-keys-file): no auth")
     api_keys_file: str | None = Field(None, description="file of API keys, one KEY or KEY:TIER a line (# comments); "
                                       "instead of --api-keys, read once at start")
     operator_key_file: str | None = Field(None, description="file holding the operator key, which /status, /metrics "

@@ -3,6 +3,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.framework.command import ENV_ONLY
 from services.framework.errors import CliError
 from services.framework.settings import QosSettings
 from shared.engine_settings import engine_settings
@@ -150,9 +151,8 @@ class UpSettings(WorkerHostSettings, QosSettings):
                                       "bucket (default: 1, or up to 3 on a cluster)")
     namespace: str = Field("tandem", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="subject/key namespace")
     registry_ttl_s: float = Field(6.0, gt=0, description="worker registry entry TTL")
-    api_keys: str | None = Field(None, description="gateway API keys as key:tier pairs (tiers from --qos); "
-                                 "unset: no auth. Seen by every user of this machine in tandem up's command "
-                                 "line: prefer --api-keys-file or TANDEM_API_KEYS")
+    api_keys: str | None = Field(None, json_schema_extra=ENV_ONLY, description="gateway API keys as key:tier "
+                                 "pairs (tiers from --qos); unset (and no --api-keys-file): no auth")
     api_keys_file: str | None = Field(None, description="file of gateway API keys, one KEY or KEY:TIER a line "
                                       "(# comments); the gateways read it themselves")
     operator_key_file: str | None = Field(None, description="file holding the operator key that /status, /metrics "

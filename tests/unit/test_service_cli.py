@@ -203,3 +203,19 @@ def test_up_hands_its_key_files_to_the_gateways_and_keys_only_through_their_envi
     assert spec.gateway_flags == {"api_keys_file": "/etc/tandem/keys", "operator_key_file": "/etc/tandem/op"}
     flags, env = split_secret_flags(spec_from_settings(UpSettings(api_keys="sk-1:premium")).gateway_flags)
     assert "api_keys" not in flags and env == {"TANDEM_API_KEYS": "sk-1:premium"}
+
+
+@pytest.mark.parametrize("command", ["up", "gateway"])
+def test_api_keys_on_the_command_line_are_refused_and_taken_from_the_environment(command, monkeypatch):
+    """A flag's value is in /proc/PID/cmdline for every user of the machine: keys come from the
+    environment or a file only."""
+    from services.cli import build_parser
+    from services.framework.command import settings_from_args
+    from services.framework.errors import CliError
+
+    args = build_parser().parse_args([command, "--api-keys", "sk-1"])
+    with pytest.raises(CliError, match="seen by every user.*TANDEM_API_KEYS or in a file named by --api-keys-file"):
+        settings_from_args(args.settings_class, args)
+    monkeypatch.setenv("TANDEM_API_KEYS", "sk-1")
+    args = build_parser().parse_args([command])
+    assert settings_from_args(args.settings_class, args).api_keys == "sk-1"

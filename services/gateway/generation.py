@@ -75,14 +75,16 @@ class Generation:
     def __init__(self, bus: Bus, subjects: Subjects, settings: GatewaySettings, tokenizer: Tokenizer,
                  metrics: GatewayMetrics, request: GenerateRequest, stops: list[str], *,
                  workers: WorkerDirectory, arrived_at: float | None = None,
-                 reasoning: Start | None = None) -> None:
+                 reasoning: Start | None = None, kept_special_ids: frozenset[int] = frozenset()) -> None:
+        """``kept_special_ids``: special tokens the output's text keeps (``ApiAdapter.kept_token_ids``:
+        the tool-call markers its parser reads); the others are skipped."""
         self._bus, self._subjects, self._settings = bus, subjects, settings
         self._metrics = metrics
         self._workers = workers
         self._worker_started_at: float | None = None
         self.request = request          # what the client asked for
         self._current = request         # what the current worker runs (differs after a migration)
-        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, kept_special_ids=kept_special_ids)
         self._reasoning = ReasoningSplitter(reasoning)  # None: all of the output is content
         self._stop = StopStringMatcher(stops)  # on the content only
         self._stream: AsyncIterator[TokenChunk] | None = None

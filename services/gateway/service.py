@@ -193,7 +193,7 @@ class Gateway:
         reasoning = api.decide_reasoning(self.settings.reasoning_parser, gen_request)
 
         async def attempt() -> list[Generation]:
-            gens = [self._generation(r, api.body.stop_strings(), arrived_at, reasoning)
+            gens = [self._generation(r, api.body.stop_strings(), arrived_at, reasoning, api.kept_token_ids())
                     for r in choice_requests(gen_request, api.body.num_choices())]
             try:
                 # the first choice's prefill fills the prefix cache; the others then share its blocks
@@ -237,9 +237,10 @@ class Gateway:
         return request.model_copy(update={"origin": self.origin, "deadline_at": deadline_at(api, now)})
 
     def _generation(self, gen_request: GenerateRequest, stops: list[str], arrived_at: float,
-                    reasoning: Start | None) -> Generation:
+                    reasoning: Start | None, kept_special_ids: frozenset[int]) -> Generation:
         return Generation(self.bus, self.subjects, self.settings, self.tokenizer, self.metrics,
-                          gen_request, stops, workers=self, arrived_at=arrived_at, reasoning=reasoning)
+                          gen_request, stops, workers=self, arrived_at=arrived_at, reasoning=reasoning,
+                          kept_special_ids=kept_special_ids)
 
     # --- models, probes, metrics, status ---------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

@@ -69,32 +69,84 @@ class Calls:
 
 
 class ToolCallStream:
-    """One streamed choice that may be a tool call: text is held back while it may still become
-    one (all of it when the call is forced), and at the end comes out as calls or as text."""
+    """One streamed choice that may make tool calls. Its content streams as it comes until a call
+    starts (``ToolUse.call_start``: at the format's marker, or, for a forced call, at once); from
+    there on the output is held, and at the end comes out as calls (or, when it reads as none, as
+    content). A tail that may still become the marker, and the whitespace before it, is held until
+    the next text tells. What streams as content is what ``ToolUse.reply`` makes the content of the
+    whole output, but for whitespace the output starts with; logprobs go with the text they came
+    with (a delta the split cuts in two sends its logprobs with the part held back). Each push
+    reads only the text held, so a long answer costs linear time."""
 
     def __init__(self, tool_use: ToolUse) -> None:
         self.tool_use = tool_use
-        self.forced = tool_use.mode == "forced"
-        self.held: list[Delta] = []
-        self.is_text = False  # decided: plain content, streamed as it comes
+        self.num_sent = 0  # characters of the output streamed as content
+        self.held: list[Delta] = []  # the output after those, with its logprobs
+        self.start: int | None = None  # where the calls start in the output, once seen
 
-    def push(self, delta: Delta) -> Delta | Calls | None:
-        """Returns what to send now: a (possibly merged) text delta, the calls, or None (hold)."""
-        if self.is_text:
-            return delta
+    def push(self, delta: Delta) -> list[Delta | Calls]:
+        """What to send now, in order: content deltas (none while held back), and at the end the
+        calls (or the rest as content, with the ``finish_reason``)."""
         self.held.append(delta)
-        text = "".join(d.text for d in self.held)
-        logprobs = [e for d in self.held for e in d.logprobs]
-        if delta.finish_reason is None:
-            if self.forced or self.tool_use.format.may_become_call(text):
-                return None
-            self.is_text = True
-        else:
-            calls = self.tool_use.calls(text, delta.finish_reason)
-            if calls:
-                return Calls(calls, logprobs, delta.finish_reason)
-        self.held = []
-        return Delta(text, logprobs, delta.finish_reason)
+        is_opening = self.num_sent == 0  # the format's rules for a call at the output's start apply
+        found = False
+        if self.start is None:
+            at = self.tool_use.call_start(self._held_text(), at_start=is_opening)
+            found = at is not None
+            self.start = None if at is None else self.num_sent + at
+        if delta.finish_reason is not None:
+            return self._end(delta.finish_reason)
+        if self.start is None:
+            return self._content(self.num_sent + self.tool_use.format.content_end(self._held_text(), is_opening))
+        return self._content(self._content_end()) if found else []
+
+    def _end(self, finish_reason: str) -> list[Delta | Calls]:
+        calls = None
+        if self.start is not None:
+            calls = self.tool_use.calls(self._held_text()[self.start - self.num_sent:], finish_reason)
+        if not calls:
+            rest = self._take(self.num_sent + len(self._held_text()))
+            return [Delta(self.tool_use.visible(rest.text), rest.logprobs, finish_reason)]
+        sent = self._content(self._content_end())
+        return sent + [Calls(calls, [e for d in self.held for e in d.logprobs], finish_reason)]
+
+    def _held_text(self) -> str:
+        return "".join(d.text for d in self.held)
+
+    def _content_end(self) -> int:
+        """Where the content ends once the calls' start is seen: before it and its whitespace."""
+        return self.num_sent + len(self._held_text()[:self.start - self.num_sent].rstrip())
+
+    def _content(self, end: int) -> list[Delta]:
+        """The output up to ``end`` as a content delta, when there is more of it to send."""
+        if end <= self.num_sent:
+            return []
+        sent = self._take(end)
+        sent.text = self.tool_use.visible(sent.text)
+        return [sent] if sent.text or sent.logprobs else []
+
+    def _take(self, end: int) -> Delta:
+        """The held output up to ``end`` (an offset into the output) with the logprobs of the
+        deltas wholly inside it; the rest stays held."""
+        text, size = self._held_text(), end - self.num_sent
+        taken, kept, at = [], [], 0
+        for held in self.held:
+            at += len(held.text)
+            (taken if at <= size else kept).append(held)
+        self.held = [Delta(text[size:], [e for d in kept for e in d.logprobs])] if kept else []
+        self.num_sent = end
+        return Delta(text[:size], [e for d in taken for e in d.logprobs])
+
+
+def marker_token_ids(tokenizer: Tokenizer | None, tool_use: ToolUse) -> frozenset[int]:
+    """The ids of ``tool_use``'s special markers, for a request whose model may call: a decoder
+    keeps them in the output (as vLLM does) for the parser, which would not see a call otherwise
+    (Mistral's ``name[ARGS]{...}`` would read ``name{...}``); ``ToolUse.visible`` takes them out of
+    the content."""
+    if tokenizer is None or tool_use.mode == "none":
+        return frozenset()
+    ids = (tokenizer.special_token_id(m) for m in tool_use.special_markers)
+    return frozenset(i for i in ids if i is not None)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tool_use: ToolUse, param: str,
@@ -185,8 +237,17 @@ class ApiAdapter(ABC, Generic[Body]):
         template), decided before the prompt is rendered and the output read, which then use it.
         ``/v1/completions`` has no tools."""
 
-    def _chosen_tool_format(self, parser: ToolCallParser) -> ToolFormat:
-        return tool_format(parser, self.tokenizer.chat_template if self.tokenizer is not None else None)
+    def kept_token_ids(self) -> frozenset[int]:
+        """Special tokens the output's text keeps although special tokens are skipped: the tool-call
+        markers the parser reads (``marker_token_ids``). ``/v1/completions`` has no tools."""
+        return frozenset()
+
+    def _chosen_tool_format(self, parser: ToolCallParser) -> tuple[ToolFormat, tuple[str, ...]]:
+        """The format, and those of its markers that are special tokens of this tokenizer."""
+        fmt = tool_format(parser, self.tokenizer.chat_template if self.tokenizer is not None else None)
+        if self.tokenizer is None:
+            return fmt, ()
+        return fmt, tuple(m for m in fmt.marker_tokens if self.tokenizer.special_token_id(m) is not None)
 
     def sse_event(self, chunk: dict) -> bytes:
         """One streamed chunk (or an error body) as a server-sent event."""
@@ -273,29 +334,35 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
         return self.reasoning
 
     def decide_tool_format(self, parser: ToolCallParser) -> None:
-        self.body = self.body.with_tool_format(self._chosen_tool_format(parser))
+        self.body = self.body.with_tool_format(*self._chosen_tool_format(parser))
+
+    def kept_token_ids(self) -> frozenset[int]:
+        return marker_token_ids(self.tokenizer, self.body.tool_use())
 
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
         tool_use = self.body.tool_use()
         if tool_use.mode == "none":
             return [self.chunk(head, index, delta, offset)]
         # the reasoning streams as it comes; only the content may become calls
-        thought = [self._reasoning_chunk(head, index, delta.reasoning)] if delta.reasoning else []
+        reasoning = tool_use.visible(delta.reasoning)
+        chunks = [self._reasoning_chunk(head, index, reasoning)] if reasoning else []
         stream = self._streams.setdefault(index, ToolCallStream(tool_use))
-        held = stream.push(Delta(delta.text, delta.logprobs, delta.finish_reason))
-        if held is None:
-            return thought
-        if isinstance(held, Delta):
-            is_empty = not (held.text or held.logprobs or held.finish_reason)  # reasoning only, sent above
-            return thought + ([] if is_empty else [self.chunk(head, index, held, offset)])
-        calls = [{"index": i, **c.model_dump()} for i, c in enumerate(held.calls)]
-        logprobs = self._logprobs(held.logprobs) if held.logprobs else None
-        return thought + [responses.chat_chunk(head.request_id, head.created, head.model, index,
-                                               {"tool_calls": calls}, logprobs=logprobs,
-                                               service_tier=head.service_tier),
-                          responses.chat_chunk(head.request_id, head.created, head.model, index, {},
-                                               finish_reason=chat_finish_reason(held.finish_reason),
-                                               service_tier=head.service_tier)]
+        for sent in stream.push(Delta(delta.text, delta.logprobs, delta.finish_reason)):
+            if isinstance(sent, Calls):
+                chunks += self._call_chunks(head, index, sent)
+            elif sent.text or sent.logprobs or sent.finish_reason:  # else reasoning only, sent above
+                chunks.append(self.chunk(head, index, sent, offset))
+        return chunks
+
+    def _call_chunks(self, head: ResponseHead, index: int, ended: Calls) -> list[dict]:
+        """The calls in one delta (their arguments were held until whole), then the finish."""
+        calls = [{"index": i, **c.model_dump()} for i, c in enumerate(ended.calls)]
+        logprobs = self._logprobs(ended.logprobs) if ended.logprobs else None
+        return [responses.chat_chunk(head.request_id, head.created, head.model, index, {"tool_calls": calls},
+                                     logprobs=logprobs, service_tier=head.service_tier),
+                responses.chat_chunk(head.request_id, head.created, head.model, index, {},
+                                     finish_reason=chat_finish_reason(ended.finish_reason),
+                                     service_tier=head.service_tier)]
 
     def opening_chunks(self, head: ResponseHead, index: int) -> list[dict]:
         return [responses.chat_chunk(head.request_id, head.created, head.model, index,
@@ -315,16 +382,18 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
                                     {"reasoning_content": reasoning}, service_tier=head.service_tier)
 
     def choice(self, index: int, choice: Choice) -> dict:
-        calls = self.body.tool_use().calls(choice.text, choice.finish_reason)
-        thought = {"reasoning_content": choice.reasoning} if choice.reasoning else {}
-        if calls:
-            return {"index": index, "message": {"role": "assistant", "content": None, **thought,
+        tool_use = self.body.tool_use()
+        content, calls = tool_use.reply(choice.text, choice.finish_reason)
+        reasoning = tool_use.visible(choice.reasoning)
+        thought = {"reasoning_content": reasoning} if reasoning else {}
+        if calls:  # the content: the text before the first call (None: none)
+            return {"index": index, "message": {"role": "assistant", "content": content, **thought,
                                                 "tool_calls": [c.model_dump() for c in calls]},
                     "logprobs": self._logprobs(choice.entries),
                     "finish_reason": chat_finish_reason(choice.finish_reason)}
-        body = responses.chat_choice(index, choice.text, choice.finish_reason, self._logprobs(choice.entries))
+        body = responses.chat_choice(index, content, choice.finish_reason, self._logprobs(choice.entries))
         if thought:  # an output cut off while reasoning has no content (null, as vLLM)
-            body["message"] = {**body["message"], "content": choice.text or None, **thought}
+            body["message"] = {**body["message"], "content": content or None, **thought}
         return body
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:

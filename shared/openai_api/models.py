@@ -214,6 +214,7 @@ class ChatCompletionRequest(_Sampling):
     # extension, as vLLM: extra variables of the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, JsonValue] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
     _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: HERMES)  # the gateway's (``with_tool_format``)
+    _special_markers: tuple[str, ...] = PrivateAttr(default=())  # ``ToolUse.special_markers``
 
     @model_validator(mode="before")
     @classmethod
@@ -246,12 +247,14 @@ class ChatCompletionRequest(_Sampling):
                            param="tool_choice")
 
     def tool_use(self) -> ToolUse:
-        return ToolUse(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False, self._tool_format)
+        return ToolUse(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False, self._tool_format,
+                       self._special_markers)
 
-    def with_tool_format(self, fmt: ToolFormat) -> "ChatCompletionRequest":
-        """This request with the model's tool-call format (``shared.openai_api.tool_formats``)."""
+    def with_tool_format(self, fmt: ToolFormat, special_markers: tuple[str, ...] = ()) -> "ChatCompletionRequest":
+        """This request with the model's tool-call format (``shared.openai_api.tool_formats``) and
+        those of its markers that are special tokens of the model's tokenizer."""
         copy = self.model_copy()
-        copy._tool_format = fmt
+        copy._tool_format, copy._special_markers = fmt, special_markers
         return copy
 
     def tool_mode(self) -> Literal["none", "auto", "forced"]:

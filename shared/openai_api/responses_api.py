@@ -2,10 +2,10 @@
 string or items: messages, ``function_call`` and ``function_call_output``; ``instructions``,
 ``text.format``, ``tools``, ``tool_choice``), the ``response`` object and its streamed events
 (``response.created`` … ``response.output_text.delta`` or ``response.function_call_arguments.delta``
-… ``response.completed``). The output is one message, or the function calls the model made (as
-chat completions make them: ``shared.openai_api.tools``), after a ``reasoning`` item when a
-thinking model reasoned first (``shared.openai_api.reasoning``; streamed as
-``response.reasoning_text.delta`` events)."""
+… ``response.completed``). The output is one message, the function calls the model made (as chat
+completions make them: ``shared.openai_api.tools``), or both: the message of the text before the
+calls, then the calls; after a ``reasoning`` item when a thinking model reasoned first
+(``shared.openai_api.reasoning``; streamed as ``response.reasoning_text.delta`` events)."""
 
 from __future__ import annotations
 
@@ -160,6 +160,7 @@ class ResponsesRequest(_Sampling):
     conversation: Union[Annotated[StrictStr, Field(min_length=1)], ConversationParam] | None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
     _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: HERMES)  # the gateway's (``with_tool_format``)
+    _special_markers: tuple[str, ...] = PrivateAttr(default=())  # ``ToolUse.special_markers``
 
     @model_validator(mode="before")
     @classmethod
@@ -189,12 +190,13 @@ class ResponsesRequest(_Sampling):
         if isinstance(choice, FunctionToolChoice):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
         return ToolUse([t.as_tool() for t in self.tools or []], choice, self.parallel_tool_calls is not False,
-                       self._tool_format)
+                       self._tool_format, self._special_markers)
 
-    def with_tool_format(self, fmt: ToolFormat) -> "ResponsesRequest":
-        """This request with the model's tool-call format (``shared.openai_api.tool_formats``)."""
+    def with_tool_format(self, fmt: ToolFormat, special_markers: tuple[str, ...] = ()) -> "ResponsesRequest":
+        """This request with the model's tool-call format (``shared.openai_api.tool_formats``) and
+        those of its markers that are special tokens of the model's tokenizer."""
         copy = self.model_copy()
-        copy._tool_format = fmt
+        copy._tool_format, copy._special_markers = fmt, special_markers
         return copy
 
     def tool_mode(self) -> Literal["none", "auto", "forced"]:
@@ -284,6 +286,7 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         self._calls: ToolCallStream | None = ToolCallStream(self._tool_use) if self._tool_use.mode != "none" else None
         self._message_open = False
         self._call_items: list[dict] = []  # the calls, once the model has made them
+        self._message_item: dict | None = None  # the message of the text before the calls, once they came
         self._reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._thought: list[str] = []  # the reasoning streamed so far
         self._reasoning_open = False
@@ -301,7 +304,7 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         return self.reasoning
 
     def decide_tool_format(self, parser: ToolCallParser) -> None:
-        self.body = self.body.with_tool_format(self._chosen_tool_format(parser))
+        self.body = self.body.with_tool_format(*self._chosen_tool_format(parser))
         self._tool_use = self.body.tool_use()
         self._calls = ToolCallStream(self._tool_use) if self._tool_use.mode != "none" else None
 
@@ -364,25 +367,37 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
 
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
         self._finish = delta.finish_reason or self._finish
-        events = self._reasoning_events(delta.reasoning) if delta.reasoning else []
+        reasoning = self._tool_use.visible(delta.reasoning)
+        events = self._reasoning_events(reasoning) if reasoning else []
         content = Delta(delta.text, delta.logprobs, delta.finish_reason)
-        held = content if self._calls is None else self._calls.push(content)
-        if held is None:
-            return events
-        if isinstance(held, Calls):
-            return events + self._close_reasoning() + self._call_events(held)
-        if not held.text:
-            return events
-        events += self._close_reasoning() + ([] if self._message_open else self._open_message())
-        return events + [self.chunk(head, index, held, offset)]
+        for sent in [content] if self._calls is None else self._calls.push(content):
+            if isinstance(sent, Calls):  # after the text before them, if any: its message ends here
+                events += self._close_reasoning() + self._close_message(_status(sent.finish_reason))
+                events += self._call_events(sent)
+            elif sent.text:
+                events += self._close_reasoning() + ([] if self._message_open else self._open_message())
+                events.append(self.chunk(head, index, sent, offset))
+        return events
+
+    def _close_message(self, status: str) -> list[dict]:
+        """The end of the message of the text before the calls (none: no text came before)."""
+        if not self._message_open:
+            return []
+        self._message_open = False
+        text = "".join(self._text)
+        self._message_item = self._message(text, status)
+        return [self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
+                self._event("response.content_part.done", **self._where(), part=_part(text)),
+                self._event("response.output_item.done", output_index=self._first_index(), item=self._message_item)]
 
     def _call_events(self, ended: Calls) -> list[dict]:
         """Each call as its item opens, its arguments stream (in one delta: they were held until
-        the call was whole) and the item closes."""
+        the call was whole) and the item closes, after the message of the text before them."""
         status = _status(ended.finish_reason)
         self._call_items = [_call_item(c, status) for c in ended.calls]
         events = []
-        for i, item in enumerate(self._call_items, start=self._first_index()):
+        first = self._first_index() + (self._message_item is not None)
+        for i, item in enumerate(self._call_items, start=first):
             where = {"item_id": item["id"], "output_index": i}
             events += [self._event("response.output_item.added", output_index=i,
                                    item={**item, "arguments": "", "status": "in_progress"}),
@@ -397,8 +412,9 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         events = self._close_reasoning(status)  # still open: the output ended inside the reasoning
         before = [self._reasoning_item] if self._reasoning_item is not None else []
         if self._call_items:
-            done = self.completed = self._response(head, status, before + self._call_items, self._finish,
-                                                   _usage(usage))
+            message = [self._message_item] if self._message_item is not None else []
+            done = self.completed = self._response(head, status, before + message + self._call_items,
+                                                   self._finish, _usage(usage))
             return events + [self._event(f"response.{done['status']}", response=done)]
         text = "".join(self._text)
         if before and not self._message_open:  # ended inside the reasoning: no answer, no message
@@ -413,14 +429,16 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
                          self._event(f"response.{done['status']}", response=done)]
 
     def choice(self, index: int, choice: Choice) -> dict:
-        return {"text": choice.text, "finish_reason": choice.finish_reason, "reasoning": choice.reasoning,
-                "calls": self._tool_use.calls(choice.text, choice.finish_reason)}
+        content, calls = self._tool_use.reply(choice.text, choice.finish_reason)
+        return {"text": content or "", "finish_reason": choice.finish_reason,
+                "reasoning": self._tool_use.visible(choice.reasoning), "calls": calls}
 
     def response(self, head: ResponseHead, choices: list[dict], usage: dict) -> dict:
         first = choices[0]
         finish, status = first["finish_reason"], _status(first["finish_reason"])
-        if first["calls"]:
-            output = [_call_item(c, status) for c in first["calls"]]
+        if first["calls"]:  # after the message of the text before them, if any
+            output = [self._message(first["text"], status)] if first["text"] else []
+            output += [_call_item(c, status) for c in first["calls"]]
         else:
             output = [self._message(first["text"], status)] if first["text"] or not first["reasoning"] else []
         if first["reasoning"]:  # ended by the answer, else cut off inside it (no message then)

@@ -10,6 +10,11 @@ tells a template without tool support how to call, and gives the grammar of "tex
 - ``llama3_json`` (Llama 3.x): the output is a bare ``{"name": ..., "parameters": {...}}``, or several
   separated by ``;``, optionally after ``<|python_tag|>``.
 
+A format also says where the calls start in an output (``call_start``; the text before them is
+the reply's content) and how much of a streamed output is content that no call can start in
+(``content_end``), and names its marker strings (``marker_tokens``): in some families' tokenizers
+they are special tokens, which the gateway then keeps in the text read here (vLLM does the same).
+
 A format hands back raw calls, ``(name, arguments)`` with the arguments a JSON value;
 ``shared.openai_api.tools`` makes them ``ToolCall``s, checks them against the declared functions
 and drops repeats. Pure: no I/O.
@@ -58,6 +63,7 @@ class ToolFormat(ABC):
 
     name: ClassVar[str]
     marker: ClassVar[str]  # the text a call starts with
+    marker_tokens: ClassVar[tuple[str, ...]]  # every marker the format writes (special tokens in some tokenizers)
 
     @abstractmethod
     def parse(self, text: str) -> list[RawCall] | None:
@@ -89,6 +95,29 @@ class ToolFormat(ABC):
         streamed as content)."""
         return _is_prefix_either_way(text, self.marker)
 
+    def call_start(self, text: str, at_start: bool = True) -> int | None:
+        """Where the first call starts in ``text``, the output (at its start: ``starts_call``, or at
+        the first marker), or, not ``at_start``, a later part of it (at the first marker); None: no
+        call starts in it. The text before the calls is the reply's content."""
+        if at_start and self.starts_call(text):
+            return 0
+        at = text.find(self.marker)
+        return at if at >= 0 else None
+
+    def content_end(self, text: str, at_start: bool = True) -> int:
+        """How much of ``text`` (an unfinished output in which no call starts, or, not ``at_start``,
+        a later part of it) is content whatever comes next: all but an opening that may still become
+        a call, a tail that may be the start of the marker, and the whitespace before them (which a
+        call would take off the content)."""
+        if at_start and self.may_become_call(text):
+            return 0
+        end = len(text)
+        for size in range(min(len(self.marker) - 1, len(text)), 0, -1):
+            if text.endswith(self.marker[:size]):
+                end -= size
+                break
+        return len(text[:end].rstrip())
+
     def auto_lark(self, call_schema: dict, parallel: bool) -> str:
         """Text that holds no call marker, or calls whose items match ``call_schema``."""
         return "\n".join([
@@ -108,6 +137,7 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     marker = "<tool_call>"
     close = "</tool_call>"
+    marker_tokens = (marker, close)
     _block = re.compile(re.escape(marker) + r"\s*(.*?)\s*" + re.escape(close), re.S)
 
     def parse(self, text: str) -> list[RawCall] | None:
@@ -146,13 +176,15 @@ class HermesFormat(ToolFormat):
 
 
 class MistralFormat(ToolFormat):
-    """``[TOOL_CALLS]`` is a special token, which a decoder that skips special tokens drops: a bare
-    list of calls at the start of the output, ``[{"name": ...``, reads as calls too."""
+    """``[TOOL_CALLS]`` is a special token, which a decoder that skips special tokens drops (the
+    gateway keeps it for a request with tools: ``marker_tokens``); a text worker's decoder may still
+    drop it, so a bare list of calls at the start of the output, ``[{"name": ...``, reads as calls too."""
 
     name = "mistral"
     marker = "[TOOL_CALLS]"
     args = "[ARGS]"
     bare = "[{"
+    marker_tokens = (marker, args)
 
     def parse(self, text: str) -> list[RawCall] | None:
         at = text.find(self.marker)
@@ -222,6 +254,7 @@ class MistralFormat(ToolFormat):
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     marker = "<|python_tag|>"
+    marker_tokens = (marker,)
 
     def parse(self, text: str) -> list[RawCall] | None:
         at = text.find(self.marker)

@@ -238,6 +238,10 @@ class ToolUse:
     choice: ToolChoice | None
     parallel: bool  # parallel_tool_calls is not false
     format: ToolFormat = field(default=HERMES)  # how the model writes calls (--tool-call-parser)
+    # the format's markers that are special tokens of the model's tokenizer: kept in the output
+    # these calls are read from (a decoder that skips special tokens would drop them), never
+    # shown in its content (``visible``)
+    special_markers: tuple[str, ...] = ()
 
     @property
     def mode(self) -> Literal["none", "auto", "forced"]:
@@ -260,13 +264,42 @@ class ToolUse:
             return auto_grammar(self.tools, self.parallel, self.format)
         return None
 
-    def calls(self, text: str, finish_reason: str | None) -> list[ToolCall] | None:
-        """The calls ``text`` (the whole output, ended by ``finish_reason``) makes, each once and
-        each with JSON arguments; None: it is text. Output cut off (``length``) keeps the calls
-        written whole; with none, even a forced call's output is text (OpenAI returns the cut-off
-        call with its arguments as far as written, which no client can parse: docs/api.md)."""
+    def call_start(self, text: str, at_start: bool = True) -> int | None:
+        """Where the calls start in an output (``ToolFormat.call_start``; a forced call's at 0);
+        None: no call starts in it. The text before it is content, streamed as it comes
+        (``adapters.ToolCallStream``)."""
         if self.mode == "none":
             return None
+        return 0 if self.mode == "forced" else self.format.call_start(text, at_start)
+
+    def visible(self, text: str) -> str:
+        """``text`` as content: without the markers kept for the parser (``special_markers``)."""
+        if self.mode == "none":
+            return text
+        for marker in self.special_markers:
+            text = text.replace(marker, "")
+        return text
+
+    def reply(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None]:
+        """An output's content and calls (``calls``). With calls, the content is the text before
+        the first (stripped; None when blank), as OpenAI and vLLM answer; without, the whole
+        text (``visible``)."""
+        calls = self.calls(text, finish_reason)
+        if not calls:
+            return self.visible(text), None
+        before = self.visible(text[:self.call_start(text) or 0]).strip()
+        return before or None, calls
+
+    def calls(self, text: str, finish_reason: str | None) -> list[ToolCall] | None:
+        """The calls ``text`` (the whole output, ended by ``finish_reason``) makes, each once and
+        each with JSON arguments; None: it is text. Text before the first call is content
+        (``reply``). Output cut off (``length``) keeps the calls written whole; with none, even a
+        forced call's output is text (OpenAI returns the cut-off call with its arguments as far as
+        written, which no client can parse: docs/api.md)."""
+        start = self.call_start(text)
+        if start is None:
+            return None
+        text = text[start:]
         forced = self.mode == "forced"
         calls = parse_calls(text, forced, self.format) if finish_reason == "stop" else None
         if calls is None and (forced or (finish_reason != "stop" and self.format.starts_call(text))):

@@ -14,7 +14,7 @@ Offsets into ``_ids`` (invariant: ``prefix_offset <= read_offset <= len(_ids)``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from shared.tokenizer.tokenizer import Tokenizer
 
@@ -29,9 +29,13 @@ class IncrementalDetokenizer:
     text is that of the ids as a continuation of the prompt)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, kept_special_ids: Collection[int] = ()):
+        """``kept_special_ids``: special tokens kept in the text although the others are skipped
+        (a request with tools keeps its format's call markers for the parser, as vLLM does)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._skipped_ids = frozenset(tokenizer.special_token_ids) - frozenset(kept_special_ids) \
+            if skip_special_tokens and kept_special_ids else None
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -55,8 +59,12 @@ class IncrementalDetokenizer:
     def _decode_window(self) -> tuple[str, str]:
         window = self._ids[self._prefix_offset:]
         split = self._read_offset - self._prefix_offset
-        decode = self._tokenizer.decode
-        return decode(window[:split], self._skip_special), decode(window, self._skip_special)
+        decode, skip = self._tokenizer.decode, self._skip_special
+        if self._skipped_ids is not None:  # skipped here, the kept ones decoded as any token
+            prefix = [i for i in window[:split] if i not in self._skipped_ids]
+            return decode(prefix, False), decode(prefix + [i for i in window[split:] if i not in self._skipped_ids],
+                                                 False)
+        return decode(window[:split], skip), decode(window, skip)
 
     def _advance(self, text: str) -> str:
         # The emitted tokens become the next window's prefix; older ids are never read again.

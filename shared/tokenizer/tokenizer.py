@@ -116,6 +116,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def special_token_id(self, token: str) -> int | None:
+        """The id of ``token`` when it is a special token (one ``decode`` skips); None otherwise."""
+        token_id = self._backend.token_to_id(token)
+        return token_id if token_id in self.special_token_ids else None
+
     # ----- chat -----
 
     @property

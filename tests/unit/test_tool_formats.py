@@ -6,6 +6,7 @@ chosen format."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
@@ -19,6 +20,7 @@ from shared.openai_api.models import ChatCompletionRequest
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.openai_api.tool_formats import FORMATS, HERMES, detect_format, tool_format
 from shared.openai_api.tools import system_prompt
+from shared.protocol.generate import TokenLogprob
 from shared.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -109,12 +111,107 @@ def test_a_stream_holds_back_a_call_and_streams_text(fmt):
     one, two, after_text = OUTPUTS[fmt]
     stream = ToolCallStream(body(fmt).tool_use())
     pieces = [two[i:i + 7] for i in range(0, len(two), 7)]
-    assert all(stream.push(Delta(p)) is None for p in pieces[:-1])
-    ended = stream.push(Delta(pieces[-1], finish_reason="stop"))
+    assert all(stream.push(Delta(p)) == [] for p in pieces[:-1])
+    [ended] = stream.push(Delta(pieces[-1], finish_reason="stop"))
     assert names_and_args(ended.calls) == [OSLO, NOW] and ended.finish_reason == "stop"
     text = ToolCallStream(body(fmt).tool_use())
-    assert text.push(Delta("Let me")) == Delta("Let me", [], None)  # text before a call streams as content
-    assert text.push(Delta(" think.", finish_reason="stop")) == Delta(" think.", [], "stop")
+    assert text.push(Delta("Let me")) == [Delta("Let me", [], None)]
+    assert text.push(Delta(" think.", finish_reason="stop")) == [Delta(" think.", [], "stop")]
+
+
+def streamed(api, text: str, size: int, finish: str = "stop") -> list[dict]:
+    """The chunks of ``text`` streamed ``size`` characters a delta, each delta with one logprob."""
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    chunks = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        chunks += api.stream_chunks(HEAD, 0, Delta(piece, [TokenLogprob(token_id=i, logprob=-i)],
+                                                   finish if last else None), 0)
+    return chunks
+
+
+HEAD = ResponseHead("chatcmpl-1", 1, "m")
+# token i is "t<i>": the logprobs' tokens of ``streamed``
+NUMBERED = Tokenizer(BackendTokenizer(WordLevel({f"t{i}": i for i in range(300)}, unk_token="t0")),
+                     bos_token=None, eos_token=None, chat_template=None)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 25, 30, 1000])
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_text_before_a_call_streams_as_content_then_the_call(fmt, size):
+    """As vLLM and OpenAI: content until the call marker, the call held from there and sent as
+    tool_calls at the end; the content is the non-streamed response's, the logprobs split there."""
+    after_text = OUTPUTS[fmt][2]
+    whole = ChatAdapter(body(fmt), None).choice(0, Choice(after_text, "stop", []))
+    assert whole["message"]["content"] == "Let me look." and whole["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+    chunks = streamed(ChatAdapter(body(fmt, logprobs=True), NUMBERED), after_text, size)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = [d["content"] for d in deltas if "content" in d]
+    assert "".join(content) == "Let me look."
+    calls = [i for i, d in enumerate(deltas) if "tool_calls" in d]
+    assert calls == [len(deltas) - 2] and all("content" not in d for d in deltas[calls[0]:])
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["get_weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # a delta's logprob goes with the content when all of its text is content, else with the call
+    logprobs = [[e["token"] for e in (c["choices"][0]["logprobs"] or {"content": []})["content"]] for c in chunks]
+    num_content = sum(1 for i in range(0, len(after_text), size) if i + size <= len("Let me look."))
+    assert sum(len(lp) for lp, d in zip(logprobs, deltas) if "content" in d) == num_content
+    assert sum(len(lp) for lp in logprobs) == len(range(0, len(after_text), size))
+
+
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_a_call_cut_off_after_text_keeps_the_text_as_content(fmt):
+    after_text = OUTPUTS[fmt][2]
+    cut = after_text + "\n" + OUTPUTS[fmt][0][:20]
+    choice = ChatAdapter(body(fmt), None).choice(0, Choice(cut, "length", []))
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "Let me look."
+    chunks = streamed(ChatAdapter(body(fmt), None), cut, 5, "length")
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Let me look."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_text_that_makes_no_call_streams_whole(fmt):
+    text = "Maybe <b>bold</b> or [x] {y} < z"
+    for size in (1, 4, 100):
+        chunks = streamed(ChatAdapter(body(fmt), None), text, size)
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert ChatAdapter(body(fmt), None).choice(0, Choice(text, "stop", []))["message"]["content"] == text
+
+
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_the_responses_api_has_a_message_then_the_calls(fmt):
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from shared.openai_api.responses import usage
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
+    after_text = OUTPUTS[fmt][2]
+
+    def api(**fields) -> ResponsesAdapter:
+        adapter = ResponsesAdapter.from_json(json.dumps({"model": "m", "input": "x", "tools": tools,
+                                                         **fields}).encode(), None)
+        adapter.decide_tool_format(fmt)
+        return adapter
+
+    whole = api()
+    parsed = Response.model_validate(whole.response(HEAD, [whole.choice(0, Choice(after_text, "stop", []))],
+                                                    usage(1, 2, 0)))
+    assert [o.type for o in parsed.output] == ["message", "function_call"]
+    assert parsed.output_text == "Let me look." and parsed.output[1].name == "get_weather"
+    stream = api(stream=True)
+    events = stream.opening_chunks(HEAD, 0) + streamed(stream, after_text, 4)
+    events += stream.closing_chunks(HEAD, usage(1, 2, 0))
+    typed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
+    assert [e.sequence_number for e in typed] == list(range(len(events)))
+    done = [e.item for e in typed if e.type == "response.output_item.done"]
+    assert [(i.type, getattr(i, "name", None)) for i in done] == [("message", None), ("function_call", "get_weather")]
+    assert "".join(e.delta for e in typed if e.type == "response.output_text.delta") == "Let me look."
+    final = typed[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"] and final.output_text == "Let me look."
+    assert [e.output_index for e in typed if e.type == "response.output_item.added"] == [0, 1]
 
 
 @pytest.mark.parametrize("fmt", list(OUTPUTS))
@@ -257,3 +354,24 @@ def test_smollm2_with_the_hermes_parser_named(smol):
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in prompt
     reply = api.choice(0, Choice(OUTPUTS["hermes"][1], "stop", []))
     assert reply["finish_reason"] == "tool_calls" and len(reply["message"]["tool_calls"]) == 2
+
+
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_streamed_and_whole_replies_agree_however_the_output_is_cut_into_deltas(fmt):
+    one, two, after_text = OUTPUTS[fmt]
+    rng = random.Random(7)
+    outputs = [one, two, after_text, after_text + " and more text", "Plain text, [a] <b> {c}.",
+               "A < B\n", "x" + FORMATS[fmt].marker, after_text[:-5], "Text.\n\n" + two]
+    for text, finish in [(o, f) for o in outputs for f in ("stop", "length")]:
+        whole = ChatAdapter(body(fmt), None).choice(0, Choice(text, finish, []))
+        api, chunks, at = ChatAdapter(body(fmt), None), [], 0
+        while at < len(text):
+            size = rng.randint(1, 9)
+            piece, at = text[at:at + size], at + size
+            chunks += api.stream_chunks(HEAD, 0, Delta(piece, [], finish if at >= len(text) else None), 0)
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        where = (text, finish)
+        assert "".join(d.get("content", "") for d in deltas) == (whole["message"]["content"] or ""), where
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == \
+            [c["function"]["name"] for c in whole["message"].get("tool_calls") or []], where
+        assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"], where

@@ -65,13 +65,13 @@ def test_calls_are_read_back():
 
 def test_a_streamed_choice_holds_back_what_may_become_a_call():
     stream = ToolCallStream(body().tool_use())
-    assert stream.push(Delta("<tool")) is None and stream.push(Delta("_call>{\"name\": \"get_time\",")) is None
-    ended = stream.push(Delta(' "arguments": {}}</tool_call>', finish_reason="stop"))
+    assert stream.push(Delta("<tool")) == [] and stream.push(Delta("_call>{\"name\": \"get_time\",")) == []
+    [ended] = stream.push(Delta(' "arguments": {}}</tool_call>', finish_reason="stop"))
     assert [c.function.name for c in ended.calls] == ["get_time"] and ended.finish_reason == "stop"
     text = ToolCallStream(body().tool_use())
-    assert text.push(Delta("<t")) is None
-    assert text.push(Delta("able> is")) == Delta("<table> is", [], None)  # not a call after all
-    assert text.push(Delta(" here", finish_reason="stop")) == Delta(" here", [], "stop")
+    assert text.push(Delta("<t")) == []
+    assert text.push(Delta("able> is")) == [Delta("<table> is", [], None)]  # not a call after all
+    assert text.push(Delta(" here <", finish_reason="stop")) == [Delta(" here <", [], "stop")]
 
 
 def test_an_assistant_call_and_a_tool_result_render_in_the_history():

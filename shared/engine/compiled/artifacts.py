@@ -86,7 +86,11 @@ def model_structure(model) -> dict:
     shape and dtype of every tensor it holds (quantized weights' fields included), layer by layer."""
     import torch
 
+    from shared.model.parallel import DetachedGroup, ProcessGroupCollectives, SingleRank
+
     def describe(value):
+        if isinstance(value, (SingleRank, DetachedGroup, ProcessGroupCollectives)):
+            return {"size": value.size}  # a rank's collectives: its place and connections are not the graph's
         if isinstance(value, torch.Tensor):
             return [list(value.shape), str(value.dtype)]
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -129,30 +133,16 @@ def engine_artifact_key(model, block_size: int, threads: int, kv_dtype=None) -> 
 
     gguf = model.quantization == "gguf"
     structure = model_structure(model)
-    # a tensor-parallel rank's collectives and its place in the group are not the graph's: every rank
-    # of a group has the same one (shared/engine/compiled/step.py), so the group's size alone is in the key
-    for name in ("group", "pipeline", "split"):
+    # a rank's place in its pipeline and split is not the graph's: every rank of a group has the same one
+    # (shared/engine/compiled/step.py); its collectives are described by the group's size alone
+    for name in ("pipeline", "split"):
         structure.pop(name, None)
-    _drop_groups(structure)  # each layer holds the group too, with counters that change as it runs
-    if model.group.size > 1:
-        structure["tensor_parallel_size"] = model.group.size
     return artifact_key(structure=structure, block_size=block_size, threads=threads,
                         code=traced_code_digest(), torch_version=torch.__version__,
                         int8_kernel=model.quantization.startswith("int8") and int8_cpu.kernel_in_graph(),
                         block_kernel=blocks_cpu.kernel_in_graph() if gguf else None,
                         attention_kernel=attention_cpu.kernel_in_graph(),
                         **({"kv_dtype": str(kv_dtype)} if kv_dtype is not None and kv_dtype != model.dtype else {}))
-
-
-def _drop_groups(structure) -> None:
-    """Remove every ``group`` entry (a rank's collectives) from a model's structure, at any depth."""
-    if isinstance(structure, dict):
-        structure.pop("group", None)
-        for value in structure.values():
-            _drop_groups(value)
-    elif isinstance(structure, list):
-        for value in structure:
-            _drop_groups(value)
 
 
 class ArtifactStore(Protocol):

@@ -25,6 +25,7 @@ from services.join.identity import EXIT_HOST_NAME_TAKEN, describe_conflict, is_r
 from services.join.watch import ConnectWatch
 from services.stack.stack import Stack, StackSpec, print_line
 from services.stack.supervisor import Backoff
+from services.up.plan import planned_host
 from shared.telemetry.redact import redact_url
 
 if TYPE_CHECKING:
@@ -67,18 +68,25 @@ def spec_from_settings(s: JoinSettings, connect: dict[str, str], host_id: str | 
     """The stack of this host's workers; ``host_id``: this host's (``load_host_id`` of the spec's
     state directory), passed to its workers."""
     decode_flags, prefill_flags = s.worker_flags()
+    num_decode, num_prefill, worker_flags, rank_flags = s.decode, s.prefill, s.group_worker_flags(), s.rank_flags()
+    if s.plan is not None:
+        planned = planned_host(s, "join")
+        if not planned.worker_flags and not planned.rank_flags:
+            raise CliError(f"--plan {s.plan}: node {s.plan_node} has none of the plan's workers or ranks")
+        num_decode, num_prefill, worker_flags = planned.num_decode, planned.num_prefill, planned.worker_flags
+        rank_flags = {**rank_flags, **planned.rank_flags}
     namespace = connect.get("TANDEM_NAMESPACE", "tandem")
     replicas = connect.get("TANDEM_NATS_REPLICAS")
     return StackSpec(
         state_dir=join_state_dir(s, namespace), control_plane=False, host_name=s.host_name, host_id=host_id,
-        num_decode=s.decode, num_prefill=s.prefill, model=s.model, namespace=namespace,
+        num_decode=num_decode, num_prefill=num_prefill, model=s.model, namespace=namespace,
         nats_url=connect["TANDEM_NATS_URL"], nats_ca=connect.get("TANDEM_NATS_CA"),
         nats_replicas=int(replicas) if replicas else None,
         registry_ttl_s=float(connect.get("TANDEM_REGISTRY_TTL_S", 6.0)), log_level=s.log_level,
         metrics_host=s.metrics_host, metrics_key_file=s.metrics_key_file,
         restart_children=s.restart, restart_backoff=Backoff(max_s=s.restart_max_backoff_s),
         final_exit_codes=frozenset({EXIT_CREDENTIALS_REFUSED}), decode_flags=decode_flags,
-        prefill_flags=prefill_flags, worker_flags=s.group_worker_flags(), rank_flags=s.rank_flags())
+        prefill_flags=prefill_flags, worker_flags=worker_flags, rank_flags=rank_flags)
 
 
 def join_state_dir(s: JoinSettings, namespace: str) -> Path:
@@ -93,10 +101,15 @@ EXIT_CREDENTIALS_REFUSED = 5
 
 def run(settings: JoinSettings) -> int:
     connect = read_connect_file(settings.connect)
-    if settings.decode + settings.prefill == 0 and not settings.group_join:
-        raise CliError("nothing to join: give --decode and/or --prefill (or --group-join)")
+    if settings.decode + settings.prefill == 0 and not settings.group_join and settings.plan is None:
+        raise CliError("nothing to join: give --decode and/or --prefill (or --group-join, or --plan)")
     host_id = load_host_id(join_state_dir(settings, connect.get("TANDEM_NAMESPACE", "tandem")))
-    spec = spec_from_settings(settings, connect, host_id)
+    try:
+        spec = spec_from_settings(settings, connect, host_id)
+    except (OSError, ValueError) as exc:  # a plan file that cannot be read or run (PlanNotRunnable)
+        if settings.plan is None:
+            raise
+        raise CliError(f"--plan {settings.plan}: {exc}") from None
     stack = Stack(spec)
     # before any worker starts: a wrong address, CA or password, or a host name another host's
     # workers use, fails in seconds, not after loading
@@ -108,12 +121,12 @@ def run(settings: JoinSettings) -> int:
     started_at = time.time()  # the workers' entries start after this (their started_at, this host's clock)
     try:
         stack.start()
-        print_line("join", f"starting {settings.decode} decode and {settings.prefill} prefill worker(s) of "
+        print_line("join", f"starting {spec.num_decode} decode and {spec.num_prefill} prefill worker(s) of "
                            f"{settings.model} as host {settings.host_name!r} (host id {host_id}) for the control "
                            f"plane at {redact_url(stack.nats_url)} (namespace {stack.spec.namespace})")
         if ranks := spec.rank_flags:
-            print_line("join", f"starting {', '.join(ranks)} of the parallel worker whose rank 0 is at "
-                               f"{settings.group_join} (they follow its model and settings)")
+            print_line("join", f"starting {', '.join(ranks)}: ranks of parallel workers led from other hosts "
+                               f"(they follow their rank 0's model and settings)")
         threading.Thread(target=_wait_registered, args=(stack, settings, started_at, stop, failed),
                          daemon=True).start()
         watch = ConnectWatch(stack, settings.connect, connect, read_connect_file, _login_check(spec),

@@ -67,6 +67,15 @@ class WorkerHostSettings(_HostEngineFields):
                             "its KV is re-laid out in transit to the decode workers' shape")
     prefill_pp: int = Field(1, ge=1, le=64, description="pipeline stages of each prefill worker, each of "
                             "--prefill-tp ranks")
+    plan: Path | None = Field(None, description="start the workers of a plan from `tandem plan --json`: its decode and "
+                              "prefill workers with their TP/PP and devices, in place of --decode/--prefill and "
+                              "--decode-tp/--decode-pp (a plan this host cannot run is refused, naming the worker)")
+    plan_node: str | None = Field(None, description="the plan's node this host is (a plan over several nodes: tandem "
+                                  "up on one, tandem join on each other, all with the same --group-port): it starts "
+                                  "the workers whose first GPU is on it and its ranks of workers led from others")
+    plan_leaders: str | None = Field(None, pattern=r"^[^=,\s]+=[^=,\s]+(,[^=,\s]+=[^=,\s]+)*$",
+                                     description="NODE=ADDRESS,... of the plan's nodes that lead workers with ranks "
+                                     "on this one (their --group-host)")
     drain_timeout_s: float = Field(5.0, ge=0, description="on Ctrl-C, how long decode may finish work")
     state_dir: Path = Field(default_factory=default_state_dir, description="JetStream/Redis state")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready within this")
@@ -118,10 +127,6 @@ def _given(**flags: object) -> dict[str, object]:
 
 class UpSettings(WorkerHostSettings, QosSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
-
-    plan: Path | None = Field(None, description="start the workers of a plan from `tandem plan --json`: its decode and "
-                              "prefill workers with their TP/PP and devices, in place of --decode/--prefill and "
-                              "--decode-tp/--decode-pp (a plan this host cannot run is refused, naming the worker)")
 
     gateways: int = Field(1, ge=1, le=16, description="number of gateways (gateway i listens on port + i), so "
                           "one can die without taking the service down")

@@ -14,15 +14,19 @@ from services.stack.stack import Stack, StackSpec, print_line
 from services.stack.supervisor import Backoff
 from shared.telemetry.redact import new_secret, redact_url
 from services.up.config import UpSettings
+from services.up.plan import planned_host
 
 
 def spec_from_settings(s: UpSettings) -> StackSpec:
     decode_flags, prefill_flags = s.worker_flags()
-    num_decode, num_prefill, worker_flags = s.decode, s.prefill, s.group_worker_flags()
+    num_decode, num_prefill, worker_flags, rank_flags = s.decode, s.prefill, s.group_worker_flags(), {}
     if s.plan is not None:
-        num_decode, num_prefill, worker_flags = _planned(s.plan, s.device, s.model, s.quantization)
+        planned = planned_host(s, "up")
+        num_decode, num_prefill, worker_flags, rank_flags = (planned.num_decode, planned.num_prefill,
+                                                             planned.worker_flags, planned.rank_flags)
     return StackSpec(
         state_dir=s.state_dir / s.namespace, num_decode=num_decode, num_prefill=num_prefill, worker_flags=worker_flags,
+        rank_flags=rank_flags,
         num_gateways=s.gateways, num_admissions=s.admissions, model=s.model,
         host=s.host, port=s.port, namespace=s.namespace, nats_url=s.nats_url, redis_url=s.redis_url,
         nats_cluster=s.nats_cluster, nats_host=s.nats_host, nats_port=s.nats_port, advertise_host=s.advertise_host,
@@ -35,31 +39,6 @@ def spec_from_settings(s: UpSettings) -> StackSpec:
                              operator_key_file=s.operator_key_file, rate_limit_per_s=s.rate_limit_per_s,
                              rate_limit_burst=s.rate_limit_burst),
         admission_flags=_given(qos=s.qos), **_autoscaling(s))
-
-
-def _planned(path: Path, device: str, model: str, quantization: str | None) -> tuple[int, int, dict[str, dict[str, object]]]:
-    """The plan's decode and prefill worker counts and each worker's flags (shared/planner/launch.py),
-    every worker's shape checked against ``model`` before anything starts."""
-    from shared.model.loader import read_config
-    from shared.model.parallel import check_pipeline_parallel, check_tensor_parallel
-    from shared.model.registry import resolve_model
-    from shared.planner.launch import PlanNotRunnable, workers_from_plan
-    from shared.planner.plan import Plan
-
-    workers = workers_from_plan(Plan.model_validate_json(Path(path).read_text()), device)
-    source = resolve_model(model)
-    shape = read_config(source.path, source.format)
-    for w in workers:
-        try:
-            check_tensor_parallel(shape, int(w.flags.get("tensor_parallel_size", 1)), quantization or "none")
-            check_pipeline_parallel(shape, int(w.flags.get("pipeline_parallel_size", 1)))
-        except ValueError as exc:
-            raise PlanNotRunnable(f"{w.plan_id} on {source.name}: {exc}") from None
-    for w in workers:
-        print_line("up", f"plan: {w.name} is {w.plan_id} ({w.role}, TP={w.flags.get('tensor_parallel_size', 1)} "
-                         f"x PP={w.flags.get('pipeline_parallel_size', 1)}{', ' + str(w.flags['device']) if 'device' in w.flags else ''})")
-    return (sum(w.role == "decode" for w in workers), sum(w.role == "prefill" for w in workers),
-            {w.name: w.flags for w in workers})
 
 
 def _autoscaling(s: UpSettings) -> dict[str, object]:

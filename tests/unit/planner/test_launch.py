@@ -7,7 +7,7 @@ import pytest
 
 from shared.planner.config import MODEL_PRESETS, Slo
 from shared.planner.costmodel import parallel_options
-from shared.planner.launch import PlanNotRunnable, workers_from_plan
+from shared.planner.launch import PlanNotRunnable, PlannedRanks, host_share, workers_from_plan
 from shared.planner.plan import Plan, WorkerPlan
 
 
@@ -64,3 +64,31 @@ def test_the_planner_offers_only_shapes_a_worker_can_start_with():
     llama = MODEL_PRESETS["llama-2-70b"]  # 64 heads, 8 KV heads
     assert [(p.tp, p.pp) for p in parallel_options(8, 8, llama)] == [(1, 8), (2, 4), (4, 2), (8, 1)]
     assert [(p.tp, p.pp) for p in parallel_options(8, 8)] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+def two_node_plan() -> Plan:
+    """d0 on a; d1's ranks on a then b (led from a); p0 on b; d2's ranks on b then a (led from b)."""
+    return plan(worker("d0", "decode", ["a/gpu0", "a/gpu1"], tp=2), worker("d1", "decode", ["a/gpu2", "b/gpu0"], pp=2),
+                worker("p0", "prefill", ["b/gpu1"]), worker("d2", "decode", ["b/gpu2", "b/gpu3", "a/gpu3"], tp=3))
+
+
+def test_each_node_of_a_plan_starts_the_workers_it_leads_and_its_ranks_of_the_others():
+    a, b = (host_share(two_node_plan(), "cuda", node) for node in ("a", "b"))
+    assert [(w.name, w.plan_id, w.flags, w.group_index) for w in a.workers] == [
+        ("decode-1", "d0", {"tensor_parallel_size": 2, "device": "cuda:0"}, None),
+        ("decode-2", "d1", {"pipeline_parallel_size": 2, "device": "cuda:2", "group_local_ranks": 1}, 0)]
+    assert a.ranks == [PlannedRanks("d2", "b", 0, 2, ["cuda:3"])]  # d2's rank 2, on a's gpu3
+    assert [(w.name, w.plan_id, w.flags, w.group_index) for w in b.workers] == [
+        ("decode-1", "d2", {"tensor_parallel_size": 3, "device": "cuda:2", "group_local_ranks": 2}, 0),
+        ("prefill-1", "p0", {"device": "cuda:1"}, None)]
+    assert b.ranks == [PlannedRanks("d1", "a", 0, 1, ["cuda:0"])]
+    with pytest.raises(PlanNotRunnable, match="give --plan-node"):
+        host_share(two_node_plan(), "cpu")
+    with pytest.raises(PlanNotRunnable, match="--plan-node c: the plan's nodes are a, b"):
+        host_share(two_node_plan(), "cpu", "c")
+
+
+def test_a_workers_ranks_on_one_node_must_be_consecutive():
+    p = plan(worker("d0", "decode", ["a/gpu0", "b/gpu0", "a/gpu1"], tp=3))
+    with pytest.raises(PlanNotRunnable, match="d0: its ranks on node a are not consecutive"):
+        host_share(p, "cpu", "b")

@@ -69,6 +69,10 @@ def run(settings: UpSettings) -> int:
     stack = Stack(spec)
     try:
         stack.start()
+        # now, not at ready: the hosts of ranks of this host's workers join with it before those are ready
+        connect = write_connect_file(stack)
+        if any("group_local_ranks" in flags for flags in spec.worker_flags.values()):
+            print_line("up", f"workers with ranks on other hosts wait for them: join those hosts with {connect}")
         if spec.num_decode or spec.num_prefill:
             print_line("up", f"starting {spec.num_decode} decode and {spec.num_prefill} prefill worker(s) of "
                              f"{settings.model}; waiting for {stack.base_url}/ready")

@@ -240,3 +240,40 @@ def test_a_group_of_two_joined_hosts_serves_and_comes_back_after_a_rank_dies(hea
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(90) == 0, proc.lines[-20:]
         _wait(lambda: not a.pids() and not b.pids(), 30, "no process left on a or b")
+
+
+def test_a_plan_over_two_nodes_starts_as_written(heads_32, one_process, tmp_path):
+    """A plan whose decode worker has one pipeline stage on each of two nodes: `tandem up --plan-node
+    a` leads it, `tandem join --plan-node b` runs its second stage; it serves one process's text."""
+    from shared.planner.config import Slo
+    from shared.planner.plan import Plan, WorkerPlan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(
+        model=str(heads_32), num_gpus=2, request_rate=1.0, mean_input_len=100, mean_output_len=100,
+        slo=Slo(ttft_s=5, tpot_s=0.1), routes=[], capacity_rps=1.0, throughput_rps=1.0, output_tokens_per_s=10.0,
+        predicted_ttft_s=0.1, predicted_tpot_s=0.05, cost_per_hour=0.0, cost_per_million_output_tokens=None,
+        planning_time_s=0.0, search_history=[], workers=[WorkerPlan(
+            worker_id="d0", role="decode", gpu_type="cpu-core", gpus=["a/gpu0", "b/gpu0"], tp=1, pp=2,
+            capacity_rps=1.0, assigned_rps=1.0, latency_s=0.1, price_per_hour=0.0)]).model_dump_json())
+    namespace = f"p{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, **UCX_NETWORK_ONLY, "TQDM_DISABLE": "1"}
+    with Lab() as lab:
+        a, b = lab.add_host("a"), lab.add_host("b")
+        plan_flags = ["--plan", plan, "--group-port", PORT, "--model", heads_32, *HOST_ENGINE]
+        up, _ = a.popen_ready([*TANDEM, "up", *plan_flags, "--plan-node", "a", "--group-host", a.address,
+                               "--nats-host", a.address, "--host", a.address, "--port", GATEWAY_PORT,
+                               "--state-dir", tmp_path / "a", "--namespace", namespace, "--registry-ttl-s", TTL_S],
+                              "waiting for ranks 1-1 of the group", timeout_s=300, env=env)
+        connect = tmp_path / "a" / namespace / "connect.env"
+        b.popen_ready([*TANDEM, "join", "--connect", connect, *plan_flags, "--plan-node", "b", "--plan-leaders",
+                       f"a={a.address}", "--host-name", "b", "--state-dir", tmp_path / "b"],
+                      "joins the group at", timeout_s=120, env=env)
+        _wait(lambda: any("| ready: http" in line for line in up.lines), 300, "tandem up ready")
+        socket_path = str(tmp_path / "gateway.sock")
+        a.popen_ready([sys.executable, "-c", UNIX_BRIDGE, socket_path, a.address, str(GATEWAY_PORT)], "bridging")
+        worker_id = f"{namespace}-decode-1"
+        info = _wait(lambda: _entry(socket_path, worker_id), 30, "the planned worker in /status")
+        assert info["pipeline_parallel_size"] == 2 and info["group_address"] == f"{a.address}:{PORT}"
+        resp, prompt = _stream_on(socket_path, str(heads_32), worker_id, 24, [])
+        assert _text(_events(resp)) == one_process(prompt, 24)

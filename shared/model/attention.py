@@ -120,12 +120,15 @@ class TorchAttentionBackend:
         return rotary_embedding_ref(q, k, cos, sin)
 
 
-def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float, softcap: float, window: int | None = None) -> torch.Tensor:
-    """``AttentionBackend.attend`` with every score s made ``softcap * tanh(s / softcap)`` before the
-    softmax (Gemma 2). No kernel caps scores, so this is torch over K/V gathered from the cache (any
-    device, float32 sums): decode rows at once over their whole block-table rows (no host sync, so
-    a CUDA graph can hold it), prefill chunks one sequence at a time. [T, Hq, D] -> [T, Hq, D]."""
+def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, window: int | None = None, *, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``AttentionBackend.attend`` in torch over K/V gathered from the cache (any device, float32 sums),
+    for the softmaxes no kernel computes: with ``softcap`` every score s becomes
+    ``softcap * tanh(s / softcap)`` (Gemma 2); with ``sinks`` ([Hq], gpt-oss) head h's softmax has one more
+    column, logit ``sinks[h]``, which takes its share of the probability and adds no value. Decode rows
+    at once over their whole block-table rows (no host sync, so a CUDA graph can hold it), prefill
+    chunks one sequence at a time. [T, Hq, D] -> [T, Hq, D]."""
     nd, parts = meta.num_decodes, []
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     if nd:
@@ -136,7 +139,7 @@ def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             valid &= positions >= meta.seq_lens[:nd, None] - window
         k = k_cache[tables].reshape(nd, -1, kv_heads, head_dim)  # [nd, M * bs, Hkv, D]
         v = torch.where(valid[:, :, None, None], v_cache[tables].reshape(nd, -1, kv_heads, head_dim), 0.0)
-        parts.append(_capped(q[:nd, None], k, v, valid[:, None], scale, softcap)[:, 0])
+        parts.append(_attend(q[:nd, None], k, v, valid[:, None], scale, softcap, sinks)[:, 0])
     starts, lens = (meta.query_start_loc.tolist(), meta.seq_lens.tolist()) if q.shape[0] > nd else ([], [])
     for i in range(nd, len(lens)):
         q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
@@ -148,18 +151,24 @@ def softcapped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         causal = keys <= q_pos[:, None]  # [Lq, L]
         if window is not None:
             causal &= keys > q_pos[:, None] - window
-        parts.append(_capped(q[None, q_start:q_end], k, v, causal[None], scale, softcap)[0])
+        parts.append(_attend(q[None, q_start:q_end], k, v, causal[None], scale, softcap, sinks)[0])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _capped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """q [B, Lq, Hq, D]; k, v [B, L, Hkv, D]; mask [B, Lq, L] true where a query sees a key."""
+def _attend(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [B, Lq, Hq, D]; k, v [B, L, Hkv, D]; mask [B, Lq, L] true where a query sees a key; sinks [Hq]."""
     b, lq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    qg = q.float().view(b, lq, kv_heads, heads // kv_heads, head_dim)
+    qg = q.float().view(b, lq, kv_heads, heads // kv_heads, head_dim)  # head h = its KV head * group + j
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # the sink's column joins the softmax and is dropped after it
+        sink = sinks.float().view(1, kv_heads, -1, 1, 1).expand(b, -1, -1, lq, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
     return out.reshape(b, lq, heads, head_dim).to(q.dtype)
 

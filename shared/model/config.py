@@ -17,6 +17,32 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (``rope_type == "yarn"``: gpt-oss): each frequency blended between itself and itself / factor
+    by a ramp over the dimensions whose wavelengths lie between beta_fast and beta_slow rotations in the
+    original context, and cos and sin scaled by an attention factor (``shared.model.llama.rope_inv_freq``
+    and ``rope_attention_factor``); fields as in HF configs."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded out to whole dimensions
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation: gate clamped above at ``limit``, up to [-limit, limit], and
+    (up + 1) * gate * sigmoid(alpha * gate) in place of silu(gate) * up."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
 class Moe:
     """A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): a router picks ``top_k`` of
     ``num_experts`` SwiGLU experts of width ``intermediate_size`` for each token, weighted by their
@@ -30,6 +56,9 @@ class Moe:
     # kept in float32 (Mixtral): the same in float32, a bit or so apart below it
     round_weights: bool
     layers: tuple[int, ...]  # the layers with experts; the others keep the dense MLP (Qwen3-MoE's mlp_only_layers)
+    # gpt-oss: the softmax over the top k logits alone (the same weights as renormalising, rounded apart)
+    softmax_after_topk: bool = False
+    clamped_swiglu: ClampedSwiglu | None = None  # gpt-oss's expert activation; None: the model's act(gate) * up
 
 
 @dataclass(frozen=True)
@@ -39,6 +68,8 @@ class MoeNames:
     width: str  # the key of each expert's intermediate width
     renormalize: bool | None  # the top-k weights summed to 1 (Mixtral: always); None: config's norm_topk_prob
     round_weights: bool  # Moe.round_weights
+    softmax_after_topk: bool = False  # Moe.softmax_after_topk
+    clamped_swiglu: bool = False  # Moe.clamped_swiglu, from config.json's swiglu_alpha and swiglu_limit
 
 
 # the checkpoint names of the norms that sit after a sublayer instead of before the next one
@@ -72,6 +103,13 @@ class GgufRules:
 
 # Phi-3's ffn_up holds gate and up fused, [2 x intermediate, hidden]
 _PHI3_GGUF_NAMES = {"ffn_up.weight": "gate_up"}
+# gpt-oss's o_proj bias, sinks, router and experts, each projection of every expert in one tensor
+# (``Family.stacked_experts``)
+_GPT_OSS_NAMES = {"self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks",
+                  "mlp.router.weight": "router", "mlp.router.bias": "router_bias",
+                  "mlp.experts.gate_up_proj": "experts_gate_up",
+                  "mlp.experts.gate_up_proj_bias": "experts_gate_up_bias",
+                  "mlp.experts.down_proj": "experts_down", "mlp.experts.down_proj_bias": "experts_down_bias"}
 
 
 @dataclass(frozen=True)
@@ -101,7 +139,12 @@ class Family:
     # sliding_attention, or the family's own rule without it: Qwen2, Qwen3, SmolLM3, Gemma 2 and 3), None: no layer
     window_layers: str | None = None
     nope_layers: bool = False  # layers without rotary, from no_rope_layers (SmolLM3)
-    moe: MoeNames | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE)
+    moe: MoeNames | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE, gpt-oss)
+    # every expert's projection in one checkpoint tensor [E, in, out] (x @ w), gate_up's gate and up columns
+    # interleaved (gpt-oss): the loader turns them into MoeBlock's [E, out, in], gate rows then up rows
+    stacked_experts: bool = False
+    # a learned logit per head that joins each query's softmax as one more key without a value (gpt-oss)
+    attention_sinks: bool = False
     hf_names: dict[str, str] = field(default_factory=dict)  # checkpoint names that mean another tensor here
     gguf: GgufRules | None = None  # None: no GGUF of the family is read
 
@@ -130,6 +173,11 @@ FAMILIES = {
                       gguf=GgufRules("llama", permuted_qk=True)),
     "qwen3_moe": Family(qk_norm="head", window_layers="all",
                         moe=MoeNames("moe_intermediate_size", None, round_weights=True), gguf=GgufRules("qwen3moe")),
+    # q/k/v/o biases (attention_bias), sinks, windowed and global layers (layer_types), YaRN (rope_parameters),
+    # every layer's experts with biases; no GGUF: llama.cpp's "gpt-oss" keeps its experts in MXFP4
+    "gpt_oss": Family(attention_bias=True, window_layers="types", attention_sinks=True, stacked_experts=True,
+                      moe=MoeNames("intermediate_size", False, round_weights=True, softmax_after_topk=True,
+                                   clamped_swiglu=True), hf_names=_GPT_OSS_NAMES),
 }
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> the model's
 
@@ -163,12 +211,13 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_layers: tuple[int, ...] = ()
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not rotate q and k
-    moe: Moe | None = None  # Mixtral, Qwen3-MoE
+    moe: Moe | None = None  # Mixtral, Qwen3-MoE, gpt-oss
+    attention_sinks: bool = False  # Family.attention_sinks: each layer's ``sinks`` weights [Hq]
     # the sliding window of the layers in ``window_layers`` (the others see the whole context): the query at
     # position p sees the keys in (p - sliding_window, p], as transformers' sliding_window_overlay
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     # explicit per-frequency divisors (GGUF stores Llama-3 scaling as a `rope_freqs` tensor)
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
 
@@ -242,6 +291,7 @@ class ModelConfig:
             final_softcap=_optional_float(cfg.get("final_logit_softcapping")),
             nope_layers=_hf_nope_layers(cfg) if family.nope_layers else (),
             moe=_hf_moe(cfg, family.moe) if family.moe else None,
+            attention_sinks=family.attention_sinks,
             **_hf_window(cfg, family),
             **_hf_rope(cfg, family, model_type, head_dim),
         )
@@ -292,8 +342,8 @@ def _default_layer_types(cfg: dict[str, Any]) -> list[str]:
         is_windowed = [i >= int(cfg.get("max_window_layers", 28)) for i in range(num_layers)]
     elif model_type == "smollm3":
         is_windowed = [i in _hf_nope_layers(cfg) for i in range(num_layers)]
-    else:  # Gemma 2: every other layer (no pattern field); Gemma 3: configs from before layer_types
-        pattern = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+    else:  # Gemma 2, gpt-oss: every other layer (no pattern field); Gemma 3: configs from before layer_types
+        pattern = 2 if model_type in ("gemma2", "gpt_oss") else int(cfg.get("sliding_window_pattern", 6))
         is_windowed = [(i + 1) % pattern != 0 for i in range(num_layers)]
     return ["sliding_attention" if w else "full_attention" for w in is_windowed]
 
@@ -307,9 +357,12 @@ def _hf_moe(cfg: dict[str, Any], names: MoeNames) -> Moe:
     layers = tuple(i for i in range(cfg["num_hidden_layers"])
                    if num_experts > 0 and i not in dense and (i + 1) % step == 0)
     renormalize = names.renormalize if names.renormalize is not None else bool(cfg.get("norm_topk_prob", False))
+    swiglu = (ClampedSwiglu(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+              if names.clamped_swiglu else None)
     return Moe(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
                intermediate_size=int(cfg[names.width]), renormalize=renormalize,
-               round_weights=names.round_weights, layers=layers)
+               round_weights=names.round_weights, layers=layers, softmax_after_topk=names.softmax_after_topk,
+               clamped_swiglu=swiglu)
 
 
 def _hf_rope(cfg: dict[str, Any], family: Family, model_type: str, head_dim: int) -> dict[str, Any]:
@@ -329,9 +382,11 @@ def _hf_rope(cfg: dict[str, Any], family: Family, model_type: str, head_dim: int
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
     elif rope_kind == "linear":  # positions divided by the factor: every frequency divided by it
         freq_factors = (float(scaling["factor"]),) * (head_dim // 2)
+    elif rope_kind == "yarn":
+        rope = _hf_yarn(scaling, int(cfg.get("max_position_embeddings", 4096)))
     elif rope_kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {rope_kind!r} of {model_type} (supported: default, llama3, "
-                         f"linear): {scaling!r}")
+                         f"linear, yarn): {scaling!r}")
     partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if float(partial) != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor {partial} of {model_type} (rotary over the "
@@ -343,3 +398,17 @@ def _hf_rope(cfg: dict[str, Any], family: Family, model_type: str, head_dim: int
         local_layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     return dict(rope_theta=float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0)), rope_scaling=rope,
                 rope_freq_factors=freq_factors, local_rope_theta=local_theta, local_layers=local_layers)
+
+
+def _hf_yarn(scaling: dict[str, Any], max_positions: int) -> YarnScaling:
+    """YaRN's fields as transformers reads them: without a factor, the context's growth over the original;
+    beta_fast and beta_slow 32 and 1 where missing (or 0); truncate unless it says not to."""
+    original = int(scaling["original_max_position_embeddings"])
+    return YarnScaling(factor=float(scaling.get("factor") or max_positions / original),
+                       original_max_position_embeddings=original,
+                       beta_fast=float(scaling.get("beta_fast") or 32.0),
+                       beta_slow=float(scaling.get("beta_slow") or 1.0),
+                       truncate=bool(scaling.get("truncate", True)),
+                       attention_factor=_optional_float(scaling.get("attention_factor")),
+                       mscale=_optional_float(scaling.get("mscale")),
+                       mscale_all_dim=_optional_float(scaling.get("mscale_all_dim")))

@@ -1,5 +1,5 @@
 """A Llama-family decoder (Llama 2/3, SmolLM/SmolLM2/SmolLM3, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite,
-Gemma 2, Gemma 3, and with experts Mixtral and Qwen3-MoE) over a paged KV cache.
+Gemma 2, Gemma 3, and with experts Mixtral, Qwen3-MoE and gpt-oss) over a paged KV cache.
 
 Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention, the KV
 write, the residual add + RMSNorm and rotary go through an ``AttentionBackend`` (the kernel seam,
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable
 
@@ -22,20 +23,25 @@ from kernels.cast import cast
 from kernels.rms_norm import fused_add_rms_norm_ref
 from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import (AttentionBackend, AttentionMetadata, TorchAttentionBackend, chunk_metadata,
-                                    softcapped_attention)
-from shared.model.config import ModelConfig
-from shared.model.moe import MoeBlock
+                                    gathered_attention)
+from shared.model.config import ModelConfig, RopeScaling, YarnScaling
+from shared.model.moe import moe_block
 from shared.model.parallel import Collectives, PipelineStage, SingleRank, TensorSplit, pipeline_chunks
 from shared.model.quant import BlockWeight, Int8Weight, ObservedWeight, linear, observe, quantize_blocks, quantize_int8
 
 
+log = logging.getLogger(__name__)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama-3 scaling or GGUF freq factors applied."""
+    """Inverse frequencies [head_dim / 2], with Llama-3 or YaRN scaling or GGUF freq factors applied."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if cfg.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
-    elif cfg.rope_scaling is not None:
+    elif isinstance(cfg.rope_scaling, YarnScaling):
+        inv_freq = _yarn_inv_freq(inv_freq, cfg.rope_scaling, cfg.rope_theta, dim)
+    elif isinstance(cfg.rope_scaling, RopeScaling):
         s = cfg.rope_scaling
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
         high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -47,6 +53,37 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(is_mid, mid, scaled)
     return inv_freq.float()
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, s: YarnScaling, base: float, dim: int) -> torch.Tensor:
+    """YaRN's blend (as transformers' ``_compute_yarn_parameters``): the dimensions that turn more than
+    beta_fast times over the original context keep their frequency, those under beta_slow times are
+    divided by the factor, a linear ramp between."""
+    def dimension(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+    s = cfg.rope_scaling
+    if not isinstance(s, YarnScaling):
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale and s.mscale_all_dim:
+        return mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+    return mscale(s.factor)
 
 
 LINEAR_NAMES = ("qkv", "o_proj", "gate_up", "down")  # a layer's linear weights (quantize replaces them)
@@ -64,8 +101,9 @@ class LlamaLayer:
     What a family changes (shared/model/config.py's ``FAMILIES``) arrives as the config's fields
     and as which norms the weights hold: no norm before a sublayer (OLMo 2), a norm of a
     sublayer's all-reduced output (OLMo 2, Gemma), the MLP's activation, Granite's residual
-    multiplier, the softmax scale and Gemma 2's score soft-cap, the layer's sliding window; SmolLM3's
-    layers without rotary and experts in place of the MLP (shared/model/moe.py: Mixtral, Qwen3-MoE).
+    multiplier, the softmax scale and Gemma 2's score soft-cap, gpt-oss's sinks and o_proj bias, the layer's
+    sliding window; SmolLM3's layers without rotary and experts in place of the MLP (shared/model/moe.py:
+    Mixtral, Qwen3-MoE, gpt-oss).
     The compiled decode step (shared/engine/compiled/step.py) covers the Llama layer and Qwen3's q/k norms;
     the other families decode eagerly (``compiled.unsupported_reason``)."""
 
@@ -77,6 +115,8 @@ class LlamaLayer:
         self.qkv = weights["qkv"]  # [(Hq + 2 Hkv) * D, hidden]
         self.qkv_bias = weights.get("qkv_bias")
         self.o_proj = weights["o_proj"]
+        self.o_bias = weights.get("o_bias")  # [hidden] (gpt-oss): added once, after the all-reduce
+        self.sinks = weights.get("sinks")  # [Hq] (gpt-oss): each head's sink logit (``attend``)
         self.attn_out_norm = weights.get("attn_out_norm")  # [hidden]: of attention's output (OLMo 2, Gemma)
         self.mlp_norm = weights.get("mlp_norm")
         self.gate_up = weights.get("gate_up")  # [2 * intermediate, hidden]; None in a layer of experts
@@ -93,8 +133,7 @@ class LlamaLayer:
         self.rope = (1 if index in cfg.local_layers else 0) if cfg.local_layers else None  # Gemma 3's cos/sin pair
         self.has_rope = index not in cfg.nope_layers  # SmolLM3's NoPE layers attend without positions
         self.window = cfg.layer_window(index)  # a sliding-window layer's: it sees its last `window` positions
-        self.moe = (MoeBlock(cfg.moe, weights["router"], weights["experts_gate_up"], weights["experts_down"],
-                             self.act) if "router" in weights else None)
+        self.moe = moe_block(cfg.moe, weights, self.act) if "router" in weights else None
 
     def forward(self, kv_views, hidden, residual, cos, sin, meta, backend):
         norm = backend.fused_add_rms_norm
@@ -102,14 +141,20 @@ class LlamaLayer:
         q, k, v = self.project_qkv(x, cos, sin, backend.rotary_embedding)
         k_cache, v_cache = kv_views
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        if self.softcap is None:
-            attn = backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)
-        else:
-            attn = softcapped_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, self.window)
-        hidden = self.norm_out(norm, self.group.all_reduce(linear(attn.reshape(-1, self.q_size), self.o_proj)),
-                               self.attn_out_norm)
+        attn = self.group.all_reduce(linear(self.attend(q, kv_views, meta, backend).reshape(-1, self.q_size),
+                                            self.o_proj))
+        hidden = self.norm_out(norm, attn if self.o_bias is None else attn + self.o_bias, self.attn_out_norm)
         x, residual = self.norm_in(norm, hidden, residual, self.mlp_norm)
         return self.norm_out(norm, self.group.all_reduce(self.mlp(x)), self.mlp_out_norm), residual
+
+    def attend(self, q: torch.Tensor, kv_views, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """The backend's attention, or, where the family changes the softmax (Gemma 2's soft-cap, gpt-oss's
+        sinks), torch over K/V gathered from the cache on every backend: no kernel takes either."""
+        k_cache, v_cache = kv_views
+        if self.softcap is None and self.sinks is None:
+            return backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)
+        return gathered_attention(q, k_cache, v_cache, meta, self.scale, self.window, softcap=self.softcap,
+                                  sinks=self.sinks)
 
     def norm_in(self, norm: Norm, hidden, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sublayer's input, the residual stream): hidden + residual, normed unless ``weight`` is None."""
@@ -214,7 +259,11 @@ class LlamaModel:
                             if cfg.embedding_multiplier != 1.0 else None)
         self.layers = [layer_class(cfg)(cfg, w, self.split, self.group, i)
                        for i, w in zip(self.pipeline.layers, layer_weights, strict=True)]
+        if cfg.attention_sinks:
+            log.info("%s: attention sinks: every layer attends in torch over K/V gathered from the cache, not by "
+                     "the attention backend's kernels (no kernel takes sinks)", cfg.architecture)
         self.inv_freq = rope_inv_freq(cfg).to(self.norm.device)
+        self.rope_factor = rope_attention_factor(cfg)  # YaRN's scale of cos and sin (of the global layers')
         self.local_inv_freq = None  # Gemma 3's sliding-window layers' own base (no scaling)
         if cfg.local_layers:
             local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
@@ -249,9 +298,11 @@ class LlamaModel:
         """cos, sin [T, D/2]; with local layers (Gemma 3) [2, T, D/2]: the global layers' and the
         local ones' (each layer picks its own: ``LlamaLayer.rope``)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos() * self.rope_factor, freqs.sin() * self.rope_factor  # x 1.0 leaves the bits
         if self.local_inv_freq is not None:
-            freqs = torch.stack([freqs, positions.float()[:, None] * self.local_inv_freq[None, :]])
-        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+            local = positions.float()[:, None] * self.local_inv_freq[None, :]
+            cos, sin = torch.stack([cos, local.cos()]), torch.stack([sin, local.sin()])
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     @torch.inference_mode()
     def forward(

@@ -299,12 +299,26 @@ def _canonical_hf_name(hf_name: str, family: Family) -> str | None:
 
 def hf_config(path: Path) -> ModelConfig:
     """A Hugging Face directory's config.json, refused in one line naming the model types there are
-    before any other field of it is read."""
+    before any other field of it is read; a quantized checkpoint's (gpt-oss's MXFP4 experts, FP8, GPTQ)
+    refused too: its packed tensors and scales would be misread as float weights."""
     raw = json.loads((Path(path) / "config.json").read_text())
     model_type = raw.get("model_type", "llama")
     if model_type not in SUPPORTED_HF_ARCHS:
         raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_HF_ARCHS)})")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"unsupported quantized checkpoint of {model_type} (quant_method {method!r}): float "
+                         f"weights only (a bf16 or float32 export of the model)")
     return ModelConfig.from_hf(raw)
+
+
+def _from_stacked_experts(name: str, w: torch.Tensor) -> torch.Tensor:
+    """A stacked expert tensor of ``Family.stacked_experts`` (gpt-oss: [E, in, out], gate_up's gate at the
+    even columns and up at the odd ones) in MoeBlock's layout: [E, out, in], gate rows then up rows."""
+    part = name.rsplit(".", 1)[-1]
+    if part in ("experts_gate_up", "experts_gate_up_bias"):
+        w = torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1)
+    return w.transpose(1, 2).contiguous() if part in ("experts_gate_up", "experts_down") else w
 
 
 def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
@@ -319,17 +333,35 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     tensors: dict[str, torch.Tensor] = {}
+    family = FAMILIES[cfg.architecture]
     for f in tqdm(files, desc=f"loading {path.name}", unit="file", leave=False):
         with safe_open(str(f), framework="pt") as st:
             for hf_name in st.keys():
-                name = _canonical_hf_name(hf_name, FAMILIES[cfg.architecture])
-                if name is not None:
+                name = _canonical_hf_name(hf_name, family)
+                if name is not None and family.stacked_experts and ".experts_" in name:
+                    tensors[name] = _from_stacked_experts(name, st.get_tensor(hf_name)).to(device=device, dtype=dtype)
+                elif name is not None:
                     tensors[name] = st.get_tensor(hf_name).to(device=device, dtype=dtype)
                 elif not hf_name.endswith("rotary_emb.inv_freq"):
                     log.warning("ignoring unknown tensor %s", hf_name)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head", None)
     return cfg, tensors
+
+
+# a layer's biases, taken where the checkpoint has them (gpt-oss's)
+_OPTIONAL_LAYER_TENSORS = ("o_bias", "router_bias", "experts_gate_up_bias", "experts_down_bias")
+
+
+def _stacked_experts(num_experts: int, p: str, tensors: dict[str, torch.Tensor], take,
+                     fused) -> dict[str, torch.Tensor]:
+    """Layer ``p``'s experts_gate_up [E, 2I, hidden] and experts_down [E, hidden, I]: as the checkpoint
+    stacks them (``Family.stacked_experts``), or each expert's projections stacked here."""
+    if p + "experts_gate_up" in tensors:
+        return {"experts_gate_up": take(p + "experts_gate_up"), "experts_down": take(p + "experts_down")}
+    experts = [f"{p}experts.{e}." for e in range(num_experts)]
+    return {"experts_gate_up": torch.stack([fused(e, "gate_up", ("gate", "up")) for e in experts]),
+            "experts_down": torch.stack([take(e + "down") for e in experts])}
 
 
 def build_model(
@@ -370,11 +402,12 @@ def build_model(
                 del tensors[name]  # another stage's
             continue
         w = {"qkv": fused(p, "qkv", ("q", "k", "v")), "o_proj": take(p + "o_proj")}
+        w.update({name: take(p + name) for name in _OPTIONAL_LAYER_TENSORS if p + name in tensors})
+        if cfg.attention_sinks:
+            w["sinks"] = take(p + "sinks")
         if cfg.moe is not None and i in cfg.moe.layers:  # every expert's projection stacked: [E, ...]
-            experts = [f"{p}experts.{e}." for e in range(cfg.moe.num_experts)]
             w["router"] = take(p + "router")
-            w["experts_gate_up"] = torch.stack([fused(e, "gate_up", ("gate", "up")) for e in experts])
-            w["experts_down"] = torch.stack([take(e + "down") for e in experts])
+            w.update(_stacked_experts(cfg.moe.num_experts, p, tensors, take, fused))
         else:
             w["gate_up"], w["down"] = fused(p, "gate_up", ("gate", "up")), take(p + "down")
         if cfg.pre_norms:
@@ -410,6 +443,9 @@ def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
     cfg, tensors = load(path, device, dtype)
     if group is None and pipeline is None:
         return build_model(cfg, tensors, device, dtype)
+    if group is not None and group.size > 1 and cfg.attention_sinks:
+        raise ValueError(f"tensor parallel {cfg.architecture} is not built yet: its sinks and expert biases are "
+                         f"not cut between ranks (run it on one rank, or split it by pipeline stages)")
     check_tensor_parallel(cfg, group.size if group is not None else 1, quantization)
     model = build_model(cfg, tensors, device, dtype, group, pipeline)
     _return_freed_memory()  # the whole tensors this rank read and cut are garbage now

@@ -1,4 +1,4 @@
-"""A mixture of experts in place of a decoder layer's MLP (Mixtral, Qwen3-MoE).
+"""A mixture of experts in place of a decoder layer's MLP (Mixtral, Qwen3-MoE, gpt-oss).
 
 The experts' weights are stacked, one tensor per projection ([E, ...], expert e at row e), so a
 rank of an expert-parallel group can hold a range of them and a fused grouped-GEMM kernel can
@@ -11,34 +11,71 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from shared.model.config import Moe
+from shared.model.config import ClampedSwiglu, Moe
 
 MoeKernel = Literal["auto", "torch", "triton"]
 # (x [R, K], weight [E, N, K], counts [E], rows [P] | None, scale [P] | None) -> [P, N]: the
 # contract of kernels/moe_grouped.py's grouped_linear_ref
 GroupedLinear = Callable[..., torch.Tensor]
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) [N, I] each -> [N, I]
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """The biases of a block whose router and experts have them (gpt-oss); None where one has none."""
+
+    router: torch.Tensor | None = None  # [E]
+    gate_up: torch.Tensor | None = None  # [E, 2 * I]: gate's, then up's, as ``MoeBlock.gate_up``'s rows
+    down: torch.Tensor | None = None  # [E, hidden]
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu: ClampedSwiglu) -> torch.Tensor:
+    """gpt-oss's expert activation, in transformers' order of operations (``Moe.clamped_swiglu``)."""
+    gate = gate.clamp(max=swiglu.limit)
+    up = up.clamp(min=-swiglu.limit, max=swiglu.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * swiglu.alpha))
+
+
+def expert_glu(moe: Moe, act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
+    """The experts' gated activation: the family's clamped SwiGLU, else the model's act(gate) * up."""
+    if moe.clamped_swiglu is not None:
+        return partial(clamped_swiglu, swiglu=moe.clamped_swiglu)
+    return lambda gate, up: act(gate) * up
+
+
+def moe_block(moe: Moe, weights: dict[str, torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor]) -> MoeBlock:
+    """The block of a layer's weights (``shared.model.loader.build_model``'s names)."""
+    biases = ExpertBiases(weights.get("router_bias"), weights.get("experts_gate_up_bias"),
+                          weights.get("experts_down_bias"))
+    return MoeBlock(moe, weights["router"], weights["experts_gate_up"], weights["experts_down"], act,
+                    biases=biases)
 
 
 class MoeBlock:
     """Routing as Mixtral and Qwen3-MoE define it: softmax over the router's logits (in float32),
     the top k probabilities, renormalised to sum 1 where ``Moe.renormalize`` (always in Mixtral,
-    ``norm_topk_prob`` in Qwen3-MoE); each chosen expert's SwiGLU output weighted by its
+    ``norm_topk_prob`` in Qwen3-MoE), or as gpt-oss does, the softmax over the top k logits
+    (``Moe.softmax_after_topk``); each chosen expert's gated output (``expert_glu``) weighted by its
     probability (in float32, or rounded to the model's dtype first where ``Moe.round_weights``:
-    Qwen3-MoE) and summed in float32, rounded to the model's dtype once, as transformers does."""
+    Qwen3-MoE, gpt-oss) and summed in float32, rounded to the model's dtype once, as transformers does.
+    The router and experts take ``biases`` where the family has them (gpt-oss)."""
 
     def __init__(self, moe: Moe, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 act: Callable[[torch.Tensor], torch.Tensor], kernel: MoeKernel = "auto"):
+                 act: Callable[[torch.Tensor], torch.Tensor], kernel: MoeKernel = "auto",
+                 biases: ExpertBiases = ExpertBiases()):
         self.top_k, self.renormalize, self.round_weights = moe.top_k, moe.renormalize, moe.round_weights
+        self.softmax_after_topk = moe.softmax_after_topk
         self.router = router  # [E, hidden]: whole on every rank, so every rank routes alike
         self.gate_up = gate_up  # [E, 2 * I, hidden]: each expert's gate rows, then its up rows
         self.down = down  # [E, hidden, I]
-        self.act = act
+        self.biases = biases
+        self.glu = expert_glu(moe, act)
         self.kernel = kernel  # how ``forward`` runs the experts: see ``grouped_linear``
         # (token, expert) pairs routed to each expert so far, on the host: the expert load a worker
         # reports (``expert_load``); a CUDA graph's replays are not counted
@@ -47,8 +84,12 @@ class MoeBlock:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts [T, k] (int64) and their weights [T, k] (float32, or x's dtype
         where ``round_weights``)."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        logits = F.linear(x, self.router, self.biases.router).float()  # [T, E]
+        if self.softmax_after_topk:
+            top, experts = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+            return experts, weights.to(x.dtype) if self.round_weights else weights
+        weights, experts = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype) if self.round_weights else weights
@@ -94,8 +135,7 @@ class MoeBlock:
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            gate, up = F.linear(x.index_select(0, rows), self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[expert])  # [count, hidden]
+            y = self.expert(x.index_select(0, rows), expert)  # [count, hidden]
             out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).float())
             start += count
         return out.to(x.dtype)
@@ -112,8 +152,14 @@ class MoeBlock:
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
         if count:
             self.expert_tokens += counts.cpu()
-        gate, up = grouped_linear(x, self.gate_up, counts, rows=tokens).chunk(2, dim=-1)  # [T * k, I] each
-        y = grouped_linear(self.act(gate) * up, self.down, counts, scale=weights.flatten()[order])  # [T * k, hidden]
+        pair_experts, pair_weights = flat[order], weights.flatten()[order]
+        gate_up = grouped_linear(x, self.gate_up, counts, rows=tokens)  # [T * k, 2I]
+        if self.biases.gate_up is not None:
+            gate_up = gate_up + self.biases.gate_up[pair_experts]
+        # [T * k, hidden]
+        y = grouped_linear(self.glu(*gate_up.chunk(2, dim=-1)), self.down, counts, scale=pair_weights)
+        if self.biases.down is not None:  # the kernel scales its product only: the bias's share added here
+            y = y + self.biases.down[pair_experts] * pair_weights[:, None].to(y.dtype)
         return torch.zeros_like(x, dtype=torch.float32).index_add_(0, tokens, y.float()).to(x.dtype)
 
     def forward_every_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -123,9 +169,15 @@ class MoeBlock:
         dense.scatter_(1, experts, weights)  # [T, E]
         out = torch.zeros_like(x, dtype=torch.float32)
         for expert in range(self.gate_up.shape[0]):
-            gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
-            out += F.linear(self.act(gate) * up, self.down[expert]) * dense[:, expert, None]
+            out += self.expert(x, expert) * dense[:, expert, None]
         return out.to(x.dtype)
+
+    def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        """One expert's gated MLP over rows ``x``, with its biases where the block has them."""
+        b = self.biases
+        gate_up = F.linear(x, self.gate_up[expert], None if b.gate_up is None else b.gate_up[expert])
+        down_bias = None if b.down is None else b.down[expert]
+        return F.linear(self.glu(*gate_up.chunk(2, dim=-1)), self.down[expert], down_bias)
 
 
 @cache

@@ -189,7 +189,7 @@ def test_a_model_type_not_built_is_refused_in_one_line_naming_those_that_are(tmp
         with pytest.raises(ValueError) as caught:
             load()
         assert str(caught.value) == ("unsupported model_type 'mamba' (supported: llama, mistral, qwen2, qwen3, phi3, "
-                                     "olmo2, granite, gemma2, gemma3_text, smollm3, mixtral, qwen3_moe)")
+                                     "olmo2, granite, gemma2, gemma3_text, smollm3, mixtral, qwen3_moe, gpt_oss)")
 
 
 GEMMA2 = PHI3 | dict(model_type="gemma2", head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
@@ -244,17 +244,17 @@ def test_smollm3_and_moe_configs_are_read_as_hub_checkpoints_write_them():
 @pytest.mark.parametrize("fields, named", [
     ({"hidden_activation": "gelu"}, "hidden_act 'gelu'"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "'dynamic'"),
 ])
 def test_what_gemma_configs_ask_and_is_not_built_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_hf(GEMMA2 | fields)
 
 
-def test_softcapped_attention_under_a_cap_far_above_the_scores_is_the_backends_attention():
+def test_gathered_attention_under_a_cap_far_above_the_scores_is_the_backends_attention():
     """Decode rows and prefill chunks of one step, over a pool whose unused slots hold NaN; with a
     cap of 1e4 the scores (a few units) are not bent, so the result is plain attention's."""
-    from shared.model.attention import AttentionMetadata, TorchAttentionBackend, softcapped_attention
+    from shared.model.attention import AttentionMetadata, TorchAttentionBackend, gathered_attention
 
     gen = torch.Generator().manual_seed(0)
     bs, kv_heads, heads, d = 4, 2, 4, 16
@@ -273,8 +273,8 @@ def test_softcapped_attention_under_a_cap_far_above_the_scores_is_the_backends_a
                              block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                              query_start_loc=starts, max_seq_len=10, max_query_len=5)
     want = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.25)
-    got = softcapped_attention(q, k_cache, v_cache, meta, 0.25, 1e4)
+    got = gathered_attention(q, k_cache, v_cache, meta, 0.25, softcap=1e4)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    bent = softcapped_attention(q, k_cache, v_cache, meta, 0.25, 0.5)  # and a low cap does bend them
+    bent = gathered_attention(q, k_cache, v_cache, meta, 0.25, softcap=0.5)  # and a low cap does bend them
     assert (bent - want).abs().max() > 0.05

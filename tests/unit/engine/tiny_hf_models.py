@@ -86,6 +86,13 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
     elif kind == "qwen3_moe_gguf":
         cfg = transformers.Qwen3MoeConfig(**shape, head_dim=32, num_experts=8, num_experts_per_tok=2,
                                           moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
+    elif kind == "gpt_oss":  # layers 0 and 2 windowed, 1 global; 2 of 8 experts; YaRN from 64 positions;
+        # a SwiGLU limit the random gates cross (the checkpoints' 7 is far above them)
+        cfg = transformers.GptOssConfig(
+            **(shape | dict(num_hidden_layers=3, intermediate_size=32)), head_dim=16, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=SLIDING_WINDOW, swiglu_limit=1.5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -101,6 +108,10 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
                     param.uniform_(0.5, 1.5)
                 elif name.endswith("gate.weight"):  # a router (Qwen3-MoE's starts at zeros): routes apart
                     param.normal_(0.0, 0.2)
+                elif name.endswith("sinks"):  # gpt-oss's: logits that take a good share of each softmax
+                    param.normal_(1.0, 1.0)
+                elif name.endswith("bias") and kind == "gpt_oss":  # its biases start at zeros: nonzero ones
+                    param.normal_(0.0, 0.2)  # catch a bias dropped or put on the wrong expert or column
     model.save_pretrained(path, safe_serialization=True)
     return model
 

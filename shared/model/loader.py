@@ -443,9 +443,6 @@ def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
     cfg, tensors = load(path, device, dtype)
     if group is None and pipeline is None:
         return build_model(cfg, tensors, device, dtype)
-    if group is not None and group.size > 1 and cfg.attention_sinks:
-        raise ValueError(f"tensor parallel {cfg.architecture} is not built yet: its sinks and expert biases are "
-                         f"not cut between ranks (run it on one rank, or split it by pipeline stages)")
     check_tensor_parallel(cfg, group.size if group is not None else 1, quantization)
     model = build_model(cfg, tensors, device, dtype, group, pipeline)
     _return_freed_memory()  # the whole tensors this rank read and cut are garbage now

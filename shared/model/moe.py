@@ -4,7 +4,8 @@ The experts' weights are stacked, one tensor per projection ([E, ...], expert e 
 rank of an expert-parallel group can hold a range of them and a fused grouped-GEMM kernel can
 take them as they are, with no change here. On a tensor-parallel rank every expert holds its
 slice of the intermediate channels, as the dense MLP does (shared/model/parallel.py), and the
-block's output is a partial sum that the layer's all-reduce completes.
+block's output is a partial sum that the layer's all-reduce completes (gpt-oss's down biases are
+rank 0's alone, so the sum holds them once; the gate_up biases are cut with the channels).
 """
 
 from __future__ import annotations

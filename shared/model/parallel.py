@@ -9,6 +9,9 @@ The split (Megatron's, as vLLM and SGLang make it):
 * o_proj and down are row-parallel: rank r holds the input columns that its heads and channels
   produce, each rank's product is a partial sum of the full output, and one all-reduce per layer
   (two per decoder layer) adds them up;
+* what acts per head goes with its head (q/k/v biases as their rows, gpt-oss's sinks by query head);
+  a bias after a row-parallel product is added once: o_proj's after the all-reduce on every rank,
+  the experts' down biases (inside the MoE block's partial sum) by rank 0 alone;
 * where there are fewer KV heads than ranks (``tp`` a multiple of ``num_kv_heads``), each KV head is
   replicated on the ``tp / num_kv_heads`` ranks whose query heads read it;
 * the embedding and the LM head are split by vocabulary rows (vocab-parallel), not replicated: on a
@@ -330,9 +333,32 @@ def shard_layer(cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, tp: int
     return w if tp == 1 else _shard_layer(w, TensorSplit(cfg, rank, tp))
 
 
+# a layer's tensors that act on a sublayer's input or on its all-reduced output, [hidden] or [E]: whole
+# on every rank (the norms; gpt-oss's o_proj bias, added after the all-reduce; its router's bias, so every
+# rank routes alike)
+_WHOLE = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "o_bias", "router", "router_bias")
+# the bias of a row-parallel product inside a partial sum (gpt-oss's experts' down [E, hidden]): on rank 0
+# alone, so the all-reduce adds it once
+_ONCE = ("experts_down_bias",)
+
+
 def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torch.Tensor]:
+    out = _shard_attention(w, split) | _shard_mlp(w, split)
+    out.update({name: w[name] for name in _WHOLE if name in w})
+    if split.rank == 0:
+        out.update({name: w[name] for name in _ONCE if name in w})
+    unsplit = set(w) - set(out) - set(_ONCE)
+    if unsplit:  # a tensor a family adds that no rule here cuts would be dropped, and the split model wrong
+        raise RuntimeError(f"no tensor-parallel split for the layer tensors {sorted(unsplit)}")
+    return out
+
+
+def _shard_attention(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torch.Tensor]:
+    """This rank's attention heads: the rows of q/k/v (and their biases) and of gpt-oss's sinks,
+    o_proj's input columns, the q/k norms."""
     cfg, d = split.cfg, split.cfg.head_dim
-    q_rows = _rows(split.rank * split.num_heads * d, split.num_heads * d)
+    heads = _rows(split.rank * split.num_heads, split.num_heads)
+    q_rows = _rows(heads.start * d, split.num_heads * d)
     kv_rows = _rows(split.kv_head_start * d, split.num_kv_heads * d)
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
 
@@ -341,21 +367,28 @@ def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, to
         return torch.cat([q[q_rows], k[kv_rows], v[kv_rows]]).clone()
 
     out = {"qkv": qkv(w["qkv"]), "o_proj": w["o_proj"][:, q_rows].contiguous()}
-    if "router" in w:  # every expert cut as the dense MLP is; the router whole, so every rank routes alike
-        gate_up, down = _mlp_columns(w["experts_gate_up"], w["experts_down"], cfg.moe.intermediate_size, split)
-        out.update(router=w["router"], experts_gate_up=gate_up, experts_down=down)
-    else:
-        out["gate_up"], out["down"] = _mlp_columns(w["gate_up"], w["down"], cfg.intermediate_size, split)
-    # [hidden]: the norms before a sublayer and those after it (which act on the all-reduced output)
-    for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
-        if name in w:
-            out[name] = w[name]
     if "qkv_bias" in w:
         out["qkv_bias"] = qkv(w["qkv_bias"])
+    if "sinks" in w:  # [Hq]: one logit per query head, in the softmax of that head alone
+        out["sinks"] = w["sinks"][heads].clone()
     if cfg.qk_norm == "head":  # [D]: the same for every head, so whole on every rank
         out["q_norm"], out["k_norm"] = w["q_norm"], w["k_norm"]
     elif cfg.qk_norm == "whole":  # [H * D]: this rank's heads' part, as the rows of q and k
         out["q_norm"], out["k_norm"] = w["q_norm"][q_rows].clone(), w["k_norm"][kv_rows].clone()
+    return out
+
+
+def _shard_mlp(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torch.Tensor]:
+    """This rank's intermediate channels of the dense MLP, or of every expert (gate_up's bias cut as
+    its rows; the router and the down bias are ``_WHOLE`` and ``_ONCE``'s)."""
+    if "router" not in w:
+        gate_up, down = _mlp_columns(w["gate_up"], w["down"], split.cfg.intermediate_size, split)
+        return {"gate_up": gate_up, "down": down}
+    width = split.cfg.moe.intermediate_size
+    gate_up, down = _mlp_columns(w["experts_gate_up"], w["experts_down"], width, split)
+    out = {"experts_gate_up": gate_up, "experts_down": down}
+    if "experts_gate_up_bias" in w:  # [E, 2 * width]
+        out["experts_gate_up_bias"] = _gate_up_channels(w["experts_gate_up_bias"], width, split, dim=-1)
     return out
 
 
@@ -365,9 +398,15 @@ def _mlp_columns(gate_up: torch.Tensor, down: torch.Tensor, width: int,
     hidden] (gate rows, then up rows) column-parallel, down [..., hidden, width] row-parallel; with a
     leading expert axis, every expert's."""
     per = width // split.tp
-    mine = _rows(split.rank * per, per)
-    gate, up = gate_up[..., :width, :], gate_up[..., width:, :]
-    return torch.cat([gate[..., mine, :], up[..., mine, :]], dim=-2).clone(), down[..., mine].contiguous()
+    return _gate_up_channels(gate_up, width, split, dim=-2), down[..., _rows(split.rank * per, per)].contiguous()
+
+
+def _gate_up_channels(t: torch.Tensor, width: int, split: TensorSplit, dim: int) -> torch.Tensor:
+    """This rank's gate channels, then its up channels, of ``t``, whose axis ``dim`` holds a gated MLP's
+    2 * ``width`` channels (gate's, then up's)."""
+    per = width // split.tp
+    start = split.rank * per
+    return torch.cat([t.narrow(dim, start, per), t.narrow(dim, width + start, per)], dim=dim)
 
 
 def _rows(start: int, count: int) -> slice:

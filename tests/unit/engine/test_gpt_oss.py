@@ -1,5 +1,6 @@
 """gpt-oss against transformers on a tiny random-weight model: attention sinks, windowed layers beside a
-global one, q/k/v/o biases, YaRN, and experts with biases, a clamped SwiGLU and a softmax over the top k."""
+global one, q/k/v/o biases, YaRN, and experts with biases, a clamped SwiGLU and a softmax over the top k;
+and split over tensor-parallel ranks and pipeline stages, against the whole model."""
 
 import pytest
 import torch
@@ -167,16 +168,110 @@ def test_experts_biases_and_clamped_swiglu_agree_on_every_path():
     assert (block.forward(x) - eager).abs().max() > 0.1
 
 
-def test_tensor_parallel_is_refused_by_name(gpt_oss):
-    """Its sinks (per head) and biases are not cut between ranks yet: refused before a rank builds."""
-    from shared.model.parallel import SingleRank
-
-    class TwoRanks(SingleRank):
-        size = 2
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_over_ranks_gives_the_whole_models_logits(gpt_oss, tp):
+    """4 heads, 2 KV heads (each on two ranks at tp 4), 32 channels per expert: every rank holds its
+    heads' sinks and q/k/v bias rows and its channels of every expert and of their gate_up biases;
+    o_proj's bias is added after the all-reduce, the experts' down biases by rank 0 alone."""
+    from thread_ranks import run_ranks
 
     path, _ = gpt_oss
-    with pytest.raises(ValueError, match="tensor parallel gpt_oss is not built yet"):
-        load_model(path, "hf", torch.device("cpu"), torch.float32, TwoRanks())
+    whole = load(path).prefill_logits(PROMPT)
+    results = run_ranks(tp, lambda group: load_model(path, "hf", torch.device("cpu"), torch.float32,
+                                                     group).prefill_logits(PROMPT))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)
+    assert torch.equal(results[0].argmax(-1), whole.argmax(-1))
+
+
+def test_the_down_bias_on_every_rank_moves_the_logits(gpt_oss, monkeypatch):
+    """The test above fails if every rank adds the experts' down biases (the all-reduce then sums them
+    twice): the rule that puts them on rank 0 alone is what makes the split exact."""
+    from shared.model import parallel
+    from thread_ranks import run_ranks
+
+    path, _ = gpt_oss
+    whole = load(path).prefill_logits(PROMPT)
+    monkeypatch.setattr(parallel, "_WHOLE", (*parallel._WHOLE, *parallel._ONCE))
+    logits = run_ranks(2, lambda group: load_model(path, "hf", torch.device("cpu"), torch.float32,
+                                                   group).prefill_logits(PROMPT))[0]
+    assert (logits - whole).abs().max() > 0.05
+
+
+def test_greedy_at_two_ranks_is_one_ranks(gpt_oss):
+    """The engine over a group of two (rank 0 drives, rank 1 follows): chunked prefill beside decodes
+    over 8-token blocks, each prompt's 16 greedy tokens those of one process."""
+    from shared.engine.parallel import ParallelModel, follow
+    from thread_ranks import run_ranks
+
+    path, _ = gpt_oss
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=8, max_num_batched_tokens=24)
+    prompts = [PROMPT[:n] for n in (5, 40, 70)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = LLMEngine(load(path), config).generate(prompts, params)
+
+    def rank(world):
+        model = load_model(path, "hf", torch.device("cpu"), torch.float32, world)
+        if world.rank > 0:
+            return follow(model, world)
+        engine = LLMEngine(ParallelModel(model, world), config)
+        try:
+            return engine.generate(prompts, params)
+        finally:
+            engine.close()
+
+    assert run_ranks(2, rank)[0] == want
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_give_the_whole_models_logits(gpt_oss, tp):
+    """Two stages (layers 0-1 and 2: a windowed and a global layer, then a windowed one), each of
+    ``tp`` ranks: the stages run the same per-layer code, sinks and biases included."""
+    from shared.engine.parallel import join_stage
+    from thread_ranks import run_ranks
+
+    path, _ = gpt_oss
+    whole = load(path).prefill_logits(PROMPT)
+
+    def stage_logits(world):
+        group, pipeline = join_stage(world, tp, 2, 3)
+        return load_model(path, "hf", torch.device("cpu"), torch.float32, group, pipeline=pipeline).prefill_logits(
+            PROMPT)
+
+    results = run_ranks(2 * tp, stage_logits)
+    assert all(r is None for r in results[tp:])
+    for logits in results[:tp]:
+        torch.testing.assert_close(logits, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layers_shards_hold_each_head_and_channel_once():
+    """shard_layer on one gpt-oss layer: the sinks cut by query head (4 heads, 2 ranks), the router, its
+    bias and o_proj's bias whole on every rank, the experts' down bias on rank 0 alone, each rank's
+    gate_up bias the bias of its own gate_up rows; a tensor with no rule is refused, not dropped."""
+    from shared.model.parallel import shard_layer
+
+    cfg = ModelConfig.from_hf(BASE | dict(hidden_size=8, head_dim=4, num_local_experts=2, intermediate_size=6))
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, width, d = 2, 8, 6, 4
+    shapes = dict(qkv=((4 + 2 * 2) * d, hidden), qkv_bias=((4 + 2 * 2) * d,), o_proj=(hidden, 4 * d), o_bias=(hidden,),
+                  sinks=(4,), attn_norm=(hidden,), mlp_norm=(hidden,), router=(experts, hidden),
+                  router_bias=(experts,), experts_gate_up=(experts, 2 * width, hidden),
+                  experts_gate_up_bias=(experts, 2 * width), experts_down=(experts, hidden, width),
+                  experts_down_bias=(experts, hidden))
+    w = {name: torch.randn(*shape, generator=gen) for name, shape in shapes.items()}
+    parts = [shard_layer(cfg, w, rank, 2) for rank in range(2)]
+    assert torch.equal(torch.cat([p["sinks"] for p in parts]), w["sinks"])
+    for name in ("o_bias", "router", "router_bias"):
+        assert all(torch.equal(p[name], w[name]) for p in parts)
+    assert torch.equal(parts[0]["experts_down_bias"], w["experts_down_bias"]) and "experts_down_bias" not in parts[1]
+    x = torch.randn(3, hidden, generator=gen)
+    for e in range(experts):  # gate channels, then up channels: the whole expert's, rank by rank
+        full = torch.nn.functional.linear(x, w["experts_gate_up"][e], w["experts_gate_up_bias"][e])
+        got = [torch.nn.functional.linear(x, p["experts_gate_up"][e], p["experts_gate_up_bias"][e]).chunk(2, -1)
+               for p in parts]
+        torch.testing.assert_close(torch.cat([g for g, _ in got] + [u for _, u in got], -1), full)
+    with pytest.raises(RuntimeError, match=r"no tensor-parallel split for the layer tensors \['mlp_bias'\]"):
+        shard_layer(cfg, w | {"mlp_bias": torch.zeros(hidden)}, 0, 2)
 
 
 def test_it_decodes_eagerly_under_compile(tmp_path, caplog):

@@ -101,12 +101,12 @@ def format_status(page: StatusPage, gateways_up: dict[str, bool] | None = None) 
 
 def _service_lines(services: list[ServiceInfo], now: float) -> list[str]:
     """One line per process in the service directory: restarts by its supervisor, how long this
-    one has run, and where its metrics are (``-`` for what an older process did not say)."""
-    lines = [f"{'SERVICE':<11} {'PID':>8} {'RST':>3} {'UP s':>8}  {'INSTANCE':<40} METRICS"]
+    one has run, its release, and where its metrics are (``-`` for what an older process did not say)."""
+    lines = [f"{'SERVICE':<11} {'PID':>8} {'RST':>3} {'UP s':>8} {'VERSION':<8} {'INSTANCE':<40} METRICS"]
     for s in services:
         up = f"{max(0.0, now - s.started_at):.0f}" if s.started_at else "-"
-        lines.append(f"{s.service:<11} {s.pid:>8} {s.num_restarts:>3} {up:>8}  {s.instance_id:<40} "
-                     f"{s.metrics_url or '-'}")
+        lines.append(f"{s.service:<11} {s.pid:>8} {s.num_restarts:>3} {up:>8} {s.version or '-':<8} "
+                     f"{s.instance_id:<40} {s.metrics_url or '-'}")
     return lines
 
 

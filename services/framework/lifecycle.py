@@ -17,6 +17,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry
 
 from services.framework.settings import ServiceSettings
+from shared import __version__
 from shared.bus import Bus, ServiceDirectory, WorkerRegistry
 from shared.openai_api.auth import read_operator_key
 from shared.protocol import ServiceInfo, Subjects
@@ -126,7 +127,8 @@ async def published_metrics(service: str, instance_id: str, settings: ServiceSet
         directory = await ServiceDirectory.open(bus, Subjects(settings.namespace).services_bucket,
                                                 ttl_s=settings.registry_ttl_s)
         info = ServiceInfo(instance_id=instance_id, service=service, metrics_url=url, host=socket.gethostname(),
-                           pid=os.getpid(), started_at=time.time(), num_restarts=settings.num_restarts)
+                           pid=os.getpid(), started_at=time.time(), num_restarts=settings.num_restarts,
+                           version=__version__)
         beat = asyncio.create_task(directory.heartbeat(lambda: info))
         try:
             yield url

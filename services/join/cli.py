@@ -16,7 +16,9 @@ EXIT_CODES = ("Exit codes, each failure with one line on stderr naming its cause
               "password each run), at the start or when a worker's login is refused later; 6 workers not ready "
               "in the control plane's registry within --ready-timeout-s; 7 another host's workers are live under "
               "the worker ids this host would use (the same --host-name: machines cloned from one image share "
-              "their host name), refused before any worker starts.")
+              "their host name), refused before any worker starts; 8 the control plane runs another Tandem release "
+              "line (major.minor) than this host: patch releases mix, a new line goes on the control plane "
+              "first, then on every host.")
 
 
 def register(subparsers) -> None:

@@ -81,3 +81,27 @@ def _ago(timestamp_s: float, now_s: float) -> str:
     if timestamp_s <= 0:
         return "at an unknown time"
     return f"{max(0.0, now_s - timestamp_s):.1f}s ago"
+
+
+EXIT_RELEASE_MISMATCH = 8  # the control plane runs a release this host's cannot work with
+CONTROL_PLANE_SERVICES = ("gateway", "admission", "kv-index", "autoscaler")
+
+
+def release_line(version: str) -> tuple[int, ...] | None:
+    """A release's major and minor number (``0.1.7`` -> (0, 1)); None for an empty or unreadable one."""
+    match = re.match(r"^(\d+)\.(\d+)(?:\.|$)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def release_mismatch(own: str, control_plane: Iterable[str]) -> str | None:
+    """Why a host of release ``own`` cannot join a control plane whose services run
+    ``control_plane`` (None: it can). The rule: releases of the same major and minor number work
+    together and patch releases mix, so one host at a time can be upgraded to the next patch; a
+    new minor or major release is one the control plane is upgraded to first, then every host.
+    Services that do not say their release (before it was published) are passed over."""
+    mine = release_line(own)
+    others = sorted({v for v in control_plane if release_line(v) not in (None, mine)})
+    if mine is None or not others:
+        return None
+    return (f"cannot join: the control plane runs Tandem {', '.join(others)} and this host {own}; releases mix "
+            f"only within one major.minor line (patch releases do): install the control plane's release here")

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from services.framework.errors import CliError
 from services.join.config import JoinSettings
-from services.join.identity import EXIT_HOST_NAME_TAKEN, describe_conflict, is_ready_here, live_conflicts, load_host_id
+from services.join.identity import (CONTROL_PLANE_SERVICES, EXIT_HOST_NAME_TAKEN, EXIT_RELEASE_MISMATCH,
+                                    describe_conflict, is_ready_here, live_conflicts, load_host_id, release_mismatch)
 from services.join.watch import ConnectWatch
 from services.stack.stack import Stack, StackSpec, print_line
 from services.stack.supervisor import Backoff
@@ -202,6 +203,7 @@ async def check_control_plane(spec: StackSpec, timeout_s: float, worker_ids: lis
         raise CliError(f"cannot join: {exc}", exc.exit_code) from None
     try:
         await check_host_name(bus, spec, worker_ids)
+        await check_release(bus, spec)
     finally:
         await bus.close()
 
@@ -225,6 +227,26 @@ async def check_host_name(bus: Bus, spec: StackSpec, worker_ids: list[str]) -> N
     if own := sorted(e.worker_id for e in entries if e.worker_id in worker_ids):
         print_line("join", f"{', '.join(own)} of this host (host id {spec.host_id}) still in the registry "
                            f"from an earlier run: taken over by the workers starting now")
+
+
+async def check_release(bus: Bus, spec: StackSpec) -> None:
+    """Raise (exit 8) when the control plane's services run a release this host's cannot work with
+    (``services.join.identity.release_mismatch``)."""
+    from shared import __version__  # noqa: PLC0415
+    from shared.bus.errors import NatsUnreachable, ServiceError  # noqa: PLC0415 — nats only when the command runs
+    from shared.bus.services import ServiceDirectory  # noqa: PLC0415
+    from shared.protocol.subjects import Subjects  # noqa: PLC0415
+
+    try:
+        directory = await ServiceDirectory.open(bus, Subjects(spec.namespace).services_bucket,
+                                                ttl_s=spec.registry_ttl_s)
+        services = await directory.list()
+    except (ConnectionError, TimeoutError, ServiceError) as exc:
+        raise CliError(f"cannot join: reading the control plane's service directory failed: {exc}",
+                       NatsUnreachable.exit_code) from None
+    versions = [s.version for s in services if s.service in CONTROL_PLANE_SERVICES]
+    if why := release_mismatch(__version__, versions):
+        raise CliError(why, EXIT_RELEASE_MISMATCH)
 
 
 def _wait_registered(stack: Stack, settings: JoinSettings, started_at: float, stop: threading.Event,

@@ -213,6 +213,9 @@ class ServiceInfo(WireModel):
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     num_restarts: int = Field(0, ge=0)  # times its supervisor restarted it after a crash
+    # the Tandem release it runs (``shared.__version__``): processes of releases with the same major
+    # and minor number work together, patch releases mix (empty from a producer that does not say)
+    version: str = ""
 
 
 class ClusterStatusRequest(WireModel):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.join.cli import EXIT_CODES
-from services.join.identity import EXIT_HOST_NAME_TAKEN, load_host_id
+from services.join.identity import EXIT_HOST_NAME_TAKEN, EXIT_RELEASE_MISMATCH, load_host_id
 from services.join.service import EXIT_NOT_READY
 from services.stack.children import child_env
 from services.stack.servers import free_port, start_nats_server
@@ -26,7 +26,7 @@ from shared.bus.bus import Bus
 from shared.bus.errors import NatsCredentialsRefused, NatsTlsFailed, NatsUnreachable
 from shared.bus.registry import WorkerRegistry
 from shared.protocol.subjects import Subjects
-from shared.protocol.workers import WorkerInfo
+from shared.protocol.workers import ServiceInfo, WorkerInfo
 from shared.telemetry.redact import new_secret
 
 PASSWORD = new_secret()
@@ -56,7 +56,8 @@ def join(tmp_path: Path, url: str, ca: Path | None = None) -> tuple[int, float, 
 def test_the_help_lists_the_exit_codes_the_errors_carry():
     for code, cause in ((NatsUnreachable.exit_code, "not reachable"), (NatsTlsFailed.exit_code, "TLS failed"),
                         (NatsCredentialsRefused.exit_code, "credentials refused"), (EXIT_NOT_READY, "not ready"),
-                        (EXIT_HOST_NAME_TAKEN, "another host's workers are live")):
+                        (EXIT_HOST_NAME_TAKEN, "another host's workers are live"),
+                        (EXIT_RELEASE_MISMATCH, "another Tandem release line")):
         assert f"; {code} " in EXIT_CODES and cause in EXIT_CODES.split(f"; {code} ")[1].split(";")[0], (code, cause)
 
 
@@ -172,6 +173,32 @@ def test_a_second_host_under_the_same_name_exits_7_naming_the_first_and_leaves_i
     assert "starting" not in proc.stdout, proc.stdout  # refused before any worker started
     (entry,) = asyncio.run(registry_entries(plain_server.url, namespace))
     assert entry.host_id == "f1f1f1f1f1f1f1f1" and entry.pid == 4242  # the first host's entry untouched
+
+
+def test_a_control_plane_of_another_release_line_exits_8_before_any_worker_starts(tmp_path, plain_server):
+    """The control plane's gateway says it runs 9.9.0: this host's release line is another one."""
+    from shared.bus.services import ServiceDirectory
+
+    namespace = f"v{uuid.uuid4().hex[:8]}"
+
+    async def publish() -> None:
+        bus = await Bus.connect(plain_server.url, "test-control-plane")
+        try:
+            directory = await ServiceDirectory.open(bus, Subjects(namespace).services_bucket, ttl_s=60)
+            await directory.put(ServiceInfo(instance_id="gateway-cp-1", service="gateway", version="9.9.0",
+                                            started_at=time.time(), heartbeat_at=time.time()))
+        finally:
+            await bus.close()
+
+    asyncio.run(publish())
+    connect = write_connect(tmp_path / "connect.env", plain_server.url, namespace)
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "join", "--connect", str(connect), "--decode", "1",
+                           "--state-dir", str(tmp_path / "host")], env=child_env({}), capture_output=True,
+                          text=True, timeout=60)
+    errors = proc.stderr.splitlines()
+    assert proc.returncode == EXIT_RELEASE_MISMATCH, (proc.returncode, errors, proc.stdout)
+    assert len(errors) == 1 and "the control plane runs Tandem 9.9.0 and this host 0." in errors[0], errors
+    assert "starting" not in proc.stdout, proc.stdout
 
 
 class Lines:

@@ -139,3 +139,12 @@ def test_a_worker_refused_by_nats_stops_the_join_and_a_crashed_one_is_restarted(
     stack._supervise_once(now)  # records both exits; nothing is due yet (the crash waits its backoff)
     assert stack._restarts.due(now + 60) == ["decode-2"]
     assert refused_workers(stack) == ["decode-1"]
+
+
+def test_releases_of_one_major_minor_line_mix_and_others_are_refused():
+    from services.join.identity import release_mismatch
+
+    assert release_mismatch("0.1.0", ["0.1.0", "0.1.9", "", "dev"]) is None  # patch releases, and services that do not say
+    assert release_mismatch("0.1.0", []) is None
+    why = release_mismatch("0.1.2", ["0.1.2", "0.2.0", "1.0.0"])
+    assert "runs Tandem 0.2.0, 1.0.0 and this host 0.1.2" in why and "install the control plane's release" in why

@@ -137,6 +137,9 @@ class ServerProcess:
     # nats-server: its configuration file and the configuration for a list of logins (set_logins)
     conf_file: Path | None = None
     config_for: Callable[[Sequence[Login]], str] | None = None
+    # writes again what the server needs on disk before it starts (its data directory, a config
+    # file), so that a restart works even when the files were deleted meanwhile
+    prepare: Callable[[], object] | None = None
 
     @property
     def pid(self) -> int:
@@ -148,6 +151,8 @@ class ServerProcess:
     def restart(self, timeout_s: float = 20.0) -> None:
         """Start it again as it was first started (stopping it first if it still runs)."""
         self.stop()
+        if self.prepare is not None:
+            self.prepare()
         self.proc, self.lines = _popen_ready(self.name, self.argv, self.is_ready, self.on_line, timeout_s)
 
     def set_logins(self, logins: Sequence[Login], timeout_s: float = 10.0) -> None:
@@ -429,12 +434,21 @@ def start_redis_server(data_dir: str | os.PathLike, *, port: int = 0, password: 
     """redis-server without persistence (the index is rebuilt from JetStream); ``port=0``: a free one.
     With a ``password`` every client must AUTH with it (``url`` carries it)."""
     port = port or free_port()
+    auth_conf = Path(data_dir) / "auth.conf"
+
+    def prepare() -> None:  # also before each restart: an operator may have wiped the directory
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        if password is not None:
+            private_file(auth_conf, f"requirepass {json.dumps(password)}\n")
+
+    prepare()
     argv = [_binary("redis-server")]
     if password is not None:  # the config file comes first on redis-server's command line
-        argv.append(str(private_file(Path(data_dir) / "auth.conf", f"requirepass {json.dumps(password)}\n")))
+        argv.append(str(auth_conf))
     argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(data_dir)]
     server = _start("redis-server", argv, lambda line: _REDIS_READY in line, on_line, timeout_s)
+    server.prepare = prepare
     login = "" if password is None else f":{quote(password, safe='')}@"
     server.url, server.port = f"redis://{login}127.0.0.1:{port}/0", port
     return server

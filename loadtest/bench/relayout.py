@@ -6,10 +6,12 @@ the same shape, over real NIXL between real rank processes.
 Engines of ``--model`` (SmolLM2-135M, float32 by default) are started at each shape the pairs
 name, each rank a process with one thread; ``--blocks`` whole blocks of random KV are put in the
 writer's pool (every rank its layers and heads), and the time from ``write_blocks`` to the
-target's notification (every rank's writes landed) is timed ``--repeats`` times, the median kept.
+target's notification (every rank's writes landed) is timed ``--repeats`` times, the pairs in
+turn within each round, so that a shared host's changing load falls on every pair alike.
 The baseline is one process writing into another (TP=1 -> TP=1), the bytes the same in every pair:
-the whole model's KV of those blocks. Prints each pair's time, its ratio to the baseline, the
-descriptors it used and GB/s; writes ``relayout.json`` and ``relayout.png``.
+the whole model's KV of those blocks. Prints each pair's median time, its ratio to the baseline
+(the median over rounds of the pair's time over the baseline's in the same round), the descriptors
+it used and GB/s; writes ``relayout.json`` and ``relayout.png``.
 """
 
 from __future__ import annotations
@@ -132,44 +134,57 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     pairs = [(shape_of(a), shape_of(b)) for a, b in (p.split(":") for p in args.pairs.split(","))]
     endpoints: dict[tuple[str, tuple[int, int]], Endpoint] = {}  # a writer and a target of each shape
-    rows = []
     try:
-        for src_shape, dst_shape in pairs:
-            for side, shape in (("writer", src_shape), ("target", dst_shape)):
-                if (side, shape) not in endpoints:
-                    print(f"starting a {side} at TP={shape[0]} x PP={shape[1]}", flush=True)
-                    engine = start_engine(args.model, args.dtype, *shape)
-                    endpoints[side, shape] = Endpoint(engine, f"{side}-{shape[0]}x{shape[1]}-{uuid.uuid4().hex[:6]}")
-            src, dst = endpoints["writer", src_shape], endpoints["target", dst_shape]
-            cfg = src.engine.model.cfg
-            n = args.blocks
-            data = torch.randn(n, cfg.num_layers, 2, src.engine.block_size, cfg.num_kv_heads, cfg.head_dim,
-                               generator=torch.Generator().manual_seed(0)).to(src.engine.kv_cache.dtype)
-            src_ids, dst_ids = list(range(1, n + 1)), list(range(2, n + 2))
-            src.write_whole(src_ids, data)
-            times, handle = [], None
-            for i in range(args.repeats + 1):  # the first connects the agents: not timed
+        runs = [_prepare(endpoints, args, src_shape, dst_shape) for src_shape, dst_shape in pairs]
+        times: list[list[float]] = [[] for _ in pairs]
+        for i in range(args.repeats):  # round-robin: the host's load drifts over every pair alike
+            for run, pair_times in zip(runs, times):
                 started = time.perf_counter()
-                handle = src.send(dst, src_ids, dst_ids, f"bench-{i}".encode())
-                if i:
-                    times.append(time.perf_counter() - started)
-            assert torch.equal(dst.read_whole(dst_ids), data), "the target's blocks differ from the writer's"
-            row = {"writer": list(src_shape), "target": list(dst_shape), "blocks": n, "bytes": handle.num_bytes,
-                   "descriptors": handle.num_descriptors, "median_s": statistics.median(times), "times_s": times}
-            rows.append(row)
-            base = rows[0]
-            print(f"TP={src_shape[0]} x PP={src_shape[1]} -> TP={dst_shape[0]} x PP={dst_shape[1]}: "
-                  f"{row['median_s'] * 1e3:7.2f} ms ({row['median_s'] / base['median_s']:.2f}x the same-shape "
-                  f"baseline), {row['bytes'] / 2**20:.1f} MiB in {row['descriptors']} descriptors, "
-                  f"{row['bytes'] / row['median_s'] / 1e9:.2f} GB/s", flush=True)
+                run["handle"] = run["src"].send(run["dst"], run["src_ids"], run["dst_ids"], f"bench-{i}".encode())
+                pair_times.append(time.perf_counter() - started)
+        rows = [_row(run, pair_times, times[0]) for run, pair_times in zip(runs, times)]
     finally:
         for endpoint in endpoints.values():
             endpoint.close()
+    for row in rows:
+        (wt, wp), (tt, tp) = row["writer"], row["target"]
+        print(f"TP={wt} x PP={wp} -> TP={tt} x PP={tp}: {row['median_s'] * 1e3:7.2f} ms ({row['ratio']:.2f}x the "
+              f"same-shape baseline, median of the rounds' ratios), {row['bytes'] / 2**20:.1f} MiB in "
+              f"{row['descriptors']} descriptors, {row['bytes'] / row['median_s'] / 1e9:.2f} GB/s", flush=True)
     result = {"model": args.model, "dtype": args.dtype, "host": platform.node(), "processor": platform.processor(),
               "cores": os.cpu_count(), "config": vars(args) | {"out": str(args.out)}, "rows": rows}
     if args.out:
         _write(args.out, result)
     return 0
+
+
+def _prepare(endpoints: dict, args, src_shape: tuple[int, int], dst_shape: tuple[int, int]) -> dict:
+    """A pair's writer and target (started once per shape and side), its blocks in the writer's
+    pool, and one write that connects the agents (not timed) and checks the target's blocks."""
+    for side, shape in (("writer", src_shape), ("target", dst_shape)):
+        if (side, shape) not in endpoints:
+            print(f"starting a {side} at TP={shape[0]} x PP={shape[1]}", flush=True)
+            engine = start_engine(args.model, args.dtype, *shape)
+            endpoints[side, shape] = Endpoint(engine, f"{side}-{shape[0]}x{shape[1]}-{uuid.uuid4().hex[:6]}")
+    src, dst = endpoints["writer", src_shape], endpoints["target", dst_shape]
+    cfg, n = src.engine.model.cfg, args.blocks
+    data = torch.randn(n, cfg.num_layers, 2, src.engine.block_size, cfg.num_kv_heads, cfg.head_dim,
+                       generator=torch.Generator().manual_seed(0)).to(src.engine.kv_cache.dtype)
+    src_ids, dst_ids = list(range(1, n + 1)), list(range(2, n + 2))
+    src.write_whole(src_ids, data)
+    handle = src.send(dst, src_ids, dst_ids, b"connect")
+    assert torch.equal(dst.read_whole(dst_ids), data), "the target's blocks differ from the writer's"
+    return {"src": src, "dst": dst, "shapes": (src_shape, dst_shape), "src_ids": src_ids, "dst_ids": dst_ids,
+            "handle": handle}
+
+
+def _row(run: dict, times: list[float], base_times: list[float]) -> dict:
+    """A pair's result; ``ratio``: the median over rounds of its time over the baseline's that round."""
+    (src_shape, dst_shape), handle = run["shapes"], run["handle"]
+    ratios = [t / b for t, b in zip(times, base_times)]
+    return {"writer": list(src_shape), "target": list(dst_shape), "blocks": len(run["src_ids"]),
+            "bytes": handle.num_bytes, "descriptors": handle.num_descriptors, "median_s": statistics.median(times),
+            "ratio": statistics.median(ratios), "times_s": times}
 
 
 def _write(out: Path, result: dict) -> None:

@@ -9,8 +9,9 @@ Notifications carry a small header with the number of bytes the write moved, so 
 count received bytes (a one-sided write is otherwise invisible to it).
 
 Between workers of different parallel shapes (``shared.transfer.relayout``) an agent is one rank
-of its group: it writes its pieces of the plan, each staged in the target rank's layout, into the
-target ranks' agents, and the notification goes to the target's rank 0 once every piece landed.
+of its group: it writes its pieces of the plan into the target ranks' agents, from its pool where a
+piece's bytes are one run there and staged in the target rank's layout where heads split, and the
+notification goes to the target's rank 0 once every piece landed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shared.kvcache.layout import KvCacheSpec, contiguous_runs
 from shared.transfer.base import (AgentMetadata, KVTransferFailed, KvLayoutMismatch, TransferHandle,
                                   TransferNotification, TransferStats, TransferUnavailable, describe_spec, joint_runs)
 from shared.transfer.convert import check_convertible, convert_slab, needs_conversion
-from shared.transfer.relayout import Gathered, GroupMetadata, KvShape, Piece, plan_pieces
+from shared.transfer.relayout import Gathered, GroupMetadata, KvShape, Piece, plan_pieces, region_runs
 from shared.transfer.write import sleep_until_written
 
 log = logging.getLogger(__name__)
@@ -291,12 +292,14 @@ class NixlTransfer:
                      then_notify: bytes | None = None,
                      gathered: Gathered | None = None) -> TransferHandle:
         """This rank's pieces (``plan_pieces``) of a write into ``peer``, a worker of another
-        parallel shape (or a rank of the same shape): each piece gathered into a staging slab in
-        the target rank's layout and written with one descriptor per block (per run of consecutive
-        blocks where it fills the target's whole block; straight from the pool, staged nowhere,
-        where the piece is this rank's whole block and the target's too). ``gathered``: the stage's
-        heads put together for this rank's gathered pieces (``Gathered``; straight from there, with
-        no slab, where it lies in registered memory and a piece takes every head).
+        parallel shape (or a rank of the same shape), every piece posted before any is waited on:
+        each written straight from the pool where it takes every head this rank holds (a range of
+        layers of a block is one run there: the same shape, or only the layers split), else
+        gathered into a staging slab in the target rank's layout; one descriptor per block, merged
+        where consecutive blocks are contiguous on both sides (``region_runs``: whole blocks into
+        consecutive ids). ``gathered``: the stage's heads put together for this rank's gathered
+        pieces (``Gathered``; straight from there, with no slab, where it lies in registered
+        memory and a piece takes every head).
         ``then_notify``: sent to the peer's rank 0 once every piece landed (a parallel worker's
         rank 0 sends it itself, with ``notify``, once every rank is done)."""
         group = self._groups.get(peer)
@@ -326,63 +329,65 @@ class NixlTransfer:
 
     def _write_piece(self, handle: TransferHandle, group: GroupMetadata, piece: Piece, local_ids: list[int],
                      remote_ids: list[int], gathered: Gathered | None) -> None:
-        assert self._pool is not None and self.shape is not None
+        """Post one piece: every block's bytes of it from where they lie (``_piece_sources``), one
+        descriptor per run of blocks contiguous on both sides (``region_runs``)."""
+        assert self._pool is not None
         target = group.ranks[piece.dst]
-        peer = self._peers[target.agent_name]
-        mine_layers, mine_heads = self.shape.layers(self.rank), self.shape.heads(self.rank)
-        theirs_layers = group.shape.layers(piece.dst)
         layer_bytes = target.block_bytes // target.spec.num_layers
         chunk_bytes = len(piece.layers) * layer_bytes
-        offset = (piece.layers.start - theirs_layers.start) * layer_bytes
-        whole = piece.layers == mine_layers == theirs_layers and piece.heads == mine_heads and not piece.gathered
-        if whole:  # this rank's whole block is the target's whole block: no staging
-            xfer = self._agent.make_prepped_xfer("WRITE", self._local_blocks, np.asarray(local_ids, dtype=np.int32),
-                                                 peer.blocks, np.asarray(remote_ids, dtype=np.int32), b"")
-            handle.num_descriptors += len(joint_runs(local_ids, remote_ids))
-        else:
-            if piece.gathered:
-                if gathered is None:
-                    raise KVTransferFailed(f"rank {self.rank}: a gathered piece without the stage's gathered heads")
-                source, first_layer, first_head, ids = gathered.blocks, gathered.first_layer, 0, slice(None)
-            else:  # slice the pool before taking the blocks: only the piece's bytes are copied
-                source, first_layer, first_head, ids = self._pool, mine_layers.start, mine_heads.start, local_ids
-            layers = slice(piece.layers.start - first_layer, piece.layers.stop - first_layer)
-            heads = slice(piece.heads.start - first_head, piece.heads.stop - first_head)
-            view = source[:, layers, :, :, heads]  # strided: the piece's layers and heads of every block
-            if piece.gathered and gathered.registered and heads == slice(0, source.shape[4]):
-                # in registered memory already, every block's piece one contiguous run: written from there
-                staging, stride = view, source.stride(0) * source.element_size()
-            else:
-                slab = self._take_slab(len(local_ids) * chunk_bytes)
-                handle.resources.append(slab)
-                staging = slab.buffer[:len(local_ids) * chunk_bytes].view(view.dtype).view(len(local_ids),
-                                                                                            *view.shape[1:])
-                stride = chunk_bytes
-                if piece.gathered:  # [n, its layers, 2, bs, their heads, D], one copy into registered memory
-                    staging.copy_(view)
-                else:
-                    torch.index_select(view, 0, torch.tensor(ids, dtype=torch.long, device=view.device), out=staging)
-            if chunk_bytes == target.block_bytes == stride:  # the target's whole blocks: one descriptor per run
-                runs = contiguous_runs(remote_ids)
-            else:
-                runs = [(b, 1) for b in remote_ids]
-            local_descs = np.empty((len(runs), 3), dtype=np.uint64)
-            remote_descs = np.empty((len(runs), 3), dtype=np.uint64)
-            done = 0
-            for i, (first, count) in enumerate(runs):
-                local_descs[i] = (staging.data_ptr() + done * stride, count * chunk_bytes, self._device_id)
-                remote_descs[i] = (target.pool_address + first * target.block_bytes + offset, count * chunk_bytes,
-                                   target.device_id)
-                done += count
-            xfer = self._agent.initialize_xfer(
-                "WRITE", self._agent.get_xfer_descs(local_descs, self._mem_type),
-                self._agent.get_xfer_descs(remote_descs, target.mem_type), target.agent_name, b"")
-            handle.num_descriptors += len(runs)
+        offset = (piece.layers.start - group.shape.layers(piece.dst).start) * layer_bytes
+        sources = self._piece_sources(handle, piece, local_ids, gathered, chunk_bytes)
+        remote = (np.uint64(target.pool_address + offset)
+                  + np.asarray(remote_ids, dtype=np.uint64) * np.uint64(target.block_bytes))
+        runs = region_runs(sources, remote, chunk_bytes)  # [m, 3]: local, remote, bytes
+        local_descs = np.column_stack([runs[:, 0], runs[:, 2], np.full(len(runs), self._device_id, dtype=np.uint64)])
+        remote_descs = np.column_stack([runs[:, 1], runs[:, 2], np.full(len(runs), target.device_id, dtype=np.uint64)])
+        xfer = self._agent.initialize_xfer(
+            "WRITE", self._agent.get_xfer_descs(local_descs, self._mem_type),
+            self._agent.get_xfer_descs(remote_descs, target.mem_type), target.agent_name, b"")
         handle.backend_handle.append(xfer)
+        handle.num_descriptors += len(runs)
         handle.num_bytes += len(local_ids) * chunk_bytes
         if self._agent.transfer(xfer) == "ERR":
             raise KVTransferFailed(f"NIXL refused to post a write of {len(local_ids) * chunk_bytes} B to "
                                    f"{target.agent_name!r}")
+
+    def _piece_sources(self, handle: TransferHandle, piece: Piece, local_ids: list[int], gathered: Gathered | None,
+                       chunk_bytes: int) -> np.ndarray:
+        """Where each block's bytes of ``piece`` lie in this process, laid out as the target rank's
+        block holds them (``[its layers, 2, bs, its heads, D]``, one run of ``chunk_bytes``): an
+        address per block, in order. In the pool itself where the piece takes every head this rank
+        holds (a range of layers of a pool block is one run); in the stage's gathered heads where
+        those lie in registered memory and the piece takes every head; else copied into a slab."""
+        assert self._pool is not None and self._spec is not None and self.shape is not None
+        mine_layers, mine_heads = self.shape.layers(self.rank), self.shape.heads(self.rank)
+        block_bytes, n = self._spec.bytes_per_block, len(local_ids)
+        if not piece.gathered and piece.heads == mine_heads:  # no staging: written from the pool
+            first = (piece.layers.start - mine_layers.start) * (block_bytes // self._spec.num_layers)
+            return (np.uint64(self._pool.data_ptr() + first)
+                    + np.asarray(local_ids, dtype=np.uint64) * np.uint64(block_bytes))
+        if piece.gathered:
+            if gathered is None:
+                raise KVTransferFailed(f"rank {self.rank}: a gathered piece without the stage's gathered heads")
+            source, first_layer, first_head, ids = gathered.blocks, gathered.first_layer, 0, slice(None)
+        else:  # slice the pool before taking the blocks: only the piece's bytes are copied
+            source, first_layer, first_head, ids = self._pool, mine_layers.start, mine_heads.start, local_ids
+        layers = slice(piece.layers.start - first_layer, piece.layers.stop - first_layer)
+        heads = slice(piece.heads.start - first_head, piece.heads.stop - first_head)
+        view = source[:, layers, :, :, heads]  # strided: the piece's layers and heads of every block
+        stride = chunk_bytes
+        if piece.gathered and gathered.registered and heads == slice(0, source.shape[4]):
+            # in registered memory already, every block's piece one contiguous run: written from there
+            staging, stride = view, source.stride(0) * source.element_size()
+        else:
+            slab = self._take_slab(n * chunk_bytes)
+            handle.resources.append(slab)
+            staging = slab.buffer[:n * chunk_bytes].view(view.dtype).view(n, *view.shape[1:])
+            if piece.gathered:  # [n, its layers, 2, bs, their heads, D], one copy into registered memory
+                staging.copy_(view)
+            else:
+                torch.index_select(view, 0, torch.tensor(ids, dtype=torch.long, device=view.device), out=staging)
+        return np.uint64(staging.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(stride)
 
     def notify(self, peer: str, num_bytes: int, notify: bytes) -> None:
         """Send ``notify`` to ``peer``'s rank 0, counting ``num_bytes`` as written into it (a

@@ -10,10 +10,12 @@ of every rank's pool holds a part of the same tokens.
 A transfer from a source group into a target group is a list of ``Piece``: one source rank
 writes one contiguous range of layers, with *all* of the target rank's heads, into one target
 rank. In the target's block those bytes are one contiguous run (``[layers, 2, bs, heads, D]``
-with every head is a contiguous slice of the block), so a piece is one descriptor per block, and
-one per run of consecutive blocks where it fills the target's whole block. The source gathers
-the piece into a staging slab laid out exactly so (a per-head gather when it holds more heads
-than the target rank).
+with every head is a contiguous slice of the block), so a piece is one descriptor per block,
+merged where consecutive blocks are contiguous on both sides (``region_runs``). Where the piece
+takes every head the source rank holds, its bytes are one run of the source's block too and are
+written from the pool; where the source holds more heads than the target rank, it gathers the
+piece's heads into a staging slab laid out as the target's block first (a strided copy of every
+byte: what makes such a write cost more than a same-shape one).
 
 When no source rank of a stage holds all of a target rank's heads (a prefill at TP=3 writing
 into a decode at TP=1: each prefill rank holds one of the three heads), the stage first gathers
@@ -29,6 +31,8 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
+
+import numpy as np
 
 from shared.model.parallel import kv_heads_of, stage_layers
 from shared.transfer.base import AgentMetadata, KVTransferFailed, KvLayoutMismatch
@@ -121,6 +125,24 @@ def plan_pieces(src: KvShape, dst: KvShape) -> list[Piece]:
                 pieces.append(Piece(ranks[k], d, range(layers.start + share.start, layers.start + share.stop),
                                     want_heads, gathered=True))
     return pieces
+
+
+def region_runs(local_addrs: np.ndarray, remote_addrs: np.ndarray, num_bytes: int) -> np.ndarray:
+    """Regions of ``num_bytes`` each, region i from ``local_addrs[i]`` to ``remote_addrs[i]``, merged
+    where one ends exactly where the next begins on *both* sides: ``[runs, 3]`` uint64 rows
+    (local address, remote address, bytes), one descriptor each, in order. The bytes each remote
+    address receives are unchanged; only the number of descriptors falls."""
+    local = np.asarray(local_addrs, dtype=np.uint64)
+    remote = np.asarray(remote_addrs, dtype=np.uint64)
+    if local.shape != remote.shape or local.ndim != 1:
+        raise ValueError(f"{local.shape} local regions for {remote.shape} remote ones")
+    if not len(local):
+        return np.empty((0, 3), dtype=np.uint64)
+    step = np.uint64(num_bytes)
+    joins = (local[1:] == local[:-1] + step) & (remote[1:] == remote[:-1] + step)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    counts = np.diff(np.append(starts, len(local))).astype(np.uint64)
+    return np.stack([local[starts], remote[starts], counts * step], axis=1)
 
 
 def stages_gathering(pieces: list[Piece], src: KvShape) -> set[int]:

@@ -18,6 +18,7 @@ import logging
 import time
 
 from shared.bus import Bus, Replay, WorkerRegistry
+from shared.bus.errors import ServiceError
 from shared.protocol import KvEventBatch, KvMatchRequest, KvMatchResult, Subjects, WorkerOverlap
 from services.framework.lifecycle import every, run_bus_service, service_instance_id
 from shared.telemetry.families import KvIndexMetrics
@@ -39,6 +40,7 @@ class KvIndexService:
         self.metrics = KvIndexMetrics.create(service_instance_id("kv-index"), settings.num_restarts)
         self._replay: Replay[KvEventBatch] | None = None
         self._is_index_lost = False  # a batch failed to apply: the index misses it
+        self._is_redis_down = False  # a match found Redis not answering (said once, until it answers)
 
     async def start(self) -> None:
         s = self._subjects
@@ -101,8 +103,20 @@ class KvIndexService:
         self.metrics.events.inc(len(batch.events))
 
     async def match(self, request: KvMatchRequest) -> KvMatchResult:
-        with self.metrics.match_latency.time():
-            matches = await self._store.match_tiers(request.block_hashes)
+        try:
+            with self.metrics.match_latency.time():
+                matches = await self._store.match_tiers(request.block_hashes)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            if not self._is_redis_down:  # one line an outage, not a traceback a lookup
+                log.warning("Redis is not answering (%s): matches fail until it is back, admission routes on load",
+                            exc)
+                self._is_redis_down = True
+            raise ServiceError("rejected", f"the KV index's Redis is not answering: {exc}") from None
+        if self._is_redis_down:
+            log.info("Redis answers matches again")
+            self._is_redis_down = False
         self.metrics.matches.inc()
         self.metrics.queried_blocks.inc(len(request.block_hashes))
         self.metrics.matched_blocks.inc(max((m.num_blocks for m in matches.values()), default=0))

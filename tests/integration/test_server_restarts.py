@@ -65,7 +65,10 @@ def logged(stack, text: str) -> list[str]:
 
 
 def decode_worker_id(stack) -> str:
-    return next(w["info"]["worker_id"] for w in cluster_status(stack)["workers"] if w["info"]["role"] == "decode")
+    """The decode worker's id, once /status lists it (right after the stack is ready, the process
+    that answers /status may not have read the registry yet)."""
+    return wait_for(lambda: next((w["info"]["worker_id"] for w in cluster_status(stack)["workers"]
+                                  if w["info"]["role"] == "decode"), None), 30, "the decode worker in /status")
 
 
 def test_nats_server_killed_mid_stream_restarts_and_the_stack_serves_again(stack):

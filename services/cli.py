@@ -85,10 +85,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def run_as_main(name: str) -> int:
-    """``python -m services.<pkg>`` behaves as ``tandem <name>``."""
-    return main([name, *sys.argv[1:]])
-
-
 if __name__ == "__main__":
     sys.exit(main())

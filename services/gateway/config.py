@@ -22,14 +22,19 @@ class GatewaySettings(ServiceSettings, QosSettings):
     reasoning_parser: ReasoningParser = Field("auto", description="return a thinking model's <think>…</think> "
                                               "apart from the answer (chat: reasoning_content; responses: a "
                                               "reasoning item): auto, when the model's chat template mentions "
-                                              "</think>; think, always; none, never (it stays in the content)")
+                                              "</think>, or harmony when it writes <|channel|> or <|start|>; "
+                                              "think, always; harmony, gpt-oss's analysis channel as the "
+                                              "reasoning, its final channel the answer; none, never (it stays "
+                                              "in the content)")
     tool_call_parser: ToolCallParser = Field("auto", description="how the model writes tool calls, read back "
                                              "from its output and written into the prompt for earlier turns: "
                                              "hermes, <tool_call>{json}</tool_call> (Qwen2/2.5/3, SmolLM3, "
                                              "Hermes); mistral, [TOOL_CALLS][{json}, ...] or [TOOL_CALLS]name"
                                              "[ARGS]{json}; llama3_json, a bare {\"name\", \"parameters\"} "
-                                             "object, several separated by ';' (Llama 3.x); auto, chosen from "
-                                             "the chat template's markers (hermes when none shows)")
+                                             "object, several separated by ';' (Llama 3.x); harmony, a "
+                                             "commentary message to=functions.NAME with JSON arguments "
+                                             "(gpt-oss); auto, chosen from the chat template's markers (hermes "
+                                             "when none shows)")
     admission_timeout_s: float = Field(2.0, gt=0, description="wait for admission's answer")
     admission_retry_s: float = Field(10.0, ge=0, description="ask admission again (another instance of its "
                                      "queue group, or its restart) for this long after an unanswered ask")

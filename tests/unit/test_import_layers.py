@@ -48,12 +48,6 @@ def test_the_check_sees_an_upward_import(tmp_path):
 # at each depth every package is taken with all below it, so loadtest/tools/client_compat importing
 # loadtest.bench while loadtest.bench imports loadtest.tools is a circle of tools and bench.
 CIRCLE_ROOTS = ("services", "loadtest")
-# ``python -m services.<name>`` is ``tandem <name>``: each such __main__.py imports services.cli, and
-# services.cli registers every command. Left until those modules run their own command without it;
-# remove an entry when its import goes (the last test says when).
-KNOWN_CIRCLE_EDGES = {(f"services/{name}/__main__.py", "services.cli") for name in (
-    "admission", "autoscaler", "decode", "gateway", "join", "kv_index", "prefill", "up")}
-
 
 def package_of(module: str, root: Path = ROOT) -> str | None:
     """The package a dotted name is or lives in; None if it is neither a package nor a module."""
@@ -85,7 +79,7 @@ def package_imports(top: str, root: Path = ROOT) -> dict[tuple[str, str], str]:
         source = ".".join(where.parent.parts)
         for name, line in sorted(imported_modules(path, root)):
             target = package_of(name, root) if name.split(".")[0] == top else None
-            if target and target != source and (where.as_posix(), name) not in KNOWN_CIRCLE_EDGES:
+            if target and target != source:
                 edges.setdefault((source, target), f"{where}:{line}")
     return edges
 
@@ -129,9 +123,3 @@ def test_the_check_sees_a_circle_through_a_lazy_import_in_a_sub_package(tmp_path
     (tmp_path / "top/tools/compat/run.py").write_text("def f():\n    from top.bench.serving import up\n")
     assert circles(package_imports("top", tmp_path)) == [
         "top.bench -> top.tools (top/bench/serving.py:1)", "top.tools -> top.bench (top/tools/compat/run.py:2)"]
-
-
-def test_the_known_circle_edges_are_still_there():
-    present = {(path.relative_to(ROOT).as_posix(), name)
-               for path in (ROOT / "services").rglob("__main__.py") for name, _ in imported_modules(path)}
-    assert KNOWN_CIRCLE_EDGES - present == set()

@@ -1,8 +1,0 @@
-"""``python -m services.autoscaler`` is ``tandem autoscaler``."""
-
-import sys
-
-from services.cli import run_as_main
-
-if __name__ == "__main__":
-    sys.exit(run_as_main("autoscaler"))

@@ -292,15 +292,15 @@ def test_status_shows_peer_fetches_only_for_workers_that_fetched_or_lent():
 def test_status_lists_every_services_metrics_address():
     page = StatusPage.model_validate({"timestamp": 100.0, "services": [
         {"instance_id": "admission-h-7", "service": "admission", "metrics_url": "http://h:4001/metrics",
-         "pid": 7, "started_at": 40.0},
+         "pid": 7, "started_at": 40.0, "version": "0.1.0"},
         {"instance_id": "w1", "service": "decode", "metrics_url": "http://h:4002/metrics", "num_restarts": 2,
          "pid": 9, "started_at": 90.0},
         {"instance_id": "kv-index-0a1b", "service": "kv-index"}]})  # an older process: no metrics, no start
     lines = format_status(page).splitlines()
-    assert lines[-4].split() == ["SERVICE", "PID", "RST", "UP", "s", "INSTANCE", "METRICS"]
-    assert lines[-3].split() == ["admission", "7", "0", "60", "admission-h-7", "http://h:4001/metrics"]
-    assert lines[-2].split() == ["decode", "9", "2", "10", "w1", "http://h:4002/metrics"]
-    assert lines[-1].split() == ["kv-index", "0", "0", "-", "kv-index-0a1b", "-"]
+    assert lines[-4].split() == ["SERVICE", "PID", "RST", "UP", "s", "VERSION", "INSTANCE", "METRICS"]
+    assert lines[-3].split() == ["admission", "7", "0", "60", "0.1.0", "admission-h-7", "http://h:4001/metrics"]
+    assert lines[-2].split() == ["decode", "9", "2", "10", "-", "w1", "http://h:4002/metrics"]
+    assert lines[-1].split() == ["kv-index", "0", "0", "-", "-", "kv-index-0a1b", "-"]
 
 
 def test_status_shows_the_autoscalers_decisions_with_their_reasons():

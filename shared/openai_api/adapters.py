@@ -13,14 +13,14 @@ from typing import ClassVar, Generic, Self, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from shared.openai_api import responses
+from shared.openai_api import harmony, responses
 from shared.openai_api.errors import ApiError, from_validation_error
 from shared.openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, check_fields
 from shared.openai_api.json_body import JsonRefused, load_json
 from shared.openai_api.models import ApiRequest, ChatCompletionRequest, CompletionRequest
 from shared.openai_api.reasoning import ReasoningParser, Start, reasoning_start
 from shared.openai_api.tool_formats import ToolCallParser, ToolFormat, tool_format
-from shared.openai_api.tools import ToolCall, ToolUse, system_prompt
+from shared.openai_api.tools import ToolCall, ToolUse, history_message, system_prompt
 from shared.protocol.generate import GenerateRequest, TokenLogprob
 from shared.tokenizer import Tokenizer
 
@@ -149,6 +149,22 @@ def marker_token_ids(tokenizer: Tokenizer | None, tool_use: ToolUse) -> frozense
     return frozenset(i for i in ids if i is not None)
 
 
+def reasoning_token_ids(tokenizer: Tokenizer | None, start: Start | None) -> frozenset[int]:
+    """The ids of harmony's markers for an output its splitter reads (``Start.HARMONY``), with tools
+    or without: skipped, the channels could not be told apart; the content never shows them."""
+    if tokenizer is None or start is not Start.HARMONY:
+        return frozenset()
+    ids = (tokenizer.special_token_id(m) for m in harmony.MARKERS)
+    return frozenset(i for i in ids if i is not None)
+
+
+def conversation(messages: list[tuple[str, str, list[ToolCall]]], fmt: ToolFormat,
+                 tokenizer: Tokenizer | None) -> list[dict]:
+    """``(role, content, earlier calls)`` as the chat template's messages (``history_message``)."""
+    template = tokenizer.chat_template if tokenizer is not None else None
+    return [history_message(role, content, calls, fmt, template) for role, content, calls in messages]
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tool_use: ToolUse, param: str,
                     template_kwargs: dict | None = None) -> list[int]:
     """A conversation's prompt: the tools in the chat template when it renders them, else in a
@@ -239,7 +255,8 @@ class ApiAdapter(ABC, Generic[Body]):
 
     def kept_token_ids(self) -> frozenset[int]:
         """Special tokens the output's text keeps although special tokens are skipped: the tool-call
-        markers the parser reads (``marker_token_ids``). ``/v1/completions`` has no tools."""
+        markers the parser reads (``marker_token_ids``) and harmony's (``reasoning_token_ids``).
+        ``/v1/completions`` has neither tools nor reasoning."""
         return frozenset()
 
     def _chosen_tool_format(self, parser: ToolCallParser) -> tuple[ToolFormat, tuple[str, ...]]:
@@ -326,8 +343,8 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
         return None, self._messages()
 
     def _messages(self) -> list[dict]:
-        fmt = self.body.tool_use().format
-        return [{"role": m.role, "content": m.text(fmt)} for m in self.body.messages]
+        return conversation([(m.role, m.content_text(), m.tool_calls or []) for m in self.body.messages],
+                            self.body.tool_use().format, self.tokenizer)
 
     def decide_reasoning(self, parser: ReasoningParser, request: GenerateRequest) -> Start | None:
         self.reasoning = chat_reasoning_start(parser, self, request)
@@ -337,12 +354,14 @@ class ChatAdapter(ApiAdapter[ChatCompletionRequest]):
         self.body = self.body.with_tool_format(*self._chosen_tool_format(parser))
 
     def kept_token_ids(self) -> frozenset[int]:
-        return marker_token_ids(self.tokenizer, self.body.tool_use())
+        return marker_token_ids(self.tokenizer, self.body.tool_use()) | reasoning_token_ids(self.tokenizer,
+                                                                                             self.reasoning)
 
     def stream_chunks(self, head: ResponseHead, index: int, delta: Delta, offset: int) -> list[dict]:
         tool_use = self.body.tool_use()
-        if tool_use.mode == "none":
-            return [self.chunk(head, index, delta, offset)]
+        if tool_use.mode == "none":  # a message to a function in harmony output is still no content
+            visible = Delta(tool_use.visible(delta.text), delta.logprobs, delta.finish_reason, delta.reasoning)
+            return [self.chunk(head, index, visible, offset)]
         # the reasoning streams as it comes; only the content may become calls
         reasoning = tool_use.visible(delta.reasoning)
         chunks = [self._reasoning_chunk(head, index, reasoning)] if reasoning else []

@@ -67,12 +67,15 @@ class ChatMessage(_Body):
     def text(self, fmt: ToolFormat = HERMES) -> str:
         """The content as the model sees it; earlier tool calls as the model would write them
         (in ``fmt``)."""
-        calls = render_calls(self.tool_calls or [], fmt)
+        return self.content_text() + render_calls(self.tool_calls or [], fmt)
+
+    def content_text(self) -> str:
+        """The content alone (its text parts joined)."""
         if self.content is None:
-            return calls
+            return ""
         if isinstance(self.content, str):
-            return self.content + calls
-        return "\n".join(p.text for p in self.content) + calls
+            return self.content
+        return "\n".join(p.text for p in self.content)
 
 
 class JsonSchemaFormat(_Closed):

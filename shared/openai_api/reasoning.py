@@ -10,6 +10,9 @@ everything up to ``</think>`` is reasoning). Whitespace right after ``</think>``
 the content; an output cut off before ``</think>`` is all reasoning. Text is held back while it
 could still be the start of a tag (as ``shared.openai_api.stop`` holds back stop strings).
 
+gpt-oss writes harmony instead (``Start.HARMONY``, ``shared.openai_api.harmony``): its analysis
+channel is the reasoning, the final channel the content.
+
 Pure: no I/O.
 """
 
@@ -18,14 +21,17 @@ from __future__ import annotations
 import enum
 from typing import Literal
 
+from shared.openai_api.harmony import HarmonySplitter, is_harmony_template
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
-ReasoningParser = Literal["auto", "think", "none"]
+ReasoningParser = Literal["auto", "think", "harmony", "none"]
 
 
 class Start(enum.Enum):
     OUTPUT = "output"  # the output opens with <think>
     PROMPT = "prompt"  # the prompt ends with <think>: the output starts inside the reasoning
+    HARMONY = "harmony"  # gpt-oss: messages on channels, analysis the reasoning
 
 
 class _State(enum.Enum):
@@ -39,10 +45,13 @@ def reasoning_start(parser: ReasoningParser, *, uses_template: bool, template: s
                     prompt_end: str | None) -> Start | None:
     """Whether one request's output is split, and how it starts; None: all of it is content.
     ``uses_template``: the prompt is a chat (``/v1/completions`` is never split); ``template``:
-    the model's chat template (``auto`` splits when it mentions ``</think>``); ``prompt_end``: the
-    end of the rendered prompt (None: not rendered here, as for a text worker's model)."""
+    the model's chat template (``auto`` splits when it mentions ``</think>``, or reads harmony when
+    it writes harmony's markers); ``prompt_end``: the end of the rendered prompt (None: not rendered
+    here, as for a text worker's model)."""
     if parser == "none" or not uses_template:
         return None
+    if parser == "harmony" or (parser == "auto" and is_harmony_template(template)):
+        return Start.HARMONY
     if parser == "auto" and (template is None or THINK_CLOSE not in template):
         return None
     if prompt_end is not None and prompt_end.rstrip().endswith(THINK_OPEN):
@@ -62,15 +71,21 @@ class ReasoningSplitter:
     """One output's text, split as it comes. ``start`` None: everything is content."""
 
     def __init__(self, start: Start | None) -> None:
-        self._state = {None: _State.CONTENT, Start.OUTPUT: _State.BEFORE, Start.PROMPT: _State.REASONING}[start]
+        self._harmony = HarmonySplitter() if start is Start.HARMONY else None
+        self._state = {None: _State.CONTENT, Start.OUTPUT: _State.BEFORE, Start.PROMPT: _State.REASONING,
+                       Start.HARMONY: _State.CONTENT}[start]
         self._pending = ""
 
     @property
     def is_reasoning(self) -> bool:
+        if self._harmony is not None:
+            return self._harmony.is_reasoning
         return self._state is _State.REASONING
 
     def push(self, text: str) -> tuple[str, str]:
         """Add newly decoded text; return the (reasoning, content) that can be emitted now."""
+        if self._harmony is not None:
+            return self._harmony.push(text)
         reasoning, content = "", ""
         self._pending += text
         while self._pending:
@@ -106,6 +121,8 @@ class ReasoningSplitter:
 
     def flush(self) -> tuple[str, str]:
         """The held-back text once the output ended: reasoning when cut off inside it."""
+        if self._harmony is not None:
+            return self._harmony.flush()
         pending, self._pending = self._pending, ""
         return (pending, "") if self._state is _State.REASONING else ("", pending)
 

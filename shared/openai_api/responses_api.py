@@ -17,15 +17,17 @@ from pydantic import Discriminator, Field, PrivateAttr, StrictBool, StrictStr, T
 
 from shared.openai_api import responses
 from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
-                                        chat_prompt_ids, chat_reasoning_start)
+                                        chat_prompt_ids, chat_reasoning_start, conversation, marker_token_ids,
+                                        reasoning_token_ids)
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import RESPONSES_FIELDS
 from shared.openai_api.models import MAX_TOKEN_COUNT, JsonSchemaFormat, _Body, _Closed, _Sampling, refuse_media
 from shared.openai_api.reasoning import ReasoningParser, Start
 from shared.openai_api.tool_formats import HERMES, ToolCallParser, ToolFormat
 from shared.openai_api.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall,
-                                     ToolCallFunction, ToolUse, render_calls)
+                                     ToolCallFunction, ToolUse)
 from shared.protocol.generate import GenerateRequest, GrammarSpec
+from shared.tokenizer import Tokenizer
 
 
 class InputText(_Body):
@@ -233,9 +235,10 @@ class ResponsesRequest(_Sampling):
         own = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
         return self.model_copy(update={"input": _INPUT_ITEMS.validate_python(_without_reasoning(history)) + own})
 
-    def messages(self) -> list[dict]:
+    def messages(self, tokenizer: Tokenizer | None = None) -> list[dict]:
         """The conversation as chat messages: consecutive calls are one assistant turn, each
-        call's output a ``tool`` message."""
+        call's output a ``tool`` message; ``tokenizer``: the model's, whose chat template may render
+        the calls itself (``adapters.conversation``)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return messages + [{"role": "user", "content": self.input}]
@@ -249,8 +252,8 @@ class ResponsesRequest(_Sampling):
                 messages.append({"role": "tool", "content": item.text()})
             else:
                 messages.append({"role": item.role, "content": item.text()})
-        return [{"role": m["role"], "content": m["content"] + render_calls(m.get("calls", []), self._tool_format)}
-                for m in messages]
+        return conversation([(m["role"], m["content"], m.get("calls", [])) for m in messages], self._tool_format,
+                            tokenizer)
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
         tools = self.tool_use().grammar()
@@ -294,10 +297,13 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         self.completed: dict | None = None  # the whole response once made (to store it)
 
     def prompt_ids(self) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, self.body.messages(), self._tool_use, "input")
+        return chat_prompt_ids(self.tokenizer, self.body.messages(self.tokenizer), self._tool_use, "input")
 
     def text_prompt(self) -> tuple[str | None, list[dict] | None]:
-        return None, self.body.messages()
+        return None, self.body.messages(self.tokenizer)
+
+    def kept_token_ids(self) -> frozenset[int]:
+        return marker_token_ids(self.tokenizer, self._tool_use) | reasoning_token_ids(self.tokenizer, self.reasoning)
 
     def decide_reasoning(self, parser: ReasoningParser, request: GenerateRequest) -> Start | None:
         self.reasoning = chat_reasoning_start(parser, self, request)
@@ -369,7 +375,8 @@ class ResponsesAdapter(ApiAdapter[ResponsesRequest]):
         self._finish = delta.finish_reason or self._finish
         reasoning = self._tool_use.visible(delta.reasoning)
         events = self._reasoning_events(reasoning) if reasoning else []
-        content = Delta(delta.text, delta.logprobs, delta.finish_reason)
+        text = delta.text if self._calls is not None else self._tool_use.visible(delta.text)
+        content = Delta(text, delta.logprobs, delta.finish_reason)
         for sent in [content] if self._calls is None else self._calls.push(content):
             if isinstance(sent, Calls):  # after the text before them, if any: its message ends here
                 events += self._close_reasoning() + self._close_message(_status(sent.finish_reason))

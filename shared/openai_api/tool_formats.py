@@ -9,6 +9,8 @@ tells a template without tool support how to call, and gives the grammar of "tex
   ``[TOOL_CALLS]name[ARGS]{...}`` (repeated for parallel calls).
 - ``llama3_json`` (Llama 3.x): the output is a bare ``{"name": ..., "parameters": {...}}``, or several
   separated by ``;``, optionally after ``<|python_tag|>``.
+- ``harmony`` (gpt-oss): a message to a function, ``<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}<|call|>`` (``shared.openai_api.harmony``), one per call.
 
 A format also says where the calls start in an output (``call_start``; the text before them is
 the reply's content) and how much of a streamed output is content that no call can start in
@@ -27,7 +29,9 @@ import re
 from abc import ABC, abstractmethod
 from typing import ClassVar, Literal
 
-ToolCallParser = Literal["auto", "hermes", "mistral", "llama3_json"]
+from shared.openai_api import harmony
+
+ToolCallParser = Literal["auto", "hermes", "mistral", "llama3_json", "harmony"]
 
 RawCall = tuple[str, object]  # (function name, arguments as a JSON value)
 
@@ -118,8 +122,20 @@ class ToolFormat(ABC):
                 break
         return len(text[:end].rstrip())
 
-    def auto_lark(self, call_schema: dict, parallel: bool) -> str:
-        """Text that holds no call marker, or calls whose items match ``call_schema``."""
+    def visible(self, text: str, special_markers: tuple[str, ...]) -> str:
+        """``text`` as content: without the markers kept for the parser (``special_markers``)."""
+        for marker in special_markers:
+            text = text.replace(marker, "")
+        return text
+
+    def history_calls(self, template: str | None) -> bool:
+        """Whether earlier calls go to ``template`` as an assistant message's ``tool_calls`` (it
+        renders them itself) rather than written into its content (``render``)."""
+        return False
+
+    def auto_lark(self, call_schema: dict, parallel: bool) -> str | None:
+        """Text that holds no call marker, or calls whose items match ``call_schema``; None: the
+        format has no such grammar (the calls are read back unconstrained)."""
         return "\n".join([
             "%llguidance {}",
             "start: TEXT | calls",
@@ -312,8 +328,73 @@ class Llama3JsonFormat(ToolFormat):
         return "/(.|\\n)*/ & ~/[ \\t\\n]*(\\{|<\\|python_tag\\|>)(.|\\n)*/"
 
 
+class HarmonyFormat(ToolFormat):
+    """gpt-oss: each call a message addressed ``to=functions.NAME`` with JSON arguments; the reply's
+    content is the text outside messages and the bodies of those without a recipient (the final
+    channel, a preamble). Read from the content the harmony reasoning splitter leaves (the calls in
+    it whole, markers included) or from the raw output. No ``auto_lark``: its markers are special
+    tokens that a lark grammar of text does not name."""
+
+    name = "harmony"
+    marker = harmony.START
+    marker_tokens = harmony.MARKERS
+
+    def parse(self, text: str) -> list[RawCall] | None:
+        calls = [self._call(m) for m in harmony.read_messages(text) if m.function is not None]
+        return calls if calls and all(calls) else None
+
+    def whole_calls(self, text: str) -> list[RawCall]:
+        calls = []
+        for message in harmony.read_messages(text):
+            call = self._call(message) if message.end is not None else None
+            if message.function is not None and call is None:
+                break
+            calls += [call] if call else []
+        return calls
+
+    def _call(self, message: harmony.Message) -> RawCall | None:
+        found = _json_prefix(message.body)
+        if message.function is None or found is None or found[1].strip():
+            return None
+        return message.function, found[0]
+
+    def call_start(self, text: str, at_start: bool = True) -> int | None:
+        return next((m.start for m in harmony.read_messages(text) if m.function is not None), None)
+
+    def starts_call(self, text: str) -> bool:
+        at = self.call_start(text)
+        return at is not None and not text[:at].strip()
+
+    def content_end(self, text: str, at_start: bool = True) -> int:
+        """All but a header not yet closed (a call's, maybe) and a tail that may start a marker."""
+        opened = harmony.open_header_at(text)
+        end = opened if opened is not None else len(text) - harmony.held_tail(text)
+        return len(text[:end].rstrip())
+
+    def visible(self, text: str, special_markers: tuple[str, ...]) -> str:
+        return harmony.visible(text)
+
+    def history_calls(self, template: str | None) -> bool:
+        return template is not None and "tool_calls" in template
+
+    def render(self, calls: list[RawCall]) -> str:
+        return "".join(f"{harmony.START}assistant to=functions.{n}{harmony.CHANNEL}commentary json"
+                       f"{harmony.MESSAGE}{json.dumps(a)}{harmony.CALL}" for n, a in calls)
+
+    def instruction(self) -> str:
+        return (f"a message {harmony.START}assistant to=functions.<function name>{harmony.CHANNEL}commentary "
+                f"json{harmony.MESSAGE}<arguments object>{harmony.CALL}")
+
+    def calls_rule(self, parallel: bool) -> list[str]:
+        raise NotImplementedError("harmony has no lark grammar of calls")
+
+    def auto_lark(self, call_schema: dict, parallel: bool) -> str | None:
+        return None
+
+
 HERMES = HermesFormat()
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, MistralFormat(), Llama3JsonFormat())}
+HARMONY = HarmonyFormat()
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, MistralFormat(), Llama3JsonFormat(), HARMONY)}
 
 _LLAMA3_HEADER = "<|start_header_id|>"
 
@@ -321,6 +402,8 @@ _LLAMA3_HEADER = "<|start_header_id|>"
 def detect_format(template: str | None) -> ToolFormat:
     """The format a chat template's model writes calls in (``auto``): hermes unless the template
     shows another family's markers."""
+    if harmony.is_harmony_template(template):
+        return HARMONY
     template = template or ""
     if HermesFormat.marker in template:
         return HERMES

@@ -91,6 +91,19 @@ def render_calls(calls: list[ToolCall], fmt: ToolFormat = HERMES) -> str:
     return fmt.render([_raw_call(c) for c in calls]) if calls else ""
 
 
+def history_message(role: str, content: str, calls: list[ToolCall], fmt: ToolFormat = HERMES,
+                    template: str | None = None) -> dict:
+    """One message of a conversation for the chat template: an assistant's earlier calls as its
+    ``tool_calls`` (arguments as JSON values) where ``template`` renders them itself
+    (``ToolFormat.history_calls``: gpt-oss's, which also needs them to render the tool results),
+    else written into its content in ``fmt``."""
+    if calls and fmt.history_calls(template):
+        return {"role": role, "content": content, "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}
+            for name, arguments in map(_raw_call, calls)]}
+    return {"role": role, "content": content + render_calls(calls, fmt)}
+
+
 def closed_schema(schema):
     """``schema`` with ``additionalProperties: false`` on every object schema that does not say
     otherwise: a tool's arguments have the properties its schema names, nothing else (a small model
@@ -160,12 +173,13 @@ def _forced_tools(tools: list[Tool], choice: ToolChoice | None, parallel: bool) 
     return [], parallel
 
 
-def auto_grammar(tools: list[Tool], parallel: bool, fmt: ToolFormat = HERMES) -> GrammarSpec:
+def auto_grammar(tools: list[Tool], parallel: bool, fmt: ToolFormat = HERMES) -> GrammarSpec | None:
     """``tool_choice: auto`` with a ``strict`` function: the output is text that holds no call
     marker of ``fmt``, or calls (one without ``parallel_tool_calls``) of the declared functions
-    whose arguments match their schemas, and nothing else."""
+    whose arguments match their schemas, and nothing else; None where ``fmt`` has no such grammar."""
     schema = {**_one_of_calls(tools), "x-guidance": _COMPACT}
-    return GrammarSpec(kind="lark", value=fmt.auto_lark(schema, parallel))
+    lark = fmt.auto_lark(schema, parallel)
+    return GrammarSpec(kind="lark", value=lark) if lark is not None else None
 
 
 def _new_call(name: str, arguments: str) -> ToolCall:
@@ -273,12 +287,9 @@ class ToolUse:
         return 0 if self.mode == "forced" else self.format.call_start(text, at_start)
 
     def visible(self, text: str) -> str:
-        """``text`` as content: without the markers kept for the parser (``special_markers``)."""
-        if self.mode == "none":
-            return text
-        for marker in self.special_markers:
-            text = text.replace(marker, "")
-        return text
+        """``text`` as content: without the markers kept for the parser (``special_markers``; all
+        of harmony's headers and markers, which its reasoning splitter keeps even without tools)."""
+        return self.format.visible(text, self.special_markers)
 
     def reply(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None]:
         """An output's content and calls (``calls``). With calls, the content is the text before

@@ -105,6 +105,9 @@ TEMPLATE = "{% if m.reasoning %}<think>{{ m.reasoning }}</think>{% endif %}"
     ("think", True, None, "<think>\n\n", Start.PROMPT),
     ("think", False, TEMPLATE, "<think>", None),  # /v1/completions: never
     ("none", True, TEMPLATE, "<think>", None),
+    ("auto", True, "<|start|>{{ m.role }}<|channel|>final", "<|start|>assistant", Start.HARMONY),  # gpt-oss
+    ("harmony", True, None, None, Start.HARMONY),
+    ("harmony", False, None, None, None),
 ])
 def test_when_the_output_is_split(parser, uses_template, template, prompt_end, start):
     assert reasoning_start(parser, uses_template=uses_template, template=template, prompt_end=prompt_end) is start

@@ -241,6 +241,7 @@ def test_strict_auto_grammar_compiles_for_each_format(fmt):
     ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
     ("<|start_header_id|>ipython<|end_header_id|>{{ '<|python_tag|>' }}", "llama3_json"),
     ("{% if tools %}<|start_header_id|>user<|end_header_id|>{{ tools }}{% endif %}", "llama3_json"),
+    ("<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>", "harmony"),  # gpt-oss
     ("<|start_header_id|>user<|end_header_id|>{{ m }}", "hermes"),  # llama 3 without tools
     ("{{ messages }}", "hermes"),
     (None, "hermes"),

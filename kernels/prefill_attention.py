@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 # positions per SDPA call (torch's CPU kernel splits them in 32s). Any fixed size keeps each call a function of
 # its tile; a prompt shorter than a tile pays for the whole tile, and 64 cost less than 128 at every length
-# measured (16 to 2,000 tokens; docs/engine.md, "Batch-invariant attention")
+# measured (16 to 2,000 tokens; loadtest/results/README.md, "Batch-invariant attention")
 QUERY_TILE = 64
 
 

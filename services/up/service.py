@@ -79,7 +79,7 @@ def run(settings: UpSettings) -> int:
         else:
             print_line("up", f"starting the control plane alone (no workers: register your own, see "
                              f"docs/services.md); waiting for {stack.base_url}/ready")
-        waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop), daemon=True)
+        waiter = threading.Thread(target=_wait_ready, args=(stack, settings, stop, connect), daemon=True)
         waiter.start()
         rotator = Rotator(stack, lambda: write_connect_file(stack), new_secret)  # tandem credentials
         while not stop.wait(0.5):
@@ -95,7 +95,8 @@ def run(settings: UpSettings) -> int:
         print_line("up", "stopped")
 
 
-def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event) -> None:
+def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event, connect: Path) -> None:
+    """Say ready, naming ``connect`` (written at start), or stop the stack when it is not in time."""
     try:
         stack.wait_ready(settings.ready_timeout_s)
     except (RuntimeError, TimeoutError) as exc:
@@ -103,7 +104,6 @@ def _wait_ready(stack: Stack, settings: UpSettings, stop: threading.Event) -> No
         stop.set()
         return
     urls = "  ".join(stack.base_urls)
-    connect = write_connect_file(stack)
     print_line("up", f"ready: {urls}  (OpenAI base URL {stack.base_url}/v1; NATS {redact_url(stack.nats_url)}, "
                      f"Redis {redact_url(stack.redis_url)}, namespace {stack.spec.namespace}; "
                      f"credentials in {connect}; Ctrl-C stops)")

@@ -211,17 +211,11 @@ async def check_control_plane(spec: StackSpec, timeout_s: float, worker_ids: lis
 async def check_host_name(bus: Bus, spec: StackSpec, worker_ids: list[str]) -> None:
     """Raise (exit 7) when the registry holds another host's live entry under one of
     ``worker_ids``: a second host under this host name (``services.join.identity``)."""
-    from shared.bus.errors import NatsUnreachable, ServiceError  # noqa: PLC0415 — nats only when the command runs
-    from shared.bus.registry import WorkerRegistry  # noqa: PLC0415
+    from shared.bus.registry import WorkerRegistry  # noqa: PLC0415 — nats only when the command runs
     from shared.protocol.subjects import Subjects  # noqa: PLC0415
 
-    try:
-        registry = await WorkerRegistry.open(bus, Subjects(spec.namespace).workers_bucket,
-                                             ttl_s=spec.registry_ttl_s)
-        entries = await registry.list()
-    except (ConnectionError, TimeoutError, ServiceError) as exc:
-        raise CliError(f"cannot join: reading the control plane's worker registry failed: {exc}",
-                       NatsUnreachable.exit_code) from None
+    entries = await _read_control_plane("worker registry", WorkerRegistry.open(
+        bus, Subjects(spec.namespace).workers_bucket, ttl_s=spec.registry_ttl_s))
     if conflicts := live_conflicts(entries, worker_ids, spec.host_id):
         raise CliError(describe_conflict(spec.host_name, conflicts, time.time()), EXIT_HOST_NAME_TAKEN)
     if own := sorted(e.worker_id for e in entries if e.worker_id in worker_ids):
@@ -229,21 +223,27 @@ async def check_host_name(bus: Bus, spec: StackSpec, worker_ids: list[str]) -> N
                            f"from an earlier run: taken over by the workers starting now")
 
 
+async def _read_control_plane(what: str, opening) -> list:
+    """The entries of one of the control plane's buckets (``opening``: its ``open(...)`` not yet
+    awaited), or a CliError (exit 3) naming ``what`` when NATS cannot give them."""
+    from shared.bus.errors import NatsUnreachable, ServiceError  # noqa: PLC0415 — nats only when the command runs
+
+    try:
+        return await (await opening).list()
+    except (ConnectionError, TimeoutError, ServiceError) as exc:
+        raise CliError(f"cannot join: reading the control plane's {what} failed: {exc}",
+                       NatsUnreachable.exit_code) from None
+
+
 async def check_release(bus: Bus, spec: StackSpec) -> None:
     """Raise (exit 8) when the control plane's services run a release this host's cannot work with
     (``services.join.identity.release_mismatch``)."""
     from shared import __version__  # noqa: PLC0415
-    from shared.bus.errors import NatsUnreachable, ServiceError  # noqa: PLC0415 — nats only when the command runs
-    from shared.bus.services import ServiceDirectory  # noqa: PLC0415
+    from shared.bus.services import ServiceDirectory  # noqa: PLC0415 — nats only when the command runs
     from shared.protocol.subjects import Subjects  # noqa: PLC0415
 
-    try:
-        directory = await ServiceDirectory.open(bus, Subjects(spec.namespace).services_bucket,
-                                                ttl_s=spec.registry_ttl_s)
-        services = await directory.list()
-    except (ConnectionError, TimeoutError, ServiceError) as exc:
-        raise CliError(f"cannot join: reading the control plane's service directory failed: {exc}",
-                       NatsUnreachable.exit_code) from None
+    services = await _read_control_plane("service directory", ServiceDirectory.open(
+        bus, Subjects(spec.namespace).services_bucket, ttl_s=spec.registry_ttl_s))
     versions = [s.version for s in services if s.service in CONTROL_PLANE_SERVICES]
     if why := release_mismatch(__version__, versions):
         raise CliError(why, EXIT_RELEASE_MISMATCH)

@@ -56,6 +56,19 @@ def _json_prefix(text: str) -> tuple[object, str] | None:
     return value, text[end:]
 
 
+def _separated_calls(text: str, separator: str, arguments_key: str = "arguments") -> list[RawCall]:
+    """The whole calls ``text`` starts with, one JSON object each, ``separator`` between them: up to
+    the first that is cut off or is not a call."""
+    calls = []
+    while (found := _json_prefix(text)) is not None and (call := _raw(found[0], arguments_key)) is not None:
+        calls.append(call)
+        text = found[1].lstrip()
+        if not text.startswith(separator):
+            break
+        text = text[1:]
+    return calls
+
+
 def _is_prefix_either_way(text: str, marker: str) -> bool:
     stripped = text.lstrip()
     return marker.startswith(stripped) or stripped.startswith(marker)
@@ -235,14 +248,7 @@ class MistralFormat(ToolFormat):
 
     def _items(self, rest: str) -> list[RawCall]:
         """The whole items of a list cut off after its ``[``."""
-        calls = []
-        while (found := _json_prefix(rest)) is not None and (call := _raw(found[0])) is not None:
-            calls.append(call)
-            rest = found[1].lstrip()
-            if not rest.startswith(","):
-                break
-            rest = rest[1:]
-        return calls
+        return _separated_calls(rest, ",")
 
     def _named(self, body: str, whole_only: bool) -> list[RawCall] | None:
         """``name[ARGS]{...}`` repeated; None when a finished one does not parse."""
@@ -293,14 +299,7 @@ class Llama3JsonFormat(ToolFormat):
     def whole_calls(self, text: str) -> list[RawCall]:
         if not self.starts_call(text):
             return []
-        calls, rest = [], self._body(text)
-        while (found := _json_prefix(rest)) is not None and (call := _raw(found[0], "parameters")) is not None:
-            calls.append(call)
-            rest = found[1].lstrip()
-            if not rest.startswith(";"):
-                break
-            rest = rest[1:]
-        return calls
+        return _separated_calls(self._body(text), ";", "parameters")
 
     def _body(self, text: str) -> str:
         text = text.lstrip()

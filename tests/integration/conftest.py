@@ -49,3 +49,16 @@ async def bus(nats_url):
     b = await Bus.connect(nats_url, "test")
     yield b
     await b.close()
+
+
+@pytest.fixture(scope="session")
+def heads_32(tmp_path_factory):
+    """A 2-layer random model with 32 heads and 8 KV heads and SmolLM2's tokenizer, as a Hugging Face
+    directory: cheap to load and run, and TP=2 or PP=2 splits it."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    path = tmp_path_factory.mktemp("heads-32")
+    subprocess.run([sys.executable, "-m", "loadtest.tools.synth_model", "--shape", "heads-32", "--format", "hf",
+                    "--out", str(path)], check=True, capture_output=True)
+    return path

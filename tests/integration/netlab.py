@@ -37,13 +37,16 @@ creator pid no longer runs (their processes are killed, their namespaces deleted
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -149,6 +152,60 @@ def _probe() -> str | None:
     return None
 
 
+# a plain-Python forwarder run inside a host (``Host.bridge``): the test process (in the root namespace,
+# off the lab network) reaches a port of the host through a Unix socket, which every namespace shares
+UNIX_BRIDGE = r"""
+import asyncio, sys
+path, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+async def pipe(r, w):
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+    finally:
+        w.close()
+async def handle(r, w):
+    try:
+        tr, tw = await asyncio.open_connection(host, port)
+    except OSError:
+        w.close()
+        return
+    await asyncio.gather(pipe(r, tw), pipe(tr, w), return_exceptions=True)
+async def main():
+    server = await asyncio.start_unix_server(handle, path)
+    print("bridging", flush=True)
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over the Unix socket of a ``Host.bridge``."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("gateway", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def unix_request(path: str, method: str, url: str, body: dict | None = None,
+                 timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """One JSON request through the bridge at ``path``: (status, headers, body)."""
+    conn = UnixHTTPConnection(path, timeout)
+    try:
+        conn.request(method, url, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
 class Host:
     """One network namespace with one interface on the lab's switch."""
 
@@ -223,6 +280,12 @@ class Host:
         kw.setdefault("text", True)
         kw.setdefault("cwd", REPO_ROOT)
         return subprocess.run(self.argv(argv), timeout=timeout, env=None if env is None else dict(env), **kw)
+
+    def bridge(self, path: str | os.PathLike, port: int) -> str:
+        """Forward the Unix socket ``path`` to this host's ``port`` on its lab address (``UNIX_BRIDGE``),
+        for ``UnixHTTPConnection``/``unix_request``; returns the path once it listens."""
+        self.popen_ready([sys.executable, "-c", UNIX_BRIDGE, str(path), self.address, str(port)], "bridging")
+        return str(path)
 
     def pids(self) -> list[int]:
         """Every process in this host's namespace, whoever started it."""

@@ -41,14 +41,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from netlab import UCX_NETWORK_ONLY, Lab, available
+from netlab import UCX_NETWORK_ONLY, Lab, available, unix_request
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.long]
 
 if (why := available()) is not None:
     pytest.skip(f"no network lab here: {why}", allow_module_level=True)
 
-from test_hosts import UNIX_BRIDGE, UnixHTTPConnection  # noqa: E402
+from stack_helpers import wait_for  # noqa: E402
 
 TANDEM = [sys.executable, "-m", "services.cli"]
 GATEWAY_PORT = 8000
@@ -59,23 +59,6 @@ PROMPT = ("A lighthouse keeper writes in the logbook every evening: the weather,
           "the oil burned and the state of the lamp. Tonight, entry number {n}, reads:")
 
 
-@pytest.fixture(scope="module")
-def heads_32(tmp_path_factory):
-    """A 2-layer random model with SmolLM2's tokenizer: cheap to load, cheap to run."""
-    path = tmp_path_factory.mktemp("heads-32")
-    subprocess.run([sys.executable, "-m", "loadtest.tools.synth_model", "--shape", "heads-32", "--format", "hf",
-                    "--out", str(path)], check=True, capture_output=True)
-    return path
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
-        time.sleep(0.3)
-    return value
-
-
 class Gateway:
     """cp's gateway, reached through the Unix-socket bridge running inside cp."""
 
@@ -83,14 +66,7 @@ class Gateway:
         self.path, self.model = path, model
 
     def call(self, method: str, url: str, body: dict | None = None, timeout: float = 60.0):
-        conn = UnixHTTPConnection(self.path, timeout)
-        try:
-            conn.request(method, url, body=None if body is None else json.dumps(body),
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, dict(resp.getheaders()), resp.read()
-        finally:
-            conn.close()
+        return unix_request(self.path, method, url, body, timeout)
 
     def workers(self) -> dict[str, dict]:
         """worker_id -> {"info", "load"} from /status; {} while the gateway does not answer."""
@@ -172,7 +148,7 @@ class Trickle:
     def wait_served(self, count: int, timeout_s: float = 120.0) -> None:
         """Until ``count`` more requests were served."""
         target = self.num_ok + count
-        wait_until(lambda: self.num_ok >= target, timeout_s, f"{count} more requests served")
+        wait_for(lambda: self.num_ok >= target, timeout_s, f"{count} more requests served")
 
 
 class Fleet:
@@ -267,9 +243,9 @@ def remote_prefills(gateway: Gateway, fleet: Fleet) -> tuple[int, int] | None:
 
 def prefills_grow(gateway: Gateway, fleet: Fleet, trickle: Trickle) -> int:
     """Remote prefills wb did for wa while the trickle runs: its counter rises in its load reports."""
-    first = wait_until(lambda: remote_prefills(gateway, fleet), 60, "wb's load report")
+    first = wait_for(lambda: remote_prefills(gateway, fleet), 60, "wb's load report")
     trickle.wait_served(4)
-    later = wait_until(lambda: (now := remote_prefills(gateway, fleet)) and now[1] == first[1]
+    later = wait_for(lambda: (now := remote_prefills(gateway, fleet)) and now[1] == first[1]
                        and now[0] > first[0] and now, 60, "wb's remote prefills counted")
     return later[0] - first[0]
 
@@ -282,11 +258,9 @@ def test_joined_hosts_ride_through_a_month_of_operations_by_themselves(heads_32,
         fleet.start_up()
         for name in ("wa", "wb"):
             fleet.join(name)
-        bridge = str(tmp_path / "gateway.sock")
-        fleet.cp.popen_ready([sys.executable, "-c", UNIX_BRIDGE, bridge, fleet.cp.address, str(GATEWAY_PORT)],
-                             "bridging")
+        bridge = fleet.cp.bridge(tmp_path / "gateway.sock", GATEWAY_PORT)
         gateway = Gateway(bridge, str(heads_32))
-        pids = wait_until(lambda: all_back(gateway, fleet), 60, "both joined workers in the registry")
+        pids = wait_for(lambda: all_back(gateway, fleet), 60, "both joined workers in the registry")
         measured = {}
         with Trickle(gateway) as trickle:
             measured["remote prefills before"] = prefills_grow(gateway, fleet, trickle)
@@ -296,7 +270,7 @@ def test_joined_hosts_ride_through_a_month_of_operations_by_themselves(heads_32,
                 fleet.start_up()
                 # the joined workers are back by themselves, the same processes, beating again
                 since = time.time()
-                wait_until(lambda: all_back(gateway, fleet, pids, since), 60, f"both hosts back after {trickle.event}")
+                wait_for(lambda: all_back(gateway, fleet, pids, since), 60, f"both hosts back after {trickle.event}")
                 trickle.wait_served(2)
                 trickle.event, trickle.window = STEADY, False
             rotate_credentials(fleet, gateway, trickle)
@@ -323,15 +297,15 @@ def rotate_credentials(fleet: Fleet, gateway: Gateway, trickle: Trickle) -> None
                          "--namespace", fleet.namespace], env=fleet.env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert fleet.connect_file.read_text() != old
-    wait_until(lambda: any("every service of this host runs with the new NATS login" in line
+    wait_for(lambda: any("every service of this host runs with the new NATS login" in line
                            for line in fleet.up.lines), 180, "cp's services restarted with the new login")
     for name, proc in fleet.joins.items():
         num_lines = len(proc.lines)
         fleet.copy_connect(name)
-        wait_until(lambda: any("every worker of this host runs with the new NATS login" in line
+        wait_for(lambda: any("every worker of this host runs with the new NATS login" in line
                                for line in proc.lines[num_lines:]), 180, f"{name}'s workers on the new login")
     since = time.time()
-    wait_until(lambda: all_back(gateway, fleet, since=since), 60, "both hosts back after the rotation")
+    wait_for(lambda: all_back(gateway, fleet, since=since), 60, "both hosts back after the rotation")
     trickle.wait_served(2)
     trickle.event, trickle.window = STEADY, False
     done = fleet.cp.run([*TANDEM, "credentials", "finish", "--state-dir", fleet.tmp / "cp",
@@ -352,7 +326,7 @@ def reimage_wb(fleet: Fleet, gateway: Gateway, trickle: Trickle) -> None:
     fleet.join("wb")
     since = time.time()
     assert (fleet.tmp / "wb" / f"join-{fleet.namespace}" / "host-id").read_text() != host_id
-    pids = wait_until(lambda: all_back(gateway, fleet, since=since), 60, "both hosts back after wb's re-image")
+    pids = wait_for(lambda: all_back(gateway, fleet, since=since), 60, "both hosts back after wb's re-image")
     assert gateway.workers()[fleet.worker_ids["wb"]]["info"]["host_id"] != host_id.strip()
     assert pids["wa"] == wa_pid
     trickle.wait_served(2)
@@ -367,11 +341,11 @@ def restart_redis_empty(fleet: Fleet, gateway: Gateway, trickle: Trickle) -> Non
     (killed,) = fleet.server_pids("redis-server")
     shutil.rmtree(fleet.tmp / "cp" / fleet.namespace / "redis")  # nothing in it is needed while it runs
     os.kill(killed, signal.SIGKILL)
-    wait_until(lambda: any("redis-server restarted" in line for line in fleet.up.lines), 60, "redis-server restarted")
+    wait_for(lambda: any("redis-server restarted" in line for line in fleet.up.lines), 60, "redis-server restarted")
     assert fleet.server_pids("redis-server") not in ([], [killed])
     trickle.wait_served(4)
     since = time.time()
-    wait_until(lambda: all_back(gateway, fleet, pids, since), 30, "both hosts beating after Redis's restart")
+    wait_for(lambda: all_back(gateway, fleet, pids, since), 30, "both hosts beating after Redis's restart")
     trickle.event = STEADY
 
 
@@ -384,12 +358,12 @@ def replace_nats_member(fleet: Fleet, gateway: Gateway, trickle: Trickle) -> Non
     assert len(members) == 3, members
     num_lines = len(fleet.up.lines)
     os.kill(members[1], signal.SIGKILL)
-    wait_until(lambda: any("nats-" in line and " restarted (restart 1" in line for line in fleet.up.lines[num_lines:]),
+    wait_for(lambda: any("nats-" in line and " restarted (restart 1" in line for line in fleet.up.lines[num_lines:]),
                60, "the NATS member restarted")
     assert len(fleet.server_pids("nats-server")) == 3
     trickle.wait_served(4)
     since = time.time()
-    wait_until(lambda: all_back(gateway, fleet, pids, since), 30, "both hosts beating after the member's restart")
+    wait_for(lambda: all_back(gateway, fleet, pids, since), 30, "both hosts beating after the member's restart")
     trickle.event = STEADY
 
 
@@ -403,5 +377,5 @@ def stop_everything(fleet: Fleet, bridge: str) -> None:
             proc.terminate()
             proc.wait(10)
     for host in (fleet.cp, fleet.wa, fleet.wb):
-        wait_until(lambda: not host.pids(), 30, f"no process left on {host.name}: "
+        wait_for(lambda: not host.pids(), 30, f"no process left on {host.name}: "
                    f"{[_cmdline(p) for p in host.pids()]}")

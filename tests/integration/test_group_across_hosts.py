@@ -24,7 +24,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from netlab import UCX_NETWORK_ONLY, Lab, available
+from netlab import UCX_NETWORK_ONLY, Lab, UnixHTTPConnection, available, unix_request
+from stack_helpers import wait_for
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.long]
 
@@ -35,15 +36,6 @@ PORT = 29650
 PROMPT = "A steam engine turns a wheel by"
 TANDEM = [sys.executable, "-m", "services.cli"]
 ENGINE = ["--dtype", "float32", "--temperature", "0", "--kv-cache-memory", "64MiB", "--num-threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def heads_32(tmp_path_factory):
-    """A 2-layer random model with 32 heads and 8 KV heads and SmolLM2's tokenizer (TP=2 splits it)."""
-    path = tmp_path_factory.mktemp("heads-32")
-    subprocess.run([sys.executable, "-m", "loadtest.tools.synth_model", "--shape", "heads-32", "--format", "hf",
-                    "--out", str(path)], check=True, capture_output=True)
-    return path
 
 
 def complete(model, max_tokens: int, *extra: str) -> list[str]:
@@ -89,8 +81,6 @@ GATEWAY_PORT = 8000
 TTL_S = 3.0
 LONG = 400  # tokens of a stream that is still running when a rank dies
 HOST_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--compile", "off", "--num-threads", "1"]
-# the test process, off the lab network, reaches cp's gateway through a Unix socket forwarded inside cp
-from test_hosts import UNIX_BRIDGE, UnixHTTPConnection  # noqa: E402
 
 
 def _stream(socket_path: str, model: str, prompt: str, max_tokens: int) -> tuple[http.client.HTTPResponse, str]:
@@ -143,24 +133,11 @@ def _text(events: list[dict]) -> str:
 
 
 def _status(socket_path: str) -> dict:
-    conn = UnixHTTPConnection(socket_path, timeout=30)
-    try:
-        conn.request("GET", "/status")
-        return json.loads(conn.getresponse().read())
-    finally:
-        conn.close()
+    return json.loads(unix_request(socket_path, "GET", "/status")[2])
 
 
 def _entry(socket_path: str, worker_id: str) -> dict | None:
     return next((w["info"] for w in _status(socket_path)["workers"] if w["info"]["worker_id"] == worker_id), None)
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
-        time.sleep(0.3)
-    return value
 
 
 def _rank_pids(host) -> list[int]:
@@ -208,12 +185,11 @@ def test_a_group_of_two_joined_hosts_serves_and_comes_back_after_a_rank_dies(hea
         ranks, _ = b.popen_ready([*join, "--host-name", "b", "--state-dir", tmp_path / "b",
                                   "--group-join", f"{a.address}:{PORT}", "--restart-max-backoff-s", "2"],
                                  "joins the group at", timeout_s=120, env=env)
-        _wait(lambda: any("| ready:" in line for line in leader.lines), 300, "host a's group registered")
-        socket_path = str(tmp_path / "gateway.sock")
-        cp.popen_ready([sys.executable, "-c", UNIX_BRIDGE, socket_path, cp.address, str(GATEWAY_PORT)], "bridging")
+        wait_for(lambda: any("| ready:" in line for line in leader.lines), 300, "host a's group registered")
+        socket_path = cp.bridge(tmp_path / "gateway.sock", GATEWAY_PORT)
 
         group_id = f"{namespace}-a-decode-1"
-        info = _wait(lambda: _entry(socket_path, group_id), 30, "the group in the gateway's /status")
+        info = wait_for(lambda: _entry(socket_path, group_id), 30, "the group in the gateway's /status")
         assert info["tensor_parallel_size"] == 2 and info["rank_pids"] == []  # rank 1 is not on a's host
         assert info["group_address"] == f"{a.address}:{PORT}"
         model, held = str(heads_32), []
@@ -226,10 +202,10 @@ def test_a_group_of_two_joined_hosts_serves_and_comes_back_after_a_rank_dies(hea
         os.kill(rank1, signal.SIGKILL)  # the group breaks at its next step
         events += _events(resp)
         assert _finished_whole(events, LONG), events[-3:]  # finished on cp's worker
-        _wait(lambda: (_entry(socket_path, group_id) or {}).get("pid") != info["pid"], 4 * TTL_S + 10,
+        wait_for(lambda: (_entry(socket_path, group_id) or {}).get("pid") != info["pid"], 4 * TTL_S + 10,
               "the broken group gone from the registry")
         # both joins bring it back: a restarts rank 0, b's restarted rank 1 joins it
-        back = _wait(lambda: (e := _entry(socket_path, group_id)) and e["pid"] != info["pid"]
+        back = wait_for(lambda: (e := _entry(socket_path, group_id)) and e["pid"] != info["pid"]
                      and e["state"] == "ready" and e, 300, "the group back in the registry")
         assert back["num_restarts"] >= 1 and _rank_pids(b) and _rank_pids(b) != [rank1]
         resp, prompt = _stream_on(socket_path, model, group_id, 24, held)
@@ -239,7 +215,7 @@ def test_a_group_of_two_joined_hosts_serves_and_comes_back_after_a_rank_dies(hea
         for proc in (ranks, leader):
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(90) == 0, proc.lines[-20:]
-        _wait(lambda: not a.pids() and not b.pids(), 30, "no process left on a or b")
+        wait_for(lambda: not a.pids() and not b.pids(), 30, "no process left on a or b")
 
 
 def test_a_plan_over_two_nodes_starts_as_written(heads_32, one_process, tmp_path):
@@ -269,11 +245,10 @@ def test_a_plan_over_two_nodes_starts_as_written(heads_32, one_process, tmp_path
         b.popen_ready([*TANDEM, "join", "--connect", connect, *plan_flags, "--plan-node", "b", "--plan-leaders",
                        f"a={a.address}", "--host-name", "b", "--state-dir", tmp_path / "b"],
                       "joins the group at", timeout_s=120, env=env)
-        _wait(lambda: any("| ready: http" in line for line in up.lines), 300, "tandem up ready")
-        socket_path = str(tmp_path / "gateway.sock")
-        a.popen_ready([sys.executable, "-c", UNIX_BRIDGE, socket_path, a.address, str(GATEWAY_PORT)], "bridging")
+        wait_for(lambda: any("| ready: http" in line for line in up.lines), 300, "tandem up ready")
+        socket_path = a.bridge(tmp_path / "gateway.sock", GATEWAY_PORT)
         worker_id = f"{namespace}-decode-1"
-        info = _wait(lambda: _entry(socket_path, worker_id), 30, "the planned worker in /status")
+        info = wait_for(lambda: _entry(socket_path, worker_id), 30, "the planned worker in /status")
         assert info["pipeline_parallel_size"] == 2 and info["group_address"] == f"{a.address}:{PORT}"
         resp, prompt = _stream_on(socket_path, str(heads_32), worker_id, 24, [])
         assert _text(_events(resp)) == one_process(prompt, 24)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from delay_proxy import READY as PROXY_READY
 from delay_proxy import proxy_argv
-from netlab import UCX_NETWORK_ONLY, Lab, available
+from netlab import UCX_NETWORK_ONLY, Lab, available, unix_request
 
 from services.stack.servers import NatsCluster, _binary, nats_config
 from services.stack.tls import server_tls
@@ -52,58 +51,12 @@ ENGINE_FLAGS = ["--device", "cpu", "--quantization", "gguf", "--compile", "off",
 PROMPTS = [f"Write one sentence about {topic}, as a teacher would say it to a class of children who "
            f"have never seen {topic} before, and keep it simple:"
            for topic in ("rivers", "bridges", "lighthouses", "glaciers", "violins", "orchards")]
-# a plain-Python forwarder run inside cp: the test process (in the root namespace, off the lab
-# network) reaches cp's gateway through a Unix socket, which every namespace shares
-UNIX_BRIDGE = r"""
-import asyncio, sys
-path, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-async def pipe(r, w):
-    try:
-        while data := await r.read(65536):
-            w.write(data)
-            await w.drain()
-    finally:
-        w.close()
-async def handle(r, w):
-    try:
-        tr, tw = await asyncio.open_connection(host, port)
-    except OSError:
-        w.close()
-        return
-    await asyncio.gather(pipe(r, tw), pipe(tr, w), return_exceptions=True)
-async def main():
-    server = await asyncio.start_unix_server(handle, path)
-    print("bridging", flush=True)
-    async with server:
-        await server.serve_forever()
-asyncio.run(main())
-"""
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("gateway", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
-
-
 class Gateway:
     def __init__(self, path: str) -> None:
         self.path = path
 
     def call(self, method: str, url: str, body: dict | None = None, timeout: float = 30.0):
-        conn = UnixHTTPConnection(self.path, timeout)
-        try:
-            conn.request(method, url, body=None if body is None else json.dumps(body),
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, dict(resp.getheaders()), resp.read()
-        finally:
-            conn.close()
+        return unix_request(self.path, method, url, body, timeout)
 
     def status(self) -> dict:
         code, _, body = self.call("GET", "/status")
@@ -211,9 +164,7 @@ def hosts(tmp_path_factory):
             for future in [pool.submit(join, wa, connect, ["--decode", "0", "--prefill", "1"]),
                            pool.submit(join, wb, delayed, ["--decode", "1", "--prefill", "0"])]:
                 future.result()
-        bridge_path = str(tmp / "gateway.sock")
-        cp.popen_ready([sys.executable, "-c", UNIX_BRIDGE, bridge_path, cp.address, GATEWAY_PORT], "bridging")
-        gateway = Gateway(bridge_path)
+        gateway = Gateway(cp.bridge(tmp / "gateway.sock", GATEWAY_PORT))
         wait_until(lambda: json.loads(gateway.call("GET", "/ready")[2]).get("num_ready_decode_workers") == 2,
                    120, "both decode workers ready at the gateway")
         yield {"lab": lab, "gateway": gateway, "namespace": namespace, "up": up, "joins": joins}

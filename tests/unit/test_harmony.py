@@ -9,8 +9,7 @@ import json
 import random
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from test_tool_markers import byte_level_tokenizer
 
 from shared.openai_api.adapters import ChatAdapter, Choice, Delta, ResponseHead
 from shared.openai_api.harmony import MARKERS, Header, parse_header, read_messages
@@ -49,13 +48,8 @@ PARIS = ("get_weather", {"city": "Paris"})
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    """Byte-level, no merges: every byte a token, and harmony's markers special tokens."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = BackendTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([*MARKERS, "<|endoftext|>"])
-    return Tokenizer(backend, bos_token=None, eos_token="<|return|>", chat_template=TEMPLATE)
+    """Byte-level (``test_tool_markers.byte_level_tokenizer``), harmony's markers special tokens."""
+    return byte_level_tokenizer([*MARKERS, "<|endoftext|>"], "<|return|>", TEMPLATE)
 
 
 def chat(tok: Tokenizer, tools: bool = True, **fields) -> ChatAdapter:

@@ -23,15 +23,20 @@ HEAD = ResponseHead("chatcmpl-1", 1, "m")
 PARIS = ("get_weather", {"city": "Paris"})
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    """Byte-level, no merges: every byte a token, and the markers special tokens."""
+def byte_level_tokenizer(special: list[str], eos_token: str, chat_template: str | None = None) -> Tokenizer:
+    """Byte-level, no merges: every byte a token, and ``special`` special tokens."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     backend = BackendTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIAL)
-    return Tokenizer(backend, bos_token=None, eos_token="</s>", chat_template=None)
+    backend.add_special_tokens(special)
+    return Tokenizer(backend, bos_token=None, eos_token=eos_token, chat_template=chat_template)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    """The markers special tokens."""
+    return byte_level_tokenizer(SPECIAL, "</s>")
 
 
 def chat(tok: Tokenizer, parser: str, **fields) -> ChatAdapter:

@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -66,12 +65,9 @@ def test_a_rank_killed_on_the_other_host_ends_the_group(heads_32):
                                  "waiting for ranks 1-1 of the group", timeout_s=120)
         rank1, _ = b.popen_ready([*TANDEM, "rank", "--join", f"{a.address}:{PORT}", "--rank", "1", "--size", "2"],
                                  "KV shard of", timeout_s=120)
-        deadline = time.monotonic() + 120
-        while not any("KV cache:" in line for line in rank0.lines):  # the engine is up: it generates now
-            assert rank0.poll() is None and time.monotonic() < deadline, rank0.lines[-20:]
-            time.sleep(0.2)
-        time.sleep(2.0)
-        assert rank0.poll() is None  # 5,000 tokens take far longer than this
+        wait_for(lambda: rank0.poll() is not None or any("KV cache:" in line for line in rank0.lines), 120,
+                 "rank 0's engine up (it generates from there on)")
+        assert rank0.poll() is None, rank0.lines[-20:]  # 5,000 tokens take far longer than the start
         rank1.send_signal(signal.SIGKILL)
         assert rank0.wait(120) != 0, rank0.lines[-20:]
         assert not a.pids() and not b.pids()

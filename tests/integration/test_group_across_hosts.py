@@ -13,6 +13,7 @@ registry, and both joins bring it back by themselves (rank 0 restarted, rank 1 r
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -74,6 +75,7 @@ def test_a_rank_killed_on_the_other_host_ends_the_group(heads_32):
 
 
 GATEWAY_PORT = 8000
+SMOLLM2 = "smollm2-135m"  # the default model
 TTL_S = 3.0
 LONG = 400  # tokens of a stream that is still running when a rank dies
 HOST_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--compile", "off", "--num-threads", "1"]
@@ -147,18 +149,30 @@ def _rank_pids(host) -> list[int]:
     return [pid for pid in host.pids() if is_rank(pid)]
 
 
-@pytest.fixture(scope="module")
-def one_process(heads_32):
-    """``one_process(prompt, n)``: the model's greedy chat text in one process of this test."""
+@contextlib.contextmanager
+def greedy_chat(model: str):
+    """``text(prompt, n)``: ``model``'s greedy chat text in one process of this test."""
     from stack_helpers import greedy_text, reference_engine
 
-    with reference_engine(str(heads_32), 1024, 64 << 20) as engine:
+    with reference_engine(model, 1024, 64 << 20) as engine:
         tok = engine.tokenizer
 
         def text(prompt: str, max_tokens: int) -> str:
             ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
             return greedy_text(engine, ids, max_tokens, ignore_eos=True)
 
+        yield text
+
+
+@pytest.fixture(scope="module")
+def one_process(heads_32):
+    with greedy_chat(str(heads_32)) as text:
+        yield text
+
+
+@pytest.fixture(scope="module")
+def smollm2_one_process():
+    with greedy_chat(SMOLLM2) as text:
         yield text
 
 
@@ -214,15 +228,16 @@ def test_a_group_of_two_joined_hosts_serves_and_comes_back_after_a_rank_dies(hea
         wait_for(lambda: not a.pids() and not b.pids(), 30, "no process left on a or b")
 
 
-def test_a_plan_over_two_nodes_starts_as_written(heads_32, one_process, tmp_path):
+def test_a_plan_over_two_nodes_starts_as_written(smollm2_one_process, tmp_path):
     """A plan whose decode worker has one pipeline stage on each of two nodes: `tandem up --plan-node
-    a` leads it, `tandem join --plan-node b` runs its second stage; it serves one process's text."""
+    a` leads it, `tandem join --plan-node b` runs its second stage; the default model (SmolLM2, 15
+    layers a stage) serves one process's float32 greedy text."""
     from shared.planner.config import Slo
     from shared.planner.plan import Plan, WorkerPlan
 
     plan = tmp_path / "plan.json"
     plan.write_text(Plan(
-        model=str(heads_32), num_gpus=2, request_rate=1.0, mean_input_len=100, mean_output_len=100,
+        model=SMOLLM2, num_gpus=2, request_rate=1.0, mean_input_len=100, mean_output_len=100,
         slo=Slo(ttft_s=5, tpot_s=0.1), routes=[], capacity_rps=1.0, throughput_rps=1.0, output_tokens_per_s=10.0,
         predicted_ttft_s=0.1, predicted_tpot_s=0.05, cost_per_hour=0.0, cost_per_million_output_tokens=None,
         planning_time_s=0.0, search_history=[], workers=[WorkerPlan(
@@ -232,7 +247,7 @@ def test_a_plan_over_two_nodes_starts_as_written(heads_32, one_process, tmp_path
     env = {**os.environ, **UCX_NETWORK_ONLY, "TQDM_DISABLE": "1"}
     with Lab() as lab:
         a, b = lab.add_host("a"), lab.add_host("b")
-        plan_flags = ["--plan", plan, "--group-port", PORT, "--model", heads_32, *HOST_ENGINE]
+        plan_flags = ["--plan", plan, "--group-port", PORT, "--model", SMOLLM2, *HOST_ENGINE]
         up, _ = a.popen_ready([*TANDEM, "up", *plan_flags, "--plan-node", "a", "--group-host", a.address,
                                "--nats-host", a.address, "--host", a.address, "--port", GATEWAY_PORT,
                                "--state-dir", tmp_path / "a", "--namespace", namespace, "--registry-ttl-s", TTL_S],
@@ -246,5 +261,5 @@ def test_a_plan_over_two_nodes_starts_as_written(heads_32, one_process, tmp_path
         worker_id = f"{namespace}-decode-1"
         info = wait_for(lambda: _entry(socket_path, worker_id), 30, "the planned worker in /status")
         assert info["pipeline_parallel_size"] == 2 and info["group_address"] == f"{a.address}:{PORT}"
-        resp, prompt = _stream_on(socket_path, str(heads_32), worker_id, 24, [])
-        assert _text(_events(resp)) == one_process(prompt, 24)
+        resp, prompt = _stream_on(socket_path, SMOLLM2, worker_id, 24, [])
+        assert _text(_events(resp)) == smollm2_one_process(prompt, 24)

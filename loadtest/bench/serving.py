@@ -68,6 +68,9 @@ async def _wave(url: str, model: str, prompts: list[str], output_tokens: int) ->
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "cpu_steal_share": steal_share(cpu0, cpu_times()),
             "tokens": sum(r.num_output_tokens for r in results),
+            # the prompt tokens the target counted (usage), and those it served from a prefix cache
+            "prompt_tokens": sum(r.prompt_tokens or 0 for r in results),
+            "cached_tokens": sum(r.cached_tokens or 0 for r in results),
             "itls_s": [x for r in results for x in r.itls_s()],
             "ttfts_s": [r.ttft_s for r in results if r.ttft_s is not None],
             "tpots_s": [r.tpot_s for r in results if r.tpot_s is not None],
@@ -82,6 +85,7 @@ def _steal_note(wave: dict) -> str:
 def summarize_waves(waves: list[dict]) -> dict:
     wall = sum(w["wall_s"] for w in waves)
     tokens = sum(w["tokens"] for w in waves)
+    prompt_tokens = sum(w.get("prompt_tokens", 0) for w in waves)
     itls = [x for w in waves for x in w["itls_s"]]
     ttfts = [x for w in waves for x in w["ttfts_s"]]
     tpots = [x for w in waves for x in w["tpots_s"]]
@@ -90,6 +94,9 @@ def summarize_waves(waves: list[dict]) -> dict:
         return None if v is None else round(v * 1e3, 2)
 
     return {"output_tok_s": round(tokens / wall, 1) if wall else None, "output_tokens": tokens,
+            # prompt tokens over the same wall time: with --output-tokens 1 a wave is its prefills
+            "prompt_tok_s": round(prompt_tokens / wall, 1) if wall else None, "prompt_tokens": prompt_tokens,
+            "cached_tokens": sum(w.get("cached_tokens", 0) for w in waves),
             # each round's own figure, in order: how far the machine's load moved them
             "round_tok_s": [round(w["tokens"] / w["wall_s"], 1) if w["wall_s"] else None for w in waves],
             # and the hypervisor's share of the machine's CPU time during each (cpu_steal.py)
@@ -119,12 +126,11 @@ async def measure(targets: dict[str, str], model: str, concurrency: list[int], r
     return {name: {c: summarize_waves(w) for c, w in per_c.items()} for name, per_c in waves.items()}
 
 
-def ratios(results: dict[str, dict[int, dict]]) -> dict[str, dict[int, float]]:
-    """Each target's output tokens/s over the last target's (the peer), per concurrency."""
+def ratios(results: dict[str, dict[int, dict]], key: str = "output_tok_s") -> dict[str, dict[int, float]]:
+    """Each target's ``key`` (output tokens/s) over the last target's (the peer), per concurrency."""
     names = list(results)
     peer = results[names[-1]]
-    return {n: {c: round(r["output_tok_s"] / peer[c]["output_tok_s"], 2)
-                for c, r in results[n].items() if r["output_tok_s"] and peer[c]["output_tok_s"]}
+    return {n: {c: round(r[key] / peer[c][key], 2) for c, r in results[n].items() if r.get(key) and peer[c].get(key)}
             for n in names[:-1]}
 
 
@@ -217,16 +223,19 @@ def main(argv: list[str] | None = None) -> int:
                                       args.output_tokens))
     report = {"config": {k: str(v) for k, v in vars(args).items()}, "targets": targets,
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-              "results": results, "ratios_to_peer": ratios(results) if len(results) > 1 else {}}
+              "results": results, "ratios_to_peer": ratios(results) if len(results) > 1 else {},
+              "prompt_ratios_to_peer": ratios(results, "prompt_tok_s") if len(results) > 1 else {}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "serving.png")
     for name, per_c in results.items():
         for c, r in per_c.items():
-            print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  ITL p50 {r['itl_p50_ms']} ms  "
-                  f"TPOT p50 {r['tpot_p50_ms']} ms  errors {len(r['errors'])}")
-    for name, per_c in report["ratios_to_peer"].items():
-        print(f"{name} / {list(results)[-1]}: " + ", ".join(f"c={c}: {x}x" for c, x in per_c.items()))
+            print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  prompt {r['prompt_tok_s']} tok/s  "
+                  f"ITL p50 {r['itl_p50_ms']} ms  TPOT p50 {r['tpot_p50_ms']} ms  TTFT p50 {r['ttft_p50_ms']} ms  "
+                  f"errors {len(r['errors'])}")
+    for label, key in (("output", "ratios_to_peer"), ("prompt", "prompt_ratios_to_peer")):
+        for name, per_c in report[key].items():
+            print(f"{label} {name} / {list(results)[-1]}: " + ", ".join(f"c={c}: {x}x" for c, x in per_c.items()))
     print(f"load average before {load_before}, after {report['machine']['loadavg_after']}")
     return 0
 

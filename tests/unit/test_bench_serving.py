@@ -22,6 +22,15 @@ def test_each_round_keeps_the_cpu_steal_it_was_measured_under():
     assert s["round_cpu_steal_share"] == [0.0, 0.312]
 
 
+def test_prompt_rate_is_the_prompt_tokens_over_the_same_wave_time():
+    """With one output token a wave is its prompts' prefills: the prompt rate is what it measures."""
+    s = summarize_waves([wave(2.0, 4) | {"prompt_tokens": 4000, "cached_tokens": 0},
+                         wave(3.0, 4) | {"prompt_tokens": 4000, "cached_tokens": 16}])
+    assert s["prompt_tok_s"] == 1600.0 and s["prompt_tokens"] == 8000 and s["cached_tokens"] == 16
+    results = {"tandem": {8: {"prompt_tok_s": 1500.0}}, "vllm": {8: {"prompt_tok_s": 1000.0}}}
+    assert ratios(results, "prompt_tok_s") == {"tandem": {8: 1.5}}
+
+
 def test_ratios_are_against_the_last_target_and_skip_a_level_it_has_no_rate_for():
     results = {"tandem": {1: {"output_tok_s": 70.0}, 8: {"output_tok_s": 300.0}},
                "llama-server": {1: {"output_tok_s": 140.0}, 8: {"output_tok_s": None}}}

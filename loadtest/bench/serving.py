@@ -13,7 +13,9 @@
 Every request: a prompt of ``--prompt-tokens`` tokens (the model's own tokenizer), ``--output-tokens``
 greedy tokens with ``ignore_eos``, streamed. At concurrency c the targets take turns, one wave of c
 simultaneous streams each, ``--rounds`` times, so that a change in the machine's load hits every
-target alike. Reports aggregate output tokens/s (tokens of a wave / the wave's wall time) and
+target alike. Before each wave the bench waits (``--settle-s`` at most) until the machine's CPUs are
+nearly idle: a server can keep working after its last response (vLLM's engine keeps about one core
+busy for a second or more), and the target whose turn comes next would pay for it. Reports aggregate output tokens/s (tokens of a wave / the wave's wall time) and
 inter-token latency; writes ``serving.json`` and ``serving.png`` under ``--out`` and prints each
 target's ratio to the first one. Each wave also records the hypervisor's share of the machine's CPU
 (``round_cpu_steal_share``; ``loadtest/tools/cpu_steal.py``): on a shared virtual machine a round with
@@ -32,7 +34,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from loadtest.tools.cpu_steal import cpu_times, steal_share
+from loadtest.tools.cpu_steal import busy_share, cpu_times, steal_share
 from loadtest.tools.runner import run_openai
 from loadtest.tools.tandem_server import tandem_up
 from loadtest.tools.workload import RequestSpec
@@ -61,12 +63,31 @@ def prompt_of_tokens(model: str, num_tokens: int, salt: int) -> str:
     return tok.decode(ids)
 
 
-async def _wave(url: str, model: str, prompts: list[str], output_tokens: int) -> dict:
+# a wave starts once the machine's CPUs were busy less than this share of a SETTLE_WINDOW_S window
+SETTLE_BUSY = 0.1
+SETTLE_WINDOW_S = 0.5
+
+
+async def settle(max_s: float) -> float:
+    """Wait until the machine is nearly idle (``SETTLE_BUSY``), ``max_s`` at most (0: not at all);
+    returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_s:
+        before = cpu_times()
+        await asyncio.sleep(SETTLE_WINDOW_S)
+        share = busy_share(before, cpu_times())
+        if share is None or share < SETTLE_BUSY:
+            break
+    return time.perf_counter() - t0
+
+
+async def _wave(url: str, model: str, prompts: list[str], output_tokens: int, settle_s: float = 0.0) -> dict:
     specs = [RequestSpec(i, 0.0, p, output_tokens) for i, p in enumerate(prompts)]
+    settled = await settle(settle_s)
     t0, cpu0 = time.perf_counter(), cpu_times()
     results = await run_openai(url, model, specs, progress=False, ignore_eos=True)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "cpu_steal_share": steal_share(cpu0, cpu_times()),
+    return {"wall_s": wall, "cpu_steal_share": steal_share(cpu0, cpu_times()), "settle_s": round(settled, 2),
             "tokens": sum(r.num_output_tokens for r in results),
             # the prompt tokens the target counted (usage), and those it served from a prefix cache
             "prompt_tokens": sum(r.prompt_tokens or 0 for r in results),
@@ -101,6 +122,8 @@ def summarize_waves(waves: list[dict]) -> dict:
             "round_tok_s": [round(w["tokens"] / w["wall_s"], 1) if w["wall_s"] else None for w in waves],
             # and the hypervisor's share of the machine's CPU time during each (cpu_steal.py)
             "round_cpu_steal_share": [None if (x := w.get("cpu_steal_share")) is None else round(x, 3) for w in waves],
+            # how long each waited for the machine to be idle before it started (settle)
+            "round_settle_s": [w.get("settle_s") for w in waves],
             "itl_p50_ms": ms(percentile(itls, 50)), "itl_p90_ms": ms(percentile(itls, 90)),
             # per-request mean time per output token: unlike the ITL of text chunks, not fooled by
             # chunks that arrive together in one read
@@ -109,17 +132,19 @@ def summarize_waves(waves: list[dict]) -> dict:
 
 
 async def measure(targets: dict[str, str], model: str, concurrency: list[int], rounds: int,
-                  prompt_tokens: int, output_tokens: int) -> dict[str, dict[int, dict]]:
-    """``model``: an alias or a model file, named in requests as given (``tandem up --model``'s name)."""
+                  prompt_tokens: int, output_tokens: int, settle_s: float = 0.0) -> dict[str, dict[int, dict]]:
+    """``model``: an alias or a model file, named in requests as given (``tandem up --model``'s name).
+    ``settle_s``: the longest wait for an idle machine before each wave (``settle``)."""
     waves: dict[str, dict[int, list]] = {name: {c: [] for c in concurrency} for name in targets}
-    salt = 0
+    # unique per run, so that a server measured again serves no prompt from its prefix cache
+    salt = time.time_ns() // 1000 % 10**9 * 1000
     for name, url in targets.items():  # warm-up: first-request costs stay out of the figures
         await _wave(url, model, [prompt_of_tokens(model, prompt_tokens, salt := salt + 1)], 8)
     for c in concurrency:
         for _ in range(rounds):
             for name, url in targets.items():
                 prompts = [prompt_of_tokens(model, prompt_tokens, salt := salt + 1) for _ in range(c)]
-                waves[name][c].append(await _wave(url, model, prompts, output_tokens))
+                waves[name][c].append(await _wave(url, model, prompts, output_tokens, settle_s))
             print(f"c={c}, round {len(waves[next(iter(targets))][c])}: " + ", ".join(
                 f"{n} {summarize_waves(waves[n][c][-1:])['output_tok_s']} tok/s{_steal_note(waves[n][c][-1])}"
                 for n in targets), flush=True)
@@ -200,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="before each wave, wait up to this long for the machine's CPUs to be nearly idle (0: no wait)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/serving"))
     args = p.parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -220,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("give --target name=url or --start-tandem / --start-tandem-as / --start-llama / --start-vllm")
         load_before = os.getloadavg()
         results = asyncio.run(measure(targets, args.model, concurrency, args.rounds, args.prompt_tokens,
-                                      args.output_tokens))
+                                      args.output_tokens, args.settle_s))
     report = {"config": {k: str(v) for k, v in vars(args).items()}, "targets": targets,
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
               "results": results, "ratios_to_peer": ratios(results) if len(results) > 1 else {},
@@ -232,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         for c, r in per_c.items():
             print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  prompt {r['prompt_tok_s']} tok/s  "
                   f"ITL p50 {r['itl_p50_ms']} ms  TPOT p50 {r['tpot_p50_ms']} ms  TTFT p50 {r['ttft_p50_ms']} ms  "
-                  f"errors {len(r['errors'])}")
+                  f"cached prompt tokens {r['cached_tokens']}  errors {len(r['errors'])}")
     for label, key in (("output", "ratios_to_peer"), ("prompt", "prompt_ratios_to_peer")):
         for name, per_c in report[key].items():
             print(f"{label} {name} / {list(results)[-1]}: " + ", ".join(f"c={c}: {x}x" for c, x in per_c.items()))

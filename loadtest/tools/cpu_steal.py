@@ -7,6 +7,9 @@ what each got.
     before = cpu_times()
     ...
     share = steal_share(before, cpu_times())   # None where /proc/stat is not there
+
+``busy_share`` is the machine's share of CPU time spent working (anything but idle): a bench that
+lets targets take turns waits for it to fall before the next target's turn (``bench.serving``).
 """
 
 from __future__ import annotations
@@ -35,3 +38,13 @@ def steal_share(before: dict[str, int] | None, after: dict[str, int] | None) -> 
         return None
     total = sum(after.get(k, 0) - before.get(k, 0) for k in _FIELDS)
     return (after.get("steal", 0) - before.get("steal", 0)) / total if total > 0 else None
+
+
+def busy_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
+    """Time the CPUs spent on anything but idle and iowait over all CPU time between two readings;
+    None if either is missing or no time passed."""
+    if not before or not after:
+        return None
+    total = sum(after.get(k, 0) - before.get(k, 0) for k in _FIELDS)
+    idle = sum(after.get(k, 0) - before.get(k, 0) for k in ("idle", "iowait"))
+    return (total - idle) / total if total > 0 else None

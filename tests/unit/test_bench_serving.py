@@ -31,6 +31,23 @@ def test_prompt_rate_is_the_prompt_tokens_over_the_same_wave_time():
     assert ratios(results, "prompt_tok_s") == {"tandem": {8: 1.5}}
 
 
+def test_a_wave_waits_for_the_machine_to_be_idle_but_not_longer_than_it_is_told(monkeypatch):
+    """A server still busy after its turn (vLLM's engine keeps a core working a second or more) must
+    not slow the next target's wave: settle waits while the CPUs are busy, up to its limit."""
+    import asyncio
+
+    from loadtest.bench import serving
+
+    readings = iter([{"user": 0, "idle": 0}, {"user": 90, "idle": 10},   # 90% busy: wait
+                     {"user": 90, "idle": 10}, {"user": 95, "idle": 105}])  # 5% busy: go
+    monkeypatch.setattr(serving, "cpu_times", lambda: next(readings))
+    monkeypatch.setattr(serving, "SETTLE_WINDOW_S", 0.0)
+    asyncio.run(serving.settle(60.0))
+    assert next(readings, "done") == "done"  # stopped at the first idle window
+    monkeypatch.setattr(serving, "cpu_times", lambda: {"user": 0, "idle": 0})  # never idle (no time passes)
+    assert asyncio.run(serving.settle(0.0)) < 0.05  # 0: no wait at all
+
+
 def test_ratios_are_against_the_last_target_and_skip_a_level_it_has_no_rate_for():
     results = {"tandem": {1: {"output_tok_s": 70.0}, 8: {"output_tok_s": 300.0}},
                "llama-server": {1: {"output_tok_s": 140.0}, 8: {"output_tok_s": None}}}

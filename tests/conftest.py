@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TANDEM_COMPILE", "off")
 
 from shared.model.registry import DEFAULT_MODEL, resolve_model
+from shared.planner.plan import Plan, WorkerPlan
 
 
 @pytest.fixture(scope="session")
@@ -112,3 +113,23 @@ def record_logits():
         sampler.sample, sampler.verify = record_sample, record_verify
         return seen
     return record
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    """``write(workers, **fields)`` writes a planner ``Plan`` (``tandem up --plan``) to tmp_path/plan.json
+    and returns its path. Each worker is ``(worker_id, role, gpus, tp, pp)`` on CPU cores; its load, the
+    plan's workload and predictions are placeholders, which ``fields`` overrides."""
+    def write(workers, **fields):
+        planned = [WorkerPlan(worker_id=worker_id, role=role, gpu_type="cpu-core", gpus=gpus, tp=tp, pp=pp,
+                              capacity_rps=1.0, assigned_rps=1.0, latency_s=0.1, price_per_hour=0.0)
+                   for worker_id, role, gpus, tp, pp in workers]
+        placeholders = dict(
+            model="smollm2-135m", num_gpus=sum(len(w.gpus) for w in planned), request_rate=1.0, mean_input_len=100,
+            mean_output_len=100, slo={"ttft_s": 5.0, "tpot_s": 0.1}, routes=[], capacity_rps=1.0,
+            throughput_rps=1.0, output_tokens_per_s=100.0, predicted_ttft_s=0.1, predicted_tpot_s=0.05,
+            cost_per_hour=0.0, cost_per_million_output_tokens=None, planning_time_s=0.0, search_history=[])
+        path = tmp_path / "plan.json"
+        path.write_text(Plan(**{**placeholders, **fields}, workers=planned).model_dump_json())
+        return path
+    return write

@@ -93,7 +93,7 @@ def build_parts(model: LlamaModel, config: EngineConfig, *, tokenizer, model_id:
 def _start_group(config: EngineConfig, size: int, device: torch.device) -> tuple[ProcessGroupCollectives, list]:
     """Rank 0 of a parallel group: start the ranks this host runs, wait for the others to join from
     their hosts (``tandem rank``: they read the engine config from rank 0's store), make the group."""
-    local = config.group_local_ranks or size
+    local = config.local_ranks
     if local > size:
         raise ValueError(f"group_local_ranks {local} is more than the group's {size} ranks")
     if local < size and not config.group_port:

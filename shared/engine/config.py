@@ -24,6 +24,11 @@ class EngineConfig(EngineOptions):
     """The engine's settings as ``shared/engine_settings.py`` defines them (fields, defaults,
     validation: checked on construction), and how they resolve on a device. Sizes are bytes here."""
 
+    @property
+    def local_ranks(self) -> int:
+        """The parallel group's ranks on this host, rank 0 included: ``group_local_ranks``, else all tp x pp."""
+        return self.group_local_ranks or self.tensor_parallel_size * self.pipeline_parallel_size
+
     def resolve_kv_dtype(self, model_dtype: torch.dtype, device: torch.device,
                          quantization: str = "none") -> torch.dtype:
         """The KV pool's dtype: ``kv_cache_dtype`` where given (another than the model's on the CPU

@@ -91,7 +91,7 @@ class LLMEngine:
         """``host:port`` where the ranks of other hosts join rank 0 (None: every rank on this host)."""
         config = self.config
         size = config.tensor_parallel_size * config.pipeline_parallel_size
-        if (config.group_local_ranks or size) >= size:
+        if config.local_ranks >= size:
             return None
         return f"{config.group_host}:{config.group_port}"
 

@@ -35,7 +35,6 @@ import datetime
 import logging
 import json
 import math
-import os
 import signal
 import socket
 import subprocess
@@ -638,7 +637,7 @@ REMOTE_JOIN_TIMEOUT_S = 900.0  # how long rank 0 waits for the ranks other hosts
 def open_group_store(config, size: int, host: str, port: int) -> dist.TCPStore:
     """Rank 0's rendezvous store on ``host:port``, holding the engine config (``CONFIG_KEY``) for the
     ranks that join from other hosts (``tandem rank``), which have nothing but its address."""
-    remote = (config.group_local_ranks or size) < size
+    remote = config.local_ranks < size
     timeout = datetime.timedelta(seconds=REMOTE_JOIN_TIMEOUT_S if remote else 120.0)
     store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
     store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(config)))

@@ -34,10 +34,9 @@ def follower_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _log_as(args.rank, args.log_level)
     config = EngineConfig(**json.loads(args.config))
-    local = config.group_local_ranks or args.size
     device = _rank_device(config, args.rank)
     return run_rank(config, args.rank, lambda: ProcessGroupCollectives(
-        args.rank, args.size, args.host, args.port, device, shared_memory=local == args.size))
+        args.rank, args.size, args.host, args.port, device, shared_memory=config.local_ranks == args.size))
 
 
 def join_group(host: str, port: int, rank: int, size: int | None = None, bind_host: str | None = None,
@@ -65,7 +64,7 @@ def join_group(host: str, port: int, rank: int, size: int | None = None, bind_ho
     size = group_size
     if device is not None:
         config = dataclasses.replace(config, device=device)
-    local = config.group_local_ranks or size
+    local = config.local_ranks
     if rank < local or rank >= size:
         raise ValueError(f"rank {rank} is not one that joins from another host: rank 0 starts ranks 0-{local - 1} "
                          f"of {size} itself")

@@ -228,21 +228,11 @@ def test_a_group_of_two_joined_hosts_serves_and_comes_back_after_a_rank_dies(hea
         wait_for(lambda: not a.pids() and not b.pids(), 30, "no process left on a or b")
 
 
-def test_a_plan_over_two_nodes_starts_as_written(smollm2_one_process, tmp_path):
+def test_a_plan_over_two_nodes_starts_as_written(smollm2_one_process, tmp_path, plan_file):
     """A plan whose decode worker has one pipeline stage on each of two nodes: `tandem up --plan-node
     a` leads it, `tandem join --plan-node b` runs its second stage; the default model (SmolLM2, 15
     layers a stage) serves one process's float32 greedy text."""
-    from shared.planner.config import Slo
-    from shared.planner.plan import Plan, WorkerPlan
-
-    plan = tmp_path / "plan.json"
-    plan.write_text(Plan(
-        model=SMOLLM2, num_gpus=2, request_rate=1.0, mean_input_len=100, mean_output_len=100,
-        slo=Slo(ttft_s=5, tpot_s=0.1), routes=[], capacity_rps=1.0, throughput_rps=1.0, output_tokens_per_s=10.0,
-        predicted_ttft_s=0.1, predicted_tpot_s=0.05, cost_per_hour=0.0, cost_per_million_output_tokens=None,
-        planning_time_s=0.0, search_history=[], workers=[WorkerPlan(
-            worker_id="d0", role="decode", gpu_type="cpu-core", gpus=["a/gpu0", "b/gpu0"], tp=1, pp=2,
-            capacity_rps=1.0, assigned_rps=1.0, latency_s=0.1, price_per_hour=0.0)]).model_dump_json())
+    plan = plan_file([("d0", "decode", ["a/gpu0", "b/gpu0"], 1, 2)], model=SMOLLM2, output_tokens_per_s=10.0)
     namespace = f"p{uuid.uuid4().hex[:8]}"
     env = {**os.environ, **UCX_NETWORK_ONLY, "TQDM_DISABLE": "1"}
     with Lab() as lab:

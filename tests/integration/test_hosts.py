@@ -31,6 +31,7 @@ import pytest
 from delay_proxy import READY as PROXY_READY
 from delay_proxy import proxy_argv
 from netlab import UCX_NETWORK_ONLY, Lab, available, unix_request
+from stack_helpers import wait_for
 
 from services.stack.servers import NatsCluster, _binary, nats_config
 from services.stack.tls import server_tls
@@ -88,15 +89,6 @@ class Gateway:
                 time.sleep(min(float(headers["Retry-After"]), 5.0))
                 continue
             return {"error": f"HTTP {code}: {body[:300]!r}", "attempts": attempts, "prompt": prompt}
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.2)
-    return value
 
 
 def start_nats_member(host, peers, tls_dir, password: str, route_password: str, store):
@@ -165,8 +157,8 @@ def hosts(tmp_path_factory):
                            pool.submit(join, wb, delayed, ["--decode", "1", "--prefill", "0"])]:
                 future.result()
         gateway = Gateway(cp.bridge(tmp / "gateway.sock", GATEWAY_PORT))
-        wait_until(lambda: json.loads(gateway.call("GET", "/ready")[2]).get("num_ready_decode_workers") == 2,
-                   120, "both decode workers ready at the gateway")
+        wait_for(lambda: json.loads(gateway.call("GET", "/ready")[2]).get("num_ready_decode_workers") == 2,
+                 120, "both decode workers ready at the gateway")
         yield {"lab": lab, "gateway": gateway, "namespace": namespace, "up": up, "joins": joins}
 
 
@@ -191,7 +183,7 @@ def test_requests_are_served_across_hosts_through_link_cut_and_host_loss(hosts):
         done = sum(d["num_remote_prefills"] + d["num_local_prefills"] + d["num_prefill_fallbacks"] for d in decodes)
         return done >= len(PROMPTS) and loads
 
-    loads = wait_until(caught_up, 60, "the workers' load reports to count the fault-free requests")
+    loads = wait_for(caught_up, 60, "the workers' load reports to count the fault-free requests")
     prefill = loads[f"{ns}-wa-prefill-1"]
     # remote prefills crossed hosts (wa to cp or wb) over NIXL; a decode worker may still prefill a
     # prompt itself (e.g. the queue's state unreadable for a moment through wb's slow link)
@@ -210,15 +202,15 @@ def test_requests_are_served_across_hosts_through_link_cut_and_host_loss(hosts):
     threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(results) >= 4, 300, "4 requests under load")
+    wait_for(lambda: len(results) >= 4, 300, "4 requests under load")
 
     # (b) wb's cable pulled for CUT_S, then put back: wb's worker comes back by itself
     wb.link_down(at="switch")
     time.sleep(CUT_S)
     wb.link_up(at="switch")
     back_at = time.monotonic()
-    wait_until(lambda: gateway.worker_states().get(f"{ns}-wb-decode-1") == "ready", 120,
-               "wb's decode worker back in the registry")
+    wait_for(lambda: gateway.worker_states().get(f"{ns}-wb-decode-1") == "ready", 120,
+             "wb's decode worker back in the registry")
     rejoin_s = time.monotonic() - back_at
     assert hosts["joins"]["wb"].poll() is None
     assert not any("restarted" in line for line in hosts["joins"]["wb"].lines), hosts["joins"]["wb"].lines[-20:]
@@ -231,7 +223,7 @@ def test_requests_are_served_across_hosts_through_link_cut_and_host_loss(hosts):
 
     # (a) host wa vanishes: its prefill worker and its NATS member with it
     wa.kill_all()
-    wait_until(lambda: len(results) >= num_before_kill + 6, 600, "6 more requests after wa vanished")
+    wait_for(lambda: len(results) >= num_before_kill + 6, 600, "6 more requests after wa vanished")
     stop.set()
     for t in threads:
         t.join(REQUEST_DEADLINE_S + 30)
@@ -248,6 +240,6 @@ def test_requests_are_served_across_hosts_through_link_cut_and_host_loss(hosts):
     assert not failed and not wrong, (failed, wrong)
     # the registry whole again once its raft group has a leader (one may have died with wa): both
     # decode workers ready, wa's prefill worker gone with its host
-    wait_until(lambda: (states := gateway.worker_states()).get(f"{ns}-wb-decode-1") == "ready"
-               and states.get(f"{ns}-decode-1") == "ready" and f"{ns}-wa-prefill-1" not in states,
-               60, "both decode workers ready and wa's prefill worker gone in the registry")
+    wait_for(lambda: (states := gateway.worker_states()).get(f"{ns}-wb-decode-1") == "ready"
+             and states.get(f"{ns}-decode-1") == "ready" and f"{ns}-wa-prefill-1" not in states,
+             60, "both decode workers ready and wa's prefill worker gone in the registry")

@@ -16,7 +16,6 @@ import pytest
 from services.up.config import UpSettings
 from services.up.service import spec_from_settings
 from shared.model.shm_collectives import is_alive
-from shared.planner.plan import Plan
 from services.stack.stack import StackSpec
 from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, spawn_ready_decode, wait_for
 
@@ -104,20 +103,11 @@ def test_a_group_serves_as_one_worker_and_a_dead_rank_loses_no_request(stack, en
              f"{group_id}'s broken group gone from the registry")
 
 
-def test_a_plan_file_starts_its_workers_as_written(nats_server, redis_server, tmp_path, engine):
-    planned = {"model": "smollm2-135m", "num_gpus": 5, "request_rate": 1.0, "mean_input_len": 100,
-               "mean_output_len": 100, "slo": {"ttft_s": 5.0, "tpot_s": 0.5}, "routes": [], "capacity_rps": 1.0,
-               "throughput_rps": 1.0, "output_tokens_per_s": 10.0, "predicted_ttft_s": 1.0, "predicted_tpot_s": 0.1,
-               "cost_per_hour": 0.0, "cost_per_million_output_tokens": None, "planning_time_s": 0.0,
-               "search_history": [], "workers": [
-                   {"worker_id": "decode-0", "role": "decode", "gpu_type": "cpu-core", "tp": 3, "pp": 1,
-                    "gpus": ["host/gpu0", "host/gpu1", "host/gpu2"], "capacity_rps": 1.0, "assigned_rps": 1.0,
-                    "latency_s": 0.1, "price_per_hour": 0.0},
-                   {"worker_id": "decode-1", "role": "decode", "gpu_type": "cpu-core", "tp": 1, "pp": 2,
-                    "gpus": ["host/gpu3", "host/gpu4"], "capacity_rps": 1.0, "assigned_rps": 1.0,
-                    "latency_s": 0.1, "price_per_hour": 0.0}]}
-    path = tmp_path / "plan.json"
-    path.write_text(Plan.model_validate(planned).model_dump_json())
+def test_a_plan_file_starts_its_workers_as_written(nats_server, redis_server, tmp_path, engine, plan_file):
+    path = plan_file([("decode-0", "decode", ["host/gpu0", "host/gpu1", "host/gpu2"], 3, 1),
+                      ("decode-1", "decode", ["host/gpu3", "host/gpu4"], 1, 2)],
+                     slo={"ttft_s": 5.0, "tpot_s": 0.5}, output_tokens_per_s=10.0, predicted_ttft_s=1.0,
+                     predicted_tpot_s=0.1)
     settings = UpSettings(plan=path, model=MODEL, device="cpu", port=0, namespace=f"plan{uuid.uuid4().hex[:6]}",
                           nats_url=nats_server.url, redis_url=redis_server.url, state_dir=tmp_path / "state",
                           kv_cache_memory="32MiB")  # the default registry TTL: five rank processes share 2 cores

@@ -164,23 +164,12 @@ def test_a_parallel_worker_spans_two_joined_hosts(tmp_path):
         _join_spec(tmp_path, "--decode-tp", "2", "--group-local-ranks", "1")
 
 
-def test_a_plan_over_two_nodes_runs_as_tandem_up_on_one_and_tandem_join_on_the_other(tmp_path):
+def test_a_plan_over_two_nodes_runs_as_tandem_up_on_one_and_tandem_join_on_the_other(tmp_path, plan_file):
     """d1's two pipeline stages sit on nodes a and b: a leads it at its group port, b runs its rank 1."""
     from services.up.service import spec_from_settings as up_spec
-    from shared.planner.config import Slo
-    from shared.planner.plan import Plan, WorkerPlan
 
-    def worker(worker_id, role, gpus, pp=1):
-        return WorkerPlan(worker_id=worker_id, role=role, gpu_type="cpu-core", gpus=gpus, tp=1, pp=pp,
-                          capacity_rps=1.0, assigned_rps=1.0, latency_s=0.1, price_per_hour=0.0)
-
-    path = tmp_path / "plan.json"
-    path.write_text(Plan(model="smollm2-135m", num_gpus=4, request_rate=1.0, mean_input_len=100, mean_output_len=100,
-                         slo=Slo(ttft_s=5, tpot_s=0.1), routes=[], capacity_rps=1.0, throughput_rps=1.0,
-                         output_tokens_per_s=100.0, predicted_ttft_s=0.1, predicted_tpot_s=0.05, cost_per_hour=0.0,
-                         cost_per_million_output_tokens=None, planning_time_s=0.0, search_history=[], workers=[
-                             worker("d0", "decode", ["a/gpu0"]), worker("d1", "decode", ["a/gpu1", "b/gpu0"], pp=2),
-                             worker("p0", "prefill", ["b/gpu1"])]).model_dump_json())
+    path = plan_file([("d0", "decode", ["a/gpu0"], 1, 1), ("d1", "decode", ["a/gpu1", "b/gpu0"], 1, 2),
+                      ("p0", "prefill", ["b/gpu1"], 1, 1)])
     plan_flags = ["--plan", str(path), "--device", "cpu", "--group-port", "29700"]
     args = build_parser().parse_args(["up", *plan_flags, "--plan-node", "a", "--group-host", "10.0.0.1"])
     a = up_spec(settings_from_args(args.settings_class, args))

@@ -9,10 +9,15 @@ then times ``scale[p]`` where given (the routing weight on an expert's down proj
 promoted dtype of x and scale.
 
 This module is the torch reference (a loop over the experts, with one host sync for the counts);
-``moe_grouped_triton.py`` is the kernel with the same contract, one launch and no host sync.
+``moe_grouped_triton.py`` is the kernel with the same contract, one launch and no host sync. With
+``linear`` in place of ``F.linear`` the loop multiplies weights of another format: int8 experts on
+the CPU (``shared/model/moe.py``'s ``Int8Experts``, each expert's rows through the dense layers'
+int8 linear) run this loop as their grouped path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +25,11 @@ import torch.nn.functional as F
 
 def grouped_linear_ref(
     x: torch.Tensor,  # [R, K]: the input rows (R = P, in order, where rows is None)
-    weight: torch.Tensor,  # [E, N, K]: each expert's weight, as F.linear takes it
+    weight: torch.Tensor,  # [E, N, K]: each expert's weight, as F.linear (or ``linear``) takes weight[e]
     counts: torch.Tensor,  # [E] int: rows per expert, summing to P
     rows: torch.Tensor | None = None,  # [P] int: the input row of each output row
     scale: torch.Tensor | None = None,  # [P]: a factor per output row
+    linear: Callable[..., torch.Tensor] = F.linear,  # (block [n, K], weight[e]) -> [n, N] in block's dtype
 ) -> torch.Tensor:  # [P, N], x's dtype promoted with scale's
     num_rows = x.shape[0] if rows is None else rows.shape[0]
     out_dtype = x.dtype if scale is None else torch.promote_types(x.dtype, scale.dtype)
@@ -31,7 +37,7 @@ def grouped_linear_ref(
     start = 0
     for expert, count in enumerate(counts.tolist()):
         block = x[start:start + count] if rows is None else x.index_select(0, rows[start:start + count])
-        y = F.linear(block, weight[expert])
+        y = linear(block, weight[expert])
         out[start:start + count] = y if scale is None else y * scale[start:start + count, None]
         start += count
     assert start == num_rows, f"counts sum to {start}, not the {num_rows} rows"

@@ -441,12 +441,13 @@ class LlamaModel:
         levels, the LM head's weight too, no smoothing (``calibration_ids`` unused; ``shared/model/quant.py``).
         "gguf": weight-only blocks of 32 (``BlockWeight``: 4-bit where a weight is on a 4-bit grid, as
         a GGUF file's Q4 layers are, else 8-bit), activations rounded to 8-bit blocks as llama.cpp does
-        (``kernels/blocks_cpu.py``); a weight whose rows are not whole blocks of 32 stays float."""
+        (``kernels/blocks_cpu.py``); a weight whose rows are not whole blocks of 32 stays float.
+        A mixture of experts' experts take the int8 methods (``MoeBlock.quantize_int8``), not gguf."""
         if method == "none":
             return
-        if self.cfg.moe is not None:
+        if self.cfg.moe is not None and method == "gguf":
             raise ValueError(f"{method} quantization of a mixture-of-experts model ({self.cfg.architecture}) is not "
-                             f"built yet: its experts load in the model's dtype only (quantization none)")
+                             f"built yet: its experts load in the model's dtype or int8 only")
         if method == "gguf":
             for layer in self.layers:
                 for name in LINEAR_NAMES:
@@ -460,13 +461,15 @@ class LlamaModel:
         levels = 2 if method == "int8-precise" else 1
         if calibration_ids and levels == 1:
             for layer in self.layers:
-                for name in LINEAR_NAMES:
+                for name in _linear_names(layer):
                     setattr(layer, name, observe(getattr(layer, name)))
             self.lm_head = observe(self.lm_head) if self.lm_head is not None else None
             self.prefill_logits(calibration_ids)  # every position: the LM head's calibration sees them all
         for layer in self.layers:
-            for name in LINEAR_NAMES:
+            for name in _linear_names(layer):
                 setattr(layer, name, _to_int8(getattr(layer, name), alpha, False, levels))
+            if layer.moe is not None:
+                layer.moe.quantize_int8(levels)
         if self.lm_head is not None:
             self.lm_head = _to_int8(self.lm_head, alpha, levels == 2, levels)
         if self.device.type == "cpu":
@@ -499,6 +502,11 @@ class LlamaModel:
         if int8 is None:
             return "none"
         return "int8-precise" if int8.act_levels == 2 else "int8"
+
+
+def _linear_names(layer: LlamaLayer) -> list[str]:
+    """The ``LINEAR_NAMES`` a layer holds: a layer of experts has no gate_up or down."""
+    return [name for name in LINEAR_NAMES if getattr(layer, name) is not None]
 
 
 def _to_int8(weight: torch.Tensor | ObservedWeight, alpha: float, residual: bool, act_levels: int) -> Int8Weight:

@@ -6,25 +6,82 @@ take them as they are, with no change here. On a tensor-parallel rank every expe
 slice of the intermediate channels, as the dense MLP does (shared/model/parallel.py), and the
 block's output is a partial sum that the layer's all-reduce completes (gpt-oss's down biases are
 rank 0's alone, so the sum holds them once; the gate_up biases are cut with the channels).
+
+With ``quantization="int8"`` the experts are ``Int8Experts``: the same stack in int8 with a scale
+per expert and output channel, each expert's rows multiplied by the dense layers' int8 linear.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, partial
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from kernels.moe_grouped import grouped_linear_ref
 from shared.model.config import ClampedSwiglu, Moe
+from shared.model.quant import Int8Weight, int8_linear, linear, quantize_int8
 
 MoeKernel = Literal["auto", "torch", "triton"]
 # (x [R, K], weight [E, N, K], counts [E], rows [P] | None, scale [P] | None) -> [P, N]: the
 # contract of kernels/moe_grouped.py's grouped_linear_ref
 GroupedLinear = Callable[..., torch.Tensor]
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) [N, I] each -> [N, I]
+
+
+@dataclass(frozen=True)
+class Int8Experts:
+    """A projection's experts [E, N, K] in int8, each expert's weight quantized as a dense layer's
+    (``quantize_int8``: symmetric, a float32 scale per output channel). Not smoothed: a calibration
+    pass routes too few tokens to some experts to measure their inputs' range.
+
+    Stacked as the float experts are, so that a range of experts is ``experts[e0:e1]`` (expert
+    parallelism); ``experts[e]`` is expert e's ``Int8Weight``, views of the stack with its row sums
+    made once, which ``int8_linear`` multiplies as it multiplies a dense layer's."""
+
+    qweight: torch.Tensor  # [E, N, K] int8
+    scale: torch.Tensor  # [E, N] float32
+    act_levels: int = 1  # as ``Int8Weight.act_levels``
+    weights: tuple[Int8Weight, ...] = field(init=False, repr=False, compare=False)  # E of them
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", tuple(Int8Weight(q, s, act_levels=self.act_levels)
+                                                  for q, s in zip(self.qweight, self.scale)))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scale.nbytes
+
+    def __getitem__(self, index: int | slice) -> Int8Weight | Int8Experts:
+        if isinstance(index, slice):
+            return Int8Experts(self.qweight[index], self.scale[index], self.act_levels)
+        return self.weights[index]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [E, N, K]
+        return torch.stack([w.dequantize(dtype) for w in self.weights])
+
+
+def quantize_experts(weight: torch.Tensor, act_levels: int = 1) -> Int8Experts:
+    """Each expert of ``weight`` [E, N, K] through ``quantize_int8``, written into one int8 stack (the
+    peak is the float stack, the int8 stack and one expert's copy)."""
+    qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+    for expert, w in enumerate(weight.unbind(0)):
+        q = quantize_int8(w, act_levels=act_levels)
+        qweight[expert], scale[expert] = q.qweight, q.scale
+    return Int8Experts(qweight, scale, act_levels)
+
+
+# int8 experts' grouped path: kernels/moe_grouped.py's loop over the experts' row groups, each group
+# through the dense layers' int8 linear (per-row activation scales: a row's result is its own)
+_int8_grouped_linear = partial(grouped_linear_ref, linear=int8_linear)
 
 
 @dataclass(frozen=True)
@@ -73,14 +130,20 @@ class MoeBlock:
         self.top_k, self.renormalize, self.round_weights = moe.top_k, moe.renormalize, moe.round_weights
         self.softmax_after_topk = moe.softmax_after_topk
         self.router = router  # [E, hidden]: whole on every rank, so every rank routes alike
-        self.gate_up = gate_up  # [E, 2 * I, hidden]: each expert's gate rows, then its up rows
-        self.down = down  # [E, hidden, I]
+        # [E, 2 * I, hidden]: each expert's gate rows, then its up rows; Int8Experts once quantized
+        self.gate_up: torch.Tensor | Int8Experts = gate_up
+        self.down: torch.Tensor | Int8Experts = down  # [E, hidden, I]
         self.biases = biases
         self.glu = expert_glu(moe, act)
         self.kernel = kernel  # how ``forward`` runs the experts: see ``grouped_linear``
         # (token, expert) pairs routed to each expert so far, on the host: the expert load a worker
         # reports (``expert_load``); a CUDA graph's replays are not counted
         self.expert_tokens = torch.zeros(router.shape[0], dtype=torch.int64)
+
+    def quantize_int8(self, act_levels: int = 1) -> None:
+        """Replace both projections' experts by ``Int8Experts`` (the router and biases stay float)."""
+        self.gate_up = quantize_experts(self.gate_up, act_levels)
+        self.down = quantize_experts(self.down, act_levels)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts [T, k] (int64) and their weights [T, k] (float32, or x's dtype
@@ -114,7 +177,10 @@ class MoeBlock:
         """The grouped-GEMM kernel ``forward`` runs, None for the torch loop over the experts. The
         one place the choice is made: ``kernel`` "auto" takes Triton's (kernels/moe_grouped_triton.py)
         for CUDA tensors where triton is installed, "torch" never, "triton" always (on the CPU too,
-        where tests run it under ``TRITON_INTERPRET=1``)."""
+        where tests run it under ``TRITON_INTERPRET=1``). Int8 experts (``Int8Experts``, CPU) take
+        the int8 loop over the expert groups whatever the kernel but "torch"."""
+        if isinstance(self.gate_up, Int8Experts):
+            return None if self.kernel == "torch" else _int8_grouped_linear
         if self.kernel == "torch" or (self.kernel == "auto" and not x.is_cuda):
             return None
         kernel = _triton_grouped_linear()
@@ -144,7 +210,8 @@ class MoeBlock:
     def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                         grouped_linear: GroupedLinear, count: bool) -> torch.Tensor:
         """``forward`` with one grouped-GEMM launch per projection and no host sync (so a CUDA graph
-        can capture it), but where ``count`` adds the counts to ``expert_tokens`` (eager steps)."""
+        can capture it), but where ``count`` adds the counts to ``expert_tokens`` (eager steps); or,
+        for int8 experts on the CPU, one int8 linear per expert group and projection."""
         flat = experts.flatten()  # [T * k]
         order = flat.argsort(stable=True)  # the pairs, expert by expert
         tokens = order // self.top_k
@@ -176,9 +243,10 @@ class MoeBlock:
     def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         """One expert's gated MLP over rows ``x``, with its biases where the block has them."""
         b = self.biases
-        gate_up = F.linear(x, self.gate_up[expert], None if b.gate_up is None else b.gate_up[expert])
+        # quant.py's linear: F.linear for a float expert, int8_linear for an int8 one
+        gate_up = linear(x, self.gate_up[expert], None if b.gate_up is None else b.gate_up[expert])
         down_bias = None if b.down is None else b.down[expert]
-        return F.linear(self.glu(*gate_up.chunk(2, dim=-1)), self.down[expert], down_bias)
+        return linear(self.glu(*gate_up.chunk(2, dim=-1)), self.down[expert], down_bias)
 
 
 @cache

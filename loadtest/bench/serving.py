@@ -203,6 +203,19 @@ def vllm_server(model: str, cpus: str | None, max_num_seqs: int, out: Path):
             proc.kill()
 
 
+def print_report(report: dict) -> None:
+    results = report["results"]
+    for name, per_c in results.items():
+        for c, r in per_c.items():
+            print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  prompt {r['prompt_tok_s']} tok/s  "
+                  f"ITL p50 {r['itl_p50_ms']} ms  TPOT p50 {r['tpot_p50_ms']} ms  TTFT p50 {r['ttft_p50_ms']} ms  "
+                  f"cached prompt tokens {r['cached_tokens']}  errors {len(r['errors'])}")
+    for label, key in (("output", "ratios_to_peer"), ("prompt", "prompt_ratios_to_peer")):
+        for name, per_c in report[key].items():
+            print(f"{label} {name} / {list(results)[-1]}: " + ", ".join(f"c={c}: {x}x" for c, x in per_c.items()))
+    print(f"load average before {report['machine']['loadavg_before']}, after {report['machine']['loadavg_after']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", action="append", default=[], help="name=base_url; the last one is the peer")
@@ -255,15 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "serving.png")
-    for name, per_c in results.items():
-        for c, r in per_c.items():
-            print(f"{name:14s} c={c:<3d} {r['output_tok_s']} tok/s  prompt {r['prompt_tok_s']} tok/s  "
-                  f"ITL p50 {r['itl_p50_ms']} ms  TPOT p50 {r['tpot_p50_ms']} ms  TTFT p50 {r['ttft_p50_ms']} ms  "
-                  f"cached prompt tokens {r['cached_tokens']}  errors {len(r['errors'])}")
-    for label, key in (("output", "ratios_to_peer"), ("prompt", "prompt_ratios_to_peer")):
-        for name, per_c in report[key].items():
-            print(f"{label} {name} / {list(results)[-1]}: " + ", ".join(f"c={c}: {x}x" for c, x in per_c.items()))
-    print(f"load average before {load_before}, after {report['machine']['loadavg_after']}")
+    print_report(report)
     return 0
 
 

@@ -260,7 +260,8 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = config.resolve_device()
-    precision = config.resolve_precision(device)
+    shape = read_config(source.path, source.format)
+    precision = config.resolve_precision(device, experts=shape.moe is not None)
     dtype = torch_dtype(precision.dtype)
     log.info("precision %s%s on %s: %s", precision.dtype,
              "" if precision.quantization == "none" else f" + {precision.quantization}", device, precision.reason)
@@ -269,7 +270,6 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
     quantization = check_quantization(precision.quantization, device)
     followers, leads_group = [], False
     size = config.tensor_parallel_size * config.pipeline_parallel_size
-    shape = read_config(source.path, source.format) if size > 1 else None
     if world is None and size > 1:
         # refused here, before any rank process starts, where the shape does not split
         check_tensor_parallel(shape, config.tensor_parallel_size, quantization)

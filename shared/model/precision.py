@@ -56,15 +56,20 @@ class Precision:
 
 
 def choose_precision(device_type: str, dtype: str | None, quantization: str | None,
-                     flags: frozenset[str] = frozenset()) -> Precision:
+                     flags: frozenset[str] = frozenset(), experts: bool = False) -> Precision:
     """The given dtype/quantization when either is given (the other at its plain default), else the
     fastest precision for the device: bfloat16 on a GPU; on a CPU gguf with AVX-512 VNNI, int8 with
-    another VNNI, bfloat16 with native bf16 instructions, float32 otherwise."""
+    another VNNI, bfloat16 with native bf16 instructions, float32 otherwise. ``experts``: the model
+    has a mixture of experts, whose experts gguf blocks do not hold (int8 ones they do): int8 there."""
     if dtype is not None or quantization is not None:
         default_dtype = "bfloat16" if device_type == "cuda" else "float32"
         return Precision(dtype or default_dtype, quantization or "none", "given")
     if device_type != "cpu":
         return Precision("bfloat16", "none", f"default on {device_type}")
+    if experts and all(f in flags for f in AVX512_VNNI_FLAGS):
+        return Precision("float32", "int8", "CPU has avx512_vnni and the model has experts, which gguf blocks do "
+                                            "not hold yet: int8 matmuls, experts included "
+                                            "(pass --dtype float32 for exact float32)")
     if all(f in flags for f in AVX512_VNNI_FLAGS):
         return Precision("float32", "gguf", "CPU has avx512_vnni: 4-bit and 8-bit weight blocks on the panel "
                                             "kernel are the fastest, 97% top-1 agreement with float32 "

@@ -58,3 +58,14 @@ def test_engine_config_resolves_the_machine_default_and_keeps_float32_when_pinne
     assert EngineConfig(dtype="float32").resolve_dtype(cpu) == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         EngineConfig(dtype="float8").resolve_dtype(cpu)
+
+
+@pytest.mark.parametrize("flags, want", [
+    (SAPPHIRE | {"avx512bw", "avx512vl"}, ("float32", "int8")),  # gguf blocks hold no experts: int8 does
+    (frozenset({"avx2", "avx_vnni"}), ("float32", "int8")),
+    (OLD, ("float32", "none")),
+])
+def test_a_model_with_experts_gets_a_default_that_holds_them(flags, want):
+    p = choose_precision("cpu", None, None, flags, experts=True)
+    assert (p.dtype, p.quantization) == want
+    assert choose_precision("cpu", None, "gguf", flags, experts=True).quantization == "gguf"  # given: kept

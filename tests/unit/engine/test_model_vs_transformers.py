@@ -6,7 +6,7 @@ import torch
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
-from tiny_hf_models import SLIDING_WINDOW, save_tiny
+from tiny_hf_models import save_tiny
 
 LONG_PROMPT = 128  # tokens: a query tile and more, ten times the tiny models' sliding window
 

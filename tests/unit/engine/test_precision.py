@@ -1,7 +1,5 @@
 """The automatic precision: chosen from the CPU's flags when neither dtype nor quantization is given."""
 
-import logging
-
 import pytest
 import torch
 

@@ -12,6 +12,10 @@ call. Also counted: aten op calls per step (calls made inside other ops included
 that makes per-op overhead add up, and the ten ops with the most time of their own. Writes
 ``profile_step.json`` and ``profile_step.png`` under --out.
 
+With ``--prompts 8x128,2x1000`` it splits prompt steps instead: for each ``N``x``L``, N prompts of L
+tokens (each its own tokens, so none is a prefix-cache hit) prefilled to their first token, once
+plainly (prompt tokens/s reported) and once under the profiler, split the same way.
+
 With ``--compile --kernel-profile`` the engine runs the compiled decode step and inductor records
 each of its C++ loops: the split is then matmuls (called from the graph), the fused loops, and the
 rest (the graph's caller, dynamo's guard check, and the Python around the graph).
@@ -99,6 +103,38 @@ def profile(engine, steps: int) -> dict:
         for _ in range(steps):
             engine.step()
         profiled_ms = (time.perf_counter() - started) / steps * 1e3
+    return {"step_ms": plain_ms, "profiled_step_ms": profiled_ms, **split(prof, steps, plain_ms, profiled_ms)}
+
+
+def run_prompts(engine, num: int, length: int, first: int) -> float:
+    """Seconds to prefill ``num`` prompts of ``length`` tokens to their first token; prompt ``first + i``
+    starts with tokens of its own, so that no prompt is a prefix-cache hit of another run's."""
+    from shared.engine import SamplingParams  # noqa: PLC0415
+
+    vocab = engine.model.config.vocab_size if hasattr(engine.model, "config") else 32000
+    for i in range(first, first + num):
+        prompt = [(7919 * i + 31 * j) % (vocab - 10) + 5 for j in range(length)]
+        engine.add_request(f"prompt{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    started = time.perf_counter()
+    while engine.scheduler.has_unfinished:
+        engine.step()
+    return time.perf_counter() - started
+
+
+def profile_prompts(engine, num: int, length: int, first: int) -> dict:
+    """``num`` x ``length`` prompt tokens timed plainly, then again (other prompts) under the profiler."""
+    import torch  # noqa: PLC0415
+
+    plain_s = run_prompts(engine, num, length, first)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled_s = run_prompts(engine, num, length, first + num)
+    return {"seconds": plain_s, "prompt_tok_s": num * length / plain_s, "profiled_seconds": profiled_s,
+            **split(prof, 1, plain_s * 1e3, profiled_s * 1e3)}
+
+
+def split(prof, steps: int, plain_ms: float, profiled_ms: float) -> dict:
+    """A profile of ``steps`` steps (or runs) of ``profiled_ms`` each, by op kind: shares, and those
+    shares of ``plain_ms`` (the profiler slows each op call), op calls per step and the ten costliest ops."""
     by_kind: dict[str, float] = {}
     calls = 0
     # aten ops, and the compiled graph's shims and loops; profiler-internal and user ranges are left
@@ -112,8 +148,8 @@ def profile(engine, steps: int) -> dict:
     in_ops = sum(by_kind.values()) / steps
     shares = {k: v / steps / profiled_ms for k, v in by_kind.items()}
     shares["outside ops (Python, dispatch)"] = max(0.0, 1 - in_ops / profiled_ms)
-    return {"step_ms": plain_ms, "profiled_step_ms": profiled_ms, "op_calls_per_step": calls / steps,
-            "shares": shares, "ms": {k: share * plain_ms for k, share in shares.items()},
+    return {"op_calls_per_step": calls / steps, "shares": shares,
+            "ms": {k: share * plain_ms for k, share in shares.items()},
             "top_ops": [{"op": e.key, "calls_per_step": e.count / steps,
                          "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in top]}
 
@@ -142,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="decode steps as one compiled graph (--compile on)")
     p.add_argument("--kernel-profile", action="store_true",
                    help="with --compile: record each of inductor's loops (its kernel profile; a compile of its own)")
+    p.add_argument("--prompts", default=None, metavar="NxL,...",
+                   help="split prompt steps instead: N prompts of L tokens each, e.g. 8x128,2x1000")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/profile_step"))
     args = p.parse_args(argv)
+    if args.prompts:
+        return prompts_main(args)
     if args.kernel_profile:
         import torch._inductor.config  # noqa: PLC0415
 
@@ -162,6 +202,32 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "profile_step.json").write_text(json.dumps(report, indent=1))
     plot(args.out / "profile_step.png", report)
     print("wrote", args.out / "profile_step.json", args.out / "profile_step.png")
+    return 0
+
+
+def prompts_main(args) -> int:
+    """``--prompts``: each NxL's prompt tokens/s and op split, written to ``profile_prompts.json``."""
+    import torch  # noqa: PLC0415
+
+    from shared.engine import EngineConfig, LLMEngine  # noqa: PLC0415
+
+    engine = LLMEngine.from_config(EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
+                                                quantization=args.quantization, num_threads=args.num_threads,
+                                                kv_cache_memory=512 << 20))
+    report: dict = {"precision": f"{engine.config.dtype}/{engine.config.quantization}",
+                    "num_threads": torch.get_num_threads(), "prompts": {}}
+    run_prompts(engine, 2, 128, 0)  # warm
+    first = 100
+    for spec in args.prompts.split(","):
+        num, length = (int(x) for x in spec.lower().split("x"))
+        r = report["prompts"][spec] = profile_prompts(engine, num, length, first)
+        first += 2 * num
+        print(f"{num} x {length} prompt tokens: {r['seconds']:.2f} s ({r['prompt_tok_s']:.0f} tok/s); "
+              + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["shares"].items()), flush=True)
+    report["config"] = {k: str(v) for k, v in vars(args).items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile_prompts.json").write_text(json.dumps(report, indent=1))
+    print("wrote", args.out / "profile_prompts.json")
     return 0
 
 

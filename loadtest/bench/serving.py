@@ -15,7 +15,8 @@ greedy tokens with ``ignore_eos``, streamed. At concurrency c the targets take t
 simultaneous streams each, ``--rounds`` times, so that a change in the machine's load hits every
 target alike. Before each wave the bench waits (``--settle-s`` at most) until the machine's CPUs are
 nearly idle: a server can keep working after its last response (vLLM's engine keeps about one core
-busy for a second or more), and the target whose turn comes next would pay for it. Reports aggregate output tokens/s (tokens of a wave / the wave's wall time) and
+busy for a second or more), and the target whose turn comes next would pay for it. Reports aggregate
+output tokens/s (tokens of a wave / the wave's wall time), prompt tokens/s over the same time, and
 inter-token latency; writes ``serving.json`` and ``serving.png`` under ``--out`` and prints each
 target's ratio to the first one. Each wave also records the hypervisor's share of the machine's CPU
 (``round_cpu_steal_share``; ``loadtest/tools/cpu_steal.py``): on a shared virtual machine a round with

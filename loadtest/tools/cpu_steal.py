@@ -34,17 +34,20 @@ def cpu_times(path: Path = Path("/proc/stat")) -> dict[str, int] | None:
 def steal_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
     """Stolen time over all CPU time between two readings (0 on bare metal); None if either is missing
     or no time passed."""
-    if not before or not after:
-        return None
-    total = sum(after.get(k, 0) - before.get(k, 0) for k in _FIELDS)
-    return (after.get("steal", 0) - before.get("steal", 0)) / total if total > 0 else None
+    return _share(before, after, ("steal",))
 
 
 def busy_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
     """Time the CPUs spent on anything but idle and iowait over all CPU time between two readings;
     None if either is missing or no time passed."""
+    busy = tuple(k for k in _FIELDS if k not in ("idle", "iowait"))
+    return _share(before, after, busy)
+
+
+def _share(before: dict[str, int] | None, after: dict[str, int] | None, kinds: tuple[str, ...]) -> float | None:
+    """The ticks of ``kinds`` over all ticks between two readings; None if either is missing or no time passed."""
     if not before or not after:
         return None
-    total = sum(after.get(k, 0) - before.get(k, 0) for k in _FIELDS)
-    idle = sum(after.get(k, 0) - before.get(k, 0) for k in ("idle", "iowait"))
-    return (total - idle) / total if total > 0 else None
+    ticks = {k: after.get(k, 0) - before.get(k, 0) for k in _FIELDS}
+    total = sum(ticks.values())
+    return sum(ticks[k] for k in kinds) / total if total > 0 else None

@@ -64,15 +64,21 @@ def decoding_engine(args, batch_size: int, compile: bool = False):
                                                 quantization=args.quantization, num_threads=args.num_threads,
                                                 kv_cache_memory=512 << 20, max_num_seqs=max(batch_size, 1),
                                                 compile=compile))
-    vocab = engine.model.config.vocab_size if hasattr(engine.model, "config") else 32000
     for i in range(batch_size):
-        prompt = [(17 * i + 31 * j) % (vocab - 10) + 5 for j in range(args.prompt_tokens)]
+        prompt = synthetic_prompt(engine, i, args.prompt_tokens, stride=17)
         engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
     while engine.stats().num_running < batch_size or any_prefilling(engine):
         engine.step()
     for _ in range(3):  # warm
         engine.step()
     return engine
+
+
+def synthetic_prompt(engine, i: int, length: int, stride: int) -> list[int]:
+    """Prompt ``i``'s ``length`` token ids, inside the model's vocabulary; ``stride`` sets how far apart
+    two prompts' first tokens are (a prime as large as 7919 keeps every prompt's first block its own)."""
+    vocab = engine.model.config.vocab_size if hasattr(engine.model, "config") else 32000
+    return [(stride * i + 31 * j) % (vocab - 10) + 5 for j in range(length)]
 
 
 def add_decoding_args(p: argparse.ArgumentParser, steps_help: str = "timed steps") -> None:
@@ -111,9 +117,8 @@ def run_prompts(engine, num: int, length: int, first: int) -> float:
     starts with tokens of its own, so that no prompt is a prefix-cache hit of another run's."""
     from shared.engine import SamplingParams  # noqa: PLC0415
 
-    vocab = engine.model.config.vocab_size if hasattr(engine.model, "config") else 32000
     for i in range(first, first + num):
-        prompt = [(7919 * i + 31 * j) % (vocab - 10) + 5 for j in range(length)]
+        prompt = synthetic_prompt(engine, i, length, stride=7919)
         engine.add_request(f"prompt{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     started = time.perf_counter()
     while engine.scheduler.has_unfinished:

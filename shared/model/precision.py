@@ -66,11 +66,11 @@ def choose_precision(device_type: str, dtype: str | None, quantization: str | No
         return Precision(dtype or default_dtype, quantization or "none", "given")
     if device_type != "cpu":
         return Precision("bfloat16", "none", f"default on {device_type}")
-    if experts and all(f in flags for f in AVX512_VNNI_FLAGS):
-        return Precision("float32", "int8", "CPU has avx512_vnni and the model has experts, which gguf blocks do "
-                                            "not hold yet: int8 matmuls, experts included "
-                                            "(pass --dtype float32 for exact float32)")
     if all(f in flags for f in AVX512_VNNI_FLAGS):
+        if experts:
+            return Precision("float32", "int8", "CPU has avx512_vnni and the model has experts, which gguf blocks "
+                                                "do not hold yet: int8 matmuls, experts included "
+                                                "(pass --dtype float32 for exact float32)")
         return Precision("float32", "gguf", "CPU has avx512_vnni: 4-bit and 8-bit weight blocks on the panel "
                                             "kernel are the fastest, 97% top-1 agreement with float32 "
                                             "(pass --dtype float32 for exact float32)")

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import attention_dot, dot_args, round_to
+from kernels._triton_util import dot_args, online_softmax_step, paged_tile, round_to, tile_scores
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64
@@ -72,28 +72,16 @@ def _decode_split_kernel(
     table_row = block_tables_ptr + seq * stride_bt
 
     # Every tile holds at least one valid token (its first: the loop runs from split_start, which the
-    # query sees, and stops at split_end <= seq_len), so the
-    # running max is finite after the first tile and exp2(m_i - m_new) never sees -inf - -inf.
+    # query sees, and stops at split_end <= seq_len), so the running max is finite after the first tile.
     for start in range(split_start, split_end, BLOCK_N):
         tokens = start + offs_n
         t_mask = tokens < split_end
-        pages = tl.load(table_row + tokens // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        slots = tokens % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (pages * stride_kn + slots * stride_kt + kv_head * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        scores = attention_dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, EMULATE_BF16)
-        scores *= scale_log2
+        scores, pages, slots, kv_mask = tile_scores(
+            q, k_ptr, table_row, tokens, t_mask, d_mask, offs_d, kv_head * stride_kh, stride_kn, stride_kt,
+            scale_log2, BLOCK_SIZE, DOT_PRECISION, EMULATE_BF16)
         scores = tl.where(t_mask[None, :], scores, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (pages * stride_vn + slots * stride_vt + kv_head * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        p = round_to(p, q.dtype, EMULATE_BF16)
-        acc = acc * alpha[:, None] + attention_dot(p, v, DOT_PRECISION, EMULATE_BF16)
-        m_i = m_new
+        v = paged_tile(v_ptr, pages, slots, kv_head * stride_vh, offs_d, kv_mask, stride_vn, stride_vt).to(q.dtype)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION, EMULATE_BF16)
 
     has_tokens = l_i > 0.0  # false only for a split that starts past seq_len
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import attention_dot, dot_args, round_to
+from kernels._triton_util import dot_args, online_softmax_step, paged_tile, round_to, tile_scores
 
 _LOG2E = 1.4426950408889634
 
@@ -70,7 +70,7 @@ def _prefill_kernel(
 
     # The first and last keys any query of this tile sees. Without a window key 0 is visible to every
     # query, so each row has a finite max after the first tile; with one, a row may see nothing in the
-    # first tiles, and its max stays -inf until it does (m_safe keeps -inf - -inf out of the rescale).
+    # first tiles, and its max stays -inf until it does (online_softmax_step allows for that).
     kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
     kv_start = 0
     if WINDOWED:
@@ -78,27 +78,15 @@ def _prefill_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         tokens = start + offs_n
         t_mask = tokens < kv_end
-        pages = tl.load(table_row + tokens // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        slots = tokens % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (pages * stride_kn + slots * stride_kt + kv_head * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        scores = attention_dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, EMULATE_BF16)
-        scores *= scale_log2
+        scores, pages, slots, kv_mask = tile_scores(
+            q, k_ptr, table_row, tokens, t_mask, d_mask, offs_d, kv_head * stride_kh, stride_kn, stride_kt,
+            scale_log2, BLOCK_SIZE, DOT_PRECISION, EMULATE_BF16)
         visible = t_mask[None, :] & (tokens[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
         if WINDOWED:
             visible = visible & (tokens[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (pages * stride_vn + slots * stride_vt + kv_head * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        p = round_to(p, q.dtype, EMULATE_BF16)
-        acc = acc * alpha[:, None] + attention_dot(p, v, DOT_PRECISION, EMULATE_BF16)
-        m_i = m_new
+        v = paged_tile(v_ptr, pages, slots, kv_head * stride_vh, offs_d, kv_mask, stride_vn, stride_vt).to(q.dtype)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION, EMULATE_BF16)
 
     out = round_to(acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], out_ptr.dtype.element_ty, EMULATE_BF16)
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],

@@ -31,7 +31,6 @@ Prints a table and writes ``activation_schemes.json`` and ``activation_schemes.p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 from loadtest.bench.quality import CORPUS, TARGET_TOP1, cpu_name, load_engine, window_stats, windows
+from loadtest.tools.report import save_report
 from shared.model import quant
 from shared.model.quant import Int8Weight, _per_row, observe, quantize_rows
 from shared.telemetry.plot import figure
@@ -198,10 +198,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.lm_head_levels} level(s)), activations rounded by")
     for name, r in results.items():
         print(f"  {name:<24} top-1 {r['top1_agreement']:>7.2%}   KL {r['kl']:.5f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "activation_schemes.json").write_text(json.dumps(report, indent=1))
-    plot(args.out / "activation_schemes.png", report)
-    print("wrote", args.out / "activation_schemes.json", args.out / "activation_schemes.png")
+    save_report(args.out, "activation_schemes", report, plot)
     return 0
 
 

@@ -15,12 +15,12 @@ int8 layer adds) for reference. Checks that the panels give the AVX2 loops' bits
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import time
 from pathlib import Path
 
+from loadtest.bench.int8_kernel import step_args
+from loadtest.bench.int8_kernel import time_step as time_weights
+from loadtest.tools.report import save_report
 from shared.telemetry.plot import figure
 
 
@@ -36,9 +36,7 @@ def step_layers(shape_name: str, vocab_size: int = 49152):
     from shared.model.quant import quantize_blocks
 
     s = SHAPES[shape_name]
-    qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    shapes = [(qkv, s.hidden_size), (s.hidden_size, s.num_heads * s.head_dim),
-              (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)] * s.num_layers
+    shapes = s.step_linear_shapes()
     gen = torch.Generator().manual_seed(0)
     blocks, int8 = [], []
     for n, k in shapes:  # levels 0..15 with a float16 step and offset per block, as Q4_1
@@ -54,19 +52,11 @@ def step_layers(shape_name: str, vocab_size: int = 49152):
 
 def time_step(calls, repeats: int) -> float:
     """The fastest of ``repeats`` passes through ``calls``."""
-    from loadtest.bench.int8_kernel import time_step as time_weights
-
     return time_weights(lambda call: call(), calls, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.block_kernel", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,2,8,32", help="activation rows M (the batch of a decode step)")
-    p.add_argument("--model-shape", default="smollm2-135m", help="a loadtest.tools.synth_model shape")
-    p.add_argument("--repeats", type=int, default=5, help="timed passes over the step's weights; the fastest is kept")
-    p.add_argument("--out", type=Path, default=Path("loadtest/results/block_kernel"))
-    args = p.parse_args(argv)
+    args = step_args(argv, "block_kernel", __doc__, rows="1,2,8,32", model_shape="smollm2-135m", repeats=5)
 
     import torch
 
@@ -103,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({row['speedup']:.2f}x); int8 products {row['int8_products_ms']:7.2f} ms", flush=True)
     report = {"model_shape": args.model_shape, "weight_bytes": nbytes, "threads": torch.get_num_threads(),
               "processor": platform.processor(), "kernel": blocks_cpu.identity(), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "block_kernel.json").write_text(json.dumps(report, indent=2))
-    plot(args.out / "block_kernel.png", report)
-    print(f"saved {args.out / 'block_kernel.json'} and .png")
+    save_report(args.out, "block_kernel", report, plot, indent=2)
     return 0
 
 

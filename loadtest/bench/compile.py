@@ -55,6 +55,7 @@ import uuid
 from pathlib import Path
 
 from loadtest.tools.harness import take_turns
+from loadtest.tools.report import save_report
 from shared.engine.compiled.child import use_child_process
 from loadtest.tools.profile_step import add_decoding_args, any_prefilling, decoding_engine
 from shared.telemetry.measure import percentile
@@ -172,9 +173,7 @@ def run_during_compile(args) -> int:
                   f"({r['during_over_alone_p50']}x), p90 {r['during_compile_p90_ms']} ms, p99 "
                   f"{r['during_compile_p99_ms']} ms, mean {r['during_compile_mean_ms']} ms "
                   f"({r['during_over_alone_mean']}x), {r['steps_during_compile']} steps; {ended}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "during_compile.json").write_text(json.dumps(report, indent=1))
-    print("wrote", args.out / "during_compile.json")
+    save_report(args.out, "during_compile", report)
     return 0
 
 
@@ -210,9 +209,7 @@ def run_artifacts(args) -> int:
     report["ratios"] = {f"{name}_over_cold_wall": round(runs[name]["wall_s"] / runs["cold"]["wall_s"], 3)
                         for name in ("cluster", "local")}
     print("ratios:", report["ratios"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "artifacts.json").write_text(json.dumps(report, indent=1))
-    print("wrote", args.out / "artifacts.json")
+    save_report(args.out, "artifacts", report)
     return 0
 
 
@@ -273,10 +270,7 @@ def main(argv: list[str] | None = None) -> int:
               f"equal greedy tokens in {r['requests_with_equal_tokens']}/{r['num_requests']} requests; "
               f"compiled engine built in {r['compiled_engine_build_s']} s", flush=True)
     report["config"] = {k: str(v) for k, v in vars(args).items()}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile.json").write_text(json.dumps(report, indent=1))
-    plot(args.out / "compile.png", report)
-    print("wrote", args.out / "compile.json", args.out / "compile.png")
+    save_report(args.out, "compile", report, plot)
     return 0
 
 

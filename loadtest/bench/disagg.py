@@ -22,9 +22,8 @@ import tempfile
 from pathlib import Path
 
 from loadtest.tools.harness import alternate, best, comparison, log_to, stack_side, status, warm_up
-from loadtest.tools.openai_load import add_workload_args, workload_config
+from loadtest.tools.openai_load import add_workload_args, comparison_workload
 from loadtest.tools.report import format_summary, write_report
-from loadtest.tools.workload import build_workload
 
 
 def compare(disagg: dict, agg: dict) -> dict:
@@ -56,11 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(num_requests=20, rate=0.3, prompt_words=700, output_tokens=32, spread=0.3,
                    slo_ttft_ms=5000.0, slo_tpot_ms=300.0)
     args = p.parse_args(argv)
-    cfg = workload_config(args)
-    specs = build_workload(cfg)
-    warmup = build_workload(dataclasses.replace(cfg, num_requests=3, rate=50.0, seed=cfg.seed + 1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    slo = {"slo_ttft_s": args.slo_ttft_ms / 1000, "slo_tpot_s": args.slo_tpot_ms / 1000}
+    cfg, specs, warmup, slo = comparison_workload(args, num_warmup=3)
     engine = {"device": "cpu", "kv_cache_memory": args.kv_cache_memory}
     sides = {
         "aggregated (1 decode)": dict(num_decode=1, num_prefill=0, decode_flags=engine),

@@ -12,11 +12,11 @@ read of the same bytes (``torch.sum`` over them seen as float32) as the machine'
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
 
+from loadtest.tools.report import save_report
 from shared.telemetry.plot import figure
 
 
@@ -26,9 +26,7 @@ def step_weights(shape_name: str, vocab_size: int = 49152):
     from loadtest.tools.synth_model import SHAPES
 
     s = SHAPES[shape_name]
-    qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    shapes = [(qkv, s.hidden_size), (s.hidden_size, s.num_heads * s.head_dim),
-              (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)] * s.num_layers
+    shapes = s.step_linear_shapes()
     shapes.append((vocab_size, s.hidden_size))
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen) for shape in shapes]
@@ -45,14 +43,21 @@ def time_step(fn, weights, repeats: int) -> float:
     return best
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.int8_kernel", description=__doc__,
+def step_args(argv: list[str] | None, name: str, doc: str, *, rows: str, model_shape: str,
+              repeats: int) -> argparse.Namespace:
+    """The options of a kernel bench over one decode step's weights (``loadtest.bench.<name>``)."""
+    p = argparse.ArgumentParser(prog=f"python -m loadtest.bench.{name}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,2,4,8", help="activation rows M (the batch of a decode step)")
-    p.add_argument("--model-shape", default="llama-1b", help="a loadtest.tools.synth_model shape")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes over the step's weights; the fastest is kept")
-    p.add_argument("--out", type=Path, default=Path("loadtest/results/int8_kernel"))
-    args = p.parse_args(argv)
+    p.add_argument("--rows", default=rows, help="activation rows M (the batch of a decode step)")
+    p.add_argument("--model-shape", default=model_shape, help="a loadtest.tools.synth_model shape")
+    p.add_argument("--repeats", type=int, default=repeats,
+                   help="timed passes over the step's weights; the fastest is kept")
+    p.add_argument("--out", type=Path, default=Path(f"loadtest/results/{name}"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = step_args(argv, "int8_kernel", __doc__, rows="1,2,4,8", model_shape="llama-1b", repeats=3)
 
     import torch
 
@@ -85,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model_shape": args.model_shape, "weight_bytes": nbytes, "plain_read_gb_s": read_gb_s,
               "threads": torch.get_num_threads(), "processor": platform.processor(), "kernel": int8_cpu.identity(),
               "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "int8_kernel.json").write_text(json.dumps(report, indent=2))
-    plot(args.out / "int8_kernel.png", report)
-    print(f"saved {args.out / 'int8_kernel.json'} and .png")
+    save_report(args.out, "int8_kernel", report, plot, indent=2)
     return 0
 
 

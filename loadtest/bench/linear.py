@@ -22,9 +22,10 @@ ratio to w8a8, and writes ``linear.json`` and ``linear.png`` under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from loadtest.tools.report import save_report
 
 # (name, rows N, columns K, uses per step) for SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64,
 # intermediate 1536, vocabulary 49152, 30 layers
@@ -130,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         base = r["step_ms"]["w8a8"]
         print(f"batch {b}: " + ", ".join(f"{fmt} {ms:.2f} ms ({ms / base:.2f}x w8a8)"
                                          for fmt, ms in r["step_ms"].items()), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "linear.json").write_text(json.dumps(report, indent=1))
-    plot(args.out / "linear.png", report)
-    print("wrote", args.out / "linear.json", args.out / "linear.png")
+    save_report(args.out, "linear", report, plot)
     return 0
 
 

@@ -17,10 +17,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from loadtest.tools.harness import alternate, best, comparison, engine_side, log_to, stack_side, warm_up
-from loadtest.tools.openai_load import add_workload_args, workload_config
-from loadtest.tools.report import format_summary, write_report
-from loadtest.tools.workload import build_workload
+from loadtest.tools.harness import alternate, engine_side, log_to, report_comparison, stack_side, warm_up
+from loadtest.tools.openai_load import add_workload_args, comparison_workload
 
 
 def compare(stack_s: dict, engine_s: dict) -> dict:
@@ -43,11 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_args(p)
     p.set_defaults(num_requests=40, rate=1.0)
     args = p.parse_args(argv)
-    cfg = workload_config(args)
-    specs = build_workload(cfg)
-    warmup = build_workload(dataclasses.replace(cfg, num_requests=4, rate=50.0, seed=cfg.seed + 1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    slo = {"slo_ttft_s": args.slo_ttft_ms / 1000, "slo_tpot_s": args.slo_tpot_ms / 1000}
+    cfg, specs, warmup, slo = comparison_workload(args)
     progress = not args.no_progress
 
     with open(args.out / "overhead_stack.log", "w") as log, tempfile.TemporaryDirectory() as state:
@@ -69,19 +63,11 @@ def main(argv: list[str] | None = None) -> int:
             if engine is not None:
                 engine.shutdown()
 
-    top = best(runs)
-    result = comparison(runs, "stack", "engine", compare)
-    print(format_summary("stack     ", top["stack"].summary))
-    print(format_summary("in-process", top["engine"].summary))
-    print(f"throughput ratio {result['throughput_ratio']:.3f}, added TTFT p50 "
-          f"{result['added_ttft_p50_ms']:.1f} ms, added ITL p50 {result['added_itl_p50_ms']:.1f} ms"
-          f" -> {'meets' if result['meets_targets'] else 'misses'} the targets")
-    paths = write_report(args.out, "overhead", {"workload": dataclasses.asdict(cfg), "model": args.model,
-                                                "kv_cache_memory": args.kv_cache_memory},
-                         {"stack (1 decode worker)": (top["stack"].summary, top["stack"].results),
-                          "in-process engine": (top["engine"].summary, top["engine"].results)},
-                         extra={"comparison": result})
-    print("wrote", *paths)
+    report_comparison(args.out, "overhead", {"workload": dataclasses.asdict(cfg), "model": args.model,
+                                             "kv_cache_memory": args.kv_cache_memory}, runs, compare,
+                      {"stack": ("stack     ", "stack (1 decode worker)"),
+                       "engine": ("in-process", "in-process engine")},
+                      detail=lambda result: f", added ITL p50 {result['added_itl_p50_ms']:.1f} ms")
     return 0
 
 

@@ -21,12 +21,12 @@ against float32 over the corpus, one prefill per window. Prints a table and writ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from loadtest.bench.quality import CORPUS, TARGET_TOP1, cpu_name, load_engine, teacher_forced
+from loadtest.tools.report import save_report
 from shared.model.quant import Int8Weight, quantize_int8
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
@@ -100,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
               "variants": {name: {"two_level_activations": list(VARIANTS[name][0]), "lm_head": VARIANTS[name][1],
                                   **scores[name]} for name in VARIANTS},
               "elapsed_s": round(time.perf_counter() - started, 1)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "precise_layers.json").write_text(json.dumps(report, indent=1))
-    print("wrote", args.out / "precise_layers.json")
+    save_report(args.out, "precise_layers", report)
     return 0
 
 

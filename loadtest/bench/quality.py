@@ -33,13 +33,13 @@ default precision is a teacher-forced top-1 agreement of at least 97% with float
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from loadtest.tools.report import save_report
 from shared.telemetry.plot import figure
 
 CORPUS = Path(__file__).parents[1] / "data" / "quality_corpus.txt"
@@ -281,10 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['model']} on {report['cpu']}, {report['num_threads']} threads: {len(corpus)} corpus tokens "
           f"in windows of {args.window}, {len(prompts)} prompts x {args.max_new_tokens} greedy tokens")
     print_table(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.json").write_text(json.dumps(report, indent=1))
-    plot(args.out / "quality.png", report)
-    print("wrote", args.out / "quality.json", args.out / "quality.png")
+    save_report(args.out, "quality", report, plot)
     return 0
 
 

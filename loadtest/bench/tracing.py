@@ -29,9 +29,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from loadtest.tools.harness import alternate, best, comparison, log_to, stack_side, take_turns, warm_up
-from loadtest.tools.openai_load import add_workload_args, workload_config
-from loadtest.tools.report import format_summary, write_report
+from loadtest.tools.harness import alternate, log_to, report_comparison, stack_side, take_turns, warm_up
+from loadtest.tools.openai_load import add_workload_args, comparison_workload
 from loadtest.tools.workload import build_workload
 
 TARGETS = {"throughput_ratio_min": 0.97, "added_ttft_p50_ms_max": 2.0}
@@ -108,6 +107,23 @@ def start_echo_stack(name: str, args, state: str, log_file):
     return stack
 
 
+@contextlib.contextmanager
+def stack_pair(start, names: tuple[str, str], args, log_name: str, traced_env: dict[str, str]):
+    """``{"on": ..., "off": ...}``: two stacks from ``start(name, args, state, log)``, the first
+    started with ``traced_env`` in its environment; both log to ``--out``/``log_name`` and are
+    stopped on exit."""
+    stacks = {}
+    with open(args.out / log_name, "w") as log, tempfile.TemporaryDirectory() as state:
+        try:
+            with environment(traced_env):
+                stacks["on"] = start(names[0], args, state, log)
+            stacks["off"] = start(names[1], args, state, log)
+            yield stacks
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+
+
 def service_path(args, sink: OtlpSink, traced_env: dict[str, str]) -> int:
     from loadtest.bench.service_path import measure  # noqa: PLC0415
     from shared.telemetry.measure import percentile  # noqa: PLC0415
@@ -117,23 +133,16 @@ def service_path(args, sink: OtlpSink, traced_env: dict[str, str]) -> int:
                                                                prompt_words=64))]
     block = max(1, args.num_requests // args.repeats)
     starts = range(10, 10 + args.num_requests, block)
-    stacks = {}
-    with open(args.out / "tracing_service_path_stacks.log", "w") as log, tempfile.TemporaryDirectory() as state:
-        try:
-            with environment(traced_env):
-                stacks["on"] = start_echo_stack("ptraced", args, state, log)
-            stacks["off"] = start_echo_stack("puntraced", args, state, log)
-            for stack in stacks.values():
-                stack.wait_ready(timeout_s=120, num_decode=1)
-                asyncio.run(measure(stack.base_url, args.model, prompts[:10]))
+    with stack_pair(start_echo_stack, ("ptraced", "puntraced"), args, "tracing_service_path_stacks.log",
+                    traced_env) as stacks:
+        for stack in stacks.values():
+            stack.wait_ready(timeout_s=120, num_decode=1)
+            asyncio.run(measure(stack.base_url, args.model, prompts[:10]))
 
-            def block_on(url: str):
-                return lambda i: asyncio.run(measure(url, args.model, prompts[starts[i]:starts[i] + block]))
+        def block_on(url: str):
+            return lambda i: asyncio.run(measure(url, args.model, prompts[starts[i]:starts[i] + block]))
 
-            blocks = take_turns({side: block_on(stacks[side].base_url) for side in ("on", "off")}, len(starts))
-        finally:
-            for stack in stacks.values():
-                stack.stop()
+        blocks = take_turns({side: block_on(stacks[side].base_url) for side in ("on", "off")}, len(starts))
     ttfts = {side: [t for b in bs for t in b] for side, bs in blocks.items()}
     p50 = {side: percentile(v, 50) * 1000 for side, v in ttfts.items()}
     result = {"num_requests_per_side": len(ttfts["on"]), "block": block, "cpu_count": os.cpu_count(),
@@ -156,41 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_args(p)
     p.set_defaults(num_requests=40, rate=2.0, out=Path("loadtest/results/tracing"))
     args = p.parse_args(argv)
-    cfg = workload_config(args)
-    specs = build_workload(cfg)
-    warmup = build_workload(dataclasses.replace(cfg, num_requests=4, rate=50.0, seed=cfg.seed + 1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    slo = {"slo_ttft_s": args.slo_ttft_ms / 1000, "slo_tpot_s": args.slo_tpot_ms / 1000}
+    cfg, specs, warmup, slo = comparison_workload(args)
     sink = OtlpSink()
     traced_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
     if args.service_path:
         return service_path(args, sink, traced_env)
-    stacks = {}
-    with open(args.out / "tracing_stacks.log", "w") as log, tempfile.TemporaryDirectory() as state:
-        try:
-            with environment(traced_env):
-                stacks["on"] = start_stack("traced", args, state, log)
-            stacks["off"] = start_stack("untraced", args, state, log)
-            sides = {side: stack_side(stacks[side], args.model) for side in ("on", "off")}
-            warm_up(sides, warmup)
-            runs = alternate(sides, specs, args.repeats, slo, progress=not args.no_progress)
-        finally:
-            for stack in stacks.values():
-                stack.stop()
+    with stack_pair(start_stack, ("traced", "untraced"), args, "tracing_stacks.log", traced_env) as stacks:
+        sides = {side: stack_side(stacks[side], args.model) for side in ("on", "off")}
+        warm_up(sides, warmup)
+        runs = alternate(sides, specs, args.repeats, slo, progress=not args.no_progress)
 
-    top = best(runs)
-    result = comparison(runs, "on", "off", compare, otlp_exports=sink.num_exports, otlp_bytes=sink.num_bytes)
-    print(format_summary("tracing on ", top["on"].summary))
-    print(format_summary("tracing off", top["off"].summary))
-    print(f"throughput ratio {result['throughput_ratio']:.3f}, added TTFT p50 "
-          f"{result['added_ttft_p50_ms']:.1f} ms ({sink.num_exports} OTLP exports, {sink.num_bytes} bytes)"
-          f" -> {'meets' if result['meets_targets'] else 'misses'} the targets")
-    paths = write_report(args.out, "tracing", {"workload": dataclasses.asdict(cfg), "model": args.model,
-                                               "kv_cache_memory": args.kv_cache_memory},
-                         {"tracing on (OTLP/HTTP)": (top["on"].summary, top["on"].results),
-                          "tracing off": (top["off"].summary, top["off"].results)},
-                         extra={"comparison": result})
-    print("wrote", *paths)
+    report_comparison(args.out, "tracing", {"workload": dataclasses.asdict(cfg), "model": args.model,
+                                            "kv_cache_memory": args.kv_cache_memory}, runs, compare,
+                      {"on": ("tracing on ", "tracing on (OTLP/HTTP)"), "off": ("tracing off", "tracing off")},
+                      detail=lambda result: f" ({sink.num_exports} OTLP exports, {sink.num_bytes} bytes)",
+                      otlp_exports=sink.num_exports, otlp_bytes=sink.num_bytes)
     return 0
 
 

@@ -24,8 +24,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TypeVar
 
+from loadtest.tools.report import format_summary, write_report
 from loadtest.tools.runner import run_in_process, run_openai
 from loadtest.tools.stats import RequestResult, summarize
 from loadtest.tools.workload import RequestSpec
@@ -175,6 +177,26 @@ def comparison(runs: dict[str, list[Repeat]], on: str, off: str, compare: Callab
             **extra,
             "load_average_1m_before": {name: [r.load_average_1m for r in rs] for name, rs in runs.items()},
             "all_repeats": [compare(a.summary, b.summary) for a, b in zip(runs[on], runs[off])]}
+
+
+def report_comparison(out: Path, name: str, config: dict, runs: dict[str, list[Repeat]],
+                      compare: Callable[[dict, dict], dict], sides: dict[str, tuple[str, str]],
+                      detail: Callable[[dict], str] = lambda result: "", **extra) -> dict:
+    """``comparison`` of the first two of ``sides`` (on, then off; ``extra`` its extra keys), printed
+    after each side's best summary and written with them to ``out``/``name``.json and .png.
+    ``sides``: each side's label in the printout and its title in the report; ``detail(result)``
+    follows the added TTFT in the printout."""
+    (on, off), top = list(sides)[:2], best(runs)
+    result = comparison(runs, on, off, compare, **extra)
+    for side, (label, _) in sides.items():
+        print(format_summary(label, top[side].summary))
+    print(f"throughput ratio {result['throughput_ratio']:.3f}, added TTFT p50 "
+          f"{result['added_ttft_p50_ms']:.1f} ms{detail(result)}"
+          f" -> {'meets' if result['meets_targets'] else 'misses'} the targets")
+    paths = write_report(out, name, config, {title: (top[side].summary, top[side].results)
+                                             for side, (_, title) in sides.items()}, extra={"comparison": result})
+    print("wrote", *paths)
+    return result
 
 
 def ratio(on: float | None, off: float | None) -> float | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from loadtest.tools.report import format_summary, write_report
 from loadtest.tools.runner import run_openai
 from loadtest.tools.stats import summarize
-from loadtest.tools.workload import WorkloadConfig, build_workload
+from loadtest.tools.workload import RequestSpec, WorkloadConfig, build_workload
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,22 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
                           num_prefixes=args.num_prefixes, seed=args.seed)
 
 
+def slo_args(args: argparse.Namespace) -> dict[str, float]:
+    """``summarize``'s SLO keywords from ``--slo-ttft-ms`` and ``--slo-tpot-ms``."""
+    return {"slo_ttft_s": args.slo_ttft_ms / 1000, "slo_tpot_s": args.slo_tpot_ms / 1000}
+
+
+def comparison_workload(args: argparse.Namespace, num_warmup: int = 4
+                        ) -> tuple[WorkloadConfig, list[RequestSpec], list[RequestSpec], dict[str, float]]:
+    """An on/off comparison's load from ``add_workload_args``' options: the config, its requests, a
+    warm-up (``num_warmup`` requests at 50/s, the next seed) and ``summarize``'s SLO keywords; makes
+    ``--out``."""
+    cfg = workload_config(args)
+    warmup = build_workload(dataclasses.replace(cfg, num_requests=num_warmup, rate=50.0, seed=cfg.seed + 1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    return cfg, build_workload(cfg), warmup, slo_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -55,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = workload_config(args)
     results = asyncio.run(run_openai(args.base_url, args.model, build_workload(cfg), api_key=args.api_key,
                                      progress=not args.no_progress))
-    summary = summarize(results, slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000)
+    summary = summarize(results, **slo_args(args))
     print(format_summary(args.base_url, summary))
     paths = write_report(args.out, args.name, {"workload": dataclasses.asdict(cfg), "base_url": args.base_url,
                                                "model": args.model}, {args.base_url: (summary, results)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from loadtest.tools.stats import RequestResult
@@ -29,6 +30,20 @@ def write_report(out_dir: Path, name: str, config: dict,
             ax.grid(alpha=0.3)
             ax.legend()
     return json_path, png_path
+
+
+def save_report(out_dir: Path, name: str, report: dict, plot: Callable[[Path, dict], None] | None = None,
+                indent: int = 1) -> list[Path]:
+    """A benchmark's ``report`` as ``out_dir``/``name``.json and, given ``plot(path, report)``, its
+    figure as ``name``.png; prints and returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.json"]
+    paths[0].write_text(json.dumps(report, indent=indent))
+    if plot is not None:
+        paths.append(out_dir / f"{name}.png")
+        plot(paths[1], report)
+    print("wrote", *paths)
+    return paths
 
 
 def format_summary(label: str, s: dict) -> str:

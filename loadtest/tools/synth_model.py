@@ -62,6 +62,14 @@ class Shape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def step_linear_shapes(self) -> list[tuple[int, int]]:
+        """[out, in] of every decoder layer's linear weights as the engine fuses them (qkv, o,
+        gate_up, down), layer after layer: what one decode step streams before the LM head."""
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return [(qkv, self.hidden_size), (self.hidden_size, self.num_heads * self.head_dim),
+                (2 * self.intermediate_size, self.hidden_size),
+                (self.hidden_size, self.intermediate_size)] * self.num_layers
+
 
 SHAPES = {
     "llama-1b": Shape(2048, 16, 32, 8, 8192, 500000.0, tie_word_embeddings=True),

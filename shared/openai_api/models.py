@@ -8,7 +8,7 @@ is a 400 naming the parameter, never a 5xx.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Self, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, StrictBool, StrictInt, StrictStr,
                       field_validator, model_validator)
@@ -201,7 +201,30 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Sampling):
+class _ToolRequest(_Sampling):
+    """A request that may call tools (chat and Responses): the gateway sets the model's tool-call
+    format on it (``with_tool_format``) before ``tool_use`` reads it."""
+
+    _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: HERMES)  # the gateway's (``with_tool_format``)
+    _special_markers: tuple[str, ...] = PrivateAttr(default=())  # ``ToolUse.special_markers``
+
+    def tool_use(self) -> ToolUse:
+        """The request's tools and tool choice with the tool-call format set on it."""
+        raise NotImplementedError
+
+    def with_tool_format(self, fmt: ToolFormat, special_markers: tuple[str, ...] = ()) -> Self:
+        """This request with the model's tool-call format (``shared.openai_api.tool_formats``) and
+        those of its markers that are special tokens of the model's tokenizer."""
+        copy = self.model_copy()
+        copy._tool_format, copy._special_markers = fmt, special_markers
+        return copy
+
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        """none: answer in text; auto: the model may call; forced: it must (a grammar sees to it)."""
+        return self.tool_use().mode
+
+
+class ChatCompletionRequest(_ToolRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
@@ -216,8 +239,6 @@ class ChatCompletionRequest(_Sampling):
     verbosity: Literal["low", "medium", "high"] | None = None
     # extension, as vLLM: extra variables of the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, JsonValue] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
-    _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: HERMES)  # the gateway's (``with_tool_format``)
-    _special_markers: tuple[str, ...] = PrivateAttr(default=())  # ``ToolUse.special_markers``
 
     @model_validator(mode="before")
     @classmethod
@@ -252,17 +273,6 @@ class ChatCompletionRequest(_Sampling):
     def tool_use(self) -> ToolUse:
         return ToolUse(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False, self._tool_format,
                        self._special_markers)
-
-    def with_tool_format(self, fmt: ToolFormat, special_markers: tuple[str, ...] = ()) -> "ChatCompletionRequest":
-        """This request with the model's tool-call format (``shared.openai_api.tool_formats``) and
-        those of its markers that are special tokens of the model's tokenizer."""
-        copy = self.model_copy()
-        copy._tool_format, copy._special_markers = fmt, special_markers
-        return copy
-
-    def tool_mode(self) -> Literal["none", "auto", "forced"]:
-        """none: answer in text; auto: the model may call; forced: it must (a grammar sees to it)."""
-        return self.tool_use().mode
 
     def grammar(self) -> tuple[GrammarSpec, str] | None:
         """A forced call's grammar; else the format's (or ``guided_regex``); else, under ``auto``

@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, PrivateAttr, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
+from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
 
 from shared.openai_api import responses
 from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, ResponseHead, ToolCallStream,
@@ -21,9 +21,9 @@ from shared.openai_api.adapters import (ApiAdapter, Calls, Choice, Delta, Respon
                                         reasoning_token_ids)
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import RESPONSES_FIELDS
-from shared.openai_api.models import MAX_TOKEN_COUNT, JsonSchemaFormat, _Body, _Closed, _Sampling, refuse_media
+from shared.openai_api.models import MAX_TOKEN_COUNT, JsonSchemaFormat, _Body, _Closed, _ToolRequest, refuse_media
 from shared.openai_api.reasoning import ReasoningParser, Start
-from shared.openai_api.tool_formats import HERMES, ToolCallParser, ToolFormat
+from shared.openai_api.tool_formats import ToolCallParser
 from shared.openai_api.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall,
                                      ToolCallFunction, ToolUse)
 from shared.protocol.generate import GenerateRequest, GrammarSpec
@@ -146,7 +146,7 @@ class StreamOptions(_Closed):
     include_obfuscation: StrictBool | None = None  # accepted; events are not padded
 
 
-class ResponsesRequest(_Sampling):
+class ResponsesRequest(_ToolRequest):
     input: Union[StrictStr, list[InputItem]] = Field(min_length=1)
     instructions: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
@@ -161,8 +161,6 @@ class ResponsesRequest(_Sampling):
     previous_response_id: StrictStr | None = Field(None, min_length=1)
     conversation: Union[Annotated[StrictStr, Field(min_length=1)], ConversationParam] | None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
-    _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: HERMES)  # the gateway's (``with_tool_format``)
-    _special_markers: tuple[str, ...] = PrivateAttr(default=())  # ``ToolUse.special_markers``
 
     @model_validator(mode="before")
     @classmethod
@@ -193,16 +191,6 @@ class ResponsesRequest(_Sampling):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
         return ToolUse([t.as_tool() for t in self.tools or []], choice, self.parallel_tool_calls is not False,
                        self._tool_format, self._special_markers)
-
-    def with_tool_format(self, fmt: ToolFormat, special_markers: tuple[str, ...] = ()) -> "ResponsesRequest":
-        """This request with the model's tool-call format (``shared.openai_api.tool_formats``) and
-        those of its markers that are special tokens of the model's tokenizer."""
-        copy = self.model_copy()
-        copy._tool_format, copy._special_markers = fmt, special_markers
-        return copy
-
-    def tool_mode(self) -> Literal["none", "auto", "forced"]:
-        return self.tool_use().mode
 
     def check_combinations(self) -> None:
         choice, names = self.tool_choice, [t.name for t in self.tools or []]

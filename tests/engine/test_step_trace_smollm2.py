@@ -4,6 +4,7 @@ lower priority, not even one with a draft ready."""
 
 from __future__ import annotations
 
+from engine_steps import run_to_completion
 from loadtest.tools import step_trace
 from shared.engine import SamplingParams
 
@@ -30,9 +31,7 @@ def test_the_trace_accounts_for_every_prompt_and_prefill_steps_carry_no_lower_pr
     for i, ids in enumerate(chat_prompts[:2]):
         prompts[f"online-{i}"] = ids
         engine.add_request(f"online-{i}", ids, greedy, priority=0)
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps_run += 1
+    steps_run += run_to_completion(engine)
     engine.close()
 
     steps = step_trace.read(path)

@@ -7,7 +7,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import platform
 import time
+import uuid
 import urllib.request
 from pathlib import Path
 
@@ -52,6 +54,27 @@ def running_stack(spec, ready_timeout_s: float = 180.0):
             print("\n".join(lines))
 
 
+def stack_spec(state_dir: Path, prefix: str, nats_server, redis_server, **fields):
+    """A ``StackSpec`` on the session's nats-server and redis-server (conftest.py) that serves on a
+    free port, in a namespace of its own (``prefix`` and 8 random hex digits); ``fields`` the rest."""
+    from services.stack.stack import StackSpec
+
+    return StackSpec(state_dir=state_dir, port=0, namespace=f"{prefix}{uuid.uuid4().hex[:8]}",
+                     nats_url=nats_server.url, redis_url=redis_server.url, **fields)
+
+
+def require_nixl() -> None:
+    """At a test module's top: skips the module off Linux, where NIXL (nixl-cu12) is no dependency;
+    where it is one, a NIXL that does not import fails the module (TransferUnavailable says why)."""
+    import pytest
+
+    if platform.system() != "Linux":
+        pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
+    from shared.transfer.nixl import load_nixl
+
+    load_nixl()
+
+
 def child_lines(stack, name: str) -> list[str]:
     """The output lines of the stack's child ``name`` so far (as ``running_stack`` keeps them)."""
     return [line for line in stack.lines if line.startswith(f"{name}| ")]
@@ -63,8 +86,10 @@ def _exact(flags: dict[str, object]) -> dict[str, object]:
     return {**EXACT_PRECISION, **flags}
 
 
-def wait_for(predicate, timeout_s: float, what: str):
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` at the deadline."""
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy (which it returns); fail naming ``what``
+    at the deadline. Twenty seconds by default: long enough for a worker's load report (about one a
+    second) to show a change."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -130,10 +155,22 @@ def reference_engine(model: str, max_model_len: int, kv_cache_bytes: int):
         engine.shutdown()
 
 
+def reference_engine_fixture(model: str, max_model_len: int, kv_cache_bytes: int):
+    """A module-scoped ``engine`` fixture: ``reference_engine(...)`` once for the test module
+    (``engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 128 << 20)`` at its top level)."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="engine")
+    def engine():
+        with reference_engine(model, max_model_len, kv_cache_bytes) as e:
+            yield e
+
+    return engine
+
+
 def greedy_text(engine, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> str:
     """What the in-process engine generates greedily for ``prompt_ids``."""
     import asyncio
-    import uuid
 
     from shared.engine import SamplingParams
 

@@ -20,9 +20,8 @@ import uuid
 import openai
 import pytest
 from schema_check import violation
-from stack_helpers import cluster_status, running_stack, wait_for
+from stack_helpers import cluster_status, wait_for
 
-from services.stack.stack import StackSpec
 from shared.bus import Bus
 from shared.openai_api.stored.store import ResponseStore
 from shared.protocol import Subjects
@@ -42,19 +41,8 @@ CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "descrip
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, model=MODEL, port=0,
-                     namespace=f"a{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url,
-                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
-                                   "num_warmup_requests": 1})
-    with running_stack(spec, ready_timeout_s=180) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+def client(one_worker_stack):
+    return openai.OpenAI(base_url=one_worker_stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_responses_function_call_and_its_output_round_trip(client):
@@ -122,14 +110,14 @@ def test_a_forced_call_cut_off_by_max_tokens_is_never_a_call_with_arguments_that
     assert not any(c.delta.tool_calls for ch in chunks for c in ch.choices)
 
 
-def test_a_sweep_of_forced_calls_gives_only_calls_a_client_can_parse(stack):
+def test_a_sweep_of_forced_calls_gives_only_calls_a_client_can_parse(one_worker_stack):
     """A share of loadtest.tools.tool_sweep's grid (tool_choice required or named, parallel calls on
     and off, max_tokens 6 to 120, greedy and sampled, streamed and not): every call's arguments are
     a JSON object, no reply repeats a call, and a reply without calls was cut off by max_tokens.
     The whole sweep of 100 is run by hand (docs/api.md, Tool calls)."""
     from loadtest.tools.tool_sweep import sweep
 
-    tally = sweep(stack.base_url, MODEL, int(os.environ.get("TANDEM_TOOL_SWEEP_REQUESTS", "24")))
+    tally = sweep(one_worker_stack.base_url, MODEL, int(os.environ.get("TANDEM_TOOL_SWEEP_REQUESTS", "24")))
     print(json.dumps(tally.to_dict()))  # shown with -s
     assert not tally.bad, tally.bad
     assert tally.calls >= tally.requests // 4  # replies with room for a call made one (65 of 100 in the sweep)
@@ -145,7 +133,7 @@ def test_a_forced_call_without_additional_properties_has_only_the_schemas_keys(c
             assert set(json.loads(call.function.arguments)) == {"city"}
 
 
-def test_openai_agents_runs_an_agent_with_a_function_tool(stack):
+def test_openai_agents_runs_an_agent_with_a_function_tool(one_worker_stack):
     import agents  # a declared test dependency: missing, the test fails rather than skips
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
 
@@ -159,7 +147,7 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(stack):
         return f"Sunny in {city}"
 
     model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-        base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300))
+        base_url=one_worker_stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300))
     settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0)
     agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model=model,
                   model_settings=settings, tool_use_behavior="stop_on_first_tool")
@@ -190,32 +178,32 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(stack):
     assert len(asked) >= 4
 
 
-def test_openai_agents_runs_an_agent_given_only_the_model_name(stack):
+def test_openai_agents_runs_an_agent_given_only_the_model_name(one_worker_stack):
     """No model settings and no model object: the agent's defaults as openai-agents sends them for a
     model name (the client set as its default), answered as sent."""
     import agents  # a declared test dependency: missing, the test fails rather than skips
     from agents import Agent, Runner
 
     agents.set_tracing_disabled(True)
-    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused",
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=one_worker_stack.base_url + "/v1", api_key="unused",
                                                         max_retries=0, timeout=600), use_for_tracing=False)
     agent = Agent(name="helper", instructions="Answer with one word.", model=MODEL)
     result = asyncio.run(Runner.run(agent, "What is the capital of France?"))
     assert isinstance(result.final_output, str) and result.final_output.strip(), result.final_output
 
 
-def store_call(stack, call):
+def store_call(one_worker_stack, call):
     """``call(store)`` on a ResponseStore of its own on the stack's NATS (as another gateway's)."""
     async def main():
-        bus = await Bus.connect(stack.spec.nats_url, "test-reader")
+        bus = await Bus.connect(one_worker_stack.spec.nats_url, "test-reader")
         try:
-            return await call(await ResponseStore.open(bus, Subjects(stack.spec.namespace), ttl_s=60.0))
+            return await call(await ResponseStore.open(bus, Subjects(one_worker_stack.spec.namespace), ttl_s=60.0))
         finally:
             await bus.close()
     return asyncio.run(main())
 
 
-def test_stored_responses_chain_turns_and_are_deleted(stack, client):
+def test_stored_responses_chain_turns_and_are_deleted(one_worker_stack, client):
     first = client.responses.create(model=MODEL, input="My name is Ada. Say hello to me.", max_output_tokens=6,
                                     temperature=0, metadata={"run": "1"})
     assert client.responses.retrieve(first.id).output_text == first.output_text
@@ -236,7 +224,7 @@ def test_stored_responses_chain_turns_and_are_deleted(stack, client):
                                             max_output_tokens=4, temperature=0, stream=True))[-1].response
     assert client.responses.retrieve(streamed.id).output_text == streamed.output_text  # stored before it ended
 
-    last, conversation = store_call(stack, lambda store: store.conversation(second.id))
+    last, conversation = store_call(one_worker_stack, lambda store: store.conversation(second.id))
     assert last.id == second.id and len(conversation) == 4 and conversation[1]["role"] == "assistant"
 
     client.responses.delete(first.id)
@@ -254,7 +242,7 @@ def test_stored_responses_chain_turns_and_are_deleted(stack, client):
     assert info.value.body["param"] == "limit"
 
 
-def test_background_responses_are_polled_cancelled_and_failed_when_their_gateway_is_gone(stack, client):
+def test_background_responses_are_polled_cancelled_and_failed_when_their_gateway_is_gone(one_worker_stack, client):
     queued = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4, temperature=0,
                                      background=True)
     assert queued.status in ("queued", "in_progress") and queued.background
@@ -280,15 +268,16 @@ def test_background_responses_are_polled_cancelled_and_failed_when_their_gateway
         cancelled = {**json.loads(record.response), "status": "cancelled"}
         return await store.replace(current, record.model_copy(update={"status": "cancelled", "origin": None,
                                                                       "response": json.dumps(cancelled)}))
-    assert store_call(stack, cancel) is not None
-    wait_for(lambda: all(w["load"] and w["load"]["num_running"] == 0 for w in cluster_status(stack)["workers"]), 30,
+    assert store_call(one_worker_stack, cancel) is not None
+    wait_for(lambda: all(w["load"] and w["load"]["num_running"] == 0
+                         for w in cluster_status(one_worker_stack)["workers"]), 30,
              "the cancelled response to stop running on the worker")
     assert client.responses.retrieve(remote.id).status == "cancelled"
 
     orphan = StoredResponse(id="resp_orphan" + uuid.uuid4().hex[:8], created_at=1, status="in_progress",
                             response=json.dumps({**done.model_dump(), "id": "x", "status": "in_progress"}),
                             input_items="[]", background=True, origin="gw-gone" + uuid.uuid4().hex[:8])
-    store_call(stack, lambda store: store.create(orphan))
+    store_call(one_worker_stack, lambda store: store.create(orphan))
     failed = client.responses.retrieve(orphan.id)
     assert failed.status == "failed" and "stopped" in failed.error.message
 
@@ -333,7 +322,7 @@ def offline(monkeypatch):
     assert not refused, f"tried to reach {refused}"
 
 
-def test_langchain_chat_openai_binds_a_tool_and_answers_text(stack, offline):
+def test_langchain_chat_openai_binds_a_tool_and_answers_text(one_worker_stack, offline):
     """langchain-openai's ``ChatOpenAI`` as an agent uses it: ``bind_tools(..., tool_choice="any")``
     with the schema langchain writes (no ``additionalProperties``) answers every prompt with a call
     of the tool whose arguments fit that schema (the calls written whole before the token limit), the tool's
@@ -348,7 +337,7 @@ def test_langchain_chat_openai_binds_a_tool_and_answers_text(stack, offline):
         return f"Sunny in {city}"
 
     def chat(max_tokens: int) -> ChatOpenAI:  # parallel calls run to the limit: two whole calls fit in 40
-        return ChatOpenAI(base_url=stack.base_url + "/v1", api_key="unused", model=MODEL, temperature=0,
+        return ChatOpenAI(base_url=one_worker_stack.base_url + "/v1", api_key="unused", model=MODEL, temperature=0,
                           max_tokens=max_tokens, max_retries=0, timeout=300)
 
     llm = chat(40)
@@ -386,7 +375,7 @@ def test_langchain_chat_openai_binds_a_tool_and_answers_text(stack, offline):
 
 
 @pytest.mark.filterwarnings("ignore:Items? .* the `ReadOnly` qualifier:UserWarning")  # litellm's types, at import
-def test_litellm_completion_forces_a_tool_call_streamed_and_not(stack, offline, monkeypatch):
+def test_litellm_completion_forces_a_tool_call_streamed_and_not(one_worker_stack, offline, monkeypatch):
     """litellm's ``completion`` with an ``openai/`` model and ``api_base``: ``tool_choice: required``
     answers every prompt with calls of the declared tool (the first whole and fitting its schema;
     all of them when the output ended by itself), and once streamed. litellm fetches its model cost
@@ -396,8 +385,9 @@ def test_litellm_completion_forces_a_tool_call_streamed_and_not(stack, offline, 
     of litellm's. ``offline`` fails the test on any connection beyond loopback."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm  # after the cost-map setting: its import reads it
-    common = dict(model=f"openai/{MODEL}", api_base=stack.base_url + "/v1", api_key="unused", tools=[CHAT_WEATHER],
-                  tool_choice="required", temperature=0, max_tokens=40, num_retries=0, timeout=300)
+    common = dict(model=f"openai/{MODEL}", api_base=one_worker_stack.base_url + "/v1", api_key="unused",
+                  tools=[CHAT_WEATHER], tool_choice="required", temperature=0, max_tokens=40, num_retries=0,
+                  timeout=300)
     for prompt in FORCED_PROMPTS:
         reply = litellm.completion(messages=[{"role": "user", "content": prompt}], **common)
         choice = reply.choices[0]

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 
 import openai
 import pytest
 
-from services.stack.stack import StackSpec
-from stack_helpers import cluster_status, running_stack, wait_for
+from stack_helpers import cluster_status, running_stack, stack_spec, wait_for
 from test_role_flip import ENGINE, LONG_DOC, MODEL, engine, greedy, streamed  # noqa: F401 — fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
@@ -30,10 +28,8 @@ AUTOSCALE = {"autoscale": True, "autoscale_interval_s": 2.0, "autoscale_window_s
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("autoscale"), num_decode=2, model=MODEL, port=0,
-        namespace=f"a{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        registry_ttl_s=3.0, decode_flags={**ENGINE, "drain_timeout_s": 60})
+    spec = stack_spec(tmp_path_factory.mktemp("autoscale"), "a", nats_server, redis_server, num_decode=2, model=MODEL,
+                      registry_ttl_s=3.0, decode_flags={**ENGINE, "drain_timeout_s": 60})
     with running_stack(spec, ready_timeout_s=300) as s:
         passive = s.children.pop("autoscaler")  # the stack's own autoscaler only serves the view
         passive.terminate()

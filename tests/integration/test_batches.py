@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from services.stack.stack import StackSpec
-from stack_helpers import running_stack, spawn_ready_decode, wait_for
+from stack_helpers import running_stack, spawn_ready_decode, stack_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -31,14 +31,14 @@ PROMPTS = ["The capital of France is", "Two plus two equals", "The colour of the
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, num_gateways=2, model=MODEL, port=0,
-                     namespace=f"b{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-                     # a killed gateway's lines go to the other one after the ack wait
-                     gateway_flags={"max_file_bytes": MAX_FILE_BYTES, "batch_max_in_flight": 4,
-                                    "batch_ack_wait_s": 4, "batch_in_flight_beside_online": 1,
-                                    "batch_online_quiet_s": 0.5},
-                     decode_flags={"max_model_len": 512, "kv_cache_memory": "64MiB", "device": "cpu",
-                                   "num_warmup_requests": 1})
+    spec = stack_spec(tmp_path_factory.mktemp("stack"), "b", nats_server, redis_server, num_decode=1, num_gateways=2,
+                      model=MODEL,
+                      # a killed gateway's lines go to the other one after the ack wait
+                      gateway_flags={"max_file_bytes": MAX_FILE_BYTES, "batch_max_in_flight": 4,
+                                     "batch_ack_wait_s": 4, "batch_in_flight_beside_online": 1,
+                                     "batch_online_quiet_s": 0.5},
+                      decode_flags={"max_model_len": 512, "kv_cache_memory": "64MiB", "device": "cpu",
+                                    "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 

@@ -6,13 +6,10 @@ One stack (one decode worker) for every client."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
 from loadtest.tools import client_compat
-from services.stack.stack import StackSpec
-from stack_helpers import running_stack
 from test_agent_clients import offline  # noqa: F401 — fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
@@ -23,22 +20,11 @@ REQUIRED = {"openai (Python)", "openai-agents", "langchain-openai", "litellm", "
 REGENERATE = "python -m loadtest.tools.client_compat --start-tandem --readme"
 
 
-@pytest.fixture(scope="module")
-def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, model=MODEL, port=0,
-                     namespace=f"c{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url,
-                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
-                                   "num_warmup_requests": 1})
-    with running_stack(spec, ready_timeout_s=180) as s:
-        yield s
-
-
 @pytest.mark.filterwarnings("ignore:Items? .* the `ReadOnly` qualifier:UserWarning")  # litellm's types, at import
-def test_every_installed_client_passes_and_the_readme_table_is_this_runs(stack, offline):  # noqa: F811
+def test_every_installed_client_passes_and_the_readme_table_is_this_runs(one_worker_stack, offline):  # noqa: F811
     """Over a minute: the stack's start (about 40 s) and some 50 short requests from six clients, one
     after another (about a minute on an idle 2-core machine)."""
-    result = client_compat.run(client_compat.Target(stack.base_url, MODEL), client_compat.CLIENTS)
+    result = client_compat.run(client_compat.Target(one_worker_stack.base_url, MODEL), client_compat.CLIENTS)
     print(json.dumps(result, indent=2))  # shown with -s: versions, times and errors
     installed = {c["client"] for c in result["clients"] if c["installed"]}
     assert REQUIRED <= installed, f"not installed: {sorted(REQUIRED - installed)}"

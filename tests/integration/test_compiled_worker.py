@@ -7,14 +7,12 @@ from the cluster's artifacts (shared/engine/compiled/artifacts.py) and answers w
 
 from __future__ import annotations
 
-import uuid
 
 import openai
 import pytest
 
-from services.stack.stack import StackSpec
 from stack_helpers import (child_lines, cluster_status, greedy_text, reference_engine, running_stack,
-                           spawn_ready_decode, wait_for)
+                           spawn_ready_decode, stack_spec, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -29,10 +27,9 @@ def decode_steps(stack) -> dict[str, str | None]:
 
 def test_worker_serves_eagerly_then_compiled_with_the_same_text(nats_server, redis_server, tmp_path, monkeypatch):
     """Over a minute: two workers start one after the other, and the first compiles or loads its step."""
-    spec = StackSpec(state_dir=tmp_path, num_decode=1, model=MODEL, port=0, namespace=f"c{uuid.uuid4().hex[:8]}",
-                     nats_url=nats_server.url, redis_url=redis_server.url,
-                     decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB", "device": "cpu",
-                                   "num_warmup_requests": 1, "compile": "background"})
+    spec = stack_spec(tmp_path, "c", nats_server, redis_server, num_decode=1, model=MODEL,
+                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB", "device": "cpu",
+                                    "num_warmup_requests": 1, "compile": "background"})
     with reference_engine(MODEL, MAX_MODEL_LEN, 128 << 20) as engine, running_stack(spec) as stack:
         client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
         tok = engine.tokenizer

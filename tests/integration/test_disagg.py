@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import signal
 import threading
 import time
@@ -22,15 +21,9 @@ import openai
 import pytest
 
 from shared.protocol import RemotePrefillRequest, Subjects
-from services.stack.stack import StackSpec
-from stack_helpers import greedy_text, reference_engine, running_stack
+from stack_helpers import greedy_text, reference_engine_fixture, require_nixl, running_stack, stack_spec, wait_for
 
-if platform.system() != "Linux":
-    pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
-# where it is a dependency, NIXL that does not import fails every test here (TransferUnavailable says why)
-from shared.transfer.nixl import load_nixl  # noqa: E402
-
-load_nixl()
+require_nixl()
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -52,13 +45,11 @@ LONG_DOC = ("Tandem moves the KV cache of long prompts from prefill workers to d
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("disagg"), num_decode=1, num_prefill=1, model=MODEL, port=0,
-        namespace=f"d{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        registry_ttl_s=3.0,
-        decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": FALLBACK_S,
-                      "prefill_lease_s": LEASE_S, "drain_timeout_s": 10},
-        prefill_flags={**ENGINE, "ack_wait_s": ACK_WAIT_S, "drain_timeout_s": 10})
+    spec = stack_spec(tmp_path_factory.mktemp("disagg"), "d", nats_server, redis_server, num_decode=1, num_prefill=1,
+                      model=MODEL, registry_ttl_s=3.0,
+                      decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": FALLBACK_S,
+                                    "prefill_lease_s": LEASE_S, "drain_timeout_s": 10},
+                      prefill_flags={**ENGINE, "ack_wait_s": ACK_WAIT_S, "drain_timeout_s": 10})
     with running_stack(spec, ready_timeout_s=240) as s:
         yield s
 
@@ -68,11 +59,8 @@ def client(stack):
     return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=180)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    """The aggregated path's reference: the same engine in this process, prefilling locally."""
-    with reference_engine(MODEL, MAX_MODEL_LEN, 160 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 160 << 20)
+
 
 def greedy(engine, prompt_ids: list[int], max_tokens: int) -> str:
     return greedy_text(engine, prompt_ids, max_tokens)
@@ -92,17 +80,6 @@ def worker_load(stack, role: str) -> dict:
     view, loads = wait_for(read, what=f"a {role} worker's load report")
     assert len(loads) == 1, view
     return {**loads[0], "prefill_queue": view.get("prefill_queue")}
-
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    """Poll ``predicate`` (load reports arrive about once a second) until it returns a truthy value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def wait_for_decode_kv_freed(stack, timeout_s: float) -> dict:

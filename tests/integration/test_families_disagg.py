@@ -8,18 +8,16 @@ model's in-process engine prefilling locally (float32), prompts shorter and long
 from __future__ import annotations
 
 import platform
-import uuid
 
 import openai
 import pytest
 
-from services.stack.stack import StackSpec
-from stack_helpers import greedy_text, reference_engine, running_stack
+from stack_helpers import greedy_text, reference_engine, running_stack, stack_spec, wait_for
 
 if platform.system() != "Linux":
     pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
 
-from test_disagg import wait_for, worker_load  # noqa: E402 — NIXL checked there too
+from test_disagg import worker_load  # noqa: E402 — NIXL checked there too
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -50,11 +48,10 @@ def windowed_moe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory, windowed_moe):
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("families"), num_decode=1, num_prefill=1, model=str(windowed_moe),
-        port=0, namespace=f"f{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60},
-        prefill_flags=ENGINE)
+    spec = stack_spec(tmp_path_factory.mktemp("families"), "f", nats_server, redis_server, num_decode=1,
+                      num_prefill=1, model=str(windowed_moe),
+                      decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60},
+                      prefill_flags=ENGINE)
     with running_stack(spec, ready_timeout_s=240) as s:
         yield s
 

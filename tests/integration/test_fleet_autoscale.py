@@ -7,13 +7,11 @@ and the supervisor leaves it stopped; the decisions and their reasons show in ``
 
 from __future__ import annotations
 
-import uuid
 
 import openai
 import pytest
 
-from services.stack.stack import StackSpec
-from stack_helpers import child_lines, cluster_status, running_stack, wait_for
+from stack_helpers import child_lines, cluster_status, running_stack, stack_spec, wait_for
 from test_autoscaler import Load, check, short
 from test_role_flip import ENGINE, MODEL, engine  # noqa: F401 — fixture
 
@@ -35,11 +33,10 @@ DRAIN_TIMEOUT_S = 150.0
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("fleet"), num_decode=1, model=MODEL, port=0,
-        namespace=f"f{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        registry_ttl_s=3.0, decode_flags={**ENGINE, "max_num_seqs": 2, "num_threads": 1},
-        restart_children=True, autoscaler_flags=AUTOSCALER, fleet_drain_timeout_s=DRAIN_TIMEOUT_S)
+    spec = stack_spec(tmp_path_factory.mktemp("fleet"), "f", nats_server, redis_server, num_decode=1, model=MODEL,
+                      registry_ttl_s=3.0, decode_flags={**ENGINE, "max_num_seqs": 2, "num_threads": 1},
+                      restart_children=True, autoscaler_flags=AUTOSCALER,
+                      fleet_drain_timeout_s=DRAIN_TIMEOUT_S)
     with running_stack(spec, ready_timeout_s=300) as s:
         yield s
 

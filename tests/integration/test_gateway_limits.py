@@ -307,18 +307,16 @@ def test_a_stack_keeps_keys_off_gateway_command_lines_and_its_pages_behind_the_o
     import argparse  # noqa: PLC0415
     import urllib.error  # noqa: PLC0415
     import urllib.request  # noqa: PLC0415
-    import uuid  # noqa: PLC0415
 
     from services.commands.status import status_main  # noqa: PLC0415
-    from services.stack.stack import StackSpec  # noqa: PLC0415
-    from stack_helpers import running_stack  # noqa: PLC0415
+    from stack_helpers import running_stack, stack_spec  # noqa: PLC0415
 
     operator_key = tmp_path / "operator.key"
     operator_key.write_text("op-stack-key\n")
-    spec = StackSpec(state_dir=tmp_path / "stack", num_decode=0, num_gateways=2, model=DEFAULT_MODEL, port=0,
-                     namespace=f"k{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-                     gateway_flags={"api_keys": "sk-secret-1,sk-secret-2", "operator_key_file": str(operator_key)},
-                     metrics_key_file=str(operator_key))
+    spec = stack_spec(tmp_path / "stack", "k", nats_server, redis_server, num_decode=0, num_gateways=2,
+                      model=DEFAULT_MODEL,
+                      gateway_flags={"api_keys": "sk-secret-1,sk-secret-2", "operator_key_file": str(operator_key)},
+                      metrics_key_file=str(operator_key))
     with running_stack(spec, ready_timeout_s=120) as stack:
         gateways = [c for name, c in stack.children.items() if name.startswith("gateway")]
         assert len(gateways) == 2

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
-import uuid
 import urllib.request
 
 import pytest
 
-from services.stack.stack import StackSpec
 from shared.store import RedisKeys, connect
-from stack_helpers import cluster_status, running_stack, spawn_ready_decode, wait_for
+from stack_helpers import cluster_status, running_stack, spawn_ready_decode, stack_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -24,13 +22,12 @@ PROMPT = "Explain, step by step, how a steam engine turns heat into motion. " * 
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("tiers"), num_decode=1, model=MODEL, port=0,
-                     namespace=f"t{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url, registry_ttl_s=3.0, restart_children=False,
-                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
-                                   "num_warmup_requests": 1, "drain_timeout_s": 10,
-                                   "kv_disk_dir": str(tmp_path_factory.mktemp("kv-disk")),
-                                   "kv_disk_min_uses": 1})
+    spec = stack_spec(tmp_path_factory.mktemp("tiers"), "t", nats_server, redis_server, num_decode=1, model=MODEL,
+                      registry_ttl_s=3.0, restart_children=False,
+                      decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
+                                    "num_warmup_requests": 1, "drain_timeout_s": 10,
+                                    "kv_disk_dir": str(tmp_path_factory.mktemp("kv-disk")),
+                                    "kv_disk_min_uses": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 

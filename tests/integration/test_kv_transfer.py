@@ -7,7 +7,6 @@ block, at the wrong offset or in the wrong dtype fails.
 
 from __future__ import annotations
 
-import platform
 import uuid
 
 import pytest
@@ -18,13 +17,9 @@ from shared.transfer import (AgentMetadata, InMemoryMetadataStore, KVTransferFai
                              joint_runs)
 from shared.transfer.convert import convert_slab
 from kv_transfer_peer import PeerProcess, fill_pool, prefill_blocks
+from stack_helpers import require_nixl
 
-if platform.system() != "Linux":
-    pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
-# where it is a dependency, NIXL that does not import fails every test here (TransferUnavailable says why)
-from shared.transfer.nixl import load_nixl  # noqa: E402
-
-load_nixl()
+require_nixl()
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection
 
@@ -17,9 +16,9 @@ import pytest
 
 from loadtest.tools.harness import is_healthy
 from services.cli import main
-from services.stack.stack import StackSpec
 from services.stack.supervisor import Backoff
-from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
+from stack_helpers import (cluster_status, greedy_text, read_events, reference_engine_fixture, running_stack,
+                           stack_spec, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -29,20 +28,16 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("multi"), num_decode=1, num_gateways=2, num_admissions=2,
-                     model=MODEL, port=0, namespace=f"m{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url, registry_ttl_s=3.0, restart_children=True,
-                     restart_backoff=Backoff(initial_s=0.2, max_s=1.0),
-                     decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
-                                   "device": "cpu", "num_warmup_requests": 1})
+    spec = stack_spec(tmp_path_factory.mktemp("multi"), "m", nats_server, redis_server, num_decode=1, num_gateways=2,
+                      num_admissions=2, model=MODEL, registry_ttl_s=3.0, restart_children=True,
+                      restart_backoff=Backoff(initial_s=0.2, max_s=1.0),
+                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
+                                    "device": "cpu", "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 128 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 128 << 20)
 
 
 def completion(port: int, prompt: str, max_tokens: int, stream: bool = False, timeout_s: float = 120.0):

@@ -22,7 +22,7 @@ import pytest
 
 from shared.protocol import Subjects
 from services.stack.stack import StackSpec
-from stack_helpers import greedy_text, reference_engine, running_stack, wait_for
+from stack_helpers import greedy_text, reference_engine_fixture, running_stack, wait_for
 
 if platform.system() != "Linux":
     pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
@@ -53,10 +53,7 @@ def stack(tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 160 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 160 << 20)
 
 
 def status(stack) -> dict:

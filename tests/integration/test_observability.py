@@ -13,17 +13,15 @@ import json
 import math
 import platform
 import urllib.request
-import uuid
 from pathlib import Path
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
 from browser import chromium_page, find_chromium
-from stack_helpers import cluster_status, running_stack, tool_missing, wait_for
+from stack_helpers import cluster_status, running_stack, stack_spec, tool_missing, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -52,10 +50,9 @@ EXPECTED = {  # service → families it must export (beside process_* and tandem
 def stack(nats_server, redis_server, tmp_path_factory):
     if platform.system() != "Linux":
         pytest.skip("the prefill worker needs NIXL (nixl-cu12), a dependency on Linux only")
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("observability"), num_decode=1, num_prefill=1, model=MODEL, port=0,
-        namespace=f"o{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        registry_ttl_s=3.0, decode_flags={**ENGINE, "max_local_prefill_tokens": 64}, prefill_flags=ENGINE)
+    spec = stack_spec(tmp_path_factory.mktemp("observability"), "o", nats_server, redis_server, num_decode=1,
+                      num_prefill=1, model=MODEL, registry_ttl_s=3.0,
+                      decode_flags={**ENGINE, "max_local_prefill_tokens": 64}, prefill_flags=ENGINE)
     with running_stack(spec, ready_timeout_s=240) as s:
         yield s
 

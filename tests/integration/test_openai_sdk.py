@@ -14,8 +14,7 @@ import uuid
 import openai
 import pytest
 
-from services.stack.stack import StackSpec
-from stack_helpers import cluster_status, read_events, running_stack, wait_for
+from stack_helpers import cluster_status, read_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -24,23 +23,12 @@ PROMPT = "The three primary colours are"
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, model=MODEL, port=0,
-                     namespace=f"o{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url,
-                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
-                                   "num_warmup_requests": 1})
-    with running_stack(spec, ready_timeout_s=180) as s:
-        yield s
+def client(one_worker_stack):
+    return openai.OpenAI(base_url=one_worker_stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def post(stack, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(stack.base_url + path, data=json.dumps(body).encode(), method="POST",
+def post(one_worker_stack, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(one_worker_stack.base_url + path, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
@@ -63,23 +51,23 @@ REFUSED = [("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"
 
 
 @pytest.mark.parametrize("path,fields,param", REFUSED, ids=[r[2] for r in REFUSED])
-def test_refused_parameters_are_400_naming_them(stack, path, fields, param):
+def test_refused_parameters_are_400_naming_them(one_worker_stack, path, fields, param):
     base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
-    status, body = post(stack, path, {"model": MODEL, **base, **fields})
+    status, body = post(one_worker_stack, path, {"model": MODEL, **base, **fields})
     assert status == 400 and body["error"]["param"] == param, body
 
 
-def test_model_omitted_models_by_id_and_tokenize(stack, client):
-    status, body = post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+def test_model_omitted_models_by_id_and_tokenize(one_worker_stack, client):
+    status, body = post(one_worker_stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
     assert status == 200 and body["model"] == MODEL, body
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-9")
     assert info.value.body["param"] == "model"
-    status, tokens = post(stack, "/tokenize", {"prompt": PROMPT})
+    status, tokens = post(one_worker_stack, "/tokenize", {"prompt": PROMPT})
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 1024
-    assert post(stack, "/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": PROMPT})
-    status, chat = post(stack, "/tokenize", {"messages": [{"role": "user", "content": PROMPT}]})
+    assert post(one_worker_stack, "/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": PROMPT})
+    status, chat = post(one_worker_stack, "/tokenize", {"messages": [{"role": "user", "content": PROMPT}]})
     assert status == 200 and chat["count"] > tokens["count"]
 
 
@@ -106,10 +94,10 @@ def test_echo_returns_the_prompt_first(client):
     assert comp.choices[0].text.startswith(PROMPT) and len(comp.choices[0].text) > len(PROMPT)
 
 
-def test_logit_bias_minus_100_bans_a_token(stack, client):
+def test_logit_bias_minus_100_bans_a_token(one_worker_stack, client):
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0)
     banned_text = plain.choices[0].logprobs.tokens[0]
-    banned_id = post(stack, "/tokenize", {"prompt": banned_text})[1]["tokens"]
+    banned_id = post(one_worker_stack, "/tokenize", {"prompt": banned_text})[1]["tokens"]
     assert len(banned_id) == 1, banned_id
     for temperature in (0.0, 1.0, 1.0):
         comp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=temperature,
@@ -117,19 +105,19 @@ def test_logit_bias_minus_100_bans_a_token(stack, client):
         assert banned_text not in comp.choices[0].logprobs.tokens, comp.choices[0].logprobs.tokens
 
 
-def cached_prompt_tokens(stack) -> int:
-    return sum(w["load"]["num_cached_prompt_tokens_total"] for w in cluster_status(stack)["workers"]
+def cached_prompt_tokens(one_worker_stack) -> int:
+    return sum(w["load"]["num_cached_prompt_tokens_total"] for w in cluster_status(one_worker_stack)["workers"]
                if w["load"] and w["info"]["role"] == "decode")
 
 
-def test_n_greedy_choices_are_identical_and_share_the_prompt_blocks(stack, client):
-    workers = wait_for(lambda: [w for w in cluster_status(stack)["workers"] if w["load"]], 30,
+def test_n_greedy_choices_are_identical_and_share_the_prompt_blocks(one_worker_stack, client):
+    workers = wait_for(lambda: [w for w in cluster_status(one_worker_stack)["workers"] if w["load"]], 30,
                        "the decode worker and its load in /status")
     block_size = workers[0]["info"]["block_size"]
     prompt = f"{uuid.uuid4().hex} " + "Tell me a story about a cat and a dog. " * 12
-    num_prompt = post(stack, "/tokenize", {"prompt": prompt})[1]["count"]
+    num_prompt = post(one_worker_stack, "/tokenize", {"prompt": prompt})[1]["count"]
     full_block_tokens = (num_prompt - 1) // block_size * block_size  # the last token is always computed
-    before = cached_prompt_tokens(stack)
+    before = cached_prompt_tokens(one_worker_stack)
     comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=3,
                                      extra_body={"ignore_eos": True})
     assert [c.index for c in comp.choices] == [0, 1, 2]
@@ -137,12 +125,12 @@ def test_n_greedy_choices_are_identical_and_share_the_prompt_blocks(stack, clien
     assert comp.usage.prompt_tokens == num_prompt  # counted once, as at OpenAI
     assert comp.usage.completion_tokens == 18
     # choices 1 and 2 read choice 0's prompt blocks from the prefix cache instead of computing them
-    wait_for(lambda: cached_prompt_tokens(stack) - before >= 2 * full_block_tokens, 30,
+    wait_for(lambda: cached_prompt_tokens(one_worker_stack) - before >= 2 * full_block_tokens, 30,
              f"2 x {full_block_tokens} cached prompt tokens (from {before})")
 
 
-def test_n_choices_stream_with_their_index(stack):
-    req = urllib.request.Request(stack.base_url + "/v1/chat/completions", method="POST", data=json.dumps({
+def test_n_choices_stream_with_their_index(one_worker_stack):
+    req = urllib.request.Request(one_worker_stack.base_url + "/v1/chat/completions", method="POST", data=json.dumps({
         "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "n": 3, "stream": True,
         "seed": 1}).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:

@@ -27,9 +27,8 @@ import uuid
 
 import openai
 import pytest
-from stack_helpers import cluster_status, running_stack, wait_for
+from stack_helpers import cluster_status, running_stack, stack_spec, wait_for
 
-from services.stack.stack import StackSpec
 from shared.bus import Bus
 from shared.openai_api.batch.store import FileStore
 from shared.openai_api.stored.store import ResponseStore
@@ -57,13 +56,12 @@ def stack(nats_server, redis_server, tmp_path_factory):
     state = tmp_path_factory.mktemp("owners")
     (state / "qos.yaml").write_text(QOS)
     api_keys = f"{KEYS['a']},{KEYS['b']},{KEYS['tight']}:tight,{KEYS['low']}:low"
-    spec = StackSpec(state_dir=state, num_decode=1, model=MODEL, port=0, namespace=f"o{uuid.uuid4().hex[:8]}",
-                     nats_url=nats_server.url, redis_url=redis_server.url,
-                     gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys, "batch_max_in_flight": 2,
-                                    "background_retry_max_wait_s": MAX_RETRY_WAIT_S},
-                     admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": SHED_HOLD_S},
-                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
-                                   "num_warmup_requests": 1})
+    spec = stack_spec(state, "o", nats_server, redis_server, num_decode=1, model=MODEL,
+                      gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys, "batch_max_in_flight": 2,
+                                     "background_retry_max_wait_s": MAX_RETRY_WAIT_S},
+                      admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": SHED_HOLD_S},
+                      decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
+                                    "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 

@@ -13,15 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import platform
-import time
-import uuid
 from urllib.request import urlopen
 
 import pytest
 
 from shared.protocol import KvSource
-from services.stack.stack import StackSpec
-from stack_helpers import greedy_text, reference_engine, running_stack
+from stack_helpers import greedy_text, reference_engine_fixture, running_stack, stack_spec, wait_for
 
 if platform.system() != "Linux":
     pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
@@ -43,36 +40,23 @@ DOC = ("A steam engine boils water in a closed boiler; the steam pushes a piston
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("phases"), num_decode=2, num_prefill=1, model=MODEL, port=0,
-        namespace=f"ph{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60,
-                      "kv_write_timeout_s": 20, "prefill_lease_s": 40},
-        prefill_flags={**ENGINE, "tensor_parallel_size": 3},
-        worker_flags={"decode-2": {"tensor_parallel_size": 3}})
+    spec = stack_spec(tmp_path_factory.mktemp("phases"), "ph", nats_server, redis_server, num_decode=2, num_prefill=1,
+                      model=MODEL,
+                      decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60,
+                                    "kv_write_timeout_s": 20, "prefill_lease_s": 40},
+                      prefill_flags={**ENGINE, "tensor_parallel_size": 3},
+                      worker_flags={"decode-2": {"tensor_parallel_size": 3}})
     with running_stack(spec, ready_timeout_s=300) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 160 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 160 << 20)
 
 
 def worker_load(stack, worker_id: str) -> dict | None:
     with urlopen(stack.base_url + "/status", timeout=10) as resp:
         view = json.load(resp)
     return next((w["load"] for w in view["workers"] if w["info"]["worker_id"] == worker_id and w["load"]), None)
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @pytest.mark.parametrize("decode", ["decode-1", "decode-2"], ids=["prefill-tp3-to-decode-tp1",

@@ -10,7 +10,6 @@ client would), and admission is asked directly which worker it would name as the
 from __future__ import annotations
 
 import asyncio
-import platform
 import uuid
 
 import pytest
@@ -18,14 +17,10 @@ import pytest
 from shared.bus import Bus
 from shared.kvcache.hashing import hash_blocks
 from shared.protocol import GenerateRequest, KvFetchRequest, KvSource, SamplingParams, Subjects
-from services.stack.stack import StackSpec
-from stack_helpers import cluster_status, greedy_text, reference_engine, running_stack, wait_for
+from stack_helpers import (cluster_status, greedy_text, reference_engine_fixture, require_nixl, running_stack,
+                           stack_spec, wait_for)
 
-if platform.system() != "Linux":
-    pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
-from shared.transfer.nixl import load_nixl  # noqa: E402
-
-load_nixl()
+require_nixl()
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -39,17 +34,13 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("fetch"), num_decode=2, model=MODEL, port=0,
-                     namespace=f"f{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-                     registry_ttl_s=3.0, decode_flags={**ENGINE, "drain_timeout_s": 10})
+    spec = stack_spec(tmp_path_factory.mktemp("fetch"), "f", nats_server, redis_server, num_decode=2, model=MODEL,
+                      registry_ttl_s=3.0, decode_flags={**ENGINE, "drain_timeout_s": 10})
     with running_stack(spec, ready_timeout_s=240) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 160 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 160 << 20)
 
 
 def request(engine, text: str, **update) -> GenerateRequest:

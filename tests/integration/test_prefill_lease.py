@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.request import urlopen
 
 import openai
 import pytest
 
-from services.stack.stack import StackSpec
-from stack_helpers import greedy_text, reference_engine, running_stack, wait_for
+from stack_helpers import greedy_text, reference_engine_fixture, require_nixl, running_stack, stack_spec, wait_for
 
-if platform.system() != "Linux":
-    pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
-from shared.transfer.nixl import load_nixl  # noqa: E402
-
-load_nixl()
+require_nixl()
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -44,12 +37,10 @@ LONG_DOC = ("Tandem moves the KV cache of long prompts from prefill workers to d
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("lease"), num_decode=1, num_prefill=1, model=MODEL, port=0,
-        namespace=f"l{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        registry_ttl_s=3.0,
-        decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": FALLBACK_S},
-        prefill_flags={**ENGINE, "ack_wait_s": 3.0})
+    spec = stack_spec(tmp_path_factory.mktemp("lease"), "l", nats_server, redis_server, num_decode=1, num_prefill=1,
+                      model=MODEL, registry_ttl_s=3.0,
+                      decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": FALLBACK_S},
+                      prefill_flags={**ENGINE, "ack_wait_s": 3.0})
     with running_stack(spec, ready_timeout_s=240) as s:
         yield s
 
@@ -59,10 +50,7 @@ def client(stack):
     return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=FALLBACK_S)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 160 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 160 << 20)
 
 
 def decode_load(stack) -> dict:

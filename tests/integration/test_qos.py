@@ -18,15 +18,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 
 from loadtest.tools import sse
 from shared.policy.admission import Inflow
-from services.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
-from stack_helpers import running_stack
+from stack_helpers import running_stack, stack_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -47,14 +45,13 @@ def stack(nats_server, redis_server, tmp_path_factory):
     state = tmp_path_factory.mktemp("qos")
     (state / "qos.yaml").write_text(QOS)
     api_keys = ",".join(f"{key}:{tier}" for tier, key in KEYS.items())
-    spec = StackSpec(state_dir=state, num_decode=1, model=MODEL, port=0, namespace=f"q{uuid.uuid4().hex[:8]}",
-                     nats_url=nats_server.url, redis_url=redis_server.url, registry_ttl_s=3.0,
-                     # eager steps: a background compile (a cold cache) would share the CPU with the
-                     # prompts whose TTFT the tests compare with admission's predictions
-                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "128MiB", "device": "cpu",
-                                   "num_warmup_requests": 2, "max_num_seqs": 1, "compile": "off"},
-                     gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys},
-                     admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": 600, "log_level": "DEBUG"})
+    spec = stack_spec(state, "q", nats_server, redis_server, num_decode=1, model=MODEL, registry_ttl_s=3.0,
+                      # eager steps: a background compile (a cold cache) would share the CPU with the
+                      # prompts whose TTFT the tests compare with admission's predictions
+                      decode_flags={"max_model_len": 1024, "kv_cache_memory": "128MiB", "device": "cpu",
+                                    "num_warmup_requests": 2, "max_num_seqs": 1, "compile": "off"},
+                      gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys},
+                      admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": 600, "log_level": "DEBUG"})
     with running_stack(spec, ready_timeout_s=180) as s:
         # warm-up's rate is kept apart (admission's until real prompts measure one): one request
         # measures the worker's
@@ -66,15 +63,6 @@ def stack(nats_server, redis_server, tmp_path_factory):
         assert decode_load(s)["output_tokens_recent"] == 1  # the request's one output token
         assert decode_load(s)["output_tokens_recent_by_priority"] == {"0": 1}  # by its priority (premium)
         yield s
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def outlast_inflow_window() -> None:

@@ -18,15 +18,13 @@ import dataclasses
 import random
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 
 from loadtest.tools.runner import run_openai
 from loadtest.tools.workload import WorkloadConfig, build_workload
-from services.stack.stack import StackSpec
 from shared.telemetry.measure import percentile
-from stack_helpers import running_stack, wait_for
+from stack_helpers import running_stack, stack_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -51,12 +49,10 @@ def stack(nats_server, redis_server, tmp_path_factory):
     qos = state / "qos.yaml"
     qos.write_text(qos_yaml(None))
     keys = ",".join(f"{key}:{tier}" for tier, key in KEYS.items())
-    spec = StackSpec(
-        state_dir=state, num_decode=1, model=MODEL, port=0, namespace=f"o{uuid.uuid4().hex[:8]}",
-        nats_url=nats_server.url, redis_url=redis_server.url,
-        decode_flags={"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8},
-        gateway_flags={"qos": str(qos), "api_keys": keys, "request_timeout_s": REQUEST_TIMEOUT_S},
-        admission_flags={"qos": str(qos)})
+    spec = stack_spec(state, "o", nats_server, redis_server, num_decode=1, model=MODEL,
+                      decode_flags={"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8},
+                      gateway_flags={"qos": str(qos), "api_keys": keys, "request_timeout_s": REQUEST_TIMEOUT_S},
+                      admission_flags={"qos": str(qos)})
     with running_stack(spec, ready_timeout_s=300) as s:
         s.qos_path = qos
         yield s

@@ -17,8 +17,7 @@ import openai
 import pytest
 
 from shared.protocol import ControlRequest, Subjects
-from services.stack.stack import StackSpec
-from stack_helpers import cluster_status, running_stack, wait_for
+from stack_helpers import cluster_status, running_stack, stack_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -35,10 +34,8 @@ LONG_DOC = ("A prefill worker computes the keys and values of a long prompt and 
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("flip"), num_decode=2, model=MODEL, port=0,
-        namespace=f"f{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        registry_ttl_s=3.0,
+    spec = stack_spec(
+        tmp_path_factory.mktemp("flip"), "f", nats_server, redis_server, num_decode=2, model=MODEL, registry_ttl_s=3.0,
         # every uncached prompt goes remote whenever a prefill worker is listed
         decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60, "drain_timeout_s": 60})
     with running_stack(spec, ready_timeout_s=300) as s:

@@ -22,8 +22,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from services.stack.stack import StackSpec
-from stack_helpers import cluster_status, running_stack, wait_for
+from stack_helpers import cluster_status, running_stack, stack_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -50,13 +49,12 @@ def stack(nats_server, redis_server, tmp_path_factory):
     state = tmp_path_factory.mktemp("service_tier")
     (state / "qos.yaml").write_text(QOS)
     api_keys = ",".join(f"{key}:{tier}" for tier, key in KEYS.items())
-    spec = StackSpec(state_dir=state, num_decode=1, model=MODEL, port=0, namespace=f"st{uuid.uuid4().hex[:8]}",
-                     nats_url=nats_server.url, redis_url=redis_server.url,
-                     gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys,
-                                    "flex_max_wait_s": FLEX_MAX_WAIT_S},
-                     admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": SHED_HOLD_S},
-                     decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
-                                   "num_warmup_requests": 1})
+    spec = stack_spec(state, "st", nats_server, redis_server, num_decode=1, model=MODEL,
+                      gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys,
+                                     "flex_max_wait_s": FLEX_MAX_WAIT_S},
+                      admission_flags={"qos": str(state / "qos.yaml"), "shed_hold_s": SHED_HOLD_S},
+                      decode_flags={"max_model_len": 1024, "kv_cache_memory": "64MiB", "device": "cpu",
+                                    "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import Callable
 
 import aiohttp
@@ -149,12 +148,10 @@ async def test_a_stack_of_two_gateways_admits_one_limit_per_key_on_every_endpoin
         nats_server, redis_server, tmp_path):
     """``tandem up --gateways 2`` passes its Redis to both gateways; a key alternating between
     them gets one limit, for tokenizing and for uploads and lists alike."""
-    from services.stack.stack import StackSpec  # noqa: PLC0415
-    from stack_helpers import running_stack  # noqa: PLC0415
+    from stack_helpers import running_stack, stack_spec  # noqa: PLC0415
 
-    spec = StackSpec(state_dir=tmp_path / "stack", num_decode=0, num_gateways=2, model=DEFAULT_MODEL, port=0,
-                     namespace=f"r{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-                     gateway_flags={**LIMITS, "rate_limit_redis_timeout_s": 2.0})
+    spec = stack_spec(tmp_path / "stack", "r", nats_server, redis_server, num_decode=0, num_gateways=2,
+                      model=DEFAULT_MODEL, gateway_flags={**LIMITS, "rate_limit_redis_timeout_s": 2.0})
     with running_stack(spec, ready_timeout_s=120) as stack:
         urls = stack.base_urls
         assert len(urls) == 2

@@ -19,12 +19,11 @@ import pytest
 
 from shared.kvcache.hashing import hash_blocks, make_namespace
 from shared.protocol import Subjects
-from services.stack.stack import StackSpec
 from services.stack.waiting import wait_until
 from shared.store import KvIndexStore, RedisKeys, connect
 from shared.telemetry.metrics import sample_total
-from stack_helpers import (decode_states, greedy_text, read_events, reference_engine, running_stack,
-                           spawn_ready_decode, wait_for)
+from stack_helpers import (decode_states, greedy_text, read_events, reference_engine_fixture, running_stack,
+                           spawn_ready_decode, stack_spec, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -35,12 +34,11 @@ TTL_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=2, model=MODEL, port=0,
-                     namespace=f"s{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url, registry_ttl_s=TTL_S,
-                     decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
-                                   "device": "cpu", "num_warmup_requests": 2, "drain_timeout_s": 60},
-                     admission_flags={"log_level": "DEBUG"})
+    spec = stack_spec(tmp_path_factory.mktemp("stack"), "s", nats_server, redis_server, num_decode=2, model=MODEL,
+                      registry_ttl_s=TTL_S,
+                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
+                                    "device": "cpu", "num_warmup_requests": 2, "drain_timeout_s": 60},
+                      admission_flags={"log_level": "DEBUG"})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 
@@ -50,10 +48,8 @@ def client(stack):
     return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 128 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 128 << 20)
+
 
 def http(stack, method, path, body: bytes | None = None, headers=None):
     req = urllib.request.Request(stack.base_url + path, data=body, method=method,

@@ -11,13 +11,11 @@ import json
 import threading
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 
-from services.stack.stack import StackSpec
 from shared.telemetry.metrics import sample_total
-from stack_helpers import running_stack, wait_for
+from stack_helpers import running_stack, stack_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -44,12 +42,11 @@ def stack(nats_server, redis_server, tmp_path_factory):
     state = tmp_path_factory.mktemp("startup")
     (state / "qos.yaml").write_text(QOS)
     api_keys = ",".join(f"{key}:{tier}" for tier, key in KEYS.items())
-    spec = StackSpec(state_dir=state, num_decode=1, model=MODEL, port=0, namespace=f"s{uuid.uuid4().hex[:8]}",
-                     nats_url=nats_server.url, redis_url=redis_server.url,
-                     decode_flags={"max_model_len": 2048, "kv_cache_memory": "256MiB", "device": "cpu",
-                                   "num_warmup_requests": 2},
-                     gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys},
-                     admission_flags={"qos": str(state / "qos.yaml")})
+    spec = stack_spec(state, "s", nats_server, redis_server, num_decode=1, model=MODEL,
+                      decode_flags={"max_model_len": 2048, "kv_cache_memory": "256MiB", "device": "cpu",
+                                    "num_warmup_requests": 2},
+                      gateway_flags={"qos": str(state / "qos.yaml"), "api_keys": api_keys},
+                      admission_flags={"qos": str(state / "qos.yaml")})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import signal
-import urllib.error
-import urllib.request
-import uuid
 from http.client import HTTPConnection
 
 import pytest
 
 from services.commands.status import format_status
 from shared.protocol.status import StatusPage
-from services.stack.stack import StackSpec
 from services.stack.supervisor import Backoff
-from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, wait_for
+from stack_helpers import (cluster_status, greedy_text, read_events, reference_engine_fixture, running_stack,
+                           stack_spec, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -32,20 +29,17 @@ RESTART_TIMEOUT_S = 240.0  # a replacement decode worker loads the model and war
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("supervised"), num_decode=1, model=MODEL, port=0,
-                     namespace=f"r{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url, registry_ttl_s=TTL_S, restart_children=True,
-                     restart_backoff=Backoff(initial_s=0.2, max_s=1.0),
-                     decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
-                                   "device": "cpu", "num_warmup_requests": 1})
+    spec = stack_spec(tmp_path_factory.mktemp("supervised"), "r", nats_server, redis_server, num_decode=1,
+                      model=MODEL, registry_ttl_s=TTL_S, restart_children=True,
+                      restart_backoff=Backoff(initial_s=0.2, max_s=1.0),
+                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "128MiB",
+                                    "device": "cpu", "num_warmup_requests": 1})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 128 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 128 << 20)
+
 
 def greedy_reference(engine, prompt: str, max_tokens: int) -> str:
     return greedy_text(engine, engine.tokenizer.encode(prompt), max_tokens, ignore_eos=True)

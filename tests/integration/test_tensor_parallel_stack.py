@@ -16,8 +16,8 @@ import pytest
 from services.up.config import UpSettings
 from services.up.service import spec_from_settings
 from shared.model.shm_collectives import is_alive
-from services.stack.stack import StackSpec
-from stack_helpers import cluster_status, greedy_text, read_events, reference_engine, running_stack, spawn_ready_decode, wait_for
+from stack_helpers import (cluster_status, greedy_text, read_events, reference_engine_fixture, running_stack,
+                           spawn_ready_decode, stack_spec, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -28,19 +28,15 @@ TTL_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory):
-    spec = StackSpec(state_dir=tmp_path_factory.mktemp("stack"), num_decode=1, model=MODEL, port=0,
-                     namespace=f"tp{uuid.uuid4().hex[:8]}", nats_url=nats_server.url,
-                     redis_url=redis_server.url, registry_ttl_s=TTL_S,
-                     decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "64MiB",
-                                   "device": "cpu", "num_warmup_requests": 1, "drain_timeout_s": 30})
+    spec = stack_spec(tmp_path_factory.mktemp("stack"), "tp", nats_server, redis_server, num_decode=1, model=MODEL,
+                      registry_ttl_s=TTL_S,
+                      decode_flags={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "64MiB",
+                                    "device": "cpu", "num_warmup_requests": 1, "drain_timeout_s": 30})
     with running_stack(spec, ready_timeout_s=180) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with reference_engine(MODEL, MAX_MODEL_LEN, 64 << 20) as e:
-        yield e
+engine = reference_engine_fixture(MODEL, MAX_MODEL_LEN, 64 << 20)
 
 
 def worker_info(stack, worker_id: str) -> dict | None:

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import platform
 import secrets
 import uuid
 
 import pytest
 
-from services.stack.stack import StackSpec
 from shared.telemetry.phases import TOTAL, parse_server_timing
 from otlp_receiver import OtlpReceiver, ReceivedSpan
-from stack_helpers import running_stack, wait_for
+from stack_helpers import running_stack, stack_spec, wait_for
 
 if platform.system() != "Linux":
     pytest.skip("remote prefill needs NIXL (nixl-cu12), a dependency on Linux only", allow_module_level=True)
@@ -49,11 +47,10 @@ def receiver():
 def stack(nats_server, redis_server, receiver, tmp_path_factory):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
            "OTEL_BSP_SCHEDULE_DELAY": "100", "TANDEM_LOG_FORMAT": "json"}
-    spec = StackSpec(
-        state_dir=tmp_path_factory.mktemp("tracing"), num_decode=1, num_prefill=1, model=MODEL, port=0,
-        namespace=f"t{uuid.uuid4().hex[:8]}", nats_url=nats_server.url, redis_url=redis_server.url,
-        registry_ttl_s=3.0, decode_flags={**ENGINE, "max_local_prefill_tokens": MAX_LOCAL_PREFILL},
-        prefill_flags=ENGINE)
+    spec = stack_spec(tmp_path_factory.mktemp("tracing"), "t", nats_server, redis_server, num_decode=1, num_prefill=1,
+                      model=MODEL, registry_ttl_s=3.0,
+                      decode_flags={**ENGINE, "max_local_prefill_tokens": MAX_LOCAL_PREFILL},
+                      prefill_flags=ENGINE)
     with pytest.MonkeyPatch.context() as mp:  # the children inherit this process's environment
         for key, value in env.items():
             mp.setenv(key, value)

@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from shared.openai_api.adapters import ChatAdapter
 from shared.openai_api.errors import ApiError
 from shared.openai_api.tokenize import TokenizeRequest, tokenize
-from shared.tokenizer import Tokenizer
+from word_tokens import word_tokenizer
 
 WORDS = ["<unk>", "user", "assistant", ":", "hi", "<think>", "</think>"]
 # Qwen3's switch: with enable_thinking false the generation prompt holds an empty reasoning
@@ -25,15 +22,9 @@ QWEN3_LIKE = ("{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def word_tokenizer(template: str = QWEN3_LIKE) -> Tokenizer:
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=template)
-
-
 def chat(**fields) -> ChatAdapter:
     body = {"model": "m", "messages": MESSAGES, **fields}
-    return ChatAdapter.from_json(json.dumps(body).encode(), word_tokenizer())
+    return ChatAdapter.from_json(json.dumps(body).encode(), word_tokenizer(WORDS, QWEN3_LIKE))
 
 
 def text_of(api: ChatAdapter) -> str:
@@ -44,7 +35,7 @@ def test_the_kwargs_reach_the_template():
     assert text_of(chat()) == "user : hi assistant :"
     assert text_of(chat(chat_template_kwargs={"enable_thinking": True})) == "user : hi assistant :"
     assert text_of(chat(chat_template_kwargs={"enable_thinking": False})) == "user : hi assistant : <think> </think>"
-    tokenizer = word_tokenizer()
+    tokenizer = word_tokenizer(WORDS, QWEN3_LIKE)
     assert tokenizer.apply_chat_template(MESSAGES, extra_variables={"enable_thinking": False}).endswith("</think>")
     with pytest.raises(ValueError, match="messages"):  # the tokenizer guards its own variables too
         tokenizer.apply_chat_template(MESSAGES, extra_variables={"messages": []})
@@ -82,7 +73,7 @@ def test_completions_refuse_the_field():
 
 
 def test_tokenize_takes_the_kwargs_for_messages():
-    tokenizer = word_tokenizer()
+    tokenizer = word_tokenizer(WORDS, QWEN3_LIKE)
 
     def count(**fields) -> int:
         return tokenize(TokenizeRequest(**fields), tokenizer, None, max_chars=10_000)["count"]
@@ -103,7 +94,7 @@ async def test_the_gateway_answers_a_collision_with_an_openai_error():
     from services.gateway.server import errors_middleware
 
     async def completions(request: web.Request) -> web.Response:
-        ChatAdapter.from_json(await request.read(), word_tokenizer())
+        ChatAdapter.from_json(await request.read(), word_tokenizer(WORDS, QWEN3_LIKE))
         return web.json_response({})
 
     app = web.Application(middlewares=[errors_middleware(lambda status: None)])

@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from services.join.service import read_connect_file
 from services.up.service import write_connect_file
@@ -22,17 +19,15 @@ from shared.openai_api.generate_request import build_generate_request, build_tex
 from shared.protocol import GenerateRequest, TokenChunk, WorkerInfo
 from services.stack.stack import Stack, StackSpec
 from shared.tokenizer import Tokenizer
+from word_tokens import word_tokenizer
 
 WORDS = ["<unk>", "</s>", "<|im_end|>", "user", "assistant", ":", "hello", "world"]
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    backend.add_special_tokens(["</s>", "<|im_end|>"])
-    return Tokenizer(backend, bos_token=None, eos_token="</s>", chat_template="",
-                     extra_stop_token_ids=[2])
+    return word_tokenizer(WORDS, "", special_tokens=("</s>", "<|im_end|>"), eos_token="</s>",
+                          extra_stop_token_ids=[2])
 
 
 def test_a_token_request_carries_the_models_eos_ids_and_a_text_request_none(tok):

@@ -8,9 +8,6 @@ import asyncio
 import json
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from services.commands.status import format_status
 from shared.protocol.status import StatusPage
@@ -30,6 +27,7 @@ from shared.openai_api.models import ChatCompletionRequest
 from shared.protocol import TokenLogprob, WorkerInfo, WorkerLoad
 from services.framework.lifecycle import every
 from shared.tokenizer import Tokenizer
+from word_tokens import word_tokenizer
 
 WORDS = ["<unk>", "user", "assistant", ":", "hello", "world", "a", "b", "c", "d"]
 TEMPLATE = "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}assistant :"
@@ -38,9 +36,7 @@ HEAD = ResponseHead("r-1", 7, "m")
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=TEMPLATE)
+    return word_tokenizer(WORDS, TEMPLATE)
 
 
 def worker(worker_id: str, *, role="decode", state="ready", model="m", max_model_len=8) -> WorkerInfo:

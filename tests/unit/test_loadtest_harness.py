@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from loadtest.tools import harness
-from loadtest.tools.harness import (Repeat, Side, alternate, best, comparison, is_healthy, log_to, ratio, status,
-                                    take_turns, wait_healthy, warm_up)
-from loadtest.tools.stats import RequestResult
+from loadtest.tools.harness import (Repeat, Side, alternate, best, comparison, is_healthy, log_to, ratio,
+                                    report_comparison, status, take_turns, wait_healthy, warm_up)
+from loadtest.tools.stats import RequestResult, summarize
 from loadtest.tools.workload import RequestSpec
 from services.stack.servers import free_port
 
@@ -74,6 +74,30 @@ def test_comparison_compares_the_best_repeats_and_keeps_the_report_fields_in_ord
     assert report["cpu_count"] == 2 and report["repeats"] == 2 and report["otlp_exports"] == 3
     assert report["load_average_1m_before"] == {"on": [0.5, 0.7], "off": [0.6, 0.8]}
     assert report["all_repeats"] == [{"throughput_ratio": 9.0 / 20.0}, {"throughput_ratio": 10.0 / 16.0}]
+
+
+def test_report_comparison_prints_the_best_repeats_and_writes_them_under_their_titles(tmp_path, capsys):
+    def repeat(tokens: int) -> Repeat:
+        rs = results(tokens)
+        return Repeat(summarize(rs, slo_ttft_s=1.0, slo_tpot_s=1.0), rs, 0.0)
+
+    runs = {"on": [repeat(9), repeat(10)], "off": [repeat(20)]}
+
+    def compare(on: dict, off: dict) -> dict:
+        return {"throughput_ratio": on["output_token_throughput"] / off["output_token_throughput"],
+                "added_ttft_p50_ms": 0.0, "meets_targets": False}
+
+    result = report_comparison(tmp_path, "demo", {"model": "m"}, runs, compare,
+                               {"on": ("feature on ", "on (title)"), "off": ("feature off", "off (title)")},
+                               detail=lambda r: f" (ratio {r['throughput_ratio']:.1f})", exports=3)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("feature on : 1/1 ok") and lines[1].startswith("feature off: 1/1 ok")
+    assert lines[2] == "throughput ratio 0.500, added TTFT p50 0.0 ms (ratio 0.5) -> misses the targets"
+    assert lines[3] == f"wrote {tmp_path / 'demo.json'} {tmp_path / 'demo.png'}"
+    written = json.loads((tmp_path / "demo.json").read_text())
+    assert written["config"] == {"model": "m"} and written["comparison"] == result and result["exports"] == 3
+    assert list(written["runs"]) == ["on (title)", "off (title)"]
+    assert written["runs"]["on (title)"]["summary"] == runs["on"][1].summary
 
 
 def test_ratio_is_none_without_both_values():

@@ -7,16 +7,13 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from shared.openai_api.adapters import ChatAdapter, Choice, Delta, ResponseHead
 from shared.openai_api.reasoning import ReasoningSplitter, Start, reasoning_start, split_reasoning
 from shared.openai_api.responses import usage
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.protocol import GenerateRequest
-from shared.tokenizer import Tokenizer
+from word_tokens import word_tokenizer
 
 QWEN = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
 R1 = "The user asks for a <b>capital</b>.\n</think>\n\nParis."
@@ -124,15 +121,9 @@ CALL = '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo"}}</tool_call
 HEAD = ResponseHead("chatcmpl-abc", 7, "m")
 
 
-def word_tokenizer(template: str) -> Tokenizer:
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=template)
-
-
 def chat_api(template: str = R1_TEMPLATE, **fields) -> ChatAdapter:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return ChatAdapter.from_json(json.dumps(body).encode(), word_tokenizer(template))
+    return ChatAdapter.from_json(json.dumps(body).encode(), word_tokenizer(WORDS, template))
 
 
 def generate_request(api) -> GenerateRequest:
@@ -172,7 +163,7 @@ def test_a_chat_tool_call_after_reasoning():
 def test_a_response_call_after_reasoning_comes_after_the_reasoning_item():
     api = ResponsesAdapter.from_json(json.dumps({"model": "m", "input": "hi", "tools": [
         {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}], "stream": True}).encode(),
-        word_tokenizer(R1_TEMPLATE))
+        word_tokenizer(WORDS, R1_TEMPLATE))
     api.decide_reasoning("auto", generate_request(api))
     head = ResponseHead("resp-abc", 7, "m")
     events = [*api.opening_chunks(head, 0)]
@@ -197,7 +188,7 @@ def test_reasoning_items_sent_back_are_left_out_of_the_prompt():
                  "content": [{"type": "reasoning_text", "text": "secret"}]}
     body = {"model": "m", "input": [{"role": "user", "content": "hi"}, reasoning,
                                     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]}
-    api = ResponsesAdapter.from_json(json.dumps(body).encode(), word_tokenizer(R1_TEMPLATE))
+    api = ResponsesAdapter.from_json(json.dumps(body).encode(), word_tokenizer(WORDS, R1_TEMPLATE))
     assert [m["role"] for m in api.body.messages()] == ["user", "assistant", "user"]
     continued = api.body.continued([reasoning, {"type": "message", "role": "user", "content": "hi"}])
     assert [m["role"] for m in continued.messages()] == ["user", "user", "assistant", "user"]

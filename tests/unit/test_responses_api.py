@@ -8,9 +8,6 @@ import json
 import pytest
 from openai.types.responses import Response, response_create_params
 from pydantic import TypeAdapter
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from shared.openai_api.adapters import Choice, Delta, ResponseHead
 from shared.openai_api.errors import ApiError
@@ -18,6 +15,7 @@ from shared.openai_api.fields import RESPONSES_FIELDS
 from shared.openai_api.responses import usage
 from shared.openai_api.responses_api import ResponsesAdapter
 from shared.tokenizer import Tokenizer
+from word_tokens import word_tokenizer
 
 WORDS = ["<unk>", "system", "user", "assistant", ":", "be", "brief", "hello", "world", "{", "}"]
 TEMPLATE = "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}assistant :"
@@ -26,9 +24,7 @@ HEAD = ResponseHead("resp-abc", 7, "m")
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=TEMPLATE)
+    return word_tokenizer(WORDS, TEMPLATE)
 
 
 def adapter(tok, **fields) -> ResponsesAdapter:

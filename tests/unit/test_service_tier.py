@@ -11,9 +11,6 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from shared.openai_api import retry
 from shared.openai_api.adapters import ChatAdapter, Choice, CompletionAdapter, Delta, ResponseHead
@@ -23,6 +20,7 @@ from shared.openai_api.responses_api import ResponsesAdapter
 from shared.planner.config import ConfigError
 from shared.policy.qos import QosConfig, QosTier, ServedTier, load_qos, serve_tier
 from shared.tokenizer import Tokenizer
+from word_tokens import word_tokenizer
 
 QOS = QosConfig(default_tier="standard", tiers={
     "premium": QosTier(priority=0), "standard": QosTier(priority=1), "batch": QosTier(priority=2)})
@@ -93,10 +91,7 @@ WORDS = ["<unk>", "user", "assistant", ":", "hello", "world"]
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, bos_token=None, eos_token=None,
-                     chat_template="{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}assistant :")
+    return word_tokenizer(WORDS, "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}assistant :")
 
 
 def body(**fields) -> bytes:

@@ -1,6 +1,7 @@
 """The suite's two steps stay apart: every test module that starts a stack of service processes
-(``running_stack``, ``--start-stack``) or runs the fault drill carries the ``long`` marker, so a plain ``pytest`` (the
-first step) starts none and stays short; ``.ci/run`` runs the ``long`` ones in its second step."""
+(``running_stack``, the ``one_worker_stack`` fixture, ``--start-stack``) or runs the fault drill carries
+the ``long`` marker, so a plain ``pytest`` (the first step) starts none and stays short; ``.ci/run``
+runs the ``long`` ones in its second step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-STARTS_A_STACK = re.compile(r"\b(running_stack|run_drill)\(|--start-stack")
+STARTS_A_STACK = re.compile(r"\b(running_stack|run_drill)\(|--start-stack|\bone_worker_stack\b")
 
 
 def test_every_module_that_starts_a_stack_is_marked_long():

@@ -11,7 +11,6 @@ import random
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from shared.grammar import compile_grammar
 from shared.openai_api.adapters import ChatAdapter, Choice, Delta, ResponseHead, ToolCallStream, parse_body
@@ -22,6 +21,7 @@ from shared.openai_api.tool_formats import FORMATS, HERMES, detect_format, tool_
 from shared.openai_api.tools import system_prompt
 from shared.protocol.generate import TokenLogprob
 from shared.tokenizer import Tokenizer
+from word_tokens import word_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -255,12 +255,6 @@ def test_auto_picks_the_format_from_the_template(template, fmt):
 WORDS = ["<unk>", "user", "assistant", "tool", ":"]
 
 
-def word_tokenizer(template: str) -> Tokenizer:
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=template)
-
-
 # a template without tool support that marks itself a Mistral model
 MISTRAL_TEMPLATE = "{# [TOOL_CALLS] #}{% for m in messages %}{{ m.role }} : {{ m.content }}\n{% endfor %}"
 HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
@@ -276,7 +270,7 @@ def rendered(api) -> str:
 
 def test_the_chosen_format_renders_history_and_the_system_prompt():
     raw = json.dumps({**BASE, "messages": HISTORY}).encode()
-    api = ChatAdapter.from_json(raw, word_tokenizer(MISTRAL_TEMPLATE))
+    api = ChatAdapter.from_json(raw, word_tokenizer(WORDS, MISTRAL_TEMPLATE))
     assert api.body.tool_use().format is HERMES  # before the gateway decides
     api.decide_tool_format("auto")
     assert api.body.tool_use().format.name == "mistral"
@@ -292,7 +286,7 @@ def test_the_chosen_format_renders_history_and_the_system_prompt():
 
 
 def test_a_template_without_tools_gets_the_format_in_the_system_prompt():
-    api = ChatAdapter.from_json(json.dumps(BASE).encode(), word_tokenizer(MISTRAL_TEMPLATE))
+    api = ChatAdapter.from_json(json.dumps(BASE).encode(), word_tokenizer(WORDS, MISTRAL_TEMPLATE))
     api.decide_tool_format("auto")
     prompt = api.tokenizer.decode(api.prompt_ids(), skip_special_tokens=False)
     assert prompt.startswith("<unk>")  # the system message (words unknown to this vocabulary) comes first
@@ -306,7 +300,7 @@ def test_the_responses_adapter_uses_the_chosen_format():
                                 {"type": "function_call", "call_id": "c1", "name": "get_weather",
                                  "arguments": '{"city": "Oslo"}'},
                                 {"type": "function_call_output", "call_id": "c1", "output": "12C"}]}).encode()
-    api = ResponsesAdapter.from_json(raw, word_tokenizer(MISTRAL_TEMPLATE))
+    api = ResponsesAdapter.from_json(raw, word_tokenizer(WORDS, MISTRAL_TEMPLATE))
     api.decide_tool_format("auto")
     messages = api.body.messages()
     assert messages[1] == {"role": "assistant",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from shared.engine.parallel import free_port
 from shared.model.parallel import ProcessGroupCollectives
 from shared.model.shm_collectives import SharedMemoryCollectives
+from thread_ranks import on_threads
 
 SMALL_SLOT = 4096  # bytes: 1024 float32 values, so a few thousand values already take several steps
 
@@ -27,23 +28,15 @@ SMALL_SLOT = 4096  # bytes: 1024 float32 values, so a few thousand values alread
 def run_ranks(size: int, work, **kw) -> list:
     """``work(shm)`` on each of ``size`` ranks, threads of this process; their results in rank order."""
     # one in-process store for the threads (a TCPStore client at times takes 5 s to connect)
-    store, results, errors = dist.HashStore(), [None] * size, []
+    store = dist.HashStore()
 
-    def run(rank: int) -> None:
-        try:
-            shm = SharedMemoryCollectives(store, rank, size, **({"timeout_s": 30} | kw))
-            results[rank] = work(shm)
-            shm.close()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, in the test's thread
-            errors.append(exc)
+    def run(rank: int):
+        shm = SharedMemoryCollectives(store, rank, size, **({"timeout_s": 30} | kw))
+        result = work(shm)
+        shm.close()
+        return result
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
+    return on_threads(size, run, join_s=60)
 
 
 def rank_tensor(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The engine's step trace (``shared/engine/step_trace.py``) and its summary
 (``loadtest/tools/step_trace.py``): every step a line, with the rows it carried."""
 
+from engine_steps import run_to_completion
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from loadtest.tools import step_trace
 
@@ -12,10 +13,7 @@ def test_each_step_is_a_line_with_its_prompt_chunks_and_decode_rows(tiny_engine_
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.add_request("urgent", [5 + j for j in range(10)], params, priority=0)
     engine.add_request("later", [7 + j for j in range(20)], params, priority=2)
-    steps_run = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps_run += 1
+    steps_run = run_to_completion(engine)
     engine.close()
 
     steps = step_trace.read(path)

@@ -17,12 +17,32 @@ With a sliding ``window``, the query at position ``p`` sees the keys in ``(p - w
 last ``window`` positions, its own included, as transformers' ``sliding_window_overlay``): one
 more term of the mask, and a tile's call reads the keys from the first its first query sees on,
 so it stays a function of the tile (and the window).
+
+On a CPU with AVX-512F, ``paged_prefill_attention`` runs ``kernels/cpu/prefill_attention.cpp``
+instead: it reads the pool in place and computes each query row from its own query and visible keys
+alone (scores summed over the head dimension in order, keys in lanes fixed by their absolute
+position, unseen keys an exact 0), so a row's bits do not depend on the chunking, the batch or the
+tile at all, and its sums are float32 throughout. The torch backend then sends it the eager decode
+rows too, each a sequence of one query: a token's attention is the same function whether its row
+was prefilled or decoded (the decode reference pads every row to the step's longest, and SDPA's last
+bits moved with that padding). It differs from the references in the last bits (the SDPA kernel's
+order of sums is its own), so the engine uses one or the other for a whole run (``identity`` says
+which). Built on first use (``kernels/cpu_build.py``); with
+``TANDEM_PREFILL_ATTENTION_KERNEL=off``, without a compiler or without AVX-512F, the reference runs
+and a log line says why.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_build import CpuKernel
+
+log = logging.getLogger(__name__)
 
 # positions per SDPA call (torch's CPU kernel splits them in 32s). Any fixed size keeps each call a function of
 # its tile; a prompt shorter than a tile pays for the whole tile, and 64 cost less than 128 at every length
@@ -77,3 +97,50 @@ def paged_prefill_attention_ref(
                                                attn_mask=mask, scale=scale, enable_gqa=True)  # [1, Hq, tile, D]
             out[q_start + lo - first:q_start + hi - first] = o[0, :, lo - a:hi - a].transpose(0, 1)
     return out
+
+
+SOURCE = Path(__file__).parent / "cpu" / "prefill_attention.cpp"
+_FLAGS = ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
+_NEEDS = ("avx512f", "avx2", "fma", "f16c")
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_op = None  # torch.ops.tandem_prefill_attn.prefill_attention once loaded
+
+
+def _fake(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, tile):
+    return torch.empty_like(q)
+
+
+_KERNEL = CpuKernel(SOURCE, _FLAGS, "tandem_prefill_attn::prefill_attention", _fake,
+                    "TANDEM_PREFILL_ATTENTION_KERNEL", _NEEDS, module=globals(), fallback="reference",
+                    say=log.warning, message="prefill attention runs torch's SDPA tile by tile (%s)")
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernel; False (and why, logged once) where it cannot run."""
+    return _KERNEL.load()
+
+
+def identity() -> str:
+    """What prefill attention runs on a CPU here: the kernel's build name, or "reference: " and why."""
+    return _KERNEL.describe()
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel serves these tensors (loading it on first call): a CPU pool of a dtype it
+    reads, float32 queries, a head of 16 to 128 values in 16s, a block's rows contiguous."""
+    head_dim = q.shape[-1]
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in POOL_DTYPES
+            and head_dim % 16 == 0 and head_dim <= 128 and k_cache.stride(-1) == 1
+            and k_cache.stride(-2) == head_dim and k_cache.stride(-3) == head_dim * k_cache.shape[-2]
+            and load())
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, window: int | None = None) -> torch.Tensor:
+    """``paged_prefill_attention_ref``'s inputs and result: the CPU kernel where ``usable``, else the
+    reference (CUDA tensors go to the Triton kernel through the Triton backend, not here)."""
+    if usable(q, k_cache):
+        return _op(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window or 0, QUERY_TILE)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       window=window)

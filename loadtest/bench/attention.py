@@ -6,12 +6,15 @@ For SmolLM2-135M's heads (9 query heads, 3 KV heads of 64) in float32, times one
 
 - prefill of a whole prompt: ``kernels.prefill_attention`` (queries in tiles of ``QUERY_TILE``
   positions, each over the keys up to its end, so that a chunked prompt gets the same bits; other
-  tile sizes with ``--query-tiles``) against one causal SDPA call over the prompt, the baseline;
+  tile sizes with ``--query-tiles``) and, where it builds, the C++ kernel
+  (``kernels/cpu/prefill_attention.cpp``) reading a float16 pool in place, against one causal SDPA
+  call over the prompt, the baseline;
 - decode of a batch whose sequences all have the same context (the prompt length): the planned
   decode attention (whole blocks, always masked) against the same gather cut at the length with no
   mask, which the engine did before when every length in a step was equal; and, where it builds,
-  the compiled step's C++ kernel (``kernels/cpu/decode_attention.cpp``) reading a float16 pool in
-  place.
+  the compiled step's C++ kernel (``kernels/cpu/decode_attention.cpp``) and the eager step's
+  (``kernels/cpu/prefill_attention.cpp``, each row a sequence of one query) reading a float16 pool
+  in place.
 
 Prints each case's time and its ratio to the baseline and writes ``attention.json`` and
 ``attention.png`` under --out.
@@ -36,7 +39,8 @@ def prefill_cases(length: int, tiles: list[int] | None = None) -> dict:
     from kernels.prefill_attention import QUERY_TILE, paged_prefill_attention_ref  # noqa: PLC0415
 
     num_blocks = -(-length // BS)
-    k_cache, v_cache = torch.randn(2, num_blocks + 1, BS, HKV, D).unbind(0)
+    # values a float16 pool holds exactly, so that every case reads the same numbers
+    k_cache, v_cache = torch.randn(2, num_blocks + 1, BS, HKV, D).half().float().unbind(0)
     table = torch.arange(num_blocks, dtype=torch.int32)[None]
     q = torch.randn(length, HQ, D)
     loc = torch.tensor([0, length], dtype=torch.int32)
@@ -48,10 +52,17 @@ def prefill_cases(length: int, tiles: list[int] | None = None) -> dict:
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=D ** -0.5,
                                               enable_gqa=True)
 
-    return {"baseline": one_causal_call,
-            **{f"invariant, {t}-query tiles": functools.partial(paged_prefill_attention_ref, q, k_cache, v_cache, table,
-                                                                loc, lens, D ** -0.5, tile=t)
-               for t in tiles or [QUERY_TILE]}}
+    cases = {"baseline": one_causal_call,
+             **{f"invariant, {t}-query tiles": functools.partial(paged_prefill_attention_ref, q, k_cache, v_cache,
+                                                                 table, loc, lens, D ** -0.5, tile=t)
+                for t in tiles or [QUERY_TILE]}}
+    from kernels import prefill_attention  # noqa: PLC0415
+
+    if prefill_attention.usable(q, k_cache):  # the C++ kernel, on the float16 pool gguf serves with
+        k16, v16 = k_cache.half(), v_cache.half()
+        cases["C++ kernel (float16 pool)"] = functools.partial(prefill_attention.paged_prefill_attention, q, k16, v16,
+                                                                table, loc, lens, D ** -0.5)
+    return cases
 
 
 def decode_cases(batch: int, context: int) -> dict:
@@ -87,6 +98,12 @@ def decode_cases(batch: int, context: int) -> dict:
         blocks = tables.long().reshape(-1)
         cases["compiled step's kernel"] = functools.partial(attention_cpu.decode_attention, q, k_new, v_new, pool, 0,
                                                             blocks, valid, src)
+    from kernels import prefill_attention  # noqa: PLC0415
+
+    if prefill_attention.usable(q, k_cache):  # the eager step's kernel: each row a sequence of one query
+        loc = torch.arange(batch + 1, dtype=torch.int32)
+        cases["eager step's kernel"] = functools.partial(prefill_attention.paged_prefill_attention, q,
+                                                         k_cache.half(), v_cache.half(), tables, loc, lens, D ** -0.5)
     return cases
 
 

@@ -36,11 +36,13 @@ from shared.telemetry.plot import figure
 KINDS = {
     "matmul": ({"mm", "addmm", "bmm", "matmul", "linear", "_int_mm", "baddbmm", "panel_mm", "block_mm", "int8_mm"},
                ("_weight_int8pack_mm", "_weight_int4pack_mm", "mkldnn_", "onednn", "qlinear")),
-    "attention": ({"scaled_dot_product_attention", "softmax", "_softmax", "flex_attention", "decode_attention"},
+    "attention": ({"scaled_dot_product_attention", "softmax", "_softmax", "flex_attention", "decode_attention",
+                    "prefill_attention"},
                   ("_scaled_dot_product",)),
 }
 # our C++ ops (kernels/cpu/*.cpp) are recorded under their own namespaces, beside aten's
-OP_NAMESPACES = ("aten::", "aoti_torch_cpu_", "tandem_blocks::", "tandem_attn::", "tandem_cpu::")
+OP_NAMESPACES = ("aten::", "aoti_torch_cpu_", "tandem_blocks::", "tandem_attn::", "tandem_prefill_attn::",
+                 "tandem_cpu::")
 # with --compile the graph's C++ caller reaches aten through shims (aoti_torch_cpu_<op>_out), and its
 # own loops are recorded under their kernel names (graph_<n>_cpp_fused_...) when inductor's kernel
 # profile is on; everything else inside the graph is the caller itself

@@ -18,6 +18,7 @@ import torch
 
 from kernels.decode_attention import decode_plan, paged_decode_attention_planned
 from kernels.kv_write import kv_write_plan, write_kv_planned
+from kernels import prefill_attention
 from kernels.prefill_attention import paged_prefill_attention_ref
 from kernels.rms_norm import fused_add_rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
@@ -102,6 +103,9 @@ class TorchAttentionBackend:
 
     def attend(self, q, k_cache, v_cache, meta, scale, window=None):
         nd = meta.num_decodes
+        if prefill_attention.usable(q, k_cache):  # every row, decode rows as one-query sequences: one
+            return prefill_attention.paged_prefill_attention(  # function of the row alone, prefilled or decoded
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window=window)
         parts = []
         if nd:  # one plan per window in the step's layers (Gemma's windowed and global layers: two)
             plan = meta.derive("decode" if window is None else f"decode/window={window}", lambda: decode_plan(

@@ -17,6 +17,7 @@ def test_our_cpu_kernels_are_grouped_too():
     assert kind_of("tandem_blocks::panel_mm") == "matmul" and kind_of("tandem_blocks::block_mm") == "matmul"
     assert kind_of("tandem_cpu::int8_mm") == "matmul"
     assert kind_of("tandem_attn::decode_attention") == "attention"
+    assert kind_of("tandem_prefill_attn::prefill_attention") == "attention"
 
 
 def test_a_profile_splits_into_kinds_and_the_time_outside_any_op():

@@ -71,5 +71,5 @@ def test_bench_attention_cases_agree_with_their_baselines():
         if base.dim() == 4:  # [B, H, q, D] from a plain SDPA call
             base = base[0].transpose(0, 1) if base.shape[0] == 1 and base.shape[2] > 1 else base[:, :, 0]
         assert calls
-        for name, call in calls.items():  # every tile size; the compiled step's kernel where it builds
+        for name, call in calls.items():  # every tile size; the C++ kernels where they build
             torch.testing.assert_close(call(), base, rtol=1e-5, atol=1e-5, msg=name)

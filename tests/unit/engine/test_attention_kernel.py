@@ -52,6 +52,7 @@ def written_out(q, k, v, cache, layer, table, valid, src):
 
 
 def run(q, k, v, cache, layer, table, valid, src):
+    assert attention_cpu.load(), attention_cpu.identity()  # loaded here too when a test runs alone
     return attention_cpu.decode_attention(q, k, v, cache, layer, table.reshape(-1), valid, src)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from kernels.decode_attention import decode_plan, paged_decode_attention_ref
 from kernels.rotary import _rotate, rotary_embedding_ref
+from kernels import prefill_attention
 from shared.model.attention import AttentionMetadata, TorchAttentionBackend
 
 NUM_BLOCKS, BS, HKV, HQ, D = 64, 16, 2, 6, 32
@@ -49,7 +50,9 @@ def test_planned_decode_attention_matches_per_sequence_attention(lens):
     torch.testing.assert_close(got, naive(q, k_cache, v_cache, tables, lens, 0.2), rtol=1e-5, atol=1e-5)
 
 
-def test_backend_makes_each_plan_once_per_step():
+def test_backend_makes_each_plan_once_per_step(monkeypatch):
+    """The references' plans (where the CPU kernel runs, it takes every row and needs none: below)."""
+    monkeypatch.setattr(prefill_attention, "usable", lambda q, k_cache: False)
     lens = [9, 20]
     tables = torch.tensor([[3, 0], [5, 6]], dtype=torch.int32)
     slots = torch.tensor([3 * BS + 8, 6 * BS + 3])
@@ -71,6 +74,25 @@ def test_backend_makes_each_plan_once_per_step():
     assert meta.derived["decode"] is decode and meta.derived["kv_write"] is plan
     assert torch.equal(first, second)
     torch.testing.assert_close(first, naive(q, k_cache, v_cache, tables, lens, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_kernel_takes_decode_and_prefill_rows_of_one_step():
+    lens, q_lens = [9, 20, 33], [1, 1, 12]
+    tables = torch.tensor([[3, 0, 0], [5, 6, 0], [7, 8, 9]], dtype=torch.int32)
+    k_cache, v_cache = caches(lens, tables)
+    meta = AttentionMetadata(num_decodes=2, slot_mapping=torch.zeros(14, dtype=torch.long), block_tables=tables,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, 1, 2, 14], dtype=torch.int32), max_seq_len=33,
+                             max_query_len=12)
+    q = torch.randn(sum(q_lens), HQ, D)
+    if not prefill_attention.usable(q, k_cache):
+        pytest.skip(f"no CPU attention kernel here: {prefill_attention.identity()}")
+    got = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.2)
+    assert "decode" not in meta.derived  # no plan: the kernel reads the pool per row
+    torch.testing.assert_close(got[:2], naive(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.2), rtol=1e-5,
+                               atol=1e-5)
+    prompt = [naive(q[2 + j:3 + j], k_cache, v_cache, tables[2:], [lens[2] - 11 + j], 0.2) for j in range(12)]
+    torch.testing.assert_close(got[2:], torch.cat(prompt), rtol=1e-5, atol=1e-5)
 
 
 def test_joint_rotary_equals_separate_rotations():

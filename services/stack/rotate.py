@@ -1,6 +1,6 @@
 """The embedded NATS's login, kept across restarts and rotated on purpose with an overlap window.
 
-``KeptLogin`` lives in the NATS data directory (``login.json``, its owner's alone): the logins the
+``KeptLogin`` (``services/stack/nats_login.py``) lives in the NATS data directory (``login.json``, its owner's alone): the logins the
 servers accept (the current one first), their client ports, and while a rotation overlaps, when
 the old login goes. A rotation adds a new login under the other of two user names (nats-server
 refuses two logins of one user, and the URL names the user), so for the overlap both the old URL
@@ -21,82 +21,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
-from services.stack.servers import Login, port_is_free, private_file
+from services.stack.nats_login import KeptLogin
+from services.stack.servers import private_file
 
 if TYPE_CHECKING:
     from services.stack.stack import Stack
 
-USER_NAMES = ("tandem", "tandem-2")  # a rotation moves to the other one
 REQUEST_FILE = "credentials-request.json"
 ANSWER_FILE = "credentials-answer.json"
-
-
-@dataclass(frozen=True)
-class KeptLogin:
-    """The embedded NATS's logins (the current one first; during an overlap the old one after it),
-    its client ports, and when the overlap ends (wall clock, seconds since the epoch). Taken back
-    only for the same number of members, and the ports only while they are free."""
-
-    logins: tuple[Login, ...]
-    ports: tuple[int, ...]
-    old_until_s: float | None = None
-
-    FILE: ClassVar[str] = "login.json"
-
-    @classmethod
-    def new(cls, password: str, ports: list[int]) -> "KeptLogin":
-        return cls((Login(USER_NAMES[0], password),), tuple(ports))
-
-    @property
-    def current(self) -> Login:
-        return self.logins[0]
-
-    @property
-    def is_overlapping(self) -> bool:
-        return len(self.logins) > 1
-
-    def with_ports(self, ports: list[int]) -> "KeptLogin":
-        return replace(self, ports=tuple(ports))
-
-    def rotated(self, password: str, now_s: float, overlap_s: float) -> "KeptLogin":
-        """A new current login (the other user name), the current one accepted ``overlap_s`` more."""
-        assert not self.is_overlapping, f"a rotation overlaps until {self.old_until_s}: finish it first"
-        assert overlap_s > 0, f"overlap_s must be positive, got {overlap_s}"
-        user = USER_NAMES[1] if self.current.user == USER_NAMES[0] else USER_NAMES[0]
-        return replace(self, logins=(Login(user, password), self.current), old_until_s=now_s + overlap_s)
-
-    def finished(self) -> "KeptLogin":
-        """The current login alone: the overlap is over."""
-        return replace(self, logins=self.logins[:1], old_until_s=None)
-
-    def is_due(self, now_s: float) -> bool:
-        """Whether the overlap is over and the old login should go."""
-        return self.is_overlapping and self.old_until_s is not None and now_s >= self.old_until_s
-
-    @classmethod
-    def load(cls, directory: Path, num_members: int) -> "KeptLogin | None":
-        try:
-            data = json.loads((directory / cls.FILE).read_text())
-            if "logins" in data:
-                logins = tuple(Login(str(d["user"]), str(d["password"])) for d in data["logins"])
-            else:  # written before rotation existed: one password for the first user name
-                logins = (Login(USER_NAMES[0], str(data["password"])),)
-            until = data.get("old_until_s")
-            kept = cls(logins, tuple(int(p) for p in data["ports"]), None if until is None else float(until))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        valid = all(login.password for login in logins) and len(logins) in (1, 2)
-        return kept if valid and len(kept.ports) == num_members else None
-
-    def free_ports(self, host: str) -> list[int] | None:
-        return list(self.ports) if all(port_is_free(host, p) for p in self.ports) else None
-
-    def save(self, directory: Path) -> None:
-        private_file(directory / self.FILE, json.dumps({
-            "logins": [{"user": login.user, "password": login.password} for login in self.logins],
-            "ports": list(self.ports), "old_until_s": self.old_until_s}))
 
 
 # -- tandem credentials <-> tandem up ---------------------------------------------------------------

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from shared.openai_api.auth import operator_headers
 from services.stack.children import Child, child_env, service_argv, split_secret_flags
-from services.stack.rotate import KeptLogin
+from services.stack.nats_login import KeptLogin
 from services.stack.servers import (ServerProcess, advertised_host, cluster_url, free_port, start_nats_cluster,
                                     start_nats_server, start_redis_server)
 from services.stack.supervisor import Backoff, RestartPolicy

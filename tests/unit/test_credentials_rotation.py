@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from services.stack.rotate import (CredentialsAnswer, CredentialsRequest, GatewayView, KeptLogin, RollingRestart,
-                                 send_request, take_request, wait_answer, withdraw_request, write_answer)
+from services.stack.nats_login import KeptLogin
+from services.stack.rotate import (CredentialsAnswer, CredentialsRequest, GatewayView, RollingRestart, send_request,
+                                 take_request, wait_answer, withdraw_request, write_answer)
 from services.stack.servers import Login, nats_config, with_login
 
 

@@ -312,6 +312,7 @@ void attend(const Args& a, const T* kc, const T* vc, int64_t B, int64_t tile) {
   std::vector<Item> items;
   for (int64_t i = 0; i < B; ++i) {
     const int64_t seq_len = a.lens[i], q_len = a.starts[i + 1] - a.starts[i];
+    if (q_len == 0) continue;  // a sequence with no query this step
     for (int64_t t0 = (seq_len - q_len) / tile * tile; t0 < seq_len; t0 += tile) {
       const int64_t lo = std::max(t0, seq_len - q_len), hi = std::min(t0 + tile, seq_len);
       const int64_t span = a.window > 0 ? std::min<int64_t>(hi, a.window + tile) : hi;

@@ -90,13 +90,20 @@ class WorkerHostSettings(_HostEngineFields):
         one port each, and how many of its ranks start here (none without --group-local-ranks)."""
         if self.group_local_ranks is None:
             return {}
-        if self.group_host is None or not self.group_port:
-            raise CliError("--group-local-ranks leaves ranks to other hosts: give --group-host (an address they "
-                           "reach) and --group-port too")
         parallel = [*(f"decode-{i + 1}" for i in range(self.decode) if self.decode_tp * self.decode_pp > 1),
                     *(f"prefill-{i + 1}" for i in range(self.prefill) if self.prefill_tp * self.prefill_pp > 1)]
-        return {name: {"group_local_ranks": self.group_local_ranks, "group_host": self.group_host,
-                       "group_port": self.group_port + i} for i, name in enumerate(parallel)}
+        return {name: {"group_local_ranks": self.group_local_ranks,
+                       **self.group_address(i, "--group-local-ranks leaves ranks to other hosts")}
+                for i, name in enumerate(parallel)}
+
+    def group_address(self, index: int, why: str) -> dict[str, object]:
+        """The rendezvous flags of this host's ``index``-th parallel worker (0 first: decode workers,
+        then prefill; or a plan's group index) whose other ranks run elsewhere: --group-host and its
+        own port, --group-port + index. ``why`` starts the error when either flag is missing."""
+        if self.group_host is None or not self.group_port:
+            raise CliError(f"{why}: give --group-host (this host's address the other hosts reach) and --group-port "
+                           "(the first of one port per parallel worker)")
+        return {"group_host": self.group_host, "group_port": self.group_port + index}
 
     def worker_flags(self) -> tuple[dict[str, object], dict[str, object]]:
         """The decode workers' and the prefill workers' flags these settings give (unset ones left

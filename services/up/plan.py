@@ -69,10 +69,7 @@ def _check_shapes(workers, model: str, quantization: str | None) -> None:
 def _group(s: WorkerHostSettings, index: int | None) -> dict[str, object]:
     if index is None:
         return {}
-    if not s.group_host:
-        raise CliError("the plan has workers with ranks on other nodes led from this one: give --group-host (this "
-                       "host's address the other nodes reach) and --group-port")
-    return {"group_host": s.group_host, "group_port": _group_port(s) + index}
+    return s.group_address(index, "the plan has workers with ranks on other nodes led from this one")
 
 
 def _group_port(s: WorkerHostSettings) -> int:

@@ -64,8 +64,11 @@ def cache_dir() -> Path:
 
 
 def why_not(switch: str, needs: tuple[str, ...]) -> str | None:
-    """Why a kernel cannot run here (its ``switch`` env var set to off, or CPU flags missing), or None."""
-    if os.environ.get(switch, "on").lower() in ("off", "0", "false", "no"):
+    """Why a kernel cannot run here (its ``switch``, a ``KernelSwitches`` field's variable such as
+    ``TANDEM_INT8_KERNEL``, set to off; or CPU flags missing), or None."""
+    from kernels.cache_dir import KernelSwitches
+
+    if not getattr(KernelSwitches(), switch.removeprefix("TANDEM_").lower()):
         return f"{switch}=off"
     missing = [f for f in needs if f not in cpu_flags()]
     if missing:

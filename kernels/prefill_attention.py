@@ -112,7 +112,8 @@ def _fake(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, w
 
 _KERNEL = CpuKernel(SOURCE, _FLAGS, "tandem_prefill_attn::prefill_attention", _fake,
                     "TANDEM_PREFILL_ATTENTION_KERNEL", _NEEDS, module=globals(), fallback="reference",
-                    say=log.warning, message="eager attention runs torch's SDPA tiles and the padded decode reference (%s)")
+                    say=log.warning,
+                    message="eager attention runs torch's SDPA tiles and the padded decode reference (%s)")
 
 
 def load() -> bool:

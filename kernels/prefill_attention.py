@@ -142,6 +142,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """``paged_prefill_attention_ref``'s inputs and result: the CPU kernel where ``usable``, else the
     reference (CUDA tensors go to the Triton kernel through the Triton backend, not here)."""
     if usable(q, k_cache):
-        return _op(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window or 0, QUERY_TILE)
+        return kernel_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                        window=window)
+
+
+def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """The CPU kernel itself, for a caller that asked ``usable`` already (the torch backend, every layer)."""
+    return _op(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window or 0, QUERY_TILE)

@@ -289,7 +289,6 @@ void run_item(const Args& a, const T* kc, const T* vc, const Item& it, std::vect
       const float* src = a.q + ((a.starts[it.seq] + pos - first) * a.H + it.h * G + g) * D;
       std::copy(src, src + D, qs.data() + r * D);
     }
-    for (int64_t r = rn; r < kRows; ++r) std::fill(qs.data() + r * D, qs.data() + (r + 1) * D, 0.f);
     scores_rows(rn, qs.data(), kt.data(), D, c1, a.scale, s.data(), stride);
     float inv[kRows];
     const int64_t wn = std::min<int64_t>(kRows, (rn + 3) / 4 * 4);  // rows the weighted sums run (passes of 4 or 2)

@@ -104,7 +104,7 @@ class TorchAttentionBackend:
     def attend(self, q, k_cache, v_cache, meta, scale, window=None):
         nd = meta.num_decodes
         if prefill_attention.usable(q, k_cache):  # every row, decode rows as one-query sequences: one
-            return prefill_attention.paged_prefill_attention(  # function of the row alone, prefilled or decoded
+            return prefill_attention.kernel_attention(  # function of the row alone, prefilled or decoded
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window=window)
         parts = []
         if nd:  # one plan per window in the step's layers (Gemma's windowed and global layers: two)

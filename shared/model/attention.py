@@ -126,30 +126,40 @@ class TorchAttentionBackend:
 
 def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                        scale: float, window: int | None = None, *, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None, latent_values: int | None = None) -> torch.Tensor:
     """``AttentionBackend.attend`` in torch over K/V gathered from the cache (any device, float32 sums),
     for the softmaxes no kernel computes: with ``softcap`` every score s becomes
     ``softcap * tanh(s / softcap)`` (Gemma 2); with ``sinks`` ([Hq], gpt-oss) head h's softmax has one more
-    column, logit ``sinks[h]``, which takes its share of the probability and adds no value. Decode rows
-    at once over their whole block-table rows (no host sync, so a CUDA graph can hold it), prefill
-    chunks one sequence at a time. [T, Hq, D] -> [T, Hq, D]."""
+    column, logit ``sinks[h]``, which takes its share of the probability and adds no value. With
+    ``latent_values`` (DeepSeek's latent attention, shared/model/mla.py) a token's key is its K and V planes
+    side by side [Hkv, 2D] and its value that key's first ``latent_values`` channels: q [T, Hq, 2D] ->
+    [T, Hq, latent_values]. Decode rows at once over their whole block-table rows (no host sync, so a CUDA
+    graph can hold it), prefill chunks one sequence at a time. [T, Hq, D] -> [T, Hq, D]."""
     nd, parts = meta.num_decodes, []
     block_size, kv_heads, head_dim = k_cache.shape[1:]
+
+    def gather(table: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, L, Hkv, D or 2D]
+        k = k_cache[table].reshape(rows, -1, kv_heads, head_dim)
+        v = v_cache[table].reshape(rows, -1, kv_heads, head_dim)
+        if latent_values is None:
+            return k, v
+        k = torch.cat([k, v], dim=-1)
+        return k, k[..., :latent_values]
+
     if nd:
         tables = meta.block_tables[:nd].long()  # [nd, M]
         positions = torch.arange(tables.shape[1] * block_size, device=q.device)[None]
         valid = positions < meta.seq_lens[:nd, None]
         if window is not None:
             valid &= positions >= meta.seq_lens[:nd, None] - window
-        k = k_cache[tables].reshape(nd, -1, kv_heads, head_dim)  # [nd, M * bs, Hkv, D]
-        v = torch.where(valid[:, :, None, None], v_cache[tables].reshape(nd, -1, kv_heads, head_dim), 0.0)
+        k, v = gather(tables, nd)  # [nd, M * bs, Hkv, D]
+        v = torch.where(valid[:, :, None, None], v, 0.0)
         parts.append(_attend(q[:nd, None], k, v, valid[:, None], scale, softcap, sinks)[:, 0])
     starts, lens = (meta.query_start_loc.tolist(), meta.seq_lens.tolist()) if q.shape[0] > nd else ([], [])
     for i in range(nd, len(lens)):
         q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
-        table = meta.block_tables[i, :-(-seq_len // block_size)].long()
-        k = k_cache[table].reshape(-1, kv_heads, head_dim)[None, :seq_len]  # [1, L, Hkv, D]
-        v = v_cache[table].reshape(-1, kv_heads, head_dim)[None, :seq_len]
+        k, v = gather(meta.block_tables[i, :-(-seq_len // block_size)].long(), 1)
+        k, v = k[:, :seq_len], v[:, :seq_len]  # [1, L, Hkv, D]
         q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
         keys = torch.arange(seq_len, device=q.device)[None, :]
         causal = keys <= q_pos[:, None]  # [Lq, L]
@@ -160,7 +170,8 @@ def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def _attend(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [B, Lq, Hq, D]; k, v [B, L, Hkv, D]; mask [B, Lq, L] true where a query sees a key; sinks [Hq]."""
+    """q [B, Lq, Hq, D]; k [B, L, Hkv, D], v [B, L, Hkv, Dv]; mask [B, Lq, L] true where a query sees a key;
+    sinks [Hq]. Returns [B, Lq, Hq, Dv]."""
     b, lq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     qg = q.float().view(b, lq, kv_heads, heads // kv_heads, head_dim)  # head h = its KV head * group + j
@@ -174,7 +185,7 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Ten
         sink = sinks.float().view(1, kv_heads, -1, 1, 1).expand(b, -1, -1, lq, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
-    return out.reshape(b, lq, heads, head_dim).to(q.dtype)
+    return out.reshape(b, lq, heads, v.shape[-1]).to(q.dtype)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,20 @@ class ClampedSwiglu:
 
 
 @dataclass(frozen=True)
+class GroupLimitedRouting:
+    """DeepSeek-V3's router (``shared.model.moe.GroupLimitedMoeBlock``): a sigmoid score per expert, chosen
+    by score + ``e_score_correction_bias`` among the experts of the ``topk_groups`` best of ``num_groups``
+    groups (a group's worth: its two best biased scores), weighted by the unbiased scores (renormalised where
+    ``Moe.renormalize``) times ``routed_scaling_factor``; plus ``num_shared_experts`` experts every token
+    takes, one SwiGLU ``num_shared_experts`` times as wide as a routed one."""
+
+    num_groups: int
+    topk_groups: int
+    routed_scaling_factor: float
+    num_shared_experts: int
+
+
+@dataclass(frozen=True)
 class Moe:
     """A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): a router picks ``top_k`` of
     ``num_experts`` SwiGLU experts of width ``intermediate_size`` for each token, weighted by their
@@ -59,6 +75,30 @@ class Moe:
     # gpt-oss: the softmax over the top k logits alone (the same weights as renormalising, rounded apart)
     softmax_after_topk: bool = False
     clamped_swiglu: ClampedSwiglu | None = None  # gpt-oss's expert activation; None: the model's act(gate) * up
+    group_limited: GroupLimitedRouting | None = None  # DeepSeek-V3's router and shared experts
+
+
+@dataclass(frozen=True)
+class Mla:
+    """DeepSeek's multi-head latent attention (``shared.model.mla``): q through a low-rank ``q_lora_rank``
+    bottleneck (None: one q_proj), keys and values made per head from one compressed latent of
+    ``kv_lora_rank`` channels and one rotated key of ``qk_rope_head_dim`` shared by every head."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the rope channels rotate in interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_size(self) -> int:
+        """What the pool holds per token and layer: the compressed kv, then the rotated shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -70,6 +110,7 @@ class MoeNames:
     round_weights: bool  # Moe.round_weights
     softmax_after_topk: bool = False  # Moe.softmax_after_topk
     clamped_swiglu: bool = False  # Moe.clamped_swiglu, from config.json's swiglu_alpha and swiglu_limit
+    group_limited: bool = False  # Moe.group_limited (DeepSeek-V3), its layers from first_k_dense_replace on
 
 
 # the checkpoint names of the norms that sit after a sublayer instead of before the next one
@@ -110,6 +151,14 @@ _GPT_OSS_NAMES = {"self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks",
                   "mlp.experts.gate_up_proj": "experts_gate_up",
                   "mlp.experts.gate_up_proj_bias": "experts_gate_up_bias",
                   "mlp.experts.down_proj": "experts_down", "mlp.experts.down_proj_bias": "experts_down_bias"}
+# DeepSeek-V3's latent attention (``Mla``), its router's correction bias and its shared experts
+_DEEPSEEK_NAMES = {"self_attn.q_a_proj.weight": "q_a", "self_attn.q_a_layernorm.weight": "q_a_norm",
+                   "self_attn.q_b_proj.weight": "q_b", "self_attn.kv_a_proj_with_mqa.weight": "kv_a",
+                   "self_attn.kv_a_layernorm.weight": "kv_a_norm", "self_attn.kv_b_proj.weight": "kv_b",
+                   "mlp.gate.e_score_correction_bias": "router_correction",
+                   "mlp.shared_experts.gate_proj.weight": "shared_gate",
+                   "mlp.shared_experts.up_proj.weight": "shared_up",
+                   "mlp.shared_experts.down_proj.weight": "shared_down"}
 
 
 @dataclass(frozen=True)
@@ -145,6 +194,7 @@ class Family:
     stacked_experts: bool = False
     # a learned logit per head that joins each query's softmax as one more key without a value (gpt-oss)
     attention_sinks: bool = False
+    mla: bool = False  # multi-head latent attention (DeepSeek-V3: ``Mla``), the pool holding its latent
     hf_names: dict[str, str] = field(default_factory=dict)  # checkpoint names that mean another tensor here
     gguf: GgufRules | None = None  # None: no GGUF of the family is read
 
@@ -178,6 +228,9 @@ FAMILIES = {
     "gpt_oss": Family(attention_bias=True, window_layers="types", attention_sinks=True, stacked_experts=True,
                       moe=MoeNames("intermediate_size", False, round_weights=True, softmax_after_topk=True,
                                    clamped_swiglu=True), hf_names=_GPT_OSS_NAMES),
+    # latent attention, dense layers then experts with a group-limited sigmoid router and shared experts; no GGUF
+    "deepseek_v3": Family(mla=True, moe=MoeNames("moe_intermediate_size", None, round_weights=False,
+                                                 group_limited=True), hf_names=_DEEPSEEK_NAMES),
 }
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> the model's
 
@@ -220,6 +273,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | YarnScaling | None = None
     # explicit per-frequency divisors (GGUF stores Llama-3 scaling as a `rope_freqs` tensor)
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
+    # DeepSeek's latent attention: then num_kv_heads (1) and head_dim (latent_size / 2) describe the pool's
+    # slot of a token, not attention heads (``shared.model.mla``), and attention_scale is always set
+    mla: Mla | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -239,13 +295,22 @@ class ModelConfig:
         return self.sliding_window if index in self.window_layers else None
 
     @property
+    def rotary_dim(self) -> int:
+        """The channels rotary turns in each head: all of it, or MLA's rope part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
     def num_params(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.mla is not None:
+            attn = _mla_params(self.mla, self.hidden_size, self.num_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         total = self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
         if self.moe is not None:  # every expert and the router, in place of the dense MLP
             experts = self.moe.num_experts * (3 * self.moe.intermediate_size + 1) * self.hidden_size
+            if self.moe.group_limited is not None:
+                experts += 3 * self.moe.group_limited.num_shared_experts * self.moe.intermediate_size * self.hidden_size
             total += len(self.moe.layers) * (experts - mlp)
         return total
 
@@ -265,7 +330,8 @@ class ModelConfig:
         max_positions = int(cfg.get("max_position_embeddings", 4096))
         scalar = cfg.get("query_pre_attn_scalar")  # Gemma's softmax scale; Granite's attention_multiplier
         attention_scale = float(scalar) ** -0.5 if scalar else cfg.get("attention_multiplier")
-        return cls(
+        rotary_dim = int(cfg["qk_rope_head_dim"]) if family.mla else head_dim
+        model = cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -293,12 +359,49 @@ class ModelConfig:
             moe=_hf_moe(cfg, family.moe) if family.moe else None,
             attention_sinks=family.attention_sinks,
             **_hf_window(cfg, family),
-            **_hf_rope(cfg, family, model_type, head_dim),
+            **_hf_rope(cfg, family, model_type, rotary_dim),
         )
+        return dataclasses.replace(model, **_hf_mla(cfg, model)) if family.mla else model
 
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _mla_params(mla: Mla, hidden: int, heads: int) -> int:
+    q = hidden * heads * mla.qk_head_dim if mla.q_lora_rank is None else (
+        mla.q_lora_rank * (hidden + 1 + heads * mla.qk_head_dim))
+    kv = hidden * mla.latent_size + mla.kv_lora_rank * (1 + heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+    return q + kv + heads * mla.v_head_dim * hidden
+
+
+def _hf_mla(cfg: dict[str, Any], model: ModelConfig) -> dict[str, Any]:
+    """The fields a DeepSeek config.json's latent attention sets (``Mla``): the pool's slot of a token as one
+    "KV head" of latent_size / 2 channels a plane (the latent split across the K and V planes), and the
+    softmax scale qk_head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 as transformers applies it."""
+    mla = Mla(q_lora_rank=_optional_int(cfg.get("q_lora_rank")), kv_lora_rank=int(cfg["kv_lora_rank"]),
+              qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+              v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)))
+    if cfg.get("attention_bias"):
+        raise ValueError(f"unsupported attention_bias of {model.architecture} (latent attention without biases only)")
+    if mla.latent_size % 2:
+        raise ValueError(f"unsupported kv_lora_rank + qk_rope_head_dim = {mla.latent_size} of {model.architecture}: "
+                         f"the latent is split over the pool's K and V planes, so it must be even")
+    scale = mla.qk_head_dim ** -0.5
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default" and params.get("mscale_all_dim"):
+        if not isinstance(model.rope_scaling, YarnScaling):
+            raise ValueError(f"unsupported mscale_all_dim of a {kind!r} rope scaling of {model.architecture} "
+                             f"(YaRN's only)")
+        factor = model.rope_scaling.factor
+        mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return dict(mla=mla, num_kv_heads=1, head_dim=mla.latent_size // 2, attention_scale=scale)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _hf_nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -352,17 +455,32 @@ def _hf_moe(cfg: dict[str, Any], names: MoeNames) -> Moe:
     """The experts of a Mixtral or Qwen3-MoE config.json. Qwen3-MoE keeps the dense MLP in
     ``mlp_only_layers`` and in the layers that ``decoder_sparse_step`` skips. Mixtral counts its experts
     in num_local_experts, Qwen3-MoE in num_experts (transformers 5 writes num_local_experts for both)."""
-    num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+    key = next(k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in cfg)
+    num_experts = int(cfg[key] or 0)
     step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    first = int(cfg.get("first_k_dense_replace") or 0)  # DeepSeek: dense layers before the experts'
     layers = tuple(i for i in range(cfg["num_hidden_layers"])
-                   if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+                   if num_experts > 0 and i not in dense and (i + 1) % step == 0 and i >= first)
     renormalize = names.renormalize if names.renormalize is not None else bool(cfg.get("norm_topk_prob", False))
     swiglu = (ClampedSwiglu(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
               if names.clamped_swiglu else None)
+    grouped = _hf_group_limited(cfg, num_experts) if names.group_limited else None
     return Moe(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
                intermediate_size=int(cfg[names.width]), renormalize=renormalize,
                round_weights=names.round_weights, layers=layers, softmax_after_topk=names.softmax_after_topk,
-               clamped_swiglu=swiglu)
+               clamped_swiglu=swiglu, group_limited=grouped)
+
+
+def _hf_group_limited(cfg: dict[str, Any], num_experts: int) -> GroupLimitedRouting:
+    """DeepSeek-V3's router and shared experts; groups that do not hold two experts each are refused (a
+    group's worth is its two best scores, as transformers takes them)."""
+    groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if num_experts % groups or num_experts // groups < 2 or topk_groups > groups:
+        raise ValueError(f"unsupported expert groups of {cfg.get('model_type')}: {num_experts} experts in n_group "
+                         f"{groups} (two or more each), topk_group {topk_groups}")
+    return GroupLimitedRouting(num_groups=groups, topk_groups=topk_groups,
+                               routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                               num_shared_experts=int(cfg.get("n_shared_experts") or 0))
 
 
 def _hf_rope(cfg: dict[str, Any], family: Family, model_type: str, head_dim: int) -> dict[str, Any]:

@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama-3 or YaRN scaling or GGUF freq factors applied."""
-    dim = cfg.head_dim
+    """Inverse frequencies [rotary_dim / 2], with Llama-3 or YaRN scaling or GGUF freq factors applied."""
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if cfg.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
@@ -226,6 +226,9 @@ class WholeQkNormLayer(QkNormLayer):
 
 def layer_class(cfg: ModelConfig) -> type[LlamaLayer]:
     """The decoder layer of ``cfg``'s family (shared/model/config.py's ``FAMILIES``)."""
+    if cfg.mla is not None:  # shared/model/mla.py builds on LlamaLayer: imported here, not at the top
+        from shared.model.mla import MlaLayer
+        return MlaLayer
     return {None: LlamaLayer, "head": QkNormLayer, "whole": WholeQkNormLayer}[cfg.qk_norm]
 
 
@@ -445,6 +448,9 @@ class LlamaModel:
         A mixture of experts' experts take the int8 methods (``MoeBlock.quantize_int8``), not gguf."""
         if method == "none":
             return
+        if self.cfg.mla is not None:
+            raise ValueError(f"{method} quantization of a latent-attention model ({self.cfg.architecture}) is not "
+                             f"built yet: its attention projections load in the model's dtype only")
         if self.cfg.moe is not None and method == "gguf":
             raise ValueError(f"{method} quantization of a mixture-of-experts model ({self.cfg.architecture}) is not "
                              f"built yet: its experts load in the model's dtype or int8 only")

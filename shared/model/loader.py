@@ -349,8 +349,8 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
     return cfg, tensors
 
 
-# a layer's biases, taken where the checkpoint has them (gpt-oss's)
-_OPTIONAL_LAYER_TENSORS = ("o_bias", "router_bias", "experts_gate_up_bias", "experts_down_bias")
+# a layer's biases, taken where the checkpoint has them (gpt-oss's; DeepSeek-V3's router correction)
+_OPTIONAL_LAYER_TENSORS = ("o_bias", "router_bias", "experts_gate_up_bias", "experts_down_bias", "router_correction")
 
 
 def _stacked_experts(num_experts: int, p: str, tensors: dict[str, torch.Tensor], take,
@@ -362,6 +362,38 @@ def _stacked_experts(num_experts: int, p: str, tensors: dict[str, torch.Tensor],
     experts = [f"{p}experts.{e}." for e in range(num_experts)]
     return {"experts_gate_up": torch.stack([fused(e, "gate_up", ("gate", "up")) for e in experts]),
             "experts_down": torch.stack([take(e + "down") for e in experts])}
+
+
+def _layer_weights(cfg: ModelConfig, i: int, tensors: dict[str, torch.Tensor], take, fused,
+                   norm) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s weights as the decoder layer takes them (``shared.model.llama.LlamaLayer``)."""
+    p = f"layers.{i}."
+    if cfg.mla is not None:  # latent attention (shared/model/mla.py): q_proj or its low-rank pair, the latent's
+        q = ("q",) if cfg.mla.q_lora_rank is None else ("q_a", "q_a_norm", "q_b")
+        w = {name: take(p + name) for name in (*q, "kv_a", "kv_a_norm", "kv_b")}
+    else:
+        w = {"qkv": fused(p, "qkv", ("q", "k", "v"))}
+    w["o_proj"] = take(p + "o_proj")
+    w.update({name: take(p + name) for name in _OPTIONAL_LAYER_TENSORS if p + name in tensors})
+    if cfg.attention_sinks:
+        w["sinks"] = take(p + "sinks")
+    if cfg.moe is not None and i in cfg.moe.layers:  # every expert's projection stacked: [E, ...]
+        w["router"] = take(p + "router")
+        w.update(_stacked_experts(cfg.moe.num_experts, p, tensors, take, fused))
+        if p + "shared_down" in tensors:  # DeepSeek-V3's shared experts, as one SwiGLU
+            w["shared_gate_up"] = fused(p, "shared_gate_up", ("shared_gate", "shared_up"))
+            w["shared_down"] = take(p + "shared_down")
+    else:
+        w["gate_up"], w["down"] = fused(p, "gate_up", ("gate", "up")), take(p + "down")
+    if cfg.pre_norms:
+        w["attn_norm"], w["mlp_norm"] = norm(p + "attn_norm"), norm(p + "mlp_norm")
+    if cfg.post_norms:
+        w["attn_out_norm"], w["mlp_out_norm"] = norm(p + "attn_out_norm"), norm(p + "mlp_out_norm")
+    if cfg.attention_bias:
+        w["qkv_bias"] = torch.cat([take(p + "q_bias"), take(p + "k_bias"), take(p + "v_bias")])
+    if cfg.qk_norm:
+        w["q_norm"], w["k_norm"] = norm(p + "q_norm"), norm(p + "k_norm")
+    return w
 
 
 def build_model(
@@ -401,24 +433,7 @@ def build_model(
             for name in [n for n in tensors if n.startswith(p)]:
                 del tensors[name]  # another stage's
             continue
-        w = {"qkv": fused(p, "qkv", ("q", "k", "v")), "o_proj": take(p + "o_proj")}
-        w.update({name: take(p + name) for name in _OPTIONAL_LAYER_TENSORS if p + name in tensors})
-        if cfg.attention_sinks:
-            w["sinks"] = take(p + "sinks")
-        if cfg.moe is not None and i in cfg.moe.layers:  # every expert's projection stacked: [E, ...]
-            w["router"] = take(p + "router")
-            w.update(_stacked_experts(cfg.moe.num_experts, p, tensors, take, fused))
-        else:
-            w["gate_up"], w["down"] = fused(p, "gate_up", ("gate", "up")), take(p + "down")
-        if cfg.pre_norms:
-            w["attn_norm"], w["mlp_norm"] = norm(p + "attn_norm"), norm(p + "mlp_norm")
-        if cfg.post_norms:
-            w["attn_out_norm"], w["mlp_out_norm"] = norm(p + "attn_out_norm"), norm(p + "mlp_out_norm")
-        if cfg.attention_bias:
-            w["qkv_bias"] = torch.cat([take(p + "q_bias"), take(p + "k_bias"), take(p + "v_bias")])
-        if cfg.qk_norm:
-            w["q_norm"], w["k_norm"] = norm(p + "q_norm"), norm(p + "k_norm")
-        layers.append(shard_layer(cfg, w, rank, tp))
+        layers.append(shard_layer(cfg, _layer_weights(cfg, i, tensors, take, fused, norm), rank, tp))
     tensors.clear()
     if stage0:
         top = shard_top(cfg, top, rank, tp)

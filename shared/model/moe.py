@@ -1,4 +1,4 @@
-"""A mixture of experts in place of a decoder layer's MLP (Mixtral, Qwen3-MoE, gpt-oss).
+"""A mixture of experts in place of a decoder layer's MLP (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3).
 
 The experts' weights are stacked, one tensor per projection ([E, ...], expert e at row e), so a
 rank of an expert-parallel group can hold a range of them and a fused grouped-GEMM kernel can
@@ -109,6 +109,8 @@ def expert_glu(moe: Moe, act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
 
 def moe_block(moe: Moe, weights: dict[str, torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor]) -> MoeBlock:
     """The block of a layer's weights (``shared.model.loader.build_model``'s names)."""
+    if moe.group_limited is not None:
+        return group_limited_block(moe, weights, act)
     biases = ExpertBiases(weights.get("router_bias"), weights.get("experts_gate_up_bias"),
                           weights.get("experts_down_bias"))
     return MoeBlock(moe, weights["router"], weights["experts_gate_up"], weights["experts_down"], act,
@@ -247,6 +249,60 @@ class MoeBlock:
         gate_up = linear(x, self.gate_up[expert], None if b.gate_up is None else b.gate_up[expert])
         down_bias = None if b.down is None else b.down[expert]
         return linear(self.glu(*gate_up.chunk(2, dim=-1)), self.down[expert], down_bias)
+
+
+def group_limited_block(moe: Moe, weights: dict[str, torch.Tensor],
+                        act: Callable[[torch.Tensor], torch.Tensor]) -> GroupLimitedMoeBlock:
+    """DeepSeek-V3's block of a layer's weights: its router's correction bias (``router_correction``, zeros
+    where the checkpoint has none) and its shared experts' fused ``shared_gate_up`` and ``shared_down``."""
+    router = weights["router"]
+    correction = weights.get("router_correction")
+    if correction is None:
+        correction = torch.zeros(router.shape[0], dtype=torch.float32, device=router.device)
+    return GroupLimitedMoeBlock(moe, router, weights["experts_gate_up"], weights["experts_down"], act, correction,
+                                weights.get("shared_gate_up"), weights.get("shared_down"))
+
+
+class GroupLimitedMoeBlock(MoeBlock):
+    """DeepSeek-V3's mixture (``GroupLimitedRouting``), as transformers' ``DeepseekV3TopkRouter`` and
+    ``DeepseekV3MoE`` compute it: the router in float32, sigmoid scores; for the choice only, each score plus
+    the expert's correction bias, the experts of the ``topk_groups`` groups with the best two-score sums, the
+    top k of those; the chosen experts weighted by their unbiased scores, renormalised (+1e-20) where
+    ``Moe.renormalize``, times ``routed_scaling_factor``. The routed experts run as ``MoeBlock``'s (every
+    kernel path), and the shared experts' SwiGLU over every token is added to their sum."""
+
+    def __init__(self, moe: Moe, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 act: Callable[[torch.Tensor], torch.Tensor], correction: torch.Tensor,
+                 shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None, kernel: MoeKernel = "auto"):
+        super().__init__(moe, router, gate_up, down, act, kernel)
+        self.routing = moe.group_limited
+        self.correction = correction.float()  # [E]: e_score_correction_bias, kept in float32 as transformers does
+        self.shared_gate_up = shared_gate_up  # [2 * shared width, hidden]; None without shared experts
+        self.shared_down = shared_down  # [hidden, shared width]
+        self.act = act
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts [T, k] (int64) and their weights [T, k] (float32)."""
+        r = self.routing
+        scores = F.linear(x.float(), self.router.float()).sigmoid()  # [T, E]
+        biased = scores + self.correction
+        num_tokens, num_experts = biased.shape
+        groups = biased.view(num_tokens, r.num_groups, -1)  # [T, G, E / G]
+        best = groups.topk(2, dim=-1).values.sum(-1).topk(r.topk_groups, dim=-1, sorted=False).indices  # [T, g]
+        keep = torch.zeros(num_tokens, r.num_groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+        biased = biased.masked_fill(~keep[:, :, None].expand_as(groups).reshape(num_tokens, num_experts), float("-inf"))
+        experts = biased.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * r.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        routed = super().forward(x)
+        if self.shared_gate_up is None:
+            return routed
+        gate, up = linear(x, self.shared_gate_up).chunk(2, dim=-1)
+        return routed + linear(self.act(gate) * up, self.shared_down)
 
 
 @cache

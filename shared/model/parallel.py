@@ -296,6 +296,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, quantization: str = "none")
         raise ValueError(f"tensor parallel size must be at least 1, got {tp}")
     if tp == 1:
         return
+    if cfg.mla is not None:
+        raise ValueError(f"tensor parallel size {tp} of a latent-attention model ({cfg.architecture}) is not built "
+                         f"yet: its attention and latent KV cache are not split over ranks (run it on one rank)")
     if cfg.num_heads % tp:
         raise ValueError(f"tensor parallel size {tp} does not divide the model's {cfg.num_heads} attention heads")
     kv = cfg.num_kv_heads

@@ -98,6 +98,7 @@ def unsupported_reason(cfg) -> str | None:
         (f"the {cfg.activation} activation", cfg.activation == "silu"),
         ("layers without rotary", not cfg.nope_layers),
         ("a mixture of experts", cfg.moe is None),
+        ("latent attention", cfg.mla is None),
         # one window for every layer is a mask of the past (``CompiledDecode.forward``); windowed layers
         # beside global ones would need a mask per layer in the graph
         ("windowed layers beside global ones", len(cfg.window_layers) in (0, cfg.num_layers)),

@@ -189,7 +189,8 @@ def test_a_model_type_not_built_is_refused_in_one_line_naming_those_that_are(tmp
         with pytest.raises(ValueError) as caught:
             load()
         assert str(caught.value) == ("unsupported model_type 'mamba' (supported: llama, mistral, qwen2, qwen3, phi3, "
-                                     "olmo2, granite, gemma2, gemma3_text, smollm3, mixtral, qwen3_moe, gpt_oss)")
+                                     "olmo2, granite, gemma2, gemma3_text, smollm3, mixtral, qwen3_moe, gpt_oss, "
+                                     "deepseek_v3)")
 
 
 GEMMA2 = PHI3 | dict(model_type="gemma2", head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,

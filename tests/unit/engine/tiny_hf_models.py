@@ -9,6 +9,13 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             initializer_range=0.2)
 # the tiny models' sliding window: the tests' prompts (40 to 128 tokens) and generations run far past it
 SLIDING_WINDOW = 12
+# DeepSeek-V3: latent attention (4 heads, latent 32 + 8, q through a rank-48 pair), layer 0 dense, layers 1-2
+# 2 of 8 narrow experts from 1 of 2 groups (so the groups' choice matters) beside a shared expert; no eos
+# (transformers' generate would keep the 0 of the tests' prompts off as padding and eos off under min_new_tokens)
+DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, tie_word_embeddings=False,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
@@ -93,6 +100,8 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
             num_experts_per_tok=2, sliding_window=SLIDING_WINDOW, swiglu_limit=1.5, tie_word_embeddings=False,
             rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    elif kind == "deepseek_v3":  # ``overrides`` win over DEEPSEEK's fields too (q_lora_rank=None, a rope scaling)
+        cfg = transformers.DeepseekV3Config(**(TINY | DEEPSEEK | overrides))
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -112,6 +121,9 @@ def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
                     param.normal_(1.0, 1.0)
                 elif name.endswith("bias") and kind == "gpt_oss":  # its biases start at zeros: nonzero ones
                     param.normal_(0.0, 0.2)  # catch a bias dropped or put on the wrong expert or column
+            for name, buffer in model.named_buffers():  # DeepSeek-V3's router correction (zeros): one that moves
+                if name.endswith("e_score_correction_bias"):  # the choice of experts
+                    buffer.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

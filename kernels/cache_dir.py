@@ -42,5 +42,7 @@ class KernelSwitches(BaseSettings):
                                "off: the torch reference")
     block_panels: bool = Field(True, description="block_mm's repacked panels where the CPU has AVX-512 VNNI; "
                                "off: the tiles kernel")
+    fused_ops_kernel: bool = Field(True, description="the eager steps' residual add + RMSNorm, rotary and SiLU x "
+                                   "up (kernels/cpu/fused_ops.cpp); off: torch's ops")
     int8_kernel: bool = Field(True, description="int8 products of few rows (kernels/cpu/int8_mm.cpp); off: "
                               "torch._int_mm")

@@ -18,10 +18,8 @@ import torch
 
 from kernels.decode_attention import decode_plan, paged_decode_attention_planned
 from kernels.kv_write import kv_write_plan, write_kv_planned
-from kernels import prefill_attention
+from kernels import fused_cpu, prefill_attention
 from kernels.prefill_attention import paged_prefill_attention_ref
-from kernels.rms_norm import fused_add_rms_norm_ref
-from kernels.rotary import rotary_embedding_ref
 
 
 @dataclass
@@ -117,11 +115,11 @@ class TorchAttentionBackend:
                 q[nd:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:], scale, window=window))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def fused_add_rms_norm(self, x, residual, weight, eps):
-        return fused_add_rms_norm_ref(x, residual, weight, eps)
+    def fused_add_rms_norm(self, x, residual, weight, eps):  # on a CPU with AVX-512F: kernels/fused_cpu.py
+        return fused_cpu.add_rms_norm(x, residual, weight, eps)
 
     def rotary_embedding(self, q, k, cos, sin):
-        return rotary_embedding_ref(q, k, cos, sin)
+        return fused_cpu.rotary(q, k, cos, sin)
 
 
 def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import blocks_cpu, int8_cpu
+from kernels import blocks_cpu, fused_cpu, int8_cpu
 from kernels.cast import cast
 from kernels.rms_norm import fused_add_rms_norm_ref
 from shared.kvcache.layout import KvCacheSpec, layer_views
@@ -184,7 +184,10 @@ class LlamaLayer:
     def mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> this rank's partial sum [T, hidden]
         if self.moe is not None:
             return self.moe.forward(x)
-        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        gate_up = linear(x, self.gate_up)
+        if self.act is F.silu:  # one pass on a CPU with AVX-512F (kernels/fused_cpu.py)
+            return linear(fused_cpu.silu_mul(gate_up), self.down)
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear(self.act(gate) * up, self.down)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

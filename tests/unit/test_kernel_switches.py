@@ -3,11 +3,11 @@
 
 import pytest
 
-from kernels import attention_cpu, blocks_cpu, int8_cpu, prefill_attention
+from kernels import attention_cpu, blocks_cpu, fused_cpu, int8_cpu, prefill_attention
 from kernels.cache_dir import KernelSwitches
 from kernels.cpu_build import why_not
 
-SWITCHES = [*(m._KERNEL._args[4] for m in (attention_cpu, blocks_cpu, int8_cpu, prefill_attention)),
+SWITCHES = [*(m._KERNEL._args[4] for m in (attention_cpu, blocks_cpu, fused_cpu, int8_cpu, prefill_attention)),
             "TANDEM_BLOCK_PANELS"]
 
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import attention_dot, dot_args, interpreting, round_to
+from kernels._triton_util import attention_dot, dot_args, round_to
 
 
 @triton.jit
@@ -96,7 +96,6 @@ def grouped_linear_triton(
         return out
     tiles = tile_config(num_rows, num_experts)
     grid = (triton.cdiv(num_rows, tiles["BLOCK_M"]) + num_experts, triton.cdiv(n, tiles["BLOCK_N"]))
-    bf16 = interpreting() and torch.bfloat16 in (x.dtype, out_dtype)
     _grouped_linear_kernel[grid](
         x, weight, out, counts, x if rows is None else rows, x if scale is None else scale.contiguous(),
         num_experts, n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),

@@ -24,6 +24,16 @@ which is multi-query attention over the latent: one KV head, keys [c, k_pe], val
 takes keys and values of different widths, so on every backend it runs in torch over the latent gathered
 from the pool (``gathered_attention(..., latent_values=kv_lora_rank)``), causal and by the step's block
 tables like any layer's: prefix hits, chunked prefill and decode rows alike.
+
+Under tensor parallelism (shared/model/parallel.py) a rank holds H / tp query heads: their rows of q_proj
+(or q_b_proj) and of kv_b_proj (their W_UK and W_UV), and o_proj's columns of their values, whose partial
+products the layer's all-reduce sums as any family's. The latent is the layer's one KV head and, as a KV
+head is where there are fewer than the ranks, it is replicated: kv_a_proj_with_mqa and its norm (and q's
+q_a_proj and norm) are whole on every rank, each computes the same latent and caches it in its own pool.
+The memory cost: a rank's pool takes TP=1's bytes per token, not 1/tp of them as split KV heads would, and
+a group holds tp copies of each latent (tp x the KV memory of one process for the same tokens). DeepSeek-V3
+at tp 8 still keeps 61 x 576 values a token per rank against the 61 x 16 heads x 320 of per-head K/V split
+8 ways (1/8.9).
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ class MlaLayer(LlamaLayer):
     experts: shared/model/moe.py's ``GroupLimitedMoeBlock``) around latent attention (this module's
     docstring). q through q_a_proj, its RMSNorm and q_b_proj (one q_proj where ``q_lora_rank`` is None); the
     latent through kv_a_proj_with_mqa, then RMSNorm over its compressed part; rotary on the rope channels
-    only. One process holds every head (the loader refuses tensor parallelism for MLA)."""
+    only. On a tensor-parallel rank, its query heads and the whole latent (this module's docstring)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
                  group: Collectives, index: int = 0):

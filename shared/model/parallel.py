@@ -14,6 +14,10 @@ The split (Megatron's, as vLLM and SGLang make it):
   the experts' down biases (inside the MoE block's partial sum) by rank 0 alone;
 * where there are fewer KV heads than ranks (``tp`` a multiple of ``num_kv_heads``), each KV head is
   replicated on the ``tp / num_kv_heads`` ranks whose query heads read it;
+* latent attention (DeepSeek-V3, shared/model/mla.py) splits its query heads as above (q_proj or q_b_proj
+  and kv_b_proj's per-head W_UK / W_UV rows column-parallel, o_proj row-parallel); the latent is its one
+  KV head, so its projection and norm (and q's low-rank q_a_proj and norm) are whole on every rank, each
+  of which computes and caches the same latent;
 * the embedding and the LM head are split by vocabulary rows (vocab-parallel), not replicated: on a
   small model they are a large share of the weights (SmolLM2-135M's tied embedding is 21% of its
   parameters), and a replicated copy on every rank would keep a rank's weights far above 1/tp of
@@ -296,11 +300,10 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, quantization: str = "none")
         raise ValueError(f"tensor parallel size must be at least 1, got {tp}")
     if tp == 1:
         return
-    if cfg.mla is not None:
-        raise ValueError(f"tensor parallel size {tp} of a latent-attention model ({cfg.architecture}) is not built "
-                         f"yet: its attention and latent KV cache are not split over ranks (run it on one rank)")
     if cfg.num_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} does not divide the model's {cfg.num_heads} attention heads")
+        latent = " (latent attention splits its query heads over the ranks)" if cfg.mla is not None else ""
+        raise ValueError(f"tensor parallel size {tp} does not divide the model's {cfg.num_heads} attention "
+                         f"heads{latent}")
     kv = cfg.num_kv_heads
     if kv % tp and tp % kv:
         raise ValueError(f"tensor parallel size {tp} must divide the model's {kv} KV heads or be a multiple "
@@ -313,7 +316,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, quantization: str = "none")
                          f"{cfg.moe.intermediate_size}")
     if quantization == "gguf":
         # the row-parallel layers' input axis is cut between ranks: on block boundaries only
-        for name, k in (("o_proj", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size)):
+        value_dim = cfg.mla.v_head_dim if cfg.mla is not None else cfg.head_dim
+        for name, k in (("o_proj", cfg.num_heads * value_dim), ("down", cfg.intermediate_size)):
             if k % GGUF_BLOCK == 0 and (k // tp) % GGUF_BLOCK:
                 raise ValueError(f"tensor parallel size {tp} would cut the gguf blocks of {name}: its {k} inputs "
                                  f"make {k // GGUF_BLOCK} blocks of {GGUF_BLOCK}, which {tp} ranks cannot share")
@@ -337,9 +341,10 @@ def shard_layer(cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, tp: int
 
 
 # a layer's tensors that act on a sublayer's input or on its all-reduced output, [hidden] or [E]: whole
-# on every rank (the norms; gpt-oss's o_proj bias, added after the all-reduce; its router's bias, so every
-# rank routes alike)
-_WHOLE = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "o_bias", "router", "router_bias")
+# on every rank (the norms; gpt-oss's o_proj bias, added after the all-reduce; its router's bias and
+# DeepSeek-V3's correction bias, so every rank routes alike)
+_WHOLE = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "o_bias", "router", "router_bias",
+          "router_correction")
 # the bias of a row-parallel product inside a partial sum (gpt-oss's experts' down [E, hidden]): on rank 0
 # alone, so the all-reduce adds it once
 _ONCE = ("experts_down_bias",)
@@ -359,6 +364,8 @@ def _shard_layer(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, to
 def _shard_attention(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torch.Tensor]:
     """This rank's attention heads: the rows of q/k/v (and their biases) and of gpt-oss's sinks,
     o_proj's input columns, the q/k norms."""
+    if split.cfg.mla is not None:
+        return _shard_latent_attention(w, split)
     cfg, d = split.cfg, split.cfg.head_dim
     heads = _rows(split.rank * split.num_heads, split.num_heads)
     q_rows = _rows(heads.start * d, split.num_heads * d)
@@ -381,9 +388,31 @@ def _shard_attention(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str
     return out
 
 
+# latent attention's tensors ahead of the heads (shared/model/mla.py): whole on every rank, which computes
+# and caches the same latent (the one "KV head", replicated as KV heads are where fewer than the ranks)
+_LATENT_WHOLE = ("q_a", "q_a_norm", "kv_a", "kv_a_norm")
+
+
+def _shard_latent_attention(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torch.Tensor]:
+    """Latent attention's query heads on this rank: the rows of q_proj or q_b_proj [H * qk, in] and of
+    kv_b_proj [H * (nope + v), kv_lora_rank] (each head's W_UK and W_UV), o_proj's input columns [hidden,
+    H * v]; the latent's projection and norm, and q's low-rank projection and norm, whole."""
+    mla, start, count = split.cfg.mla, split.rank * split.num_heads, split.num_heads
+
+    def heads(t: torch.Tensor, per_head: int, dim: int = 0) -> torch.Tensor:
+        return t.narrow(dim, start * per_head, count * per_head).clone(memory_format=torch.contiguous_format)
+
+    out = {name: w[name] for name in _LATENT_WHOLE if name in w}
+    out.update({name: heads(w[name], mla.qk_head_dim) for name in ("q", "q_b") if name in w})
+    out["kv_b"] = heads(w["kv_b"], mla.qk_nope_head_dim + mla.v_head_dim)
+    out["o_proj"] = heads(w["o_proj"], mla.v_head_dim, dim=1)
+    return out
+
+
 def _shard_mlp(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torch.Tensor]:
     """This rank's intermediate channels of the dense MLP, or of every expert (gate_up's bias cut as
-    its rows; the router and the down bias are ``_WHOLE`` and ``_ONCE``'s)."""
+    its rows; the router and the down bias are ``_WHOLE`` and ``_ONCE``'s) and of DeepSeek-V3's shared
+    experts."""
     if "router" not in w:
         gate_up, down = _mlp_columns(w["gate_up"], w["down"], split.cfg.intermediate_size, split)
         return {"gate_up": gate_up, "down": down}
@@ -392,6 +421,9 @@ def _shard_mlp(w: dict[str, torch.Tensor], split: TensorSplit) -> dict[str, torc
     out = {"experts_gate_up": gate_up, "experts_down": down}
     if "experts_gate_up_bias" in w:  # [E, 2 * width]
         out["experts_gate_up_bias"] = _gate_up_channels(w["experts_gate_up_bias"], width, split, dim=-1)
+    if "shared_gate_up" in w:  # DeepSeek-V3's shared experts: one dense SwiGLU [2 * width, hidden], cut as the MLP
+        out["shared_gate_up"], out["shared_down"] = _mlp_columns(w["shared_gate_up"], w["shared_down"],
+                                                                 w["shared_gate_up"].shape[0] // 2, split)
     return out
 
 

@@ -1,7 +1,8 @@
 """DeepSeek-V3 against transformers on tiny random-weight models: multi-head latent attention with its
 compressed latent in the KV pool (q through a low-rank pair, or one q_proj with YaRN and mscale_all_dim),
 interleaved rotary, dense layers before experts chosen by a group-limited sigmoid router beside a shared
-expert; through the engine's paged pool (chunked prefill, decode rows, a prefix hit); and what is refused."""
+expert; through the engine's paged pool (chunked prefill, decode rows, a prefix hit); split over tensor-parallel
+ranks (query heads split, the latent replicated) and pipeline stages; and what is refused."""
 
 import dataclasses
 import json
@@ -14,6 +15,7 @@ from shared.kvcache.layout import KvCacheSpec, layer_views
 from shared.model.attention import AttentionMetadata, TorchAttentionBackend
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
+from thread_ranks import run_ranks
 from tiny_hf_models import save_tiny
 
 PROMPT = [(13 * i + 5) % 256 for i in range(96)]
@@ -211,12 +213,9 @@ def test_a_prefix_hit_then_chunks_over_it_is_transformers_generate(q_lora):
 
 def test_what_is_not_built_is_refused_by_name(q_lora, tmp_path):
     from shared.model.loader import gguf_family
-    from shared.model.parallel import check_tensor_parallel
 
     path, _ = q_lora
     model = load(path)
-    with pytest.raises(ValueError, match=r"tensor parallel size 2 of a latent-attention model \(deepseek_v3\)"):
-        check_tensor_parallel(model.cfg, 2)
     for method in ("int8", "gguf"):
         with pytest.raises(ValueError, match=rf"{method} quantization of a latent-attention model \(deepseek_v3\)"):
             model.quantize(method)
@@ -240,3 +239,97 @@ def test_it_decodes_eagerly_under_compile(tmp_path, caplog):
     from test_compiled_decode import test_families_the_compiled_step_does_not_cover_decode_eagerly as check
 
     check(tmp_path, "deepseek_v3", "a softmax scale of its own, a mixture of experts", caplog)
+
+
+def rank_model(path, group, pipeline=None):
+    return load_model(path, "hf", torch.device("cpu"), torch.float32, group, pipeline=pipeline)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_over_ranks_gives_the_whole_models_logits_and_latent(deepseek, tp):
+    """Each rank holds 4 / tp query heads (their q and kv_b rows, o_proj's columns), the experts' and the
+    shared expert's channels, the router and the latent's projection whole: every rank's logits at every
+    position are one process's (and transformers'), and every rank's pool holds the whole latent, TP=1's
+    bytes per token (the latent replicated as a KV head is where there are fewer than the ranks)."""
+    path, hf = deepseek
+    model = load(path)
+    whole, whole_kv = model.prefill_logits(PROMPT), prefill_pool(model, PROMPT)
+
+    def shard(group):
+        model = rank_model(path, group)
+        assert model.layers[0].num_heads == 4 // tp and model.num_kv_heads == 1
+        return model.prefill_logits(PROMPT), prefill_pool(model, PROMPT)
+
+    results = run_ranks(tp, shard)
+    for logits, kv in results:
+        assert torch.equal(logits, results[0][0])  # every rank the same bits
+        assert kv.shape == whole_kv.shape and kv[0, 0].nbytes == whole_kv[0, 0].nbytes  # TP=1's bytes a block
+        torch.testing.assert_close(kv, whole_kv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][0], whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results[0][0], hf_logits(hf, PROMPT), rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_at_two_ranks_is_one_ranks(q_lora):
+    """The engine over a group of two (rank 0 drives, rank 1 follows): chunked prefill beside decodes over
+    8-token blocks, each prompt's 12 greedy tokens those of one process; the KV bytes a token on each rank
+    are one process's: 3 layers x (32 + 8) float32 values, and the group's whole blocks (as the KV tiers and
+    transfers read them) one process's pool's."""
+    from shared.engine.parallel import ParallelModel, follow
+
+    path, _ = q_lora
+    config = EngineConfig(kv_cache_memory=1 << 20, block_size=8, max_num_batched_tokens=24)
+    prompts = [PROMPT[:n] for n in (5, 40, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = LLMEngine(load(path), config)
+    want = one.generate(prompts, params)
+
+    def rank(world):
+        model = rank_model(path, world)
+        if world.rank > 0:
+            return follow(model, world)
+        engine = LLMEngine(ParallelModel(model, world), config)
+        try:
+            got = engine.generate(prompts, params)
+            return got, engine.kv_spec.bytes_per_token, engine.model.read_blocks(list(range(8)))
+        finally:
+            engine.close()
+
+    got, bytes_per_token, blocks = run_ranks(2, rank)[0]
+    assert got == want
+    assert bytes_per_token == one.kv_spec.bytes_per_token == 3 * (32 + 8) * 4
+    torch.testing.assert_close(blocks, one.kv_cache[:8], rtol=1e-5, atol=1e-5)
+
+
+def test_a_split_that_does_not_divide_the_heads_is_refused_at_load(q_lora):
+    from shared.model.parallel import check_tensor_parallel
+
+    class FakeGroup:  # only its size is read before the refusal
+        rank, size = 0, 3
+
+    path, _ = q_lora
+    want = r"^tensor parallel size 3 does not divide the model's 4 attention heads \(latent attention splits"
+    with pytest.raises(ValueError, match=want):
+        rank_model(path, FakeGroup())
+    with pytest.raises(ValueError, match="tensor parallel size 8 does not divide the model's 4 attention heads"):
+        check_tensor_parallel(load(path).cfg, 8)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_give_the_whole_models_logits(q_lora, tp):
+    """Two stages (the dense layer 0 and layer 1 of experts, then layer 2), each of ``tp`` ranks: each
+    stage's layers cache their latent in its own pool; stage 0's ranks get the whole model's logits."""
+    from shared.engine.parallel import join_stage
+
+    path, _ = q_lora
+    whole = load(path).prefill_logits(PROMPT)
+
+    def stage_logits(world):
+        group, pipeline = join_stage(world, tp, 2, 3)
+        model = rank_model(path, group, pipeline)
+        assert len(model.layers) == (2, 1)[pipeline.stage]
+        return model.prefill_logits(PROMPT)
+
+    results = run_ranks(2 * tp, stage_logits)
+    assert all(r is None for r in results[tp:])
+    for logits in results[:tp]:
+        torch.testing.assert_close(logits, whole, rtol=1e-4, atol=1e-4)

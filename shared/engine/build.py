@@ -31,6 +31,7 @@ from shared.engine.compiled.artifacts import ArtifactStore, CompileArtifacts, en
 from shared.engine.compiled.step import CompiledDecode, unsupported_reason
 from shared.engine.compiled.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
+from shared.model.precision import model_float_only
 from shared.model.parallel import (Collectives, ProcessGroupCollectives, check_pipeline_parallel,
                                    check_tensor_parallel)
 
@@ -261,7 +262,7 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
         torch.set_num_threads(config.num_threads)
     device = config.resolve_device()
     shape = read_config(source.path, source.format)
-    precision = config.resolve_precision(device, experts=shape.moe is not None)
+    precision = config.resolve_precision(device, float_only=model_float_only(shape))
     dtype = torch_dtype(precision.dtype)
     log.info("precision %s%s on %s: %s", precision.dtype,
              "" if precision.quantization == "none" else f" + {precision.quantization}", device, precision.reason)

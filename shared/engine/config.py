@@ -48,11 +48,11 @@ class EngineConfig(EngineOptions):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_precision(self, device: torch.device, experts: bool = False) -> Precision:
-        """The given dtype/quantization, or the fastest one for the device (and for a model with
-        ``experts``) when neither is given."""
+    def resolve_precision(self, device: torch.device, float_only: str | None = None) -> Precision:
+        """The given dtype/quantization, or the fastest one for the device (a float one where
+        ``float_only`` says why the model takes no other) when neither is given."""
         flags = cpu_flags() if device.type == "cpu" else frozenset()
-        return choose_precision(device.type, self.dtype, self.quantization, flags, experts)
+        return choose_precision(device.type, self.dtype, self.quantization, flags, float_only)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         return torch_dtype(self.resolve_precision(device).dtype)

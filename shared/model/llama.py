@@ -447,20 +447,19 @@ class LlamaModel:
         levels, the LM head's weight too, no smoothing (``calibration_ids`` unused; ``shared/model/quant.py``).
         "gguf": weight-only blocks of 32 (``BlockWeight``: 4-bit where a weight is on a 4-bit grid, as
         a GGUF file's Q4 layers are, else 8-bit), activations rounded to 8-bit blocks as llama.cpp does
-        (``kernels/blocks_cpu.py``); a weight whose rows are not whole blocks of 32 stays float.
-        A mixture of experts' experts take the int8 methods (``MoeBlock.quantize_int8``), not gguf."""
+        (``kernels/blocks_cpu.py``); a weight whose rows are not whole blocks of 32 stays float, and so
+        do a layer's experts (``MoeBlock.quantize_gguf``, ``quantize_int8`` for the int8 methods)."""
         if method == "none":
             return
         if self.cfg.mla is not None:
             raise ValueError(f"{method} quantization of a latent-attention model ({self.cfg.architecture}) is not "
                              f"built yet: its attention projections load in the model's dtype only")
-        if self.cfg.moe is not None and method == "gguf":
-            raise ValueError(f"{method} quantization of a mixture-of-experts model ({self.cfg.architecture}) is not "
-                             f"built yet: its experts load in the model's dtype or int8 only")
         if method == "gguf":
-            for layer in self.layers:
-                for name in LINEAR_NAMES:
+            for i, layer in enumerate(self.layers):
+                for name in _linear_names(layer):
                     setattr(layer, name, quantize_blocks(getattr(layer, name)) or getattr(layer, name))
+                if layer.moe is not None and not layer.moe.quantize_gguf():
+                    log.info("layer %d's experts stay %s: their input width is not whole blocks of 32", i, self.dtype)
             head = quantize_blocks(self.lm_head) if self.lm_head is not None else None  # none past stage 0
             self.lm_head = dataclasses.replace(head, act_levels=2) if head is not None else self.lm_head
             if self.device.type == "cpu":

@@ -8,7 +8,9 @@ block's output is a partial sum that the layer's all-reduce completes (gpt-oss's
 rank 0's alone, so the sum holds them once; the gate_up biases are cut with the channels).
 
 With ``quantization="int8"`` the experts are ``Int8Experts``: the same stack in int8 with a scale
-per expert and output channel, each expert's rows multiplied by the dense layers' int8 linear.
+per expert and output channel, each expert's rows multiplied by the dense layers' int8 linear. With
+``quantization="gguf"`` they are ``BlockExperts``: a block weight per expert, multiplied by the dense
+layers' block kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch.nn.functional as F
 
 from kernels.moe_grouped import grouped_linear_ref
 from shared.model.config import ClampedSwiglu, Moe
-from shared.model.quant import Int8Weight, int8_linear, linear, quantize_int8
+from shared.model.quant import (BlockWeight, Int8Weight, block_linear, int8_linear, linear, quantize_blocks,
+                                quantize_int8)
 
 MoeKernel = Literal["auto", "torch", "triton"]
 # (x [R, K], weight [E, N, K], counts [E], rows [P] | None, scale [P] | None) -> [P, N]: the
@@ -85,6 +88,44 @@ _int8_grouped_linear = partial(grouped_linear_ref, linear=int8_linear)
 
 
 @dataclass(frozen=True)
+class BlockExperts:
+    """A projection's experts [E, N, K] in GGUF-style blocks of 32 (``--quantization gguf``): one
+    ``BlockWeight`` per expert, as ``quantize_blocks`` makes a dense layer's (4-bit where the expert is on
+    a 4-bit grid already, as a GGUF file's Q4 experts dequantized are, else 8-bit), each multiplied by
+    the dense layers' block kernel, panels included. ``experts[e0:e1]`` is a range of them (expert
+    parallelism), ``experts[e]`` expert e's weight."""
+
+    weights: tuple[BlockWeight, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.weights), *self.weights[0].shape))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+    def __getitem__(self, index: int | slice) -> BlockWeight | BlockExperts:
+        if isinstance(index, slice):
+            return BlockExperts(self.weights[index])
+        return self.weights[index]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [E, N, K]
+        return torch.stack([w.dequantize(dtype) for w in self.weights])
+
+
+def block_experts(weight: torch.Tensor) -> BlockExperts | None:
+    """Each expert of ``weight`` [E, N, K] through ``quantize_blocks``; None where K is not whole blocks."""
+    blocks = [quantize_blocks(w) for w in weight.unbind(0)]
+    return None if any(b is None for b in blocks) else BlockExperts(tuple(blocks))
+
+
+# gguf experts' grouped path: the same loop, each group through the dense layers' block linear (a row's
+# activation blocks are rounded on their own, so a row's result is its own here too)
+_block_grouped_linear = partial(grouped_linear_ref, linear=block_linear)
+
+
+@dataclass(frozen=True)
 class ExpertBiases:
     """The biases of a block whose router and experts have them (gpt-oss); None where one has none."""
 
@@ -132,9 +173,9 @@ class MoeBlock:
         self.top_k, self.renormalize, self.round_weights = moe.top_k, moe.renormalize, moe.round_weights
         self.softmax_after_topk = moe.softmax_after_topk
         self.router = router  # [E, hidden]: whole on every rank, so every rank routes alike
-        # [E, 2 * I, hidden]: each expert's gate rows, then its up rows; Int8Experts once quantized
-        self.gate_up: torch.Tensor | Int8Experts = gate_up
-        self.down: torch.Tensor | Int8Experts = down  # [E, hidden, I]
+        # [E, 2 * I, hidden]: each expert's gate rows, then its up rows; Int8Experts or BlockExperts once quantized
+        self.gate_up: torch.Tensor | Int8Experts | BlockExperts = gate_up
+        self.down: torch.Tensor | Int8Experts | BlockExperts = down  # [E, hidden, I]
         self.biases = biases
         self.glu = expert_glu(moe, act)
         self.kernel = kernel  # how ``forward`` runs the experts: see ``grouped_linear``
@@ -146,6 +187,15 @@ class MoeBlock:
         """Replace both projections' experts by ``Int8Experts`` (the router and biases stay float)."""
         self.gate_up = quantize_experts(self.gate_up, act_levels)
         self.down = quantize_experts(self.down, act_levels)
+
+    def quantize_gguf(self) -> bool:
+        """Replace both projections' experts by ``BlockExperts`` (the router and biases stay float);
+        False, and both kept float, where either's input width is not whole blocks of 32."""
+        gate_up, down = block_experts(self.gate_up), block_experts(self.down)
+        if gate_up is None or down is None:
+            return False
+        self.gate_up, self.down = gate_up, down
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts [T, k] (int64) and their weights [T, k] (float32, or x's dtype
@@ -183,6 +233,8 @@ class MoeBlock:
         the int8 loop over the expert groups whatever the kernel but "torch"."""
         if isinstance(self.gate_up, Int8Experts):
             return None if self.kernel == "torch" else _int8_grouped_linear
+        if isinstance(self.gate_up, BlockExperts):
+            return None if self.kernel == "torch" else _block_grouped_linear
         if self.kernel == "torch" or (self.kernel == "auto" and not x.is_cuda):
             return None
         kernel = _triton_grouped_linear()
@@ -269,7 +321,9 @@ class GroupLimitedMoeBlock(MoeBlock):
     the expert's correction bias, the experts of the ``topk_groups`` groups with the best two-score sums, the
     top k of those; the chosen experts weighted by their unbiased scores, renormalised (+1e-20) where
     ``Moe.renormalize``, times ``routed_scaling_factor``. The routed experts run as ``MoeBlock``'s (every
-    kernel path), and the shared experts' SwiGLU over every token is added to their sum."""
+    kernel path), and the shared experts' SwiGLU over every token is added to their sum. On a tensor-parallel
+    rank the shared experts hold their slice of the channels as a dense MLP does, so theirs is a partial sum
+    too, completed by the layer's all-reduce (shared/model/parallel.py)."""
 
     def __init__(self, moe: Moe, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  act: Callable[[torch.Tensor], torch.Tensor], correction: torch.Tensor,

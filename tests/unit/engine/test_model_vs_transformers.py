@@ -114,14 +114,6 @@ def test_experts_weigh_their_outputs_as_transformers_in_bfloat16(tmp_path, kind)
     torch.testing.assert_close(model.prefill_logits(prompt), ref, rtol=0, atol=1e-2)
 
 
-@pytest.mark.parametrize("method", ["gguf"])  # int8 quantizes experts: tests/unit/engine/test_moe_int8.py
-def test_experts_refuse_quantization_by_name(tmp_path, method):
-    save_tiny("mixtral", tmp_path)
-    model = load_model(tmp_path, "hf", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match=f"{method} quantization of a mixture-of-experts model \\(mixtral\\)"):
-        model.quantize(method)
-
-
 PHI3 = dict(model_type="phi3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=4096)
 

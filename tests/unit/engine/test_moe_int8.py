@@ -158,34 +158,3 @@ def test_gpt_oss_experts_with_biases_take_int8(tmp_path):
     got = model.prefill_logits(PROMPT)
     agreement = float((got.argmax(-1) == want.argmax(-1)).float().mean())
     assert agreement >= MIN_EXPERTS_AGREEMENT, agreement
-
-
-def test_gguf_quantization_of_experts_is_still_refused(tiny_moe):
-    _, path = tiny_moe
-    model = load_model(path, "hf", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="gguf quantization of a mixture-of-experts model"):
-        model.quantize("gguf")
-
-
-def test_the_default_precision_of_a_mixture_of_experts_holds_its_experts(tiny_moe, smollm2_gguf, tmp_path,
-                                                                          monkeypatch, caplog):
-    """Where the CPU default is gguf (AVX-512 VNNI), whose blocks do not hold experts, a model with
-    experts loads as int8 instead of being refused; a dense model keeps gguf."""
-    import logging
-
-    from loadtest.tools.synth_model import write_hf_tokenizer
-    from shared.engine import config as engine_config
-    from shared.engine.build import load_model as load_engine_model
-    from shared.model.precision import AVX512_VNNI_FLAGS
-
-    monkeypatch.setattr(engine_config, "cpu_flags", lambda: frozenset(AVX512_VNNI_FLAGS))
-    save_tiny(tiny_moe[0], tmp_path, vocab_size=49152)  # SmolLM2's tokenizer: int8 calibrates on its text
-    write_hf_tokenizer(tmp_path, smollm2_gguf)
-    path = tmp_path
-    with caplog.at_level(logging.INFO, logger="shared.engine.build"):
-        loaded = load_engine_model(EngineConfig(model=str(path), device="cpu"))
-    assert (loaded.config.dtype, loaded.config.quantization) == ("float32", "int8")
-    experts = [layer.moe for layer in loaded.model.layers if layer.moe is not None]
-    assert experts and all(isinstance(moe.gate_up, Int8Experts) for moe in experts)
-    assert "the model has experts" in caplog.text
-    assert EngineConfig().resolve_precision(torch.device("cpu")).quantization == "gguf"  # no experts: gguf

@@ -58,12 +58,8 @@ def test_engine_config_resolves_the_machine_default_and_keeps_float32_when_pinne
         EngineConfig(dtype="float8").resolve_dtype(cpu)
 
 
-@pytest.mark.parametrize("flags, want", [
-    (SAPPHIRE | {"avx512bw", "avx512vl"}, ("float32", "int8")),  # gguf blocks hold no experts: int8 does
-    (frozenset({"avx2", "avx_vnni"}), ("float32", "int8")),
-    (OLD, ("float32", "none")),
-])
-def test_a_model_with_experts_gets_a_default_that_holds_them(flags, want):
-    p = choose_precision("cpu", None, None, flags, experts=True)
-    assert (p.dtype, p.quantization) == want
-    assert choose_precision("cpu", None, "gguf", flags, experts=True).quantization == "gguf"  # given: kept
+@pytest.mark.parametrize("flags", [SAPPHIRE | {"avx512bw", "avx512vl"}, frozenset({"avx2", "avx_vnni"}), OLD])
+def test_a_model_that_takes_no_quantization_gets_float32(flags):
+    p = choose_precision("cpu", None, None, flags, float_only="latent attention loads in a float dtype only")
+    assert (p.dtype, p.quantization) == ("float32", "none") and "latent attention" in p.reason
+    assert choose_precision("cpu", None, "int8", flags, float_only="x").quantization == "int8"  # given: kept

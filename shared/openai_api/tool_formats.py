@@ -37,6 +37,13 @@ RawCall = tuple[str, object]  # (function name, arguments as a JSON value)
 
 _DECODER = json.JSONDecoder()
 
+# The most calls a forced output holds with parallel calls allowed. A small model under a forced
+# call, greedy, repeats its first call until the token limit (SmolLM2: 13 identical calls); the
+# grammar cannot refuse a repeat (an item unlike the earlier ones is no JSON schema llguidance
+# compiles), so it ends the calls here and ``ToolUse.calls`` drops the repeats. Eight is more
+# distinct calls than one turn of an agent makes in practice; OpenAI sets no such limit.
+MAX_FORCED_CALLS = 8
+
 
 def _raw(item: object, arguments_key: str = "arguments") -> RawCall | None:
     """``{"name": str, <arguments_key>: ...}`` as a raw call; None when it is not one."""
@@ -81,6 +88,7 @@ class ToolFormat(ABC):
     name: ClassVar[str]
     marker: ClassVar[str]  # the text a call starts with
     marker_tokens: ClassVar[tuple[str, ...]]  # every marker the format writes (special tokens in some tokenizers)
+    forced_in_format: ClassVar[bool] = False  # a forced call is written in the format (``forced_lark``)
 
     @abstractmethod
     def parse(self, text: str) -> list[RawCall] | None:
@@ -156,6 +164,12 @@ class ToolFormat(ABC):
             f"item: %json {json.dumps(call_schema)}",
             "TEXT: " + self.text_lexeme(),
         ])
+
+    def forced_lark(self, call_schema: dict, parallel: bool) -> str | None:
+        """Calls only (``tool_choice: required`` or a named function), whose items match
+        ``call_schema``, in the format; None: the format's forced calls are a JSON list of items
+        (``tools.forced_grammar``), read back as one."""
+        return None
 
     def text_lexeme(self) -> str:
         """The lark lexeme of output that is text: here, text without the marker."""
@@ -331,12 +345,16 @@ class HarmonyFormat(ToolFormat):
     """gpt-oss: each call a message addressed ``to=functions.NAME`` with JSON arguments; the reply's
     content is the text outside messages and the bodies of those without a recipient (the final
     channel, a preamble). Read from the content the harmony reasoning splitter leaves (the calls in
-    it whole, markers included) or from the raw output. No ``auto_lark``: its markers are special
-    tokens that a lark grammar of text does not name."""
+    it whole, markers included) or from the raw output.
+
+    Its grammars name the markers as the special tokens they are (llguidance's ``<|name|>``: the
+    token itself, never text that spells it), the calls in the header form openai-harmony documents
+    and gpt-oss writes; each call's arguments are the schema of the function its header names."""
 
     name = "harmony"
     marker = harmony.START
     marker_tokens = harmony.MARKERS
+    forced_in_format = True
 
     def parse(self, text: str) -> list[RawCall] | None:
         calls = [self._call(m) for m in harmony.read_messages(text) if m.function is not None]
@@ -385,10 +403,57 @@ class HarmonyFormat(ToolFormat):
                 f"json{harmony.MESSAGE}<arguments object>{harmony.CALL}")
 
     def calls_rule(self, parallel: bool) -> list[str]:
-        raise NotImplementedError("harmony has no lark grammar of calls")
+        raise NotImplementedError("harmony's calls name their function in the header: auto_lark builds them")
 
     def auto_lark(self, call_schema: dict, parallel: bool) -> str | None:
-        return None
+        """Reasoning (analysis messages), then the answer (a final message, or text outside
+        messages) or calls of ``call_schema``'s functions."""
+        return "\n".join([
+            "%llguidance {}",
+            "start: analysis* (final | calls) | TEXT",
+            f"analysis: <|channel|> \"analysis\" <|message|> TEXT <|end|> {_HARMONY_NEXT}",
+            "final: <|channel|> \"final\" <|message|> TEXT <|return|>?",
+            "calls: call" + (f" ({_HARMONY_NEXT} call)*" if parallel else ""),
+            *self._call_rules(call_schema),
+            "TEXT: " + self.text_lexeme(),
+        ])
+
+    def forced_lark(self, call_schema: dict, parallel: bool) -> str | None:
+        """Calls from the first token, as harmony messages rather than a JSON list: the model writes
+        the header it was trained to write, and picks the function there as it would unforced."""
+        more = f" ({_HARMONY_NEXT} call){{0,{MAX_FORCED_CALLS - 1}}}" if parallel else ""
+        return "\n".join(["%llguidance {}", "start: call" + more, *self._call_rules(call_schema)])
+
+    def _call_rules(self, call_schema: dict) -> list[str]:
+        """``call``: one message to one of ``call_schema``'s functions, with its arguments. A later
+        call follows the ``<|call|>`` of the one before, which ends gpt-oss's sequence (its
+        generation config; llguidance too stops at an end of sequence): in practice one call per
+        output, as vLLM's gpt-oss makes."""
+        functions = _functions(call_schema)
+        rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        for i, (name, arguments) in enumerate(functions):
+            header = json.dumps(f"commentary to={harmony.FUNCTIONS}{name} ")
+            rules += [f'call_{i}: <|channel|> {header} <|constrain|> "json" <|message|> args_{i} <|call|>',
+                      f"args_{i}: %json {json.dumps(arguments)}"]
+        return rules
+
+    def text_lexeme(self) -> str:
+        # no marker spelled out in text either: the gateway reads the decoded text, where it would
+        # read as the marker
+        markers = "|".join(re.escape(m).replace("/", "\\/") for m in harmony.MARKERS)
+        return f"/(.|\\n)*/ & ~/(.|\\n)*({markers})(.|\\n)*/"
+
+
+# between two messages of one output: the next one's start and role
+_HARMONY_NEXT = '<|start|> "assistant"'
+
+
+def _functions(call_schema: dict) -> list[tuple[str, dict]]:
+    """Each function ``call_schema`` (``tools.call_schema``'s form, one or an ``anyOf`` of them)
+    may call, with its arguments' schema (carrying ``call_schema``'s ``x-guidance``)."""
+    guidance = {"x-guidance": call_schema["x-guidance"]} if "x-guidance" in call_schema else {}
+    return [(c["properties"]["name"]["const"], {**c["properties"]["arguments"], **guidance})
+            for c in call_schema.get("anyOf", [call_schema])]
 
 
 HERMES = HermesFormat()

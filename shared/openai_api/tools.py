@@ -7,7 +7,8 @@ default, is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``mist
 not know tools gets them in a system message that asks for that form. ``tool_choice: required``
 or a named function is enforced by a grammar: the output is then a JSON list of calls (one call
 for a named function, or without ``parallel_tool_calls``), whose items are the functions'
-``{"name", "arguments"}`` schemas. Under ``auto``, a ``strict`` function brings a grammar too: text
+``{"name", "arguments"}`` schemas (gpt-oss's are its own call messages instead:
+``HarmonyFormat.forced_lark``). Under ``auto``, a ``strict`` function brings a grammar too: text
 without the format's call marker, or calls of the declared functions only. In both grammars an argument
 schema's objects are closed unless they say otherwise (``closed_schema``).
 
@@ -25,7 +26,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from shared.openai_api.tool_formats import HERMES, RawCall, ToolFormat
+from shared.openai_api.tool_formats import HERMES, MAX_FORCED_CALLS, RawCall, ToolFormat
 from shared.protocol.generate import GrammarSpec
 
 
@@ -146,22 +147,18 @@ def _one_of_calls(tools: list[Tool]) -> dict:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-# The most calls a forced list holds with parallel calls allowed. A small model under a forced
-# call, greedy, repeats its first call until the token limit (SmolLM2: 13 identical calls); the
-# grammar cannot refuse a repeat (an item unlike the earlier ones is no JSON schema llguidance
-# compiles), so it ends the list here and ``ToolUse.calls`` drops the repeats. Eight is more
-# distinct calls than one turn of an agent makes in practice; OpenAI sets no such limit.
-MAX_FORCED_CALLS = 8
-
-
-def forced_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> GrammarSpec | None:
-    """The grammar of a forced call (``required`` or a named function); None when the model may
-    answer in text."""
+def forced_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool,
+                   fmt: ToolFormat = HERMES) -> GrammarSpec | None:
+    """The grammar of a forced call (``required`` or a named function): calls in ``fmt`` where it
+    has such a grammar (``ToolFormat.forced_lark``), else a JSON list of calls; None when the model
+    may answer in text."""
     chosen, parallel = _forced_tools(tools, choice, parallel)
     if not chosen:
         return None
-    schema = {"type": "array", "items": _one_of_calls(chosen), "minItems": 1,
-              "maxItems": MAX_FORCED_CALLS if parallel else 1}
+    calls = _one_of_calls(chosen)
+    if fmt.forced_in_format:
+        return GrammarSpec(kind="lark", value=fmt.forced_lark({**calls, "x-guidance": _COMPACT}, parallel))
+    schema = {"type": "array", "items": calls, "minItems": 1, "maxItems": MAX_FORCED_CALLS if parallel else 1}
     return GrammarSpec(kind="json_schema", value=json.dumps(schema))
 
 
@@ -271,9 +268,10 @@ class ToolUse:
         return [t.function.name for t in self.tools] if self.mode == "auto" else []
 
     def grammar(self) -> GrammarSpec | None:
-        """Forced: a JSON list of calls; auto with a ``strict`` function: text or valid calls."""
+        """Forced: a JSON list of calls (or the format's calls: ``forced_grammar``); auto with a
+        ``strict`` function: text or valid calls."""
         if self.mode == "forced":
-            return forced_grammar(self.tools, self.choice, self.parallel)
+            return forced_grammar(self.tools, self.choice, self.parallel, self.format)
         if self.mode == "auto" and any(t.function.strict for t in self.tools):
             return auto_grammar(self.tools, self.parallel, self.format)
         return None
@@ -311,7 +309,7 @@ class ToolUse:
         if start is None:
             return None
         text = text[start:]
-        forced = self.mode == "forced"
+        forced = self.mode == "forced" and not self.format.forced_in_format  # a JSON list of calls
         calls = parse_calls(text, forced, self.format) if finish_reason == "stop" else None
         if calls is None and (forced or (finish_reason != "stop" and self.format.starts_call(text))):
             calls = whole_calls(text, forced, self.format)

@@ -233,12 +233,37 @@ def test_the_responses_api_has_a_reasoning_item_then_the_call(tok):
     assert json.loads(body["output"][1]["arguments"]) == {"city": "Paris"}
 
 
-def test_a_strict_function_brings_no_grammar_for_harmony(tok):
+def test_a_strict_function_brings_harmonys_grammar_and_the_reasoning_is_still_split(tok):
+    """The grammar itself: ``test_harmony_grammar``."""
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [strict]}
     api = ChatAdapter.from_json(json.dumps(body).encode(), tok)
     api.decide_tool_format("auto")
-    assert api.body.grammar() is None  # calls read back unconstrained, reasoning still split
+    api.decide_reasoning("auto", GenerateRequest(request_id="r", model="m", prompt_token_ids=api.prompt_ids()))
+    spec, param = api.body.grammar()
+    assert param == "tools" and spec.kind == "lark" and "to=functions.get_weather" in spec.value
+    assert api.reasoning is Start.HARMONY
+    output = CALL_AFTER.replace('{"city": "Paris"}', '{"city":"Paris"}')  # as the grammar writes it: compact
+    choice = whole(api, generated(tok, output, api.kept_token_ids()))
+    assert calls_of(choice["message"]) == [PARIS]
+    assert choice["message"]["reasoning_content"] == "The user wants the weather."
+
+
+def test_a_forced_call_is_a_harmony_call_message(tok):
+    """``required``: one of the functions, called in the message gpt-oss writes (not a JSON list);
+    constrained from its first token, so no reasoning before it."""
+    api = chat(tok, tool_choice="required")
+    spec, param = api.body.grammar()
+    assert param == "tools" and spec.kind == "lark" and "to=functions.get_time" in spec.value
+    assert api.reasoning is None
+    output = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+    for text in (output, output + "<|call|>"):  # the engine stopped on <|call|>, or kept it
+        choice = whole(api, generated(tok, text, api.kept_token_ids()))
+        assert calls_of(choice["message"]) == [PARIS] and choice["message"]["content"] is None
+        assert choice["finish_reason"] == "tool_calls"
+    deltas = [c["choices"][0]["delta"] for c in streamed(api, output, "stop", list(range(1, len(output), 5)))]
+    assert not any(d.get("content") for d in deltas)
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or []] == ["get_weather"]
 
 
 def test_the_final_answer_streams_as_it_comes(tok):

@@ -13,7 +13,7 @@ from shared.openai_api.adapters import ChatAdapter, Choice, Delta, ResponseHead,
 from shared.openai_api.errors import ApiError
 from shared.openai_api.fields import CHAT_FIELDS
 from shared.openai_api.models import ChatCompletionRequest
-from shared.openai_api.tools import MAX_FORCED_CALLS, Tool, closed_schema, forced_grammar, parse_calls
+from shared.openai_api.tools import MAX_FORCED_CALLS, closed_schema, parse_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

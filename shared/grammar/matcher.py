@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,11 +34,15 @@ class TokenizerGrammars:
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                    eos_token=self.eos_token_ids)
         self.executor = llguidance.LLExecutor()
+        # the special tokens by text: a tool-call grammar's ``special_token`` items become these ids
+        self.special_ids = {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])
+                            if t.get("special") and t["id"] < vocab_size}
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """Raises GrammarError for a grammar that does not compile."""
         keys = UniqueKeys(self) if spec.kind == "json_object" else None
-        return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec), log_level=0), keys)
+        return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec, self.special_ids),
+                                                   log_level=0), keys)
 
     def token_bytes(self, token_ids: Sequence[int]) -> bytes:
         return self.ll_tokenizer.decode_bytes(list(token_ids))

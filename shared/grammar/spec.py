@@ -4,6 +4,8 @@ Needs no tokenizer, so the gateway checks a request here before it is admitted."
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,12 +32,33 @@ class GrammarSpec:
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def compile_grammar(spec: GrammarSpec) -> str:
-    """The llguidance grammar of ``spec``; raises GrammarError naming what is wrong or unsupported."""
+# a marker a tool-call grammar names that is a special token in some tokenizers and text in others
+# (Mistral's [TOOL_CALLS]): ``special_token`` writes it, ``compile_grammar`` resolves it per tokenizer
+_SPECIAL = re.compile(r'<<special (".*?(?<!\\)") else (".*?(?<!\\)")>>')
+
+
+def special_token(text: str, otherwise: str | None = None) -> str:
+    """A lark item that is the special token spelled ``text`` where the tokenizer has one (llguidance's
+    ``<[id]>``: that token and never text that spells it), else ``otherwise`` (lark; default the text)."""
+    return f"<<special {json.dumps(text)} else {json.dumps(otherwise or json.dumps(text))}>>"
+
+
+def resolve_special_tokens(lark: str, special_ids: Mapping[str, int]) -> str:
+    """``lark`` with each ``special_token`` item made ``<[id]>`` or its ``otherwise``."""
+    def resolve(match: re.Match) -> str:
+        text = json.loads(match.group(1))
+        return f"<[{special_ids[text]}]>" if text in special_ids else json.loads(match.group(2))
+    return _SPECIAL.sub(resolve, lark)
+
+
+def compile_grammar(spec: GrammarSpec, special_ids: Mapping[str, int] | None = None) -> str:
+    """The llguidance grammar of ``spec``; raises GrammarError naming what is wrong or unsupported.
+    ``special_ids``: the tokenizer's special tokens by text (None: none, as where a request is only
+    checked, with no tokenizer), which ``special_token`` items of a lark grammar become."""
     if spec.kind == "regex":
         grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
     elif spec.kind == "lark":
-        grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
+        grammar = llguidance.LLMatcher.grammar_from_lark(resolve_special_tokens(spec.value, special_ids or {}))
     else:
         schema = {"type": "object"} if spec.kind == "json_object" else _schema(spec.value)
         try:

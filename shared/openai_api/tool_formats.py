@@ -29,6 +29,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import ClassVar, Literal
 
+from shared.grammar.spec import special_token
 from shared.openai_api import harmony
 
 ToolCallParser = Literal["auto", "hermes", "mistral", "llama3_json", "harmony"]
@@ -283,8 +284,12 @@ class MistralFormat(ToolFormat):
         return f'{self.marker}[{{"name": <function name>, "arguments": <arguments object>}}]'
 
     def calls_rule(self, parallel: bool) -> list[str]:
-        return ['calls: CALL_OPEN "[" item ' + ('("," item)* ' if parallel else "") + '"]"',
-                r"CALL_OPEN: /[ \t\n]*\[TOOL_CALLS\][ \t\n]*/"]
+        # the marker as the special token it is in Mistral's tokenizers (which the model writes first, with
+        # no space before it), else text, with any whitespace before it in the one lexeme: a lexeme of its own
+        # would lose to text's, which takes whitespace as well
+        more = '("," item)* ' if parallel else ""
+        return [f'calls: {special_token(self.marker, "CALL_OPEN")} WS? "[" item {more}"]"',
+                r"CALL_OPEN: /[ \t\n]*\[TOOL_CALLS\]/", r"WS: /[ \t\n]+/"]
 
 
 class Llama3JsonFormat(ToolFormat):

@@ -321,9 +321,12 @@ def test_a_group_whose_background_compile_fails_decodes_eagerly_on_every_rank(he
 
 def test_quantized_precisions_split_as_closely_as_one_process(smollm2_gguf, smol_tokenizer):
     """int8 and gguf at TP=3 (ranks as threads here): the same top-1 agreement with float32 as one
-    process, within two positions of 128. The shards are not the same numbers as one process's
+    process, within four positions of 128. The shards are not the same numbers as one process's
     quantization (int8 scales are taken per shard; partial sums add in another order), so the
-    tokens can differ where one process's are within rounding of a tie."""
+    tokens can differ where one process's are within rounding of a tie. How many such ties flip
+    moves with any change of the last bits: positions agreeing alone / at TP=3 were int8 115 / 115,
+    gguf 123 / 122 with torch's norm and SiLU, and int8 114 / 116, gguf 124 / 121 with the fused
+    CPU ops (kernels/fused_cpu.py); a broken shard loses far more than four."""
     ids = smol_tokenizer.encode(EVAL_PASSAGE)[:128]
     calibration = calibration_token_ids(smol_tokenizer)
     cpu = torch.device("cpu")
@@ -347,7 +350,7 @@ def test_quantized_precisions_split_as_closely_as_one_process(smollm2_gguf, smol
         for t in threads:
             t.join(300)
         assert len(agreement) == 3, f"{method}: a rank failed"
-        assert agreement[0] >= alone - 2 / 128, (method, agreement[0], alone)
+        assert agreement[0] >= alone - 4 / 128, (method, agreement[0], alone)
 
 
 def test_a_dead_follower_breaks_the_group_at_its_next_step(heads_32):

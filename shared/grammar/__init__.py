@@ -10,7 +10,18 @@ needs; and it has no dependencies, where xgrammar pulls torch, transformers, tri
 """
 
 from shared.grammar.spec import GrammarError, GrammarSpec, compile_grammar
-from shared.grammar.matcher import GrammarMatcher, GrammarTable, TokenizerGrammars
 
 __all__ = ["GrammarError", "GrammarMatcher", "GrammarSpec", "GrammarTable", "TokenizerGrammars",
            "compile_grammar"]
+
+_MATCHER = ("GrammarMatcher", "GrammarTable", "TokenizerGrammars")
+
+
+def __getattr__(name: str):
+    """The matcher's names on first use: it imports torch, which the gateway (its tool formats and
+    request checks use ``spec``) and ``--help`` never need."""
+    if name in _MATCHER:
+        from shared.grammar import matcher
+
+        return getattr(matcher, name)
+    raise AttributeError(f"module 'shared.grammar' has no attribute {name!r}")

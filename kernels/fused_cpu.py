@@ -15,7 +15,6 @@ log line says why. The compiled decode step keeps inductor's own fusion of the s
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -31,8 +30,6 @@ SOURCE = Path(__file__).parent / "cpu" / "fused_ops.cpp"
 _FLAGS = ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma", "-ffp-contract=off"]
 _NEEDS = ("avx512f", "avx512dq", "avx2", "fma")
 _op = None  # torch.ops.tandem_fused.add_rms_norm once loaded (the namespace's first op)
-_fakes = False  # the other two ops' shapes registered
-_fakes_lock = threading.Lock()
 
 
 def _fake(x, residual, weight, eps):
@@ -45,21 +42,10 @@ _KERNEL = CpuKernel(SOURCE, _FLAGS, "tandem_fused::add_rms_norm", _fake, "TANDEM
 
 
 def load() -> bool:
-    """Build (once per machine) and load the ops; False (and why, logged once) where they cannot run."""
-    global _fakes
-    if _KERNEL.load() and not _fakes:
-        with _fakes_lock:  # the namespace's other ops' shapes, for tracing
-            if not _fakes:
-                _register_fakes()
-                _fakes = True
-    return bool(_KERNEL.loaded)
-
-
-def _register_fakes() -> None:
-    torch.library.register_fake("tandem_fused::rotary", lambda q, k, cos, sin: (
-        q.new_empty(q.shape), k.new_empty(k.shape)))
-    torch.library.register_fake("tandem_fused::silu_mul", lambda gate_up: gate_up.new_empty(
-        (gate_up.shape[0], gate_up.shape[1] // 2)))
+    """Build (once per machine) and load the ops; False (and why, logged once) where they cannot run.
+    Nothing traces them (the compiled decode step has its own norm, rotary and SiLU), so only the
+    first op has shapes for tracing, which ``CpuKernel`` asks of every kernel."""
+    return _KERNEL.load()
 
 
 def identity() -> str:

@@ -85,6 +85,6 @@ def choose_precision(device_type: str, dtype: str | None, quantization: str | No
 def model_float_only(shape) -> str | None:
     """Why a model of config ``shape`` (a ``ModelConfig``) takes no quantization, or None: latent attention
     (DeepSeek) loads in a float dtype only (``LlamaModel.quantize`` refuses it)."""
-    if getattr(shape, "mla", None) is not None:
+    if shape.mla is not None:
         return f"{shape.architecture}'s latent attention loads in a float dtype only"
     return None

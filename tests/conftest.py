@@ -30,8 +30,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # ask for the compiled step (tests/engine/test_compiled_smollm2.py, tests/unit/engine/test_compiled_decode.py)
 os.environ.setdefault("TANDEM_COMPILE", "off")
 
+from services.stack.servers import start_nats_server, start_redis_server
 from shared.model.registry import DEFAULT_MODEL, resolve_model
 from shared.planner.plan import Plan, WorkerPlan
+
+
+# a real nats-server (JetStream) and redis-server per test session, on free loopback ports, ready when they
+# print their readiness line: for the stacks of tests/integration and tests/models
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    server = start_nats_server(tmp_path_factory.mktemp("nats"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = start_redis_server(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

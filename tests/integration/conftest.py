@@ -1,29 +1,11 @@
-"""Real nats-server (JetStream) and redis-server per test session; a unique namespace per test.
-
-Servers pick or get free loopback ports and are ready when they print their readiness line.
-"""
+"""A unique namespace per test, over the session's real nats-server (JetStream) and redis-server
+(``nats_server`` and ``redis_server``: tests/conftest.py)."""
 
 from __future__ import annotations
 
 import uuid
 
 import pytest
-
-from services.stack.servers import start_nats_server, start_redis_server
-
-
-@pytest.fixture(scope="session")
-def nats_server(tmp_path_factory):
-    server = start_nats_server(tmp_path_factory.mktemp("nats"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    server = start_redis_server(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture

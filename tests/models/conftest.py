@@ -31,23 +31,3 @@ def tiny_model(tmp_path_factory):
         return made[kind]
 
     return get
-
-
-# tests/integration/conftest.py's servers, for the stacks of test_model_stacks.py (a conftest's fixtures
-# reach its own directory only)
-@pytest.fixture(scope="session")
-def nats_server(tmp_path_factory):
-    from services.stack.servers import start_nats_server
-
-    server = start_nats_server(tmp_path_factory.mktemp("nats"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    from services.stack.servers import start_redis_server
-
-    server = start_redis_server(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()

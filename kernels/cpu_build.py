@@ -1,8 +1,9 @@
 """Build a C++ CPU kernel (``kernels/cpu/*.cpp``) against the installed torch, once per machine.
 
 The compiler is the one inductor uses (``CXX`` or ``c++``). The library goes to
-``TANDEM_CACHE_DIR/kernels/<name>-<digest>/`` where the digest covers the source, torch's version,
-Python's and the flags, so a later process loads it in milliseconds and a changed source builds anew.
+``TANDEM_CACHE_DIR/kernels/<name>-<digest>/`` where the digest covers the source, the headers beside it,
+torch's version, Python's and the flags, so a later process loads it in milliseconds and a changed
+source or header builds anew.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def build(source: Path, flags: list[str]) -> Path:
         raise RuntimeError("no C++ compiler (set CXX)")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = [*COMMON_FLAGS, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    digest = hashlib.sha256(source.read_bytes() + " ".join([torch.__version__, sys.version, *flags]).encode())
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # the headers a source may include ("simd16.h")
+        digest.update(header.name.encode() + header.read_bytes())
+    digest.update(" ".join([torch.__version__, sys.version, *flags]).encode())
     name = source.stem
     target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}" / f"{name}.so"
     if target.exists():

@@ -28,6 +28,8 @@
 
 #include <immintrin.h>
 
+#include "simd16.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -37,38 +39,14 @@
 
 namespace {
 
+using tandem_simd::exp16;
+using tandem_simd::sum16;
+
 constexpr int64_t kLanes = 16;  // keys per chunk (one vector of scores)
 constexpr int64_t kRows = 8;    // query rows per pass
 constexpr int64_t kMaxD = 128;  // head dims 16 to 128, in 16s
 
-inline float hsum16(__m512 v) {  // a fixed order of lanes
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  const __m256 a = _mm256_add_ps(lo, hi);
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 
-// e^x for x <= 0, 16 lanes (the decode kernel's exp8, widened): Cephes' polynomial, 0 below -87
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-}
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -194,7 +172,7 @@ inline float softmax_row(float* s, int64_t c1, int64_t lo, int64_t hi) {
     _mm512_storeu_ps(s + c * kLanes, e);
     lanes = _mm512_add_ps(lanes, e);
   }
-  return 1.0f / hsum16(lanes);
+  return 1.0f / sum16(lanes);
 }
 
 // o[r] = inv[r] * sum over keys j < n in order of p[r][j] v[j], R rows, D = 16 CN

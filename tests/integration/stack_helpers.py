@@ -63,6 +63,18 @@ def stack_spec(state_dir: Path, prefix: str, nats_server, redis_server, **fields
                      nats_url=nats_server.url, redis_url=redis_server.url, **fields)
 
 
+@contextlib.contextmanager
+def remote_prefill_pair(state_dir: Path, prefix: str, nats_server, redis_server, model: str,
+                        engine_flags: dict[str, object], ready_timeout_s: float = 240.0):
+    """A running stack of one decode worker that prefills nothing itself (every prompt goes to the
+    prefill worker, its KV written over NIXL) and one prefill worker, both with ``engine_flags``."""
+    spec = stack_spec(state_dir, prefix, nats_server, redis_server, num_decode=1, num_prefill=1, model=model,
+                      decode_flags={**engine_flags, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60},
+                      prefill_flags=engine_flags)
+    with running_stack(spec, ready_timeout_s=ready_timeout_s) as stack:
+        yield stack
+
+
 def require_nixl() -> None:
     """At a test module's top: skips the module off Linux, where NIXL (nixl-cu12) is no dependency;
     where it is one, a NIXL that does not import fails the module (TransferUnavailable says why)."""

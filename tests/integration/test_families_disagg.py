@@ -12,7 +12,7 @@ import platform
 import openai
 import pytest
 
-from stack_helpers import greedy_text, reference_engine, running_stack, stack_spec, wait_for
+from stack_helpers import greedy_text, reference_engine, remote_prefill_pair, wait_for
 
 if platform.system() != "Linux":
     pytest.skip("NIXL (nixl-cu12) is a dependency on Linux only", allow_module_level=True)
@@ -48,11 +48,8 @@ def windowed_moe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory, windowed_moe):
-    spec = stack_spec(tmp_path_factory.mktemp("families"), "f", nats_server, redis_server, num_decode=1,
-                      num_prefill=1, model=str(windowed_moe),
-                      decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60},
-                      prefill_flags=ENGINE)
-    with running_stack(spec, ready_timeout_s=240) as s:
+    with remote_prefill_pair(tmp_path_factory.mktemp("families"), "f", nats_server, redis_server,
+                             str(windowed_moe), ENGINE) as s:
         yield s
 
 

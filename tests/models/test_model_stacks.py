@@ -14,8 +14,8 @@ import json
 import openai
 import pytest
 
-from stack_helpers import (greedy_text, reference_engine, require_nixl, running_stack, spawn_ready_decode,
-                           stack_spec, wait_for)
+from stack_helpers import (greedy_text, reference_engine, remote_prefill_pair, require_nixl, spawn_ready_decode,
+                           wait_for)
 
 require_nixl()
 
@@ -47,11 +47,8 @@ def served_model(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server, tmp_path_factory, served_model):
     """One decode worker that prefills nothing itself, one prefill worker."""
-    spec = stack_spec(tmp_path_factory.mktemp("models"), "m", nats_server, redis_server, num_decode=1,
-                      num_prefill=1, model=str(served_model),
-                      decode_flags={**ENGINE, "max_local_prefill_tokens": 0, "remote_prefill_timeout_s": 60},
-                      prefill_flags=ENGINE)
-    with running_stack(spec, ready_timeout_s=240) as s:
+    with remote_prefill_pair(tmp_path_factory.mktemp("models"), "m", nats_server, redis_server,
+                             str(served_model), ENGINE) as s:
         yield s
 
 

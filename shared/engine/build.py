@@ -31,7 +31,6 @@ from shared.engine.compiled.artifacts import ArtifactStore, CompileArtifacts, en
 from shared.engine.compiled.step import CompiledDecode, unsupported_reason
 from shared.engine.compiled.cuda_graph import GraphedDecode
 from shared.model.llama import LlamaModel
-from shared.model.precision import model_float_only
 from shared.model.parallel import (Collectives, ProcessGroupCollectives, check_pipeline_parallel,
                                    check_tensor_parallel)
 
@@ -231,12 +230,12 @@ def _grammars(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> Toke
 
 def _layer_formats(model) -> str:
     """What the quantized linear layers hold, for the load log: 'W8A8', or e.g. '4-bit 120, 8-bit 1'."""
-    from shared.model.llama import LINEAR_NAMES
     from shared.model.quant import BlockWeight
 
     if model.quantization != "gguf":
         return "W8A8"
-    weights = [getattr(layer, name) for layer in model.layers for name in LINEAR_NAMES] + [model.lm_head]
+    weights = [getattr(layer, name) for layer in model.layers for name in layer.linear_names
+               if getattr(layer, name) is not None] + [model.lm_head]
     counts = {}
     for w in weights:
         kind = f"{w.bits}-bit blocks" if isinstance(w, BlockWeight) else "float"
@@ -262,7 +261,7 @@ def load_model(config: EngineConfig, world: Collectives | None = None) -> Loaded
         torch.set_num_threads(config.num_threads)
     device = config.resolve_device()
     shape = read_config(source.path, source.format)
-    precision = config.resolve_precision(device, float_only=model_float_only(shape))
+    precision = config.resolve_precision(device)
     dtype = torch_dtype(precision.dtype)
     log.info("precision %s%s on %s: %s", precision.dtype,
              "" if precision.quantization == "none" else f" + {precision.quantization}", device, precision.reason)

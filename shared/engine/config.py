@@ -48,11 +48,10 @@ class EngineConfig(EngineOptions):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_precision(self, device: torch.device, float_only: str | None = None) -> Precision:
-        """The given dtype/quantization, or the fastest one for the device (a float one where
-        ``float_only`` says why the model takes no other) when neither is given."""
+    def resolve_precision(self, device: torch.device) -> Precision:
+        """The given dtype/quantization, or the fastest one for the device when neither is given."""
         flags = cpu_flags() if device.type == "cpu" else frozenset()
-        return choose_precision(device.type, self.dtype, self.quantization, flags, float_only)
+        return choose_precision(device.type, self.dtype, self.quantization, flags)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         return torch_dtype(self.resolve_precision(device).dtype)

@@ -107,6 +107,8 @@ class LlamaLayer:
     The compiled decode step (shared/engine/compiled/step.py) covers the Llama layer and Qwen3's q/k norms;
     the other families decode eagerly (``compiled.unsupported_reason``)."""
 
+    linear_names = LINEAR_NAMES  # the linear weights ``LlamaModel.quantize`` replaces
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
                  group: Collectives, index: int = 0):
         self.cfg = cfg
@@ -451,9 +453,6 @@ class LlamaModel:
         do a layer's experts (``MoeBlock.quantize_gguf``, ``quantize_int8`` for the int8 methods)."""
         if method == "none":
             return
-        if self.cfg.mla is not None:
-            raise ValueError(f"{method} quantization of a latent-attention model ({self.cfg.architecture}) is not "
-                             f"built yet: its attention projections load in the model's dtype only")
         if method == "gguf":
             for i, layer in enumerate(self.layers):
                 for name in _linear_names(layer):
@@ -504,17 +503,20 @@ class LlamaModel:
 
     @property
     def quantization(self) -> str:
-        if any(isinstance(w, BlockWeight) for w in (self.lm_head, self.layers[0].qkv, self.layers[0].gate_up)):
+        first = self.layers[0]
+        weights = [self.lm_head, *(getattr(first, name) for name in first.linear_names)]
+        if any(isinstance(w, BlockWeight) for w in weights):
             return "gguf"
-        int8 = next((w for w in (self.lm_head, self.layers[0].qkv) if isinstance(w, Int8Weight)), None)
+        int8 = next((w for w in weights if isinstance(w, Int8Weight)), None)
         if int8 is None:
             return "none"
         return "int8-precise" if int8.act_levels == 2 else "int8"
 
 
 def _linear_names(layer: LlamaLayer) -> list[str]:
-    """The ``LINEAR_NAMES`` a layer holds: a layer of experts has no gate_up or down."""
-    return [name for name in LINEAR_NAMES if getattr(layer, name) is not None]
+    """The linear weights a layer holds (its class's ``linear_names``): a layer of experts has no gate_up
+    or down, a latent-attention layer no qkv."""
+    return [name for name in layer.linear_names if getattr(layer, name) is not None]
 
 
 def _to_int8(weight: torch.Tensor | ObservedWeight, alpha: float, residual: bool, act_levels: int) -> Int8Weight:

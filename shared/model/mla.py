@@ -66,7 +66,13 @@ class MlaLayer(LlamaLayer):
     experts: shared/model/moe.py's ``GroupLimitedMoeBlock``) around latent attention (this module's
     docstring). q through q_a_proj, its RMSNorm and q_b_proj (one q_proj where ``q_lora_rank`` is None); the
     latent through kv_a_proj_with_mqa, then RMSNorm over its compressed part; rotary on the rope channels
-    only. On a tensor-parallel rank, its query heads and the whole latent (this module's docstring)."""
+    only. On a tensor-parallel rank, its query heads and the whole latent (this module's docstring).
+
+    Quantized (int8, gguf), its projections into q and into the latent, o_proj and the MLP or experts take
+    the method's weights as any family's; kv_b_proj's halves W_UK and W_UV stay in the model's dtype: they
+    are not products of a token's hidden state but the factors absorbed into the query and the output."""
+
+    linear_names = ("q", "q_a", "q_b", "kv_a", "o_proj", "gate_up", "down")
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split: TensorSplit,
                  group: Collectives, index: int = 0):

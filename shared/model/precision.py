@@ -56,18 +56,15 @@ class Precision:
 
 
 def choose_precision(device_type: str, dtype: str | None, quantization: str | None,
-                     flags: frozenset[str] = frozenset(), float_only: str | None = None) -> Precision:
+                     flags: frozenset[str] = frozenset()) -> Precision:
     """The given dtype/quantization when either is given (the other at its plain default), else the
     fastest precision for the device: bfloat16 on a GPU; on a CPU gguf with AVX-512 VNNI, int8 with
-    another VNNI, bfloat16 with native bf16 instructions, float32 otherwise. ``float_only``: why the
-    model takes no quantization (``model_float_only``): then float32."""
+    another VNNI, bfloat16 with native bf16 instructions, float32 otherwise."""
     if dtype is not None or quantization is not None:
         default_dtype = "bfloat16" if device_type == "cuda" else "float32"
         return Precision(dtype or default_dtype, quantization or "none", "given")
     if device_type != "cpu":
         return Precision("bfloat16", "none", f"default on {device_type}")
-    if float_only is not None:
-        return Precision("float32", "none", float_only)
     if all(f in flags for f in AVX512_VNNI_FLAGS):
         return Precision("float32", "gguf", "CPU has avx512_vnni: 4-bit and 8-bit weight blocks on the panel "
                                             "kernel are the fastest, 97% top-1 agreement with float32 "
@@ -81,10 +78,3 @@ def choose_precision(device_type: str, dtype: str | None, quantization: str | No
         return Precision("bfloat16", "none", f"CPU has {bf16[0]} but no VNNI")
     return Precision("float32", "none", "CPU has neither VNNI nor native bfloat16")
 
-
-def model_float_only(shape) -> str | None:
-    """Why a model of config ``shape`` (a ``ModelConfig``) takes no quantization, or None: latent attention
-    (DeepSeek) loads in a float dtype only (``LlamaModel.quantize`` refuses it)."""
-    if shape.mla is not None:
-        return f"{shape.architecture}'s latent attention loads in a float dtype only"
-    return None

@@ -56,10 +56,3 @@ def test_engine_config_resolves_the_machine_default_and_keeps_float32_when_pinne
     assert EngineConfig(dtype="float32").resolve_dtype(cpu) == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         EngineConfig(dtype="float8").resolve_dtype(cpu)
-
-
-@pytest.mark.parametrize("flags", [SAPPHIRE | {"avx512bw", "avx512vl"}, frozenset({"avx2", "avx_vnni"}), OLD])
-def test_a_model_that_takes_no_quantization_gets_float32(flags):
-    p = choose_precision("cpu", None, None, flags, float_only="latent attention loads in a float dtype only")
-    assert (p.dtype, p.quantization) == ("float32", "none") and "latent attention" in p.reason
-    assert choose_precision("cpu", None, "int8", flags, float_only="x").quantization == "int8"  # given: kept

@@ -2,7 +2,8 @@
 compressed latent in the KV pool (q through a low-rank pair, or one q_proj with YaRN and mscale_all_dim),
 interleaved rotary, dense layers before experts chosen by a group-limited sigmoid router beside a shared
 expert; through the engine's paged pool (chunked prefill, decode rows, a prefix hit); split over tensor-parallel
-ranks (query heads split, the latent replicated) and pipeline stages; and what is refused."""
+ranks (query heads split, the latent replicated) and pipeline stages; in bfloat16 and quantized; and what is
+refused."""
 
 import dataclasses
 import json
@@ -69,6 +70,27 @@ def test_config_is_read_as_transformers_reads_it(deepseek):
 def test_logits_at_every_position_match(deepseek):
     path, hf = deepseek
     torch.testing.assert_close(load(path).prefill_logits(PROMPT), hf_logits(hf, PROMPT), rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(deepseek):
+    """In bfloat16 the logits leave float32's by as much as transformers' own bfloat16 model's do (mean
+    absolute error 0.045 / 0.053 for both on the two variants; one position's routing flips in each, so the
+    maximum is no measure), and the top-1 token agrees as often (0.95 / 0.94 against 0.96 / 0.93)."""
+    import copy
+
+    path, hf = deepseek
+    want = hf_logits(hf, PROMPT)
+    theirs = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), PROMPT).float()
+    ours = load_model(path, "hf", torch.device("cpu"), torch.bfloat16).prefill_logits(PROMPT).float()
+
+    def mean_error(logits):
+        return float((logits - want).abs().mean())
+
+    def top1(logits):
+        return float((logits.argmax(-1) == want.argmax(-1)).float().mean())
+
+    assert mean_error(ours) <= 1.25 * mean_error(theirs), (mean_error(ours), mean_error(theirs))
+    assert top1(ours) >= top1(theirs) - 3 / len(PROMPT), (top1(ours), top1(theirs))
 
 
 def test_the_correction_bias_and_the_interleaved_rotary_count(q_lora):

@@ -12,6 +12,7 @@ Progress bars go to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -297,19 +298,44 @@ def _canonical_hf_name(hf_name: str, family: Family) -> str | None:
     return None
 
 
+# the quantized checkpoints a family's Hugging Face directory may be (``quantization_config.quant_method``):
+# gpt-oss as published, its experts in MXFP4 (read by ``mxfp4_dequantize``)
+_HF_QUANTIZED = {"gpt_oss": ("mxfp4",)}
+
+# OCP MXFP4's E2M1 values, by 4-bit code (sign bit, then exponent and mantissa)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
 def hf_config(path: Path) -> ModelConfig:
     """A Hugging Face directory's config.json, refused in one line naming the model types there are
-    before any other field of it is read; a quantized checkpoint's (gpt-oss's MXFP4 experts, FP8, GPTQ)
-    refused too: its packed tensors and scales would be misread as float weights."""
+    before any other field of it is read; a quantized checkpoint (FP8, GPTQ, ...) refused too, its packed
+    tensors and scales would be misread as float weights, except gpt-oss's MXFP4 experts (``_HF_QUANTIZED``)."""
     raw = json.loads((Path(path) / "config.json").read_text())
     model_type = raw.get("model_type", "llama")
     if model_type not in SUPPORTED_HF_ARCHS:
         raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_HF_ARCHS)})")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"unsupported quantized checkpoint of {model_type} (quant_method {method!r}): float "
-                         f"weights only (a bf16 or float32 export of the model)")
+        if method not in _HF_QUANTIZED.get(model_type, ()):
+            raise ValueError(f"unsupported quantized checkpoint of {model_type} (quant_method {method!r}): float "
+                             f"weights only (a bf16 or float32 export of the model)")
     return ModelConfig.from_hf(raw)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MXFP4 experts as float32, in the layout of the same checkpoint's float export.
+
+    ``blocks`` uint8 [E, rows, G, 16] hold each row's values in groups of 32, two 4-bit E2M1 codes a byte
+    (the low nibble first); ``scales`` uint8 [E, rows, G] each group's power of two, biased by 127 (E8M0).
+    So value 2j of group g is FP4[blocks[..., g, j] & 15] * 2^(scales[..., g] - 127), and 2j + 1 the high
+    nibble's. The export stores the weight [E, in, out] where the blocks hold [E, out, in]: transposed."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype} do not pair: uint8 [E, rows, groups, 16] and [E, rows, groups]")
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()  # [E, rows, G, 32]
+    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(1, 2).contiguous()
 
 
 def _from_stacked_experts(name: str, w: torch.Tensor) -> torch.Tensor:
@@ -334,19 +360,35 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     tensors: dict[str, torch.Tensor] = {}
     family = FAMILIES[cfg.architecture]
-    for f in tqdm(files, desc=f"loading {path.name}", unit="file", leave=False):
-        with safe_open(str(f), framework="pt") as st:
+    with contextlib.ExitStack() as stack:
+        # every file open at once: an MXFP4 weight's blocks and scales may sit in different shards
+        opened = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        where = {name: st for st in opened for name in st.keys()}
+        for st in tqdm(opened, desc=f"loading {path.name}", unit="file", leave=False):
             for hf_name in st.keys():
-                name = _canonical_hf_name(hf_name, family)
+                if hf_name.endswith("_scales") and hf_name.removesuffix("_scales") + "_blocks" in where:
+                    continue  # read with its blocks
+                packed = hf_name.endswith("_blocks")  # gpt-oss's MXFP4 experts: blocks, their scales beside
+                name = _canonical_hf_name(hf_name.removesuffix("_blocks") if packed else hf_name, family)
                 if name is not None and family.stacked_experts and ".experts_" in name:
-                    tensors[name] = _from_stacked_experts(name, st.get_tensor(hf_name)).to(device=device, dtype=dtype)
-                elif name is not None:
+                    w = mxfp4_dequantize(st.get_tensor(hf_name), _scales_of(where, hf_name)) if packed else \
+                        st.get_tensor(hf_name)
+                    tensors[name] = _from_stacked_experts(name, w).to(device=device, dtype=dtype)
+                elif name is not None and not packed:
                     tensors[name] = st.get_tensor(hf_name).to(device=device, dtype=dtype)
                 elif not hf_name.endswith("rotary_emb.inv_freq"):
                     log.warning("ignoring unknown tensor %s", hf_name)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head", None)
     return cfg, tensors
+
+
+def _scales_of(where: dict, blocks_name: str) -> torch.Tensor:
+    """The MXFP4 scales of ``blocks_name`` (``where``: each tensor's open file)."""
+    scales = blocks_name.removesuffix("_blocks") + "_scales"
+    if scales not in where:
+        raise ValueError(f"the checkpoint holds {blocks_name} without {scales}")
+    return where[scales].get_tensor(scales)
 
 
 # a layer's biases, taken where the checkpoint has them (gpt-oss's; DeepSeek-V3's router correction)

@@ -119,13 +119,91 @@ def test_a_hub_config_without_layer_types_windows_every_other_layer_from_the_fir
     assert cfg.moe.clamped_swiglu.limit == 7.0 and cfg.attention_bias
 
 
-def test_mxfp4_checkpoints_and_gguf_files_are_refused_by_name(tmp_path):
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_encode(w: torch.Tensor):
+    """A float export's expert weight [E, in, out] as the hub's checkpoints store it in MXFP4: blocks uint8
+    [E, out, in / 32, 16] (two E2M1 codes a byte, the low nibble first), scales uint8 [E, out, in / 32]
+    (a power of two biased by 127); and the weight those decode to, [E, in, out] (on the MXFP4 grid)."""
+    lut = torch.tensor(FP4)
+    rows = w.transpose(1, 2).float()
+    e, r, k = rows.shape
+    groups = rows.reshape(e, r, k // 32, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    codes = (groups / torch.exp2(exp)[..., None])[..., None].sub(lut).abs().argmin(-1)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    grid = (lut[codes] * torch.exp2(exp)[..., None]).reshape(e, r, k).transpose(1, 2).contiguous()
+    return blocks, (exp + 127).to(torch.uint8), grid
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(gpt_oss, tmp_path_factory):
+    """The tiny model's experts in MXFP4 as the hub's gpt-oss checkpoints hold them (two shards, each
+    expert weight's blocks in the first and its scales in the second), and the float export of the same
+    weights (on the MXFP4 grid) beside it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = gpt_oss
+    tensors = {k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+    packed, grid_dir, mx_dir = {}, tmp_path_factory.mktemp("mxfp4-grid"), tmp_path_factory.mktemp("mxfp4")
+    for name, w in list(tensors.items()):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name + "_blocks"], packed[name + "_scales"], grid = mxfp4_encode(w)
+            tensors[name] = grid.to(w.dtype)
+    save_file(tensors, grid_dir / "model.safetensors")
+    rest = {k: v for k, v in tensors.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    shards = {"model-00001-of-00002.safetensors": rest | {k: v for k, v in packed.items() if k.endswith("_blocks")},
+              "model-00002-of-00002.safetensors": {k: v for k, v in packed.items() if k.endswith("_scales")}}
+    for file, part in shards.items():
+        save_file(part, mx_dir / file)
+    (mx_dir / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: file for file, part in shards.items() for name in part}}))
+    config = json.loads((path / "config.json").read_text())
+    (grid_dir / "config.json").write_text(json.dumps(config))
+    (mx_dir / "config.json").write_text(json.dumps(config | {"quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}))
+    return mx_dir, grid_dir
+
+
+def test_an_mxfp4_checkpoint_is_its_float_export_and_transformers_model(mxfp4_checkpoint):
+    """The hub's gpt-oss layout (MXFP4 experts, blocks and scales in different shards) loads to exactly the
+    weights of its float export, and its logits are transformers' own dequantized model's."""
+    import transformers
+
+    mx_dir, grid_dir = mxfp4_checkpoint
+    got = load(mx_dir).prefill_logits(PROMPT)
+    assert torch.equal(got, load(grid_dir).prefill_logits(PROMPT))
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        mx_dir, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32)
+    torch.testing.assert_close(got, hf_logits(hf, PROMPT), rtol=1e-4, atol=1e-4)
+
+
+def test_mxfp4_dequantize_is_transformers_on_every_code_and_scale():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from shared.model.loader import mxfp4_dequantize
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 40, 4), dtype=torch.uint8, generator=g)
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code, in both nibbles
+    assert torch.equal(mxfp4_dequantize(blocks, scales),
+                       convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    with pytest.raises(ValueError, match="do not pair"):
+        mxfp4_dequantize(blocks, scales[:, :, :3])
+
+
+def test_other_quantized_checkpoints_and_gguf_files_are_refused_by_name(tmp_path):
     import json
 
     from shared.model.loader import gguf_family
 
-    (tmp_path / "config.json").write_text(json.dumps(BASE | {"quantization_config": {"quant_method": "mxfp4"}}))
-    with pytest.raises(ValueError, match="unsupported quantized checkpoint of gpt_oss \\(quant_method 'mxfp4'\\)"):
+    (tmp_path / "config.json").write_text(json.dumps(BASE | {"quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match="unsupported quantized checkpoint of gpt_oss \\(quant_method 'fp8'\\)"):
         load(tmp_path)
 
     class GptOssGguf:  # llama.cpp's converter's architecture name; its experts are MXFP4

@@ -77,4 +77,3 @@ def choose_precision(device_type: str, dtype: str | None, quantization: str | No
     if bf16:
         return Precision("bfloat16", "none", f"CPU has {bf16[0]} but no VNNI")
     return Precision("float32", "none", "CPU has neither VNNI nor native bfloat16")
-

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -250,11 +250,16 @@ class LayerState:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_weights: list[dict],
-                 group: Collectives | None = None, pipeline: PipelineStage | None = None):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_weights: Iterable[dict],
+                 group: Collectives | None = None, pipeline: PipelineStage | None = None,
+                 quantize_layers: str | None = None):
         """``weights`` and ``layer_weights``: the whole model's, or with ``group`` of more than one
         rank, this rank's shard of them (``shared.model.parallel.shard_top`` and ``shard_layer``);
-        with ``pipeline``, its stage's layers only (and the embedding and LM head on stage 0 alone)."""
+        with ``pipeline``, its stage's layers only (and the embedding and LM head on stage 0 alone).
+        ``quantize_layers`` (one of ``LAYERWISE_QUANTIZATIONS``): each layer quantized as soon as it is
+        made, before the next layer's weights are taken from ``layer_weights`` (an iterator that reads
+        them as it goes), so a load holds one layer in float at a time, not the whole model;
+        ``quantize`` then does the rest (the LM head)."""
         self.cfg = cfg
         self.group = group or SingleRank()
         self.pipeline = pipeline or PipelineStage(self.group, 0, 1, self.group.size, range(cfg.num_layers))
@@ -265,8 +270,12 @@ class LlamaModel:
         # Granite's embedding_multiplier, Gemma's sqrt(hidden): in the model's dtype, as Gemma rounds it
         self.embed_scale = (torch.tensor(cfg.embedding_multiplier, dtype=self.norm.dtype, device=self.norm.device)
                             if cfg.embedding_multiplier != 1.0 else None)
-        self.layers = [layer_class(cfg)(cfg, w, self.split, self.group, i)
-                       for i, w in zip(self.pipeline.layers, layer_weights, strict=True)]
+        self.layers = []
+        for i, w in zip(self.pipeline.layers, layer_weights, strict=True):
+            self.layers.append(layer_class(cfg)(cfg, w, self.split, self.group, i))
+            if quantize_layers is not None:
+                quantize_layer(self.layers[-1], quantize_layers, i)
+        self.layers_quantized = quantize_layers  # the method the layers already hold, or None
         if cfg.attention_sinks:
             log.info("%s: attention sinks: every layer attends in torch over K/V gathered from the cache, not by "
                      "the attention backend's kernels (no kernel takes sinks)", cfg.architecture)
@@ -453,12 +462,12 @@ class LlamaModel:
         do a layer's experts (``MoeBlock.quantize_gguf``, ``quantize_int8`` for the int8 methods)."""
         if method == "none":
             return
+        if self.layers_quantized not in (None, method):
+            raise ValueError(f"the layers were loaded as {self.layers_quantized}, not {method}")
         if method == "gguf":
-            for i, layer in enumerate(self.layers):
-                for name in _linear_names(layer):
-                    setattr(layer, name, quantize_blocks(getattr(layer, name)) or getattr(layer, name))
-                if layer.moe is not None and not layer.moe.quantize_gguf():
-                    log.info("layer %d's experts stay %s: their input width is not whole blocks of 32", i, self.dtype)
+            if self.layers_quantized is None:
+                for i, layer in enumerate(self.layers):
+                    quantize_layer(layer, method, i)
             head = quantize_blocks(self.lm_head) if self.lm_head is not None else None  # none past stage 0
             self.lm_head = dataclasses.replace(head, act_levels=2) if head is not None else self.lm_head
             if self.device.type == "cpu":
@@ -472,11 +481,9 @@ class LlamaModel:
                     setattr(layer, name, observe(getattr(layer, name)))
             self.lm_head = observe(self.lm_head) if self.lm_head is not None else None
             self.prefill_logits(calibration_ids)  # every position: the LM head's calibration sees them all
-        for layer in self.layers:
-            for name in _linear_names(layer):
-                setattr(layer, name, _to_int8(getattr(layer, name), alpha, False, levels))
-            if layer.moe is not None:
-                layer.moe.quantize_int8(levels)
+        if self.layers_quantized is None:
+            for i, layer in enumerate(self.layers):
+                quantize_layer(layer, method, i, alpha)
         if self.lm_head is not None:
             self.lm_head = _to_int8(self.lm_head, alpha, levels == 2, levels)
         if self.device.type == "cpu":
@@ -511,6 +518,28 @@ class LlamaModel:
         if int8 is None:
             return "none"
         return "int8-precise" if int8.act_levels == 2 else "int8"
+
+
+# the methods that need no calibration run of the whole float model: a load can quantize each layer as
+# soon as it is made (``LlamaModel(quantize_layers=...)``)
+LAYERWISE_QUANTIZATIONS = ("gguf", "int8-precise")
+
+
+def quantize_layer(layer: LlamaLayer, method: str, index: int, alpha: float = 0.5) -> None:
+    """One layer's linear weights and experts in ``method``'s form (``LlamaModel.quantize`` says what
+    each method holds); an int8 weight observed by a calibration run is smoothed with what it saw."""
+    if method == "gguf":
+        for name in _linear_names(layer):
+            setattr(layer, name, quantize_blocks(getattr(layer, name)) or getattr(layer, name))
+        if layer.moe is not None and not layer.moe.quantize_gguf():
+            log.info("layer %d's experts stay float: their input width is not whole blocks of 32", index)
+        return
+    assert method in ("int8", "int8-precise"), method
+    levels = 2 if method == "int8-precise" else 1
+    for name in _linear_names(layer):
+        setattr(layer, name, _to_int8(getattr(layer, name), alpha, False, levels))
+    if layer.moe is not None:
+        layer.moe.quantize_int8(levels)
 
 
 def _linear_names(layer: LlamaLayer) -> list[str]:

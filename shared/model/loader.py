@@ -13,8 +13,10 @@ Progress bars go to stderr.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,7 @@ from tqdm import tqdm
 
 from shared.model.config import FAMILIES, Family, GgufRules, ModelConfig, Moe
 from shared.model.gguf_file import GgufFile, GgufTensor, read_gguf
-from shared.model.llama import LlamaModel
+from shared.model.llama import LAYERWISE_QUANTIZATIONS, LlamaModel
 from shared.model.parallel import Collectives, PipelineStage, check_tensor_parallel, shard_layer, shard_top
 
 log = logging.getLogger(__name__)
@@ -242,16 +244,17 @@ def _canonical_gguf_name(gguf_name: str, rules: GgufRules) -> str | None:
 
 
 def load_gguf(path: Path, device: torch.device = torch.device("cpu"),
-              dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize every tensor of a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants via gguf),
-    each converted to ``dtype`` on ``device`` before the next is read, into the directory's names and
-    values: q/k rows unpermuted where the converter permuted them, Gemma's norms back to w from the
-    1 + w stored, the experts' stacked projections one tensor per expert."""
+              dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]]]:
+    """Every tensor of a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants via gguf) by the directory's names,
+    each a function that dequantizes it from the mapped file when called, converted to ``dtype`` on
+    ``device``: q/k rows unpermuted where the converter permuted them, Gemma's norms back to w from the
+    1 + w stored, the experts' stacked projections one tensor per expert (the stacked tensor read once
+    for all of them). Read on demand, a model being built holds one layer's float weights at a time."""
     reader = read_gguf(path)
     cfg = gguf_config(reader)
     family = FAMILIES[cfg.architecture]
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor", leave=False):
+    tensors: dict[str, Callable[[], torch.Tensor]] = {}
+    for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         name = _canonical_gguf_name(t.name, family.gguf)
@@ -261,13 +264,33 @@ def load_gguf(path: Path, device: torch.device = torch.device("cpu"),
         part = name.rsplit(".", 1)[-1]
         heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(part.removesuffix("_bias"))
         offset = family.norm_offset if part.endswith("norm") else 0.0
-        w = _read_gguf_tensor(t, heads if family.gguf.permuted_qk else None, device, dtype, offset)
+        read = functools.partial(_read_gguf_tensor, t, heads if family.gguf.permuted_qk else None, device, dtype,
+                                 offset)
         if ".experts." in name:  # [E, out, in]
             prefix, proj = name.split(".experts.")
-            tensors.update({f"{prefix}.experts.{e}.{proj}": we for e, we in enumerate(w.unbind(0))})
+            stacked = _StackedExperts(read, t.shape[0])
+            tensors.update({f"{prefix}.experts.{e}.{proj}": functools.partial(stacked.expert, e)
+                            for e in range(t.shape[0])})
         else:
-            tensors[name] = w
+            tensors[name] = read
     return cfg, tensors
+
+
+class _StackedExperts:
+    """A GGUF tensor of every expert's projection [E, out, in]: read when its first expert is asked for,
+    and let go once each expert has taken its part."""
+
+    def __init__(self, read: Callable[[], torch.Tensor], num_experts: int):
+        self._read, self._parts, self._left = read, None, num_experts
+
+    def expert(self, e: int) -> torch.Tensor:
+        if self._parts is None:
+            self._parts = list(self._read().unbind(0))
+        part, self._parts[e] = self._parts[e], None
+        self._left -= 1
+        if self._left == 0:
+            self._parts = None
+        return part
 
 
 def _read_gguf_tensor(tensor: GgufTensor, qk_heads: int | None, device: torch.device, dtype: torch.dtype,
@@ -439,17 +462,21 @@ def _layer_weights(cfg: ModelConfig, i: int, tensors: dict[str, torch.Tensor], t
 
 
 def build_model(
-    cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-    group: Collectives | None = None, pipeline: PipelineStage | None = None,
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor | Callable[[], torch.Tensor]], device: torch.device,
+    dtype: torch.dtype, group: Collectives | None = None, pipeline: PipelineStage | None = None,
+    quantize_layers: str | None = None,
 ) -> LlamaModel:
-    """The model from its named tensors; with ``group``, that rank's shard of it (the full tensors
-    are read, cut and let go layer by layer); with ``pipeline``, its stage's layers (and the
-    embedding and LM head on stage 0 alone)."""
+    """The model from its named tensors (each a tensor, or a function that reads it: ``load_gguf``'s);
+    with ``group``, that rank's shard of it (the full tensors are read, cut and let go layer by layer);
+    with ``pipeline``, its stage's layers (and the embedding and LM head on stage 0 alone). Layers are
+    made one at a time, so a layer's tensors that are read on demand are in memory only while it is
+    made, and with ``quantize_layers`` (``LlamaModel``'s) no float layer outlives its making."""
     def take(name: str) -> torch.Tensor:
         try:
-            return tensors.pop(name).to(device=device, dtype=dtype)
+            value = tensors.pop(name)
         except KeyError:
             raise ValueError(f"model weights are missing tensor {name!r}") from None
+        return (value() if callable(value) else value).to(device=device, dtype=dtype)
 
     def fused(prefix: str, name: str, parts: tuple[str, ...]) -> torch.Tensor:
         """A fused weight: as the checkpoint stores it (Phi-3), or its parts concatenated."""
@@ -468,18 +495,23 @@ def build_model(
         top["embed"] = take("embed")
         if not cfg.tie_word_embeddings:
             top["lm_head"] = take("lm_head")
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        if pipeline is not None and i not in pipeline.layers:
-            for name in [n for n in tensors if n.startswith(p)]:
-                del tensors[name]  # another stage's
-            continue
-        layers.append(shard_layer(cfg, _layer_weights(cfg, i, tensors, take, fused, norm), rank, tp))
-    tensors.clear()
     if stage0:
         top = shard_top(cfg, top, rank, tp)
-    return LlamaModel(cfg, top, layers, group, pipeline)
+
+    def layers():
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            if pipeline is not None and i not in pipeline.layers:
+                for name in [n for n in tensors if n.startswith(p)]:
+                    del tensors[name]  # another stage's
+                continue
+            yield shard_layer(cfg, _layer_weights(cfg, i, tensors, take, fused, norm), rank, tp)
+
+    count = len(pipeline.layers) if pipeline is not None else cfg.num_layers
+    made = tqdm(layers(), total=count, desc=f"building {cfg.architecture} layers", unit="layer", leave=False)
+    model = LlamaModel(cfg, top, made, group, pipeline, quantize_layers)
+    tensors.clear()
+    return model
 
 
 def read_config(path: Path, fmt: str) -> ModelConfig:
@@ -495,13 +527,16 @@ def load_model(path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
     """Load a model from a GGUF file (``fmt="gguf"``) or an HF directory (``fmt="hf"``); with
     ``group``, that rank's shard, refused before any weight is kept where the model's shape does not
     split into ``group.size`` ranks at ``quantization`` (shared/model/parallel.py); with
-    ``pipeline``, its stage's layers."""
+    ``pipeline``, its stage's layers. A ``quantization`` of ``LAYERWISE_QUANTIZATIONS`` is applied to
+    each layer as it is made (the caller's ``model.quantize`` then does the LM head), so a GGUF file,
+    read tensor by tensor, never stands in memory as a whole float model."""
     load = load_gguf if fmt == "gguf" else load_hf_dir
     cfg, tensors = load(path, device, dtype)
+    layerwise = quantization if quantization in LAYERWISE_QUANTIZATIONS else None
     if group is None and pipeline is None:
-        return build_model(cfg, tensors, device, dtype)
+        return build_model(cfg, tensors, device, dtype, quantize_layers=layerwise)
     check_tensor_parallel(cfg, group.size if group is not None else 1, quantization)
-    model = build_model(cfg, tensors, device, dtype, group, pipeline)
+    model = build_model(cfg, tensors, device, dtype, group, pipeline, layerwise)
     _return_freed_memory()  # the whole tensors this rank read and cut are garbage now
     return model
 

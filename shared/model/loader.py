@@ -12,7 +12,6 @@ Progress bars go to stderr.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -371,9 +370,10 @@ def _from_stacked_experts(name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
-                dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read every tensor of the safetensors files of a Hugging Face directory, each converted to
-    ``dtype`` on ``device`` before the next is read."""
+                dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]]]:
+    """Every tensor of the safetensors files of a Hugging Face directory by the model's names, each a
+    function that reads it from its mapped file when called, converted to ``dtype`` on ``device`` (as
+    ``load_gguf``: a model being built reads one layer at a time)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -381,29 +381,37 @@ def load_hf_dir(path: Path, device: torch.device = torch.device("cpu"),
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
     family = FAMILIES[cfg.architecture]
-    with contextlib.ExitStack() as stack:
-        # every file open at once: an MXFP4 weight's blocks and scales may sit in different shards
-        opened = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
-        where = {name: st for st in opened for name in st.keys()}
-        for st in tqdm(opened, desc=f"loading {path.name}", unit="file", leave=False):
-            for hf_name in st.keys():
-                if hf_name.endswith("_scales") and hf_name.removesuffix("_scales") + "_blocks" in where:
-                    continue  # read with its blocks
-                packed = hf_name.endswith("_blocks")  # gpt-oss's MXFP4 experts: blocks, their scales beside
-                name = _canonical_hf_name(hf_name.removesuffix("_blocks") if packed else hf_name, family)
-                if name is not None and family.stacked_experts and ".experts_" in name:
-                    w = mxfp4_dequantize(st.get_tensor(hf_name), _scales_of(where, hf_name)) if packed else \
-                        st.get_tensor(hf_name)
-                    tensors[name] = _from_stacked_experts(name, w).to(device=device, dtype=dtype)
-                elif name is not None and not packed:
-                    tensors[name] = st.get_tensor(hf_name).to(device=device, dtype=dtype)
-                elif not hf_name.endswith("rotary_emb.inv_freq"):
-                    log.warning("ignoring unknown tensor %s", hf_name)
+    # every file open at once (the readers keep theirs): an MXFP4 weight's blocks and scales may sit in
+    # different shards
+    where = {name: st for st in (safe_open(str(f), framework="pt") for f in files) for name in st.keys()}
+    tensors: dict[str, Callable[[], torch.Tensor]] = {}
+    for hf_name, st in where.items():
+        if hf_name.endswith("_scales") and hf_name.removesuffix("_scales") + "_blocks" in where:
+            continue  # read with its blocks
+        packed = hf_name.endswith("_blocks")  # gpt-oss's MXFP4 experts: blocks, their scales beside
+        name = _canonical_hf_name(hf_name.removesuffix("_blocks") if packed else hf_name, family)
+        if name is not None and family.stacked_experts and ".experts_" in name:
+            tensors[name] = functools.partial(_read_stacked_experts, where, hf_name, name, packed, device, dtype)
+        elif name is not None and not packed:
+            tensors[name] = functools.partial(_read_hf_tensor, st, hf_name, device, dtype)
+        elif not hf_name.endswith("rotary_emb.inv_freq"):
+            log.warning("ignoring unknown tensor %s", hf_name)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head", None)
     return cfg, tensors
+
+
+def _read_hf_tensor(st, hf_name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return st.get_tensor(hf_name).to(device=device, dtype=dtype)
+
+
+def _read_stacked_experts(where: dict, hf_name: str, name: str, packed: bool, device: torch.device,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint's stacked experts (``Family.stacked_experts``) in MoeBlock's layout; MXFP4 ones decoded."""
+    st = where[hf_name]
+    w = mxfp4_dequantize(st.get_tensor(hf_name), _scales_of(where, hf_name)) if packed else st.get_tensor(hf_name)
+    return _from_stacked_experts(name, w).to(device=device, dtype=dtype)
 
 
 def _scales_of(where: dict, blocks_name: str) -> torch.Tensor:

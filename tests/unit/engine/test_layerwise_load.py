@@ -1,7 +1,7 @@
-"""A GGUF file loaded layer by layer: each tensor read from the mapped file when its layer is made, and
-with a method that needs no calibration run (gguf, int8-precise) each layer quantized before the next
-one's tensors are read, so a load never holds the whole model in float (a Q4_0 8B model would take 32 GB
-as float32). The model is the same as loading it whole in float and quantizing it afterwards."""
+"""A GGUF file or a Hugging Face directory loaded layer by layer: each tensor read from its mapped file
+when its layer is made, and with a method that needs no calibration run (gguf, int8-precise) each layer
+quantized before the next one's tensors are read, so a load never holds the whole model in float (a Q4_0
+8B model would take 32 GB as float32). The model is the same as one loaded whole and quantized after."""
 
 import pytest
 import torch
@@ -55,6 +55,32 @@ def test_each_layer_is_quantized_before_the_next_is_read(gguf, monkeypatch):
     assert len(layer_reads) == len({t.name for t in _gguf_tensors(gguf) if t.name.startswith("blk.")})  # once each
     with pytest.raises(ValueError, match="loaded as gguf, not int8"):
         model.quantize("int8")
+
+
+def test_a_directory_is_read_layer_by_layer_too(gguf, monkeypatch):
+    """A Hugging Face directory's tensors are read from its safetensors when their layer is made."""
+    hf_dir = gguf.parent / "hf"
+    events = []
+    read, quantize = loader._read_hf_tensor, llama.quantize_layer
+
+    def reading(st, hf_name, *args):
+        events.append(("read", int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else None))
+        return read(st, hf_name, *args)
+
+    def quantizing(layer, method, index, *args):
+        events.append(("quantized", index))
+        return quantize(layer, method, index, *args)
+
+    monkeypatch.setattr(loader, "_read_hf_tensor", reading)
+    monkeypatch.setattr(llama, "quantize_layer", quantizing)
+    model = load_model(hf_dir, "hf", torch.device("cpu"), torch.float32, quantization="int8-precise")
+    done = {i: n for n, (kind, i) in enumerate(events) if kind == "quantized"}
+    assert sorted(done) == list(range(len(model.layers)))
+    assert all(n > done[i - 1] for n, (kind, i) in enumerate(events) if kind == "read" and i), events
+    whole = load_model(hf_dir, "hf", torch.device("cpu"), torch.float32)
+    whole.quantize("int8-precise")
+    model.quantize("int8-precise")
+    torch.testing.assert_close(model.prefill_logits(PROMPT), whole.prefill_logits(PROMPT), rtol=0, atol=0)
 
 
 def _eager(path):

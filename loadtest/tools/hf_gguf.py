@@ -3,7 +3,8 @@ llama.cpp's converter (convert_hf_to_gguf.py) writes them: gguf-py's tensor-name
 keys; q/k rows permuted for the families its LlamaModel converts (Llama, Granite, SmolLM3, Mixtral);
 Gemma's norm weights stored as 1 + w; each layer's experts stacked into one tensor per projection.
 The tests check a family's GGUF path against its Hugging Face path with it, and a model made here
-serves like a converted one. A model whose file would lose something llama.cpp assumes instead of
+serves like a converted one; loadtest.tools.synth_model writes its random-weight family shapes with
+the same names and keys. A model whose file would lose something llama.cpp assumes instead of
 reading (Gemma's softmax scale, which layers are windowed or rotate without rotary, Qwen3-MoE's
 renormalisation) is refused rather than written as another model.
 
@@ -35,14 +36,9 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
 
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     model_type = cfg["model_type"]
-    if model_type not in ARCHS:
-        raise ValueError(f"{model_type!r}: only {', '.join(ARCHS)} are written")
-    if reason := _unstated(cfg):
-        raise ValueError(f"{model_type}: {reason}, which a GGUF file does not state (llama.cpp assumes otherwise)")
-    arch_name, permuted = ARCHS[model_type]
-    arch = getattr(gguf.MODEL_ARCH, arch_name)
+    arch, permuted = gguf_arch(cfg)
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    _write_metadata(writer, cfg)
+    write_metadata(writer, cfg)
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     tensors = {}
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
@@ -57,10 +53,7 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             value = _permute(value, kv_heads)
         if model_type in _GEMMAS and hf_name.endswith("norm.weight"):
             value = value + np.float32(1.0)  # Gemma's RMSNorm scales by 1 + w: the converter stores 1 + w
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ValueError(f"no GGUF name for {hf_name} in {model_type}")
-        writer.add_tensor(gguf_name, np.ascontiguousarray(value))
+        writer.add_tensor(gguf_tensor_name(names, hf_name, model_type), np.ascontiguousarray(value))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -68,7 +61,29 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     return out
 
 
-def _write_metadata(writer, cfg: dict) -> None:
+def gguf_arch(cfg: dict) -> tuple[object, bool]:
+    """gguf-py's MODEL_ARCH for a config.json, and whether the converter permutes its q/k rows; a family
+    Tandem does not write, or a model its file would misstate (``unstated``), raises ValueError."""
+    import gguf
+
+    model_type = cfg["model_type"]
+    if model_type not in ARCHS:
+        raise ValueError(f"{model_type!r}: only {', '.join(ARCHS)} are written")
+    if reason := unstated(cfg):
+        raise ValueError(f"{model_type}: {reason}, which a GGUF file does not state (llama.cpp assumes otherwise)")
+    arch_name, permuted = ARCHS[model_type]
+    return getattr(gguf.MODEL_ARCH, arch_name), permuted
+
+
+def gguf_tensor_name(names, hf_name: str, model_type: str) -> str:
+    """``hf_name``'s GGUF name in gguf-py's map ``names`` (``gguf.get_tensor_name_map``)."""
+    gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if gguf_name is None:
+        raise ValueError(f"no GGUF name for {hf_name} in {model_type}")
+    return gguf_name
+
+
+def write_metadata(writer, cfg: dict) -> None:
     """The keys the converter's TextModel writes, and each family's own."""
     import gguf
 
@@ -113,7 +128,7 @@ def _write_metadata(writer, cfg: dict) -> None:
         writer.add_sliding_window(cfg["sliding_window"])
 
 
-def _unstated(cfg: dict) -> str | None:
+def unstated(cfg: dict) -> str | None:
     """What of the model a converted file would lose: llama.cpp takes Gemma's softmax scale from the
     head size, Gemma 2's windowed layers as every other one, Gemma 3's as all but every 6th (rotating
     with base 1e4), SmolLM3's layers without rotary as every 4th, and renormalises Qwen3-MoE's experts

@@ -13,12 +13,25 @@ SmolLM2-135M GGUF that ``tandem model fetch`` caches, 49152 tokens), so the embe
 are smaller than Llama 3's (128256 tokens): llama-1b has 1.07B parameters, llama-8b 7.38B. No
 Llama-3 rope scaling is written (context 8192, like Llama-3-8B's).
 
-Weights are normal with std 0.02 (norms at 1), so activations stay in the range of a trained
-model's and a forward pass neither overflows nor collapses; the text they generate is noise.
+Other families, GGUF only, with llama.cpp's architecture, tensor names and metadata keys (as
+loadtest.tools.hf_gguf writes them; the vocabulary again the tokenizer's): ``qwen3-1.7b`` Qwen3-1.7B
+(hidden 2048, 28 layers, 16 heads and 8 KV heads of 128, intermediate 6144, q/k norms, tied; 1.51B
+parameters), ``gemma3-1b`` Gemma-3-1B (1152, 26 layers, 4 heads and 1 KV head of 256, intermediate 6912,
+GELU, windows of 512 in all but every 6th layer, no soft-capping, tied; 0.75B), ``olmo2-1b``
+OLMo-2-0425-1B (2048, 16 layers, 16/16 heads, 8192, norms after each sublayer, untied; 1.28B),
+``granite-2b`` Granite-3.1-2B (2048, 40 layers, 32/8 heads, 8192, its embedding, residual, attention
+and logits multipliers, tied; 2.53B), and ``qwen3-moe-a1b``, a mixture of experts with Qwen3-30B-A3B's
+layer (2048, 32/4 heads of 128, experts 768 wide, 8 per token) at a third of its depth (16 layers) and
+a quarter of its experts (32): 2.92B parameters, 1.11B of them active per token. ``--tiny`` writes a
+family's shape at test size.
 
-Formats (``--format``): ``gguf-q8_0``, ``gguf-q4_0`` (2-D weights quantized with ``gguf.quants``,
-norms in F32, as llama.cpp's converter leaves them), ``gguf-f16``, and ``hf`` (a directory:
-config.json, bfloat16 safetensors in shards of at most 2 GiB with their index, tokenizer.json and
+Weights are normal with std 0.02 (norms at 1), so activations stay in the range of a trained
+model's and a forward pass neither overflows nor collapses (every family's norms scale by 1: Gemma's
+GGUF stores 1 + w); the text they generate is noise.
+
+Formats (``--format``): ``gguf-q8_0``, ``gguf-q4_0`` (2-D weights and stacked experts quantized with
+``gguf.quants``, norms and a router in F32, as llama.cpp's converter leaves them), ``gguf-f16``, and
+``hf`` (a directory: config.json, bfloat16 safetensors in shards of at most 2 GiB with their index, tokenizer.json and
 tokenizer_config.json). The same ``--seed`` gives the same model in every format: Q and K are
 written in llama.cpp's row order in a GGUF and in Hugging Face's in the directory.
 
@@ -86,6 +99,39 @@ SHAPES = {
 }
 FORMATS = ("gguf-q8_0", "gguf-q4_0", "gguf-f16", "hf")
 
+# Other families, as their config.json states them (the keys loadtest.tools.hf_gguf writes into a GGUF);
+# ``vocab_size`` comes from the tokenizer GGUF. Written as GGUF only.
+FAMILY_SHAPES: dict[str, dict] = {
+    # Qwen3-1.7B: q/k RMSNorm over each head, head size 128 (not hidden / heads)
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True),
+    # Gemma-3-1B: 1 KV head of 256, all but every 6th layer windowed (512), GELU, norms after each sublayer too
+    "gemma3-1b": dict(model_type="gemma3_text", hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, intermediate_size=6912, rope_theta=1000000.0,
+                      rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=512,
+                      query_pre_attn_scalar=256, tie_word_embeddings=True),
+    # OLMo-2-0425-1B: norms after attention and the MLP instead of before, q/k RMSNorm over all heads
+    "olmo2-1b": dict(model_type="olmo2", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                     num_key_value_heads=16, intermediate_size=8192, rope_theta=500000.0, rms_norm_eps=1e-6,
+                     max_position_embeddings=4096, tie_word_embeddings=False),
+    # Granite-3.1-2B (the smallest dense Granite 3): embedding, residual, attention and logits multipliers
+    "granite-2b": dict(model_type="granite", hidden_size=2048, num_hidden_layers=40, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=8192, rope_theta=5000000.0, rms_norm_eps=1e-5,
+                       max_position_embeddings=131072, tie_word_embeddings=True, embedding_multiplier=12.0,
+                       residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0),
+    # Qwen3-30B-A3B's layer (hidden 2048, 32 heads and 4 KV heads of 128, experts 768 wide, 8 of them per
+    # token, renormalised) at a third of its depth (16 layers) and a quarter of its experts (32)
+    "qwen3-moe-a1b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=32, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False),
+}
+# a family's shape at test size (``scaled_down``): whichever of these keys the family has
+TINY_FAMILY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                   moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, sliding_window=8,
+                   query_pre_attn_scalar=16, max_position_embeddings=512)
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -93,6 +139,7 @@ class TensorSpec:
     gguf_name: str
     shape: tuple[int, ...]  # HF orientation: [out_features, in_features]
     qk_heads: int = 0  # Q or K weight: its head count (llama.cpp permutes its rows)
+    keep_f32: bool = False  # written in float32 whatever the format (a router, as the converter keeps it)
 
     @property
     def numel(self) -> int:
@@ -124,8 +171,79 @@ def tensor_plan(shape: Shape, vocab_size: int) -> list[TensorSpec]:
     return plan
 
 
+def scaled_down(cfg: dict) -> dict:
+    """A family's config at test size: hidden 64, 4 heads of 16 (its KV heads cut to 4 where every head
+    has its own, else to at most 2), 8 experts of 32 (2 per token), a window of 8; 2 layers, or 6 for
+    Gemma 3 so that its 6th layer is the global one."""
+    small = cfg | {key: value for key, value in TINY_FAMILY.items() if key in cfg}
+    kv_heads = cfg["num_key_value_heads"]
+    small["num_key_value_heads"] = 4 if kv_heads == cfg["num_attention_heads"] else min(kv_heads, 2)
+    small["num_hidden_layers"] = 6 if cfg["model_type"] == "gemma3_text" else 2
+    return small
+
+
+def family_config(shape_name: str, vocab_size: int, tiny: bool = False) -> dict:
+    """``FAMILY_SHAPES[shape_name]`` with the tokenizer's vocabulary, at test size if ``tiny``."""
+    cfg = FAMILY_SHAPES[shape_name] | {"vocab_size": vocab_size}
+    return scaled_down(cfg) if tiny else cfg
+
+
+# a decoder layer's norms where they are not Llama's (before attention, before the MLP)
+_LAYER_NORMS = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                "post_feedforward_layernorm")}
+
+
+def _family_layer(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name after ``model.layers.<i>.``, shape) of a family's decoder layer: OLMo 2 has no norm
+    before attention and the MLP, Gemma 3 norms both before and after each, OLMo 2 norms all of q and of
+    k, Qwen3 and Gemma 3 each head; Qwen3-MoE's experts are stacked [E, out, in] as the converter does."""
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, model_type = cfg.get("head_dim") or h // heads, cfg["model_type"]
+    norms = _LAYER_NORMS.get(model_type, ("input_layernorm", "post_attention_layernorm"))
+    layer = [(f"{name}.weight", (h,)) for name in norms]
+    layer += [("self_attn.q_proj.weight", (heads * d, h)), ("self_attn.k_proj.weight", (kv * d, h)),
+              ("self_attn.v_proj.weight", (kv * d, h)), ("self_attn.o_proj.weight", (h, heads * d))]
+    if model_type == "olmo2":
+        layer += [("self_attn.q_norm.weight", (heads * d,)), ("self_attn.k_norm.weight", (kv * d,))]
+    elif model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+        layer += [("self_attn.q_norm.weight", (d,)), ("self_attn.k_norm.weight", (d,))]
+    if experts := cfg.get("num_experts"):
+        width = cfg["moe_intermediate_size"]
+        return layer + [("mlp.gate.weight", (experts, h)), ("mlp.experts.gate_proj.weight", (experts, width, h)),
+                        ("mlp.experts.up_proj.weight", (experts, width, h)),
+                        ("mlp.experts.down_proj.weight", (experts, h, width))]
+    width = cfg["intermediate_size"]
+    return layer + [("mlp.gate_proj.weight", (width, h)), ("mlp.up_proj.weight", (width, h)),
+                    ("mlp.down_proj.weight", (h, width))]
+
+
+def family_plan(cfg: dict) -> list[TensorSpec]:
+    """Every tensor of a family's model with its GGUF name from gguf-py's map (as llama.cpp's converter
+    names it), q/k marked for permuting where the converter permutes them (Granite), a router in float32."""
+    import gguf
+
+    from loadtest.tools import hf_gguf
+
+    arch, permuted = hf_gguf.gguf_arch(cfg)
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    h, vocab, model_type = cfg["hidden_size"], cfg["vocab_size"], cfg["model_type"]
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    hf = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(cfg["num_hidden_layers"]):
+        hf += [(f"model.layers.{i}.{name}", shape) for name, shape in _family_layer(cfg)]
+    hf.append(("model.norm.weight", (h,)))
+    if not cfg["tie_word_embeddings"]:
+        hf.append(("lm_head.weight", (vocab, h)))
+    return [TensorSpec(name, hf_gguf.gguf_tensor_name(names, name, model_type), shape,
+                       qk_heads=heads.get(name.split(".")[-2], 0) if permuted else 0,
+                       keep_f32=name.endswith("mlp.gate.weight"))
+            for name, shape in hf]
+
+
 def random_weights(plan: list[TensorSpec], seed: int) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """Each tensor of ``plan`` in turn, float32 in HF orientation: norms 1, the rest N(0, 0.02²).
+    """Each tensor of ``plan`` in turn, float32 in HF orientation: norms 1 (Gemma's too: its GGUF stores
+    1 + w, the HF weight w being 0 at initialisation), the rest N(0, 0.02²).
     One generator in plan order, so a seed gives the same model whatever the output format."""
     gen = torch.Generator().manual_seed(seed)
     for spec in plan:
@@ -179,26 +297,33 @@ def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def encode_gguf(w: np.ndarray, qtype) -> np.ndarray:
-    """A float32 [rows, cols] array as the bytes of ``qtype`` (F16, or a block quantization done
-    a few rows at a time so its numpy temporaries stay small); 1-D tensors stay float32."""
+    """A float32 [rows, cols] (or [experts, rows, cols]) array as the bytes of ``qtype`` (F16, or a
+    block quantization done a few rows at a time so its numpy temporaries stay small); 1-D tensors,
+    and any with ``qtype`` None, stay float32."""
     from gguf import GGMLQuantizationType, quants
 
-    if w.ndim == 1:
+    if w.ndim == 1 or qtype is None:
         return w
     if qtype == GGMLQuantizationType.F16:
         return w.astype(np.float16)
-    out = np.empty(quants.quant_shape_to_byte_shape(w.shape, qtype), dtype=np.uint8)
-    step = max(1, QUANT_CHUNK_ELEMENTS // w.shape[1])
-    for start in range(0, w.shape[0], step):
-        out[start:start + step] = quants.quantize(w[start:start + step], qtype)
-    return out
+    rows = w.reshape(-1, w.shape[-1])
+    out = np.empty(quants.quant_shape_to_byte_shape(rows.shape, qtype), dtype=np.uint8)
+    step = max(1, QUANT_CHUNK_ELEMENTS // rows.shape[1])
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = quants.quantize(rows[start:start + step], qtype)
+    return out.reshape(quants.quant_shape_to_byte_shape(w.shape, qtype))
+
+
+def _spec_qtype(spec: TensorSpec, qtype):
+    """``qtype`` for a tensor ``encode_gguf`` encodes, None for one it leaves float32."""
+    return None if len(spec.shape) == 1 or spec.keep_f32 else qtype
 
 
 def _encoded_info(spec: TensorSpec, qtype) -> tuple[tuple[int, ...], np.dtype, int, object]:
     """(shape, numpy dtype, bytes, raw GGML type) of a tensor as ``encode_gguf`` will produce it."""
     from gguf import GGMLQuantizationType, quants
 
-    if len(spec.shape) == 1:
+    if _spec_qtype(spec, qtype) is None:
         return spec.shape, np.dtype(np.float32), 4 * spec.numel, None
     if qtype == GGMLQuantizationType.F16:
         return spec.shape, np.dtype(np.float16), 2 * spec.numel, None
@@ -206,10 +331,7 @@ def _encoded_info(spec: TensorSpec, qtype) -> tuple[tuple[int, ...], np.dtype, i
     return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype
 
 
-def _add_metadata(writer, shape: Shape, shape_name: str, vocab_size: int, file_type, fields) -> None:
-    from gguf import GGUFValueType
-
-    writer.add_name(f"tandem synthetic {shape_name}")
+def _add_metadata(writer, shape: Shape, vocab_size: int) -> None:
     writer.add_block_count(shape.num_layers)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.hidden_size)
@@ -220,6 +342,12 @@ def _add_metadata(writer, shape: Shape, shape_name: str, vocab_size: int, file_t
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(vocab_size)
     writer.add_rope_dimension_count(shape.head_dim)
+
+
+def _add_file_metadata(writer, file_type, fields) -> None:
+    """The file type, quantization version and the tokenizer's ``fields`` (``tokenizer_fields``)."""
+    from gguf import GGUFValueType
+
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(2)
     for key, value, types in fields:
@@ -229,15 +357,33 @@ def _add_metadata(writer, shape: Shape, shape_name: str, vocab_size: int, file_t
             writer.add_key_value(key, value, types[0])
 
 
-def write_gguf(out: Path, shape_name: str, fmt: str, tok_path: Path, seed: int) -> None:
-    """Header, metadata and tensor index first (from the plan), then each tensor as it is made."""
-    from gguf import GGUFWriter
+def _gguf_model(out: Path, shape_name: str, vocab_size: int, tiny: bool):
+    """A GGUFWriter for ``out`` with the model's metadata, and the model's tensor plan: a Llama shape
+    (``SHAPES``) or a family's (``FAMILY_SHAPES``, its keys written as loadtest.tools.hf_gguf writes them)."""
+    import gguf
 
-    shape, fields = SHAPES[shape_name], tokenizer_fields(tok_path)
+    from loadtest.tools import hf_gguf
+
+    if shape_name in SHAPES:
+        shape = SHAPES[shape_name]
+        writer = gguf.GGUFWriter(out, "llama")
+        writer.add_name(f"tandem synthetic {shape_name}")
+        _add_metadata(writer, shape, vocab_size)
+        return writer, tensor_plan(shape, vocab_size)
+    cfg = family_config(shape_name, vocab_size, tiny)
+    arch, _ = hf_gguf.gguf_arch(cfg)
+    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(f"tandem synthetic {shape_name}{' tiny' if tiny else ''}")
+    hf_gguf.write_metadata(writer, cfg)
+    return writer, family_plan(cfg)
+
+
+def write_gguf(out: Path, shape_name: str, fmt: str, tok_path: Path, seed: int, tiny: bool = False) -> None:
+    """Header, metadata and tensor index first (from the plan), then each tensor as it is made."""
+    fields = tokenizer_fields(tok_path)
     qtype, file_type = _gguf_qtype(fmt)
-    plan = tensor_plan(shape, _vocab_size(fields))
-    writer = GGUFWriter(out, "llama")
-    _add_metadata(writer, shape, shape_name, _vocab_size(fields), file_type, fields)
+    writer, plan = _gguf_model(out, shape_name, _vocab_size(fields), tiny)
+    _add_file_metadata(writer, file_type, fields)
     for spec in plan:
         enc_shape, enc_dtype, nbytes, raw = _encoded_info(spec, qtype)
         writer.add_tensor_info(spec.gguf_name, enc_shape, enc_dtype, nbytes, raw_dtype=raw)
@@ -248,7 +394,7 @@ def write_gguf(out: Path, shape_name: str, fmt: str, tok_path: Path, seed: int) 
         for spec, w in random_weights(plan, seed):
             if spec.qk_heads:
                 w = permute_qk(w, spec.qk_heads)
-            writer.write_tensor_data(encode_gguf(w.numpy(), qtype))
+            writer.write_tensor_data(encode_gguf(w.numpy(), _spec_qtype(spec, qtype)))
             del w
             bar.update(spec.numel)
     writer.close()
@@ -324,19 +470,26 @@ def write_hf(out: Path, shape_name: str, tok_path: Path, seed: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_model(out: Path, shape_name: str, fmt: str, tokenizer_from: str = "smollm2-135m", seed: int = 0) -> None:
+def write_model(out: Path, shape_name: str, fmt: str, tokenizer_from: str = "smollm2-135m", seed: int = 0,
+                tiny: bool = False) -> None:
+    """``out`` in ``fmt``; ``tiny``: a family's shape at test size (``scaled_down``)."""
+    if shape_name in FAMILY_SHAPES and fmt == "hf":
+        raise SystemExit(f"--shape {shape_name}: the families are written as GGUF only")
+    if tiny and shape_name not in FAMILY_SHAPES:
+        raise SystemExit(f"--tiny scales a family's shape down, not {shape_name} (see the 'tiny' shape)")
     tok_path = tokenizer_gguf(tokenizer_from)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         write_hf(Path(out), shape_name, tok_path, seed)
     else:
-        write_gguf(Path(out), shape_name, fmt, tok_path, seed)
+        write_gguf(Path(out), shape_name, fmt, tok_path, seed, tiny)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m loadtest.tools.synth_model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="model shape (see above)")
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES) + sorted(FAMILY_SHAPES),
+                   help="model shape (see above)")
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="a .gguf file with 2-D weights in Q8_0, Q4_0 or F16, or a Hugging Face directory (hf)")
     p.add_argument("--out", required=True, type=Path, help="the .gguf file, or the directory for --format hf")
@@ -345,6 +498,8 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer-from", default="smollm2-135m",
                    help="GGUF file (or model alias) whose tokenizer.* metadata is copied; its vocabulary "
                         "sets the embedding size (default smollm2-135m, fetched into the cache if needed)")
+    p.add_argument("--tiny", action="store_true", help="a family's shape at test size: hidden 64, 2 layers "
+                                                        "(Gemma 3: 6), 4 heads of 16, 8 experts of 32")
     return p.parse_args(argv)
 
 
@@ -352,7 +507,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.format != "hf" and args.out.suffix != ".gguf":
         raise SystemExit(f"--out {args.out}: a GGUF output path must end in .gguf")
-    write_model(args.out, args.shape, args.format, args.tokenizer_from, args.seed)
+    write_model(args.out, args.shape, args.format, args.tokenizer_from, args.seed, args.tiny)
     print(args.out)
     return 0
 

@@ -34,19 +34,8 @@ def test_layer_by_layer_is_the_model_quantized_afterwards(gguf, method):
 
 
 def test_each_layer_is_quantized_before_the_next_is_read(gguf, monkeypatch):
-    events = []
-    read, quantize = loader._read_gguf_tensor, llama.quantize_layer
-
-    def reading(tensor, *args):
-        events.append(("read", int(tensor.name.split(".")[1]) if tensor.name.startswith("blk.") else None))
-        return read(tensor, *args)
-
-    def quantizing(layer, method, index, *args):
-        events.append(("quantized", index))
-        return quantize(layer, method, index, *args)
-
-    monkeypatch.setattr(loader, "_read_gguf_tensor", reading)
-    monkeypatch.setattr(llama, "quantize_layer", quantizing)
+    events = record_load(monkeypatch, "_read_gguf_tensor",
+                         lambda tensor, *_: int(tensor.name.split(".")[1]) if tensor.name.startswith("blk.") else None)
     model = load_model(gguf, "gguf", torch.device("cpu"), torch.float32, quantization="gguf")
     layer_reads = [(i, n) for n, (kind, i) in enumerate(events) if kind == "read" and i is not None]
     done = {i: n for n, (kind, i) in enumerate(events) if kind == "quantized"}
@@ -60,19 +49,8 @@ def test_each_layer_is_quantized_before_the_next_is_read(gguf, monkeypatch):
 def test_a_directory_is_read_layer_by_layer_too(gguf, monkeypatch):
     """A Hugging Face directory's tensors are read from its safetensors when their layer is made."""
     hf_dir = gguf.parent / "hf"
-    events = []
-    read, quantize = loader._read_hf_tensor, llama.quantize_layer
-
-    def reading(st, hf_name, *args):
-        events.append(("read", int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else None))
-        return read(st, hf_name, *args)
-
-    def quantizing(layer, method, index, *args):
-        events.append(("quantized", index))
-        return quantize(layer, method, index, *args)
-
-    monkeypatch.setattr(loader, "_read_hf_tensor", reading)
-    monkeypatch.setattr(llama, "quantize_layer", quantizing)
+    events = record_load(monkeypatch, "_read_hf_tensor",
+                         lambda _, name, *__: int(name.split(".")[2]) if name.startswith("model.layers.") else None)
     model = load_model(hf_dir, "hf", torch.device("cpu"), torch.float32, quantization="int8-precise")
     done = {i: n for n, (kind, i) in enumerate(events) if kind == "quantized"}
     assert sorted(done) == list(range(len(model.layers)))
@@ -81,6 +59,25 @@ def test_a_directory_is_read_layer_by_layer_too(gguf, monkeypatch):
     whole.quantize("int8-precise")
     model.quantize("int8-precise")
     torch.testing.assert_close(model.prefill_logits(PROMPT), whole.prefill_logits(PROMPT), rtol=0, atol=0)
+
+
+def record_load(monkeypatch, reader: str, layer_of) -> list[tuple[str, int | None]]:
+    """The load's events in order: ("read", the layer ``layer_of(*reader's args)`` names, or None) for each
+    call of the loader's ``reader``, ("quantized", i) as layer i is quantized."""
+    events = []
+    read, quantize = getattr(loader, reader), llama.quantize_layer
+
+    def reading(*args):
+        events.append(("read", layer_of(*args)))
+        return read(*args)
+
+    def quantizing(layer, method, index, *args):
+        events.append(("quantized", index))
+        return quantize(layer, method, index, *args)
+
+    monkeypatch.setattr(loader, reader, reading)
+    monkeypatch.setattr(llama, "quantize_layer", quantizing)
+    return events
 
 
 def _eager(path):
